@@ -1,0 +1,154 @@
+"""Plain PyTorch reference for every wsattn operation.
+
+Runs on any device (CPU included) with no optional dependency and never imports a
+kernel. Every function computes in ``compute_dtype`` (float64 by default, which is
+what the tests compare against) and returns tensors of that dtype.
+
+Conventions shared with the kernels:
+
+* ``sm_scale`` defaults to ``1 / sqrt(D)``.
+* LSE is the natural log of ``sum_j exp(sm_scale * q . k_j)`` over the keys a query
+  sees, in float32 in the kernels (``compute_dtype`` here).
+* Causal masking is aligned bottom-right: with ``q_len <= kv_len`` query ``i`` sits at
+  key position ``i + kv_len - q_len`` and sees keys ``j <= i + kv_len - q_len``
+  (chunked prefill over a cached prefix).
+* A query that sees no key (an empty KV shard) has output 0 and LSE ``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "decode",
+    "merge_states",
+    "gather_paged_kv",
+]
+
+
+def _scale(sm_scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+def _attend(q, k, v, sm_scale, causal, q_pos=None, kv_len=None):
+    """Core of every reference: one sequence.
+
+    q [Sq, Hq, D], k/v [Sk, Hkv, D]; q_pos [Sq] are the key positions the queries
+    sit at (for the causal mask); kv_len limits the keys seen (default all).
+    Returns out [Sq, Hq, D], lse [Hq, Sq].
+    """
+    Sq, Hq, D = q.shape
+    Sk, Hkv, Dv = v.shape
+    if kv_len is not None:
+        k, v, Sk = k[:kv_len], v[:kv_len], kv_len
+    group = Hq // Hkv
+    k = k.repeat_interleave(group, dim=1)  # [Sk, Hq, D]
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * sm_scale  # [Hq, Sq, Sk]
+    if causal:
+        if q_pos is None:
+            q_pos = torch.arange(Sq, device=q.device) + (Sk - Sq)
+        k_pos = torch.arange(Sk, device=q.device)
+        s = s.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hq, Sq]; -inf where a row sees nothing
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("hqk,khd->qhd", p, v)  # rows with no key stay 0
+    return out, lse
+
+
+def attention(q, k, v, causal=False, sm_scale=None, *, compute_dtype=torch.float64):
+    """Reference prefill attention.
+
+    q [B, Sq, Hq, D]; k, v [B, Sk, Hkv, D] with Hq % Hkv == 0 and Sq <= Sk when
+    causal (bottom-right aligned). Returns (out [B, Sq, Hq, D], lse [B, Hq, Sq]).
+    """
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    scale = _scale(sm_scale, q.shape[-1])
+    outs, lses = zip(*(_attend(q[b], k[b], v[b], scale, causal) for b in range(q.shape[0])))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, sm_scale=None,
+                     *, compute_dtype=torch.float64):
+    """Reference variable-length prefill over packed sequences.
+
+    q [Tq, Hq, D], k/v [Tk, Hkv, D]; sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
+    of q and cu_seqlens_k[i]:cu_seqlens_k[i+1] of k/v. Returns (out [Tq, Hq, D],
+    lse [Hq, Tq]).
+    """
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    scale = _scale(sm_scale, q.shape[-1])
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    out = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=compute_dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=compute_dtype, device=q.device)
+    for i in range(len(cq) - 1):
+        if cq[i + 1] == cq[i]:
+            continue
+        o, l = _attend(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], scale, causal)
+        out[cq[i]:cq[i + 1]] = o
+        lse[:, cq[i]:cq[i + 1]] = l
+    return out, lse
+
+
+def gather_paged_kv(cache, block_table, seqlen_max):
+    """Gather a paged cache [num_pages, page_size, Hkv, D] through block_table [B, P]
+    into a contiguous [B, seqlen_max, Hkv, D] (rows past a sequence's length are junk
+    the caller must not read)."""
+    page = cache.shape[1]
+    n_pages = -(-seqlen_max // page)
+    pages = cache[block_table[:, :n_pages].long()]  # [B, n_pages, page, Hkv, D]
+    return pages.flatten(1, 2)[:, :seqlen_max]
+
+
+def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale=None,
+           *, compute_dtype=torch.float64):
+    """Reference decode attention (one or a few new query tokens per sequence).
+
+    q [B, Hq, D] (one token) or [B, T, Hq, D] (T tokens, e.g. speculative decoding);
+    k_cache/v_cache contiguous [B, L_max, Hkv, D] or paged [num_pages, page_size, Hkv, D]
+    with block_table [B, max_pages]; seqlens [B] counts the keys of each sequence,
+    the T new tokens included, so token t sees keys j <= seqlens[b] - T + t.
+    Returns (out shaped like q, lse [B, Hq] or [B, T, Hq]).
+    """
+    single = q.dim() == 3
+    q4 = q.unsqueeze(1) if single else q
+    B, T, Hq, D = q4.shape
+    lens = [int(x) for x in seqlens.tolist()]
+    if block_table is not None:
+        k_cache = gather_paged_kv(k_cache, block_table, max(max(lens), 1))
+        v_cache = gather_paged_kv(v_cache, block_table, max(max(lens), 1))
+    q4, kc, vc = (t.to(compute_dtype) for t in (q4, k_cache, v_cache))
+    scale = _scale(sm_scale, D)
+    outs, lses = [], []
+    for b in range(B):
+        q_pos = torch.arange(T, device=q.device) + (lens[b] - T)
+        o, l = _attend(q4[b], kc[b], vc[b], scale, True, q_pos=q_pos, kv_len=lens[b])
+        outs.append(o)
+        lses.append(l.transpose(0, 1))  # [T, Hq]
+    out, lse = torch.stack(outs), torch.stack(lses)
+    return (out[:, 0], lse[:, 0]) if single else (out, lse)
+
+
+def merge_states(outputs, lses, *, compute_dtype=torch.float64):
+    """Merge P partial attention states over disjoint key sets, in order p = 0..P-1.
+
+    outputs [P, ..., D] (each normalized by its own softmax denominator), lses [P, ...].
+    Returns (out [..., D], lse [...]):
+    lse = m + ln(sum_p exp(lse_p - m)), out = sum_p exp(lse_p - lse) * out_p.
+    A part with lse = -inf contributes nothing; if every part is empty the result is
+    (0, -inf), never NaN.
+    """
+    o = outputs.to(compute_dtype)
+    s = lses.to(compute_dtype)
+    m = s.max(dim=0).values
+    m_safe = torch.where(torch.isinf(m), 0.0, m)
+    w = torch.exp(s - m_safe)  # exp(-inf) = 0 for empty parts
+    total = w.sum(dim=0)
+    lse = m_safe + torch.log(total)  # log(0) = -inf when all parts are empty
+    scale = torch.where(total > 0, w / torch.where(total > 0, total, 1.0), 0.0)
+    out = (scale[..., None] * o).sum(dim=0)
+    return out, lse

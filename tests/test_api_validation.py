@@ -1,0 +1,92 @@
+"""Bad input is refused by the public API with an error naming the argument, before
+any kernel runs (these run with impl="triton" on CPU tensors, where a kernel launch
+outside the interpreter would itself fail, so an error from validation is the only pass)."""
+
+import math
+import re
+
+import pytest
+import torch
+
+import wsattn
+from wsattn.target import interpreting
+
+
+def _qkv(B=1, Sq=8, Sk=8, Hq=4, Hkv=2, D=64, dtype=torch.float16):
+    return (torch.randn(B, Sq, Hq, D, dtype=dtype), torch.randn(B, Sk, Hkv, D, dtype=dtype),
+            torch.randn(B, Sk, Hkv, D, dtype=dtype))
+
+
+def _raises(exc, match, fn, *a, **kw):
+    with pytest.raises(exc, match=match):
+        fn(*a, **kw)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_attention_bad_shapes(impl):
+    q, k, v = _qkv()
+    _raises(ValueError, r"q must be 4-D", wsattn.attention, q[0], k, v, impl=impl)
+    _raises(ValueError, r"multiple of the number of KV heads", wsattn.attention,
+            q, *_qkv(Hkv=3)[1:], impl=impl)
+    _raises(ValueError, r"k and v must have the same shape", wsattn.attention, q, k, v[:, :4], impl=impl)
+    _raises(ValueError, r"q_len <= kv_len", wsattn.attention, *_qkv(Sq=9, Sk=8), causal=True, impl=impl)
+    _raises(TypeError, r"dtype", wsattn.attention, q, k.float(), v, impl=impl)
+    _raises(ValueError, r"contiguous last dimension", wsattn.attention,
+            q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, impl=impl)
+    _raises(ValueError, r"sm_scale", wsattn.attention, q, k, v, sm_scale=-1.0, impl=impl)
+    _raises(TypeError, r"q must be a torch.Tensor", wsattn.attention, q.numpy(), k, v, impl=impl)
+
+
+def test_kernel_only_checks():
+    q, k, v = _qkv(D=48)
+    _raises(ValueError, r"head dim .* one of \(64, 128, 256\)", wsattn.attention, q, k, v, impl="triton")
+    q, k, v = _qkv(dtype=torch.float64)
+    _raises(TypeError, r"q dtype must be one of", wsattn.attention, q, k, v, impl="triton")
+    _raises(ValueError, r"impl must be one of", wsattn.attention, *_qkv(), impl="cuda")
+
+
+@pytest.mark.skipif(interpreting(), reason="checks the message given when the interpreter is off")
+def test_cpu_tensor_with_triton_outside_interpreter():
+    _raises(ValueError, r"TRITON_INTERPRET=1", wsattn.attention, *_qkv(), impl="triton")
+
+
+def test_gluon_refused_off_sm90():
+    cc = "cpu" if not torch.cuda.is_available() else "sm_%d%d" % torch.cuda.get_device_capability()
+    if cc == "sm_90":
+        pytest.skip("this machine is sm_90, where impl='gluon' runs")
+    _raises(ValueError, re.escape(cc), wsattn.attention, *_qkv(), impl="gluon")
+
+
+def test_varlen_bad_cu_seqlens():
+    q, k, v = (torch.randn(10, 4, 64, dtype=torch.float16) for _ in range(3))
+    good = torch.tensor([0, 3, 10], dtype=torch.int32)
+    f = wsattn.attention_varlen
+    _raises(TypeError, r"cu_seqlens_q must be int32", f, q, k, v, good.long(), good, impl="triton")
+    _raises(ValueError, r"cu_seqlens_k must be non-decreasing", f, q, k, v, good,
+            torch.tensor([0, 7, 3], dtype=torch.int32), impl="triton")
+    _raises(ValueError, r"cu_seqlens_q\[-1\] must equal the number of packed tokens \(10\)", f,
+            q, k, v, torch.tensor([0, 3, 9], dtype=torch.int32), good, impl="triton")
+    _raises(ValueError, r"cu_seqlens_q\[0\] must be 0", f, q, k, v,
+            torch.tensor([1, 3, 10], dtype=torch.int32), good, impl="triton")
+    _raises(ValueError, r"same length", f, q, k, v, good, torch.tensor([0, 10], dtype=torch.int32),
+            impl="triton")
+    _raises(ValueError, r"sequence 0 has q_len 5 > kv_len 3", f, q, k, v,
+            torch.tensor([0, 5, 10], dtype=torch.int32), good, causal=True, impl="triton")
+    _raises(ValueError, r"max_seqlen_q=2 is shorter", f, q, k, v, good, good, max_seqlen_q=2,
+            impl="triton")
+
+
+def test_merge_bad_input():
+    o = torch.randn(2, 3, 64)
+    _raises(TypeError, r"lses must be float32", wsattn.merge_states, o, torch.zeros(2, 3, dtype=torch.float64))
+    _raises(ValueError, r"lses must be \[P, \.\.\.\] = \(2, 3\)", wsattn.merge_states, o, torch.zeros(3, 2))
+    _raises(ValueError, r"at least one part", wsattn.merge_states, [], [])
+
+
+def test_reference_path_runs_and_returns_lse():
+    """impl='reference' works on CPU with the documented shapes and dtype."""
+    q, k, v = _qkv(Sq=5, Sk=9)
+    out, lse = wsattn.attention(q, k, v, causal=True, return_lse=True, impl="reference")
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (1, 4, 5)
+    assert torch.isfinite(lse).all() and not math.isnan(out.float().sum().item())

@@ -1,0 +1,315 @@
+"""Split-KV decode ("flash decoding") over a contiguous or paged KV cache, in Triton.
+
+One program handles one (sequence b, KV head h, split s): all T new tokens times all
+GROUP = Hq / Hkv query heads of KV head h form one [T * GROUP, D] query tile (padded to
+BLOCK_M >= 16 rows for tl.dot), so each K/V row is read from memory exactly once. The
+program walks its contiguous share of the sequence BLOCK_N keys at a time with an
+online softmax. With more than one split each program writes a partial (o, lse) in fp32
+to a workspace and ``_combine_kernel`` merges the splits with merge.py's helper; with
+one split the decode kernel writes the output itself and nothing else runs.
+
+Paging is one constexpr switch: a K/V tile is BLOCK_N rows gathered row by row through
+block_table (page of key j = block_table[b, j // PAGE_SIZE]), so any page size >= 1
+works, including one that does not divide the sequence length or BLOCK_N.
+
+Split boundaries are computed in the kernel from seqlens[b] (each split gets a
+BLOCK_N-aligned share of the real length), and the number of splits is chosen on the
+host from the cache capacity, never from seqlens: no host read of device data, so the
+launch is CUDA-graph friendly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ..target import Target, target_of
+from ._alloc import empty
+from .merge import merge_finish, merge_step
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
+                   ws_o_ptr, ws_lse_ptr, qk_scale, HQ,
+                   stride_qb, stride_qt, stride_qh,
+                   stride_kb, stride_kl, stride_kh,
+                   stride_vb, stride_vl, stride_vh,
+                   stride_btb,
+                   T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    # stride_kb / stride_vb step a sequence (contiguous cache) or a page (paged cache).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+
+    r = tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows: token t = r // GROUP, head h*GROUP + r % GROUP
+    t = r // GROUP
+    head = h * GROUP + r % GROUP
+    row_live = r < T * GROUP
+    d = tl.arange(0, D)  # [D]
+    q_rows = b.to(tl.int64) * stride_qb + t * stride_qt + head * stride_qh  # [BLOCK_M]
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_live[:, None], other=0.0)  # [BLOCK_M, D]
+
+    seqlen = tl.load(seqlens_ptr + b)
+    # this split's BLOCK_N-aligned share [lo, hi) of the keys; empty (lo >= hi) when the
+    # sequence is too short to give every split a tile
+    tiles_per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
+    lo = s * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seqlen)
+    last_key = seqlen - T + t  # [BLOCK_M] causal among the new tokens: t sees keys j <= last_key
+
+    k_head = k_ptr + h * stride_kh
+    v_head = v_ptr + h * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running denominator
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):  # software-pipelined num_stages deep
+        n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        kv_live = n < hi
+        if PAGED:
+            page = tl.load(bt_ptr + b * stride_btb + n // PAGE_SIZE, mask=kv_live, other=0)  # [BLOCK_N]
+            in_page = (n % PAGE_SIZE).to(tl.int64)
+            k_rows = page.to(tl.int64) * stride_kb + in_page * stride_kl  # [BLOCK_N]
+            v_rows = page.to(tl.int64) * stride_vb + in_page * stride_vl
+        else:
+            k_rows = b.to(tl.int64) * stride_kb + n.to(tl.int64) * stride_kl  # [BLOCK_N]
+            v_rows = b.to(tl.int64) * stride_vb + n.to(tl.int64) * stride_vl
+        k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_live[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_live[:, None], other=0.0)  # [BLOCK_N, D]
+
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        sees = (n[None, :] <= last_key[:, None]) & kv_live[None, :]
+        qk = tl.where(sees, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+        # a row that has seen no key yet (causal, or a padded row) keeps m = -inf:
+        # shift by 0 there so no -inf - -inf NaN forms
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [BLOCK_M, D]
+        m_i = m_new
+
+    # (acc, m, l) is a merge state whose max is in log2 units; in natural units it is m*ln2
+    o, lse = merge_finish(acc, m_i * 0.6931471805599453, l_i)  # [BLOCK_M, D], [BLOCK_M]
+    rows = (b * T + t).to(tl.int64) * HQ + head  # [BLOCK_M] row of [B, T, Hq]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + rows[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_live[:, None])
+        tl.store(lse_ptr + rows, lse, mask=row_live)
+    else:
+        ws_rows = rows * NUM_SPLITS + s  # [BLOCK_M] row of the [B*T*Hq, NUM_SPLITS] workspace
+        tl.store(ws_o_ptr + ws_rows[:, None] * D + d[None, :], o, mask=row_live[:, None])
+        tl.store(ws_lse_ptr + ws_rows, lse, mask=row_live)
+
+
+@triton.jit
+def _combine_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, lse_ptr, N,
+                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
+    # one program: BLOCK_R rows of [B*T*Hq]; their NUM_SPLITS partials are contiguous
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    d = tl.arange(0, D)  # [D]
+    live = rows < N
+    ws_rows = rows.to(tl.int64) * NUM_SPLITS  # [BLOCK_R]
+    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):  # fixed order s = 0..NUM_SPLITS-1: deterministic
+        lse_s = tl.load(ws_lse_ptr + ws_rows + s, mask=live, other=float("-inf"))  # [BLOCK_R]
+        o_s = tl.load(ws_o_ptr + (ws_rows + s)[:, None] * D + d[None, :],
+                      mask=live[:, None], other=0.0)  # [BLOCK_R, D]
+        acc, m, den = merge_step(acc, m, den, o_s, lse_s)
+    out, lse = merge_finish(acc, m, den)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(lse_ptr + rows, lse, mask=live)
+
+
+# --------------------------------------------------------------------------- settings
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """Launch settings of the decode kernel (see default_settings for how they are chosen).
+
+    BLOCK_N: keys per tile; num_warps / num_stages: as in triton; num_splits: splits of
+    each sequence (>= 1; 1 means no workspace and no combine launch).
+    """
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+
+
+# Auto splitting aims at this many programs per SM once B * Hkv alone cannot fill the
+# GPU, and gives each split at least MIN_SPLIT_TILES tiles so that the pipeline's
+# prologue and the combine stay small next to the streaming.
+WAVES = 4
+MIN_SPLIT_TILES = 8
+MAX_SPLITS = 128
+STAGE_BYTES = 32 * 1024  # K + V bytes per pipeline stage
+
+
+def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms: int) -> int:
+    """Splits per sequence from the shape and the SM count only (never from seqlens).
+
+    capacity is what a sequence can hold (L_max, or max_pages * page_size): the split
+    count must be fixed before the launch without reading seqlens on the host. Inside
+    the kernel each split takes an equal share of the real length.
+    """
+    programs = batch * kv_heads
+    if programs >= 2 * num_sms:
+        return 1  # two waves of whole sequences: splitting would only add the combine
+    want = triton.cdiv(WAVES * num_sms, programs)
+    most = max(1, capacity // (MIN_SPLIT_TILES * block_n))
+    return max(1, min(want, most, MAX_SPLITS))
+
+
+def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int,
+                     capacity: int, dtype: torch.dtype, num_splits: int = 0) -> DecodeSettings:
+    """Settings from (target, shape, dtype); num_splits 0 = auto (see auto_splits)."""
+    if target.backend == "interpreter":
+        # small tiles, so that short test sequences still cross several tiles and splits
+        block_n, warps, stages = 16, 4, 1
+    else:
+        elem = torch.empty((), dtype=dtype).element_size()
+        # one stage of K + V tiles is STAGE_BYTES; three stages leave room for two
+        # programs per SM on sm_80/sm_90, two stages fit consumer parts' ~100 KB
+        block_n = max(16, min(128, STAGE_BYTES // (2 * head_dim * elem)))
+        warps = 4
+        stages = 2 if target.cc >= 120 else 3
+    splits = num_splits or auto_splits(batch, kv_heads, capacity, block_n, target.num_sms)
+    return DecodeSettings(BLOCK_N=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+
+
+def _block_m(T: int, group: int) -> int:
+    return max(16, triton.next_power_of_2(T * group))
+
+
+def _combine_rows(head_dim: int) -> int:
+    return max(1, min(32, 4096 // head_dim))
+
+
+# --------------------------------------------------------------------------- launcher
+
+def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, settings=None):
+    """Decode attention of T new tokens per sequence against a KV cache (validated by api.py).
+
+    Args:
+        q: [B, T, Hq, D] fp16 / bf16 / fp32, last dimension contiguous.
+        k_cache, v_cache: contiguous [B, L_max, Hkv, D], or paged
+            [num_pages, page_size, Hkv, D] with block_table; last dimension contiguous.
+        seqlens: int32 [B], keys per sequence including the T new ones; token t sees
+            keys j <= seqlens[b] - T + t.
+        block_table: int32 [B, max_pages] page indices, or None for a contiguous cache.
+        sm_scale: softmax scale.
+        num_splits: splits per sequence, 0 = auto (from B, Hkv, the cache capacity and
+            the SM count; seqlens are never read on the host).
+        settings: a DecodeSettings to override default_settings (its num_splits wins).
+
+    Returns:
+        (out [B, T, Hq, D] in q's dtype, lse [B, T, Hq] float32, natural log; a row that
+        sees no key gets out 0 and lse -inf).
+
+    Example (TRITON_INTERPRET=1 on CPU, or CUDA tensors):
+        >>> q = torch.randn(2, 1, 8, 64, dtype=torch.float16)
+        >>> kc = vc = torch.randn(2, 100, 2, 64, dtype=torch.float16)
+        >>> out, lse = decode(q, kc, vc, torch.tensor([100, 37], dtype=torch.int32), None, 0.125, 0)
+    """
+    B, T, HQ, D = q.shape
+    HKV = k_cache.shape[2]
+    group = HQ // HKV
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 1
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    if settings is None:
+        settings = default_settings(target_of(q.device), batch=B, kv_heads=HKV, head_dim=D,
+                                    capacity=capacity, dtype=q.dtype, num_splits=num_splits)
+    elif num_splits:
+        settings = replace(settings, num_splits=num_splits)
+    splits = settings.num_splits
+
+    out = empty((B, T, HQ, D), q.dtype, q.device)
+    lse = empty((B, T, HQ), torch.float32, q.device)
+    if B == 0:
+        return out, lse
+    if splits > 1:
+        ws_o = torch.empty((B * T * HQ, splits, D), dtype=torch.float32, device=q.device)
+        ws_lse = torch.empty((B * T * HQ, splits), dtype=torch.float32, device=q.device)
+    else:  # unused by the kernel (the NUM_SPLITS == 1 branch compiles away)
+        ws_o, ws_lse = out, lse
+    bt = block_table if paged else seqlens  # any int32 pointer when not paged
+    _decode_kernel[(B, HKV, splits)](
+        q, k_cache, v_cache, seqlens, bt, out, lse, ws_o, ws_lse,
+        sm_scale * LOG2E, HQ,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        T=T, GROUP=group, D=D, BLOCK_M=_block_m(T, group), BLOCK_N=settings.BLOCK_N,
+        NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=page_size,
+        num_warps=settings.num_warps, num_stages=settings.num_stages)
+    if splits > 1:
+        n_rows = B * T * HQ
+        block_r = _combine_rows(D)
+        _combine_kernel[(triton.cdiv(n_rows, block_r),)](
+            ws_o, ws_lse, out, lse, n_rows, D=D, NUM_SPLITS=splits, BLOCK_R=block_r, num_warps=4)
+    return out, lse
+
+
+# --------------------------------------------------------------------------- compile specs
+
+_TL = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool = False,
+                 settings: DecodeSettings | None = None, *, T: int = 1, group: int = 4,
+                 page_size: int = 16, num_sms: int = 132, kernel: str = "decode") -> dict:
+    """What ``triton.compile`` needs to build a decode kernel for compute capability cc.
+
+    kernel="decode" gives the main split-KV kernel, kernel="combine" the split combine.
+    Settings default to default_settings for a single-token B=1, Hkv=8, L=131072 call
+    on a GPU with num_sms SMs (so NUM_SPLITS > 1 and the workspace path is compiled).
+
+    Returns a dict:
+        "fn":         the @triton.jit kernel,
+        "signature":  {argument name: Triton type}, every argument in order; pointers
+                      "*bf16" / "*fp32" / "*i32", integers "i32", the scale "fp32",
+                      constexpr arguments "constexpr",
+        "constexprs": {argument name: value} for the constexpr arguments,
+        "options":    {"num_warps": ..., "num_stages": ...}.
+    Use: ``triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"]),
+    target=GPUTarget("cuda", cc, 32), options=s["options"])``.
+    """
+    t = _TL[dtype]
+    if settings is None:
+        target = Target("cuda", cc, num_sms)
+        settings = default_settings(target, batch=1, kv_heads=8, head_dim=head_dim,
+                                    capacity=131072, dtype=_TORCH[dtype])
+    if kernel == "combine":
+        sig = {"ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "out_ptr": f"*{t}", "lse_ptr": "*fp32",
+               "N": "i32", "D": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_R": "constexpr"}
+        const = {"D": head_dim, "NUM_SPLITS": settings.num_splits, "BLOCK_R": _combine_rows(head_dim)}
+        return {"fn": _combine_kernel, "signature": sig, "constexprs": const,
+                "options": {"num_warps": 4}}
+    if kernel != "decode":
+        raise ValueError(f"kernel must be 'decode' or 'combine', got {kernel!r}")
+    sig = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "seqlens_ptr": "*i32",
+           "bt_ptr": "*i32", "out_ptr": f"*{t}", "lse_ptr": "*fp32", "ws_o_ptr": "*fp32",
+           "ws_lse_ptr": "*fp32", "qk_scale": "fp32", "HQ": "i32"}
+    for name in ("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
+                 "stride_vb", "stride_vl", "stride_vh", "stride_btb"):
+        sig[name] = "i32"
+    const = {"T": T, "GROUP": group, "D": head_dim, "BLOCK_M": _block_m(T, group),
+             "BLOCK_N": settings.BLOCK_N, "NUM_SPLITS": settings.num_splits, "PAGED": paged,
+             "PAGE_SIZE": page_size if paged else 1}
+    sig.update({name: "constexpr" for name in const})
+    return {"fn": _decode_kernel, "signature": sig, "constexprs": const,
+            "options": {"num_warps": settings.num_warps, "num_stages": settings.num_stages}}

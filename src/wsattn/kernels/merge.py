@@ -1,0 +1,140 @@
+"""The LSE merge of partial attention states, written once.
+
+A partial state over a key subset is (o_i, lse_i): the output normalized by its own
+softmax denominator and the natural-log LSE of its scores. Parts over disjoint key sets
+merge as
+
+    L = M + ln(sum_i exp(L_i - M)),   O = sum_i exp(L_i - L) O_i,   M = max_i L_i,
+
+with L in fp32. An empty part (lse_i = -inf) contributes nothing; all parts empty gives
+(0, -inf), never NaN.
+
+``merge_step`` folds one part into a running (acc, m, den) and ``merge_finish`` turns
+that into (O, L). They are the only place the formula lives: the ``merge_states``
+kernel below and the split-KV decode combine (decode_triton.py) both call them, and
+sequence-parallel prefill/decode call :func:`merge_states`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._alloc import empty
+
+
+@triton.jit
+def merge_step(acc, m, den, o_i, lse_i):
+    """Fold part i into the running state; returns the new (acc, m, den).
+
+    acc [R, D] fp32: sum of exp(lse_j - m) * o_j so far; m [R] fp32: running max of
+    lse (-inf before any non-empty part); den [R] fp32: sum of exp(lse_j - m).
+    o_i [R, D] (any float dtype), lse_i [R] fp32. Start from (0, -inf, 0).
+    """
+    m_new = tl.maximum(m, lse_i)  # [R]
+    # A row that has seen only empty parts keeps m = -inf; shift by 0 there so that
+    # exp(-inf - (-inf)) never forms a NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)  # [R] rescales what is accumulated; 0 while empty
+    w = tl.exp(lse_i - m_safe)  # [R] weight of part i; 0 when it is empty
+    # where, not a multiply by w = 0: an empty part's o_i may hold anything.
+    contrib = tl.where((w > 0.0)[:, None], w[:, None] * o_i.to(tl.float32), 0.0)  # [R, D]
+    acc = acc * alpha[:, None] + contrib
+    den = den * alpha + w
+    return acc, m_new, den
+
+
+@triton.jit
+def merge_finish(acc, m, den):
+    """(acc [R, D], m [R], den [R]) -> (out [R, D] fp32, lse [R] fp32); empty rows give (0, -inf)."""
+    seen = den > 0.0  # [R]
+    out = tl.where(seen[:, None], acc / tl.where(seen, den, 1.0)[:, None], 0.0)
+    lse = tl.where(seen, m + tl.log(tl.where(seen, den, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _merge_states_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, N, P,
+                         stride_op, stride_on, stride_lp,
+                         D: tl.constexpr, BLOCK_R: tl.constexpr):
+    # one program: BLOCK_R rows x D, the P parts folded in the order p = 0..P-1
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    cols = tl.arange(0, D)  # [D]
+    live = rows < N
+    o_rows = o_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]  # [BLOCK_R, D]
+    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    lse_rows = lse_ptr + rows  # [BLOCK_R]
+    for p in range(0, P):
+        lse_p = tl.load(lse_rows, mask=live, other=float("-inf"))  # [BLOCK_R]
+        o_p = tl.load(o_rows, mask=live[:, None], other=0.0)  # [BLOCK_R, D]
+        acc, m, den = merge_step(acc, m, den, o_p, lse_p)
+        # step the pointers rather than forming p * stride, which can pass 2**31 elements
+        o_rows += stride_op
+        lse_rows += stride_lp
+    out, lse = merge_finish(acc, m, den)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(out_lse_ptr + rows, lse, mask=live)
+
+
+def _block_rows(D: int) -> int:
+    # about 4K fp32 accumulator elements per program: 32 registers a thread at 4 warps
+    return max(1, min(64, 4096 // D))
+
+
+def merge_states(outputs: torch.Tensor, lses: torch.Tensor):
+    """Merge P partial attention states over disjoint key sets (input validated by api.py).
+
+    Args:
+        outputs: [P, N, D] float16 / bfloat16 / float32, last dimension contiguous;
+            part p of row n normalized by its own softmax denominator. D a power of 2.
+        lses: [P, N] float32, natural-log LSE of each part; -inf marks an empty part.
+
+    Returns:
+        (out [N, D] in outputs' dtype, lse [N] float32), merged in the fixed order
+        p = 0..P-1 (deterministic); rows whose parts are all empty give (0, -inf).
+
+    Example (TRITON_INTERPRET=1 on CPU, or CUDA tensors):
+        >>> o = torch.randn(3, 5, 64); s = torch.randn(3, 5); s[1] = -float("inf")
+        >>> out, lse = merge_states(o, s)   # out [5, 64], lse [5]
+    """
+    P, N, D = outputs.shape
+    lses = lses.contiguous()
+    out = empty((N, D), outputs.dtype, outputs.device)
+    out_lse = empty((N,), torch.float32, outputs.device)
+    if N == 0:
+        return out, out_lse
+    block_r = _block_rows(D)
+    _merge_states_kernel[(triton.cdiv(N, block_r),)](
+        outputs, lses, out, out_lse, N, P,
+        outputs.stride(0), outputs.stride(1), lses.stride(0),
+        D=D, BLOCK_R=block_r, num_warps=4)
+    return out, out_lse
+
+
+_TL_DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+
+
+def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", settings=None) -> dict:
+    """What ``triton.compile`` needs to build the merge_states kernel for compute capability cc.
+
+    Returns a dict:
+        "fn":         the @triton.jit kernel (``_merge_states_kernel``),
+        "signature":  {argument name: Triton type string}, every argument, constexprs
+                      typed "constexpr" (pointers "*bf16" etc., integers "i32"),
+        "constexprs": {argument name: value} (D = head_dim, BLOCK_R),
+        "options":    {"num_warps": 4}.
+    Use: ``triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"]),
+    target=GPUTarget("cuda", cc, 32), options=s["options"])``. ``settings`` is unused
+    (the merge has no tunables beyond BLOCK_R); it is accepted for a uniform call.
+    """
+    t = _TL_DTYPES[dtype]
+    sig = {"o_ptr": f"*{t}", "lse_ptr": "*fp32", "out_ptr": f"*{t}", "out_lse_ptr": "*fp32",
+           "N": "i32", "P": "i32", "stride_op": "i32", "stride_on": "i32", "stride_lp": "i32",
+           "D": "constexpr", "BLOCK_R": "constexpr"}
+    return {"fn": _merge_states_kernel, "signature": sig,
+            "constexprs": {"D": head_dim, "BLOCK_R": _block_rows(head_dim)},
+            "options": {"num_warps": 4}}

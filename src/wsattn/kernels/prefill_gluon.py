@@ -1,21 +1,180 @@
-"""sm_90 warp-specialized prefill in Gluon (issue 4). Placeholder until the kernel lands:
-it qualifies for nothing, so impl="auto" takes the Triton kernel everywhere."""
+"""sm_90 warp-specialized prefill attention in Gluon (issue 4).
+
+FlashAttention-3's structure written with Triton 3.6's Gluon pieces: a 1-warp TMA
+producer that gives up registers, two consumer warpgroups of 64 query rows each running
+QK^T and PV as async wgmma, the next QK^T issued before the current softmax, and
+optional ping-pong between the consumer warpgroups. The partitions live in
+prefill_gluon_parts.py; this module holds the launch settings, the launcher and the
+qualification checks that api.py calls.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
+
 import torch
+
+from . import _alloc
+from .prefill_gluon_parts import ROWS_PER_WG as WG_M, attn_fwd_kernel
+
+GLUON_CC = 90  # wgmma and setmaxnreg exist on sm_90 only
+# Set once the kernel has passed the device numerics (scripts/device_gluon.py); until then
+# impl="auto" keeps the Triton kernel and impl="gluon" is refused.
+VERIFIED_ON_GPU = False
+GLUON_DTYPES = (torch.float16, torch.bfloat16)
+GLUON_HEAD_DIMS = (64, 128)
+OTHER_KERNELS = "impl='triton' runs on sm_80, sm_90, sm_100 and sm_120"
+
+
+# --------------------------------------------------------------------------- settings
+
+@dataclass(frozen=True)
+class GluonSettings:
+    """Launch settings of the Gluon kernel: data, computed per head dim, overridable.
+
+    BLOCK_M is the CTA's query rows (2 consumer warpgroups x 64). Shared memory is
+    2 * 64 * D (Q) + 2 * STAGES * BLOCK_N * D (K, V ring) elements of 2 bytes.
+    CONSUMER_REGS / PRODUCER_REGS are setmaxnreg targets: 2 * 128 * 240 + 128 * 24 fits
+    the 64K-register file.
+    """
+    BLOCK_M: int = 128
+    BLOCK_N: int = 128
+    STAGES: int = 2
+    OVERLAP: bool = True  # next QK^T issued before the current softmax
+    PINGPONG: bool = False  # consumer warpgroups take turns issuing GEMMs
+    CONSUMER_REGS: int = 240
+    PRODUCER_REGS: int = 24
+
+    def smem_bytes(self, head_dim: int) -> int:
+        return 2 * head_dim * (self.BLOCK_M + 2 * self.STAGES * self.BLOCK_N)
+
+
+def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSettings:
+    """Default settings per head dim (H200 measurements in notes/prefill_gluon.md)."""
+    if head_dim == 64:
+        base = GluonSettings(BLOCK_N=128, STAGES=3)
+    else:
+        base = GluonSettings(BLOCK_N=128, STAGES=2)
+    return replace(base, **overrides) if overrides else base
+
+
+# --------------------------------------------------------------------------- launcher
+
+_TORCH_TO_GL = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _gl_dtype(name):
+    from triton.experimental.gluon import language as gl
+    return {"fp16": gl.float16, "bf16": gl.bfloat16}[name]
+
+
+def _layout(block, dtype_name):
+    from triton.experimental.gluon import language as gl
+    return gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(dtype_name))
+
+
+def _descriptor(t3, block, dtype_name):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor(t3, list(t3.shape), list(t3.stride()), block,
+                            _layout(block, dtype_name))
+
+
+def _constexprs(head_dim, group, causal, s: GluonSettings):
+    return dict(GROUP=group, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N, D=head_dim, STAGES=s.STAGES,
+                CAUSAL=bool(causal), OVERLAP=s.OVERLAP, PINGPONG=s.PINGPONG,
+                CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS)
+
+
+def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):
+    """Fixed-length prefill forward on sm_90 (inputs validated by api.py).
+
+    Args:
+        q: [B, Sq, Hq, D] fp16/bf16; k, v: [B, Sk, Hkv, D], Hq % Hkv == 0, D in (64, 128).
+        causal: bottom-right aligned (query i sees keys j <= i + Sk - Sq).
+        sm_scale: softmax scale.
+
+    Returns:
+        (out [B, Sq, Hq, D] like q, lse fp32 [B, Hq, Sq], natural log).
+    """
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    s = settings or settings_for(D, causal)
+    out = _alloc.empty((B, Sq, Hq, D), q.dtype, q.device)
+    lse = _alloc.empty((B, Hq, Sq), torch.float32, q.device)
+    if B * Sq * Hq == 0:
+        return out, lse
+    # TMA needs 16-byte aligned strides; the [B, S, H * D] views need H, D contiguous.
+    q, k, v = (t if t.stride(2) == D and t.stride(1) == t.shape[2] * D else t.contiguous()
+               for t in (q, k, v))
+    name = _TORCH_TO_GL[q.dtype]
+    q_desc = _descriptor(q.view(B, Sq, Hq * D), [1, WG_M, D], name)
+    o_desc = _descriptor(out.view(B, Sq, Hq * D), [1, WG_M, D], name)
+    k_desc = _descriptor(k.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
+    v_desc = _descriptor(v.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
+    grid = (triton_cdiv(Sq, s.BLOCK_M), B * Hq)
+    attn_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
+                          sm_scale * math.log2(math.e), num_warps=4,
+                          **_constexprs(D, Hq // Hkv, causal, s))
+    return out, lse
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
+                 settings: GluonSettings | None = None) -> dict:
+    """What the evidence ladder needs to compile the kernel with no GPU:
+    ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
+    options=options)``."""
+    s = settings or settings_for(head_dim, causal)
+    qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
+    kv_block = [1, s.BLOCK_N, head_dim]
+    kv = f"tensordesc<{dtype}[1,{s.BLOCK_N},{head_dim}],{_layout(kv_block, dtype)!r}>"
+    signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",
+                 "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32"}
+    return {"fn": attn_fwd_kernel, "signature": signature,
+            "constexprs": _constexprs(head_dim, 1, causal, s),
+            "options": {"num_warps": 4}}
+
+
+# --------------------------------------------------------------------------- qualification
+
+def _cc(device) -> int | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
 
 
 def device_supported(device) -> bool:
-    return False
+    """True where the Gluon kernel runs: CUDA devices of compute capability 9.0."""
+    return VERIFIED_ON_GPU and _cc(device) == GLUON_CC
 
 
 def check_device(device) -> None:
-    device = torch.device(device)
-    cc = "cpu" if device.type != "cuda" else "sm_%d%d" % torch.cuda.get_device_capability(device)
-    raise ValueError(f"impl='gluon' is not available on {cc}: the Gluon kernel is not built yet; "
-                     "impl='triton' runs on sm_80, sm_90, sm_100 and sm_120")
+    """Raise ValueError naming the device's compute capability where the kernel cannot run."""
+    cc = _cc(device)
+    if cc == GLUON_CC and VERIFIED_ON_GPU:
+        return
+    if cc == GLUON_CC:
+        raise ValueError("impl='gluon' is not enabled on sm_90 yet: the kernel has not passed "
+                         f"its GPU numerics (notes/prefill_gluon.md); {OTHER_KERNELS}")
+    where = "CPU tensors" if cc is None else f"sm_{cc}"
+    raise ValueError(f"impl='gluon' runs on sm_90 (Hopper) only, not on {where}: it needs wgmma "
+                     f"and setmaxnreg; {OTHER_KERNELS}, and impl='auto' picks it")
 
 
 def unsupported_reason(q, k, v, causal, varlen) -> str | None:
-    return "the Gluon kernel is not built yet"
+    """None when the Gluon kernel qualifies for this call, else a short reason."""
+    if varlen:
+        return "the Gluon kernel takes fixed-length batches only"
+    if q.dtype not in GLUON_DTYPES:
+        return f"the Gluon kernel takes float16 or bfloat16, got {q.dtype}"
+    if q.shape[-1] not in GLUON_HEAD_DIMS:
+        return f"the Gluon kernel takes head dim 64 or 128, got {q.shape[-1]}"
+    if q.dim() != 4 or k.shape[1] == 0:
+        return "the Gluon kernel needs at least one key (kv_len > 0)"
+    return None

@@ -1,0 +1,251 @@
+"""Gluon partitions of the sm_90 warp-specialized prefill (see prefill_gluon.py).
+
+One CTA owns BLOCK_M = 2 * 64 query rows of one (batch, head). Three partitions:
+  - consumer warpgroup 0 (the default partition, 4 warps) and consumer warpgroup 1
+    (a 4-warp worker), each owning its own 64 rows of Q: QK^T and PV as async wgmma with
+    the accumulators in registers, online softmax in between;
+  - a 1-warp producer worker that TMA-loads Q once and K/V tiles into a STAGES-deep
+    shared-memory ring (k_ready / v_ready / kv_empty mbarriers) and gives up registers.
+Both consumers walk the same K/V tiles, so each ring slot is freed (kv_empty, count 2)
+once both have finished their PV on it.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+ROWS_PER_WG = 64  # query rows per consumer warpgroup (a warpgroup's wgmma has M = 64)
+WG_M = gl.constexpr(ROWS_PER_WG)
+
+
+@gluon.jit
+def _tile_counts(start_m, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """(n_full, n_total): tiles [0, n_full) need no mask, [n_full, n_total) do.
+
+    Causal is bottom-right aligned: row i sees keys j <= i + Sk - Sq, so a CTA with rows
+    [M0, M0 + BLOCK_M) needs keys < M0 + BLOCK_M + Sk - Sq, all unmasked up to M0 + Sk - Sq.
+    """
+    if CAUSAL:
+        shift = Sk - Sq
+        m0 = start_m * BLOCK_M
+        n_total = gl.cdiv(gl.minimum(Sk, m0 + BLOCK_M + shift), BLOCK_N)
+        n_full = gl.minimum(Sk // BLOCK_N, (m0 + shift + 1) // BLOCK_N)
+    else:
+        n_total = gl.cdiv(Sk, BLOCK_N)
+        n_full = Sk // BLOCK_N
+    return n_full, n_total
+
+
+@gluon.jit
+def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr,
+                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online-softmax step on one S tile [WG_M, BLOCK_N] (fp32, raw q.k).
+
+    m_i is kept in the log2 domain (scaled by qk_scale = sm_scale * log2 e). Returns the
+    unnormalized probabilities p, the factor alpha that rescales everything accumulated
+    before this tile, and the new (m_i, l_i). MASK is constexpr so the compare/select
+    compiles away on the tiles that need none.
+    """
+    if MASK:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < Sk, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (Sk - Sq), 1))
+        s = gl.where(keep, s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # [WG_M]
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))  # [WG_M, BLOCK_N]
+    alpha = gl.exp2(m_i - m_new)  # [WG_M]
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _consume_tiles(j_lo, j_hi, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine,
+                   turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
+                   s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+    """Iterations j in [j_lo, j_hi): PV of tile j (its P already in registers) and QK^T of
+    tile j + 1 are issued back to back, then the softmax of tile j + 1 runs while PV(j)
+    is still on the tensor cores (OVERLAP). With PINGPONG the two consumer warpgroups take
+    turns issuing their GEMMs, so one's softmax runs under the other's GEMMs."""
+    for j in range(j_lo, j_hi):
+        s_cur = j % STAGES
+        nxt = j + 1
+        s_nxt = nxt % STAGES
+        if PINGPONG:
+            mbarrier.wait(turn_mine, j & 1)
+        mbarrier.wait(k_ready.index(s_nxt), (nxt // STAGES) & 1)
+        zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
+        s_tok = warpgroup_mma(q, k_smem.index(s_nxt).permute((1, 0)), zero, use_acc=False,
+                              is_async=True)
+        if not OVERLAP:
+            s_tok = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.wait(v_ready.index(s_cur), (j // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(s_cur), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_other)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # QK^T(j+1) done; PV(j) may still run
+        p, alpha, m_i, l_i = _softmax_tile(s, nxt, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
+                                           BLOCK_N, MASK, CAUSAL)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(kv_empty.index(s_cur))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+    return p_op, m_i, l_i, acc
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+              turn_bars, o_desc, lse_ptr, off_b, off_h, start_m, Sq, Sk, Hq, qk_scale,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+              PINGPONG: gl.constexpr):
+    """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of head off_h."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    flat_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_M, D], dtype)
+    flat_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    # The TMA boxes are [1, rows, D]; the leading 1 changes no byte, so view them as 2-D.
+    q = q_smem._reinterpret(dtype, [WG_M, D], flat_q)  # [WG_M, D]
+    k2 = k_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)  # [STAGES, BLOCK_N, D]
+    v2 = v_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)
+    turn_mine = turn_bars.index(WG)
+    turn_other = turn_bars.index(1 - WG)
+
+    m_row0 = start_m * BLOCK_M + WG * WG_M
+    rows = m_row0 + gl.arange(0, WG_M, layout=row_layout)  # [WG_M]
+    n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
+
+    # Prologue: S(0) and its softmax (always masked: one tile, and it may be the diagonal).
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q, k2.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    m_i = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([WG_M], gl.float32, row_layout)
+    p, alpha, m_i, l_i = _softmax_tile(s, 0, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
+                                       BLOCK_N, True, CAUSAL)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    acc = gl.zeros([WG_M, D], gl.float32, o_layout)
+
+    # Steady state: softmax of tile j + 1 unmasked while j + 1 < n_full, masked after.
+    split = gl.maximum(n_full - 1, 0)
+    p_op, m_i, l_i, acc = _consume_tiles(0, split, q, k2, v2, k_ready, v_ready, kv_empty,
+                                         turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq,
+                                         Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES,
+                                         False, CAUSAL, OVERLAP, PINGPONG)
+    p_op, m_i, l_i, acc = _consume_tiles(split, n_total - 1, q, k2, v2, k_ready, v_ready,
+                                         kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc,
+                                         rows, Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N,
+                                         STAGES, True, CAUSAL, OVERLAP, PINGPONG)
+
+    # Epilogue: PV of the last tile.
+    last = n_total - 1
+    s_last = last % STAGES
+    mbarrier.wait(v_ready.index(s_last), (last // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v2.index(s_last), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    mbarrier.arrive(kv_empty.index(s_last))
+
+    # O = acc / l, written through this warpgroup's own Q buffer (Q is no longer read).
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
+    q.store(out)
+    fence_async_shared()  # so the TMA engine sees the register-to-shared stores
+    tma.async_copy_shared_to_global(o_desc, [off_b, m_row0, off_h * D], q_smem)
+    # LSE in natural log: ln(l) + m / log2(e) with m in the log2 domain.
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(lse_ptr + ((off_b * Hq + off_h) * Sq + rows).to(gl.int64), lse, mask=rows < Sq)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, k_ready,
+              v_ready, kv_empty, off_b, off_h, off_hkv, start_m, Sq, Sk,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """TMA producer: Q once (both halves on one barrier), then K and V tiles in a ring."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    m0 = start_m * BLOCK_M
+    tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h * D], q_bar, q0_smem)
+    tma.async_copy_global_to_shared(q_desc, [off_b, m0 + WG_M, off_h * D], q_bar, q1_smem)
+    n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
+    for j in range(n_total):
+        s = j % STAGES
+        # A fresh barrier's "previous phase" counts as complete, so the first lap passes.
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hkv * D],
+                                        k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hkv * D],
+                                        v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale,
+                    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (cdiv(Sq, BLOCK_M), B * Hq). q/o descriptors are [B, Sq, Hq * D] with box
+    [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv."""
+    gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
+    dtype: gl.constexpr = q_desc.dtype
+    n_m = gl.num_programs(0)
+    if CAUSAL:
+        start_m = n_m - 1 - gl.program_id(0)  # heaviest (most keys) tiles launch first
+    else:
+        start_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    off_b = bh // Hq
+    off_h = bh % Hq
+    off_hkv = off_h // GROUP
+
+    q0_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    q1_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a slot
+    for i in gl.static_range(2):
+        mbarrier.init(turn_bars.index(i), count=1)
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(0))  # warpgroup 0 issues its GEMMs first
+
+    gl.warp_specialize([
+        (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                     o_desc, lse_ptr, off_b, off_h, start_m, Sq, Sk, Hq, qk_scale, BLOCK_M,
+                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG)),
+        (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
+                     o_desc, lse_ptr, off_b, off_h, start_m, Sq, Sk, Hq, qk_scale, BLOCK_M,
+                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG)),
+        (_producer, (q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, k_ready,
+                     v_ready, kv_empty, off_b, off_h, off_hkv, start_m, Sq, Sk, BLOCK_M,
+                     BLOCK_N, D, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -1,0 +1,44 @@
+"""The ceilings every figure is reported against, measured in the same run.
+
+* copy: device-to-device ``dst.copy_(src)`` of 1 GiB; bytes counted = read + written.
+* matmul: bf16 ``torch.matmul`` at 8192^3 (cuBLAS); FLOP counted = 2 * n^3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cases import tbps, tflops
+from .timing import Timing
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    name: str  # "copy" or "matmul"
+    what: str
+    timing: Timing
+    value: float  # TB/s for copy, TFLOP/s for matmul
+    unit: str
+
+
+def copy_bandwidth(timer, device, nbytes: int = 1 << 30) -> Ceiling:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    t = timer(lambda: dst.copy_(src))
+    return Ceiling("copy", f"device-to-device copy {nbytes >> 20} MiB, read + written",
+                   t, tbps(2.0 * nbytes, t.median_ms), "TB/s")
+
+
+def matmul_rate(timer, device, n: int = 8192, dtype=torch.bfloat16) -> Ceiling:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    t = timer(lambda: torch.matmul(a, b, out=c))
+    return Ceiling("matmul", f"{str(dtype).removeprefix('torch.')} matmul {n}^3 (torch)",
+                   t, tflops(2.0 * n ** 3, t.median_ms), "TFLOP/s")
+
+
+def measure(timer, device) -> dict[str, Ceiling]:
+    return {c.name: c for c in (copy_bandwidth(timer, device), matmul_rate(timer, device))}

@@ -1,0 +1,133 @@
+"""`wsattn bench`: ceilings, wsattn kernels and peers measured in one run on this GPU.
+
+    wsattn bench [prefill|decode|all|sp] [--quick] [--dtype bf16] [--impl ...]
+                 [--json PATH] [--plot PATH | --no-plot]
+
+Each output is checked against the float64 reference (on a slice) before it is timed; a
+failed check is recorded, not timed. Prints a table, writes JSON rows to
+benchmarks/results/bench_<gpu>_<date>_<commit>.json (or --json) and a PNG plot beside it
+(or --plot). Exit status: 0, 1 if a wsattn kernel failed its check or raised, 2 without a
+CUDA GPU. `wsattn bench sp` runs the sequence-parallel benchmark (wsattn.sp.bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+WHAT = ("prefill", "decode", "all", "sp")
+SP_MODULE = "wsattn.sp.bench"  # provides main(args) -> int, optionally add_arguments(parser)
+
+
+def _sp_module():
+    """(the SP benchmark module, None) or (None, why it cannot be used)."""
+    try:
+        return importlib.import_module(SP_MODULE), None
+    except ModuleNotFoundError as e:
+        if e.name and (SP_MODULE.startswith(e.name) or e.name.startswith(SP_MODULE)):
+            return None, f"not built yet ({SP_MODULE} is missing)"
+        return None, f"{SP_MODULE} failed to import: {type(e).__name__}: {e}"
+    except Exception as e:  # a broken SP module must not take `wsattn bench` down with it
+        return None, f"{SP_MODULE} failed to import: {type(e).__name__}: {e}"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from .runners import RUNNER_NAMES
+
+    p = subparsers.add_parser(
+        "bench", help="measure ceilings, wsattn kernels and peers on this GPU",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", nargs="?", choices=WHAT, default="all",
+                   help="which benchmark (default: all = prefill and decode)")
+    p.add_argument("--quick", action="store_true", help="a small subset of the shapes")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--impl", nargs="+", choices=RUNNER_NAMES, default=list(RUNNER_NAMES),
+                   metavar="IMPL", help=f"implementations to run (default all: {' '.join(RUNNER_NAMES)})")
+    p.add_argument("--json", metavar="PATH", help="where to write the JSON rows "
+                   "(default benchmarks/results/bench_<gpu>_<date>_<commit>.json)")
+    p.add_argument("--plot", metavar="PATH", help="where to draw the PNG (default: beside the JSON)")
+    p.add_argument("--no-plot", action="store_true", help="draw no plot")
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms)")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="timed repetitions per measurement (ms)")
+    sp, _ = _sp_module()
+    if sp is not None and hasattr(sp, "add_arguments"):
+        sp.add_arguments(p.add_argument_group("sp (sequence parallelism)"))
+    p.set_defaults(func=run)
+    return p
+
+
+NO_GPU = ("wsattn bench needs a CUDA GPU, and this machine has none visible to torch "
+          "(torch {torch}, CUDA build: {cuda}). Run it on a GPU machine; here, `wsattn ladder` "
+          "or `python -m wsattn.bench.smoke` runs the kernels through the Triton interpreter.")
+
+
+def run(args) -> int:
+    import torch
+
+    if args.what == "sp":
+        sp, why = _sp_module()
+        if sp is None:
+            print(f"wsattn bench sp: the sequence-parallel benchmark is unavailable: {why}",
+                  file=sys.stderr)
+            return 2
+        return int(sp.main(args) or 0)
+    if not torch.cuda.is_available():
+        print(NO_GPU.format(torch=torch.__version__, cuda=torch.version.cuda), file=sys.stderr)
+        return 2
+    from wsattn.target import interpreting
+    if interpreting():
+        print("wsattn bench: TRITON_INTERPRET=1 is set, which would time the CPU interpreter; "
+              "unset it", file=sys.stderr)
+        return 2
+    return _bench(args, torch)
+
+
+def _bench(args, torch) -> int:
+    from tqdm import tqdm
+
+    from . import ceilings as ceil_mod
+    from .cases import decode_cases, prefill_cases
+    from .env import default_json_path, stamp as make_stamp
+    from .plot import plot_rows
+    from .report import add_ratios, ceiling_row, format_table, write_json
+    from .runners import all_runners
+    from .suite import run_cases
+    from .timing import cuda_timer
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    stamp = make_stamp(device)
+    timer = cuda_timer(args.warmup_ms, args.rep_ms)
+    cases = []
+    if args.what in ("prefill", "all"):
+        cases += prefill_cases(args.quick, args.dtype)
+    if args.what in ("decode", "all"):
+        cases += decode_cases(args.quick, args.dtype)
+    runners = [r for r in all_runners() if r.name in args.impl]
+    total = 2 + sum(r.applies(c) for c in cases for r in runners)
+    print(f"wsattn bench on {stamp['gpu']} ({stamp['cc']}, driver {stamp['driver']}), torch "
+          f"{stamp['torch']}, triton {stamp['triton']}, cuDNN {stamp['cudnn']}, commit "
+          f"{stamp['commit']}", file=sys.stderr)
+    rows, ceilings = [], {}
+    with tqdm(total=total, desc="wsattn bench", file=sys.stderr, dynamic_ncols=True) as bar:
+        for measure in (ceil_mod.copy_bandwidth, ceil_mod.matmul_rate):
+            bar.set_postfix_str(measure.__name__, refresh=True)
+            try:
+                c = measure(timer, device)
+                ceilings[c.name] = c
+                rows.append(ceiling_row(stamp, c))
+            except Exception as e:  # ratios to this ceiling stay empty
+                tqdm.write(f"ceiling {measure.__name__} failed: {type(e).__name__}: {e}")
+            bar.update(1)
+        rows += run_cases(cases, runners, timer, stamp, device, progress=bar)
+    add_ratios(rows, ceilings)
+    print(format_table(rows))
+    path = write_json(rows, args.json or default_json_path(stamp))
+    print(f"\nJSON rows written to {path}")
+    if not args.no_plot:
+        _, message = plot_rows(rows, args.plot or path.with_suffix(".png"))
+        print(message)
+    broken = [r for r in rows if r["impl"] in ("triton", "gluon") and r["status"] in ("failed", "error")]
+    for r in broken:
+        print(f"wsattn {r['impl']} {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
+    return 1 if broken else 0

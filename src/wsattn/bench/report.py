@@ -1,0 +1,129 @@
+"""Benchmark rows: one dict per (case, impl), stamped, with ratios; the table and the JSON.
+
+Every row has the same keys (None where a field does not apply), so the JSON loads as one
+table. Ratios are throughput ratios (> 1 is faster than the row compared with).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .cases import tbps, tflops
+
+STATUSES = ("ok", "failed", "not available", "error")
+RESULT_FIELDS = ("median_ms", "q20_ms", "q80_ms", "reps", "tflops", "tbps", "ratio_cudnn",
+                 "ratio_triton", "ratio_matmul", "frac_copy", "ratio_contiguous")
+
+
+def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=None,
+             timing=None, note=None) -> dict:
+    """A row for one (case, impl). Throughput is filled only for a timed ('ok') row."""
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    if status == "ok" and (timing is None or check is None or not check.passed):
+        raise ValueError("an 'ok' row needs a passed check and a timing")
+    row = dict(stamp)
+    row.update(op=case.op, impl=impl, case=case.id, dtype=case.dtype, causal=case.causal,
+               layout=getattr(case, "layout", "contiguous"), **case.shape_fields(),
+               status=status, reason=reason, note=note,
+               rel_err=None if check is None else check.rel_err,
+               tol=None if check is None else check.tol,
+               check_passed=None if check is None else check.passed,
+               check_slice=None if check is None else check.where)
+    row.update({k: None for k in RESULT_FIELDS})
+    if timing is not None:
+        row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
+                   reps=timing.reps)
+        if case.op == "prefill":
+            row["tflops"] = tflops(case.flops(), timing.median_ms)
+        else:
+            row["tbps"] = tbps(case.bytes_moved(), timing.median_ms)
+    return row
+
+
+def ceiling_row(stamp: dict, ceiling) -> dict:
+    row = dict(stamp)
+    row.update(op="ceiling", impl=ceiling.name, case=ceiling.what, status="ok",
+               median_ms=ceiling.timing.median_ms, q20_ms=ceiling.timing.q20_ms,
+               q80_ms=ceiling.timing.q80_ms, reps=ceiling.timing.reps,
+               tflops=ceiling.value if ceiling.unit == "TFLOP/s" else None,
+               tbps=ceiling.value if ceiling.unit == "TB/s" else None)
+    return row
+
+
+def _key(row, **override):
+    k = {f: row.get(f) for f in ("op", "B", "Sq", "Sk", "Hq", "Hkv", "D", "causal", "dtype",
+                                 "page_size", "impl")}
+    k.update(override)
+    return tuple(sorted(k.items()))
+
+
+def add_ratios(rows: list[dict], ceilings: dict | None = None) -> list[dict]:
+    """Fill ratio_cudnn, ratio_triton, ratio_matmul (prefill), frac_copy and
+    ratio_contiguous (decode) on the timed rows, in place."""
+    ok = {_key(r): r for r in rows if r.get("status") == "ok" and r["op"] in ("prefill", "decode")}
+    ceilings = ceilings or {}
+    for r in ok.values():
+        metric = "tflops" if r["op"] == "prefill" else "tbps"
+
+        def ratio(**other):
+            peer = ok.get(_key(r, **other))
+            return r[metric] / peer[metric] if peer and peer is not r and peer[metric] else None
+
+        r["ratio_cudnn"] = ratio(impl="sdpa-cudnn", page_size=None)
+        r["ratio_triton"] = ratio(impl="triton", page_size=None)
+        if r["op"] == "prefill" and "matmul" in ceilings:
+            r["ratio_matmul"] = r["tflops"] / ceilings["matmul"].value
+        if r["op"] == "decode":
+            if "copy" in ceilings:
+                r["frac_copy"] = r["tbps"] / ceilings["copy"].value
+            if r["page_size"] is not None:
+                r["ratio_contiguous"] = ratio(page_size=None)
+    return rows
+
+
+def _fmt(x, spec):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Prefill: TFLOP/s, x cuDNN, x matmul ceiling. Decode: time, TB/s, x cuDNN, of copy."""
+    lines = []
+    for r in (r for r in rows if r["op"] == "ceiling"):
+        value = f"{r['tbps']:.2f} TB/s" if r["tbps"] is not None else f"{r['tflops']:.0f} TFLOP/s"
+        lines.append(f"ceiling {r['impl']:<7} {value:>14}   ({r['case']}, median {r['median_ms']:.3f} ms)")
+    for op, unit in (("prefill", "TFLOP/s"), ("decode", "TB/s")):
+        sel = [r for r in rows if r["op"] == op]
+        if not sel:
+            continue
+        last = "x matmul" if op == "prefill" else "of copy"
+        head = (f"{'case':<48} {'impl':<11} {'median ms':>10} {'q20-q80 ms':>17} {unit:>8} "
+                f"{'x cuDNN':>8} {'x triton':>8} {last:>8} {'rel err':>8}  status")
+        lines += ["", head, "-" * len(head)]
+        for r in sel:
+            thr = r["tflops"] if op == "prefill" else r["tbps"]
+            frac = r["ratio_matmul"] if op == "prefill" else r["frac_copy"]
+            spread = (f"{r['q20_ms']:.3f}-{r['q80_ms']:.3f}" if r["q20_ms"] is not None else "-")
+            status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+            if r.get("ratio_contiguous") is not None:
+                status += f" (x contiguous {r['ratio_contiguous']:.3f})"
+            lines.append(f"{r['case']:<48} {r['impl']:<11} {_fmt(r['median_ms'], '.3f'):>10} "
+                         f"{spread:>17} {_fmt(thr, '.1f' if op == 'prefill' else '.2f'):>8} "
+                         f"{_fmt(r['ratio_cudnn'], '.3f'):>8} {_fmt(r['ratio_triton'], '.3f'):>8} "
+                         f"{_fmt(frac, '.3f'):>8} {_fmt(r['rel_err'], '.1e'):>8}  {status[:160]}")
+    return "\n".join(lines)
+
+
+def write_json(rows: list[dict], path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) and k != "rel_err" else v)
+              for k, v in r.items()} for r in rows]
+    # rel_err may be inf (NaN in the output); JSON has no inf, so it is written as a string
+    for r in clean:
+        if isinstance(r.get("rel_err"), float) and not math.isfinite(r["rel_err"]):
+            r["rel_err"] = str(r["rel_err"])
+    path.write_text(json.dumps(clean, indent=1) + "\n")
+    return path

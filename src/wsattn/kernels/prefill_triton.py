@@ -36,6 +36,16 @@ LOG2E = 1.0 / LN2
 # --------------------------------------------------------------------------- jit kernels
 
 @triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sum_combine(a, b):
+    return a + b
+
+
+@triton.jit
 def _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
                 offs_m, seqlen_k, diag, qk_scale,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
@@ -64,18 +74,18 @@ def _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
             if CAUSAL:  # bottom-right aligned: row i sees keys j <= i + Sk - Sq
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
             s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
             # a row with no visible key so far keeps m = -inf; subtracting 0 instead
             # makes its exp2 terms 0 rather than exp2(-inf - -inf) = NaN
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s - m_sub[:, None]
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine) * qk_scale)
             m_sub = m_new
             s = s * qk_scale - m_sub[:, None]
         p = tl.math.exp2(s)  # [BLOCK_M, BLOCK_N]
         alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_M] rescale of what came before
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
         acc = acc * alpha[:, None]
         if USE_TMA:
             v = v_src.load([start_n, 0])  # [BLOCK_N, D]
@@ -151,8 +161,8 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
 
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp(x * scale) = exp2(x * qk_scale)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, D], 0.0, tl.float32)
     diag = seqlen_k - seqlen_q
     if CAUSAL:
         # Every row of the block sees keys [0, m0 + diag + 1): whole tiles of that need
@@ -194,18 +204,22 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
 
 # --------------------------------------------------------------------------- launcher
 
-_JIT_NAMES = ("_attn_inner", "_attn_fwd")
+_JIT_NAMES = ("_max_combine", "_sum_combine", "_attn_inner", "_attn_fwd")
 _KERNELS: dict = {}
 
 
 def _kernel(interpret: bool):
-    """``_attn_fwd`` built for the interpreter or for the compiler.
+    """``_attn_fwd`` built for the interpreter or for the compiler, whatever the process.
 
-    Triton 3.6 decides between the two inside ``@triton.jit``, i.e. when this module is
-    imported, from TRITON_INTERPRET at that moment. A process that sets the variable
-    later (a test's monkeypatch) or compiles for a GPU while interpreting would get the
-    wrong kind, so both are built from the raw functions on demand, each in its own
-    copy of the module namespace (the kernel finds ``_attn_inner`` there by name).
+    Triton 3.6 reads TRITON_INTERPRET inside ``@triton.jit``, i.e. at import time, for
+    this module and for Triton's own standard library (``tl.max``, ``tl.zeros``, ...). So
+    the kernels avoid the standard library's jit helpers (``tl.reduce`` with the two
+    combine functions above, ``tl.full``) and are rebuilt here from the raw functions, in
+    a copy of the module namespace, as the kind asked for. Then a test can set the
+    variable with monkeypatch at any time, and ``compile_spec`` works in an interpreting
+    process. The interpreter reduces with numpy only for Triton's own combine functions
+    (recognised by identity; anything else runs a Python call per element), so its build
+    gets those.
     """
     if interpret not in _KERNELS:
         from triton.runtime.interpreter import InterpretedFunction
@@ -215,6 +229,9 @@ def _kernel(interpret: bool):
             raw = globals()[name].fn
             ns[name] = wrap(types.FunctionType(raw.__code__, ns, raw.__name__,
                                                raw.__defaults__, raw.__closure__))
+        if interpret:
+            ns["_max_combine"] = tl.standard._elementwise_max
+            ns["_sum_combine"] = tl.standard._sum_combine
         _KERNELS[interpret] = ns["_attn_fwd"]
     return _KERNELS[interpret]
 

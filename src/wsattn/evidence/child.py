@@ -1,0 +1,107 @@
+"""Child-process side of the numerics (interpreter) and stress gates.
+
+``python -m wsattn.evidence.child TASK ARGS_JSON STATUS_PATH``: finds the spec again from
+its origin, runs the task, and writes JSON lines to STATUS_PATH: ``{"at": shape}`` before
+each launch (so a parent that kills a hung child knows the shape), ``{"result": ...}`` at
+the end. The parent sets TRITON_INTERPRET in this process's environment before Triton is
+imported: Triton decides interpreter or compiler when a kernel is decorated, at import.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+
+def _bits(t):
+    import torch
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _stress(spec, args, status):
+    import torch
+    from .numerics import compare
+    run = spec.run
+    rng = random.Random(args.get("seed", 0))
+    gen = torch.Generator().manual_seed(args.get("seed", 0))
+    device, launches, small = args["device"], args["launches"], args.get("small", False)
+    dtypes = run.interpreter_dtypes if device == "cpu" else run.dtypes
+    pool = [run.draw_shape(rng, small) for _ in range(args.get("distinct_shapes", 16))]
+    done = 0
+    while done < launches:
+        shape = pool[done // 2 % len(pool)]
+        dtype = dtypes[done // 2 % len(dtypes)]
+        label = f"{run.describe(shape)} {dtype}"
+        status(at=label)
+        inputs = run.build(shape, dtype, device, gen)
+        first = run.run(inputs)
+        second = run.run(inputs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        done += 2
+        for a, b in zip(*(x if isinstance(x, (tuple, list)) else (x,) for x in (first, second))):
+            if not torch.equal(_bits(a), _bits(b)):
+                diff = (a.double() - b.double()).abs()
+                return {"ok": False, "kind": "race", "launches": done, "shape": label,
+                        "error": f"race: two runs of the same input differ at {label} "
+                                 f"(max |diff| {diff.nan_to_num(0).max().item():.3e})"}
+        if args.get("check_every") and done // 2 % args["check_every"] == 0:
+            err, where = compare(first, run.reference(inputs))
+            from .numerics import TOL
+            if not err <= TOL.get(dtype, 2e-2):
+                return {"ok": False, "kind": "wrong", "launches": done, "shape": label,
+                        "error": f"wrong result under stress at {label}: relative error {err:.3e}"}
+    return {"ok": True, "launches": done, "distinct_shapes": len(pool)}
+
+
+def _patch_interpreter_for_numpy_2_4():
+    """Triton 3.6's interpreter turns a scalar into an int with int(array of shape [1]),
+    which numpy >= 2.4 refuses, so any loop with a runtime bound fails
+    (triton-lang/triton#9171; fixed upstream after 3.6.0 the same way)."""
+    import numpy as np
+    if np.lib.NumpyVersion(np.__version__) < "2.4.0":
+        return
+    from triton.runtime import interpreter
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def main(argv):
+    task, args, path = argv[0], json.loads(argv[1]), argv[2]
+    out = open(path, "a", buffering=1)
+
+    def status(**kv):
+        out.write(json.dumps(kv) + "\n")
+        out.flush()
+
+    try:
+        import os
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            _patch_interpreter_for_numpy_2_4()
+        from .spec import resolve
+        spec = resolve(args["origin"], args["name"])
+        if spec.run is None:
+            raise ValueError(f"kernel {args['name']} has no RunSpec")
+        if task == "numerics":
+            from .numerics import run_numerics
+            result = run_numerics(spec, args["device"], args["n_shapes"], args.get("small", True),
+                                  args.get("seed", 0))
+        elif task == "stress":
+            result = _stress(spec, args, status)
+        else:
+            raise ValueError(f"unknown task {task!r}")
+    except Exception as e:
+        result = {"ok": False, "kind": "error",
+                  "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    status(result=result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,85 @@
+"""Gate 4: numerics against the float64 reference over many randomly drawn valid shapes.
+
+Outputs are allocated NaN-poisoned (WSATTN_POISON=1 is set while the gate runs), so an
+element the kernel never writes fails; any NaN fails; the error is ||out - ref|| / ||ref||
+against a per-dtype tolerance. Where the reference holds +-inf (an LSE of an empty key
+set) the kernel must hold the same value, and the finite part is compared as usual.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+# Same table as tests/conftest.py: fp32 through tl.dot is tf32 on the GPU; fp16 rounds P
+# to 11 bits, bf16 to 8.
+TOL = {"fp32": 2e-3, "fp16": 4e-3, "bf16": 2e-2}
+
+
+def _pairs(out, ref):
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    if len(outs) != len(refs):
+        raise ValueError(f"runner returned {len(outs)} outputs, reference {len(refs)}")
+    return list(zip(outs, refs))
+
+
+def compare(out, ref) -> tuple[float, str]:
+    """Worst relative error over the outputs (inf on NaN or a mismatched inf pattern)."""
+    worst, why = 0.0, ""
+    for i, (o, r) in enumerate(_pairs(out, ref)):
+        o, r = o.detach().double().cpu(), r.detach().double().cpu()
+        if o.shape != r.shape:
+            return float("inf"), f"output {i} has shape {tuple(o.shape)}, reference {tuple(r.shape)}"
+        if torch.isnan(o).any():
+            return float("inf"), f"output {i} holds {int(torch.isnan(o).sum())} NaN"
+        fin = torch.isfinite(r)
+        if not torch.equal(o[~fin], r[~fin]):
+            return float("inf"), f"output {i}: the +-inf entries differ from the reference"
+        err = ((o[fin] - r[fin]).norm() / r[fin].norm().clamp_min(1e-30)).item() if fin.any() else 0.0
+        if err > worst:
+            worst, why = err, f"output {i}"
+    return worst, why
+
+
+def run_numerics(spec, device: str, n_shapes: int, small: bool, seed: int = 0,
+                 dtypes=None, progress=None) -> dict:
+    """Run ``spec.run`` on ``n_shapes`` random shapes per dtype; never raises."""
+    run = spec.run
+    dtypes = tuple(dtypes or (run.interpreter_dtypes if device == "cpu" else run.dtypes))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    old = os.environ.get("WSATTN_POISON")
+    os.environ["WSATTN_POISON"] = "1"
+    worst = {"err": 0.0, "shape": None, "dtype": None, "tol": None}
+    checked = 0
+    try:
+        for dtype in dtypes:
+            for _ in range(n_shapes):
+                shape = run.draw_shape(rng, small)
+                label = f"{run.describe(shape)} {dtype}"
+                try:
+                    inputs = run.build(shape, dtype, device, gen)
+                    out = run.run(inputs)
+                    ref = run.reference(inputs)
+                    err, where = compare(out, ref)
+                except Exception as e:
+                    return {"ok": False, "checked": checked, "shape": label,
+                            "error": f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+                checked += 1
+                tol = TOL.get(dtype, 2e-2)
+                if err / tol > (worst["err"] / worst["tol"] if worst["tol"] else -1):
+                    worst = {"err": err, "shape": label, "dtype": dtype, "tol": tol}
+                if not err <= tol:
+                    return {"ok": False, "checked": checked, "shape": label, "worst": worst,
+                            "error": f"{label}: relative error {err:.3e} > {tol:.0e} ({where})"}
+                if progress:
+                    progress()
+    finally:
+        if old is None:
+            os.environ.pop("WSATTN_POISON", None)
+        else:
+            os.environ["WSATTN_POISON"] = old
+    return {"ok": True, "checked": checked, "worst": worst, "dtypes": list(dtypes)}

@@ -1,0 +1,236 @@
+"""Sequence-parallel decode: each rank attends over its shard of the KV cache, the ranks
+exchange only the partial states, and every rank merges them.
+
+Per step and per rank: one decode kernel over the local (paged) cache shard gives a
+partial (out [B, Hq, D], lse [B, Hq]); both are packed into one fp32 state
+[B, Hq, D + 1] (the LSE travels in fp32, not fp16 as in the public systems); the W
+states are exchanged and every rank merges them with ``merge_states`` in rank order, so
+all ranks hold the same result. For B=16, Hq=32, D=128 a state is 264 KB.
+
+Two exchanges (:class:`StateExchange`):
+
+* ``"allgather"``: NCCL (or gloo) all-gather into a persistent buffer.
+* ``"symm"``: a one-shot write of the state into every peer's slot of a torch symmetric
+  memory buffer (NVLink peer stores), between two signal-pad barriers: the first says
+  every peer has finished reading the previous step's states (so a slot is never
+  overwritten while it is read), the second that every write of this step has landed.
+  No NCCL kernel, no host involvement; multicast is never used.
+
+A rank whose shard of a sequence is empty (seqlens[b] == 0) contributes (0, -inf): the
+kernel still runs on that row with the length clamped to 1 and the first page pointed at
+page 0 (so it reads a valid page), and the result is replaced on the device. No host
+sync with check=False, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import wsattn
+
+from . import checks
+from .comm import all_gather_flat, backend_of, rank_and_size, resolve_group
+
+__all__ = ["decode", "StateExchange", "pack_state", "partial_decode"]
+
+EXCHANGES = ("auto", "allgather", "symm")
+
+
+def symm_unavailable_reason(group, device) -> str | None:
+    """Why the symmetric-memory exchange cannot run here, or None when it can."""
+    if device.type != "cuda":
+        return f"tensors are on {device}, symmetric memory needs CUDA"
+    if backend_of(group) != "nccl":
+        return f"the group's backend is {backend_of(group)}, symmetric memory needs NCCL"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"torch.distributed._symmetric_memory is missing ({e})"
+    return None
+
+
+class StateExchange:
+    """Static buffers that all-gather [B, Hq, D+1] fp32 states across a group.
+
+    Built once per (group, shape, method) and reused, so captured CUDA graphs see the
+    same buffers every replay. ``method`` is "allgather" or "symm"; with "auto" the
+    ranks agree (one small exchange) on "symm" where every rank can build it, else
+    "allgather"; ``fallback_reason`` says why.
+    """
+
+    _cache: dict = {}
+
+    def __init__(self, group, shape, device, method="auto"):
+        if method not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {method!r}")
+        self.group = group
+        self.rank, self.world_size = rank_and_size(group)
+        self.shape = tuple(shape)
+        self.device = device
+        self.numel = 1
+        for s in self.shape:
+            self.numel *= s
+        self.fallback_reason = None
+        self.method = "allgather"
+        if method == "allgather" or self.world_size == 1:
+            self.out = torch.empty((self.world_size,) + self.shape, dtype=torch.float32,
+                                   device=device)
+            return
+        reason = symm_unavailable_reason(group, device)
+        buf = handle = None
+        if reason is None:
+            try:
+                from torch.distributed import _symmetric_memory as symm_mem
+                buf = symm_mem.empty((self.world_size, self.numel), dtype=torch.float32,
+                                     device=device)
+            except Exception as e:  # an allocator that cannot map peer memory here
+                reason = f"symm_mem.empty failed: {type(e).__name__}: {e}"
+        # Every rank must take the same branch: rendezvous is a collective.
+        per_rank = checks.agree("decode_exchange_setup", group, self.rank, self.world_size,
+                                {"symm ok": int(reason is None)})
+        if not all(f["symm ok"] for f in per_rank):
+            reason = reason or "another rank cannot use symmetric memory"
+        if reason is None:
+            try:
+                from torch.distributed import _symmetric_memory as symm_mem
+                handle = symm_mem.rendezvous(buf, group.group_name)
+            except Exception as e:
+                reason = f"symm_mem.rendezvous failed: {type(e).__name__}: {e}"
+        if reason is not None:
+            if method == "symm":
+                raise RuntimeError(f"wsattn.sp.decode: exchange='symm' unavailable: {reason}")
+            self.fallback_reason = reason
+            self.out = torch.empty((self.world_size,) + self.shape, dtype=torch.float32,
+                                   device=device)
+            return
+        self.method = "symm"
+        self.buf, self.handle = buf, handle
+        self.peer_slots = [handle.get_buffer(p, (self.world_size, self.numel), torch.float32)[self.rank]
+                           for p in range(self.world_size)]
+
+    @classmethod
+    def get(cls, group, shape, device, method="auto") -> "StateExchange":
+        key = (id(group), tuple(shape), str(device), method)
+        if key not in cls._cache:
+            cls._cache[key] = cls(group, shape, device, method)
+        return cls._cache[key]
+
+    def __call__(self, state: torch.Tensor) -> torch.Tensor:
+        """state fp32 [*shape] -> every rank's state [W, *shape] (rank order)."""
+        if self.method == "allgather":
+            return all_gather_flat(state, self.world_size, self.group, out=self.out)
+        flat = state.reshape(-1)
+        self.handle.barrier(channel=0)  # every peer has finished reading the last step
+        for p in range(self.world_size):  # peer stores over NVLink; p == rank is local
+            self.peer_slots[p].copy_(flat)
+        self.handle.barrier(channel=0)  # every peer's write of this step has landed
+        # Read in place: the merge that reads it runs on this stream before the next
+        # step's first barrier lets a peer overwrite it.
+        return self.buf.view((self.world_size,) + self.shape)
+
+
+def pack_state(out: torch.Tensor, lse: torch.Tensor, empty: torch.Tensor | None = None,
+               state: torch.Tensor | None = None) -> torch.Tensor:
+    """(out [..., D], lse [...]) -> fp32 [..., D+1]; rows where empty is True become
+    (0, -inf)."""
+    D = out.shape[-1]
+    if state is None:
+        state = torch.empty(out.shape[:-1] + (D + 1,), dtype=torch.float32, device=out.device)
+    if empty is None:
+        state[..., :D].copy_(out)
+        state[..., D].copy_(lse)
+    else:
+        e = empty.reshape(empty.shape + (1,) * (lse.dim() - empty.dim()))
+        state[..., :D].copy_(torch.where(e[..., None], 0.0, out.float()))
+        state[..., D].copy_(torch.where(e, float("-inf"), lse))
+    return state
+
+
+def partial_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, impl, num_splits,
+                   validate):
+    """The decode kernel on a shard that may be empty for some rows.
+
+    Returns (out, lse, empty [rows] bool). Empty rows run with length 1 over page 0 (a
+    valid read whose result is discarded), so the kernel's seqlens >= 1 rule holds with
+    no host read."""
+    empty = seqlens == 0
+    safe_lens = torch.clamp(seqlens, min=1)
+    if block_table is not None:
+        block_table = block_table.clone()
+        block_table[:, 0] = torch.where(empty, 0, block_table[:, 0])
+    out, lse = wsattn.decode(q, k_cache, v_cache, safe_lens, block_table, sm_scale,
+                             num_splits=num_splits, return_lse=True, impl=impl, validate=validate)
+    return out, lse, empty
+
+
+def validate_decode(op, q, k_cache, v_cache, seqlens, block_table, group, rank, W, check,
+                    timeout_s, extra=None, error=None):
+    """Local checks (or the caller's error), then the cross-rank agreement."""
+    def local():
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise ValueError(f"q must be [B, Hq, D] (one new token per sequence), got "
+                             f"{getattr(q, 'shape', type(q).__name__)}")
+        for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{n} must be a tensor")
+            checks.check_device(n, t, group)
+        if block_table is not None:
+            checks.check_device("block_table", block_table, group)
+            if k_cache.shape[0] == 0:
+                raise ValueError("a paged k_cache shard needs at least one page (page 0 is "
+                                 "read for sequences whose shard is empty)")
+        if seqlens.dtype != torch.int32 or seqlens.shape != (q.shape[0],):
+            raise ValueError(f"seqlens must be int32 [B={q.shape[0]}] (this rank's shard "
+                             f"lengths, 0 allowed), got {seqlens.dtype} {tuple(seqlens.shape)}")
+        if check and bool((seqlens < 0).any()):
+            raise ValueError("seqlens must be >= 0")
+
+    err = error or checks.local_error(local)
+    if not check:
+        if err:
+            raise ValueError(f"wsattn.sp.{op}: {err}")
+        return
+    ok = err is None
+    fields = {"batch": q.shape[0] if ok else -1, "query heads": q.shape[1] if ok else -1,
+              "head dim": q.shape[2] if ok else -1,
+              "kv heads": k_cache.shape[2] if ok and k_cache.dim() == 4 else -1,
+              "paged": int(block_table is not None), "world size": W}
+    fields.update(extra or {})
+    checks.agree(op, group, rank, W, fields, err, same=tuple(fields), timeout_s=timeout_s)
+
+
+def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | None = None, *,
+           group=None, exchange: str = "auto", impl: str = "auto", num_splits: int | None = None,
+           return_lse: bool = False, check: bool = True, timeout_s: float | None = None):
+    """Decode one new token per sequence against a KV cache sharded across ranks.
+
+    Args:
+        q: [B, Hq, D], the same on every rank.
+        k_cache, v_cache: this rank's shard, paged [num_pages, page_size, Hkv, D] with
+            block_table int32 [B, max_pages], or contiguous [B, L_max, Hkv, D].
+        seqlens: int32 [B], how many of each sequence's keys this rank holds (0 allowed:
+            that rank contributes nothing to that sequence). Which positions a rank holds
+            does not matter: one new token attends to all earlier keys.
+        exchange: "auto" (symmetric memory where available, else all-gather),
+            "allgather" or "symm".
+        check: cross-rank checks first (host reads; turn off for CUDA-graph capture).
+
+    Returns:
+        out [B, Hq, D] in q's dtype (the same on every rank), or (out, lse fp32 [B, Hq]).
+
+    Example (under torchrun):
+        >>> out = wsattn.sp.decode(q, k_pages, v_pages, local_lens, block_table)
+    """
+    group = resolve_group(group)
+    rank, W = rank_and_size(group)
+    validate_decode("decode", q, k_cache, v_cache, seqlens, block_table, group, rank, W, check,
+                    timeout_s)
+    out, lse, empty = partial_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, impl,
+                                     num_splits, check)
+    B, Hq, D = q.shape
+    ex = StateExchange.get(group, (B, Hq, D + 1), q.device, exchange)
+    states = ex(pack_state(out, lse, empty))  # [W, B, Hq, D+1]
+    merge_impl = impl if impl in ("triton", "reference") else "auto"
+    out, lse = wsattn.merge_states(states[..., :D], states[..., D], impl=merge_impl)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,146 @@
+"""Sequence-parallel prefill with the K/V exchange hidden under the attention.
+
+The all-gather path (prefill.py) waits for every peer's K/V before the first kernel.
+Here the exchange is split per peer and the attention per K/V chunk:
+
+1. Post the exchange of K/V shards as W-1 shift steps: at step d every rank sends its
+   packed [2, B, Sk/W, Hkv, D] shard to rank r+d and receives rank r-d's, as one
+   ``batch_isend_irecv`` (send and receive grouped, so the pair cannot deadlock). Each
+   step has its own work handle: the per-chunk ready signal. On NCCL the transfers run
+   on NCCL's own streams, concurrently with the attention on the compute stream, and
+   ``work.wait()`` only makes the compute stream wait for that one step (an event wait,
+   no host sync); on gloo they run on gloo's threads and ``wait()`` blocks the host
+   until that step has landed: the same algorithm, testable on a CPU.
+2. Meanwhile attend the local Q chunks over the local K/V chunks.
+3. For d = 1..W-1: wait for step d, attend the local Q chunks over rank r-d's chunks.
+4. Merge every (Q chunk, K/V chunk) partial state by LSE with one ``merge_states`` per
+   Q chunk, in ascending global K/V chunk order, so the result does not depend on
+   which peer's data came first.
+
+The causal structure is kept per chunk pair: K/V chunks wholly in the past are attended
+without a mask, the diagonal with the bottom-right mask, wholly-future chunks are
+skipped, and a cached prefix shifts all of it (see :func:`chunk_attention`).
+
+Fixed-length batches only; variable-length batches go through prefill_varlen.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import wsattn
+
+from .comm import rank_and_size, resolve_group
+from .prefill import _kernel_impl, prefill, validate_fixed
+from .sharding import local_chunks
+
+__all__ = ["prefill_overlapped", "chunk_attention", "post_exchange"]
+
+
+def chunk_attention(q, k, v, offset: int, causal: bool, sm_scale, impl):
+    """Attention of a query chunk over one key chunk, under a causal mask shifted by
+    offset: query row i sees key row j iff j <= i + offset (offset = the query chunk's
+    first key position minus the key chunk's first key position).
+
+    q [B, Cq, Hq, D], k/v [B, Ck, Hkv, D]. Returns (out [B, Cq, Hq, D], lse fp32
+    [B, Hq, Cq]) with rows that see no key at (0, -inf), or None when no row sees any.
+    Rows split into three static ranges: [0, a) see nothing, [a, b) a prefix of the
+    chunk (one bottom-right causal call over k[:, :b + offset]), [b, Cq) all of it (one
+    unmasked call).
+    """
+    B, Cq, Hq, D = q.shape
+    Ck = k.shape[1]
+    if not causal:
+        return wsattn.attention(q, k, v, False, sm_scale, return_lse=True, impl=impl)
+    a = min(max(0, -offset), Cq)
+    if a == Cq:
+        return None
+    b = min(max(Ck - offset, a), Cq)
+    outs, lses = [], []
+    if a:
+        outs.append(q.new_zeros(B, a, Hq, D))
+        lses.append(torch.full((B, Hq, a), float("-inf"), device=q.device, dtype=torch.float32))
+    if b > a:
+        o, l = wsattn.attention(q[:, a:b], k[:, :b + offset], v[:, :b + offset], True, sm_scale,
+                                return_lse=True, impl=impl)
+        outs.append(o)
+        lses.append(l)
+    if Cq > b:
+        o, l = wsattn.attention(q[:, b:], k, v, False, sm_scale, return_lse=True, impl=impl)
+        outs.append(o)
+        lses.append(l)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def post_exchange(send: torch.Tensor, rank: int, W: int, group):
+    """Post the W-1 shift steps; returns [(source rank, recv buffer, works)] in step
+    order. Step d receives rank (r-d) % W's shard."""
+    steps = []
+    for d in range(1, W):
+        dst, src = (rank + d) % W, (rank - d) % W
+        buf = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, dst), group),
+               dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, src), group)]
+        steps.append((src, buf, dist.batch_isend_irecv(ops)))
+    return steps
+
+
+def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = None, *,
+                       group=None, zigzag: bool = True, impl: str = "auto", check: bool = True,
+                       timeout_s: float | None = None):
+    """Same contract as :func:`wsattn.sp.prefill` (shards in, local (out, lse) out), with
+    each peer's K/V consumed as soon as its transfer step has landed.
+
+    Example (under torchrun):
+        >>> out, lse = wsattn.sp.prefill_overlapped(q_shard, k_shard, v_shard, causal=True)
+    """
+    group = resolve_group(group)
+    rank, W = rank_and_size(group)
+    if W == 1:
+        return prefill(q, k, v, causal, sm_scale, group=group, zigzag=zigzag, impl=impl,
+                       check=check, timeout_s=timeout_s)
+    validate_fixed("prefill_overlapped", q, k, v, causal, zigzag, group, rank, W, check, timeout_s)
+    Sq_loc, Sk_loc = q.shape[1], k.shape[1]
+    send = torch.stack([k, v])  # [2, B, Sk/W, Hkv, D]: one message per step
+    steps = post_exchange(send, rank, W, group)
+
+    chunks = local_chunks(W, rank, zigzag)
+    n = len(chunks)
+    cq, ck = Sq_loc // n, Sk_loc // n
+    prefix = W * (Sk_loc - Sq_loc)
+    q_chunks = [q[:, h * cq:(h + 1) * cq] for h in range(n)]
+    parts = [dict() for _ in range(n)]  # per local Q chunk: global K/V chunk -> (out, lse)
+
+    def consume(src_rank, kv):
+        for hk, ck_idx in enumerate(local_chunks(W, src_rank, zigzag)):
+            kc, vc = kv[0, :, hk * ck:(hk + 1) * ck], kv[1, :, hk * ck:(hk + 1) * ck]
+            for hq, cq_idx in enumerate(chunks):
+                part = chunk_attention(q_chunks[hq], kc, vc, prefix + cq_idx * cq - ck_idx * ck,
+                                       causal, sm_scale, impl)
+                if part is not None:
+                    parts[hq][ck_idx] = part
+
+    consume(rank, send)
+    for src_rank, buf, works in steps:
+        for w in works:  # the ready signal of this peer's chunk
+            w.wait()
+        consume(src_rank, buf)
+
+    outs, lses = [], []
+    for hq in range(n):
+        ordered = [parts[hq][c] for c in sorted(parts[hq])]
+        if len(ordered) == 1:
+            o, l = ordered[0]
+        else:
+            o, l = wsattn.merge_states(torch.stack([p[0] for p in ordered]),
+                                       torch.stack([p[1].transpose(1, 2) for p in ordered]),
+                                       impl=_kernel_impl(impl))  # [B, Cq, Hq, D], [B, Cq, Hq]
+            l = l.transpose(1, 2)
+        outs.append(o)
+        lses.append(l)
+    if n == 1:
+        return outs[0], lses[0].contiguous()
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)

@@ -1,0 +1,431 @@
+"""Machinery of the sequence-parallel tests (no tests here): spawn a process group, run
+a battery of checks on every rank, bring back each rank's verdicts.
+
+Each battery builds the GLOBAL inputs from one seed on every rank, shards them, runs
+the sp entry point, and compares this rank's piece with the same piece of the
+single-device float64 reference. A battery returns {check name: None (passed), a
+failure message, or a tensor the parent compares across runs}. Spawning costs a few
+seconds per process, so one group runs many checks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import LSE_TOL, TOL, rel_err
+
+SPAWN_TIMEOUT_S = 150
+
+
+# --------------------------------------------------------------------------- harness
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, queue, battery, env, backend):
+    os.environ.update(env)
+    results = {}
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=120))
+        results = BATTERIES[battery](rank, world)
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results = {"crash": traceback.format_exc()}
+    queue.put((rank, results))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)  # skip teardown: a deliberately broken group must not hang the exit
+
+
+def run_group(battery: str, world: int, env=None, backend="gloo", timeout_s=SPAWN_TIMEOUT_S):
+    """Run BATTERIES[battery] on `world` spawned ranks; returns [results of rank r]."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    env = {"WSATTN_POISON": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, queue, battery, env, backend))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in range(world):
+            rank, res = queue.get(timeout=timeout_s)
+            out[rank] = res
+    except Exception as e:  # queue.Empty: a rank hung
+        raise AssertionError(f"{battery} on {world} ranks: only ranks {sorted(out)} reported "
+                             f"within {timeout_s} s (a hang)") from e
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
+
+
+def failures(results) -> list[str]:
+    """Every failing check of every rank, as readable lines."""
+    bad = []
+    for r, res in enumerate(results):
+        for name, verdict in res.items():
+            if isinstance(verdict, str):
+                bad.append(f"rank {r} {name}: {verdict}")
+    return bad
+
+
+def _run_check(results, name, fn):
+    try:
+        results[name] = fn()
+    except Exception:  # noqa: BLE001
+        results[name] = traceback.format_exc(limit=6)
+
+
+# --------------------------------------------------------------------------- comparisons
+
+def _cmp(out, ref, dtype, what):
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.1e}"
+
+
+def _cmp_lse(lse, ref, dtype, what):
+    lse, ref = lse.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(lse).any(), f"{what}: lse has NaN"
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(lse), fin), f"{what}: lse -inf pattern differs"
+    if fin.any():
+        err = (lse[fin] - ref[fin]).abs().max().item()
+        assert err <= LSE_TOL[dtype] * max(1.0, ref[fin].abs().max().item()), \
+            f"{what}: lse max abs error {err:.3e}"
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rand(g, *shape, dtype, device):
+    return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype).to(device)
+
+
+# --------------------------------------------------------------------------- checks
+
+def check_prefill(rank, W, *, B, Sq, Sk, Hq, Hkv, D, causal, zigzag, overlapped, impl, dtype,
+                  device, seed):
+    """sp.prefill (or prefill_overlapped) of this rank's shard == the reference's shard."""
+    import wsattn.sp as sp
+    from wsattn import reference
+    from wsattn.sp.sharding import shard
+    g = _gen(seed)
+    q = _rand(g, B, Sq, Hq, D, dtype=dtype, device=device)
+    k = _rand(g, B, Sk, Hkv, D, dtype=dtype, device=device)
+    v = _rand(g, B, Sk, Hkv, D, dtype=dtype, device=device)
+    ref, ref_lse = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal)
+    fn = sp.prefill_overlapped if overlapped else sp.prefill
+    out, lse = fn(shard(q, W, rank, 1, zigzag), shard(k, W, rank, 1, zigzag),
+                  shard(v, W, rank, 1, zigzag), causal, impl=impl, zigzag=zigzag)
+    assert out.shape == (B, Sq // W, Hq, D) and lse.shape == (B, Hq, Sq // W)
+    _cmp(out, shard(ref, W, rank, 1, zigzag), dtype, "out")
+    _cmp_lse(lse, shard(ref_lse, W, rank, 2, zigzag), dtype, "lse")
+
+
+def check_prefill_varlen(rank, W, *, lq, lk, Hq, Hkv, D, causal, zigzag, impl, dtype, device,
+                         seed, give_max=False):
+    """sp.prefill_varlen of packed sequences (some with a cached prefix) == the reference."""
+    import wsattn.sp as sp
+    from wsattn import reference
+    from wsattn.sp.sharding import shard_varlen
+    g = _gen(seed)
+    cq = [0] + list(torch.tensor(lq).cumsum(0).tolist())
+    ck = [0] + list(torch.tensor(lk).cumsum(0).tolist())
+    q = _rand(g, cq[-1], Hq, D, dtype=dtype, device=device)
+    k = _rand(g, ck[-1], Hkv, D, dtype=dtype, device=device)
+    v = _rand(g, ck[-1], Hkv, D, dtype=dtype, device=device)
+    ref, ref_lse = reference.attention_varlen(q.cpu(), k.cpu(), v.cpu(), torch.tensor(cq),
+                                              torch.tensor(ck), causal)
+    q_loc, cq_loc = shard_varlen(q, cq, W, rank, zigzag)
+    k_loc, ck_loc = shard_varlen(k, ck, W, rank, zigzag)
+    v_loc, _ = shard_varlen(v, ck, W, rank, zigzag)
+    kw = dict(max_seqlen_q=max(lq), max_seqlen_k=max(lk)) if give_max else {}
+    out, lse = sp.prefill_varlen(q_loc, k_loc, v_loc, cq_loc, ck_loc, causal=causal,
+                                 zigzag=zigzag, impl=impl, **kw)
+    ref_loc, _ = shard_varlen(ref, cq, W, rank, zigzag)
+    lse_loc, _ = shard_varlen(ref_lse.transpose(0, 1), cq, W, rank, zigzag)
+    _cmp(out, ref_loc, dtype, "out")
+    _cmp_lse(lse, lse_loc.transpose(0, 1), dtype, "lse")
+
+
+def check_decode(rank, W, *, lens, Hq, Hkv, D, page, impl, dtype, device, seed,
+                 exchange="allgather"):
+    """sp.decode over paged shards (empty ones included) == the reference, on every rank."""
+    import wsattn.sp as sp
+    from wsattn import reference
+    from wsattn.sp.sharding import shard_kv_cache
+    g = _gen(seed)
+    B, L = len(lens), max(lens)
+    q = _rand(g, B, Hq, D, dtype=dtype, device=device)
+    k = _rand(g, B, L, Hkv, D, dtype=dtype, device=device)
+    v = _rand(g, B, L, Hkv, D, dtype=dtype, device=device)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    ref, ref_lse = reference.decode(q.cpu(), k.cpu(), v.cpu(), seqlens)
+    kp, vp, table, local = shard_kv_cache(k, v, lens, W, rank, page, seed)
+    out, lse = sp.decode(q, kp, vp, local, table, impl=impl, exchange=exchange, return_lse=True)
+    _cmp(out, ref, dtype, "out")
+    _cmp_lse(lse, ref_lse, dtype, "lse")
+    return (local == 0).any().item()
+
+
+def invariant_output(rank, W, *, impl, dtype, device, seed=7, lens=(300, 1, 129, 64),
+                     block_tokens=32, n_blocks=12, Hq=4, Hkv=2, D=64, page=16):
+    """sp.invariant_decode's output (checked against the reference) for the parent to
+    compare bitwise across rank counts."""
+    import wsattn.sp as sp
+    from wsattn import reference
+    from wsattn.sp.sharding import shard_kv_cache_blocks
+    g = _gen(seed)
+    B, L = len(lens), max(lens)
+    q = _rand(g, B, Hq, D, dtype=dtype, device=device)
+    k = _rand(g, B, L, Hkv, D, dtype=dtype, device=device)
+    v = _rand(g, B, L, Hkv, D, dtype=dtype, device=device)
+    kp, vp, table, blens = shard_kv_cache_blocks(k, v, lens, W, rank, n_blocks, block_tokens, page)
+    out, lse = sp.invariant_decode(q, kp, vp, blens, table, n_blocks, impl=impl, return_lse=True)
+    ref, ref_lse = reference.decode(q.cpu(), k.cpu(), v.cpu(), torch.tensor(lens, dtype=torch.int32))
+    _cmp(out, ref, dtype, "out")
+    _cmp_lse(lse, ref_lse, dtype, "lse")
+    return torch.cat([out.float().cpu().flatten(), lse.cpu().flatten()])
+
+
+def expect_error(fn, exc, *needles):
+    """fn must raise exc whose text holds every needle; returns None when it does."""
+    try:
+        fn()
+    except exc as e:
+        text = str(e)
+        missing = [n for n in needles if n not in text]
+        assert not missing, f"error text lacks {missing}: {text}"
+        return None
+    raise AssertionError(f"expected {exc.__name__}, nothing was raised")
+
+
+# --------------------------------------------------------------------------- batteries
+
+def _prefill_cases(W):
+    """(name, kwargs) of the prefill checks; every sequence splits into 2W chunks."""
+    c = 2 * W
+    base = dict(Hq=4, Hkv=1, D=16)
+    cases = []
+    for overlapped in (False, True):
+        tag = "overlap" if overlapped else "gather"
+        cases += [
+            (f"{tag}-B2-S{5 * c}-H4-HKV1-zigzag-causal",
+             dict(B=2, Sq=5 * c, Sk=5 * c, causal=True, zigzag=True, **base)),
+            (f"{tag}-B1-S{3 * c}-H4-HKV4-zigzag-full",
+             dict(B=1, Sq=3 * c, Sk=3 * c, causal=False, zigzag=True, Hq=4, Hkv=4, D=16)),
+            (f"{tag}-B1-S{7 * W}-H4-HKV1-contiguous-causal",
+             dict(B=1, Sq=7 * W, Sk=7 * W, causal=True, zigzag=False, **base)),
+            (f"{tag}-B2-Sq{3 * c}-Sk{7 * c}-H8-HKV2-zigzag-causal-prefix",
+             dict(B=2, Sq=3 * c, Sk=7 * c, causal=True, zigzag=True, Hq=8, Hkv=2, D=16)),
+            (f"{tag}-B1-Sq{2 * W}-Sk{9 * W}-H4-HKV1-contiguous-causal-prefix",
+             dict(B=1, Sq=2 * W, Sk=9 * W, causal=True, zigzag=False, **base)),
+            (f"{tag}-B1-S{c}-H4-HKV1-zigzag-causal-one-token-chunks",
+             dict(B=1, Sq=c, Sk=c, causal=True, zigzag=True, **base)),
+        ]
+    return cases
+
+
+def _varlen_cases(W):
+    c = 2 * W
+    return [
+        ("varlen-zigzag-causal-prefix", dict(lq=[3 * c, c, 2 * c], lk=[3 * c, 3 * c, 5 * c],
+                                             causal=True, zigzag=True)),
+        ("varlen-zigzag-causal-maxgiven", dict(lq=[c, 4 * c], lk=[c, 4 * c], causal=True,
+                                               zigzag=True, give_max=True)),
+        ("varlen-contiguous-causal-prefix", dict(lq=[2 * W, 5 * W], lk=[4 * W, 5 * W],
+                                                 causal=True, zigzag=False)),
+        ("varlen-zigzag-full-empty-seq", dict(lq=[2 * c, 0, c], lk=[2 * c, c, 3 * c],
+                                              causal=False, zigzag=True)),
+    ]
+
+
+def battery_main(rank, W):
+    """Every mode against the reference (impl='reference', fp32), then bad input."""
+    import wsattn.sp as sp
+    res = {}
+    kw = dict(impl="reference", dtype=torch.float32, device="cpu")
+    for i, (name, case) in enumerate(_prefill_cases(W)):
+        _run_check(res, name, lambda: check_prefill(rank, W, **case, **kw, seed=i,
+                                                    overlapped=name.startswith("overlap")))
+    for i, (name, case) in enumerate(_varlen_cases(W)):
+        _run_check(res, name, lambda: check_prefill_varlen(rank, W, Hq=4, Hkv=2, D=16, **case,
+                                                           **kw, seed=100 + i))
+    empty_seen = {}
+
+    def decode_case():
+        empty_seen["any"] = check_decode(rank, W, lens=[13 * W + 5, 1, 2 * W + 1, 40], Hq=8,
+                                         Hkv=2, D=16, page=4, seed=200, **kw)
+        # the 1-token sequence leaves ranks 0..W-2 with nothing of it
+        assert empty_seen["any"] or rank == W - 1, "this rank was meant to hold an empty shard"
+    _run_check(res, "decode-B4-H8-HKV2-paged-empty-shards", decode_case)
+    _run_check(res, "decode-B1-H4-HKV4-auto-exchange",
+               lambda: check_decode(rank, W, lens=[50], Hq=4, Hkv=4, D=16, page=8, seed=201,
+                                    exchange="auto", **kw) and None)
+
+    def exchange_fallback():
+        ex = sp.StateExchange.get(torch.distributed.group.WORLD, (4, 8, 17), torch.device("cpu"))
+        assert ex.method == "allgather" and "needs CUDA" in (ex.fallback_reason or ""), ex.fallback_reason
+    _run_check(res, "decode-exchange-falls-back-on-gloo", exchange_fallback)
+    res.update(battery_bad_input(rank, W))
+    return res
+
+
+def battery_bad_input(rank, W):
+    """Each bad input raises the same error on every rank, and nobody hangs."""
+    import wsattn.sp as sp
+    from wsattn.sp.sharding import shard_kv_cache_blocks
+    res = {}
+    x = lambda *s: torch.randn(*s)  # noqa: E731
+
+    # shard sizes that disagree: rank 0 holds 2W more query tokens
+    sq = 4 if rank else 4 + 2 * W
+    _run_check(res, "bad-shard-sizes-disagree", lambda: expect_error(
+        lambda: sp.prefill(x(1, sq, 2, 16), x(1, 4, 2, 16), x(1, 4, 2, 16), causal=False),
+        sp.ShardError, "q shard length", "rank 0: " + str(4 + 2 * W)))
+    # a shard that cannot be split into zig-zag's two chunks, on every rank
+    _run_check(res, "bad-zigzag-odd-shard", lambda: expect_error(
+        lambda: sp.prefill(x(1, 3, 2, 16), x(1, 3, 2, 16), x(1, 3, 2, 16)),
+        sp.ShardError, "zig-zag", str(2 * W)))
+    # a tensor on the wrong device on the last rank only: every rank names that rank
+    dev = "meta" if rank == W - 1 else "cpu"
+    _run_check(res, "bad-device-one-rank", lambda: expect_error(
+        lambda: sp.prefill(torch.empty(1, 4, 2, 16, device=dev), x(1, 4, 2, 16), x(1, 4, 2, 16)),
+        sp.ShardError, f"rank {W - 1}", "meta"))
+    # decode shards with mismatched batch across ranks
+    bq = 2 if rank else 3
+    _run_check(res, "bad-decode-batch-disagrees", lambda: expect_error(
+        lambda: sp.decode(x(bq, 4, 16), x(4, 8, 2, 16), x(4, 8, 2, 16),
+                          torch.ones(bq, dtype=torch.int32), torch.zeros(bq, 1, dtype=torch.int32)),
+        sp.ShardError, "batch"))
+
+    # invariant-decode shards built for 2W ranks, used on a group of W: wrong group size
+    def wrong_group():
+        k = x(1, 64, 2, 16)
+        kp, vp, table, blens = shard_kv_cache_blocks(k, k, [64], 2 * W, rank, 8, 8, 4)
+        sp.invariant_decode(x(1, 4, 16), kp, vp, blens, table, 8)
+    _run_check(res, "bad-invariant-group-size", lambda: expect_error(
+        wrong_group, sp.ShardError, "group of size", "another number of ranks"))
+    return res
+
+
+def battery_timeout(rank, W):
+    """A rank that never joins: the others raise TimeoutError with a message."""
+    import wsattn.sp as sp
+    res = {}
+    if rank == 0:
+        _run_check(res, "timeout-missing-peer", lambda: expect_error(
+            lambda: sp.prefill(torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16),
+                               torch.randn(1, 4, 2, 16), timeout_s=3),
+            TimeoutError, "never called prefill", "WSATTN_SP_TIMEOUT"))
+    else:
+        import time
+        time.sleep(5)
+        res["timeout-missing-peer"] = None
+    return res
+
+
+def battery_interpreter(rank, W):
+    """The Triton kernels (TRITON_INTERPRET=1, fp16, D=64) under the sp modes."""
+    res = {}
+    kw = dict(impl="triton", dtype=torch.float16, device="cpu")
+    c = 2 * W
+    cases = [
+        ("triton-gather-B2-S" + str(3 * c) + "-H4-HKV1-zigzag-causal",
+         dict(B=2, Sq=3 * c, Sk=3 * c, Hq=4, Hkv=1, D=64, causal=True, zigzag=True, overlapped=False)),
+        ("triton-overlap-B1-Sq" + str(2 * c) + "-Sk" + str(5 * c) + "-H4-HKV2-zigzag-causal-prefix",
+         dict(B=1, Sq=2 * c, Sk=5 * c, Hq=4, Hkv=2, D=64, causal=True, zigzag=True, overlapped=True)),
+    ]
+    for i, (name, case) in enumerate(cases):
+        _run_check(res, name, lambda: check_prefill(rank, W, **case, **kw, seed=300 + i))
+    _run_check(res, "triton-varlen-zigzag-causal-prefix", lambda: check_prefill_varlen(
+        rank, W, lq=[c, 2 * c], lk=[3 * c, 2 * c], Hq=4, Hkv=2, D=64, causal=True, zigzag=True,
+        **kw, seed=310))
+    return res
+
+
+def battery_interpreter_decode(rank, W):
+    """The Triton decode kernel under sp.decode and sp.invariant_decode."""
+    res = {}
+    kw = dict(impl="triton", dtype=torch.float16, device="cpu")
+    _run_check(res, "triton-decode-B3-H4-HKV2-empty-shards", lambda: check_decode(
+        rank, W, lens=[37, 1, 20], Hq=4, Hkv=2, D=64, page=16, seed=320, **kw) and None)
+    _run_check(res, "invariant-triton", lambda: invariant_output(rank, W, **kw))
+    return res
+
+
+def battery_invariant(rank, W):
+    res = {}
+    _run_check(res, "invariant-reference",
+               lambda: invariant_output(rank, W, impl="reference", dtype=torch.float32,
+                                        device="cpu"))
+    return res
+
+
+def battery_nccl(rank, W):
+    """The GPU battery: realistic sizes, bf16, the library's best kernels, NCCL."""
+    import wsattn.sp as sp
+    res = {}
+    dev = f"cuda:{rank}"
+    kw = dict(impl="auto", dtype=torch.bfloat16, device=dev)
+    c = 2 * W
+    for i, (name, case) in enumerate([
+        ("nccl-gather-B2-S4096-H32-HKV8-D128-zigzag-causal",
+         dict(B=2, Sq=4096, Sk=4096, causal=True, zigzag=True, overlapped=False)),
+        ("nccl-overlap-B1-S8192-H32-HKV8-D128-zigzag-causal",
+         dict(B=1, Sq=8192, Sk=8192, causal=True, zigzag=True, overlapped=True)),
+        ("nccl-overlap-B1-Sq2048-Sk6144-H32-HKV8-D128-zigzag-causal-prefix",
+         dict(B=1, Sq=2048, Sk=6144, causal=True, zigzag=True, overlapped=True)),
+        ("nccl-gather-B1-S" + str(300 * W) + "-H32-HKV8-D128-contiguous-causal",
+         dict(B=1, Sq=300 * W, Sk=300 * W, causal=True, zigzag=False, overlapped=False)),
+    ]):
+        _run_check(res, name, lambda: check_prefill(rank, W, Hq=32, Hkv=8, D=128, **case, **kw,
+                                                    seed=400 + i))
+    _run_check(res, "nccl-varlen-zigzag-causal-prefix", lambda: check_prefill_varlen(
+        rank, W, lq=[512 * c, 17 * c, 100 * c], lk=[512 * c, 300 * c, 100 * c], Hq=32, Hkv=8,
+        D=128, causal=True, zigzag=True, give_max=True, seed=410, **kw))
+    for ex in ("allgather", "symm"):
+        _run_check(res, f"nccl-decode-{ex}-B16-H32-HKV8-D128-empty-shards", lambda: check_decode(
+            rank, W, lens=[1, 5000, 70000, 3] + [4096] * 12, Hq=32, Hkv=8, D=128, page=64,
+            seed=420, exchange=ex, **kw) and None)
+    _run_check(res, "invariant-nccl", lambda: invariant_output(
+        rank, W, impl="auto", dtype=torch.bfloat16, device=dev, lens=(70000, 1, 4096, 333),
+        block_tokens=4096, n_blocks=18, Hq=32, Hkv=8, D=128, page=64))
+    res.update(battery_bad_input_nccl(rank, W))
+    return res
+
+
+def battery_bad_input_nccl(rank, W):
+    import wsattn.sp as sp
+    res = {}
+    dev = torch.device("cuda", rank)
+    other = "cpu" if rank == W - 1 else dev
+    _run_check(res, "nccl-bad-device-one-rank", lambda: expect_error(
+        lambda: sp.prefill(torch.randn(1, 4, 2, 64, device=other), torch.randn(1, 4, 2, 64, device=dev),
+                           torch.randn(1, 4, 2, 64, device=dev)),
+        sp.ShardError, f"rank {W - 1}", "NCCL"))
+    return res
+
+
+BATTERIES = {
+    "main": battery_main, "timeout": battery_timeout, "interpreter": battery_interpreter,
+    "interpreter_decode": battery_interpreter_decode, "invariant": battery_invariant,
+    "nccl": battery_nccl,
+}

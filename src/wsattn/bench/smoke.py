@@ -138,8 +138,15 @@ def patch_interpreter_for_numpy_2_4() -> bool:
 
 
 def main(argv=None) -> int:
+    import argparse
+
     import numpy as np
     import triton
+
+    parser = argparse.ArgumentParser(prog="python -m wsattn.bench.smoke", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", metavar="TEXT", help="run only the cases whose name contains TEXT")
+    args = parser.parse_args(argv)
 
     if not triton.knobs.runtime.interpret:
         print("smoke: TRITON_INTERPRET=1 did not take effect", file=sys.stderr)
@@ -149,7 +156,11 @@ def main(argv=None) -> int:
         print(f"(numpy {np.__version__}: Triton 3.6's interpreter patched to index scalars the "
               "numpy >= 2.4 way, triton-lang/triton#9171)")
     failures = 0
-    for name, run in cases():
+    selected = [(n, r) for n, r in cases() if not args.only or args.only in n]
+    if not selected:
+        print(f"smoke: no case name contains {args.only!r}", file=sys.stderr)
+        return 2
+    for name, run in selected:
         for dname, dtype in DTYPES.items():
             t0 = time.perf_counter()
             try:

@@ -1,0 +1,335 @@
+"""wsattn bench on CPU: the stamp, the rows and their arithmetic, the plot, check-before-time
+with fake runners, the missing-GPU exit, the SP hook and the interpreter smoke run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import wsattn.cli
+from wsattn import reference
+from wsattn.bench import cli as bench_cli
+from wsattn.bench import env, plot, report, suite
+from wsattn.bench.cases import DecodeCase, PrefillCase, decode_cases, prefill_cases, tbps, tflops
+from wsattn.bench.ceilings import Ceiling
+from wsattn.bench.runners import (NotAvailable, Prepared, Runner, SdpaRunner, WsattnRunner,
+                                  check_output, make_inputs)
+from wsattn.bench.timing import Timing, summarize
+
+TIMING = Timing(median_ms=2.0, q20_ms=1.9, q80_ms=2.2, reps=50)
+SMALL = [
+    pytest.param(PrefillCase(2, 33, 4, 2, 64, True, "fp32"), id="prefill-B2-S33-H4-HKV2-D64-causal"),
+    pytest.param(PrefillCase(1, 300, 2, 2, 64, False, "fp16"), id="prefill-B1-S300-H2-D64-full"),
+    pytest.param(DecodeCase(2, 100, 8, 1, 64, None, "fp32"), id="decode-B2-L100-H8-HKV1-D64-contiguous"),
+    pytest.param(DecodeCase(3, 77, 8, 2, 64, 16, "fp16"), id="decode-B3-L77-H8-HKV2-D64-page16"),
+]
+
+
+def _stamp():
+    return {"gpu": "none", "commit": "abc", "date": "2026-11-29T14:00:00Z", "torch": "x", "triton": "y"}
+
+
+# --------------------------------------------------------------------------- stamp
+
+def test_stamp_on_cpu_says_none_for_gpu_fields(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    s = env.stamp()
+    for field in ("gpu", "cc", "num_sms", "driver", "cudnn"):
+        assert s[field] == env.NONE, field
+    import triton
+    assert s["torch"] == torch.__version__ and s["triton"] == triton.__version__
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", s["date"])
+    assert s["commit"]
+    host = socket.gethostname()
+    assert len(host) < 4 or host not in json.dumps(s), "the stamp must not carry the host name"
+
+
+def test_commit_override_and_json_path(monkeypatch):
+    monkeypatch.setenv("WSATTN_COMMIT", "deadbeef")
+    assert env.git_commit() == "deadbeef"
+    s = {"gpu": "NVIDIA H200", "date": "2026-11-29T14:05:09Z", "commit": "deadbeef-dirty"}
+    path = env.default_json_path(s)
+    assert path.parent == env.REPO_ROOT / "benchmarks" / "results"
+    assert path.name == "bench_nvidia-h200_20261129T1405_deadbeef-dirty.json"
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+def test_prefill_flops_halved_when_causal():
+    full = PrefillCase(4, 4096, 16, 16, 128, False)
+    assert full.flops() == 4 * 4 * 16 * 4096 * 4096 * 128
+    assert PrefillCase(4, 4096, 16, 16, 128, True).flops() == full.flops() / 2
+    # FACTS.md: cuDNN reaches about 610 TFLOP/s at this shape, i.e. 0.9 ms
+    assert tflops(full.flops(), 0.9) == pytest.approx(610.8, abs=0.1)
+
+
+def test_decode_bytes_count_kv_once_plus_q_and_out():
+    case = DecodeCase(64, 8192, 32, 8, 128, None)
+    kv = 2 * 64 * 8192 * 8 * 128 * 2
+    assert case.bytes_moved() == kv + 2 * 64 * 32 * 128 * 2
+    assert DecodeCase(64, 8192, 32, 8, 128, 16).bytes_moved() == case.bytes_moved()
+    # FACTS.md: cuDNN at this shape, 496 us for 4.33 TB/s
+    assert tbps(case.bytes_moved(), 0.496) == pytest.approx(4.33, abs=0.01)
+
+
+def test_shapes_follow_facts():
+    """16k tokens per batch and hidden 2048 for prefill; Hq32/Hkv8/D128 decode."""
+    pre = prefill_cases()
+    assert len(pre) == 16 and all(c.B * c.N == 16384 and c.H * c.D == 2048 for c in pre)
+    assert {(c.D, c.N, c.causal) for c in pre} == {
+        (d, n, cz) for d in (128, 64) for n in (1024, 4096, 8192, 16384) for cz in (False, True)}
+    dec = decode_cases()
+    assert {(c.B, c.L) for c in dec} == {(64, 8192), (8, 65536), (1, 131072)}
+    assert {c.page_size for c in dec} == {None, 16, 64}
+    assert all((c.HQ, c.HKV, c.D) == (32, 8, 128) for c in dec)
+    assert set(prefill_cases(quick=True)) < set(pre) and set(decode_cases(quick=True)) < set(dec)
+
+
+def test_summarize_median_and_quantiles():
+    t = summarize([5, 1, 4, 2, 3])
+    assert (t.median_ms, t.q20_ms, t.q80_ms, t.reps) == (3, 1.8, 4.2, 5)
+
+
+# --------------------------------------------------------------------------- rows
+
+def test_row_has_stamp_shape_check_and_throughput():
+    case = PrefillCase(4, 4096, 16, 16, 128, True)
+    check = types.SimpleNamespace(rel_err=3e-3, tol=2e-2, passed=True, where="slice")
+    row = report.make_row(_stamp(), case, "triton", "ok", check=check, timing=TIMING)
+    assert row["commit"] == "abc" and row["gpu"] == "none"
+    assert (row["op"], row["B"], row["Sq"], row["Hq"], row["D"], row["causal"], row["dtype"]) == \
+        ("prefill", 4, 4096, 16, 128, True, "bf16")
+    assert (row["median_ms"], row["q20_ms"], row["q80_ms"]) == (2.0, 1.9, 2.2)
+    assert row["tflops"] == pytest.approx(case.flops() / 2e-3 / 1e12)
+    assert row["tbps"] is None and row["rel_err"] == 3e-3 and row["check_passed"] is True
+    assert set(report.RESULT_FIELDS) <= set(row)
+
+
+def test_ok_row_needs_a_passed_check():
+    case = PrefillCase(4, 4096, 16, 16, 128, False)
+    failed = types.SimpleNamespace(rel_err=1.0, tol=2e-2, passed=False, where="")
+    with pytest.raises(ValueError, match="passed check"):
+        report.make_row(_stamp(), case, "triton", "ok", check=failed, timing=TIMING)
+
+
+def _ok(case, impl, ms):
+    check = types.SimpleNamespace(rel_err=1e-3, tol=2e-2, passed=True, where="")
+    return report.make_row(_stamp(), case, impl, "ok", check=check,
+                           timing=Timing(ms, ms, ms, 1))
+
+
+def test_ratios_to_cudnn_triton_ceilings_and_contiguous():
+    pre = PrefillCase(4, 4096, 16, 16, 128, False)
+    dec = DecodeCase(64, 8192, 32, 8, 128, None)
+    paged = DecodeCase(64, 8192, 32, 8, 128, 16)
+    rows = [_ok(pre, "sdpa-cudnn", 1.0), _ok(pre, "triton", 1.25), _ok(pre, "gluon", 0.8),
+            _ok(dec, "sdpa-cudnn", 0.5), _ok(dec, "triton", 0.55), _ok(paged, "triton", 0.6)]
+    ceilings = {"matmul": Ceiling("matmul", "", TIMING, 700.0, "TFLOP/s"),
+                "copy": Ceiling("copy", "", TIMING, 4.0, "TB/s")}
+    report.add_ratios(rows, ceilings)
+    cudnn, triton, gluon, dcudnn, dtriton, dpaged = rows
+    assert triton["ratio_cudnn"] == pytest.approx(0.8)
+    assert gluon["ratio_cudnn"] == pytest.approx(1.25) and gluon["ratio_triton"] == pytest.approx(1.5625)
+    assert triton["ratio_triton"] is None, "a row is not compared with itself"
+    assert gluon["ratio_matmul"] == pytest.approx(gluon["tflops"] / 700.0)
+    assert dtriton["ratio_cudnn"] == pytest.approx(0.5 / 0.55)
+    assert dtriton["frac_copy"] == pytest.approx(dtriton["tbps"] / 4.0)
+    assert dpaged["ratio_contiguous"] == pytest.approx(0.55 / 0.6)
+    assert dpaged["ratio_cudnn"] == pytest.approx(0.5 / 0.6)
+    assert dtriton["ratio_contiguous"] is None and cudnn["ratio_cudnn"] is None
+
+
+def test_json_rows_and_table(tmp_path):
+    case = DecodeCase(8, 65536, 32, 8, 128, 64)
+    failed = types.SimpleNamespace(rel_err=math.inf, tol=2e-2, passed=False, where="")
+    rows = [_ok(case, "triton", 0.5),
+            report.make_row(_stamp(), case, "sdpa-flash", "failed", check=failed, reason="NaN"),
+            report.make_row(_stamp(), PrefillCase(1, 16384, 16, 16, 128, True), "gluon",
+                            "not available", reason="not built yet")]
+    path = report.write_json(rows, tmp_path / "sub" / "r.json")
+    back = json.loads(path.read_text())
+    assert [r["status"] for r in back] == ["ok", "failed", "not available"]
+    assert back[1]["rel_err"] == "inf" and back[1]["median_ms"] is None
+    table = report.format_table(rows)
+    assert "TB/s" in table and "TFLOP/s" in table and "not available: not built yet" in table
+
+
+# --------------------------------------------------------------------------- plot
+
+def _plot_rows():
+    rows = [_ok(PrefillCase(16384 // n, n, 16, 16, 128, False), impl, ms * n / 1024)
+            for n in (1024, 4096) for impl, ms in (("triton", 1.2), ("sdpa-cudnn", 1.0))]
+    rows += [_ok(DecodeCase(64, 8192, 32, 8, 128, None), "triton", 0.5)]
+    rows += [report.ceiling_row(_stamp(), Ceiling("copy", "copy", TIMING, 4.2, "TB/s"))]
+    return rows
+
+
+def test_plot_writes_png(tmp_path):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        path, message = plot.plot_rows(_plot_rows(), tmp_path / "p.png")
+        assert path is None and message == plot.MISSING
+        return
+    path, message = plot.plot_rows(_plot_rows(), tmp_path / "p.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(path) in message
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    path, message = plot.plot_rows(_plot_rows(), tmp_path / "p.png")
+    assert path is None and "matplotlib is not installed" in message
+    assert not (tmp_path / "p.png").exists()
+
+
+# --------------------------------------------------------------------------- check, then time
+
+class FakeRunner(Runner):
+    ops = ("prefill", "decode")
+
+    def __init__(self, name, make):
+        self.name, self.make = name, make
+
+    def prepare(self, case, inp):
+        return Prepared(lambda: self.make(case, inp), lambda: self.make(case, inp))
+
+
+def _reference_out(case, inp):
+    if case.op == "prefill":
+        out, _ = reference.attention(inp.q, inp.k, inp.v, case.causal, inp.scale)
+    else:
+        out, _ = reference.decode(inp.q, inp.k_cache, inp.v_cache, inp.seqlens, inp.block_table,
+                                  inp.scale)
+    return out.to(inp.q.dtype)
+
+
+class CountingTimer:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, fn):
+        self.calls += 1
+        fn()
+        return TIMING
+
+
+@pytest.mark.parametrize("case", SMALL)
+def test_correct_output_is_checked_then_timed(case):
+    timer = CountingTimer()
+    rows = suite.run_cases([case], [FakeRunner("right", _reference_out)], timer, _stamp(), "cpu")
+    (row,) = rows
+    assert row["status"] == "ok", row["reason"]
+    assert row["rel_err"] < 1e-3 and timer.calls == 1 and row["median_ms"] == 2.0
+
+
+@pytest.mark.parametrize("case", SMALL)
+def test_wrong_output_is_recorded_failed_and_not_timed(case):
+    def wrong(case, inp):
+        out = _reference_out(case, inp)
+        if case.op == "prefill":  # wrong only in the last query rows of the last batch element
+            out[-1, -1] += 1.0
+        else:
+            out[-1] += 1.0
+        return out
+
+    timer = CountingTimer()
+    (row,) = suite.run_cases([case], [FakeRunner("wrong", wrong)], timer, _stamp(), "cpu")
+    assert row["status"] == "failed" and row["check_passed"] is False
+    assert row["rel_err"] > row["tol"] and "not timed" in row["reason"]
+    assert timer.calls == 0 and row["median_ms"] is None and row["tflops"] is None
+
+
+def test_nan_output_fails_the_check():
+    case = PrefillCase(1, 17, 2, 2, 64, False, "fp32")
+    inp = make_inputs(case, "cpu")
+    out = _reference_out(case, inp)
+    out[0, 3, 1, 7] = float("nan")
+    assert check_output(inp, out).rel_err == math.inf and not check_output(inp, out).passed
+
+
+def test_unavailable_and_raising_runners_do_not_stop_the_run():
+    def refuse(case, inp):
+        raise NotAvailable("no kernel for this GPU")
+
+    def crash(case, inp):
+        raise RuntimeError("illegal memory access\nmore lines")
+
+    timer = CountingTimer()
+    case = PrefillCase(1, 17, 2, 2, 64, True, "fp32")
+    runners = [FakeRunner("refuse", refuse), FakeRunner("crash", crash),
+               FakeRunner("right", _reference_out)]
+    rows = suite.run_cases([case], runners, timer, _stamp(), "cpu")
+    assert [(r["impl"], r["status"]) for r in rows] == \
+        [("refuse", "not available"), ("crash", "error"), ("right", "ok")]
+    assert rows[0]["reason"] == "no kernel for this GPU"
+    assert rows[1]["reason"] == "RuntimeError: illegal memory access"
+    assert timer.calls == 1
+
+
+def test_wsattn_impl_refusing_the_call_is_not_available(monkeypatch):
+    """impl='gluon' raising ValueError (here: CPU tensors) becomes 'not available: <why>'."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    case = PrefillCase(1, 17, 2, 2, 64, False, "fp32")
+    timer = CountingTimer()
+    (row,) = suite.run_cases([case], [WsattnRunner("gluon", ops=("prefill",))], timer,
+                             _stamp(), "cpu")
+    assert row["status"] == "not available" and "gluon" in row["reason"] and timer.calls == 0
+
+
+def test_sdpa_peer_skips_paged_decode_and_reports_missing_backend():
+    runner = SdpaRunner("sdpa-cudnn", "CUDNN_ATTENTION")
+    assert not runner.applies(DecodeCase(2, 100, 8, 2, 64, 16, "fp32"))
+    case = PrefillCase(1, 17, 2, 2, 64, False, "fp32")
+    (row,) = suite.run_cases([case], [runner], CountingTimer(), _stamp(), "cpu")
+    if row["status"] != "ok":  # cuDNN attention does not run on CPU tensors
+        assert row["status"] == "not available" and "CUDNN_ATTENTION" in row["reason"]
+
+
+# --------------------------------------------------------------------------- command line
+
+def test_bench_without_gpu_exits_2_with_message(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert wsattn.cli.main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "wsattn bench needs a CUDA GPU" in err and "wsattn.bench.smoke" in err
+
+
+def test_console_bench_without_gpu_exits_2():
+    env_ = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "wsattn.cli", "bench", "decode", "--quick"],
+                         capture_output=True, text=True, env=env_, timeout=120)
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr
+
+
+def test_bench_sp_hook(monkeypatch, capsys):
+    """`wsattn bench sp` dispatches to wsattn.sp.bench.main(args), or says it is not built."""
+    monkeypatch.setattr(bench_cli, "SP_MODULE", "wsattn.sp.bench_not_here")
+    assert wsattn.cli.main(["bench", "sp"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+    seen = {}
+    fake = types.ModuleType("wsattn_fake_sp_bench")
+    fake.add_arguments = lambda group: group.add_argument("--world", type=int, default=1)
+    fake.main = lambda args: seen.setdefault("args", args) and 0
+    monkeypatch.setitem(sys.modules, "wsattn_fake_sp_bench", fake)
+    monkeypatch.setattr(bench_cli, "SP_MODULE", "wsattn_fake_sp_bench")
+    assert wsattn.cli.main(["bench", "sp", "--world", "2", "--quick"]) == 0
+    assert seen["args"].world == 2 and seen["args"].quick
+
+
+def test_smoke_run_sets_the_interpreter_before_triton():
+    """The smoke module runs the kernels through the interpreter in a fresh process."""
+    env_ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "wsattn.bench.smoke", "--only", "merge_states"],
+                         capture_output=True, text=True, env=env_, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("ok    merge_states") == 2 and "all passed" in res.stdout

@@ -62,12 +62,16 @@ class CompileResult:
     def sass(self) -> str | None:
         """SASS from the cubin through the bundled cuobjdump (computed once, None if it fails)."""
         if self._sass is None and "cubin" in self.stages:
-            try:
-                from triton.tools.disasm import get_sass
-                self._sass = get_sass(self.stages["cubin"])
-            except Exception as e:  # a missing cuobjdump must not sink the structure gate
-                self._sass = ""
-                self.metadata.setdefault("sass_error", f"{type(e).__name__}: {e}")
+            with _capture_fd2() as err:
+                try:
+                    from triton.tools.disasm import get_sass
+                    self._sass = get_sass(self.stages["cubin"])
+                except Exception as e:  # e.g. the bundled nvdisasm cannot decode sm_103
+                    self._sass = ""
+                    self.metadata["sass_error"] = type(e).__name__
+            if not self._sass:
+                why = " ".join(err["text"].split())[:200] or self.metadata.get("sass_error", "")
+                self.metadata["sass_error"] = f"no SASS from the bundled cuobjdump/nvdisasm: {why}"
         return self._sass or None
 
 

@@ -76,7 +76,9 @@ class Structure:
     regs_per_cta: int | None = None
     shared_bytes: int | None = None
     num_warps_total: int | None = None
-    spills: bool | None = None
+    spills: bool | None = None       # local memory in use: LDL/STL in SASS or a stack frame
+    local_bytes: int | None = None   # stack + local bytes per thread (cuobjdump -res-usage)
+    sass_error: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -308,12 +310,16 @@ def analyse(compiled, fn, signature, options) -> Structure:
     res = resource_usage(compiled.stages["cubin"]) if "cubin" in compiled.stages else None
     if res:
         st.regs_per_thread = res["regs_per_thread"]
+        st.local_bytes = res["stack_bytes"] + res["local_bytes"]
+        st.spills = st.local_bytes > 0
         if st.num_warps_total:
             st.regs_per_cta = res["regs_per_thread"] * 32 * st.num_warps_total
     sass = compiled.sass
     if sass:
         st.sass = sass_census(sass)
-        st.spills = bool(st.sass["LDL"] or st.sass["STL"])
+        st.spills = bool(st.spills or st.sass["LDL"] or st.sass["STL"])
+    else:
+        st.sass_error = compiled.metadata.get("sass_error")
     return st
 
 

@@ -1,0 +1,157 @@
+"""``wsattn ladder`` and ``wsattn targets``: registered by ``add_parser(subparsers)``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..target import KNOWN_CCS
+
+
+def _default_targets() -> list:
+    from .launch import device_cc
+    cc = device_cc()
+    if cc is not None and f"sm_{cc}" in KNOWN_CCS:
+        return [f"sm_{cc}"]
+    return list(KNOWN_CCS)
+
+
+def _specs(kernels, spec_files) -> list:
+    from . import library
+    from .spec import load_file, load_ref
+    specs = []
+    for path in spec_files or []:
+        specs += load_file(path)
+    for name in kernels or []:
+        specs += load_ref(name) if ":" in name else [library.get(name)]
+    if not kernels and not spec_files:
+        specs = library.all_specs()
+    return specs
+
+
+def _targets(requested) -> tuple[list, list]:
+    targets = requested or _default_targets()
+    good = [t for t in dict.fromkeys(targets) if t in KNOWN_CCS]
+    bad = [t for t in dict.fromkeys(targets) if t not in KNOWN_CCS]
+    return good, bad
+
+
+def _progress(total, desc):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc=desc, unit="kernel-target", file=sys.stderr, leave=False)
+    except Exception:
+        class _Null:
+            def update(self, n=1): pass
+            def set_postfix_str(self, s): pass
+            def close(self): pass
+        return _Null()
+
+
+def _climb_all(specs, targets, config, desc):
+    from .ladder import climb
+    results, cache = [], {}
+    bar = _progress(len(specs) * len(targets), desc)
+    try:
+        for spec in specs:
+            for t in targets:
+                bar.set_postfix_str(f"{spec.name} {t}")
+                results.append(climb(spec, t, config, cache))
+                bar.update(1)
+    finally:
+        bar.close()
+    return results
+
+
+def run_ladder(args) -> int:
+    """Climb the evidence ladder for kernels x targets and report."""
+    from . import report
+    from .ladder import FAIL, Config
+    targets, bad = _targets(args.target)
+    for t in bad:
+        print(f"error: unknown target {t!r}: expected one of {', '.join(KNOWN_CCS)} (skipped)",
+              file=sys.stderr)
+    specs = _specs(args.kernels, args.spec)
+    for s in specs:
+        if s.unavailable:
+            print(f"error: {s.name}: {s.unavailable}", file=sys.stderr)
+    config = Config(max_gate=args.max_gate, numerics_shapes=args.numerics_shapes,
+                    interpreter_numerics=not args.no_interpreter, interpreter_shapes=args.interpreter_shapes,
+                    stress_launches=args.stress_launches, stress_timeout=args.stress_timeout,
+                    profile_repeats=args.profile_repeats, strict_ws=args.strict_ws, seed=args.seed)
+    results = _climb_all(specs, targets, config, "ladder")
+    print(report.table(results))
+    if args.json:
+        report.to_json(results, args.json, {"targets": targets, "config": vars(config)})
+        print(f"wrote {args.json}")
+    if args.markdown:
+        report.to_markdown(results, args.markdown)
+        print(f"wrote {args.markdown}")
+    failed = bool(bad) or any(g.status == FAIL for r in results for g in list(r.gates) + list(r.extra))
+    return 1 if failed else 0
+
+
+def run_targets(args) -> int:
+    """The card ledger: every library kernel against every target, compiled with no GPU."""
+    import json
+
+    from . import report
+    from .ladder import Config
+    targets, bad = _targets(args.target or list(KNOWN_CCS))
+    for t in bad:
+        print(f"error: unknown target {t!r}: expected one of {', '.join(KNOWN_CCS)} (skipped)",
+              file=sys.stderr)
+    specs = _specs(args.kernels, args.spec)
+    results = _climb_all(specs, targets, Config(max_gate=2, interpreter_numerics=False), "targets")
+    rows = [report.ledger_row(r) for r in results]
+    print(report.ledger_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": report.environment(), "rows": rows}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 1 if bad else 0
+
+
+def add_parser(subparsers):
+    """Register ``ladder`` and ``targets``; returns the ladder parser."""
+    p = subparsers.add_parser(
+        "ladder", help="climb the evidence ladder (compile -> structure -> launch -> numerics -> "
+                       "stress -> profile) for kernels and targets",
+        description=__doc__ + "\n\nGates: 0 target path, 1 compile, 2 structure, 3 launch, "
+        "4 numerics, 5 stress, 6 profile. A kernel stops at the first gate it fails; the verdict "
+        "never claims more than the highest gate reached. Without a GPU the default climbs gates "
+        "0-2 for all targets and runs numerics through the Triton interpreter at small sizes; on "
+        "a GPU it climbs all gates for that GPU's target.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("kernels", nargs="*", metavar="KERNEL",
+                   help="library kernel name, or module:function giving a KernelSpec "
+                        "(default: every library kernel)")
+    p.add_argument("--target", action="append", metavar="sm_XX",
+                   help=f"target, repeatable: {', '.join(KNOWN_CCS)} (default: this GPU's, "
+                        "or all without a GPU)")
+    p.add_argument("--spec", action="append", metavar="FILE", help="a .py or .toml kernel spec file")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="write a Markdown report (+ a PNG chart)")
+    p.add_argument("--max-gate", type=int, default=6, choices=range(7), help="stop after this gate")
+    p.add_argument("--numerics-shapes", type=int, default=32, help="random shapes per dtype (GPU)")
+    p.add_argument("--interpreter-shapes", type=int, default=3,
+                   help="random small shapes for the interpreter numerics (no GPU)")
+    p.add_argument("--no-interpreter", action="store_true", help="skip the interpreter numerics")
+    p.add_argument("--stress-launches", type=int, default=2000)
+    p.add_argument("--stress-timeout", type=float, default=600.0, help="watchdog seconds")
+    p.add_argument("--profile-repeats", type=int, default=7)
+    p.add_argument("--strict-ws", action="store_true",
+                   help="fail gate 2 when warp specialization is requested but does not form")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run_ladder)
+
+    t = subparsers.add_parser(
+        "targets", help="the card ledger: each library kernel's MMA path, TMA, warp "
+                        "specialization, registers and shared memory on every target",
+        description=run_targets.__doc__)
+    t.add_argument("kernels", nargs="*", metavar="KERNEL", help="default: every library kernel")
+    t.add_argument("--target", action="append", metavar="sm_XX", help="default: all known targets")
+    t.add_argument("--spec", action="append", metavar="FILE", help="a .py or .toml kernel spec file")
+    t.add_argument("--json", metavar="PATH", help="write the ledger as JSON")
+    t.set_defaults(func=run_targets)
+    return p

@@ -1,0 +1,218 @@
+"""Reports of ladder results: a terminal table, JSON, and Markdown with a profile chart.
+
+Symbols in the gate columns: ``+`` passed, ``X`` failed, ``-`` not run (no device, no
+runner), blank: not reached. An ``i`` under gate 4 marks numerics that passed through
+the interpreter only (``I`` where they failed there).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+
+from .ladder import FAIL, GATES, NOT_RUN, PASS
+
+_SYM = {PASS: "+", FAIL: "X", NOT_RUN: "-"}
+
+
+def _marks(r) -> list:
+    marks = [" "] * len(GATES)
+    for g in r.gates:
+        marks[g.gate] = _SYM.get(g.status, "?")
+    for g in r.extra:
+        if marks[4] == " " and g.status in (PASS, FAIL):
+            marks[4] = "i" if g.status == PASS else "I"
+    return marks
+
+
+def reached(r) -> str:
+    return f"{r.highest_gate} {GATES[r.highest_gate]}" if r.highest_gate >= 0 else "none"
+
+
+def table(results) -> str:
+    """The terminal table: one row per (kernel, target), verdict last."""
+    kw = max([len("kernel")] + [len(r.kernel) for r in results])
+    tw = max([len("target")] + [len(r.target) for r in results])
+    head = f"{'kernel':<{kw}}  {'target':<{tw}}  0 1 2 3 4 5 6  {'reached':<13}  verdict"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(f"{r.kernel:<{kw}}  {r.target:<{tw}}  {' '.join(_marks(r))}  {reached(r):<13}  {r.verdict}")
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    """Versions and machine, stamped on every JSON report."""
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "python": platform.python_version(), "host": platform.node()}
+    try:
+        import torch
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+            env["cc"] = "sm_%d%d" % torch.cuda.get_device_capability(0)
+            env["cuda"] = torch.version.cuda
+    except Exception:
+        pass
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except Exception:
+        pass
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                                           text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        pass
+    return env
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return str(x)
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def to_json(results, path, extra: dict | None = None) -> dict:
+    doc = {"environment": environment(), **(extra or {}),
+           "results": [_jsonable(r.to_dict()) for r in results]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    return doc
+
+
+# --------------------------------------------------------------------------- markdown
+
+def _profile_rows(results):
+    rows = []
+    for r in results:
+        for g in r.gates:
+            if g.gate == 6 and g.status == PASS:
+                for row in g.data.get("rows", []):
+                    rows.append((f"{r.kernel} {r.target}", g.data.get("baseline"), row))
+    return rows
+
+
+def _png_chart(rows, png_path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    labels = [f"{k}\n{row['shape']}" for k, _, row in rows]
+    ys = range(len(rows))
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.9 * len(rows)))
+    ax.barh([y + 0.2 for y in ys], [row["kernel_ms"] for _, _, row in rows], 0.4,
+            xerr=[row["kernel_spread_ms"] for _, _, row in rows], label="kernel")
+    ax.barh([y - 0.2 for y in ys], [row["baseline_ms"] for _, _, row in rows], 0.4,
+            xerr=[row["baseline_spread_ms"] for _, _, row in rows], label="baseline")
+    ax.set_yticks(list(ys), labels, fontsize=7)
+    ax.set_xlabel("median time per call, ms (error bar: max - min over repeats)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _text_chart(rows) -> list:
+    top = max(max(row["kernel_ms"], row["baseline_ms"]) for _, _, row in rows) or 1.0
+    out = ["```"]
+    for k, base, row in rows:
+        out.append(f"{k} @ {row['shape']}")
+        for name, ms, sp in (("kernel", row["kernel_ms"], row["kernel_spread_ms"]),
+                             (base or "baseline", row["baseline_ms"], row["baseline_spread_ms"])):
+            out.append(f"  {name[:28]:<28} {'#' * max(1, round(40 * ms / top)):<40} {ms:.3f} ms +-{sp:.3f}")
+    out.append("```")
+    return out
+
+
+def to_markdown(results, path) -> str:
+    """Markdown: the gate table, each verdict, and a bar chart of the profile gate."""
+    env = environment()
+    lines = ["# Evidence ladder", "",
+             "Gates: " + ", ".join(f"{i} {g}" for i, g in enumerate(GATES)) +
+             ". `+` passed, `X` failed, `-` not run, blank not reached, `i` numerics passed in the "
+             "interpreter only.", "",
+             "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
+             "| kernel | target | " + " | ".join(str(i) for i in range(len(GATES))) + " | reached | verdict |",
+             "|---|---|" + "---|" * len(GATES) + "---|---|"]
+    for r in results:
+        lines.append(f"| {r.kernel} | {r.target} | " + " | ".join(m if m != " " else "" for m in _marks(r))
+                     + f" | {reached(r)} | {r.verdict.replace('|', '/')} |")
+    lines += ["", "## Gate details", ""]
+    for r in results:
+        lines.append(f"### {r.kernel} on {r.target}")
+        for g in list(r.gates) + list(r.extra):
+            lines.append(f"- gate {g.gate} {g.name}: **{g.status}**: {g.detail}")
+        lines.append("")
+    rows = _profile_rows(results)
+    lines += ["## Profile", ""]
+    if not rows:
+        lines.append("The profile gate ran for no kernel here (it needs a device of the target's "
+                     "compute capability).")
+    else:
+        png = os.path.splitext(path)[0] + ".png"
+        if _png_chart(rows, png):
+            lines.append(f"![profile]({os.path.basename(png)})")
+        else:
+            lines += _text_chart(rows)
+    text = "\n".join(lines) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
+# --------------------------------------------------------------------------- the card ledger
+
+def ledger_row(r) -> dict:
+    """One row of ``wsattn targets`` from a ladder result climbed to gate 2."""
+    by = {g.gate: g for g in r.gates}
+    row = {"kernel": r.kernel, "target": r.target, "mma": "", "tma": "", "ws": "", "regs": "",
+           "shared": "", "note": ""}
+    g0, g1, g2 = by.get(0), by.get(1), by.get(2)
+    if g0 and g0.status == PASS:
+        row["mma"] = g0.data.get("mma") or f"({g0.data.get('mma_expected')}?)"
+        row["tma"] = "yes" if g0.data.get("tma") else ("no" if "mma" in g0.data else "")
+    if g0 and g0.status != PASS:
+        row["note"] = g0.detail
+    elif g1 and g1.status != PASS:
+        row["note"] = "does not compile: " + g1.detail
+    if g2:
+        d = g2.data
+        if d.get("ws_formed"):
+            row["ws"] = "formed: " + "/".join(f"{p['warps']}w" for p in d["partitions"])
+        elif d.get("ws_requested"):
+            row["ws"] = "DECLINED"
+            row["note"] = d.get("decline_reason") or ""
+        else:
+            row["ws"] = "not requested"
+        row["regs"] = d.get("regs_per_thread") if d.get("regs_per_thread") is not None else ""
+        row["shared"] = f"{d['shared_bytes'] / 1024:.0f} KiB" if d.get("shared_bytes") is not None else ""
+        if d.get("spills"):
+            row["note"] = (row["note"] + "; " if row["note"] else "") + \
+                f"local memory {d.get('local_bytes') or '?'} B/thread (spills or stack)"
+        if d.get("sass_error"):
+            row["note"] = (row["note"] + "; " if row["note"] else "") + "no SASS census (nvdisasm)"
+    return row
+
+
+def ledger_table(rows) -> str:
+    cols = [("kernel", "kernel"), ("target", "target"), ("mma", "MMA"), ("tma", "TMA"),
+            ("ws", "warp specialization"), ("regs", "regs/thread"), ("shared", "smem/CTA"), ("note", "note")]
+    widths = {k: max(len(h), *(len(str(r[k])) for r in rows)) if rows else len(h) for k, h in cols}
+    head = "  ".join(f"{h:<{widths[k]}}" for k, h in cols)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append("  ".join(f"{str(r[k]):<{widths[k]}}" for k, _ in cols).rstrip())
+    return "\n".join(lines)

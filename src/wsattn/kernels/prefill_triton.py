@@ -256,8 +256,9 @@ _TILES = {
     "big": {64: (128, 128, 8, 3), 128: (128, 128, 8, 2), 256: (64, 64, 4, 2)},
     # A100 (163 KiB smem, mma.sync, cp.async pipelining, no TMA).
     "sm80": {64: (128, 64, 4, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
-    # consumer Blackwell sm_120 (99 KiB smem).
-    "small": {64: (128, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 4, 1)},
+    # consumer Blackwell sm_120 (99 KiB smem, mma.sync): 8 warps keep D <= 128 free of
+    # spills; D = 256 uses pointer loads, whose TMA build spills (see the notes).
+    "small": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
 }
 # Triton 3.6 auto-WS forms only with num_warps = 4 (FACTS.md): one producer warp plus two
 # consumer warpgroups, 12 warps in total.
@@ -280,12 +281,12 @@ def default_settings(target: Target, head_dim: int, dtype: torch.dtype, causal: 
     if target.cc < 80:
         raise UnsupportedTargetError(f"the Triton prefill kernel needs sm_80 or later, got "
                                      f"{target.name}")
-    use_tma = target.has_tma
+    family = "sm80" if target.cc < 90 else "small" if target.cc >= 120 else "big"
+    use_tma = target.has_tma and not (family == "small" and head_dim == 256)
     ws = warp_specialize and use_tma and not causal
     if ws:
         bm, bn, warps, stages = _WS_TILES[head_dim]
     else:
-        family = "sm80" if target.cc < 90 else "small" if target.cc >= 120 else "big"
         bm, bn, warps, stages = _TILES[family][head_dim]
     if dtype == torch.float32:
         bn = max(16, bn // 2)

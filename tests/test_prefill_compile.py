@@ -1,0 +1,118 @@
+"""Compile-only checks of the Triton prefill kernel for GPU targets (no GPU needed).
+
+Each test compiles the library's own kernel through ``prefill_triton.compile_spec`` with
+its default settings for the target, then reads the PTX: wgmma and TMA bulk tensor copies
+on sm_90, mma.sync and no wgmma on sm_80. Registers and spills come from the bundled
+ptxas (``-v``), since ``CompiledKernel.n_regs`` is only filled in when a driver loads the
+binary; they are attached to the test report (``record_property``) and printed.
+"""
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from wsattn.kernels import prefill_triton
+
+# Shared memory a block may use (opt-in maximum), per target.
+SMEM_LIMIT = {80: 166912, 90: 232448, 100: 232448, 120: 101376}
+
+
+def _compile(cc, head_dim=128, dtype="bf16", causal=False, varlen=False, settings=None):
+    spec = prefill_triton.compile_spec(cc, head_dim, dtype, causal, varlen, settings)
+    src = ASTSource(spec["fn"], spec["signature"], spec["constexprs"], spec["attrs"])
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=spec["options"])
+
+
+def _ptxas_usage(kernel):
+    """(registers, spill store bytes, spill load bytes) as ptxas -v reports them."""
+    ptx = kernel.asm["ptx"]
+    arch = re.search(r"^\.target\s+(\w+)", ptx, re.M).group(1)
+    name = "ptxas-blackwell" if arch.startswith(("sm_10", "sm_11", "sm_12")) else "ptxas"
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", "-o", os.devnull, f.name],
+                             capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups())
+    return regs, stores, loads
+
+
+def _report(record_property, what, kernel):
+    regs, stores, loads = _ptxas_usage(kernel)
+    record_property(f"{what}.registers", regs)
+    record_property(f"{what}.spill_bytes", stores + loads)
+    record_property(f"{what}.shared_bytes", kernel.metadata.shared)
+    print(f"{what}: {regs} registers, spills {stores}/{loads} bytes (store/load), "
+          f"shared {kernel.metadata.shared} bytes, {kernel.metadata.num_warps} warps")
+    return regs, stores + loads
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
+def test_sm90_default_uses_wgmma_and_tma(head_dim, causal, record_property):
+    kernel = _compile(90, head_dim, "bf16", causal)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx, "K/V/Q should arrive by TMA on sm_90"
+    regs, spills = _report(record_property, f"sm90-D{head_dim}-{'causal' if causal else 'full'}",
+                           kernel)
+    assert kernel.metadata.shared <= SMEM_LIMIT[90]
+    if head_dim == 128:
+        assert spills == 0, f"D=128 on sm_90 spills {spills} bytes ({regs} registers)"
+
+
+def test_sm80_uses_mma_sync_and_pointer_loads(record_property):
+    kernel = _compile(80, 128, "fp16", causal=True)
+    ptx = kernel.asm["ptx"]
+    assert "mma.sync" in ptx
+    assert "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx
+    _report(record_property, "sm80-D128-causal", kernel)
+    assert kernel.metadata.shared <= SMEM_LIMIT[80]
+
+
+def test_sm90_varlen_uses_tma(record_property):
+    kernel = _compile(90, 128, "bf16", causal=True, varlen=True)
+    assert "cp.async.bulk.tensor" in kernel.asm["ptx"]
+    assert "wgmma.mma_async" in kernel.asm["ptx"]
+    _report(record_property, "sm90-D128-causal-varlen", kernel)
+
+
+@pytest.mark.parametrize("ws", [False, True], ids=["ws-off", "ws-on"])
+def test_sm90_warp_specialize_switch(ws, record_property):
+    """Non-causal: both states compile; on, Triton's pass forms producer/consumer partitions."""
+    from wsattn.target import Target
+    import torch
+    settings = prefill_triton.default_settings(Target("cuda", 90, 132), 128, torch.bfloat16,
+                                               causal=False, warp_specialize=ws)
+    kernel = _compile(90, 128, "bf16", causal=False, settings=settings)
+    formed = "ttg.warp_specialize" in kernel.asm["ttgir"]
+    assert formed == ws
+    assert ("setmaxnreg" in kernel.asm["ptx"]) == ws
+    if ws:
+        assert kernel.metadata.num_warps == 12  # 4 asked + producer and consumer groups
+    _report(record_property, f"sm90-D128-full-{'ws' if ws else 'plain'}", kernel)
+
+
+def test_causal_forces_warp_specialize_off():
+    from wsattn.target import Target
+    import torch
+    s = prefill_triton.PrefillSettings(128, 128, 4, 2, use_tma=True, warp_specialize=True)
+    spec = prefill_triton.compile_spec(90, 128, "bf16", causal=True, settings=s)
+    assert spec["constexprs"]["WARP_SPECIALIZE"] is False
+    assert not prefill_triton.default_settings(Target("cuda", 90, 132), 128, torch.bfloat16,
+                                               True, warp_specialize=True).warp_specialize
+
+
+@pytest.mark.parametrize("cc,head_dim", [(90, 256), (120, 128)], ids=["sm90-D256", "sm120-D128"])
+def test_default_settings_fit_shared_memory(cc, head_dim, record_property):
+    kernel = _compile(cc, head_dim, "bf16", causal=True)
+    _report(record_property, f"sm{cc}-D{head_dim}-causal", kernel)
+    assert kernel.metadata.shared <= SMEM_LIMIT[cc]

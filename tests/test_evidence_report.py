@@ -1,0 +1,149 @@
+"""Specs from files, verdicts that never overclaim, reports, and the two subcommands."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from wsattn.cli import main
+from wsattn.evidence import demo, ladder, profile, report, spec
+from wsattn.evidence.ladder import GateResult, LadderResult
+
+
+# --------------------------------------------------------------------------- specs
+
+TOML = """
+[kernel.tma_matmul]
+function = "wsattn.evidence.demo:matmul_ws_kernel"
+signature = { a_ptr = "*fp16", b_ptr = "*fp16", c_ptr = "*fp16", M = "i32", N = "i32", K = "i32" }
+constexprs = { BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 64, WARP_SPECIALIZE = true }
+options = { num_warps = 4, num_stages = 3 }
+
+[kernel.missing]
+function = "wsattn.evidence.demo:no_such_kernel"
+"""
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="TOML specs need tomllib (Python 3.11+)")
+def test_toml_spec_compiles_and_a_bad_entry_is_one_line(tmp_path):
+    path = tmp_path / "kernels.toml"
+    path.write_text(TOML)
+    good, bad = spec.load_file(str(path))
+    assert bad.unavailable == "module 'wsattn.evidence.demo' has no function 'no_such_kernel'"
+    r = ladder.climb(good, "sm_90", ladder.Config(max_gate=2))
+    assert r.highest_gate == 2 and r.gates[2].data["ws_formed"]
+    r = ladder.climb(bad, "sm_90", ladder.Config())
+    assert r.gates[1].status == "FAIL" and "no_such_kernel" in r.verdict
+
+
+def test_python_spec_file(tmp_path):
+    path = tmp_path / "myspecs.py"
+    path.write_text("from wsattn.evidence import demo\nSPECS = [demo.broken_spec()]\n")
+    (s,) = spec.load_file(str(path))
+    assert s.name == "demo_broken" and s.compile_spec is not None
+
+
+@pytest.mark.parametrize("ref, expected", [
+    pytest.param("wsattn.evidence.nope:f", "cannot import module 'wsattn.evidence.nope'", id="no-module"),
+    pytest.param("wsattn.evidence.demo:nope", "has no function 'nope'", id="no-function"),
+    pytest.param("wsattn.evidence.demo:matmul_ws_kernel", "is a jit function", id="bare-jit"),
+])
+def test_module_function_errors(ref, expected):
+    (s,) = spec.load_ref(ref)
+    assert s.unavailable and expected in s.unavailable
+
+
+def test_missing_library_module_is_not_available_not_a_crash(monkeypatch):
+    from wsattn.evidence import library
+    monkeypatch.setattr(library, "ENTRIES", library.ENTRIES + (
+        ("future", "wsattn.kernels.not_written_yet", "compile_spec", {}, None, "", None),))
+    s = library.get("future")
+    assert s.unavailable.startswith("not available: cannot import wsattn.kernels.not_written_yet")
+    r = ladder.climb(s, "sm_90")
+    assert [g.status for g in r.gates] == ["pass", "FAIL"]
+
+
+# --------------------------------------------------------------------------- verdicts
+
+def _result(gates, extra=()):
+    rs = [GateResult(*g) for g in gates]
+    ex = [GateResult(*g) for g in extra]
+    highest = -1
+    for g in rs:
+        if g.status != "pass":
+            break
+        highest = g.gate
+    return LadderResult("k", "sm_90", rs, highest, ladder.verdict(rs, ex, "sm_90"), ex)
+
+
+def test_verdict_stops_at_the_highest_gate():
+    r = _result([(0, "target path", "pass", "", {"mma": "wgmma", "tma": True}),
+                 (1, "compile", "pass", ""),
+                 (2, "structure", "pass", "", {"ws_formed": True, "ws_requested": True, "partitions": [1, 2, 3]}),
+                 (3, "launch", "not run", "not run: no sm_90 device here")],
+                [(4, "numerics", "pass", "", {"checked": 3})])
+    assert r.highest_gate == 2
+    assert r.verdict.startswith("sm_90 path wgmma + TMA, compiles, warp-specialized (3 partitions), "
+                                "not launched: no sm_90 device here")
+    assert "correct" not in r.verdict and "faster" not in r.verdict
+
+
+def test_faster_only_when_the_gap_exceeds_both_spreads():
+    assert profile.compare([1.0, 1.1, 1.05], [2.0, 2.1, 2.05])["verdict"] == "faster"
+    assert profile.compare([1.0, 1.6, 1.3], [1.5, 1.9, 1.7])["verdict"] == "no clear difference"
+    assert profile.compare([2.0, 2.02], [1.0, 1.01])["verdict"] == "slower"
+
+
+def test_markdown_has_a_profile_chart(tmp_path, monkeypatch):
+    row = {"shape": "M4096 fp16", "kernel_ms": 1.0, "kernel_spread_ms": 0.01, "baseline_ms": 1.5,
+           "baseline_spread_ms": 0.02, "speedup": 1.5, "verdict": "faster"}
+    gates = [(i, ladder.GATES[i], "pass", "", {}) for i in range(6)]
+    gates.append((6, "profile", "pass", "", {"baseline": "torch.matmul", "rows": [row]}))
+    r = _result(gates)
+    md = tmp_path / "r.md"
+    text = report.to_markdown([r], str(md))
+    assert "## Profile" in text and ("![profile](r.png)" in text) == (tmp_path / "r.png").exists()
+    monkeypatch.setattr(report, "_png_chart", lambda rows, path: False)
+    text = report.to_markdown([r], str(md))
+    assert "#" * 26 in text and "torch.matmul" in text  # the text bar chart
+
+
+# --------------------------------------------------------------------------- the subcommands
+
+def test_ladder_cli_reports_bad_input_and_goes_on(tmp_path, capsys):
+    out = tmp_path / "ladder.json"
+    rc = main(["ladder", "wsattn.evidence.demo:broken_spec", "wsattn.evidence.demo:nope",
+               "--target", "sm_90", "--target", "sm_99", "--max-gate", "2", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "unknown target 'sm_99'" in captured.err and "has no function 'nope'" in captured.err
+    doc = json.loads(out.read_text())
+    assert [(r["kernel"], r["target"], r["highest_gate"]) for r in doc["results"]] == [
+        ("demo_broken", "sm_90", 0), ("wsattn.evidence.demo:nope", "sm_90", 0)]
+    assert "triton" in doc["environment"]
+
+
+def test_targets_cli_ledger(tmp_path, capsys):
+    out = tmp_path / "targets.json"
+    rc = main(["targets", "wsattn.evidence.demo:matmul_ws_8w", "--target", "sm_90", "--target",
+               "sm_100", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["target"], r["mma"], r["ws"]) for r in rows] == [
+        ("sm_90", "wgmma", "DECLINED"), ("sm_100", "tcgen05", "formed: 8w/1w/2w")]
+    assert "num_warps=8" in rows[0]["note"] and "DECLINED" in text
+
+
+@pytest.mark.gpu
+def test_full_ladder_on_this_gpu(tmp_path):
+    """All six gates for the demo matmul on the machine's own target."""
+    from wsattn.evidence.launch import device_cc
+    cc = device_cc()
+    cfg = ladder.Config(numerics_shapes=8, stress_launches=200, stress_timeout=300, profile_repeats=3)
+    r = ladder.climb(demo.matmul_ws_4w(), f"sm_{cc}", cfg)
+    assert r.gates[3].status == "pass", r.verdict
+    assert r.gates[4].status == "pass" and r.gates[5].status == "pass", r.verdict
+    assert r.highest_gate == 6 and r.gates[6].data["rows"], r.verdict

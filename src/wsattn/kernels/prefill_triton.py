@@ -271,7 +271,8 @@ def default_settings(target: Target, head_dim: int, dtype: torch.dtype, causal: 
     """Launch settings for (target, head dim, dtype, causal).
 
     The interpreter gets small tiles (quick tests) and the TMA path (the code that runs
-    on sm_90, with TMA emulated). fp32 halves BLOCK_N (twice the bytes per tile).
+    on sm_90, with TMA emulated). fp32 halves BLOCK_N (twice the bytes per tile) and
+    takes 8 warps at D = 256.
     warp_specialize is honoured only where Triton 3.6 can form it: non-causal with TMA.
     """
     if target.backend == "interpreter":
@@ -291,6 +292,8 @@ def default_settings(target: Target, head_dim: int, dtype: torch.dtype, causal: 
     if dtype == torch.float32:
         bn = max(16, bn // 2)
         stages = min(stages, 2)
+        if head_dim == 256 and not ws:
+            warps = 8  # 4 warps spill at 64 x 256 fp32 operands (ptxas, sm_90)
     return PrefillSettings(bm, bn, warps, stages, use_tma, ws)
 
 
@@ -358,8 +361,9 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", causal: bool
           "constexprs": {arg name: value} for every constexpr argument (and the unused
             cu_seqlens pointers, None, in the fixed-length case),
           "options": {"num_warps", "num_stages"},
-          "attrs": {(arg index,): [["tt.divisibility", 16]]} for the pointers and strides
-            the runtime would see 16-aligned (what a launch specializes on),
+          "attrs": {(arg index,): [["tt.divisibility", 16]]} on the pointers and strides,
+            as a launch specializes them when they are multiples of 16 (pass it as
+            ASTSource's fourth argument),
           "settings": the PrefillSettings used.
 
     Example:
@@ -389,12 +393,9 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", causal: bool
     if not varlen:
         constexprs.update({"CU_Q": None, "CU_K": None})
     signature.update({n: "constexpr" for n in constexprs})
-    # Varlen passes batch strides of 0, which the runtime specializes as constants.
-    if varlen:
-        for n in ("stride_qb", "stride_kb", "stride_vb", "stride_ob", "stride_lb"):
-            signature[n] = "constexpr"
-            constexprs[n] = 0
-    aligned = ["Q", "K", "V", "O", "LSE", *[n for n in strides if signature[n] == "i32"]]
+    # A launch specializes ints divisible by 16 (0 included: varlen's batch strides)
+    # and 16-byte aligned pointers; the strides of the usual shapes all are.
+    aligned = ["Q", "K", "V", "O", "LSE", *strides]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return {"fn": fn, "signature": signature, "constexprs": constexprs,
             "options": {"num_warps": s.num_warps, "num_stages": s.num_stages},
@@ -448,6 +449,11 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
         max_q, max_k = Sq, k.shape[1]
     if out.numel() == 0 or max_q == 0:
         return out, lse
-    _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, sm_scale, s,
-            target.backend == "interpreter")
+    if target.backend == "interpreter":
+        _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, sm_scale,
+                s, interpret=True)
+    else:
+        with torch.cuda.device(q.device):  # the launch and the TMA scratch go to q's GPU
+            _launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal,
+                    sm_scale, s, interpret=False)
     return out, lse

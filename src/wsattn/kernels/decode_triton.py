@@ -121,7 +121,7 @@ def _combine_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, lse_ptr, N,
     acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):  # fixed order s = 0..NUM_SPLITS-1: deterministic
+    for s in range(0, NUM_SPLITS):  # fixed order s = 0..NUM_SPLITS-1: deterministic; not unrolled
         lse_s = tl.load(ws_lse_ptr + ws_rows + s, mask=live, other=float("-inf"))  # [BLOCK_R]
         o_s = tl.load(ws_o_ptr + (ws_rows + s)[:, None] * D + d[None, :],
                       mask=live[:, None], other=0.0)  # [BLOCK_R, D]
@@ -172,18 +172,25 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
 
 
 def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int,
-                     capacity: int, dtype: torch.dtype, num_splits: int = 0) -> DecodeSettings:
+                     capacity: int, dtype: torch.dtype, paged: bool = False,
+                     num_splits: int = 0) -> DecodeSettings:
     """Settings from (target, shape, dtype); num_splits 0 = auto (see auto_splits)."""
     if target.backend == "interpreter":
         # small tiles, so that short test sequences still cross several tiles and splits
         block_n, warps, stages = 16, 4, 1
     else:
         elem = torch.empty((), dtype=dtype).element_size()
-        # one stage of K + V tiles is STAGE_BYTES; three stages leave room for two
-        # programs per SM on sm_80/sm_90, two stages fit consumer parts' ~100 KB
+        # One stage of K + V tiles is STAGE_BYTES. Triton 3.6 keeps num_stages - 1 tiles
+        # in flight contiguous; paged, the block-table load takes a stage of its own and
+        # stays at one tile until num_stages = 5 (two tiles, as read from the sm_90
+        # TTGIR), hence one more stage there. sm_90/sm_100 (228 KB shared per SM) hold
+        # two such programs per SM, sm_80 (164 KB) one; consumer parts (~100 KB) get 2.
         block_n = max(16, min(128, STAGE_BYTES // (2 * head_dim * elem)))
         warps = 4
-        stages = 2 if target.cc >= 120 else 3
+        if target.cc >= 120:
+            stages = 2
+        else:
+            stages = (4 if target.cc >= 90 else 3) + (1 if paged else 0)
     splits = num_splits or auto_splits(batch, kv_heads, capacity, block_n, target.num_sms)
     return DecodeSettings(BLOCK_N=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
 
@@ -230,7 +237,8 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     if settings is None:
         settings = default_settings(target_of(q.device), batch=B, kv_heads=HKV, head_dim=D,
-                                    capacity=capacity, dtype=q.dtype, num_splits=num_splits)
+                                    capacity=capacity, dtype=q.dtype, paged=paged,
+                                    num_splits=num_splits)
     elif num_splits:
         settings = replace(settings, num_splits=num_splits)
     splits = settings.num_splits
@@ -284,21 +292,24 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
                       "*bf16" / "*fp32" / "*i32", integers "i32", the scale "fp32",
                       constexpr arguments "constexpr",
         "constexprs": {argument name: value} for the constexpr arguments,
+        "attrs":      {(argument index,): [["tt.divisibility", 16]]} for the pointers and
+                      the [.., D] strides, as a real launch specializes them (without it
+                      the compiler cannot prove alignment and emits 2-byte loads),
         "options":    {"num_warps": ..., "num_stages": ...}.
-    Use: ``triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"]),
-    target=GPUTarget("cuda", cc, 32), options=s["options"])``.
+    Use: ``triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
+    attrs=s["attrs"]), target=GPUTarget("cuda", cc, 32), options=s["options"])``.
     """
     t = _TL[dtype]
     if settings is None:
         target = Target("cuda", cc, num_sms)
         settings = default_settings(target, batch=1, kv_heads=8, head_dim=head_dim,
-                                    capacity=131072, dtype=_TORCH[dtype])
+                                    capacity=131072, dtype=_TORCH[dtype], paged=paged)
     if kernel == "combine":
         sig = {"ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "out_ptr": f"*{t}", "lse_ptr": "*fp32",
                "N": "i32", "D": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_R": "constexpr"}
         const = {"D": head_dim, "NUM_SPLITS": settings.num_splits, "BLOCK_R": _combine_rows(head_dim)}
         return {"fn": _combine_kernel, "signature": sig, "constexprs": const,
-                "options": {"num_warps": 4}}
+                "attrs": _aligned(_combine_kernel, _COMBINE_ALIGNED), "options": {"num_warps": 4}}
     if kernel != "decode":
         raise ValueError(f"kernel must be 'decode' or 'combine', got {kernel!r}")
     sig = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "seqlens_ptr": "*i32",
@@ -312,4 +323,18 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
              "PAGE_SIZE": page_size if paged else 1}
     sig.update({name: "constexpr" for name in const})
     return {"fn": _decode_kernel, "signature": sig, "constexprs": const,
+            "attrs": _aligned(_decode_kernel, _DECODE_ALIGNED),
             "options": {"num_warps": settings.num_warps, "num_stages": settings.num_stages}}
+
+
+# What a real launch sees as 16-divisible (Triton specializes such arguments): every
+# tensor pointer (torch allocations are 256-byte aligned) and the strides of the
+# [.., D] tensors. stride_btb (max_pages) and the sizes are left unknown.
+_DECODE_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "seqlens_ptr", "bt_ptr", "out_ptr", "lse_ptr",
+                   "ws_o_ptr", "ws_lse_ptr", "stride_qb", "stride_qt", "stride_qh", "stride_kb",
+                   "stride_kl", "stride_kh", "stride_vb", "stride_vl", "stride_vh")
+_COMBINE_ALIGNED = ("ws_o_ptr", "ws_lse_ptr", "out_ptr", "lse_ptr")
+
+
+def _aligned(fn, names):
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}

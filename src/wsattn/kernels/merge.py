@@ -126,15 +126,20 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", settings=Non
         "signature":  {argument name: Triton type string}, every argument, constexprs
                       typed "constexpr" (pointers "*bf16" etc., integers "i32"),
         "constexprs": {argument name: value} (D = head_dim, BLOCK_R),
+        "attrs":      {(argument index,): [["tt.divisibility", 16]]} for the pointers and
+                      the part/row strides, as a real launch specializes them,
         "options":    {"num_warps": 4}.
-    Use: ``triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"]),
-    target=GPUTarget("cuda", cc, 32), options=s["options"])``. ``settings`` is unused
+    Use: ``triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
+    attrs=s["attrs"]), target=GPUTarget("cuda", cc, 32), options=s["options"])``. ``settings`` is unused
     (the merge has no tunables beyond BLOCK_R); it is accepted for a uniform call.
     """
     t = _TL_DTYPES[dtype]
     sig = {"o_ptr": f"*{t}", "lse_ptr": "*fp32", "out_ptr": f"*{t}", "out_lse_ptr": "*fp32",
            "N": "i32", "P": "i32", "stride_op": "i32", "stride_on": "i32", "stride_lp": "i32",
            "D": "constexpr", "BLOCK_R": "constexpr"}
+    aligned = ("o_ptr", "lse_ptr", "out_ptr", "out_lse_ptr", "stride_op", "stride_on")
     return {"fn": _merge_states_kernel, "signature": sig,
             "constexprs": {"D": head_dim, "BLOCK_R": _block_rows(head_dim)},
+            "attrs": {(_merge_states_kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+                      for n in aligned},
             "options": {"num_warps": 4}}

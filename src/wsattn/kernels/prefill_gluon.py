@@ -43,6 +43,7 @@ class GluonSettings:
     STAGES: int = 2
     OVERLAP: bool = True  # next QK^T issued before the current softmax
     PINGPONG: bool = False  # consumer warpgroups take turns issuing GEMMs
+    UNROLL: bool = True  # two register sets for P, so the softmax really overlaps PV
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24
 
@@ -54,8 +55,8 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
     """Default settings per head dim (H200 measurements in notes/prefill_gluon.md)."""
     if head_dim == 64:
         base = GluonSettings(BLOCK_N=128, STAGES=3)
-    else:
-        base = GluonSettings(BLOCK_N=128, STAGES=2)
+    else:  # 3 stages: 32 + 3 * 64 KB of shared memory, and no spills (2 stages spill)
+        base = GluonSettings(BLOCK_N=128, STAGES=3)
     return replace(base, **overrides) if overrides else base
 
 
@@ -82,7 +83,7 @@ def _descriptor(t3, block, dtype_name):
 
 def _constexprs(head_dim, group, causal, s: GluonSettings):
     return dict(GROUP=group, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N, D=head_dim, STAGES=s.STAGES,
-                CAUSAL=bool(causal), OVERLAP=s.OVERLAP, PINGPONG=s.PINGPONG,
+                CAUSAL=bool(causal), OVERLAP=s.OVERLAP, PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS)
 
 

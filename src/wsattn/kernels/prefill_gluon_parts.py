@@ -69,38 +69,66 @@ def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr
 
 
 @gluon.jit
+def _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
+          l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
+          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+          CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+    """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
+    issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
+    tensor cores (OVERLAP). With PINGPONG the two consumer warpgroups take turns issuing
+    their GEMMs, so one's softmax runs under the other's GEMMs."""
+    s_cur = j % STAGES
+    nxt = j + 1
+    s_nxt = nxt % STAGES
+    if PINGPONG:
+        mbarrier.wait(turn_mine, j & 1)
+    mbarrier.wait(k_ready.index(s_nxt), (nxt // STAGES) & 1)
+    zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q, k_smem.index(s_nxt).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+    if not OVERLAP:
+        s_tok = warpgroup_mma_wait(0, deps=(s_tok, ))
+    mbarrier.wait(v_ready.index(s_cur), (j // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(s_cur), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn_other)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))  # QK^T(j+1) done; PV(j) may still run
+    p, alpha, m_i, l_i = _softmax_tile(s, nxt, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
+                                       BLOCK_N, MASK, CAUSAL)
+    # P(j + 1) is packed before waiting for PV(j), which still reads P(j) from registers.
+    p_nxt = gl.convert_layout(p.to(q.dtype), p_layout)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    mbarrier.arrive(kv_empty.index(s_cur))
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    return p_nxt, m_i, l_i, acc
+
+
+@gluon.jit
 def _consume_tiles(j_lo, j_hi, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine,
                    turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
                    s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
-    """Iterations j in [j_lo, j_hi): PV of tile j (its P already in registers) and QK^T of
-    tile j + 1 are issued back to back, then the softmax of tile j + 1 runs while PV(j)
-    is still on the tensor cores (OVERLAP). With PINGPONG the two consumer warpgroups take
-    turns issuing their GEMMs, so one's softmax runs under the other's GEMMs."""
-    for j in range(j_lo, j_hi):
-        s_cur = j % STAGES
-        nxt = j + 1
-        s_nxt = nxt % STAGES
-        if PINGPONG:
-            mbarrier.wait(turn_mine, j & 1)
-        mbarrier.wait(k_ready.index(s_nxt), (nxt // STAGES) & 1)
-        zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
-        s_tok = warpgroup_mma(q, k_smem.index(s_nxt).permute((1, 0)), zero, use_acc=False,
-                              is_async=True)
-        if not OVERLAP:
-            s_tok = warpgroup_mma_wait(0, deps=(s_tok, ))
-        mbarrier.wait(v_ready.index(s_cur), (j // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(s_cur), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn_other)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # QK^T(j+1) done; PV(j) may still run
-        p, alpha, m_i, l_i = _softmax_tile(s, nxt, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
-                                           BLOCK_N, MASK, CAUSAL)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(kv_empty.index(s_cur))
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
+    """Iterations j in [j_lo, j_hi), unrolled by two (UNROLL) so that P(j) and P(j + 1) live in
+    two register sets: with one loop-carried set, ptxas packs P(j + 1) into the registers
+    the in-flight PV(j) still reads and so waits for PV(j) before the softmax (seen in
+    SASS: WARPGROUP.DEPBAR.LE 0 ahead of every MUFU.EX2), which undoes the overlap."""
+    n_pairs = (j_hi - j_lo) // 2 if UNROLL else 0
+    for i in range(n_pairs):
+        j = j_lo + 2 * i
+        p_b, m_i, l_i, acc = _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine,
+                                   turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
+                                   s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL, OVERLAP,
+                                   PINGPONG)
+        p_op, m_i, l_i, acc = _step(j + 1, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                    turn_mine, turn_other, p_b, m_i, l_i, acc, rows, Sq, Sk,
+                                    qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL,
+                                    OVERLAP, PINGPONG)
+    for j in range(j_lo + 2 * n_pairs, j_hi):  # the odd one out, or all without UNROLL
+        p_op, m_i, l_i, acc = _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                                    turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk,
+                                    qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL,
+                                    OVERLAP, PINGPONG)
     return p_op, m_i, l_i, acc
 
 
@@ -109,7 +137,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
               turn_bars, o_desc, lse_ptr, off_b, off_h, start_m, Sq, Sk, Hq, qk_scale,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of head off_h."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -150,11 +178,11 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
     p_op, m_i, l_i, acc = _consume_tiles(0, split, q, k2, v2, k_ready, v_ready, kv_empty,
                                          turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq,
                                          Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES,
-                                         False, CAUSAL, OVERLAP, PINGPONG)
+                                         False, CAUSAL, OVERLAP, PINGPONG, UNROLL)
     p_op, m_i, l_i, acc = _consume_tiles(split, n_total - 1, q, k2, v2, k_ready, v_ready,
                                          kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc,
                                          rows, Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N,
-                                         STAGES, True, CAUSAL, OVERLAP, PINGPONG)
+                                         STAGES, True, CAUSAL, OVERLAP, PINGPONG, False)
 
     # Epilogue: PV of the last tile.
     last = n_total - 1
@@ -203,7 +231,7 @@ def _producer(q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, k
 def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale,
                     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (cdiv(Sq, BLOCK_M), B * Hq). q/o descriptors are [B, Sq, Hq * D] with box
     [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv."""
@@ -241,10 +269,10 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     gl.warp_specialize([
         (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                      o_desc, lse_ptr, off_b, off_h, start_m, Sq, Sk, Hq, qk_scale, BLOCK_M,
-                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG)),
+                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL)),
         (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
                      o_desc, lse_ptr, off_b, off_h, start_m, Sq, Sk, Hq, qk_scale, BLOCK_M,
-                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG)),
+                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL)),
         (_producer, (q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, k_ready,
                      v_ready, kv_empty, off_b, off_h, off_hkv, start_m, Sq, Sk, BLOCK_M,
                      BLOCK_N, D, STAGES, CAUSAL)),

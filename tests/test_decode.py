@@ -1,0 +1,226 @@
+"""Split-KV decode through ``wsattn.decode(impl="triton")`` against the float64 reference.
+
+With no GPU the kernels run through the Triton interpreter. Triton 3.6 reads
+TRITON_INTERPRET inside ``@triton.jit``, i.e. when a module is imported: for
+triton.language's own jit helpers (tl.max, tl.sum, tl.zeros, tl.cdiv) at ``import triton``
+and for our kernels at import of the kernel module; wsattn's dispatch reads it again at
+call time. In a whole-suite run triton is usually imported long before these tests, so
+the ``kernel_device`` fixture makes the tests independent of import order: it sets the
+variable, imports fresh interpreter builds of merge.py and decode_triton.py (the
+originals come back after the test), lets an already-compiled-mode Triton helper run
+through the interpreter, and works around numpy >= 2.4 (see _patch_interpreter). With a
+GPU the same tests run on CUDA instead.
+"""
+
+import importlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import wsattn
+import wsattn.ops
+from wsattn import reference
+from wsattn.target import Target
+
+from conftest import assert_close, assert_lse_close
+
+D = 64  # the interpreter's cost grows with D; D = 128 runs in the GPU tests
+KERNEL_MODULES = ("wsattn.kernels.merge", "wsattn.kernels.decode_triton")
+
+
+def _patch_interpreter(monkeypatch):
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
+        # Triton 3.6's interpreter turns a scalar into an int with int(array of shape
+        # [1]), which numpy >= 2.4 refuses, so a loop with a runtime bound fails
+        # (triton-lang/triton#9171; fixed upstream after 3.6.0 the same way).
+        original = interpreter._patch_lang_tensor
+
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+    # triton.language's helpers were built in compiled mode if triton was imported
+    # without TRITON_INTERPRET; called from interpreted code they refuse to run, so run
+    # their Python source through the interpreter, as an interpreting import would have.
+    # (tl.max/tl.sum keep their identity, so the interpreter still reduces with numpy.)
+    builds = {}
+
+    def call_interpreted(self, *args, **kwargs):
+        if self.fn not in builds:
+            builds[self.fn] = interpreter.InterpretedFunction(self.fn)
+        return builds[self.fn](*args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "__call__", call_interpreted)
+
+
+@pytest.fixture
+def kernel_device(monkeypatch):
+    """"cuda" where there is a GPU; else "cpu" with fresh interpreter builds of the kernels."""
+    if torch.cuda.is_available():
+        return "cuda"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _patch_interpreter(monkeypatch)
+    package = importlib.import_module("wsattn.kernels")
+    for name in KERNEL_MODULES:
+        if name in sys.modules:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.delattr(package, name.rsplit(".", 1)[1], raising=False)
+    for name in KERNEL_MODULES:  # merge first: decode_triton imports its helpers
+        module = importlib.import_module(name)
+        monkeypatch.setattr(package, name.rsplit(".", 1)[1], module, raising=False)
+    return "cpu"
+
+
+DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]
+
+
+def _cache(B, T, Hq, Hkv, lens, page, capacity, dtype, device, seed):
+    """Random q and a KV cache holding `lens`; paged (shuffled pages, spare pages) if page."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype)
+    q = rnd(B, T, Hq, D)
+    if page is None:
+        k, v = rnd(B, capacity, Hkv, D), rnd(B, capacity, Hkv, D)
+        table = None
+    else:
+        per_seq = -(-capacity // page)
+        num_pages = B * per_seq + 3
+        k, v = rnd(num_pages, page, Hkv, D), rnd(num_pages, page, Hkv, D)
+        table = torch.randperm(num_pages, generator=g)[: B * per_seq].reshape(B, per_seq).int()
+        table = table.to(device)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return q.to(device), k.to(device), v.to(device), seqlens, table
+
+
+# (B, T, Hq, Hkv, seqlens, page size or None, capacity, num_splits or None = auto).
+# Lengths not multiples of the interpreter's 16-key tile, length 1 (= T), GQA 4:1 and
+# 8:1, pages of 16 and 7 (neither divides the lengths) and 1, splits that are empty for
+# the short sequences.
+CASES = {
+    "B3-T1-H8-HKV2-L70-contig-split1": (3, 1, 8, 2, [70, 1, 33], None, 70, 1),
+    "B3-T1-H4-HKV1-L70-contig-split3": (3, 1, 4, 1, [70, 1, 33], None, 70, 3),
+    "B2-T3-H8-HKV1-L50-contig-split3": (2, 3, 8, 1, [50, 3], None, 50, 3),
+    "B2-T1-H4-HKV1-L40-contig-split8-empty": (2, 1, 4, 1, [40, 5], None, 40, 8),
+    "B2-T1-H4-HKV1-L300-contig-auto": (2, 1, 4, 1, [300, 17], None, 300, None),
+    "B3-T1-H4-HKV1-page16-auto": (3, 1, 4, 1, [70, 1, 17], 16, 80, None),
+    "B3-T3-H8-HKV1-page7-split3": (3, 3, 8, 1, [45, 3, 20], 7, 49, 3),
+    "B2-T1-H8-HKV2-page7-split1": (2, 1, 8, 2, [33, 1], 7, 35, 1),
+    "B2-T3-H4-HKV1-page1-split2": (2, 3, 4, 1, [19, 4], 1, 20, 2),
+}
+# fp16 everywhere; fp32 on a few shapes (each interpreted case costs ~1 s of CI time)
+FP32_CASES = ("B3-T1-H4-HKV1-L70-contig-split3", "B3-T3-H8-HKV1-page7-split3",
+              "B2-T1-H4-HKV1-L300-contig-auto")
+PARAMS = [pytest.param(case, torch.float16, id=f"{name}-fp16") for name, case in CASES.items()] + \
+         [pytest.param(CASES[name], torch.float32, id=f"{name}-fp32") for name in FP32_CASES]
+
+
+@pytest.mark.parametrize("case,dtype", PARAMS)
+def test_decode_matches_reference(kernel_device, case, dtype):
+    B, T, Hq, Hkv, lens, page, capacity, splits = case
+    q, k, v, seqlens, table = _cache(B, T, Hq, Hkv, lens, page, capacity, dtype, kernel_device,
+                                     seed=sum(lens) + 7 * T)
+    out, lse = wsattn.decode(q, k, v, seqlens, table, num_splits=splits, return_lse=True,
+                             impl="triton")
+    ref, ref_lse = reference.decode(q, k, v, seqlens, table)
+    assert out.shape == (B, T, Hq, D) and out.dtype == dtype
+    assert lse.shape == (B, T, Hq) and lse.dtype == torch.float32
+    assert_close(out, ref, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+
+
+def test_decode_single_token_shape(kernel_device):
+    """q [B, Hq, D] (one token) gives out [B, Hq, D] and lse [B, Hq]."""
+    q, k, v, seqlens, _ = _cache(2, 1, 4, 1, [9, 30], None, 30, torch.float16, kernel_device, 3)
+    out, lse = wsattn.decode(q[:, 0], k, v, seqlens, num_splits=2, return_lse=True, impl="triton")
+    ref, ref_lse = reference.decode(q[:, 0], k, v, seqlens)
+    assert out.shape == (2, 4, D) and lse.shape == (2, 4)
+    assert_close(out, ref, torch.float16)
+    assert_lse_close(lse, ref_lse, torch.float16)
+
+
+def test_decode_settings_override(kernel_device):
+    """An explicit DecodeSettings (other tile, 4 splits) gives the same answer."""
+    from wsattn.kernels import decode_triton
+
+    q, k, v, seqlens, _ = _cache(2, 2, 8, 2, [45, 2], None, 45, torch.float32, kernel_device, 5)
+    settings = decode_triton.DecodeSettings(BLOCK_N=32, num_warps=4, num_stages=1, num_splits=4)
+    out, lse = decode_triton.decode(q, k, v, seqlens, None, D ** -0.5, 0, settings=settings)
+    ref, ref_lse = reference.decode(q, k, v, seqlens)
+    assert_close(out, ref, torch.float32)
+    assert_lse_close(lse, ref_lse, torch.float32)
+
+
+def test_auto_splits_fill_the_gpu_without_reading_seqlens():
+    """Auto splits: B=1 Hkv=8 L=128k fills 132 SMs at >= 2 waves; B=64 L=8k does not split."""
+    from wsattn.kernels.decode_triton import auto_splits, default_settings
+
+    h200 = Target("cuda", 90, 132)
+    long = default_settings(h200, batch=1, kv_heads=8, head_dim=128, capacity=131072,
+                            dtype=torch.bfloat16)
+    assert 1 * 8 * long.num_splits >= 2 * 132
+    assert 131072 / long.num_splits >= 8 * long.BLOCK_N  # each split streams >= 8 tiles
+    wide = default_settings(h200, batch=64, kv_heads=8, head_dim=128, capacity=8192,
+                            dtype=torch.bfloat16)
+    assert wide.num_splits == 1
+    assert auto_splits(8, 8, 65536, 64, 132) > 1
+    assert auto_splits(1, 8, 256, 64, 132) == 1  # too short to split usefully
+    assert default_settings(h200, batch=1, kv_heads=8, head_dim=128, capacity=8192,
+                            dtype=torch.bfloat16, num_splits=5).num_splits == 5
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _valid(device="cpu"):
+    q = torch.randn(2, 8, 64, dtype=torch.float16, device=device)
+    k = torch.randn(2, 32, 2, 64, dtype=torch.float16, device=device)
+    return q, k, k.clone(), torch.tensor([32, 5], dtype=torch.int32, device=device)
+
+
+def _paged():
+    k = torch.randn(6, 16, 2, 64, dtype=torch.float16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    return k, table
+
+
+BAD = {
+    "q-rank-2": (ValueError, lambda q, k, v, s: (q[0], k, v, s, None)),
+    "q-rank-5": (ValueError, lambda q, k, v, s: (q[:, None, None], k, v, s, None)),
+    "cache-rank-3": (ValueError, lambda q, k, v, s: (q, k[0], v[0], s, None)),
+    "Hq-not-multiple-of-Hkv": (ValueError, lambda q, k, v, s: (q[:, :7], k, v, s, None)),
+    "seqlens-over-capacity": (ValueError, lambda q, k, v, s: (q, k, v, s + 1, None)),
+    "seqlens-below-T": (ValueError, lambda q, k, v, s: (q, k, v, s * 0, None)),
+    "seqlens-int64": (TypeError, lambda q, k, v, s: (q, k, v, s.long(), None)),
+    "seqlens-wrong-batch": (ValueError, lambda q, k, v, s: (q, k, v, s[:1], None)),
+    "k-v-shapes-differ": (ValueError, lambda q, k, v, s: (q, k, v[:, :16], s, None)),
+    "block-table-page-out-of-range": (ValueError, lambda q, k, v, s: (q, _paged()[0], _paged()[0], s,
+                                                                      _paged()[1] + 4)),
+    "block-table-int64": (TypeError, lambda q, k, v, s: (q, _paged()[0], _paged()[0], s,
+                                                         _paged()[1].long())),
+    "block-table-too-short": (ValueError, lambda q, k, v, s: (q, _paged()[0], _paged()[0], s,
+                                                              _paged()[1][:, :1])),
+}
+
+
+@pytest.mark.parametrize("error,make", list(BAD.values()), ids=list(BAD))
+def test_decode_bad_input_raises_before_any_kernel(monkeypatch, error, make):
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel was launched for invalid input")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that impl="triton" accepts CPU tensors
+    monkeypatch.setattr(wsattn.ops, "decode", no_kernel)
+    with pytest.raises(error):
+        wsattn.decode(*make(*_valid()), impl="triton")
+
+
+def test_decode_bad_num_splits_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(wsattn.ops, "decode", None)
+    with pytest.raises(ValueError, match="num_splits"):
+        wsattn.decode(*_valid(), num_splits=0, impl="triton")

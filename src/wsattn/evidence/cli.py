@@ -49,9 +49,10 @@ def _progress(total, desc):
 
 
 def _climb_all(specs, targets, config, desc):
-    from .ladder import climb
+    from .ladder import climb, prefetch_interpreter
     results, cache = [], {}
     bar = _progress(len(specs) * len(targets), desc)
+    pool = prefetch_interpreter(specs, config, cache) if targets else None
     try:
         for spec in specs:
             for t in targets:
@@ -60,6 +61,8 @@ def _climb_all(specs, targets, config, desc):
                 bar.update(1)
     finally:
         bar.close()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     return results
 
 

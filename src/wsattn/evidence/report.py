@@ -137,6 +137,17 @@ def _text_chart(rows) -> list:
     return out
 
 
+def structure_details(d: dict) -> str:
+    """The numbers behind gate 2, in one line."""
+    sass = ", ".join(f"{k} {v}" for k, v in (d.get("sass") or {}).items() if v) or \
+        (d.get("sass_error") or "no SASS census")
+    return (f"setmaxnreg [{', '.join(d.get('setmaxnreg') or []) or 'none'}]; "
+            f"requested registers {d.get('requested_registers') or 'none'}; "
+            f"mbarrier.init {d.get('mbarriers')}; warps {d.get('num_warps_total')}; "
+            f"registers {d.get('regs_per_thread')}/thread, {d.get('regs_per_cta')}/CTA; "
+            f"shared {d.get('shared_bytes')} B/CTA; local {d.get('local_bytes')} B/thread; SASS: {sass}")
+
+
 def to_markdown(results, path) -> str:
     """Markdown: the gate table, each verdict, and a bar chart of the profile gate."""
     env = environment()
@@ -154,7 +165,10 @@ def to_markdown(results, path) -> str:
     for r in results:
         lines.append(f"### {r.kernel} on {r.target}")
         for g in list(r.gates) + list(r.extra):
-            lines.append(f"- gate {g.gate} {g.name}: **{g.status}**: {g.detail}")
+            detail = g.detail[len("not run: "):] if g.detail.startswith("not run: ") else g.detail
+            lines.append(f"- gate {g.gate} {g.name}: **{g.status}**: {detail}")
+            if g.gate == 2 and g.status == PASS:
+                lines.append(f"  - {structure_details(g.data)}")
         lines.append("")
     rows = _profile_rows(results)
     lines += ["## Profile", ""]
@@ -186,6 +200,8 @@ def ledger_row(r) -> dict:
         row["tma"] = "yes" if g0.data.get("tma") else ("no" if "mma" in g0.data else "")
     if g0 and g0.status != PASS:
         row["note"] = g0.detail
+    elif g1 and g1.status == NOT_RUN:
+        row["note"] = g1.detail[len("not run: "):] if g1.detail.startswith("not run: ") else g1.detail
     elif g1 and g1.status != PASS:
         row["note"] = "does not compile: " + g1.detail
     if g2:

@@ -137,3 +137,17 @@ def test_known_reasons_on_sm90_come_from_the_kernel():
     sig = {"q": "tensordesc<bf16[128,64]>"}
     assert any("BLOCK_M=128" in r for r in structure.known_decline_reasons(90, src_else, sig, {}, None))
     assert structure.known_decline_reasons(100, src_else, sig, {"num_warps": 8}, None) == []
+
+
+def test_library_kernel_without_a_code_path_is_not_run_never_a_pass():
+    from wsattn.evidence import library
+    r = ladder.climb(library.get("prefill_gluon"), "sm_100", ladder.Config())
+    assert [g.status for g in r.gates] == ["pass", "not run"]
+    assert "no code path for sm_100" in r.verdict and "compiles" not in r.verdict
+
+
+def test_library_merge_kernel_climbs_to_structure():
+    from wsattn.evidence import library
+    r = ladder.climb(library.get("merge_states"), "sm_90", ladder.Config(max_gate=2))
+    assert r.highest_gate == 2, r.verdict
+    assert r.gates[2].data["regs_per_thread"] and not r.gates[2].data["ws_requested"]

@@ -333,3 +333,34 @@ def test_smoke_run_sets_the_interpreter_before_triton():
                          capture_output=True, text=True, env=env_, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("ok    merge_states") == 2 and "all passed" in res.stdout
+
+
+# --------------------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+def test_graph_timer_times_a_copy_and_falls_back_when_capture_fails():
+    from wsattn.bench.timing import cuda_timer
+
+    timer = cuda_timer(warmup_ms=5, rep_ms=20, method="graph")
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = timer(lambda: dst.copy_(src))
+    assert t.method == "graph" and 0 < t.q20_ms <= t.median_ms <= t.q80_ms
+    syncing = timer(lambda: dst[:1].sum().item())  # a host sync cannot be captured
+    assert syncing.method.startswith("eager (graph capture failed")
+
+
+@pytest.mark.gpu
+def test_bench_quick_end_to_end(tmp_path, capsys):
+    """`wsattn bench decode --quick` on the GPU writes checked rows and a table."""
+    out = tmp_path / "rows.json"
+    rc = wsattn.cli.main(["bench", "decode", "--quick", "--impl", "triton", "sdpa-cudnn",
+                          "--json", str(out), "--no-plot", "--rep-ms", "20", "--warmup-ms", "5"])
+    rows = json.loads(out.read_text())
+    assert {r["op"] for r in rows} == {"ceiling", "decode"}
+    wsattn_rows = [r for r in rows if r["impl"] == "triton"]
+    assert rc == (0 if all(r["status"] == "ok" for r in wsattn_rows) else 1)
+    for r in rows:
+        if r["status"] == "ok" and r["op"] == "decode":
+            assert r["check_passed"] and r["tbps"] > 0 and r["frac_copy"] > 0
+    assert "TB/s" in capsys.readouterr().out

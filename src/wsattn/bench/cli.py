@@ -34,6 +34,7 @@ def _sp_module():
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from .runners import RUNNER_NAMES
+    from .timing import METHODS
 
     p = subparsers.add_parser(
         "bench", help="measure ceilings, wsattn kernels and peers on this GPU",
@@ -48,8 +49,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "(default benchmarks/results/bench_<gpu>_<date>_<commit>.json)")
     p.add_argument("--plot", metavar="PATH", help="where to draw the PNG (default: beside the JSON)")
     p.add_argument("--no-plot", action="store_true", help="draw no plot")
+    p.add_argument("--timing", choices=METHODS, default="graph",
+                   help="graph: kernels replayed from a CUDA graph (no host overhead; the "
+                        "default); eager: launched from Python")
     p.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms)")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="timed repetitions per measurement (ms)")
+    p.add_argument("--rep-ms", type=float, default=100.0,
+                   help="time spent in timed samples per measurement (ms, 20 samples)")
     sp, _ = _sp_module()
     if sp is not None and hasattr(sp, "add_arguments"):
         sp.add_arguments(p.add_argument_group("sp (sequence parallelism)"))
@@ -97,7 +102,7 @@ def _bench(args, torch) -> int:
 
     device = torch.device("cuda", torch.cuda.current_device())
     stamp = make_stamp(device)
-    timer = cuda_timer(args.warmup_ms, args.rep_ms)
+    timer = cuda_timer(args.warmup_ms, args.rep_ms, args.timing)
     cases = []
     if args.what in ("prefill", "all"):
         cases += prefill_cases(args.quick, args.dtype)

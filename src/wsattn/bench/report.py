@@ -13,8 +13,8 @@ from pathlib import Path
 from .cases import tbps, tflops
 
 STATUSES = ("ok", "failed", "not available", "error")
-RESULT_FIELDS = ("median_ms", "q20_ms", "q80_ms", "reps", "tflops", "tbps", "ratio_cudnn",
-                 "ratio_triton", "ratio_matmul", "frac_copy", "ratio_contiguous")
+RESULT_FIELDS = ("median_ms", "q20_ms", "q80_ms", "reps", "calls", "timing", "tflops", "tbps",
+                 "ratio_cudnn", "ratio_triton", "ratio_matmul", "frac_copy", "ratio_contiguous")
 
 
 def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=None,
@@ -35,7 +35,7 @@ def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=No
     row.update({k: None for k in RESULT_FIELDS})
     if timing is not None:
         row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
-                   reps=timing.reps)
+                   reps=timing.reps, calls=timing.calls, timing=timing.method)
         if case.op == "prefill":
             row["tflops"] = tflops(case.flops(), timing.median_ms)
         else:
@@ -48,6 +48,7 @@ def ceiling_row(stamp: dict, ceiling) -> dict:
     row.update(op="ceiling", impl=ceiling.name, case=ceiling.what, status="ok",
                median_ms=ceiling.timing.median_ms, q20_ms=ceiling.timing.q20_ms,
                q80_ms=ceiling.timing.q80_ms, reps=ceiling.timing.reps,
+               calls=ceiling.timing.calls, timing=ceiling.timing.method,
                tflops=ceiling.value if ceiling.unit == "TFLOP/s" else None,
                tbps=ceiling.value if ceiling.unit == "TB/s" else None)
     return row
@@ -93,7 +94,8 @@ def format_table(rows: list[dict]) -> str:
     lines = []
     for r in (r for r in rows if r["op"] == "ceiling"):
         value = f"{r['tbps']:.2f} TB/s" if r["tbps"] is not None else f"{r['tflops']:.0f} TFLOP/s"
-        lines.append(f"ceiling {r['impl']:<7} {value:>14}   ({r['case']}, median {r['median_ms']:.3f} ms)")
+        lines.append(f"ceiling {r['impl']:<7} {value:>14}   ({r['case']}, median "
+                     f"{r['median_ms']:.3f} ms, timing {r['timing']})")
     for op, unit in (("prefill", "TFLOP/s"), ("decode", "TB/s")):
         sel = [r for r in rows if r["op"] == op]
         if not sel:
@@ -109,6 +111,8 @@ def format_table(rows: list[dict]) -> str:
             status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
             if r.get("ratio_contiguous") is not None:
                 status += f" (x contiguous {r['ratio_contiguous']:.3f})"
+            if r.get("timing") not in (None, "graph"):
+                status += f" [timing: {r['timing']}]"
             lines.append(f"{r['case']:<48} {r['impl']:<11} {_fmt(r['median_ms'], '.3f'):>10} "
                          f"{spread:>17} {_fmt(thr, '.1f' if op == 'prefill' else '.2f'):>8} "
                          f"{_fmt(r['ratio_cudnn'], '.3f'):>8} {_fmt(r['ratio_triton'], '.3f'):>8} "

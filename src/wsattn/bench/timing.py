@@ -1,10 +1,19 @@
-"""GPU timing: medians with spread, warm-up first, L2 flushed before every repetition.
+"""GPU timing with CUDA events: medians with spread over repeated samples, warm-up first.
 
-``triton.testing.do_bench`` runs the function once (compiles, warms up), estimates its
-time, warms up for ``warmup_ms``, then times each repetition with CUDA events after
-overwriting a 256 MB buffer, so every repetition starts with a cold L2 (50 MB on H200).
-That is what "rotating the inputs" would buy for shapes that fit in L2, without the extra
-memory; inputs larger than L2 are unaffected by it.
+A sample is ``calls`` back-to-back calls between two CUDA events, divided by ``calls``;
+``samples`` of them give the median and the 20th/80th percentiles. Two methods:
+
+* ``graph`` (default): the ``calls`` are captured once into a CUDA graph and the graph is
+  replayed, so the time is the kernels' alone, without the Python and dispatch overhead of
+  the call (wsattn's validation, SDPA's backend selection). If capture fails (a call syncs
+  with the host, or a library refuses capture) the row falls back to ``eager`` and says so.
+* ``eager``: the calls are launched from Python; host overhead shows where a call's host
+  time exceeds its GPU time.
+
+No L2 flush between calls: every benchmark shape's inputs exceed the H200's 50 MB L2
+(prefill q, k, v 64 MB each; decode K/V 0.5-2 GB; copy 1 GiB; matmul 128 MB per operand),
+so consecutive calls do not find their inputs in L2 and rotating inputs would change
+nothing.
 """
 
 from __future__ import annotations
@@ -12,16 +21,20 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+METHODS = ("graph", "eager")
+
 
 @dataclass(frozen=True)
 class Timing:
     median_ms: float
     q20_ms: float
     q80_ms: float
-    reps: int
+    reps: int  # samples
+    method: str = "eager"
+    calls: int = 1  # calls per sample
 
 
-def summarize(times_ms) -> Timing:
+def summarize(times_ms, method: str = "eager", calls: int = 1) -> Timing:
     """Median and the 20th/80th percentiles (linear interpolation) of a list of times."""
     times = sorted(float(t) for t in times_ms)
     if not times:
@@ -33,14 +46,54 @@ def summarize(times_ms) -> Timing:
         hi = min(lo + 1, len(times) - 1)
         return times[lo] + (times[hi] - times[lo]) * (pos - lo)
 
-    return Timing(statistics.median(times), quantile(0.2), quantile(0.8), len(times))
+    return Timing(statistics.median(times), quantile(0.2), quantile(0.8), len(times), method, calls)
 
 
-def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100):
-    """A timer(fn) -> Timing for CUDA work, built on triton.testing.do_bench."""
-    from triton.testing import do_bench
+def _events_ms(torch, launch, n) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        launch()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph",
+               samples: int = 20):
+    """A timer(fn) -> Timing for CUDA work."""
+    import torch
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
     def timer(fn) -> Timing:
-        return summarize(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all"))
+        # warm-up on a side stream, as graph capture wants (cuBLAS/cuDNN set up workspaces)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        estimate = max(_events_ms(torch, fn, 5) / 5, 1e-3)
+        calls = max(1, min(1000, round(rep_ms / samples / estimate)))
+        launch, used = fn, "eager"
+        if method == "graph":
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(calls):
+                        fn()
+                launch, used = graph.replay, "graph"
+            except Exception as e:  # not capturable: time it eagerly and say why
+                torch.cuda.synchronize()
+                used = f"eager (graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        per_launch = calls if used == "graph" else 1
+        n = calls // per_launch
+        warm = max(1, round(warmup_ms / (estimate * per_launch)))
+        _events_ms(torch, launch, warm)
+        times = [_events_ms(torch, launch, n) / calls for _ in range(samples)]
+        return summarize(times, used, calls)
 
     return timer

@@ -237,7 +237,6 @@ def _maybe_interpreter(spec, cc, config, cache, extra):
 def verdict(gates, extra, target) -> str:
     """One honest line: what each passed gate supports, then where the climb stopped."""
     words = []
-    by = {g.gate: g for g in gates}
     for g in gates:
         if g.status == PASS:
             if g.gate == 0:

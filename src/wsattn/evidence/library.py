@@ -72,6 +72,13 @@ def _cumsum(xs):
 def _prefill_runner(causal, impl):
     def run(inp):
         import wsattn
+        if impl == "gluon":
+            # Straight to the kernel: the API refuses impl="gluon" until the kernel has passed
+            # its GPU numerics, which is the evidence this ladder gathers. Shapes drawn here
+            # are valid for it (fixed length, D 64/128, fp16/bf16, GQA).
+            from ..kernels import prefill_gluon
+            q = inp["q"]
+            return prefill_gluon.prefill(q, inp["k"], inp["v"], causal, 1.0 / math.sqrt(q.shape[-1]))
         if "cu_q" in inp:
             return wsattn.attention_varlen(inp["q"], inp["k"], inp["v"], inp["cu_q"], inp["cu_k"],
                                            causal=causal, return_lse=True, impl=impl)
@@ -238,6 +245,8 @@ ENTRIES = (
     _decode_entry("decode_triton_paged", paged=True),
     _merge_entry(),
     _prefill_entry("prefill_gluon", "wsattn.kernels.prefill_gluon", impl="gluon", only_ccs=(90,)),
+    _prefill_entry("prefill_gluon_causal", "wsattn.kernels.prefill_gluon", causal=True, impl="gluon",
+                   only_ccs=(90,)),
 )
 NAMES = tuple(e[0] for e in ENTRIES)
 

@@ -3,7 +3,8 @@
 Modules: ``env`` (the stamp every row carries), ``cases`` (the shapes, FLOP and byte
 counts), ``ceilings`` (copy bandwidth, bf16 matmul), ``runners`` (wsattn kernels and
 SDPA peers, each checked against the reference before it is timed), ``timing``,
-``report`` (rows, table, JSON), ``plot``, ``cli`` (the ``wsattn bench`` subcommand) and
+``suite`` (check, then time, every case x runner), ``report`` (rows, ratios,
+table, JSON), ``plot``, ``cli`` (the ``wsattn bench`` subcommand) and
 ``smoke`` (a CPU run of the kernels through the Triton interpreter).
 
 Nothing here imports triton at package import time, so ``python -m wsattn.bench.smoke``

@@ -44,10 +44,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a small subset of the shapes")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--impl", nargs="+", choices=RUNNER_NAMES, default=list(RUNNER_NAMES),
-                   metavar="IMPL", help=f"implementations to run (default all: {' '.join(RUNNER_NAMES)})")
+                   metavar="IMPL",
+                   help=f"implementations to run (default all: {' '.join(RUNNER_NAMES)})")
     p.add_argument("--json", metavar="PATH", help="where to write the JSON rows "
                    "(default benchmarks/results/bench_<gpu>_<date>_<commit>.json)")
-    p.add_argument("--plot", metavar="PATH", help="where to draw the PNG (default: beside the JSON)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="where to draw the PNG (default: beside the JSON)")
     p.add_argument("--no-plot", action="store_true", help="draw no plot")
     p.add_argument("--timing", choices=METHODS, default="graph",
                    help="graph: kernels replayed from a CUDA graph (no host overhead; the "
@@ -132,7 +134,8 @@ def _bench(args, torch) -> int:
     if not args.no_plot:
         _, message = plot_rows(rows, args.plot or path.with_suffix(".png"))
         print(message)
-    broken = [r for r in rows if r["impl"] in ("triton", "gluon") and r["status"] in ("failed", "error")]
+    broken = [r for r in rows
+              if r["impl"] in ("triton", "gluon") and r["status"] in ("failed", "error")]
     for r in broken:
         print(f"wsattn {r['impl']} {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
     return 1 if broken else 0

@@ -61,7 +61,8 @@ def stamp(device=None) -> dict:
 
     now = datetime.datetime.now(datetime.timezone.utc)
     s = {
-        "gpu": NONE, "cc": NONE, "num_sms": NONE, "driver": NONE, "cuda": torch.version.cuda or NONE,
+        "gpu": NONE, "cc": NONE, "num_sms": NONE, "driver": NONE,
+        "cuda": torch.version.cuda or NONE,
         "torch": torch.__version__, "triton": triton.__version__,
         "cudnn": NONE, "python": platform.python_version(),
         "commit": git_commit(), "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -85,4 +86,5 @@ def slug(text: str) -> str:
 def default_json_path(s: dict, root: Path = REPO_ROOT) -> Path:
     """benchmarks/results/bench_<gpu>_<date>_<commit>.json"""
     date = s["date"].replace("-", "").replace(":", "")[:13]  # 20261129T1405
-    return root / "benchmarks" / "results" / f"bench_{slug(s['gpu'])}_{date}_{slug(s['commit'])}.json"
+    name = f"bench_{slug(s['gpu'])}_{date}_{slug(s['commit'])}.json"
+    return root / "benchmarks" / "results" / name

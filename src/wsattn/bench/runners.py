@@ -22,7 +22,7 @@ import torch
 import wsattn
 from wsattn import reference
 
-from .cases import DTYPES, DecodeCase, PrefillCase
+from .cases import DTYPES
 
 # ||out - ref|| / ||ref|| allowed against the float64 reference (tests/conftest.py's table)
 TOL = {"bf16": 2e-2, "fp16": 4e-3, "fp32": 2e-3}
@@ -57,7 +57,8 @@ def make_inputs(case, device, seed: int = 0) -> Inputs:
         return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
 
     if case.op == "prefill":
-        t = {"q": randn(case.B, case.N, case.H, case.D), "k": randn(case.B, case.N, case.HKV, case.D),
+        t = {"q": randn(case.B, case.N, case.H, case.D),
+             "k": randn(case.B, case.N, case.HKV, case.D),
              "v": randn(case.B, case.N, case.HKV, case.D)}
     else:
         if case.page_size is None:
@@ -70,7 +71,8 @@ def make_inputs(case, device, seed: int = 0) -> Inputs:
             # pages scattered at random over the pool, as in a long-running server
             perm = torch.randperm(n_pages, generator=g, device=device)
             block_table = perm.view(case.B, pages_per_seq).to(torch.int32)
-        t = {"q": randn(case.B, case.HQ, case.D), "k_cache": randn(*shape), "v_cache": randn(*shape),
+        t = {"q": randn(case.B, case.HQ, case.D),
+             "k_cache": randn(*shape), "v_cache": randn(*shape),
              "seqlens": torch.full((case.B,), case.L, dtype=torch.int32, device=device),
              "block_table": block_table}
     return Inputs(case, t, 1.0 / math.sqrt(case.D))
@@ -265,7 +267,8 @@ class SdpaRunner(Runner):
 
 def all_runners() -> list[Runner]:
     return [WsattnRunner("triton"), WsattnRunner("gluon", ops=("prefill",)),
-            SdpaRunner("sdpa-cudnn", "CUDNN_ATTENTION"), SdpaRunner("sdpa-flash", "FLASH_ATTENTION")]
+            SdpaRunner("sdpa-cudnn", "CUDNN_ATTENTION"),
+            SdpaRunner("sdpa-flash", "FLASH_ATTENTION")]
 
 
 RUNNER_NAMES = tuple(r.name for r in all_runners())

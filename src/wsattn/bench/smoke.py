@@ -124,7 +124,8 @@ def patch_interpreter_for_numpy_2_4() -> bool:
     import numpy as np
     from triton.runtime import interpreter
 
-    if np.lib.NumpyVersion(np.__version__) < "2.4.0" or getattr(interpreter, "_wsattn_patched", False):
+    if (np.lib.NumpyVersion(np.__version__) < "2.4.0"
+            or getattr(interpreter, "_wsattn_patched", False)):
         return False
     original = interpreter._patch_lang_tensor
 
@@ -145,13 +146,15 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m wsattn.bench.smoke", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", metavar="TEXT", help="run only the cases whose name contains TEXT")
+    parser.add_argument("--only", metavar="TEXT",
+                        help="run only the cases whose name contains TEXT")
     args = parser.parse_args(argv)
 
     if not triton.knobs.runtime.interpret:
         print("smoke: TRITON_INTERPRET=1 did not take effect", file=sys.stderr)
         return 2
-    print(f"wsattn smoke run: Triton {triton.__version__} interpreter on CPU, torch {torch.__version__}")
+    print(f"wsattn smoke run: Triton {triton.__version__} interpreter on CPU, "
+          f"torch {torch.__version__}")
     if patch_interpreter_for_numpy_2_4():
         print(f"(numpy {np.__version__}: Triton 3.6's interpreter patched to index scalars the "
               "numpy >= 2.4 way, triton-lang/triton#9171)")
@@ -168,7 +171,8 @@ def main(argv=None) -> int:
             except Exception as e:  # report every case, not only the first broken one
                 failures += 1
                 msg = str(e).strip().splitlines()
-                print(f"FAIL  {name:<58} {dname}  {type(e).__name__}: {msg[0] if msg else ''}"[:240])
+                why = f"{type(e).__name__}: {msg[0] if msg else ''}"
+                print(f"FAIL  {name:<58} {dname}  {why}"[:240])
                 continue
             err, lerr = rel_err(out, ref), lse_err(lse, ref_lse)
             ok = err <= TOL[dname] and lerr <= LSE_TOL

@@ -88,7 +88,8 @@ def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph"
                 launch, used = graph.replay, "graph"
             except Exception as e:  # not capturable: time it eagerly and say why
                 torch.cuda.synchronize()
-                used = f"eager (graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:120]})"
+                first_line = (str(e).splitlines() or [""])[0][:120]
+                used = f"eager (graph capture failed: {type(e).__name__}: {first_line})"
         per_launch = calls if used == "graph" else 1
         n = calls // per_launch
         warm = max(1, round(warmup_ms / (estimate * per_launch)))

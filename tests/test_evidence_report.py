@@ -147,3 +147,12 @@ def test_full_ladder_on_this_gpu(tmp_path):
     assert r.gates[3].status == "pass", r.verdict
     assert r.gates[4].status == "pass" and r.gates[5].status == "pass", r.verdict
     assert r.highest_gate == 6 and r.gates[6].data["rows"], r.verdict
+
+
+def test_toml_without_tomllib_says_what_to_do(tmp_path, monkeypatch):
+    """Python 3.10 has no tomllib: a TOML spec is one clear line, not an ImportError."""
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    path = tmp_path / "kernels.toml"
+    path.write_text(TOML)
+    (s,) = spec.load_file(str(path))
+    assert "Python 3.11+" in s.unavailable and "SPECS" in s.unavailable

@@ -160,7 +160,7 @@ def load_file(path: str) -> list:
     if path.endswith(".toml"):
         try:
             import tomllib
-        except ModuleNotFoundError:
+        except ImportError:
             return [unavailable(path, "TOML specs need Python 3.11+ (tomllib); write the spec "
                                       "in Python (SPECS = [KernelSpec(...)]) instead", origin)]
         try:

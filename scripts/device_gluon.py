@@ -33,11 +33,28 @@ from triton.testing import do_bench  # noqa: E402
 from wsattn import reference  # noqa: E402
 from wsattn.kernels import prefill_gluon as pg  # noqa: E402
 
+# Settings overrides to compare; a "D" key limits a variant to one head dim.
 VARIANTS = {
     "default": {},
     "no_overlap": {"OVERLAP": False},
     "pingpong": {"PINGPONG": True},
+    "v1": {"UNROLL": False, "STAGES": 2, "BLOCK_N": 128},  # the first correct version
+    "unroll_s2": {"UNROLL": True, "STAGES": 2, "BLOCK_N": 128},
+    "unroll_s3": {"UNROLL": True, "STAGES": 3, "BLOCK_N": 128, "D": 128},
+    "plain_s3": {"UNROLL": False, "STAGES": 3, "BLOCK_N": 128, "D": 128},
+    "pp_s3": {"UNROLL": True, "STAGES": 3, "BLOCK_N": 128, "PINGPONG": True, "D": 128},
+    "bn64_s4": {"UNROLL": True, "STAGES": 4, "BLOCK_N": 64, "D": 128},
+    "s4": {"UNROLL": True, "STAGES": 4, "BLOCK_N": 128, "D": 64},
+    "plain_s4": {"UNROLL": False, "STAGES": 4, "BLOCK_N": 128, "D": 64},
+    "pp_s4": {"UNROLL": True, "STAGES": 4, "BLOCK_N": 128, "PINGPONG": True, "D": 64},
 }
+
+
+def overrides(name, D):
+    """The settings overrides of a variant for head dim D, or None where it does not apply."""
+    over = dict(VARIANTS[name])
+    only = over.pop("D", None)
+    return None if only is not None and only != D else over
 
 NUMERIC_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal, dtype
     (1, 1, 1, 2, 1, 64, False, torch.float16),
@@ -93,9 +110,12 @@ def stamp():
             "driver": run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])}
 
 
-def numerics(log, settings_overrides, name):
+def numerics(log, name):
     for c in NUMERIC_CASES:
         B, Sq, Sk, Hq, Hkv, D, causal, dtype = c
+        settings_overrides = overrides(name, D)
+        if settings_overrides is None:
+            continue
         g = torch.Generator(device="cuda").manual_seed(hash(c) % 2**31)
         q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dtype, generator=g)
         k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
@@ -135,21 +155,21 @@ def stress(log, launches=2000):
                  "ok": same == launches})
 
 
-def timing_cases():
-    for D in (128, 64):
+def timing_cases(ns, ds):
+    for D in ds:
         for causal in (False, True):
-            for N in (4096, 8192, 16384):
+            for N in ns:
                 yield 16384 // N, N, 2048 // D, D, causal
 
 
-def timing(log, variants):
+def timing(log, variants, ns=(4096, 8192, 16384), ds=(128, 64)):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     try:
         from wsattn.kernels import prefill_triton
     except Exception as e:  # the Triton kernel is another issue's file
         prefill_triton = None
         log.add({"kind": "note", "text": f"no Triton kernel: {type(e).__name__}: {e}"})
-    for B, N, H, D, causal in timing_cases():
+    for B, N, H, D, causal in timing_cases(ns, ds):
         q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         scale = 1 / math.sqrt(D)
         flops = 4 * B * H * N * N * D / (2 if causal else 1)
@@ -162,7 +182,10 @@ def timing(log, variants):
         impls = {"cudnn": cudnn}
         if prefill_triton is not None:
             impls["triton"] = lambda: prefill_triton.prefill(q, k, v, None, None, 0, 0, causal, scale)[0]
-        for name, over in variants.items():
+        for name in variants:
+            over = overrides(name, D)
+            if over is None:
+                continue
             s = pg.settings_for(D, causal, **over)
             impls[f"gluon:{name}"] = (lambda s=s: pg.prefill(q, k, v, causal, scale, settings=s)[0])
         for name, fn in impls.items():
@@ -200,16 +223,19 @@ def main():
     ap.add_argument("--numerics-variants", default="default")
     ap.add_argument("--skip-stress", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--ns", default="4096,8192,16384", help="sequence lengths to time")
+    ap.add_argument("--ds", default="128,64", help="head dims to time")
     args = ap.parse_args()
     log = Log(os.path.join(args.out, "gluon_dev.json"))
     log.add(stamp())
     for name in args.numerics_variants.split(","):
         if name:
-            numerics(log, VARIANTS[name], name)
+            numerics(log, name)
     if not args.skip_stress:
         stress(log)
     if not args.skip_timing:
-        timing(log, {n: VARIANTS[n] for n in args.variants.split(",") if n})
+        timing(log, [n for n in args.variants.split(",") if n],
+               tuple(int(n) for n in args.ns.split(",")), tuple(int(d) for d in args.ds.split(",")))
     print(table(log.rows))
     return 0 if all(r.get("ok", True) for r in log.rows) else 1
 

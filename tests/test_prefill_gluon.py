@@ -1,0 +1,160 @@
+"""The Gluon sm_90 prefill kernel (issue 4).
+
+CPU: compile for sm_90 with no GPU and check the structure the kernel is built for
+(three partitions, their warps and registers, setmaxnreg, wgmma, TMA, no spills), plus
+the qualification rules api.py relies on. sm90: numerics through the public API against
+the float64 reference, NaN-poisoned outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+
+from wsattn.kernels import prefill_gluon as pg
+
+from conftest import assert_close, assert_lse_close
+
+pytest.importorskip("triton.experimental.gluon")
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(head_dim: int, causal: bool):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    spec = pg.compile_spec(cc=90, head_dim=head_dim, dtype="bf16", causal=causal)
+    src = GluonASTSource(spec["fn"], spec["signature"], spec["constexprs"])
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+
+
+COMPILE_CASES = [pytest.param(d, c, id=f"D{d}-{'causal' if c else 'full'}")
+                 for d in (64, 128) for c in (False, True)]
+
+
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_structure(head_dim, causal):
+    """Producer warp + two 4-warp consumer warpgroups, registers handed over, wgmma, TMA."""
+    k = _compile(head_dim, causal)
+    s = pg.settings_for(head_dim, causal)
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+
+    ws = re.findall(r"ttg\.warp_specialize\(.*requestedRegisters = array<i32: ([0-9, ]+)>", ttgir)
+    assert len(ws) == 1, "expected exactly one ttg.warp_specialize op"
+    assert [int(r) for r in ws[0].split(",")] == [s.CONSUMER_REGS, s.PRODUCER_REGS]
+    parts = re.findall(r"^\s*partition(\d+)\(.*num_warps\((\d+)\)", ttgir, re.M)
+    assert [(int(i), int(w)) for i, w in parts] == [(0, 4), (1, 1)]
+    assert k.metadata.num_warps == 12  # 4 (consumer 0) + 4 (consumer 1) + 1 producer padded to 4
+
+    # Both consumers run wgmma; the producer issues the TMA loads.
+    assert ttgir.count("ttng.warp_group_dot") >= 4
+    assert "ttng.async_tma_copy_global_to_local" in ttgir
+    assert "ttng.async_tma_copy_local_to_global" in ttgir  # O leaves through TMA
+
+    regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    assert ("dec", str(s.PRODUCER_REGS)) in regs, regs
+    assert ("inc", str(s.CONSUMER_REGS)) in regs, regs
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx)
+    assert "cp.async.bulk.tensor" in ptx
+    assert k.metadata.shared <= 232448  # fits the sm_90 227 KB per block
+
+
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_no_spills(head_dim, causal):
+    """ptxas must keep S, both P register sets and O in registers: a spill cost 40% once."""
+    from triton.tools.disasm import get_sass
+
+    sass = get_sass(_compile(head_dim, causal).asm["cubin"])
+    assert "HGMMA" in sass and "UTMALDG" in sass
+    spills = re.findall(r"\b(LDL|STL)\b", sass)
+    assert not spills, f"{len(spills)} local-memory (spill) instructions in SASS"
+
+
+def test_settings_are_frozen_and_overridable():
+    s = pg.settings_for(128, False, PINGPONG=True)
+    assert s.PINGPONG and s.STAGES == pg.settings_for(128, False).STAGES
+    with pytest.raises(Exception):
+        s.STAGES = 5
+    for d in pg.GLUON_HEAD_DIMS:
+        assert pg.settings_for(d).smem_bytes(d) <= 232448
+
+
+def _qkv(B, Sq, Sk, Hq, Hkv, D, dtype, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(B * 1000 + Sq + Sk + Hq + D)
+    return tuple(torch.randn(B, S, H, D, dtype=dtype, device=device, generator=g)
+                 for S, H in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))
+
+
+def test_unsupported_reason():
+    q, k, v = _qkv(1, 4, 4, 2, 1, 64, torch.float16)
+    assert pg.unsupported_reason(q, k, v, False, varlen=False) is None
+    assert "fixed-length" in pg.unsupported_reason(q, k, v, False, varlen=True)
+    assert "float16 or bfloat16" in pg.unsupported_reason(q.float(), k.float(), v.float(), False, False)
+    q2, k2, v2 = _qkv(1, 4, 4, 2, 1, 256, torch.float16)
+    assert "head dim" in pg.unsupported_reason(q2, k2, v2, False, False)
+    q3, k3, v3 = _qkv(1, 4, 0, 2, 1, 64, torch.float16)
+    assert "kv_len" in pg.unsupported_reason(q3, k3, v3, False, False)
+
+
+def test_check_device_names_the_target():
+    assert not pg.device_supported(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"sm_90.*impl='triton'"):
+        pg.check_device(torch.device("cpu"))
+
+
+def test_api_refuses_gluon_off_sm90(monkeypatch):
+    """With the interpreter on, CPU tensors get past the device check to check_device."""
+    import wsattn
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = _qkv(1, 4, 4, 2, 1, 64, torch.float16)
+    with pytest.raises(ValueError, match=r"sm_90 \(Hopper\) only, not on CPU tensors"):
+        wsattn.attention(q, k, v, impl="gluon")
+
+
+# --------------------------------------------------------------------------- sm_90 GPU
+
+GPU_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal
+    (1, 1, 1, 2, 1, 64, False),
+    (2, 17, 17, 4, 2, 64, True),
+    (2, 127, 127, 8, 2, 128, False),
+    (2, 127, 127, 8, 8, 128, True),
+    (1, 300, 300, 8, 1, 128, True),   # GQA 8:1
+    (2, 17, 300, 4, 4, 128, True),    # q_len < kv_len, bottom-right causal
+    (1, 1, 257, 8, 1, 64, True),
+    (1, 384, 1000, 8, 2, 64, True),
+    (2, 1000, 1000, 4, 4, 128, False),
+]
+
+
+def _gpu_id(c):
+    B, Sq, Sk, Hq, Hkv, D, causal = c
+    return f"B{B}-Sq{Sq}-Sk{Sk}-H{Hq}-HKV{Hkv}-D{D}-{'causal' if causal else 'full'}"
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[_gpu_id(c) for c in GPU_CASES])
+def test_sm90_numerics(case, dtype):
+    import wsattn
+    from wsattn import reference
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = _qkv(B, Sq, Sk, Hq, Hkv, D, dtype, "cuda")
+    out, lse = wsattn.attention(q, k, v, causal=causal, return_lse=True, impl="gluon")
+    ref, ref_lse = reference.attention(q, k, v, causal)
+    assert_close(out, ref, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+
+
+@pytest.mark.sm90
+def test_sm90_auto_picks_gluon_and_reruns_bit_identical():
+    import wsattn
+    q, k, v = _qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16, "cuda")
+    first = wsattn.attention(q, k, v, causal=True, impl="auto")
+    gl_out = wsattn.attention(q, k, v, causal=True, impl="gluon")
+    assert torch.equal(first, gl_out)
+    for _ in range(200):
+        assert torch.equal(wsattn.attention(q, k, v, causal=True, impl="gluon"), first)

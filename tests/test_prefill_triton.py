@@ -199,3 +199,15 @@ def test_default_settings_per_target():
                                                warp_specialize=True).warp_specialize
     with pytest.raises(UnsupportedTargetError, match="sm_75"):
         prefill_triton.default_settings(Target("cuda", 75, 40), 128, torch.float16, False)
+
+
+def test_compile_spec_and_interpreter_coexist_in_one_process():
+    """Triton 3.6 fixes interpreter-vs-compiler when @triton.jit runs; the module must
+    still hand the compiler a JITFunction while interpreting, and the interpreter its own."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+    assert isinstance(prefill_triton.compile_spec(90, 64, "fp16")["fn"], triton.runtime.JITFunction)
+    assert isinstance(prefill_triton._kernel(interpret=True), InterpretedFunction)
+    q, k, v = _inputs(1, 5, 5, 2, 2, torch.float16, seed=1)
+    out = wsattn.attention(q, k, v, impl="triton")
+    assert_close(out, reference.attention(q, k, v, False, 1 / math.sqrt(D))[0], torch.float16)

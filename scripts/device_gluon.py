@@ -106,7 +106,7 @@ def stamp():
     return {"kind": "stamp", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "cudnn": torch.backends.cudnn.version(),
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "commit": run(["git", "rev-parse", "--short", "HEAD"]),
+            "commit": os.environ.get("WSATTN_COMMIT") or run(["git", "rev-parse", "--short", "HEAD"]),
             "driver": run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])}
 
 
@@ -197,7 +197,8 @@ def timing(log, variants, ns=(4096, 8192, 16384), ds=(128, 64)):
                 ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                 row.update(ms=ms, tflops=flops / ms / 1e9)
             except Exception as e:
-                row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+                msg = str(e)
+                row.update(error=f"{type(e).__name__}: {msg[:200]} ... {msg[-600:]}")
             log.add(row)
 
 

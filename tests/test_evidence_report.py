@@ -156,3 +156,31 @@ def test_toml_without_tomllib_says_what_to_do(tmp_path, monkeypatch):
     path.write_text(TOML)
     (s,) = spec.load_file(str(path))
     assert "Python 3.11+" in s.unavailable and "SPECS" in s.unavailable
+
+
+def test_gates_3_to_6_orchestration_with_stand_in_measurements(monkeypatch):
+    """The climb past gate 2 and its verdict, with each GPU measurement replaced by a
+    stand-in result (the real ones run in test_full_ladder_on_this_gpu)."""
+    from wsattn.evidence import launch, numerics, stress
+    monkeypatch.setattr(launch, "not_here", lambda cc: None)
+    monkeypatch.setattr(launch, "run_launch", lambda s, seed=0: {"ok": True, "shape": "M17 fp16"})
+    monkeypatch.setattr(numerics, "run_numerics", lambda *a, **k: {
+        "ok": True, "checked": 64, "dtypes": ["fp16", "bf16"],
+        "worst": {"err": 1e-3, "tol": 4e-3, "shape": "M300 fp16", "dtype": "fp16"}})
+    monkeypatch.setattr(stress, "run_stress", lambda *a, **k: {"ok": True, "launches": 2000,
+                                                               "distinct_shapes": 16})
+    row = {"shape": "M4096 fp16", **profile.compare([1.0, 1.01], [1.3, 1.31])}
+    monkeypatch.setattr(profile, "run_profile", lambda *a, **k: {"ok": True, "baseline": "torch.matmul",
+                                                                 "rows": [row]})
+    r = ladder.climb(demo.matmul_ws_4w(), "sm_90", ladder.Config())
+    assert r.highest_gate == 6, r.verdict
+    assert r.verdict.endswith("launches, correct on 64 shapes, no hang or race in 2000 launches, "
+                              "faster vs torch.matmul (x1.30)")
+    assert "faster than torch.matmul at M4096 fp16" in r.gates[6].detail
+
+    monkeypatch.setattr(stress, "run_stress", lambda *a, **k: {
+        "ok": False, "kind": "hang", "shape": "M127 fp16", "error": "hang: no result after 600 s, "
+        "last launch at M127 fp16"})
+    r = ladder.climb(demo.matmul_ws_4w(), "sm_90", ladder.Config())
+    assert r.highest_gate == 4 and [g.status for g in r.gates][-1] == "FAIL" and len(r.gates) == 6
+    assert "FAILS stress: hang" in r.verdict and "faster" not in r.verdict

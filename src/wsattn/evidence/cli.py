@@ -120,7 +120,7 @@ def add_parser(subparsers):
     p = subparsers.add_parser(
         "ladder", help="climb the evidence ladder (compile -> structure -> launch -> numerics -> "
                        "stress -> profile) for kernels and targets",
-        description=__doc__ + "\n\nGates: 0 target path, 1 compile, 2 structure, 3 launch, "
+        description=run_ladder.__doc__ + "\n\nGates: 0 target path, 1 compile, 2 structure, 3 launch, "
         "4 numerics, 5 stress, 6 profile. A kernel stops at the first gate it fails; the verdict "
         "never claims more than the highest gate reached. Without a GPU the default climbs gates "
         "0-2 for all targets and runs numerics through the Triton interpreter at small sizes; on "

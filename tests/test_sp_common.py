@@ -168,7 +168,7 @@ def check_prefill(rank, W, *, B, Sq, Sk, Hq, Hkv, D, causal, zigzag, overlapped,
     q = _rand(g, B, Sq, Hq, D, dtype=dtype, device=device)
     k = _rand(g, B, Sk, Hkv, D, dtype=dtype, device=device)
     v = _rand(g, B, Sk, Hkv, D, dtype=dtype, device=device)
-    ref, ref_lse = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal)
+    ref, ref_lse = reference.attention(q, k, v, causal)
     fn = sp.prefill_overlapped if overlapped else sp.prefill
     out, lse = fn(shard(q, W, rank, 1, zigzag), shard(k, W, rank, 1, zigzag),
                   shard(v, W, rank, 1, zigzag), causal, impl=impl, zigzag=zigzag)
@@ -189,7 +189,7 @@ def check_prefill_varlen(rank, W, *, lq, lk, Hq, Hkv, D, causal, zigzag, impl, d
     q = _rand(g, cq[-1], Hq, D, dtype=dtype, device=device)
     k = _rand(g, ck[-1], Hkv, D, dtype=dtype, device=device)
     v = _rand(g, ck[-1], Hkv, D, dtype=dtype, device=device)
-    ref, ref_lse = reference.attention_varlen(q.cpu(), k.cpu(), v.cpu(), torch.tensor(cq),
+    ref, ref_lse = reference.attention_varlen(q, k, v, torch.tensor(cq),
                                               torch.tensor(ck), causal)
     q_loc, cq_loc = shard_varlen(q, cq, W, rank, zigzag)
     k_loc, ck_loc = shard_varlen(k, ck, W, rank, zigzag)
@@ -215,7 +215,7 @@ def check_decode(rank, W, *, lens, Hq, Hkv, D, page, impl, dtype, device, seed,
     k = _rand(g, B, L, Hkv, D, dtype=dtype, device=device)
     v = _rand(g, B, L, Hkv, D, dtype=dtype, device=device)
     seqlens = torch.tensor(lens, dtype=torch.int32)
-    ref, ref_lse = reference.decode(q.cpu(), k.cpu(), v.cpu(), seqlens)
+    ref, ref_lse = reference.decode(q, k, v, seqlens)
     kp, vp, table, local = shard_kv_cache(k, v, lens, W, rank, page, seed)
     out, lse = sp.decode(q, kp, vp, local, table, impl=impl, exchange=exchange, return_lse=True)
     _cmp(out, ref, dtype, "out")
@@ -238,7 +238,7 @@ def invariant_output(rank, W, *, impl, dtype, device, seed=7, lens=(300, 1, 129,
     kp, vp, table, blens = shard_kv_cache_blocks(k, v, lens, W, rank, n_blocks, block_tokens, page)
     out, lse = sp.invariant_decode(q, kp, vp, blens, table, n_blocks, impl=impl, return_lse=True,
                                    group=group)
-    ref, ref_lse = reference.decode(q.cpu(), k.cpu(), v.cpu(), torch.tensor(lens, dtype=torch.int32))
+    ref, ref_lse = reference.decode(q, k, v, torch.tensor(lens, dtype=torch.int32))
     _cmp(out, ref, dtype, "out")
     _cmp_lse(lse, ref_lse, dtype, "lse")
     return torch.cat([out.float().cpu().flatten(), lse.cpu().flatten()])
@@ -408,10 +408,18 @@ def battery_interpreter_decode(rank, W):
     return res
 
 
-def battery_invariance(rank, W):
+def battery_invariance(rank, W, gpu=False):
     """invariant_decode on the whole group and on subgroups of every smaller power-of-two
     size (created inside the group, so one spawn gives W = 1, 2, ..., W): the outputs,
     returned per (impl, size), must be bitwise equal (the parent compares them)."""
+    if gpu:
+        cases = [("auto", torch.bfloat16, dict(lens=(70000, 1, 4096, 333), block_tokens=4096,
+                                                n_blocks=18, Hq=32, Hkv=8, D=128, page=64))]
+        device = f"cuda:{rank}"
+    else:
+        cases = [("reference", torch.float32, {}),
+                 ("triton", torch.float16, dict(lens=(40, 1, 17), block_tokens=16, n_blocks=4))]
+        device = "cpu"
     sizes = [s for s in (1, 2, 4, 8) if s <= W and W % s == 0]
     mine = {}
     for s in sizes:
@@ -419,15 +427,13 @@ def battery_invariance(rank, W):
             g = dist.new_group(list(range(start, start + s))) if s < W else dist.group.WORLD
             if start <= rank < start + s:
                 mine[s] = g
-    cases = [("reference", torch.float32, {}),
-             ("triton", torch.float16, dict(lens=(40, 1, 17), block_tokens=16, n_blocks=4))]
     res = {}
     for impl, dtype, extra in cases:
         if impl == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
             continue
         for s in sizes:
             _run_check(res, f"invariant-{impl}-W{s}", lambda: invariant_output(
-                dist.get_rank(mine[s]), s, impl=impl, dtype=dtype, device="cpu", group=mine[s],
+                dist.get_rank(mine[s]), s, impl=impl, dtype=dtype, device=device, group=mine[s],
                 **extra))
     return res
 
@@ -469,9 +475,7 @@ def battery_nccl(rank, W):
         _run_check(res, f"nccl-decode-{ex}-B16-H32-HKV8-D128-empty-shards", lambda: check_decode(
             rank, W, lens=[1, 5000, 70000, 3] + [4096] * 12, Hq=32, Hkv=8, D=128, page=64,
             seed=420, exchange=ex, **kw) and None)
-    _run_check(res, "invariant-nccl", lambda: invariant_output(
-        rank, W, impl="auto", dtype=torch.bfloat16, device=dev, lens=(70000, 1, 4096, 333),
-        block_tokens=4096, n_blocks=18, Hq=32, Hkv=8, D=128, page=64))
+    res.update(battery_invariance(rank, W, gpu=True))
     res.update(battery_bad_input_nccl(rank, W))
     return res
 

@@ -111,25 +111,25 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _combine_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, lse_ptr, N,
-                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr):
-    # one program: BLOCK_R rows of [B*T*Hq]; their NUM_SPLITS partials are contiguous
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    d = tl.arange(0, D)  # [D]
-    live = rows < N
-    ws_rows = rows.to(tl.int64) * NUM_SPLITS  # [BLOCK_R]
-    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    den = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s in range(0, NUM_SPLITS):  # fixed order s = 0..NUM_SPLITS-1: deterministic; not unrolled
-        lse_s = tl.load(ws_lse_ptr + ws_rows + s, mask=live, other=float("-inf"))  # [BLOCK_R]
-        o_s = tl.load(ws_o_ptr + (ws_rows + s)[:, None] * D + d[None, :],
-                      mask=live[:, None], other=0.0)  # [BLOCK_R, D]
+def _combine_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, lse_ptr,
+                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program: one row of [B*T*Hq] (its NUM_SPLITS partials are contiguous), BLOCK_D
+    # columns. Small programs, many of them, the split loop unrolled so that every
+    # split's load is in flight at once: with B = 1 there are only Hq rows to merge.
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    zero = tl.arange(0, 1)  # [1] the helper's row axis
+    ws_row = row.to(tl.int64) * NUM_SPLITS + zero  # [1]
+    acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):  # fixed order s = 0..NUM_SPLITS-1: deterministic
+        lse_s = tl.load(ws_lse_ptr + ws_row + s)  # [1]
+        o_s = tl.load(ws_o_ptr + (ws_row + s)[:, None] * D + cols[None, :])  # [1, BLOCK_D]
         acc, m, den = merge_step(acc, m, den, o_s, lse_s)
     out, lse = merge_finish(acc, m, den)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
-    tl.store(lse_ptr + rows, lse, mask=live)
+    tl.store(out_ptr + row.to(tl.int64) * D + cols[None, :], out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + row + zero, lse, mask=tl.program_id(1) == 0)
 
 
 # --------------------------------------------------------------------------- settings
@@ -199,8 +199,7 @@ def _block_m(T: int, group: int) -> int:
     return max(16, triton.next_power_of_2(T * group))
 
 
-def _combine_rows(head_dim: int) -> int:
-    return max(1, min(32, 4096 // head_dim))
+COMBINE_BLOCK_D = 32  # one warp, one fp32 a thread per split
 
 
 # --------------------------------------------------------------------------- launcher
@@ -264,10 +263,9 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=page_size,
         num_warps=settings.num_warps, num_stages=settings.num_stages)
     if splits > 1:
-        n_rows = B * T * HQ
-        block_r = _combine_rows(D)
-        _combine_kernel[(triton.cdiv(n_rows, block_r),)](
-            ws_o, ws_lse, out, lse, n_rows, D=D, NUM_SPLITS=splits, BLOCK_R=block_r, num_warps=4)
+        block_d = min(COMBINE_BLOCK_D, D)
+        _combine_kernel[(B * T * HQ, D // block_d)](
+            ws_o, ws_lse, out, lse, D=D, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=1)
     return out, lse
 
 
@@ -306,10 +304,11 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
                                     capacity=131072, dtype=_TORCH[dtype], paged=paged)
     if kernel == "combine":
         sig = {"ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "out_ptr": f"*{t}", "lse_ptr": "*fp32",
-               "N": "i32", "D": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_R": "constexpr"}
-        const = {"D": head_dim, "NUM_SPLITS": settings.num_splits, "BLOCK_R": _combine_rows(head_dim)}
+               "D": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_D": "constexpr"}
+        const = {"D": head_dim, "NUM_SPLITS": settings.num_splits,
+                 "BLOCK_D": min(COMBINE_BLOCK_D, head_dim)}
         return {"fn": _combine_kernel, "signature": sig, "constexprs": const,
-                "attrs": _aligned(_combine_kernel, _COMBINE_ALIGNED), "options": {"num_warps": 4}}
+                "attrs": _aligned(_combine_kernel, _COMBINE_ALIGNED), "options": {"num_warps": 1}}
     if kernel != "decode":
         raise ValueError(f"kernel must be 'decode' or 'combine', got {kernel!r}")
     sig = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "seqlens_ptr": "*i32",

@@ -202,4 +202,5 @@ def resolve(origin: dict, name: str) -> KernelSpec:
     for s in specs:
         if s.name == name:
             return s
-    raise ValueError(f"kernel {name!r} not found in {origin}")
+    broken = [s.unavailable for s in specs if s.unavailable]
+    raise ValueError(broken[0] if broken else f"kernel {name!r} not found in {origin}")

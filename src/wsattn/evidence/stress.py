@@ -28,7 +28,10 @@ def run_child(task: str, args: dict, timeout: float, env: dict | None = None,
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (src, child_env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "wsattn.evidence.child", task, json.dumps(args), path]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    # stderr goes to a file, not a pipe: a child that warns on every launch would fill a
+    # pipe's buffer, block, and look exactly like a hang.
+    err_file = tempfile.TemporaryFile(mode="w+b")
+    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.DEVNULL, stderr=err_file,
                             start_new_session=True)
     try:
         hung = False
@@ -41,11 +44,14 @@ def run_child(task: str, args: dict, timeout: float, env: dict | None = None,
             time.sleep(0.05)
             if progress:
                 progress()
-        stderr = proc.stderr.read().decode("utf-8", "replace") if proc.stderr else ""
+        err_file.seek(0)
+        stderr = err_file.read()[-4000:].decode("utf-8", "replace")
         lines = [json.loads(l) for l in open(path) if l.strip()]
     finally:
-        if proc.stderr:
-            proc.stderr.close()
+        if proc.poll() is None:  # interrupted (Ctrl-C): take our child down with us
+            proc.kill()
+            proc.wait()
+        err_file.close()
         os.remove(path)
     seconds = time.monotonic() - t0
     last_at = next((l["at"] for l in reversed(lines) if "at" in l), None)

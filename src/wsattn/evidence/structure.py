@@ -303,7 +303,9 @@ def analyse(compiled, fn, signature, options) -> Structure:
                    mma=mma_family(ptx), tma=uses_tma(ptx))
     if st.ws_requested and not formed:
         reasons = known_decline_reasons(cc, fn, signature, options, ttir)
-        st.decline_reason = "; ".join(reasons) if reasons else "declined, reason unknown"
+        # Several causes can be present; which one tripped the pass is not written anywhere.
+        st.decline_reason = (("known cause present: " if len(reasons) == 1 else "known causes present: ")
+                             + "; ".join(reasons)) if reasons else "declined, reason unknown"
     md = compiled.metadata
     st.shared_bytes = md.get("shared")
     st.num_warps_total = md.get("num_warps")

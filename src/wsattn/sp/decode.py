@@ -92,7 +92,12 @@ class StateExchange:
             reason = reason or "another rank cannot use symmetric memory"
         if reason is None:
             try:
+                import warnings
                 from torch.distributed import _symmetric_memory as symm_mem
+                with warnings.catch_warnings():  # needed before torch 2.9, a no-op after
+                    warnings.simplefilter("ignore", FutureWarning)
+                    if not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
+                        symm_mem.enable_symm_mem_for_group(group.group_name)
                 handle = symm_mem.rendezvous(buf, group.group_name)
             except Exception as e:
                 reason = f"symm_mem.rendezvous failed: {type(e).__name__}: {e}"

@@ -90,3 +90,12 @@ def test_reference_path_runs_and_returns_lse():
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (1, 4, 5)
     assert torch.isfinite(lse).all() and not math.isnan(out.float().sum().item())
+
+
+@pytest.mark.skipif(interpreting() or torch.cuda.is_available(), reason="CPU without interpreter only")
+def test_auto_on_cpu_takes_reference():
+    """impl='auto' on CPU tensors outside the interpreter falls back to the reference (was a ValueError)."""
+    q, k, v = _qkv()
+    out = wsattn.attention(q, k, v)
+    ref = wsattn.attention(q, k, v, impl="reference")
+    assert torch.equal(out, ref)

@@ -55,6 +55,13 @@ def _check_impl(impl):
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
+def _cpu_auto(impl, device):
+    """impl="auto" on CPU tensors outside the interpreter means the reference."""
+    if impl == "auto" and device.type != "cuda" and not interpreting():
+        return "reference"
+    return impl
+
+
 def _check_kernel_inputs(q, impl, head_dim, op):
     """Checks that only the kernels need (the reference takes any float dtype and D)."""
     if impl == "reference":
@@ -174,6 +181,7 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *,
         raise ValueError(f"causal attention needs q_len <= kv_len (bottom-right aligned), "
                          f"got q seqlen {Sq} > k seqlen {k.shape[1]}")
     scale = _scale(sm_scale, D)
+    impl = _cpu_auto(impl, q.device)
     _check_kernel_inputs(q, impl, D, "attention")
     if impl == "reference":
         out, lse = reference.attention(q, k, v, causal, scale)
@@ -240,6 +248,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
         max_seqlen_q = max(lq) if max_seqlen_q is None else max_seqlen_q
         max_seqlen_k = max(lk) if max_seqlen_k is None else max_seqlen_k
     scale = _scale(sm_scale, D)
+    impl = _cpu_auto(impl, q.device)
     _check_kernel_inputs(q, impl, D, "attention_varlen")
     if impl == "gluon":
         raise ValueError("impl='gluon' takes fixed-length batches only (wsattn.attention); "
@@ -333,6 +342,7 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     scale = _scale(sm_scale, D)
+    impl = _cpu_auto(impl, q.device)
     _check_kernel_inputs(q, impl, D, "decode")
     impl = "reference" if impl == "reference" else _resolve_impl(impl, q.device, "decode")
     if impl == "reference":

@@ -137,7 +137,8 @@ def _climb(spec, target, config, cache, gates, extra):
                                     f"WS pass {path['ws_pass']}", **path))
     # gate 1: compile
     if not comp.ok:
-        detail = f"compile failed at the {comp.failed_stage} stage: {comp.error}"
+        detail = (f"the spec does not match the kernel: {comp.error}" if comp.failed_stage == "arguments"
+                  else f"compile failed at the {comp.failed_stage} stage: {comp.error}")
         hints = st_mod.known_decline_reasons(cc, cs["fn"], cs["signature"], options,
                                              comp.stages.get("ttir")) \
             if comp.failed_stage not in ("arguments", "setup", "source") and (

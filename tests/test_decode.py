@@ -224,3 +224,44 @@ def test_decode_bad_num_splits_raises(monkeypatch):
     monkeypatch.setattr(wsattn.ops, "decode", None)
     with pytest.raises(ValueError, match="num_splits"):
         wsattn.decode(*_valid(), num_splits=0, impl="triton")
+
+
+# --------------------------------------------------------------------------- compile-only
+
+_COMPILE_SCRIPT = r"""
+import json, re, triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from wsattn.kernels import decode_triton, merge
+specs = {"contiguous": decode_triton.compile_spec(90), "paged": decode_triton.compile_spec(90, paged=True),
+         "combine": decode_triton.compile_spec(90, kernel="combine"), "merge": merge.compile_spec(90)}
+facts = {}
+for name, s in specs.items():
+    k = triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"], attrs=s["attrs"]),
+                       target=GPUTarget("cuda", 90, 32), options=s["options"])
+    ptx = k.asm["ptx"]
+    facts[name] = {"cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)),
+                   "ld_b16": len(re.findall(r"ld\.global(\.\w+)*\.b16", ptx)),
+                   "ld_v4": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)),
+                   "mma": len(re.findall(r"mma\.sync", ptx)), "shared": k.metadata.shared}
+print(json.dumps(facts))
+"""
+
+
+def test_compile_spec_sm90_streams_with_16_byte_async_copies():
+    """compile_spec marks pointers/strides 16-divisible as a launch does; without that the
+    sm_90 build fell back to 2-byte loads and no pipelining (the bug this pins)."""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a compiler build
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("contiguous", "paged"):
+        assert facts[name]["cp_async_16"] > 0 and facts[name]["ld_b16"] == 0, facts[name]
+        assert facts[name]["mma"] > 0, facts[name]
+        assert facts[name]["shared"] <= 227 * 1024 // 2, f"{name}: two programs no longer fit an SM"
+    assert facts["merge"]["ld_v4"] > 0, facts["merge"]

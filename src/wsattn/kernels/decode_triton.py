@@ -20,7 +20,7 @@ launch is CUDA-graph friendly.
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -173,8 +173,9 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
 
 def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int,
                      capacity: int, dtype: torch.dtype, paged: bool = False,
-                     num_splits: int = 0) -> DecodeSettings:
-    """Settings from (target, shape, dtype); num_splits 0 = auto (see auto_splits)."""
+                     query_rows: int = 4, num_splits: int = 0) -> DecodeSettings:
+    """Settings from (target, shape, dtype); query_rows = T * Hq / Hkv, the rows of a
+    program's query tile; num_splits 0 = auto (see auto_splits)."""
     if target.backend == "interpreter":
         # small tiles, so that short test sequences still cross several tiles and splits
         block_n, warps, stages = 16, 4, 1
@@ -186,7 +187,8 @@ def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int
         # TTGIR), hence one more stage there. sm_90/sm_100 (228 KB shared per SM) hold
         # two such programs per SM, sm_80 (164 KB) one; consumer parts (~100 KB) get 2.
         block_n = max(16, min(128, STAGE_BYTES // (2 * head_dim * elem)))
-        warps = 4
+        # 8 warps once the [BLOCK_M, D] fp32 accumulator passes 64 registers a thread
+        warps = 8 if _block_m(query_rows, 1) * head_dim > 64 * 128 else 4
         if target.cc >= 120:
             stages = 2
         else:
@@ -203,6 +205,17 @@ COMBINE_BLOCK_D = 32  # one warp, one fp32 a thread per split
 
 
 # --------------------------------------------------------------------------- launcher
+
+@functools.lru_cache(maxsize=None)
+def _cuda_target(device: torch.device) -> Target:
+    return target_of(device)
+
+
+def _target(device) -> Target:
+    # a device's properties are asked once (decode runs every step of generation); the
+    # interpreter target is not cached, it follows TRITON_INTERPRET
+    return _cuda_target(device) if device.type == "cuda" else target_of(device)
+
 
 def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, settings=None):
     """Decode attention of T new tokens per sequence against a KV cache (validated by api.py).
@@ -235,9 +248,9 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     if settings is None:
-        settings = default_settings(target_of(q.device), batch=B, kv_heads=HKV, head_dim=D,
+        settings = default_settings(_target(q.device), batch=B, kv_heads=HKV, head_dim=D,
                                     capacity=capacity, dtype=q.dtype, paged=paged,
-                                    num_splits=num_splits)
+                                    query_rows=T * group, num_splits=num_splits)
     elif num_splits:
         settings = replace(settings, num_splits=num_splits)
     splits = settings.num_splits
@@ -301,7 +314,8 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
     if settings is None:
         target = Target("cuda", cc, num_sms)
         settings = default_settings(target, batch=1, kv_heads=8, head_dim=head_dim,
-                                    capacity=131072, dtype=_TORCH[dtype], paged=paged)
+                                    capacity=131072, dtype=_TORCH[dtype], paged=paged,
+                                    query_rows=T * group)
     if kernel == "combine":
         sig = {"ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "out_ptr": f"*{t}", "lse_ptr": "*fp32",
                "D": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_D": "constexpr"}

@@ -34,8 +34,8 @@ def test_two_ranks_every_mode_interpreter_invariance_bad_input_timeout():
     _bitwise_equal_across_sizes(results)
 
 
-def test_three_ranks_every_mode_and_bad_input():
-    results = run_group("main", 3)
+def test_three_ranks_every_mode_bad_input_and_bench_smoke():
+    results = run_group("three_ranks", 3)
     bad = failures(results)
     assert not bad, "\n".join(bad)
     assert len(results[0]) >= 20, f"battery ran only {sorted(results[0])}"

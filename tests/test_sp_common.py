@@ -380,6 +380,13 @@ def battery_bad_input(rank, W):
                           torch.ones(bq, dtype=torch.int32), torch.zeros(bq, 1, dtype=torch.int32)),
         sp.ShardError, "batch"))
 
+    # a local length past the cache's capacity on rank 0 only
+    lens = torch.tensor([9 if rank == 0 else 3], dtype=torch.int32)
+    _run_check(res, "bad-decode-capacity-one-rank", lambda: expect_error(
+        lambda: sp.decode(x(1, 4, 16), x(2, 4, 2, 16), x(2, 4, 2, 16), lens,
+                          torch.zeros(1, 2, dtype=torch.int32)),
+        sp.ShardError, "rank 0", "capacity"))
+
     # invariant-decode shards built for 2W ranks, used on a group of W: wrong group size
     def wrong_group():
         k = x(1, 64, 2, 16)

@@ -187,8 +187,25 @@ def validate_decode(op, q, k_cache, v_cache, seqlens, block_table, group, rank, 
         if seqlens.dtype != torch.int32 or seqlens.shape != (q.shape[0],):
             raise ValueError(f"seqlens must be int32 [B={q.shape[0]}] (this rank's shard "
                              f"lengths, 0 allowed), got {seqlens.dtype} {tuple(seqlens.shape)}")
-        if check and bool((seqlens < 0).any()):
-            raise ValueError("seqlens must be >= 0")
+        if not check:
+            return
+        # What api.decode would reject, checked here so that it fails on every rank
+        # (before the exchange) rather than on one rank after its peers have moved on.
+        lens = seqlens.tolist()
+        if block_table is None:
+            capacity = k_cache.shape[1]
+        else:
+            capacity = block_table.shape[1] * k_cache.shape[1]
+        for b, n in enumerate(lens):
+            if not 0 <= n <= capacity:
+                raise ValueError(f"seqlens[{b}]={n} must lie in [0, {capacity}] (the local "
+                                 "cache's capacity)")
+        if block_table is not None:
+            page, pages = k_cache.shape[1], k_cache.shape[0]
+            for b, (row, n) in enumerate(zip(block_table.tolist(), lens)):
+                bad = [p for p in row[: -(-n // page)] if not 0 <= p < pages]
+                if bad:
+                    raise ValueError(f"block_table[{b}] holds page {bad[0]}, outside [0, {pages})")
 
     err = error or checks.local_error(local)
     if not check:

@@ -151,3 +151,41 @@ def test_library_merge_kernel_climbs_to_structure():
     r = ladder.climb(library.get("merge_states"), "sm_90", ladder.Config(max_gate=2))
     assert r.highest_gate == 2, r.verdict
     assert r.gates[2].data["regs_per_thread"] and not r.gates[2].data["ws_requested"]
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _two_ws_loops(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Two warp-specialized loops, like causal attention's masked and unmasked halves."""
+    pid_m = tl.program_id(0)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # [BLOCK_M, BLOCK_N]
+    half = K // BLOCK_K // 2
+    for k in tl.range(0, half, warp_specialize=True):
+        acc = tl.dot(a_desc.load([pid_m * BLOCK_M, k * BLOCK_K]), b_desc.load([0, k * BLOCK_K]).T, acc)
+    for k in tl.range(half, K // BLOCK_K, warp_specialize=True):
+        acc = tl.dot(a_desc.load([pid_m * BLOCK_M, k * BLOCK_K]), b_desc.load([0, k * BLOCK_K]).T, acc)
+    c_desc.store([pid_m * BLOCK_M, 0], acc.to(tl.float16))
+
+
+def test_sm90_compile_failure_names_the_known_cause():
+    """Two specialized loops break the sm_90 pass (FACTS.md: causal attention); the failed
+    gate says where it failed and which known cause is present, and sm_100 still forms."""
+    from wsattn.evidence.spec import KernelSpec
+
+    def compile_spec(cc):
+        sig = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32"}
+        return {"fn": _two_ws_loops, "signature": sig,
+                "constexprs": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, "options": {"num_warps": 4}}
+    spec = KernelSpec("two_loops", compile_spec=compile_spec)
+    r = ladder.climb(spec, "sm_90", ladder.Config(max_gate=2))
+    assert r.gates[1].status == "FAIL" and "ttgir stage" in r.gates[1].detail
+    assert "2 warp-specialized loops" in r.gates[1].detail
+    r = ladder.climb(spec, "sm_100", ladder.Config(max_gate=2))
+    assert r.highest_gate == 2 and r.gates[2].data["ws_formed"]

@@ -144,9 +144,14 @@ def _one_line(e: Exception) -> str:
 
 
 def _first_error_line(text: str) -> str:
+    """MLIR's first ``error:`` diagnostic, else a failed LLVM/MLIR assertion's message."""
     for line in text.splitlines():
-        if "error:" in line:
+        if "error:" in line and "Failures have been detected" not in line:  # that one says nothing
             return line.split("error:", 1)[1].strip()
+    for line in text.splitlines():
+        m = re.search(r"Assertion `(.*)' failed", line)
+        if m:
+            return f"compiler assertion failed: {m.group(1)}"
     return ""
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import triton
+import triton.language as tl
 
 from wsattn.evidence import demo, ladder, structure
 from wsattn.evidence.compile_gate import compile_kernel
@@ -151,10 +153,6 @@ def test_library_merge_kernel_climbs_to_structure():
     r = ladder.climb(library.get("merge_states"), "sm_90", ladder.Config(max_gate=2))
     assert r.highest_gate == 2, r.verdict
     assert r.gates[2].data["regs_per_thread"] and not r.gates[2].data["ws_requested"]
-
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 
 @triton.jit

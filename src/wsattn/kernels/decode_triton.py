@@ -168,7 +168,11 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
         return 1  # two waves of whole sequences: splitting would only add the combine
     want = triton.cdiv(WAVES * num_sms, programs)
     most = max(1, capacity // (MIN_SPLIT_TILES * block_n))
-    return max(1, min(want, most, MAX_SPLITS))
+    splits = max(1, min(want, most, MAX_SPLITS))
+    # the kernel gives each split cdiv(tiles, splits) tiles; drop the splits a full-length
+    # sequence would leave empty (131072 keys, 66 wanted: 32 tiles each fill only 64)
+    tiles = triton.cdiv(capacity, block_n)
+    return triton.cdiv(tiles, triton.cdiv(tiles, splits))
 
 
 def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int,

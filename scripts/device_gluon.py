@@ -38,6 +38,7 @@ VARIANTS = {
     "default": {},
     "no_overlap": {"OVERLAP": False},
     "pingpong": {"PINGPONG": True},
+    "persistent": {"PERSISTENT": True},
     "v1": {"UNROLL": False, "STAGES": 2, "BLOCK_N": 128},  # the first correct version
     "unroll_s2": {"UNROLL": True, "STAGES": 2, "BLOCK_N": 128},
     "unroll_s3": {"UNROLL": True, "STAGES": 3, "BLOCK_N": 128, "D": 128},
@@ -137,20 +138,21 @@ def numerics(log, name):
         log.add(row)
 
 
-def stress(log, launches=2000):
+def stress(log, name="default", launches=2000):
     B, S, H, HKV, D = 2, 1000, 8, 2, 128
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16)
     for causal in (False, True):
+        s = pg.settings_for(D, causal, **overrides(name, D))
         t0 = time.time()
-        first, first_lse = pg.prefill(q, k, v, causal, 1 / math.sqrt(D))
+        first, first_lse = pg.prefill(q, k, v, causal, 1 / math.sqrt(D), settings=s)
         same = 0
         for _ in range(launches):
-            out, lse = pg.prefill(q, k, v, causal, 1 / math.sqrt(D))
+            out, lse = pg.prefill(q, k, v, causal, 1 / math.sqrt(D), settings=s)
             same += int(torch.equal(out, first) and torch.equal(lse, first_lse))
         torch.cuda.synchronize()
-        log.add({"kind": "stress", "case": case_id(B, S, S, H, HKV, D, causal, torch.bfloat16),
+        log.add({"kind": "stress", "variant": name, "case": case_id(B, S, S, H, HKV, D, causal, torch.bfloat16),
                  "launches": launches, "bit_identical": same, "seconds": round(time.time() - t0, 2),
                  "ok": same == launches})
 
@@ -222,7 +224,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--numerics-variants", default="default")
-    ap.add_argument("--skip-stress", action="store_true")
+    ap.add_argument("--stress-variants", default="default")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--ns", default="4096,8192,16384", help="sequence lengths to time")
     ap.add_argument("--ds", default="128,64", help="head dims to time")
@@ -232,8 +234,9 @@ def main():
     for name in args.numerics_variants.split(","):
         if name:
             numerics(log, name)
-    if not args.skip_stress:
-        stress(log)
+    for name in args.stress_variants.split(","):
+        if name:
+            stress(log, name)
     if not args.skip_timing:
         timing(log, [n for n in args.variants.split(",") if n],
                tuple(int(n) for n in args.ns.split(",")), tuple(int(d) for d in args.ds.split(",")))

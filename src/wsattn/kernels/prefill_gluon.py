@@ -44,6 +44,7 @@ class GluonSettings:
     OVERLAP: bool = True  # next QK^T issued before the current softmax
     PINGPONG: bool = False  # consumer warpgroups take turns issuing GEMMs
     UNROLL: bool = True  # two register sets for P, so the softmax really overlaps PV
+    PERSISTENT: bool = False  # one CTA per SM striding over the tiles (K/V prefetch across tiles)
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24
 
@@ -84,6 +85,7 @@ def _descriptor(t3, block, dtype_name):
 def _constexprs(head_dim, group, causal, s: GluonSettings):
     return dict(GROUP=group, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N, D=head_dim, STAGES=s.STAGES,
                 CAUSAL=bool(causal), OVERLAP=s.OVERLAP, PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
+                PERSISTENT=s.PERSISTENT,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS)
 
 
@@ -113,8 +115,10 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     o_desc = _descriptor(out.view(B, Sq, Hq * D), [1, WG_M, D], name)
     k_desc = _descriptor(k.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
     v_desc = _descriptor(v.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
-    grid = (triton_cdiv(Sq, s.BLOCK_M), B * Hq)
-    attn_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
+    num_tiles = triton_cdiv(Sq, s.BLOCK_M) * B * Hq
+    if s.PERSISTENT:
+        num_tiles = min(num_tiles, _num_sms(q.device))  # one CTA per SM: registers allow no more
+    attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, B, Sq, Sk, Hq,
                           sm_scale * math.log2(math.e), num_warps=4,
                           **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
@@ -122,6 +126,16 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
 
 def triton_cdiv(a, b):
     return -(-a // b)
+
+
+_SMS = {}
+
+
+def _num_sms(device) -> int:
+    index = torch.device(device).index or 0
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
@@ -134,7 +148,7 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     kv_block = [1, s.BLOCK_N, head_dim]
     kv = f"tensordesc<{dtype}[1,{s.BLOCK_N},{head_dim}],{_layout(kv_block, dtype)!r}>"
     signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",
-                 "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32"}
+                 "B": "i32", "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32"}
     return {"fn": attn_fwd_kernel, "signature": signature,
             "constexprs": _constexprs(head_dim, 1, causal, s),
             "options": {"num_warps": 4}}

@@ -69,26 +69,28 @@ def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr
 
 
 @gluon.jit
-def _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
-          l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
+def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_other,
+          p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
           CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
     issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
     tensor cores (OVERLAP). With PINGPONG the two consumer warpgroups take turns issuing
-    their GEMMs, so one's softmax runs under the other's GEMMs."""
-    s_cur = j % STAGES
+    their GEMMs, so one's softmax runs under the other's GEMMs. r is tile j's index in the
+    shared-memory ring, counted over all the tiles this CTA has consumed (persistent); pp
+    counts the ping-pong turns taken so far (one per step)."""
+    s_cur = r % STAGES
     nxt = j + 1
-    s_nxt = nxt % STAGES
+    s_nxt = (r + 1) % STAGES
     if PINGPONG:
-        mbarrier.wait(turn_mine, j & 1)
-    mbarrier.wait(k_ready.index(s_nxt), (nxt // STAGES) & 1)
+        mbarrier.wait(turn_mine, pp & 1)
+    mbarrier.wait(k_ready.index(s_nxt), ((r + 1) // STAGES) & 1)
     zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q, k_smem.index(s_nxt).permute((1, 0)), zero, use_acc=False,
                           is_async=True)
     if not OVERLAP:
         s_tok = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.wait(v_ready.index(s_cur), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(s_cur), (r // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(s_cur), acc, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn_other)
@@ -104,8 +106,8 @@ def _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_othe
 
 
 @gluon.jit
-def _consume_tiles(j_lo, j_hi, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine,
-                   turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
+def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                   turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
                    s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
@@ -116,16 +118,16 @@ def _consume_tiles(j_lo, j_hi, q, k_smem, v_smem, k_ready, v_ready, kv_empty, tu
     n_pairs = (j_hi - j_lo) // 2 if UNROLL else 0
     for i in range(n_pairs):
         j = j_lo + 2 * i
-        p_b, m_i, l_i, acc = _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine,
+        p_b, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine,
                                    turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
                                    s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL, OVERLAP,
                                    PINGPONG)
-        p_op, m_i, l_i, acc = _step(j + 1, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+        p_op, m_i, l_i, acc = _step(j + 1, r0 + j + 1, pp0 + j + 1, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                     turn_mine, turn_other, p_b, m_i, l_i, acc, rows, Sq, Sk,
                                     qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL,
                                     OVERLAP, PINGPONG)
     for j in range(j_lo + 2 * n_pairs, j_hi):  # the odd one out, or all without UNROLL
-        p_op, m_i, l_i, acc = _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
+        p_op, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
                                     turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk,
                                     qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL,
                                     OVERLAP, PINGPONG)
@@ -133,38 +135,39 @@ def _consume_tiles(j_lo, j_hi, q, k_smem, v_smem, k_ready, v_ready, kv_empty, tu
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-              turn_bars, o_desc, lse_ptr, off_b, off_h, start_m, Sq, Sk, Hq, qk_scale,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
-    """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of head off_h."""
+def _tile_coords(t, n_m, Hq, CAUSAL: gl.constexpr):
+    """Tile t -> (start_m, b, h). Row blocks vary fastest, so CTAs running at the same time
+    share a head's K/V in L2; causal walks them from the last (most keys) to the first."""
+    m_idx = t % n_m
+    bh = t // n_m
+    if CAUSAL:
+        start_m = n_m - 1 - m_idx
+    else:
+        start_m = m_idx
+    return start_m, bh // Hq, bh % Hq
+
+
+@gluon.jit
+def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q_empty,
+                    k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc, lse_ptr, n_m,
+                    Sq, Sk, Hq, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                    p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
+    """Tile t (this CTA's tile_i-th, its K/V from ring index r0 on); returns its K/V count."""
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    flat_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_M, D], dtype)
-    flat_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    # The TMA boxes are [1, rows, D]; the leading 1 changes no byte, so view them as 2-D.
-    q = q_smem._reinterpret(dtype, [WG_M, D], flat_q)  # [WG_M, D]
-    k2 = k_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)  # [STAGES, BLOCK_N, D]
-    v2 = v_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)
-    turn_mine = turn_bars.index(WG)
-    turn_other = turn_bars.index(1 - WG)
-
+    start_m, off_b, off_h = _tile_coords(t, n_m, Hq, CAUSAL)
     m_row0 = start_m * BLOCK_M + WG * WG_M
     rows = m_row0 + gl.arange(0, WG_M, layout=row_layout)  # [WG_M]
     n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
 
-    # Prologue: S(0) and its softmax (always masked: one tile, and it may be the diagonal).
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
+    # Prologue: S(0) and its softmax (always masked: one tile, maybe the diagonal).
+    mbarrier.wait(q_bar, tile_i & 1)
+    mbarrier.wait(k_ready.index(r0 % STAGES), (r0 // STAGES) & 1)
     zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q, k2.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(q, k2.index(r0 % STAGES).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     m_i = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
     l_i = gl.zeros([WG_M], gl.float32, row_layout)
@@ -175,19 +178,22 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
 
     # Steady state: softmax of tile j + 1 unmasked while j + 1 < n_full, masked after.
     split = gl.maximum(n_full - 1, 0)
-    p_op, m_i, l_i, acc = _consume_tiles(0, split, q, k2, v2, k_ready, v_ready, kv_empty,
-                                         turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq,
-                                         Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES,
-                                         False, CAUSAL, OVERLAP, PINGPONG, UNROLL)
-    p_op, m_i, l_i, acc = _consume_tiles(split, n_total - 1, q, k2, v2, k_ready, v_ready,
-                                         kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc,
-                                         rows, Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N,
-                                         STAGES, True, CAUSAL, OVERLAP, PINGPONG, False)
+    pp0 = r0 - tile_i
+    p_op, m_i, l_i, acc = _consume_tiles(0, split, r0, pp0, q, k2, v2, k_ready, v_ready,
+                                         kv_empty, turn_mine, turn_other, p_op, m_i, l_i,
+                                         acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
+                                         BLOCK_N, STAGES, False, CAUSAL, OVERLAP, PINGPONG,
+                                         UNROLL)
+    p_op, m_i, l_i, acc = _consume_tiles(split, n_total - 1, r0, pp0, q, k2, v2, k_ready,
+                                         v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
+                                         l_i, acc, rows, Sq, Sk, qk_scale, s_layout,
+                                         p_layout, BLOCK_N, STAGES, True, CAUSAL, OVERLAP,
+                                         PINGPONG, False)
 
     # Epilogue: PV of the last tile.
-    last = n_total - 1
-    s_last = last % STAGES
-    mbarrier.wait(v_ready.index(s_last), (last // STAGES) & 1)
+    r_last = r0 + n_total - 1
+    s_last = r_last % STAGES
+    mbarrier.wait(v_ready.index(s_last), (r_last // STAGES) & 1)
     acc = warpgroup_mma(p_op, v2.index(s_last), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(s_last))
@@ -200,63 +206,131 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
     tma.async_copy_shared_to_global(o_desc, [off_b, m_row0, off_h * D], q_smem)
     # LSE in natural log: ln(l) + m / log2(e) with m in the log2 domain.
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    gl.store(lse_ptr + ((off_b * Hq + off_h) * Sq + rows).to(gl.int64), lse, mask=rows < Sq)
+    gl.store(lse_ptr + ((off_b * Hq + off_h) * Sq + rows).to(gl.int64), lse,
+             mask=rows < Sq)
     tma.store_wait(0)
+    mbarrier.arrive(q_empty)  # the producer may load the next tile's Q into q_smem
+    return n_total
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, k_ready,
-              v_ready, kv_empty, off_b, off_h, off_hkv, start_m, Sq, Sk,
+def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+              kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq, qk_scale,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """TMA producer: Q once (both halves on one barrier), then K and V tiles in a ring."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
+              PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of each tile this
+    CTA takes (tiles pid, pid + grid, ...: one tile per CTA unless the launch is persistent)."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    flat_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_M, D], dtype)
+    flat_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+
+    # The TMA boxes are [1, rows, D]; the leading 1 changes no byte, so view them as 2-D.
+    q = q_smem._reinterpret(dtype, [WG_M, D], flat_q)  # [WG_M, D]
+    k2 = k_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)  # [STAGES, BLOCK_N, D]
+    v2 = v_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)
+    turn_mine = turn_bars.index(WG)
+    turn_other = turn_bars.index(1 - WG)
+
+    if PERSISTENT:
+        r0 = 0  # ring index of the current tile's first K/V tile
+        pid = gl.program_id(0)
+        n_prog = gl.num_programs(0)
+        for t in range(pid, num_tiles, n_prog):
+            r0 += _consume_q_tile(t, r0, (t - pid) // n_prog, WG, q, q_smem, k2, v2, q_bar,
+                                  q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other,
+                                  o_desc, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
+                                  o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                                  OVERLAP, PINGPONG, UNROLL)
+    else:  # one tile per CTA: no tile loop, nothing carried across tiles
+        _consume_q_tile(gl.program_id(0), 0, 0, WG, q, q_smem, k2, v2, q_bar, q_empty, k_ready,
+                        v_ready, kv_empty, turn_mine, turn_other, o_desc, lse_ptr, n_m, Sq, Sk,
+                        Hq, qk_scale, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES,
+                        CAUSAL, OVERLAP, PINGPONG, UNROLL)
+
+
+@gluon.jit
+def _produce_q_tile(t, r0, tile_i, q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem,
+                    q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, Sq, Sk, Hq,
+                    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Loads for tile t: Q once (both halves on one barrier, once both consumers have stored
+    the previous tile's O out of the Q buffers), then K and V through the ring from r0 on."""
+    start_m, off_b, off_h = _tile_coords(t, n_m, Hq, CAUSAL)
+    off_hkv = off_h // GROUP
     m0 = start_m * BLOCK_M
+    # A fresh barrier's "previous phase" counts as complete, so the first waits pass.
+    mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h * D], q_bar, q0_smem)
     tma.async_copy_global_to_shared(q_desc, [off_b, m0 + WG_M, off_h * D], q_bar, q1_smem)
     n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
     for j in range(n_total):
-        s = j % STAGES
-        # A fresh barrier's "previous phase" counts as complete, so the first lap passes.
-        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        r = r0 + j
+        s = r % STAGES
+        mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hkv * D],
                                         k_ready.index(s), k_smem.index(s))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hkv * D],
                                         v_ready.index(s), v_smem.index(s))
+    return n_total
 
 
 @gluon.jit
-def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale,
+def _producer(q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, q_empty,
+              k_ready, v_ready, kv_empty, n_m, num_tiles, Sq, Sk, Hq,
+              GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+    """The TMA producer warp: the loads of each tile the CTA takes, in the consumers' order."""
+    if PERSISTENT:
+        r0 = 0
+        pid = gl.program_id(0)
+        n_prog = gl.num_programs(0)
+        for t in range(pid, num_tiles, n_prog):
+            r0 += _produce_q_tile(t, r0, (t - pid) // n_prog, q_desc, k_desc, v_desc, q0_smem,
+                                  q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                                  kv_empty, n_m, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D,
+                                  STAGES, CAUSAL)
+    else:
+        _produce_q_tile(gl.program_id(0), 0, 0, q_desc, k_desc, v_desc, q0_smem, q1_smem,
+                        k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, Sq,
+                        Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL)
+
+
+@gluon.jit
+def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Sq, Sk, Hq, qk_scale,
                     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (cdiv(Sq, BLOCK_M), B * Hq). q/o descriptors are [B, Sq, Hq * D] with box
-    [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv."""
+                    PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """1-D grid over tiles (row block, batch, head): one tile per CTA, or fewer CTAs than
+    tiles (persistent), each striding over them. q/o descriptors are [B, Sq, Hq * D] with
+    box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv."""
     gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
     dtype: gl.constexpr = q_desc.dtype
-    n_m = gl.num_programs(0)
-    if CAUSAL:
-        start_m = n_m - 1 - gl.program_id(0)  # heaviest (most keys) tiles launch first
-    else:
-        start_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    off_b = bh // Hq
-    off_h = bh % Hq
-    off_hkv = off_h // GROUP
+    n_m = gl.cdiv(Sq, BLOCK_M)
+    num_tiles = n_m * B * Hq
 
     q0_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     q1_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)  # both consumer warpgroups are done with their Q buffer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -267,13 +341,13 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
         mbarrier.arrive(turn_bars.index(0))  # warpgroup 0 issues its GEMMs first
 
     gl.warp_specialize([
-        (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                     o_desc, lse_ptr, off_b, off_h, start_m, Sq, Sk, Hq, qk_scale, BLOCK_M,
-                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL)),
-        (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn_bars,
-                     o_desc, lse_ptr, off_b, off_h, start_m, Sq, Sk, Hq, qk_scale, BLOCK_M,
-                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL)),
-        (_producer, (q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, k_ready,
-                     v_ready, kv_empty, off_b, off_h, off_hkv, start_m, Sq, Sk, BLOCK_M,
-                     BLOCK_N, D, STAGES, CAUSAL)),
+        (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                     turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M,
+                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PERSISTENT)),
+        (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                     turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M,
+                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PERSISTENT)),
+        (_producer, (q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, q_empty,
+                     k_ready, v_ready, kv_empty, n_m, num_tiles, Sq, Sk, Hq, GROUP, BLOCK_M,
+                     BLOCK_N, D, STAGES, CAUSAL, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

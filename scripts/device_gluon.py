@@ -225,6 +225,7 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--numerics-variants", default="default")
     ap.add_argument("--stress-variants", default="default")
+    ap.add_argument("--launches", type=int, default=2000, help="stress launches per case")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--ns", default="4096,8192,16384", help="sequence lengths to time")
     ap.add_argument("--ds", default="128,64", help="head dims to time")
@@ -236,7 +237,7 @@ def main():
             numerics(log, name)
     for name in args.stress_variants.split(","):
         if name:
-            stress(log, name)
+            stress(log, name, args.launches)
     if not args.skip_timing:
         timing(log, [n for n in args.variants.split(",") if n],
                tuple(int(n) for n in args.ns.split(",")), tuple(int(d) for d in args.ds.split(",")))

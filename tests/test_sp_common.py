@@ -368,6 +368,11 @@ def battery_bad_input(rank, W):
     _run_check(res, "bad-zigzag-odd-shard", lambda: expect_error(
         lambda: sp.prefill(x(1, 3, 2, 16), x(1, 3, 2, 16), x(1, 3, 2, 16)),
         sp.ShardError, "zig-zag", str(2 * W)))
+    # shards cut for a group twice as large (global length 4 * 4W): a group of the wrong size
+    _run_check(res, "bad-prefill-group-size", lambda: expect_error(
+        lambda: sp.prefill_overlapped(x(1, 4, 2, 16), x(1, 4, 2, 16), x(1, 4, 2, 16),
+                                      global_seqlen=8 * W),
+        sp.ShardError, f"process group has {W} ranks", "another group size"))
     # a tensor on the wrong device on the last rank only: every rank names that rank
     dev = "meta" if rank == W - 1 else "cpu"
     _run_check(res, "bad-device-one-rank", lambda: expect_error(

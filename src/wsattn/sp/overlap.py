@@ -90,7 +90,7 @@ def post_exchange(send: torch.Tensor, rank: int, W: int, group):
 
 def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = None, *,
                        group=None, zigzag: bool = True, impl: str = "auto", check: bool = True,
-                       timeout_s: float | None = None):
+                       timeout_s: float | None = None, global_seqlen: int | None = None):
     """Same contract as :func:`wsattn.sp.prefill` (shards in, local (out, lse) out), with
     each peer's K/V consumed as soon as its transfer step has landed.
 
@@ -101,8 +101,9 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
     rank, W = rank_and_size(group)
     if W == 1:
         return prefill(q, k, v, causal, sm_scale, group=group, zigzag=zigzag, impl=impl,
-                       check=check, timeout_s=timeout_s)
-    validate_fixed("prefill_overlapped", q, k, v, causal, zigzag, group, rank, W, check, timeout_s)
+                       check=check, timeout_s=timeout_s, global_seqlen=global_seqlen)
+    validate_fixed("prefill_overlapped", q, k, v, causal, zigzag, group, rank, W, check, timeout_s,
+                   global_seqlen)
     Sq_loc, Sk_loc = q.shape[1], k.shape[1]
     send = torch.stack([k, v])  # [2, B, Sk/W, Hkv, D]: one message per step
     steps = post_exchange(send, rank, W, group)

@@ -33,7 +33,8 @@ __all__ = ["prefill", "prefill_varlen"]
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
-def validate_fixed(op, q, k, v, causal, zigzag, group, rank, W, check, timeout_s):
+def validate_fixed(op, q, k, v, causal, zigzag, group, rank, W, check, timeout_s,
+                   global_seqlen=None):
     """Local checks, then (check=True) the cross-rank agreement; same error on every rank."""
     def local():
         for n, t in (("q", q), ("k", k), ("v", v)):
@@ -63,6 +64,10 @@ def validate_fixed(op, q, k, v, causal, zigzag, group, rank, W, check, timeout_s
         if causal and q.shape[1] > k.shape[1]:
             raise ValueError(f"causal attention needs q_len <= kv_len, got q shard {q.shape[1]} "
                              f"> k shard {k.shape[1]} tokens")
+        if global_seqlen is not None and q.shape[1] * W != global_seqlen:
+            raise ValueError(f"the process group has {W} ranks, but a q shard of {q.shape[1]} "
+                             f"tokens is 1/{global_seqlen / q.shape[1]:g} of the global "
+                             f"{global_seqlen}: the shards were cut for another group size")
 
     err = checks.local_error(local)
     if not check:
@@ -83,7 +88,7 @@ def _kernel_impl(impl):
 
 def prefill(q, k, v, causal: bool = True, sm_scale: float | None = None, *, group=None,
             zigzag: bool = True, impl: str = "auto", check: bool = True,
-            timeout_s: float | None = None):
+            timeout_s: float | None = None, global_seqlen: int | None = None):
     """Attention of the local Q shard over the K/V of the whole sequence, gathered.
 
     Args:
@@ -99,6 +104,8 @@ def prefill(q, k, v, causal: bool = True, sm_scale: float | None = None, *, grou
         check: exchange shard metadata first so that bad input raises the same error on
            every rank (reads a tensor on the host: turn off for CUDA-graph capture).
         timeout_s: how long the metadata exchange waits for peers before raising.
+        global_seqlen: the global query length, if known: then a group whose size does
+           not match the shards (cut for another rank count) is an error.
 
     Returns:
         (out [B, Sq/W, Hq, D] in q's dtype, lse fp32 [B, Hq, Sq/W], natural log), both in
@@ -109,7 +116,8 @@ def prefill(q, k, v, causal: bool = True, sm_scale: float | None = None, *, grou
     """
     group = resolve_group(group)
     rank, W = rank_and_size(group)
-    validate_fixed("prefill", q, k, v, causal, zigzag, group, rank, W, check, timeout_s)
+    validate_fixed("prefill", q, k, v, causal, zigzag, group, rank, W, check, timeout_s,
+                   global_seqlen)
     B, Sq_loc, Hq, D = q.shape
     Sk_loc = k.shape[1]
     kv = all_gather_flat(torch.stack([k, v]), W, group)  # [W, 2, B, Sk/W, Hkv, D]

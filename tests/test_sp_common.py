@@ -529,11 +529,17 @@ def check_cuda_graph(rank, W):
     qd = _rand(g, 4, 32, 128, dtype=torch.bfloat16, device=dev)
     kc = _rand(g, 4, 3000, 8, 128, dtype=torch.bfloat16, device=dev)
     kp, vp, table, local = shard_kv_cache(kc, kc, [3000, 1, 700, 2048], W, rank, 64)
+    lq, lk = [256 * W, 64 * W], [512 * W, 64 * W]  # local shards of two sequences
+    qv = _rand(g, sum(lq) // W, 32, 128, dtype=torch.bfloat16, device=dev)
+    kv = _rand(g, sum(lk) // W, 8, 128, dtype=torch.bfloat16, device=dev)
+    cu_q = torch.tensor([0, lq[0] // W, sum(lq) // W], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, lk[0] // W, sum(lk) // W], dtype=torch.int32, device=dev)
 
     def step():
         out, _ = sp.prefill(q, k, v, True, check=False)
         dec = sp.decode(qd, kp, vp, local, table, check=False)
-        return out, dec
+        var, _ = sp.prefill_varlen(qv, kv, kv, cu_q, cu_k, max(lq), max(lk), True, check=False)
+        return out, dec, var
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -543,7 +549,7 @@ def check_cuda_graph(rank, W):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = step()
-    for t in (q, qd):
+    for t in (q, qd, qv):
         t.copy_(torch.randn_like(t))
     graph.replay()
     torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 """Split-KV decode on a GPU: realistic sizes in bf16/fp16, paged against contiguous,
-bit-identical reruns, CUDA-graph replay, and the bandwidth targets on sm_90 (H200).
+bit-identical reruns, CUDA-graph replay. (Speed is measured by `wsattn bench`, not here.)
 
 Skipped with a reason on machines without a GPU (conftest).
 """

@@ -8,8 +8,10 @@ OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
 BENCH_S=${BENCH_S:-240} TESTS_S=${TESTS_S:-200} LADDER_S=${LADDER_S:-200}
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv;
-  python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())"; } 2>&1 | tee "$OUT/env.txt"
-timeout "$BENCH_S" python3 -m wsattn.cli bench all --json "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>&1 | tee "$OUT/bench.log"
+  python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.backends.cudnn.version())"; } 2>&1 | tee "$OUT/bench.log"
+# at most 8 files come back from $OUT: bench.{log,json,png}, gpu_tests.log, ladder.log,
+# ladder_sm90.{json,md} and the ladder's chart
+timeout "$BENCH_S" python3 -m wsattn.cli bench all --json "$OUT/bench.json" --plot "$OUT/bench.png" "$@" 2>&1 | tee -a "$OUT/bench.log"
 echo "bench rc=${PIPESTATUS[0]}"
 # tests and ladder side by side: neither is a timing we report (the ladder's profile gate is
 # a same-run comparison, disturbed equally for both sides).

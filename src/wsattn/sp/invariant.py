@@ -27,8 +27,6 @@ a split-KV kernel with a fixed split count); the tests check it bitwise.
 
 from __future__ import annotations
 
-import torch
-
 import wsattn
 
 from .comm import all_gather_flat, rank_and_size, resolve_group
@@ -57,10 +55,16 @@ def invariant_decode(q, k_cache, v_cache, block_lens, block_table, n_blocks: int
     """
     group = resolve_group(group)
     rank, W = rank_and_size(group)
-    B, Hq, D = q.shape
     nb_loc = -(-n_blocks // W)
     bad_slots = None
-    if block_lens.dim() != 2 or block_lens.shape[0] != B or block_table.dim() != 3 \
+    if q.dim() != 3:  # reported through the agreement below, like every other error
+        bad_slots = f"q must be [B, Hq, D], got {tuple(q.shape)}"
+        B = Hq = D = 0
+    else:
+        B, Hq, D = q.shape
+    if bad_slots is not None:
+        pass
+    elif block_lens.dim() != 2 or block_lens.shape[0] != B or block_table.dim() != 3 \
             or block_table.shape[:2] != block_lens.shape:
         bad_slots = (f"block_lens must be [B={B}, slots] and block_table [B, slots, pages per "
                      f"block], got {tuple(block_lens.shape)} and {tuple(block_table.shape)}")

@@ -26,7 +26,7 @@ import wsattn
 
 from . import checks
 from .comm import all_gather_flat, rank_and_size, resolve_group
-from .sharding import local_chunks, num_chunks, reorder_gathered, varlen_global_index
+from .sharding import local_chunks, reorder_gathered, varlen_global_index
 
 __all__ = ["prefill", "prefill_varlen"]
 

@@ -159,7 +159,7 @@ def _rand(g, *shape, dtype, device):
 # --------------------------------------------------------------------------- checks
 
 def check_prefill(rank, W, *, B, Sq, Sk, Hq, Hkv, D, causal, zigzag, overlapped, impl, dtype,
-                  device, seed):
+                  device, seed, transport="p2p"):
     """sp.prefill (or prefill_overlapped) of this rank's shard == the reference's shard."""
     import wsattn.sp as sp
     from wsattn import reference
@@ -169,9 +169,10 @@ def check_prefill(rank, W, *, B, Sq, Sk, Hq, Hkv, D, causal, zigzag, overlapped,
     k = _rand(g, B, Sk, Hkv, D, dtype=dtype, device=device)
     v = _rand(g, B, Sk, Hkv, D, dtype=dtype, device=device)
     ref, ref_lse = reference.attention(q, k, v, causal)
+    kw = dict(transport=transport) if overlapped else {}
     fn = sp.prefill_overlapped if overlapped else sp.prefill
     out, lse = fn(shard(q, W, rank, 1, zigzag), shard(k, W, rank, 1, zigzag),
-                  shard(v, W, rank, 1, zigzag), causal, impl=impl, zigzag=zigzag)
+                  shard(v, W, rank, 1, zigzag), causal, impl=impl, zigzag=zigzag, **kw)
     assert out.shape == (B, Sq // W, Hq, D) and lse.shape == (B, Hq, Sq // W)
     _cmp(out, shard(ref, W, rank, 1, zigzag), dtype, "out")
     _cmp_lse(lse, shard(ref_lse, W, rank, 2, zigzag), dtype, "lse")
@@ -373,6 +374,11 @@ def battery_bad_input(rank, W):
         lambda: sp.prefill_overlapped(x(1, 4, 2, 16), x(1, 4, 2, 16), x(1, 4, 2, 16),
                                       global_seqlen=8 * W),
         sp.ShardError, f"process group has {W} ranks", "another group size"))
+    # the symmetric-memory transport asked for on a CPU group
+    _run_check(res, "bad-symm-transport-on-gloo", lambda: expect_error(
+        lambda: sp.prefill_overlapped(x(1, 4, 2, 16), x(1, 4, 2, 16), x(1, 4, 2, 16),
+                                      transport="symm"),
+        ValueError, "transport='symm' unavailable"))
     # a tensor on the wrong device on the last rank only: every rank names that rank
     dev = "meta" if rank == W - 1 else "cpu"
     _run_check(res, "bad-device-one-rank", lambda: expect_error(
@@ -500,6 +506,10 @@ def battery_nccl(rank, W):
          dict(B=1, Sq=8192, Sk=8192, causal=True, zigzag=True, overlapped=True)),
         ("nccl-overlap-B1-Sq2048-Sk6144-H32-HKV8-D128-zigzag-causal-prefix",
          dict(B=1, Sq=2048, Sk=6144, causal=True, zigzag=True, overlapped=True)),
+        ("nccl-overlap-symm-B2-S8192-H32-HKV8-D128-zigzag-causal",
+         dict(B=2, Sq=8192, Sk=8192, causal=True, zigzag=True, overlapped=True, transport="symm")),
+        ("nccl-overlap-symm-B1-Sq2048-Sk6144-H32-HKV8-D128-contiguous-causal-prefix",
+         dict(B=1, Sq=2048, Sk=6144, causal=True, zigzag=False, overlapped=True, transport="symm")),
         ("nccl-gather-B1-S" + str(300 * W) + "-H32-HKV8-D128-contiguous-causal",
          dict(B=1, Sq=300 * W, Sk=300 * W, causal=True, zigzag=False, overlapped=False)),
     ]):

@@ -35,7 +35,9 @@ from .comm import rank_and_size, resolve_group
 from .prefill import _kernel_impl, prefill, validate_fixed
 from .sharding import local_chunks
 
-__all__ = ["prefill_overlapped", "chunk_attention", "post_exchange"]
+__all__ = ["prefill_overlapped", "chunk_attention", "post_exchange", "SymmPull"]
+
+TRANSPORTS = ("p2p", "symm")
 
 
 def chunk_attention(q, k, v, offset: int, causal: bool, sm_scale, impl):
@@ -88,11 +90,83 @@ def post_exchange(send: torch.Tensor, rank: int, W: int, group):
     return steps
 
 
+class SymmPull:
+    """The alternative transport: every rank's shard sits in a torch symmetric-memory
+    buffer and each rank pulls its peers' shards with copy-engine copies on a side
+    stream, one event per peer as its ready signal (no NCCL kernel takes SMs from the
+    attention). Multicast is never used.
+
+    Per call, on the side stream: barrier (every peer has finished pulling the previous
+    call's shards), copy the local shard into the buffer, barrier (every shard is in
+    place), then one pull per peer in the shift order, each followed by its event.
+    Buffers are cached per (group, shape, dtype)."""
+
+    _cache: dict = {}
+
+    def __init__(self, group, shape, dtype, device):
+        import warnings
+        from torch.distributed import _symmetric_memory as symm_mem
+        self.rank, self.world_size = rank_and_size(group)
+        self.buf = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
+        with warnings.catch_warnings():  # needed before torch 2.9, a no-op after
+            warnings.simplefilter("ignore", FutureWarning)
+            if not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+        self.peers = [self.handle.get_buffer(p, tuple(shape), dtype)
+                      for p in range(self.world_size)]
+        self.recv = {p: torch.empty(shape, dtype=dtype, device=device)
+                     for p in range(self.world_size) if p != self.rank}
+        self.events = {p: torch.cuda.Event() for p in self.recv}
+        self.stream = torch.cuda.Stream(device)
+
+    @classmethod
+    def get(cls, group, shape, dtype, device) -> "SymmPull":
+        key = (id(group), tuple(shape), dtype, str(device))
+        if key not in cls._cache:
+            cls._cache[key] = cls(group, shape, dtype, device)
+        return cls._cache[key]
+
+    def post(self, send):
+        """Start the pulls; returns [(source rank, buffer, [event])] in shift order."""
+        compute = torch.cuda.current_stream()
+        # after the send tensor is written and after the previous call's readers of recv
+        self.stream.wait_stream(compute)
+        send.record_stream(self.stream)
+        steps = []
+        with torch.cuda.stream(self.stream):
+            self.handle.barrier(channel=0)
+            self.buf.copy_(send)
+            self.handle.barrier(channel=0)
+            for d in range(1, self.world_size):
+                src = (self.rank - d) % self.world_size
+                self.recv[src].copy_(self.peers[src])  # a peer-to-peer copy-engine read
+                self.events[src].record(self.stream)
+                steps.append((src, self.recv[src], [_EventWait(self.events[src])]))
+        return steps
+
+
+class _EventWait:
+    """A ready signal with the interface of a work handle: wait() makes the current
+    stream wait for the event (no host sync)."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self):
+        torch.cuda.current_stream().wait_event(self.event)
+
+
 def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = None, *,
                        group=None, zigzag: bool = True, impl: str = "auto", check: bool = True,
-                       timeout_s: float | None = None, global_seqlen: int | None = None):
+                       timeout_s: float | None = None, global_seqlen: int | None = None,
+                       transport: str = "p2p"):
     """Same contract as :func:`wsattn.sp.prefill` (shards in, local (out, lse) out), with
     each peer's K/V consumed as soon as its transfer step has landed.
+
+    transport: "p2p" (NCCL or gloo batch_isend_irecv per shift step, the default) or
+    "symm" (copy-engine pulls from peers' symmetric memory on a side stream, CUDA + NCCL
+    only; see :class:`SymmPull`).
 
     Example (under torchrun):
         >>> out, lse = wsattn.sp.prefill_overlapped(q_shard, k_shard, v_shard, causal=True)
@@ -102,11 +176,20 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
     if W == 1:
         return prefill(q, k, v, causal, sm_scale, group=group, zigzag=zigzag, impl=impl,
                        check=check, timeout_s=timeout_s, global_seqlen=global_seqlen)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     validate_fixed("prefill_overlapped", q, k, v, causal, zigzag, group, rank, W, check, timeout_s,
                    global_seqlen)
     Sq_loc, Sk_loc = q.shape[1], k.shape[1]
     send = torch.stack([k, v])  # [2, B, Sk/W, Hkv, D]: one message per step
-    steps = post_exchange(send, rank, W, group)
+    if transport == "symm":
+        from .decode import symm_unavailable_reason
+        reason = symm_unavailable_reason(group, q.device)
+        if reason:  # the same on every rank: backend and device type were agreed on
+            raise ValueError(f"wsattn.sp.prefill_overlapped: transport='symm' unavailable: {reason}")
+        steps = SymmPull.get(group, send.shape, send.dtype, send.device).post(send)
+    else:
+        steps = post_exchange(send, rank, W, group)
 
     chunks = local_chunks(W, rank, zigzag)
     n = len(chunks)

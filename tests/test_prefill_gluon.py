@@ -90,6 +90,15 @@ def _qkv(B, Sq, Sk, Hq, Hkv, D, dtype, device="cpu"):
                  for S, H in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))
 
 
+def test_tma_views_need_packed_heads_and_alignment():
+    """Inputs the [B, S, H * D] TMA view cannot describe are copied, not rejected."""
+    x = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16)
+    assert pg._tma_ready(x) and pg._tma_ready(x[:, 1:])
+    assert not pg._tma_ready(x.transpose(1, 2))  # heads not packed next to D
+    flat = torch.randn(2 * 5 * 4 * 64 + 1, dtype=torch.bfloat16)
+    assert not pg._tma_ready(flat[1:].view(2, 5, 4, 64))  # base off 16-byte alignment
+
+
 def test_unsupported_reason():
     q, k, v = _qkv(1, 4, 4, 2, 1, 64, torch.float16)
     assert pg.unsupported_reason(q, k, v, False, varlen=False) is None
@@ -148,6 +157,20 @@ def test_sm90_numerics(case, dtype):
     ref, ref_lse = reference.attention(q, k, v, causal)
     assert_close(out, ref, dtype)
     assert_lse_close(lse, ref_lse, dtype)
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_strided_inputs(causal):
+    """BHSD tensors seen as BSHD (last dim contiguous only) go through a copy, same answer."""
+    import wsattn
+    from wsattn import reference
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, h, 130, 64, dtype=torch.bfloat16, device="cuda", generator=g)
+               .transpose(1, 2) for h in (8, 2, 2))  # [B, S, H, D] views of [B, H, S, D]
+    out = wsattn.attention(q, k, v, causal=causal, impl="gluon")
+    ref, _ = reference.attention(q, k, v, causal)
+    assert_close(out, ref, torch.bfloat16)
 
 
 @pytest.mark.sm90

@@ -107,9 +107,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     lse = _alloc.empty((B, Hq, Sq), torch.float32, q.device)
     if B * Sq * Hq == 0:
         return out, lse
-    # TMA needs 16-byte aligned strides; the [B, S, H * D] views need H, D contiguous.
-    q, k, v = (t if t.stride(2) == D and t.stride(1) == t.shape[2] * D else t.contiguous()
-               for t in (q, k, v))
+    q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
     name = _TORCH_TO_GL[q.dtype]
     q_desc = _descriptor(q.view(B, Sq, Hq * D), [1, WG_M, D], name)
     o_desc = _descriptor(out.view(B, Sq, Hq * D), [1, WG_M, D], name)
@@ -122,6 +120,14 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
                           sm_scale * math.log2(math.e), num_warps=4,
                           **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
+
+
+def _tma_ready(t) -> bool:
+    """Can t [B, S, H, D] be viewed as [B, S, H * D] for TMA (H, D packed; base and batch
+    stride 16-byte aligned)? Otherwise the launcher copies it to a contiguous tensor."""
+    B, S, H, D = t.shape
+    return (t.stride(3) == 1 and t.stride(2) == D and t.stride(1) == H * D
+            and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
 def triton_cdiv(a, b):

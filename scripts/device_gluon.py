@@ -106,8 +106,10 @@ def stamp():
             return None
     return {"kind": "stamp", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "cudnn": torch.backends.cudnn.version(),
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "commit": os.environ.get("WSATTN_COMMIT") or run(["git", "rev-parse", "--short", "HEAD"]),
+            "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "commit": (os.environ.get("WSATTN_COMMIT")
+                       or run(["git", "rev-parse", "--short", "HEAD"])),
             "driver": run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])}
 
 
@@ -131,8 +133,10 @@ def numerics(log, name):
             err = rel_err(out, ref)
             fin = torch.isfinite(ref_lse)
             lse_err = (lse.double() - ref_lse.double())[fin].abs().max().item()
-            row.update(err=err, lse_err=lse_err, nan=bool(torch.isnan(out).any() or torch.isnan(lse).any()),
-                       ok=err <= TOL[dtype] and lse_err <= LSE_TOL[dtype] * max(1.0, ref_lse[fin].abs().max().item()))
+            lse_tol = LSE_TOL[dtype] * max(1.0, ref_lse[fin].abs().max().item())
+            row.update(err=err, lse_err=lse_err,
+                       nan=bool(torch.isnan(out).any() or torch.isnan(lse).any()),
+                       ok=err <= TOL[dtype] and lse_err <= lse_tol)
         except Exception as e:  # record and go on: one failure must not hide the others
             row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
         log.add(row)
@@ -152,7 +156,8 @@ def stress(log, name="default", launches=2000):
             out, lse = pg.prefill(q, k, v, causal, 1 / math.sqrt(D), settings=s)
             same += int(torch.equal(out, first) and torch.equal(lse, first_lse))
         torch.cuda.synchronize()
-        log.add({"kind": "stress", "variant": name, "case": case_id(B, S, S, H, HKV, D, causal, torch.bfloat16),
+        log.add({"kind": "stress", "variant": name,
+                 "case": case_id(B, S, S, H, HKV, D, causal, torch.bfloat16),
                  "launches": launches, "bit_identical": same, "seconds": round(time.time() - t0, 2),
                  "ok": same == launches})
 
@@ -179,7 +184,8 @@ def timing(log, variants, ns=(4096, 8192, 16384), ds=(128, 64)):
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=causal, scale=scale)
         ref = cudnn().transpose(1, 2)
         impls = {"cudnn": cudnn}
         if prefill_triton is not None:

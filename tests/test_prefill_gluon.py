@@ -103,7 +103,8 @@ def test_unsupported_reason():
     q, k, v = _qkv(1, 4, 4, 2, 1, 64, torch.float16)
     assert pg.unsupported_reason(q, k, v, False, varlen=False) is None
     assert "fixed-length" in pg.unsupported_reason(q, k, v, False, varlen=True)
-    assert "float16 or bfloat16" in pg.unsupported_reason(q.float(), k.float(), v.float(), False, False)
+    fp32 = (q.float(), k.float(), v.float())
+    assert "float16 or bfloat16" in pg.unsupported_reason(*fp32, False, varlen=False)
     q2, k2, v2 = _qkv(1, 4, 4, 2, 1, 256, torch.float16)
     assert "head dim" in pg.unsupported_reason(q2, k2, v2, False, False)
     q3, k3, v3 = _qkv(1, 4, 0, 2, 1, 64, torch.float16)

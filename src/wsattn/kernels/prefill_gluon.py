@@ -43,7 +43,7 @@ class GluonSettings:
     STAGES: int = 2
     OVERLAP: bool = True  # next QK^T issued before the current softmax
     PINGPONG: bool = False  # consumer warpgroups take turns issuing GEMMs
-    UNROLL: bool = True  # two register sets for P, so the softmax really overlaps PV
+    UNROLL: bool = True  # steps in pairs, so P(j), P(j+1) can take two register sets (notes)
     PERSISTENT: bool = False  # one CTA per SM striding over the tiles (K/V prefetch across tiles)
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24

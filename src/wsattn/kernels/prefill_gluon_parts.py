@@ -70,8 +70,8 @@ def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr
 
 @gluon.jit
 def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_other,
-          p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
-          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+          p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr,
+          p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
           CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
     issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
@@ -111,26 +111,27 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
                    s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
-    """Iterations j in [j_lo, j_hi), unrolled by two (UNROLL) so that P(j) and P(j + 1) live in
-    two register sets: with one loop-carried set, ptxas packs P(j + 1) into the registers
-    the in-flight PV(j) still reads and so waits for PV(j) before the softmax (seen in
-    SASS: WARPGROUP.DEPBAR.LE 0 ahead of every MUFU.EX2), which undoes the overlap."""
+    """Iterations j in [j_lo, j_hi), unrolled by two (UNROLL) so that P(j) and P(j + 1) can
+    live in two register sets: with one loop-carried set, ptxas packs P(j + 1) into the
+    registers the in-flight PV(j) still reads and so waits for PV(j) before the softmax
+    (SASS: WARPGROUP.DEPBAR.LE 0 ahead of every MUFU.EX2). ptxas may still merge the two
+    sets (it does in the 3-stage D=128 build; notes/prefill_gluon.md)."""
     n_pairs = (j_hi - j_lo) // 2 if UNROLL else 0
     for i in range(n_pairs):
         j = j_lo + 2 * i
-        p_b, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine,
-                                   turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
-                                   s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL, OVERLAP,
-                                   PINGPONG)
-        p_op, m_i, l_i, acc = _step(j + 1, r0 + j + 1, pp0 + j + 1, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                    turn_mine, turn_other, p_b, m_i, l_i, acc, rows, Sq, Sk,
-                                    qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL,
-                                    OVERLAP, PINGPONG)
+        p_b, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
+                                   kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
+                                   Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
+                                   CAUSAL, OVERLAP, PINGPONG)
+        p_op, m_i, l_i, acc = _step(j + 1, r0 + j + 1, pp0 + j + 1, q, k_smem, v_smem,
+                                    k_ready, v_ready, kv_empty, turn_mine, turn_other, p_b, m_i,
+                                    l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
+                                    BLOCK_N, STAGES, MASK, CAUSAL, OVERLAP, PINGPONG)
     for j in range(j_lo + 2 * n_pairs, j_hi):  # the odd one out, or all without UNROLL
-        p_op, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                    turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk,
-                                    qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL,
-                                    OVERLAP, PINGPONG)
+        p_op, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
+                                    kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
+                                    Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
+                                    CAUSAL, OVERLAP, PINGPONG)
     return p_op, m_i, l_i, acc
 
 
@@ -310,7 +311,8 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Sq, Sk, Hq, qk_s
                     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                    PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                    PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr):
     """1-D grid over tiles (row block, batch, head): one tile per CTA, or fewer CTAs than
     tiles (persistent), each striding over them. q/o descriptors are [B, Sq, Hq * D] with
     box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv."""

@@ -112,6 +112,8 @@ CASES = {
     "B3-T1-H4-HKV1-page16-auto": (3, 1, 4, 1, [70, 1, 17], 16, 80, None),
     "B3-T3-H8-HKV1-page7-split3": (3, 3, 8, 1, [45, 3, 20], 7, 49, 3),
     "B2-T1-H8-HKV2-page7-split1": (2, 1, 8, 2, [33, 1], 7, 35, 1),
+    # pages of 2 tiles: the one-page-per-tile load path (PAGE_SIZE % BLOCK_N == 0)
+    "B2-T1-H4-HKV1-page32-split2": (2, 1, 4, 1, [70, 33], 32, 96, 2),
     "B2-T3-H4-HKV1-page1-split2": (2, 3, 4, 1, [19, 4], 1, 20, 2),
 }
 # fp16 everywhere; fp32 on a few shapes (each interpreted case costs ~1 s of CI time)

@@ -115,3 +115,12 @@ def test_default_settings_fit_shared_memory(cc, head_dim, record_property):
     kernel = _compile(cc, head_dim, "bf16", causal=True)
     _report(record_property, f"sm{cc}-D{head_dim}-causal", kernel)
     assert kernel.metadata.shared <= SMEM_LIMIT[cc]
+
+
+def test_launch_build_keeps_constexpr_parameters():
+    """The kernel rebuilt for launches lost its tl.constexpr annotations, so on the GPU
+    VARLEN compiled as a run-time value and every fixed-length launch failed (CU_Q=None)."""
+    from wsattn.kernels import prefill_triton
+    launched = prefill_triton._kernel(False)
+    assert launched.constexprs == prefill_triton._attn_fwd.constexprs
+    assert "VARLEN" in [launched.arg_names[i] for i in launched.constexprs]

@@ -73,7 +73,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
     for start in range(lo, hi, BLOCK_N):  # software-pipelined num_stages deep
         n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         kv_live = n < hi
-        if PAGED:
+        if PAGED and PAGE_SIZE % BLOCK_N == 0:
+            # tiles start BLOCK_N-aligned, so a tile lies inside one page: one page index
+            # and rows contiguous as in the contiguous cache (the compiler sees
+            # base + arange * stride and keeps its wide, pipelined loads)
+            page = tl.load(bt_ptr + b * stride_btb + start // PAGE_SIZE).to(tl.int64)
+            in_page = (start % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)  # [BLOCK_N]
+            k_rows = page * stride_kb + in_page * stride_kl  # [BLOCK_N]
+            v_rows = page * stride_vb + in_page * stride_vl
+        elif PAGED:  # a tile spans pages: gather its rows through the block table
             page = tl.load(bt_ptr + b * stride_btb + n // PAGE_SIZE, mask=kv_live, other=0)  # [BLOCK_N]
             in_page = (n % PAGE_SIZE).to(tl.int64)
             k_rows = page.to(tl.int64) * stride_kb + in_page * stride_kl  # [BLOCK_N]

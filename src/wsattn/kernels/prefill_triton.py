@@ -227,8 +227,13 @@ def _kernel(interpret: bool):
         ns = dict(globals())
         for name in _JIT_NAMES:
             raw = globals()[name].fn
-            ns[name] = wrap(types.FunctionType(raw.__code__, ns, raw.__name__,
-                                               raw.__defaults__, raw.__closure__))
+            fn = types.FunctionType(raw.__code__, ns, raw.__name__, raw.__defaults__,
+                                    raw.__closure__)
+            # FunctionType copies no annotations: without them every tl.constexpr
+            # parameter would compile as a run-time value (both VARLEN branches built)
+            fn.__annotations__ = dict(raw.__annotations__)
+            fn.__kwdefaults__ = raw.__kwdefaults__
+            ns[name] = wrap(fn)
         if interpret:
             ns["_max_combine"] = tl.standard._elementwise_max
             ns["_sum_combine"] = tl.standard._sum_combine

@@ -1,0 +1,88 @@
+"""Device experiment: paged decode settings against the contiguous cache (same run).
+
+Prints one line per (shape, variant): median us from CUDA-graph replay, ratio to contiguous,
+and the relative error against a float32 torch computation (checked before timing).
+Usage on the GPU machine: PYTHONPATH=src python3 scripts/device_decode_paged.py [--json P]
+"""
+
+import argparse
+import json
+from dataclasses import replace
+
+import torch
+import triton
+
+from wsattn.kernels import decode_triton as dt
+from wsattn.target import target_of
+
+
+def to_paged(cache, page, gen):
+    B, L, H, D = cache.shape
+    n = B * (L // page)
+    perm = torch.randperm(n, device=cache.device, generator=gen)
+    pages = torch.empty(n, page, H, D, dtype=cache.dtype, device=cache.device)
+    pages[perm] = cache.reshape(n, page, H, D)
+    return pages, perm.view(B, L // page).to(torch.int32)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for B, L in ((64, 8192), (1, 131072)):
+        Hq, Hkv, D = 32, 8, 128
+        q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        seqlens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        scale = D ** -0.5
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+            enable_gqa=True).transpose(1, 2)
+        base = dt.default_settings(target_of(q.device), batch=B, kv_heads=Hkv, head_dim=D,
+                                   capacity=L, dtype=q.dtype, paged=False, query_rows=Hq // Hkv)
+        variants = [("contiguous", None, base)]
+        for page in (16, 64):
+            pb = dt.default_settings(target_of(q.device), batch=B, kv_heads=Hkv, head_dim=D,
+                                     capacity=L, dtype=q.dtype, paged=True, query_rows=Hq // Hkv)
+            variants.append((f"page{page}-default", page, pb))
+            for stages in (4, 6):
+                variants.append((f"page{page}-stages{stages}", page, replace(pb, num_stages=stages)))
+            if page == 16:
+                for stages in (6, 8):
+                    variants.append((f"page16-BN16-stages{stages}", page,
+                                     replace(pb, BLOCK_N=16, num_stages=stages)))
+        contiguous_us = None
+        for name, page, s in variants:
+            if page is None:
+                kc, vc, table = k, v, None
+            else:
+                kc, table = to_paged(k, page, torch.Generator(device="cuda").manual_seed(1))
+                vc, _ = to_paged(v, page, torch.Generator(device="cuda").manual_seed(1))
+            fn = lambda: dt.decode(q, kc, vc, seqlens, table, scale, 0, settings=s)
+            try:
+                out, _ = fn()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                if not err < 2e-2:
+                    raise RuntimeError(f"relative error {err:.2e}")
+                us = triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
+            except Exception as e:  # a variant that does not build or is wrong is reported
+                print(f"B{B}-L{L} {name:24s} FAILED {type(e).__name__}: {str(e)[:200]}")
+                rows.append({"B": B, "L": L, "variant": name, "error": str(e)[:500]})
+                continue
+            contiguous_us = us if page is None else contiguous_us
+            tbps = 2 * B * L * Hkv * D * 2 / (us * 1e-6) / 1e12
+            print(f"B{B}-L{L} {name:24s} {us:8.1f} us {tbps:5.2f} TB/s  x contiguous "
+                  f"{contiguous_us / us:5.3f}  err {err:.1e}  {s}")
+            rows.append({"B": B, "L": L, "variant": name, "us": us, "tbps": tbps,
+                         "x_contiguous": contiguous_us / us, "rel_err": err, "settings": str(s)})
+        del k, v
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

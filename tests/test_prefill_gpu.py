@@ -103,6 +103,11 @@ def test_settings_variants_match_reference(variant, Sk):
     settings = _settings(variant, 128)
     assert settings.warp_specialize == (variant == "warp-specialized")
     q, k, v = _inputs(2, 1000, Sk, 8, 2, 128, torch.bfloat16, seed=3)
+    if settings.warp_specialize:
+        # the auto-WS build gave NaN LSE rows on H200 (2026-11-29); the launcher refuses it
+        with pytest.raises(ValueError, match="warp_specialize=True is refused on the GPU"):
+            prefill_triton.prefill(q, k, v, None, None, 0, 0, False, 0.09, settings=settings)
+        return
     out, lse = prefill_triton.prefill(q, k, v, None, None, 0, 0, False, 0.09, settings=settings)
     ref, ref_lse = reference.attention(q, k, v, False, 0.09)
     assert_close(out, ref, torch.bfloat16)

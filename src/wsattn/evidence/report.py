@@ -11,7 +11,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 
 from .ladder import FAIL, GATES, NOT_RUN, PASS
 
@@ -61,12 +60,8 @@ def environment() -> dict:
         env["triton"] = triton.__version__
     except Exception:
         pass
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                                           text=True, timeout=10).stdout.strip() or None
-    except Exception:
-        pass
+    from ..bench.env import git_commit  # one reading of the commit (WSATTN_COMMIT wins)
+    env["git_commit"] = git_commit()
     return env
 
 

@@ -438,6 +438,14 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     target = target_of(q.device)
     D = q.shape[-1]
     s = settings or default_settings(target, D, q.dtype, causal)
+    if s.warp_specialize and target.backend == "cuda":
+        # Measured wrong: on H200 (2026-11-29, Triton 3.6.0) the auto-WS build returned NaN
+        # LSE rows for Sq=1000, Sk=1000/4096 (tests/test_prefill_gpu.py), while the same
+        # code without the pass is right. Kept for compile-only study (compile_spec, the
+        # evidence ladder) until a GPU run shows it correct; never launched meanwhile.
+        raise ValueError("PrefillSettings.warp_specialize=True is refused on the GPU: Triton "
+                         "3.6's automatic warp specialization gave NaN on H200 for this kernel "
+                         "(notes/prefill_triton.md); use warp_specialize=False")
     if causal and s.warp_specialize:
         # Triton 3.6's warp specialization does not compile the causal kernel's two loops.
         s = dataclasses.replace(s, warp_specialize=False)

@@ -15,13 +15,13 @@ GPU the same tests run on CUDA instead.
 import importlib
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 import wsattn
 import wsattn.ops
 from wsattn import reference
+from wsattn._triton_compat import patch_interpreter_for_numpy_2_4
 from wsattn.target import Target
 
 from conftest import assert_close, assert_lse_close
@@ -34,17 +34,7 @@ def _patch_interpreter(monkeypatch):
     from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
-    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
-        # Triton 3.6's interpreter turns a scalar into an int with int(array of shape
-        # [1]), which numpy >= 2.4 refuses, so a loop with a runtime bound fails
-        # (triton-lang/triton#9171; fixed upstream after 3.6.0 the same way).
-        original = interpreter._patch_lang_tensor
-
-        def patched(tensor, scope):
-            original(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+    patch_interpreter_for_numpy_2_4()
 
     # triton.language's helpers were built in compiled mode if triton was imported
     # without TRITON_INTERPRET; called from interpreted code they refuse to run, so run

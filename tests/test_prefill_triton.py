@@ -17,6 +17,7 @@ import torch
 import wsattn
 from wsattn import reference
 from wsattn.kernels import prefill_triton
+from wsattn._triton_compat import patch_interpreter_for_numpy_2_4
 from wsattn.kernels.prefill_triton import PrefillSettings
 
 from conftest import assert_close, assert_lse_close
@@ -27,23 +28,7 @@ D = 64  # the interpreter's cost grows with D; 128/256 run in the GPU tests
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
-        _patch_interpreter_for_numpy_2_4(monkeypatch)
-
-
-def _patch_interpreter_for_numpy_2_4(monkeypatch):
-    """Triton 3.6's interpreter turns a scalar into an int with int(array of shape [1]),
-    which numpy >= 2.4 refuses, so any loop with a runtime bound fails
-    (triton-lang/triton#9171, fixed upstream after 3.6.0 by the same one-line change)."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+    patch_interpreter_for_numpy_2_4()
 
 
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]

@@ -35,29 +35,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _patch_interpreter_for_numpy_2_4():
-    """Triton 3.6's interpreter turns a scalar into an int with int(array of shape [1]),
-    which numpy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream after 3.6.0);
-    the same one-line change as tests/test_prefill_triton.py, for the whole process."""
-    import numpy as np
-    if np.lib.NumpyVersion(np.__version__) < "2.4.0":
-        return
-    from triton.runtime import interpreter
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def _entry(rank, world, port, queue, battery, env, backend):
     os.environ.update(env)
     results = {}
     try:
         if env.get("TRITON_INTERPRET") == "1":
-            _patch_interpreter_for_numpy_2_4()
+            from wsattn._triton_compat import patch_interpreter_for_numpy_2_4
+            patch_interpreter_for_numpy_2_4()
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -117,27 +117,6 @@ def cases():
     ]
 
 
-def patch_interpreter_for_numpy_2_4() -> bool:
-    """Triton 3.6's interpreter turns a scalar into an int with int(array of shape [1]), which
-    numpy >= 2.4 refuses, so every loop with a runtime bound fails (triton-lang/triton#9171,
-    fixed upstream after 3.6.0). Take the single element instead; returns True if patched."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if (np.lib.NumpyVersion(np.__version__) < "2.4.0"
-            or getattr(interpreter, "_wsattn_patched", False)):
-        return False
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._wsattn_patched = True
-    return True
-
-
 def main(argv=None) -> int:
     import argparse
 
@@ -155,6 +134,8 @@ def main(argv=None) -> int:
         return 2
     print(f"wsattn smoke run: Triton {triton.__version__} interpreter on CPU, "
           f"torch {torch.__version__}")
+    from .._triton_compat import patch_interpreter_for_numpy_2_4
+
     if patch_interpreter_for_numpy_2_4():
         print(f"(numpy {np.__version__}: Triton 3.6's interpreter patched to index scalars the "
               "numpy >= 2.4 way, triton-lang/triton#9171)")

@@ -57,23 +57,6 @@ def _stress(spec, args, status):
     return {"ok": True, "launches": done, "distinct_shapes": len(pool)}
 
 
-def _patch_interpreter_for_numpy_2_4():
-    """Triton 3.6's interpreter turns a scalar into an int with int(array of shape [1]),
-    which numpy >= 2.4 refuses, so any loop with a runtime bound fails
-    (triton-lang/triton#9171; fixed upstream after 3.6.0 the same way)."""
-    import numpy as np
-    if np.lib.NumpyVersion(np.__version__) < "2.4.0":
-        return
-    from triton.runtime import interpreter
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def main(argv):
     task, args, path = argv[0], json.loads(argv[1]), argv[2]
     out = open(path, "a", buffering=1)
@@ -85,7 +68,8 @@ def main(argv):
     try:
         import os
         if os.environ.get("TRITON_INTERPRET") == "1":
-            _patch_interpreter_for_numpy_2_4()
+            from .._triton_compat import patch_interpreter_for_numpy_2_4
+            patch_interpreter_for_numpy_2_4()
         from .spec import resolve
         spec = resolve(args["origin"], args["name"])
         if spec.run is None:

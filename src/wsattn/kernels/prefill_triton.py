@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._alloc import empty
-from ..target import Target, UnsupportedTargetError, interpreting, target_of
+from ..target import Target, UnsupportedTargetError, target_of
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2

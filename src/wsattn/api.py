@@ -266,6 +266,29 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
 
 # --------------------------------------------------------------------------- decode
 
+def _check_decode_values(seqlens, block_table, num_pages, page, T, capacity):
+    """Value checks of seqlens and block_table, computed where the tensors live with one
+    host read (a Python loop over a large block table took milliseconds per call); the
+    first offending entry is looked up only when there is one."""
+    lens_bad = (seqlens < T) | (seqlens > capacity)
+    if block_table is not None:
+        used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+                < (seqlens[:, None] + page - 1) // page)
+        pages_bad = used & ((block_table < 0) | (block_table >= num_pages))
+        flags = torch.stack([lens_bad.any(), pages_bad.any()]).tolist()
+    else:
+        flags = [bool(lens_bad.any()), False]
+    if flags[0]:
+        b = int(lens_bad.nonzero()[0, 0])
+        raise ValueError(f"seqlens[{b}]={int(seqlens[b])} must lie in [{T}, {capacity}] (at "
+                         f"least the {T} new token(s), at most the cache's "
+                         f"{'block table' if block_table is not None else 'L_max'} capacity)")
+    if flags[1]:
+        b, j = (int(x) for x in pages_bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}] holds page {int(block_table[b, j])}, outside "
+                         f"[0, {num_pages}) (num_pages of k_cache)")
+
+
 def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | None = None, *,
            num_splits: int | None = None, return_lse: bool = False, impl: str = "auto",
            validate: bool = True):
@@ -324,21 +347,8 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
             raise ValueError(f"block_table must be [B={B}, max_pages], got {tuple(block_table.shape)}")
         capacity = block_table.shape[1] * k_cache.shape[1]
     if validate:
-        lens = seqlens.tolist()
-        for b, n in enumerate(lens):
-            if n < T or n > capacity:
-                raise ValueError(f"seqlens[{b}]={n} must lie in [{T}, {capacity}] (at least the "
-                                 f"{T} new token(s), at most the cache's "
-                                 f"{'block table' if block_table is not None else 'L_max'} capacity)")
-        if block_table is not None:
-            page = k_cache.shape[1]
-            bt = block_table.tolist()
-            for b, n in enumerate(lens):
-                used = bt[b][: -(-n // page)]
-                bad = [p for p in used if not 0 <= p < k_cache.shape[0]]
-                if bad:
-                    raise ValueError(f"block_table[{b}] holds page {bad[0]}, outside "
-                                     f"[0, {k_cache.shape[0]}) (num_pages of k_cache)")
+        _check_decode_values(seqlens, block_table, k_cache.shape[0], k_cache.shape[1], T,
+                             capacity)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     scale = _scale(sm_scale, D)

@@ -385,7 +385,8 @@ def battery_bad_input(rank, W):
     # invariant-decode shards built for 2W ranks, used on a group of W: wrong group size
     def wrong_group():
         k = x(1, 64, 2, 16)
-        kp, vp, table, blens = shard_kv_cache_blocks(k, k, [64], 2 * W, rank, 8, 8, 4)
+        # 4W blocks, so that the shards cut for 2W ranks (2 slots) differ from W's (4)
+        kp, vp, table, blens = shard_kv_cache_blocks(k, k, [64], 2 * W, rank, 4 * W, 8, 4)
         sp.invariant_decode(x(1, 4, 16), kp, vp, blens, table, 8)
     _run_check(res, "bad-invariant-group-size", lambda: expect_error(
         wrong_group, sp.ShardError, "group of size", "another number of ranks"))

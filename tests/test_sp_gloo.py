@@ -1,7 +1,7 @@
 """Sequence parallelism on CPU process groups (gloo): every mode equals the single-device
-float64 reference, the invariant decode is bitwise the same on 1, 2 and 4 ranks, and bad
-input raises the same error on every rank. Each test spawns one group and runs a battery
-of named checks in it (see test_sp_common.py); a failure lists the failing checks by
+float64 reference on 2, 3 and 8 ranks, the invariant decode is bitwise the same on 1, 2, 4
+and 8 ranks, and bad input raises the same error on every rank. Each test spawns one group
+and runs a battery of named checks in it (see test_sp_common.py); a failure lists the failing checks by
 name and rank. Process start-up dominates the cost, hence few groups, many checks."""
 
 import torch
@@ -41,11 +41,20 @@ def test_three_ranks_every_mode_bad_input_and_bench_smoke():
     assert len(results[0]) >= 20, f"battery ran only {sorted(results[0])}"
 
 
-def test_invariant_decode_bitwise_on_1_2_4_ranks():
-    """The same global KV decoded on 1, 2 and 4 ranks gives the same bits (the reference
+def test_invariant_decode_bitwise_on_1_2_4_8_ranks():
+    """The same global KV decoded on 1, 2, 4 and 8 ranks gives the same bits (the reference
     kernels here; the Triton decode kernel is compared on 1 and 2 ranks in the W=2 test,
-    where the interpreter's cost is paid by two processes, not four)."""
-    results = run_group("invariance", 4)
+    where the interpreter's cost is paid by two processes, not eight)."""
+    results = run_group("invariance", 8)
     bad = failures(results)
     assert not bad, "\n".join(bad)
     _bitwise_equal_across_sizes(results, impls=("reference",))
+
+
+def test_eight_ranks_every_mode_and_bad_input():
+    """W=8 (the 8-GPU hosts' rank count, on gloo): every mode against the reference and the
+    bad-input errors on every rank."""
+    results = run_group("main", 8)
+    bad = failures(results)
+    assert not bad, "\n".join(bad)
+    assert len(results[0]) >= 20, f"battery ran only {sorted(results[0])}"

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
 
     if patch_interpreter_for_numpy_2_4():
         print(f"(numpy {np.__version__}: Triton 3.6's interpreter patched to index scalars the "
-              "numpy >= 2.4 way, triton-lang/triton#9171)")
+              "way numpy >= 1.25 asks for, triton-lang/triton#9171)")
     failures = 0
     selected = [(n, r) for n, r in cases() if not args.only or args.only in n]
     if not selected:

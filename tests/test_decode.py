@@ -257,3 +257,12 @@ def test_compile_spec_sm90_streams_with_16_byte_async_copies():
         assert facts[name]["mma"] > 0, facts[name]
         assert facts[name]["shared"] <= 227 * 1024 // 2, f"{name}: two programs no longer fit an SM"
     assert facts["merge"]["ld_v4"] > 0, facts["merge"]
+
+
+def test_empty_batch(kernel_device):
+    """B=0 returned empty outputs (was a ZeroDivisionError in the automatic split count)."""
+    q = torch.randn(0, 4, D, dtype=torch.float16, device=kernel_device)
+    kc = torch.randn(0, 8, 2, D, dtype=torch.float16, device=kernel_device)
+    seqlens = torch.zeros(0, dtype=torch.int32, device=kernel_device)
+    out, lse = wsattn.decode(q, kc, kc, seqlens, return_lse=True, impl="triton")
+    assert out.shape == (0, 4, D) and lse.shape == (0, 4)

@@ -171,7 +171,7 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
     count must be fixed before the launch without reading seqlens on the host. Inside
     the kernel each split takes an equal share of the real length.
     """
-    programs = batch * kv_heads
+    programs = max(1, batch * kv_heads)  # an empty batch launches nothing; any count will do
     if programs >= 2 * num_sms:
         return 1  # two waves of whole sequences: splitting would only add the combine
     want = triton.cdiv(WAVES * num_sms, programs)

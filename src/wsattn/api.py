@@ -266,10 +266,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
 
 # --------------------------------------------------------------------------- decode
 
-def _check_decode_values(seqlens, block_table, num_pages, page, T, capacity):
-    """Value checks of seqlens and block_table, computed where the tensors live with one
-    host read (a Python loop over a large block table took milliseconds per call); the
-    first offending entry is looked up only when there is one."""
+def check_decode_values(seqlens, block_table, num_pages, page, T, capacity):
+    """Value checks of seqlens (in [T, capacity]) and of the block-table pages a sequence
+    uses (in [0, num_pages)), computed where the tensors live with one host read (a Python
+    loop over a large block table took milliseconds per call); the first offending entry
+    is looked up only when there is one. Also used by wsattn.sp.decode (T = 0)."""
     lens_bad = (seqlens < T) | (seqlens > capacity)
     if block_table is not None:
         used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
@@ -347,7 +348,7 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
             raise ValueError(f"block_table must be [B={B}, max_pages], got {tuple(block_table.shape)}")
         capacity = block_table.shape[1] * k_cache.shape[1]
     if validate:
-        _check_decode_values(seqlens, block_table, k_cache.shape[0], k_cache.shape[1], T,
+        check_decode_values(seqlens, block_table, k_cache.shape[0], k_cache.shape[1], T,
                              capacity)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")

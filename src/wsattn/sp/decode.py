@@ -28,6 +28,7 @@ import torch
 
 import wsattn
 
+from ..api import check_decode_values
 from . import checks
 from .comm import all_gather_flat, backend_of, rank_and_size, resolve_group
 
@@ -191,21 +192,8 @@ def validate_decode(op, q, k_cache, v_cache, seqlens, block_table, group, rank, 
             return
         # What api.decode would reject, checked here so that it fails on every rank
         # (before the exchange) rather than on one rank after its peers have moved on.
-        lens = seqlens.tolist()
-        if block_table is None:
-            capacity = k_cache.shape[1]
-        else:
-            capacity = block_table.shape[1] * k_cache.shape[1]
-        for b, n in enumerate(lens):
-            if not 0 <= n <= capacity:
-                raise ValueError(f"seqlens[{b}]={n} must lie in [0, {capacity}] (the local "
-                                 "cache's capacity)")
-        if block_table is not None:
-            page, pages = k_cache.shape[1], k_cache.shape[0]
-            for b, (row, n) in enumerate(zip(block_table.tolist(), lens)):
-                bad = [p for p in row[: -(-n // page)] if not 0 <= p < pages]
-                if bad:
-                    raise ValueError(f"block_table[{b}] holds page {bad[0]}, outside [0, {pages})")
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        check_decode_values(seqlens, block_table, k_cache.shape[0], k_cache.shape[1], 0, capacity)
 
     err = error or checks.local_error(local)
     if not check:

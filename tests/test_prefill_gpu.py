@@ -92,7 +92,7 @@ def _settings(variant, D):
     if variant == "pointers":
         return prefill_triton.PrefillSettings(64, 64, 4, 2, use_tma=False)
     ws = variant == "warp-specialized"
-    if ws and not target.has_tma:
+    if ws and not target.has_tma:  # the variant does not exist there (no TMA, no auto-WS)
         pytest.skip(f"warp specialization needs TMA (sm_90+), this GPU is {target.name}")
     return prefill_triton.default_settings(target, D, torch.bfloat16, False, warp_specialize=ws)
 

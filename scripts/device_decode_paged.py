@@ -16,10 +16,13 @@ from wsattn.kernels import decode_triton as dt
 from wsattn.target import target_of
 
 
-def to_paged(cache, page, gen):
+def to_paged(cache, page, gen, order="random"):
+    """The cache cut into pages placed at random (the bench's layout) or in order (pages
+    of a sequence adjacent: the contiguous layout seen through a block table)."""
     B, L, H, D = cache.shape
     n = B * (L // page)
-    perm = torch.randperm(n, device=cache.device, generator=gen)
+    perm = (torch.randperm(n, device=cache.device, generator=gen) if order == "random"
+            else torch.arange(n, device=cache.device))
     pages = torch.empty(n, page, H, D, dtype=cache.dtype, device=cache.device)
     pages[perm] = cache.reshape(n, page, H, D)
     return pages, perm.view(B, L // page).to(torch.int32)
@@ -48,6 +51,7 @@ def main():
             pb = dt.default_settings(target_of(q.device), batch=B, kv_heads=Hkv, head_dim=D,
                                      capacity=L, dtype=q.dtype, paged=True, query_rows=Hq // Hkv)
             variants.append((f"page{page}-default", page, pb))
+            variants.append((f"page{page}-inorder", (page, "inorder"), pb))
             for stages in (4, 6):
                 variants.append((f"page{page}-stages{stages}", page, replace(pb, num_stages=stages)))
             if page == 16:
@@ -59,8 +63,9 @@ def main():
             if page is None:
                 kc, vc, table = k, v, None
             else:
-                kc, table = to_paged(k, page, torch.Generator(device="cuda").manual_seed(1))
-                vc, _ = to_paged(v, page, torch.Generator(device="cuda").manual_seed(1))
+                page, order = page if isinstance(page, tuple) else (page, "random")
+                kc, table = to_paged(k, page, torch.Generator(device="cuda").manual_seed(1), order)
+                vc, _ = to_paged(v, page, torch.Generator(device="cuda").manual_seed(1), order)
             fn = lambda: dt.decode(q, kc, vc, seqlens, table, scale, 0, settings=s)
             try:
                 out, _ = fn()

@@ -19,19 +19,26 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from wsattn.kernels import prefill_triton as pt
 from wsattn.target import target_of
 
-VARIANTS = {  # name: (BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma)
+VARIANTS = {  # name: PrefillSettings fields (BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma,
+    # warp_specialize, host_desc); None = the defaults
     128: {"default": None, "s3": (128, 128, 8, 3, True), "bn64-s3": (128, 64, 8, 3, True),
-          "bn64-w4-s3": (128, 64, 4, 3, True), "w4-s3": (128, 128, 4, 3, True),
+          "w4-bn64-s3": (128, 64, 4, 3, True),
+          "hd": (128, 128, 8, 2, True, False, True), "hd-s3": (128, 128, 8, 3, True, False, True),
+          "hd-bn64-s3": (128, 64, 8, 3, True, False, True),
+          "hd-bn64-s4": (128, 64, 8, 4, True, False, True),
+          "hd-m64-bn64-s3": (64, 64, 4, 3, True, False, True),
           "pointers": (128, 128, 8, 2, False)},
-    64: {"default": None, "bn64-w4-s3": (128, 64, 4, 3, True), "w4-s3": (128, 128, 4, 3, True),
-         "bn64-s4": (128, 64, 8, 4, True)},
+    64: {"default": None, "hd": (128, 128, 8, 3, True, False, True),
+         "hd-s4": (128, 128, 8, 4, True, False, True),
+         "hd-bn64-s4": (128, 64, 8, 4, True, False, True),
+         "w4-bn64-s3": (128, 64, 4, 3, True)},
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--ns", default="4096,16384")
+    ap.add_argument("--ns", default="1024,4096,16384")
     args = ap.parse_args()
     target = target_of(torch.device("cuda"))
     rows = []

@@ -87,6 +87,12 @@ SETTINGS = [
     pytest.param(PrefillSettings(64, 32, 4, 1, use_tma=True), True, id="tma-M64-N32-causal"),
     pytest.param(PrefillSettings(16, 64, 4, 1, use_tma=False), True, id="pointers-M16-N64-causal"),
     pytest.param(PrefillSettings(16, 64, 4, 1, use_tma=True), False, id="tma-M16-N64-full"),
+    # 3-D host descriptors over [B, S, H * D]: B = 2 and odd lengths check that the boxes
+    # clip at each batch element's end (no rows of the next one read or written)
+    pytest.param(PrefillSettings(32, 32, 4, 1, use_tma=True, host_desc=True), True,
+                 id="hostdesc-causal"),
+    pytest.param(PrefillSettings(64, 32, 4, 1, use_tma=True, host_desc=True), False,
+                 id="hostdesc-M64-N32-full"),
 ]
 
 
@@ -95,6 +101,19 @@ def test_settings_variants_match_reference(settings, causal):
     q, k, v = _inputs(2, 45, 77, 4, 1, torch.float16, seed=7)
     out, lse = prefill_triton.prefill(q, k, v, None, None, 0, 0, causal, 0.1, settings=settings)
     ref, ref_lse = reference.attention(q, k, v, causal, 0.1)
+    assert_close(out, ref, torch.float16)
+    assert_lse_close(lse, ref_lse, torch.float16)
+
+
+def test_host_descriptors_fall_back_when_heads_are_not_packed():
+    """k laid out [B, H, S, D] and seen as [B, S, H, D] has no (H, D) row to view as
+    [B, S, H * D]: the kernel makes its own per-head descriptors instead."""
+    q, k, v = _inputs(2, 33, 50, 4, 2, torch.float16, seed=5)
+    k_bhsd = k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not prefill_triton._packed_heads(k_bhsd) and prefill_triton._packed_heads(q)
+    s = PrefillSettings(32, 32, 4, 1, use_tma=True, host_desc=True)
+    out, lse = prefill_triton.prefill(q, k_bhsd, v, None, None, 0, 0, True, 0.1, settings=s)
+    ref, ref_lse = reference.attention(q, k, v, True, 0.1)
     assert_close(out, ref, torch.float16)
     assert_lse_close(lse, ref_lse, torch.float16)
 

@@ -47,21 +47,26 @@ def _sum_combine(a, b):
 
 @triton.jit
 def _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
-                offs_m, seqlen_k, diag, qk_scale,
+                offs_m, seqlen_k, diag, qk_scale, kv_b, kv_col,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                HOST_DESC: tl.constexpr):
     """Key tiles [lo, hi) into the running (acc, l_i, m_i); m_i is in log2 units.
 
-    k_src/v_src are TMA descriptors (USE_TMA) or base pointers of this (sequence,
-    KV head). MASK: apply the key bound (and the causal mask when CAUSAL); the caller
-    only sets it on the diagonal / last tiles, so the bulk of the loop has no mask.
+    k_src/v_src are TMA descriptors of this (sequence, KV head) (USE_TMA), 3-D host
+    descriptors over the whole [B, Sk, Hkv * D] tensor read at (kv_b, row, kv_col)
+    (HOST_DESC), or base pointers of this (sequence, KV head). MASK: apply the key bound
+    (and the causal mask when CAUSAL); the caller only sets it on the diagonal / last
+    tiles, so the bulk of the loop has no mask.
     """
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0  # [BLOCK_N]
-        if USE_TMA:
+        if HOST_DESC:  # the box clips at this batch element's Sk: zero-filled past it
+            k = k_src.load([kv_b, start_n, kv_col]).reshape(BLOCK_N, D)
+        elif USE_TMA:
             k = k_src.load([start_n, 0])  # [BLOCK_N, D], zero-filled past seqlen_k
         elif MASK:
             k = tl.load(k_src + offs_n[:, None] * stride_ks + offs_d[None, :],
@@ -87,7 +92,9 @@ def _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
         alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_M] rescale of what came before
         l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
         acc = acc * alpha[:, None]
-        if USE_TMA:
+        if HOST_DESC:
+            v = v_src.load([kv_b, start_n, kv_col]).reshape(BLOCK_N, D)
+        elif USE_TMA:
             v = v_src.load([start_n, 0])  # [BLOCK_N, D]
         elif MASK:
             v = tl.load(v_src + offs_n[:, None] * stride_vs + offs_d[None, :],
@@ -110,9 +117,12 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               GROUP: tl.constexpr, D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-              USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+              USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+              HOST_DESC: tl.constexpr):
     """Grid (row blocks, Hq, B). Fixed: q [B,Sq,Hq,D], lse [B,Hq,Sq]. Varlen: q [Tq,Hq,D]
-    (stride_*b = 0), cu_seqlens give each sequence's rows, lse [Hq,Tq] (stride_lb = 0)."""
+    (stride_*b = 0), cu_seqlens give each sequence's rows, lse [Hq,Tq] (stride_lb = 0).
+    HOST_DESC (fixed length only): Q, K, V, O are 3-D TMA descriptors made on the host over
+    [B, S, H * D] with boxes [1, rows, D], so no program builds descriptors of its own."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -133,15 +143,20 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
         seqlen_k = SEQLEN_K
     hk = h // GROUP  # GQA: GROUP query heads share one KV head
     b64 = b.to(tl.int64)
-    q_base = Q + b64 * stride_qb + q_start * stride_qs + h * stride_qh
-    k_base = K + b64 * stride_kb + k_start * stride_ks + hk * stride_kh
-    v_base = V + b64 * stride_vb + k_start * stride_vs + hk * stride_vh
-    o_base = O + b64 * stride_ob + q_start * stride_os + h * stride_oh
     offs_m = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, D)  # [D]
     row_ok = offs_m < seqlen_q
 
-    if USE_TMA:
+    if not HOST_DESC:  # Q, K, V, O are pointers: this (sequence, head)'s first element
+        q_base = Q + b64 * stride_qb + q_start * stride_qs + h * stride_qh
+        k_base = K + b64 * stride_kb + k_start * stride_ks + hk * stride_kh
+        v_base = V + b64 * stride_vb + k_start * stride_vs + hk * stride_vh
+        o_base = O + b64 * stride_ob + q_start * stride_os + h * stride_oh
+    if HOST_DESC:
+        k_src = K
+        v_src = V
+        q = Q.load([b, m0, h * D]).reshape(BLOCK_M, D)  # [BLOCK_M, D]
+    elif USE_TMA:
         # One descriptor per (sequence, head) slice: its shape is the sequence's own
         # length, so TMA zero-fills (and clips stores) exactly at the boundary. Length 1
         # stands in for an empty KV sequence, whose loop never loads.
@@ -177,23 +192,25 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
         # (a second loop before or after it crashes the pass), so this variant masks
         # every tile of its one loop instead of splitting off the boundary tile.
         acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
-                                    0, n_end, offs_m, seqlen_k, diag, qk_scale,
-                                    D, BLOCK_N, True, CAUSAL, USE_TMA, True)
+                                    0, n_end, offs_m, seqlen_k, diag, qk_scale, b, hk * D,
+                                    D, BLOCK_N, True, CAUSAL, USE_TMA, True, HOST_DESC)
     else:
         acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
-                                    0, n_full, offs_m, seqlen_k, diag, qk_scale,
-                                    D, BLOCK_N, False, CAUSAL, USE_TMA, False)
+                                    0, n_full, offs_m, seqlen_k, diag, qk_scale, b, hk * D,
+                                    D, BLOCK_N, False, CAUSAL, USE_TMA, False, HOST_DESC)
         acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
-                                    n_full, n_end, offs_m, seqlen_k, diag, qk_scale,
-                                    D, BLOCK_N, True, CAUSAL, USE_TMA, False)
+                                    n_full, n_end, offs_m, seqlen_k, diag, qk_scale, b, hk * D,
+                                    D, BLOCK_N, True, CAUSAL, USE_TMA, False, HOST_DESC)
 
     # A row that saw no key (empty KV sequence) gives out 0 and lse -inf, not 0/0.
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
-    out = (acc / l_safe[:, None]).to(O.dtype.element_ty)  # [BLOCK_M, D]
+    out = (acc / l_safe[:, None]).to(q.dtype)  # [BLOCK_M, D]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=row_ok)
-    if USE_TMA:
+    if HOST_DESC:  # the box clips at this batch element's Sq
+        O.store([b, m0, h * D], out.reshape(1, BLOCK_M, D))
+    elif USE_TMA:
         o_desc = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, D], strides=[stride_os, 1],
                                            block_shape=[BLOCK_M, D])
         o_desc.store([m0, 0], out)
@@ -250,6 +267,9 @@ class PrefillSettings:
     num_stages: int
     use_tma: bool
     warp_specialize: bool = False
+    # fixed length only: 3-D host TMA descriptors instead of per-program device-side ones
+    # (no descriptor writes and fences at each program's start; needs packed heads)
+    host_desc: bool = False
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, 2-byte dtypes. Shared memory
@@ -311,6 +331,23 @@ def _tma_ok(*tensors) -> bool:
     return True
 
 
+def _packed_heads(*tensors) -> bool:
+    """[B, S, H, D] tensors whose heads sit side by side in a row (stride(2) == D), TMA
+    aligned: then a 3-D view [B, S, H * D] (row stride stride(1)) serves every head from
+    one host descriptor. A [B, H, S, D] layout seen through a transpose does not."""
+    return all(t.stride(3) == 1 and t.stride(2) == t.shape[3] for t in tensors) and \
+        _tma_ok(*tensors)
+
+
+def _desc3d(t, rows: int):
+    """Host TMA descriptor over [B, S, H * D] with a [1, rows, D] box: TMA clips the box
+    at each batch element's S, so a tile never reads or writes the next one's rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    B, S, H, D = t.shape
+    return TensorDescriptor(t, shape=[B, S, H * D], strides=[t.stride(0), t.stride(1), 1],
+                            block_shape=[1, rows, D])
+
+
 def _scratch(size: int, alignment: int, stream):
     """Global memory for the device-side TMA descriptors (128 bytes each)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -336,14 +373,20 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sm_scale, s: Pr
         qs, ks, vs, os_ = (tuple(t.stride()[:3]) for t in (q, k, v, out))
         lse_strides = (lse.stride(0), lse.stride(1))  # [B, Hq, Sq]
     grid = (triton.cdiv(max_q, s.BLOCK_M), Hq, B)
-    if s.use_tma and not interpret:
-        _ensure_allocator()
+    host_desc = s.use_tma and s.host_desc and not varlen and _packed_heads(q, k, v, out)
+    if host_desc:
+        q_arg, o_arg = (_desc3d(t, s.BLOCK_M) for t in (q, out))
+        k_arg, v_arg = (_desc3d(t, s.BLOCK_N) for t in (k, v))
+    else:
+        q_arg, k_arg, v_arg, o_arg = q, k, v, out
+        if s.use_tma and not interpret:
+            _ensure_allocator()
     _kernel(interpret)[grid](
-        q, k, v, out, lse, cu_q, cu_k, *qs, *ks, *vs, *os_, *lse_strides,
+        q_arg, k_arg, v_arg, o_arg, lse, cu_q, cu_k, *qs, *ks, *vs, *os_, *lse_strides,
         max_q, max_k, sm_scale,
         GROUP=Hq // Hkv, D=D, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N,
         CAUSAL=causal, VARLEN=varlen, USE_TMA=s.use_tma, WARP_SPECIALIZE=s.warp_specialize,
-        num_warps=s.num_warps, num_stages=s.num_stages)
+        HOST_DESC=host_desc, num_warps=s.num_warps, num_stages=s.num_stages)
 
 
 _TRITON_DTYPES = {"fp16": (torch.float16, "fp16"), "bf16": (torch.bfloat16, "bf16"),
@@ -386,7 +429,10 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", causal: bool
         s = dataclasses.replace(s, warp_specialize=False)
     fn = _kernel(False)
     ptr = "*" + ty
-    signature = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "LSE": "*fp32",
+    host_desc = s.use_tma and s.host_desc and not varlen
+    qo, kv = ((f"tensordesc<{ty}[1,{s.BLOCK_M},{head_dim}]>",
+               f"tensordesc<{ty}[1,{s.BLOCK_N},{head_dim}]>") if host_desc else (ptr, ptr))
+    signature = {"Q": qo, "K": kv, "V": kv, "O": qo, "LSE": "*fp32",
                  "CU_Q": "*i32" if varlen else "constexpr",
                  "CU_K": "*i32" if varlen else "constexpr"}
     strides = [n for n in fn.arg_names if n.startswith("stride_")]
@@ -394,13 +440,13 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", causal: bool
     signature.update({"SEQLEN_Q": "i32", "SEQLEN_K": "i32", "sm_scale": "fp32"})
     constexprs = {"GROUP": 1, "D": head_dim, "BLOCK_M": s.BLOCK_M, "BLOCK_N": s.BLOCK_N,
                   "CAUSAL": causal, "VARLEN": varlen, "USE_TMA": s.use_tma,
-                  "WARP_SPECIALIZE": s.warp_specialize}
+                  "WARP_SPECIALIZE": s.warp_specialize, "HOST_DESC": host_desc}
     if not varlen:
         constexprs.update({"CU_Q": None, "CU_K": None})
     signature.update({n: "constexpr" for n in constexprs})
     # A launch specializes ints divisible by 16 (0 included: varlen's batch strides)
     # and 16-byte aligned pointers; the strides of the usual shapes all are.
-    aligned = ["Q", "K", "V", "O", "LSE", *strides]
+    aligned = ["LSE", *strides] + ([] if host_desc else ["Q", "K", "V", "O"])
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return {"fn": fn, "signature": signature, "constexprs": constexprs,
             "options": {"num_warps": s.num_warps, "num_stages": s.num_stages},

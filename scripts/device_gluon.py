@@ -48,6 +48,10 @@ VARIANTS = {
     "s4": {"UNROLL": True, "STAGES": 4, "BLOCK_N": 128, "D": 64},
     "plain_s4": {"UNROLL": False, "STAGES": 4, "BLOCK_N": 128, "D": 64},
     "pp_s4": {"UNROLL": True, "STAGES": 4, "BLOCK_N": 128, "PINGPONG": True, "D": 64},
+    # The wait for PV(j) pinned after the exponentials (SASS: softmax under PV, notes).
+    "pin": {"PIN_PV_WAIT": True},
+    "pin_plain": {"PIN_PV_WAIT": True, "UNROLL": False},
+    "pin_persistent": {"PIN_PV_WAIT": True, "PERSISTENT": True},
 }
 
 

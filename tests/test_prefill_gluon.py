@@ -22,12 +22,14 @@ pytest.importorskip("triton.experimental.gluon")
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(head_dim: int, causal: bool):
+def _compile(head_dim: int, causal: bool, **overrides):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    spec = pg.compile_spec(cc=90, head_dim=head_dim, dtype="bf16", causal=causal)
+    settings = pg.settings_for(head_dim, causal, **overrides)
+    spec = pg.compile_spec(cc=90, head_dim=head_dim, dtype="bf16", causal=causal,
+                           settings=settings)
     src = GluonASTSource(spec["fn"], spec["signature"], spec["constexprs"])
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
 
@@ -73,6 +75,51 @@ def test_sm90_no_spills(head_dim, causal):
     assert "HGMMA" in sass and "UTMALDG" in sass
     spills = re.findall(r"\b(LDL|STL)(?:\.\w+)*\b", sass)
     assert len(spills) <= 2, f"{len(spills)} local-memory (spill) instructions in SASS"
+
+
+def _exp2_under_pv(sass: str) -> list[int]:
+    """For each wait that retires a PV wgmma (A operand in registers), the number of MUFU.EX2
+    issued while that PV was in flight, walking the SASS in order. wgmma groups end at the
+    HGMMA marked gsb0; `WARPGROUP.DEPBAR.LE gsb0, N` retires all but the newest N groups."""
+    counts, groups, pending, n_exp = [], [], [], 0
+    for line in sass.splitlines():
+        if "HGMMA" in line:
+            pending.append(bool(re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", line)))
+            if "gsb0" in line:
+                groups.append(any(pending))
+                pending = []
+        wait = re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d+)", line)
+        if wait:
+            retired_pv = False
+            while len(groups) > int(wait.group(1)):
+                retired_pv |= groups.pop(0)
+            if retired_pv:
+                counts.append(n_exp)
+                n_exp = 0
+        if "MUFU.EX2" in line and any(groups):
+            n_exp += 1
+    return counts
+
+
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_pin_pv_wait_keeps_exponentials_under_pv(head_dim, causal):
+    """PIN_PV_WAIT: in every steady-state step the tile's exponentials (64 per thread for
+    BLOCK_N = 128, plus alpha) are issued before the wait for the in-flight PV, with no new
+    spills and within the consumers' registers. (Without it ptxas hoists that wait above the
+    exponentials: notes/prefill_gluon.md.)"""
+    k = _compile(head_dim, causal, PIN_PV_WAIT=True)
+    s = pg.settings_for(head_dim, causal)
+    sass = k.asm["sass"]
+    per_wait = _exp2_under_pv(sass)
+    per_thread = 64 * s.BLOCK_N // 128  # p values per thread per tile (64 rows, 128 threads)
+    steady = [n for n in per_wait if n >= per_thread]
+    # The unrolled pair of the unmasked loop and the masked loop, in each consumer's code.
+    assert len(steady) >= 3, per_wait
+    spills = re.findall(r"\b(LDL|STL)(?:\.\w+)*\b", sass)
+    assert len(spills) <= 2, f"{len(spills)} local-memory (spill) instructions in SASS"
+    top_reg = max(int(r) for r in re.findall(r"\bR(\d+)\b", sass))
+    assert top_reg < s.CONSUMER_REGS, f"R{top_reg} used; consumers get {s.CONSUMER_REGS}"
+    assert "wgmma.wait_group.sync.aligned 0" in k.asm["ptx"]
 
 
 def test_settings_are_frozen_and_overridable():

@@ -45,6 +45,7 @@ class GluonSettings:
     PINGPONG: bool = False  # consumer warpgroups take turns issuing GEMMs
     UNROLL: bool = True  # steps in pairs, so P(j), P(j+1) can take two register sets (notes)
     PERSISTENT: bool = False  # one CTA per SM striding over the tiles (K/V prefetch across tiles)
+    PIN_PV_WAIT: bool = False  # keep the wait for PV(j) after the exponentials in SASS (notes)
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24
 
@@ -85,7 +86,7 @@ def _descriptor(t3, block, dtype_name):
 def _constexprs(head_dim, group, causal, s: GluonSettings):
     return dict(GROUP=group, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N, D=head_dim, STAGES=s.STAGES,
                 CAUSAL=bool(causal), OVERLAP=s.OVERLAP, PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
-                PERSISTENT=s.PERSISTENT,
+                PERSISTENT=s.PERSISTENT, PIN_PV_WAIT=s.PIN_PV_WAIT,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS)
 
 

@@ -68,17 +68,39 @@ def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr
     return p, alpha, m_new, l_i
 
 
+# Inline PTX for PIN_PV_WAIT: a `wgmma.wait_group 0` predicated on the two row sums a thread
+# holds. The predicate is always true (no arithmetic result has the signalling-NaN bits
+# 0x7f800001), but ptxas cannot know that, so the wait (a branch in SASS) has to follow the
+# last exponential that feeds l_i; the plain wait that follows it cannot be hoisted above it.
+_PV_WAIT_AFTER_L = gl.constexpr("{ .reg .pred ok; setp.ne.b32 ok, $2, 0x7f800001; "
+                                 "setp.ne.and.b32 ok, $3, 0x7f800001, ok; "
+                                 "@ok wgmma.wait_group.sync.aligned 0; "
+                                 "mov.b32 $0, $2; mov.b32 $1, $3; }")
+
+
+@gluon.jit
+def _pin_pv_wait(l_i):
+    """Wait for all wgmma of this warpgroup, but only once l_i (so every exponential of the
+    tile) has been computed; returns l_i unchanged. Without it ptxas moves the wait for PV(j)
+    (WARPGROUP.DEPBAR.LE gsb0, 0x0) up to the row max, ahead of every MUFU.EX2, because the
+    wait has no operands that tie it to the softmax (notes/prefill_gluon.md)."""
+    return gl.inline_asm_elementwise(_PV_WAIT_AFTER_L, "=r,=r,r,r", [l_i], dtype=gl.float32,
+                                     is_pure=False, pack=2)
+
+
 @gluon.jit
 def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_other,
           p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr,
           p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-          CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+          CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
+          PIN_PV_WAIT: gl.constexpr):
     """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
     issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
     tensor cores (OVERLAP). With PINGPONG the two consumer warpgroups take turns issuing
     their GEMMs, so one's softmax runs under the other's GEMMs. r is tile j's index in the
     shared-memory ring, counted over all the tiles this CTA has consumed (persistent); pp
-    counts the ping-pong turns taken so far (one per step)."""
+    counts the ping-pong turns taken so far (one per step). PIN_PV_WAIT keeps the wait for
+    PV(j) after the exponentials in SASS (see _pin_pv_wait)."""
     s_cur = r % STAGES
     nxt = j + 1
     s_nxt = (r + 1) % STAGES
@@ -99,6 +121,8 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
                                        BLOCK_N, MASK, CAUSAL)
     # P(j + 1) is packed before waiting for PV(j), which still reads P(j) from registers.
     p_nxt = gl.convert_layout(p.to(q.dtype), p_layout)
+    if PIN_PV_WAIT:
+        l_i = _pin_pv_wait(l_i)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(s_cur))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
@@ -110,7 +134,8 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
                    turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
                    s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
+                   OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
+                   PIN_PV_WAIT: gl.constexpr):
     """Iterations j in [j_lo, j_hi), unrolled by two (UNROLL) so that P(j) and P(j + 1) can
     live in two register sets: with one loop-carried set, ptxas packs P(j + 1) into the
     registers the in-flight PV(j) still reads and so waits for PV(j) before the softmax
@@ -122,16 +147,17 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
         p_b, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                    kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
                                    Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                   CAUSAL, OVERLAP, PINGPONG)
+                                   CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT)
         p_op, m_i, l_i, acc = _step(j + 1, r0 + j + 1, pp0 + j + 1, q, k_smem, v_smem,
                                     k_ready, v_ready, kv_empty, turn_mine, turn_other, p_b, m_i,
                                     l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
-                                    BLOCK_N, STAGES, MASK, CAUSAL, OVERLAP, PINGPONG)
+                                    BLOCK_N, STAGES, MASK, CAUSAL, OVERLAP, PINGPONG,
+                                    PIN_PV_WAIT)
     for j in range(j_lo + 2 * n_pairs, j_hi):  # the odd one out, or all without UNROLL
         p_op, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                     kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
                                     Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                    CAUSAL, OVERLAP, PINGPONG)
+                                    CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT)
     return p_op, m_i, l_i, acc
 
 
@@ -154,7 +180,8 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
                     Sq, Sk, Hq, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                     p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
+                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
+                    PIN_PV_WAIT: gl.constexpr):
     """Tile t (this CTA's tile_i-th, its K/V from ring index r0 on); returns its K/V count."""
     dtype: gl.constexpr = q_smem.dtype
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -184,12 +211,12 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
                                          kv_empty, turn_mine, turn_other, p_op, m_i, l_i,
                                          acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
                                          BLOCK_N, STAGES, False, CAUSAL, OVERLAP, PINGPONG,
-                                         UNROLL)
+                                         UNROLL, PIN_PV_WAIT)
     p_op, m_i, l_i, acc = _consume_tiles(split, n_total - 1, r0, pp0, q, k2, v2, k_ready,
                                          v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
                                          l_i, acc, rows, Sq, Sk, qk_scale, s_layout,
                                          p_layout, BLOCK_N, STAGES, True, CAUSAL, OVERLAP,
-                                         PINGPONG, False)
+                                         PINGPONG, False, PIN_PV_WAIT)
 
     # Epilogue: PV of the last tile.
     r_last = r0 + n_total - 1
@@ -219,7 +246,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq, qk_scale,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
-              PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PERSISTENT: gl.constexpr):
+              PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PERSISTENT: gl.constexpr,
+              PIN_PV_WAIT: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of each tile this
     CTA takes (tiles pid, pid + grid, ...: one tile per CTA unless the launch is persistent)."""
     dtype: gl.constexpr = q_smem.dtype
@@ -247,12 +275,12 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                   q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other,
                                   o_desc, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
                                   o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  OVERLAP, PINGPONG, UNROLL)
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT)
     else:  # one tile per CTA: no tile loop, nothing carried across tiles
         _consume_q_tile(gl.program_id(0), 0, 0, WG, q, q_smem, k2, v2, q_bar, q_empty, k_ready,
                         v_ready, kv_empty, turn_mine, turn_other, o_desc, lse_ptr, n_m, Sq, Sk,
                         Hq, qk_scale, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES,
-                        CAUSAL, OVERLAP, PINGPONG, UNROLL)
+                        CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT)
 
 
 @gluon.jit
@@ -311,8 +339,8 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Sq, Sk, Hq, qk_s
                     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                    PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr):
+                    PERSISTENT: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """1-D grid over tiles (row block, batch, head): one tile per CTA, or fewer CTAs than
     tiles (persistent), each striding over them. q/o descriptors are [B, Sq, Hq * D] with
     box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv."""
@@ -345,10 +373,12 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Sq, Sk, Hq, qk_s
     gl.warp_specialize([
         (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                      turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M,
-                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PERSISTENT)),
+                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PERSISTENT,
+                     PIN_PV_WAIT)),
         (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
                      turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M,
-                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PERSISTENT)),
+                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PERSISTENT,
+                     PIN_PV_WAIT)),
         (_producer, (q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, q_empty,
                      k_ready, v_ready, kv_empty, n_m, num_tiles, Sq, Sk, Hq, GROUP, BLOCK_M,
                      BLOCK_N, D, STAGES, CAUSAL, PERSISTENT)),

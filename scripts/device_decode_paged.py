@@ -51,13 +51,14 @@ def main():
             pb = dt.default_settings(target_of(q.device), batch=B, kv_heads=Hkv, head_dim=D,
                                      capacity=L, dtype=q.dtype, paged=True, query_rows=Hq // Hkv)
             variants.append((f"page{page}-default", page, pb))
-            variants.append((f"page{page}-inorder", (page, "inorder"), pb))
-            for stages in (4, 6):
+            # Triton 3.6 keeps 2 K/V buffers for paged loads at 5-6 stages, 3 (as the
+            # contiguous cache at 4) from 7 on (sm_90 TTGIR; 105 KB, 2 programs per SM)
+            for stages in (5, 7, 8):
                 variants.append((f"page{page}-stages{stages}", page, replace(pb, num_stages=stages)))
             if page == 16:
-                for stages in (6, 8):
-                    variants.append((f"page16-BN16-stages{stages}", page,
-                                     replace(pb, BLOCK_N=16, num_stages=stages)))
+                variants.append(("page16-inorder-stages7", (16, "inorder"), replace(pb, num_stages=7)))
+                variants.append(("page16-BN32-stages7", 16, replace(pb, BLOCK_N=32, num_stages=7)))
+                variants.append(("page16-BN16-stages8", 16, replace(pb, BLOCK_N=16, num_stages=8)))
         contiguous_us = None
         for name, page, s in variants:
             if page is None:

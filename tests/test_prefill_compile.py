@@ -102,9 +102,9 @@ def test_sm90_warp_specialize_forms(record_property):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_host_descriptors_build_no_descriptor_in_the_kernel(causal, record_property):
-    """host_desc: Q/K/V/O arrive as 3-D host descriptors, so the PTX has TMA but no
-    tensormap writes or tensormap fences (the per-program cost of the default path)."""
-    s = prefill_triton.PrefillSettings(128, 128, 8, 2, use_tma=True, host_desc=True)
+    """host_desc (the sm_90 default): Q/K/V/O arrive as 3-D host descriptors, so the PTX
+    has TMA but no tensormap writes or fences (each program's cost in the varlen path)."""
+    s = prefill_triton.PrefillSettings(128, 128, 8, 3, use_tma=True, host_desc=True)
     kernel = _compile(90, 128, "bf16", causal=causal, settings=s)
     ptx = kernel.asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
@@ -112,8 +112,9 @@ def test_sm90_host_descriptors_build_no_descriptor_in_the_kernel(causal, record_
     regs, spills = _report(record_property, f"sm90-D128-{'causal' if causal else 'full'}-hostdesc",
                            kernel)
     assert spills == 0
-    default = _compile(90, 128, "bf16", causal=causal)
-    assert "tensormap" in default.asm["ptx"]  # the default builds its own per program
+    own = prefill_triton.PrefillSettings(128, 128, 8, 3, use_tma=True, host_desc=False)
+    assert "tensormap" in _compile(90, 128, "bf16", causal=causal, settings=own).asm["ptx"]
+    assert _compile(90, 128, "bf16", causal=causal, varlen=True).asm["ptx"].count("tensormap")
 
 
 def test_causal_forces_warp_specialize_off():

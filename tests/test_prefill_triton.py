@@ -195,7 +195,15 @@ def test_default_settings_per_target():
     h200 = Target("cuda", 90, 132)
     s = prefill_triton.default_settings(h200, 128, torch.bfloat16, causal=False)
     assert (s.BLOCK_M, s.BLOCK_N, s.num_warps, s.use_tma, s.warp_specialize) == (128, 128, 8, True, False)
+    assert s.host_desc and s.num_stages == 3
     assert prefill_triton.default_settings(h200, 256, torch.bfloat16, True).BLOCK_M == 64
+    # causal D = 128: 64-row blocks up to SHORT_CAUSAL_Q query rows, 128 past it or unknown
+    short = prefill_triton.default_settings(h200, 128, torch.bfloat16, True, max_seqlen_q=1024)
+    long_ = prefill_triton.default_settings(h200, 128, torch.bfloat16, True, max_seqlen_q=16384)
+    assert (short.BLOCK_M, long_.BLOCK_M) == (64, 128)
+    assert prefill_triton.default_settings(h200, 128, torch.bfloat16, True).BLOCK_M == 128
+    assert not prefill_triton.default_settings(Target("cuda", 120, 84), 128, torch.bfloat16,
+                                               False).host_desc
     assert not prefill_triton.default_settings(Target("cuda", 80, 108), 128, torch.float16, False).use_tma
     ws = prefill_triton.default_settings(h200, 128, torch.bfloat16, False, warp_specialize=True)
     assert ws.warp_specialize and ws.num_warps == 4

@@ -278,7 +278,10 @@ class PrefillSettings:
 _TILES = {
     # H100/H200 and B200 (227 KiB smem): two consumer warpgroups of 64 rows each for
     # D <= 128; D = 256 halves the tiles so acc (64 x 256 fp32) stays in registers.
-    "big": {64: (128, 128, 8, 3), 128: (128, 128, 8, 2), 256: (64, 64, 4, 2)},
+    # Measured on H200 (scripts/device_prefill_sweep.py, notes/prefill_triton.md): a third
+    # K/V stage at D = 128 (230 KB of shared memory) +8-14 %; D = 64 best with BLOCK_N 64
+    # and 4 stages (+8-20 % over 128 x 128 at 3).
+    "big": {64: (128, 64, 8, 4), 128: (128, 128, 8, 3), 256: (64, 64, 4, 2)},
     # A100 (163 KiB smem, mma.sync, cp.async pipelining, no TMA).
     "sm80": {64: (128, 64, 4, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
     # consumer Blackwell sm_120 (99 KiB smem, mma.sync): 8 warps keep D <= 128 free of
@@ -288,16 +291,22 @@ _TILES = {
 # Triton 3.6 auto-WS forms only with num_warps = 4 (FACTS.md): one producer warp plus two
 # consumer warpgroups, 12 warps in total.
 _WS_TILES = {64: (128, 128, 4, 2), 128: (128, 128, 4, 2), 256: (64, 64, 4, 2)}
+# Causal D = 128 with short queries (max_seqlen_q <= SHORT_CAUSAL_Q): 64-row blocks, so
+# twice the programs share the triangle's uneven work (H200: N = 1024 causal 299 -> 330
+# TFLOP/s, N = 4096 425 -> 431; at N = 16384 the 128-row tiles lead, 497 against 475).
+SHORT_CAUSAL_Q = 4096
+_SHORT_CAUSAL_TILES = {"big": {128: (64, 64, 4, 3)}}
 _INTERPRETER = PrefillSettings(32, 32, 4, 1, use_tma=True)
 
 
 def default_settings(target: Target, head_dim: int, dtype: torch.dtype, causal: bool,
-                     warp_specialize: bool = False) -> PrefillSettings:
-    """Launch settings for (target, head dim, dtype, causal).
+                     warp_specialize: bool = False, max_seqlen_q: int = 0) -> PrefillSettings:
+    """Launch settings for (target, head dim, dtype, causal, longest query; 0 = unknown).
 
     The interpreter gets small tiles (quick tests) and the TMA path (the code that runs
     on sm_90, with TMA emulated). fp32 halves BLOCK_N (twice the bytes per tile) and
-    takes 8 warps at D = 256.
+    takes 8 warps at D = 256. On sm_90/sm_100 fixed-length launches take host TMA
+    descriptors (``host_desc``; varlen and unpacked layouts fall back to per-program ones).
     warp_specialize is honoured only where Triton 3.6 can form it: non-causal with TMA.
     """
     if target.backend == "interpreter":
@@ -310,8 +319,11 @@ def default_settings(target: Target, head_dim: int, dtype: torch.dtype, causal: 
     family = "sm80" if target.cc < 90 else "small" if target.cc >= 120 else "big"
     use_tma = target.has_tma and not (family == "small" and head_dim == 256)
     ws = warp_specialize and use_tma and not causal
+    short = _SHORT_CAUSAL_TILES.get(family, {}).get(head_dim)
     if ws:
         bm, bn, warps, stages = _WS_TILES[head_dim]
+    elif causal and short and 0 < max_seqlen_q <= SHORT_CAUSAL_Q:
+        bm, bn, warps, stages = short
     else:
         bm, bn, warps, stages = _TILES[family][head_dim]
     if dtype == torch.float32:
@@ -319,7 +331,11 @@ def default_settings(target: Target, head_dim: int, dtype: torch.dtype, causal: 
         stages = min(stages, 2)
         if head_dim == 256 and not ws:
             warps = 8  # 4 warps spill at 64 x 256 fp32 operands (ptxas, sm_90)
-    return PrefillSettings(bm, bn, warps, stages, use_tma, ws)
+    # host descriptors: measured on H200 only (+1-3 % at N = 16384, +16-35 % at N = 1024,
+    # where each program's own descriptor writes and fences weigh most); other families
+    # keep theirs, and so does auto-WS (FACTS.md: host descriptors break its formation)
+    host_desc = use_tma and family == "big" and not ws
+    return PrefillSettings(bm, bn, warps, stages, use_tma, ws, host_desc)
 
 
 def _tma_ok(*tensors) -> bool:
@@ -483,7 +499,8 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     varlen = cu_seqlens_q is not None
     target = target_of(q.device)
     D = q.shape[-1]
-    s = settings or default_settings(target, D, q.dtype, causal)
+    s = settings or default_settings(target, D, q.dtype, causal,
+                                     max_seqlen_q=int(max_seqlen_q) if varlen else q.shape[1])
     if s.warp_specialize and target.backend == "cuda":
         # Measured wrong: on H200 (2026-11-29, Triton 3.6.0) the auto-WS build returned NaN
         # LSE rows for Sq=1000, Sk=1000/4096 (tests/test_prefill_gpu.py), while the same

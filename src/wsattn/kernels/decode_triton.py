@@ -193,18 +193,21 @@ def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int
         block_n, warps, stages = 16, 4, 1
     else:
         elem = torch.empty((), dtype=dtype).element_size()
-        # One stage of K + V tiles is STAGE_BYTES. Triton 3.6 keeps num_stages - 1 tiles
-        # in flight contiguous; paged, the block-table load takes a stage of its own and
-        # stays at one tile until num_stages = 5 (two tiles, as read from the sm_90
-        # TTGIR), hence one more stage there. sm_90/sm_100 (228 KB shared per SM) hold
-        # two such programs per SM, sm_80 (164 KB) one; consumer parts (~100 KB) get 2.
+        # One stage of K + V tiles is STAGE_BYTES. Contiguous, Triton 3.6 keeps
+        # num_stages - 1 K/V buffers (3 at 4 stages). Paged, the K/V loads wait on the
+        # block-table load, and the pipeliner keeps fewer buffers for the same count: 1 at
+        # 4 stages, 2 at 5-6, 3 at 7-8 (sm_90 TTGIR). On H200 paged decode at 5 stages ran
+        # 0.76-0.92x the contiguous cache, at 7 stages 0.94-1.0x
+        # (benchmarks/results/decode_paged_experiment_*.txt): 7 it is, 105 KB, still two
+        # programs per SM on sm_90/sm_100 (228 KB); sm_80 (164 KB) gets 2 buffers (5
+        # stages paged), consumer parts (~100 KB) 2 stages.
         block_n = max(16, min(128, STAGE_BYTES // (2 * head_dim * elem)))
         # 8 warps once the [BLOCK_M, D] fp32 accumulator passes 64 registers a thread
         warps = 8 if _block_m(query_rows, 1) * head_dim > 64 * 128 else 4
         if target.cc >= 120:
             stages = 2
         else:
-            stages = (4 if target.cc >= 90 else 3) + (1 if paged else 0)
+            stages = (7 if paged else 4) if target.cc >= 90 else (5 if paged else 3)
     splits = num_splits or auto_splits(batch, kv_heads, capacity, block_n, target.num_sms)
     return DecodeSettings(BLOCK_N=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
 

@@ -31,10 +31,12 @@ def to_paged(cache, page, gen, order="random"):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--shapes", default="64x8192,1x131072", help="BxL,...")
+    ap.add_argument("--splits", default="", help="extra num_splits values to try (paged 16)")
     args = ap.parse_args()
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for B, L in ((64, 8192), (1, 131072)):
+    for B, L in (tuple(map(int, x.split("x"))) for x in args.shapes.split(",")):
         Hq, Hkv, D = 32, 8, 128
         q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         k = torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -59,6 +61,10 @@ def main():
                 variants.append(("page16-inorder-stages7", (16, "inorder"), replace(pb, num_stages=7)))
                 variants.append(("page16-BN32-stages7", 16, replace(pb, BLOCK_N=32, num_stages=7)))
                 variants.append(("page16-BN16-stages8", 16, replace(pb, BLOCK_N=16, num_stages=8)))
+                for n in filter(None, args.splits.split(",")):
+                    for stages in (5, 7):
+                        variants.append((f"page16-splits{n}-stages{stages}", 16,
+                                         replace(pb, num_splits=int(n), num_stages=stages)))
         contiguous_us = None
         for name, page, s in variants:
             if page is None:
@@ -78,7 +84,7 @@ def main():
                 print(f"B{B}-L{L} {name:24s} FAILED {type(e).__name__}: {str(e)[:200]}")
                 rows.append({"B": B, "L": L, "variant": name, "error": str(e)[:500]})
                 continue
-            contiguous_us = us if page is None else contiguous_us
+            contiguous_us = us if name == "contiguous" else contiguous_us
             tbps = 2 * B * L * Hkv * D * 2 / (us * 1e-6) / 1e12
             print(f"B{B}-L{L} {name:24s} {us:8.1f} us {tbps:5.2f} TB/s  x contiguous "
                   f"{contiguous_us / us:5.3f}  err {err:.1e}  {s}")

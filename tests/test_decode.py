@@ -163,6 +163,14 @@ def test_auto_splits_fill_the_gpu_without_reading_seqlens():
     assert wide.num_splits == 1
     assert auto_splits(8, 8, 65536, 64, 132) > 1
     assert auto_splits(1, 8, 256, 64, 132) == 1  # too short to split usefully
+    # the last wave of resident programs (2 per SM) is at least 3/4 full, or the whole
+    # launch fits in one wave: B=8 takes 8 splits (512 = 264 + 248), not 9 (264 + 264 + 48)
+    from wsattn.kernels.decode_triton import MIN_LAST_WAVE, RESIDENT_PER_SM
+    assert auto_splits(8, 8, 65536, 64, 132) == 8
+    slots = RESIDENT_PER_SM * 132
+    for B in range(1, 33):
+        total = B * 8 * auto_splits(B, 8, 65536, 64, 132)
+        assert total <= slots or total % slots == 0 or total % slots >= MIN_LAST_WAVE * slots, B
     assert default_settings(h200, batch=1, kv_heads=8, head_dim=128, capacity=8192,
                             dtype=torch.bfloat16, num_splits=5).num_splits == 5
 

@@ -127,6 +127,27 @@ def test_ladder_cli_reports_bad_input_and_goes_on(tmp_path, capsys):
     assert "triton" in doc["environment"]
 
 
+def test_ladder_json_is_written_after_each_kernel(tmp_path, monkeypatch, capsys):
+    """A run stopped by a time limit keeps what it reached: the JSON is rewritten after
+    every (kernel, target), marked complete only at the end."""
+    out = tmp_path / "ladder.json"
+    seen = []
+    real_climb = ladder.climb
+
+    def climb_and_look(*args, **kwargs):
+        if out.exists():  # what an interrupted run would have left so far
+            doc = json.loads(out.read_text())
+            seen.append((doc["complete"], len(doc["results"])))
+        return real_climb(*args, **kwargs)
+
+    monkeypatch.setattr(ladder, "climb", climb_and_look)
+    main(["ladder", "wsattn.evidence.demo:broken_spec", "wsattn.evidence.demo:broken_spec",
+          "--target", "sm_90", "--max-gate", "2", "--json", str(out)])
+    assert seen == [(False, 1)]
+    assert json.loads(out.read_text())["complete"] is True
+    assert "demo_broken sm_90: gate" in capsys.readouterr().out
+
+
 def test_targets_cli_ledger(tmp_path, capsys):
     out = tmp_path / "targets.json"
     rc = main(["targets", "wsattn.evidence.demo:matmul_ws_8w", "--target", "sm_90", "--target",

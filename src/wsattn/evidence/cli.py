@@ -48,7 +48,9 @@ def _progress(total, desc):
         return _Null()
 
 
-def _climb_all(specs, targets, config, desc):
+def _climb_all(specs, targets, config, desc, on_result=None):
+    """Climb every (kernel, target); on_result(results so far) after each one, so a run
+    stopped by a time limit still leaves what it reached (the device calls have one)."""
     from .ladder import climb, prefetch_interpreter
     results, cache = [], {}
     bar = _progress(len(specs) * len(targets), desc)
@@ -59,6 +61,8 @@ def _climb_all(specs, targets, config, desc):
                 bar.set_postfix_str(f"{spec.name} {t}")
                 results.append(climb(spec, t, config, cache))
                 bar.update(1)
+                if on_result is not None:
+                    on_result(results)
     finally:
         bar.close()
         if pool is not None:
@@ -82,10 +86,18 @@ def run_ladder(args) -> int:
                     interpreter_numerics=not args.no_interpreter, interpreter_shapes=args.interpreter_shapes,
                     stress_launches=args.stress_launches, stress_timeout=args.stress_timeout,
                     profile_repeats=args.profile_repeats, strict_ws=args.strict_ws, seed=args.seed)
-    results = _climb_all(specs, targets, config, "ladder")
+    meta = {"targets": targets, "config": vars(config)}
+
+    def partial(results):  # rewritten after each kernel, marked incomplete until the end
+        r = results[-1]
+        print(f"{r.kernel} {r.target}: gate {report.reached(r)}", flush=True)
+        if args.json:
+            report.to_json(results, args.json, {**meta, "complete": False})
+
+    results = _climb_all(specs, targets, config, "ladder", on_result=partial)
     print(report.table(results))
     if args.json:
-        report.to_json(results, args.json, {"targets": targets, "config": vars(config)})
+        report.to_json(results, args.json, {**meta, "complete": True})
         print(f"wrote {args.json}")
     if args.markdown:
         report.to_markdown(results, args.markdown)

@@ -105,8 +105,9 @@ def _check_cu_seqlens(name, cu, total, validate):
     return None
 
 
-def _resolve_impl(impl, device, op, gluon_reason=None):
-    """Turn "auto" into a concrete impl and refuse "gluon" where it cannot run."""
+def _resolve_impl(impl, device, op, gluon_reason=None, gluon_faster=True):
+    """Turn "auto" into a concrete impl and refuse "gluon" where it cannot run.
+    gluon_faster: False where the Triton kernel measured faster for this call's shape."""
     if impl == "gluon":
         if op != "prefill":
             raise ValueError(f"impl='gluon' has no {op} kernel; use impl='triton' or 'auto'")
@@ -118,7 +119,7 @@ def _resolve_impl(impl, device, op, gluon_reason=None):
     if impl != "auto":
         return impl
     if device.type == "cuda":
-        if op == "prefill" and gluon_reason is None:
+        if op == "prefill" and gluon_reason is None and gluon_faster:
             from .kernels import prefill_gluon
             if prefill_gluon.device_supported(device):
                 return "gluon"
@@ -188,7 +189,8 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *,
         return _finish(out, lse, q.dtype, return_lse)
     from .kernels import prefill_gluon
     impl = _resolve_impl(impl, q.device, "prefill",
-                         prefill_gluon.unsupported_reason(q, k, v, causal, varlen=False))
+                         prefill_gluon.unsupported_reason(q, k, v, causal, varlen=False),
+                         prefill_gluon.auto_prefers(q, causal))
     if impl == "reference":
         out, lse = reference.attention(q, k, v, causal, scale)
         return _finish(out, lse, q.dtype, return_lse)

@@ -71,3 +71,14 @@ def interpreter_or_gpu_device():
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "cpu"
     return None
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _interpreter_work_arounds():
+    """Interpreted kernels and compiles share test processes (xdist workers): without this
+    a decode test's interpreted tl.max / tl.sum left triton.language.core patched and every
+    later compile on that worker failed (wsattn/_triton_compat.py). A fixture, not an
+    import-time call: children spawned by the multi-process tests import this module and
+    must not import triton before they set TRITON_INTERPRET."""
+    from wsattn._triton_compat import patch_interpreter
+    patch_interpreter()

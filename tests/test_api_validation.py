@@ -101,3 +101,37 @@ def test_auto_on_cpu_takes_reference():
     out = wsattn.attention(q, k, v)
     ref = wsattn.attention(q, k, v, impl="reference")
     assert torch.equal(out, ref)
+
+
+def test_interpreted_stdlib_calls_leave_triton_language_unpatched():
+    """An interpreted kernel calling Triton's standard library (tl.max, tl.sum) must leave
+    triton.language.core as it found it (Triton 3.6 did not: every later compile in that
+    process failed, see wsattn/_triton_compat.py). Run in a child: it sets TRITON_INTERPRET
+    before importing triton."""
+    import subprocess
+    import sys
+    code = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, triton, triton.language as tl
+from wsattn._triton_compat import patch_interpreter
+patch_interpreter()
+snapshot = lambda: {n: id(v) for n, v in vars(tl.core).items()}
+
+@triton.jit
+def row_stats(x_ptr, out_ptr, N: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, N))
+    tl.store(out_ptr, tl.max(x, 0) + tl.sum(x, 0))
+
+before = snapshot()
+x = torch.arange(16, dtype=torch.float32)
+out = torch.empty(1)
+row_stats[(1,)](x, out, N=16)
+assert out.item() == 15 + 120, out
+changed = sorted(n for n, i in snapshot().items() if before.get(n) != i)
+assert not changed, changed
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -21,7 +21,7 @@ import torch
 import wsattn
 import wsattn.ops
 from wsattn import reference
-from wsattn._triton_compat import patch_interpreter_for_numpy_2_4
+from wsattn._triton_compat import patch_interpreter
 from wsattn.target import Target
 
 from conftest import assert_close, assert_lse_close
@@ -34,7 +34,7 @@ def _patch_interpreter(monkeypatch):
     from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
-    patch_interpreter_for_numpy_2_4()
+    patch_interpreter()
 
     # triton.language's helpers were built in compiled mode if triton was imported
     # without TRITON_INTERPRET; called from interpreted code they refuse to run, so run
@@ -59,8 +59,11 @@ def kernel_device(monkeypatch):
     _patch_interpreter(monkeypatch)
     package = importlib.import_module("wsattn.kernels")
     for name in KERNEL_MODULES:
-        if name in sys.modules:
-            monkeypatch.delitem(sys.modules, name)
+        # setitem remembers the entry, or its absence, so teardown puts back the compiler
+        # build (or drops the interpreter build): a later compile-only test in this worker
+        # must not find interpreted kernels in sys.modules
+        monkeypatch.setitem(sys.modules, name, None)
+        del sys.modules[name]
         monkeypatch.delattr(package, name.rsplit(".", 1)[1], raising=False)
     for name in KERNEL_MODULES:  # merge first: decode_triton imports its helpers
         module = importlib.import_module(name)

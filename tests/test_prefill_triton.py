@@ -17,7 +17,7 @@ import torch
 import wsattn
 from wsattn import reference
 from wsattn.kernels import prefill_triton
-from wsattn._triton_compat import patch_interpreter_for_numpy_2_4
+from wsattn._triton_compat import patch_interpreter
 from wsattn.kernels.prefill_triton import PrefillSettings
 
 from conftest import assert_close, assert_lse_close
@@ -28,7 +28,7 @@ D = 64  # the interpreter's cost grows with D; 128/256 run in the GPU tests
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    patch_interpreter_for_numpy_2_4()
+    patch_interpreter()
 
 
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]

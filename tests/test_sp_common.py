@@ -40,8 +40,8 @@ def _entry(rank, world, port, queue, battery, env, backend):
     results = {}
     try:
         if env.get("TRITON_INTERPRET") == "1":
-            from wsattn._triton_compat import patch_interpreter_for_numpy_2_4
-            patch_interpreter_for_numpy_2_4()
+            from wsattn._triton_compat import patch_interpreter
+            patch_interpreter()
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -6,6 +6,18 @@ per loop step), so every loop with a run-time bound fails under TRITON_INTERPRET
 (triton-lang/triton#9171, fixed upstream after 3.6.0 by taking the single element). The project's venv pins numpy < 2.4; this patch
 keeps the interpreter usable where a newer numpy is installed (tests, the smoke run and
 the evidence ladder's interpreter child call it). Process-wide and idempotent.
+
+patch_interpreter_device_calls: Triton 3.6's interpreter patches the language for every
+call of a jit *device* function (``InterpretedFunction.__call__``) and never restores it.
+When the callee is in Triton's standard library (``tl.max``, ``tl.sum``, ``tl.cdiv``: their
+module sees ``triton.language.core``, not the ``tl`` package the kernel's own scope
+patched and restores), ``triton.language.core`` keeps interpreter lambdas for good, and any
+later *compile* in the same process fails ("Unsupported function referenced:
+_patch_attr.<locals>.<lambda>"). Found when the CPU suite ran the decode kernel (which uses
+tl.max / tl.sum) through the interpreter before the ladder's compile tests on one worker.
+The patch restores each device call's patches when the call returns.
+
+patch_interpreter applies both; call it once before interpreting.
 """
 
 from __future__ import annotations
@@ -28,3 +40,33 @@ def patch_interpreter_for_numpy_2_4() -> bool:
     interpreter._patch_lang_tensor = patched
     interpreter._wsattn_patched = True
     return True
+
+
+def patch_interpreter_device_calls() -> bool:
+    """Make each interpreted device-function call undo its language patches on return."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter.InterpretedFunction, "_wsattn_restores", False):
+        return False
+
+    def call(self, *args, **kwargs):
+        scope = interpreter._patch_lang(self.fn)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+        finally:
+            # undone in reverse order: attributes the calling kernel had already patched
+            # go back to the kernel's versions, the rest to Triton's own
+            scope.restore()
+
+    interpreter.InterpretedFunction.__call__ = call
+    interpreter.InterpretedFunction._wsattn_restores = True
+    return True
+
+
+def patch_interpreter() -> None:
+    """Both interpreter work-arounds above; process-wide and idempotent."""
+    patch_interpreter_for_numpy_2_4()
+    patch_interpreter_device_calls()

@@ -134,8 +134,9 @@ def main(argv=None) -> int:
         return 2
     print(f"wsattn smoke run: Triton {triton.__version__} interpreter on CPU, "
           f"torch {torch.__version__}")
-    from .._triton_compat import patch_interpreter_for_numpy_2_4
+    from .._triton_compat import patch_interpreter_device_calls, patch_interpreter_for_numpy_2_4
 
+    patch_interpreter_device_calls()
     if patch_interpreter_for_numpy_2_4():
         print(f"(numpy {np.__version__}: Triton 3.6's interpreter patched to index scalars the "
               "way numpy >= 1.25 asks for, triton-lang/triton#9171)")

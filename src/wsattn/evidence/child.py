@@ -68,8 +68,8 @@ def main(argv):
     try:
         import os
         if os.environ.get("TRITON_INTERPRET") == "1":
-            from .._triton_compat import patch_interpreter_for_numpy_2_4
-            patch_interpreter_for_numpy_2_4()
+            from .._triton_compat import patch_interpreter
+            patch_interpreter()
         from .spec import resolve
         spec = resolve(args["origin"], args["name"])
         if spec.run is None:

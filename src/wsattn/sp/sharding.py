@@ -74,8 +74,7 @@ def reorder_gathered(gathered: torch.Tensor, dim: int, zigzag: bool) -> torch.Te
     (dim counts in the shard's dims, without the leading W).
 
     Built from views and one cat, with no index tensor, so it stays capturable."""
-    W = gathered.shape[0]
-    d = dim + 1
+    d = dim + 1  # W = gathered.shape[0] ranks
     L = gathered.shape[d]
 
     def ranks_along(t):  # [W, ..., n, ...] -> [..., W * n, ...] with rank-major order

@@ -148,6 +148,20 @@ def test_ladder_json_is_written_after_each_kernel(tmp_path, monkeypatch, capsys)
     assert "demo_broken sm_90: gate" in capsys.readouterr().out
 
 
+def test_markdown_from_an_earlier_json(tmp_path, capsys):
+    """--from-json rebuilds the results (a device run's JSON, rendered on the CPU): the same
+    table and Markdown as the run that wrote it."""
+    out, md1, md2 = tmp_path / "l.json", tmp_path / "a.md", tmp_path / "b.md"
+    main(["ladder", "merge_states", "--target", "sm_90", "--max-gate", "2", "--no-interpreter",
+          "--json", str(out), "--markdown", str(md1)])
+    first = capsys.readouterr().out
+    assert main(["ladder", "--from-json", str(out), "--markdown", str(md2)]) == 0
+    again = capsys.readouterr().out
+    table = [line for line in first.splitlines() if line.startswith("merge_states")]
+    assert table and table[-1] in again
+    assert md1.read_text() == md2.read_text()
+
+
 def test_targets_cli_ledger(tmp_path, capsys):
     out = tmp_path / "targets.json"
     rc = main(["targets", "wsattn.evidence.demo:matmul_ws_8w", "--target", "sm_90", "--target",

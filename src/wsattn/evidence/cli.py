@@ -74,6 +74,15 @@ def run_ladder(args) -> int:
     """Climb the evidence ladder for kernels x targets and report."""
     from . import report
     from .ladder import FAIL, Config
+    if args.from_json:  # report only: no kernel is built or run
+        results, doc = report.from_json(args.from_json)
+        print(report.table(results))
+        if not doc.get("complete", True):
+            print(f"note: {args.from_json} is a partial run (stopped before its last kernel)")
+        if args.markdown:
+            report.to_markdown(results, args.markdown)
+            print(f"wrote {args.markdown}")
+        return 0
     targets, bad = _targets(args.target)
     for t in bad:
         print(f"error: unknown target {t!r}: expected one of {', '.join(KNOWN_CCS)} (skipped)",
@@ -147,6 +156,8 @@ def add_parser(subparsers):
     p.add_argument("--spec", action="append", metavar="FILE", help="a .py or .toml kernel spec file")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write a Markdown report (+ a PNG chart)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="climb nothing: report (table, --markdown) from an earlier run's --json")
     p.add_argument("--max-gate", type=int, default=6, choices=range(7), help="stop after this gate")
     p.add_argument("--numerics-shapes", type=int, default=32, help="random shapes per dtype (GPU)")
     p.add_argument("--interpreter-shapes", type=int, default=3,

@@ -85,6 +85,21 @@ def to_json(results, path, extra: dict | None = None) -> dict:
     return doc
 
 
+def from_json(path) -> tuple[list, dict]:
+    """(LadderResults, the document) back from ``to_json``'s file, e.g. to render the
+    Markdown report on a CPU machine from a device run's JSON (complete or not)."""
+    from .ladder import GateResult, LadderResult
+    with open(path) as f:
+        doc = json.load(f)
+    results = []
+    for d in doc["results"]:
+        d = {k: v for k, v in d.items() if k != "highest_gate_name"}
+        d["gates"] = [GateResult(**g) for g in d["gates"]]
+        d["extra"] = [GateResult(**g) for g in d.get("extra", [])]
+        results.append(LadderResult(**d))
+    return results, doc
+
+
 # --------------------------------------------------------------------------- markdown
 
 def _profile_rows(results):

@@ -52,6 +52,11 @@ VARIANTS = {
     "pin": {"PIN_PV_WAIT": True},
     "pin_plain": {"PIN_PV_WAIT": True, "UNROLL": False},
     "pin_persistent": {"PIN_PV_WAIT": True, "PERSISTENT": True},
+    # Three consumer warpgroups, BLOCK_M = 192 (head dim 64 only; settings_for then takes
+    # 160 registers a consumer and no UNROLL). Compare with plain_s4 (2 consumers, no UNROLL).
+    "c3": {"CONSUMERS": 3, "D": 64},
+    "c3_persistent": {"CONSUMERS": 3, "PERSISTENT": True, "D": 64},
+    "c3_pingpong": {"CONSUMERS": 3, "PINGPONG": True, "D": 64},
 }
 
 
@@ -74,6 +79,11 @@ NUMERIC_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal, dtype
     (2, 1000, 1000, 4, 4, 128, False, torch.bfloat16),
     (1, 2048, 2048, 16, 2, 128, True, torch.bfloat16),
     (1, 2048, 2048, 16, 16, 64, True, torch.float16),
+    # D=64 around the 192-row tile of the 3-consumer build (and the 128-row one)
+    (1, 300, 300, 8, 1, 64, False, torch.bfloat16),
+    (2, 193, 193, 4, 2, 64, True, torch.float16),
+    (1, 17, 300, 4, 4, 64, True, torch.bfloat16),
+    (2, 1000, 1000, 4, 4, 64, False, torch.bfloat16),
 ]
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 LSE_TOL = {torch.float16: 1e-3, torch.bfloat16: 5e-3}
@@ -147,7 +157,8 @@ def numerics(log, name):
 
 
 def stress(log, name="default", launches=2000):
-    B, S, H, HKV, D = 2, 1000, 8, 2, 128
+    D = VARIANTS[name].get("D", 128)  # a variant limited to one head dim is stressed there
+    B, S, H, HKV = 2, 1000, 8, 2
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16)

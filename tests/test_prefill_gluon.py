@@ -131,6 +131,109 @@ def test_settings_are_frozen_and_overridable():
         assert pg.settings_for(d).smem_bytes(d) <= 232448
 
 
+# --------------------------------------------------------------------------- 3 consumers
+
+C3_CASES = [pytest.param(c, id=f"D64-{'causal' if c else 'full'}") for c in (False, True)]
+
+
+def _ptxas_spill_bytes(ptx: str) -> list[int]:
+    """Spill store and load bytes that `ptxas -v` reports for the PTX (sm_90a)."""
+    import subprocess
+    import tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(ptx)
+        res = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f"{tmp}/k.ptx",
+                              "-o", f"{tmp}/k.o"], capture_output=True, text=True, check=True)
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    assert found, res.stderr
+    return [int(n) for pair in found for n in pair]
+
+
+@pytest.mark.parametrize("causal", C3_CASES)
+def test_sm90_three_consumers(causal):
+    """CONSUMERS=3 at head dim 64: three 4-warp consumer warpgroups (192 query rows) and the
+    producer, 160 registers a consumer worker, wgmma and TMA, no spills, smem within sm_90's."""
+    s = pg.settings_for(64, causal, CONSUMERS=3)
+    k = _compile(64, causal, CONSUMERS=3)
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+
+    ws = re.findall(r"ttg\.warp_specialize\(.*requestedRegisters = array<i32: ([0-9, ]+)>", ttgir)
+    assert len(ws) == 1, "expected exactly one ttg.warp_specialize op"
+    assert [int(r) for r in ws[0].split(",")] == [s.CONSUMER_REGS, s.CONSUMER_REGS,
+                                                  s.PRODUCER_REGS] == [160, 160, 24]
+    # The default partition (consumer 0) plus three workers: consumers 1 and 2, producer.
+    parts = re.findall(r"^\s*partition(\d+)\(.*num_warps\((\d+)\)", ttgir, re.M)
+    assert [(int(i), int(w)) for i, w in parts] == [(0, 4), (1, 4), (2, 1)]
+    assert k.metadata.num_warps == 16  # 3 consumer warpgroups + the producer padded to 4
+    assert ttgir.count("ttng.warp_group_dot") >= 6  # QK^T and PV in each consumer
+
+    regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    assert ("inc", "160") in regs and ("dec", "24") in regs, regs
+    # Triton gives the default partition (consumer 0) what the workers leave: 168.
+    assert ("dec", "168") in regs, regs
+    assert 128 * (168 + 2 * s.CONSUMER_REGS + s.PRODUCER_REGS) <= pg.REGISTER_FILE
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", ptx)
+    assert "cp.async.bulk.tensor" in ptx
+    assert _ptxas_spill_bytes(ptx) == [0, 0]
+    assert s.smem_bytes(64) <= k.metadata.shared <= pg.SMEM_LIMIT
+
+
+def test_three_consumer_settings():
+    s = pg.settings_for(64, True, CONSUMERS=3)
+    assert (s.CONSUMERS, s.BLOCK_M, s.CONSUMER_REGS, s.UNROLL) == (3, 192, 160, False)
+    assert pg.settings_for(64, CONSUMERS=3, UNROLL=True).UNROLL  # explicit overrides win
+    assert s.smem_bytes(64) == 2 * 64 * (192 + 2 * 4 * 128) <= pg.SMEM_LIMIT
+    for d in pg.GLUON_HEAD_DIMS:  # the defaults stay at two consumers
+        assert (pg.settings_for(d).CONSUMERS, pg.settings_for(d).BLOCK_M) == (2, 128)
+    with pytest.raises(ValueError, match=r"CONSUMERS=3 needs head_dim 64, got head_dim 128"):
+        pg.settings_for(128, False, CONSUMERS=3)
+    with pytest.raises(ValueError, match=r"CONSUMERS=4"):
+        pg.settings_for(64, False, CONSUMERS=4)
+    with pytest.raises(ValueError, match=r"BLOCK_M=128 must be 64 \* CONSUMERS=3"):
+        pg.settings_for(64, False, CONSUMERS=3, BLOCK_M=128)
+    with pytest.raises(ValueError, match=r"CONSUMER_REGS=168.*more than the 65536"):
+        pg.settings_for(64, False, CONSUMERS=3, CONSUMER_REGS=168)
+    with pytest.raises(ValueError, match=r"shared memory at head_dim 64"):
+        pg.settings_for(64, False, CONSUMERS=3, STAGES=7)
+    with pytest.raises(ValueError, match=r"CONSUMERS=3 needs head_dim 64"):  # explicit settings
+        pg.compile_spec(head_dim=128, settings=pg.GluonSettings(CONSUMERS=3, BLOCK_M=192))
+
+
+@pytest.mark.parametrize("consumers, block_m", [(2, 128), (3, 192)], ids=["c2", "c3"])
+def test_launcher_grid_follows_block_m(monkeypatch, consumers, block_m):
+    """The launch grid counts BLOCK_M-row tiles and the kernel gets the settings' CONSUMERS
+    (recorded on CPU tensors with the kernel replaced; nothing runs)."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw))
+
+    monkeypatch.setattr(pg, "attn_fwd_kernel", Recorder())
+    q, k, v = _qkv(2, 300, 300, 4, 2, 64, torch.bfloat16)
+    s = pg.settings_for(64, True, CONSUMERS=consumers)
+    pg.prefill(q, k, v, True, 0.125, settings=s)
+    (grid, kw), = launches
+    assert grid == (-(-300 // block_m) * 2 * 4, )
+    assert (kw["BLOCK_M"], kw["CONSUMERS"], kw["CONSUMER_REGS"]) == (block_m, consumers,
+                                                                       s.CONSUMER_REGS)
+
+
+def test_api_qualifies_the_same_calls():
+    """CONSUMERS is a settings option only: the default settings build for every head dim
+    and the qualification rules accept the same fp16/bf16 D=64/128 calls as before."""
+    for d in pg.GLUON_HEAD_DIMS:
+        for dtype in pg.GLUON_DTYPES:
+            q, k, v = _qkv(1, 5, 7, 4, 2, d, dtype)
+            for causal in (False, True):
+                assert pg.unsupported_reason(q, k, v, causal, varlen=False) is None
+                pg.settings_for(d, causal).check(d)
+
+
 def _qkv(B, Sq, Sk, Hq, Hkv, D, dtype, device="cpu"):
     g = torch.Generator(device=device).manual_seed(B * 1000 + Sq + Sk + Hq + D)
     return tuple(torch.randn(B, S, H, D, dtype=dtype, device=device, generator=g)

@@ -1,9 +1,10 @@
 """sm_90 warp-specialized prefill attention in Gluon (issue 4).
 
 FlashAttention-3's structure written with Triton 3.6's Gluon pieces: a 1-warp TMA
-producer that gives up registers, two consumer warpgroups of 64 query rows each running
-QK^T and PV as async wgmma, the next QK^T issued before the current softmax, and
-optional ping-pong between the consumer warpgroups. The partitions live in
+producer that gives up registers, two (at head dim 64 optionally three:
+GluonSettings.CONSUMERS) consumer warpgroups of 64 query rows each running QK^T and PV as
+async wgmma, the next QK^T issued before the current softmax, and optional ping-pong
+between the consumer warpgroups. The partitions live in
 prefill_gluon_parts.py; this module holds the launch settings, the launcher and the
 qualification checks that api.py calls.
 """
@@ -29,14 +30,27 @@ OTHER_KERNELS = "impl='triton' runs on sm_80, sm_90, sm_100 and sm_120"
 
 # --------------------------------------------------------------------------- settings
 
+REGISTER_FILE = 65536  # 32-bit registers per SM (one CTA per SM)
+SMEM_LIMIT = 232448  # 227 KB of shared memory per block on sm_90
+# Settings that follow from the number of consumer warpgroups (settings_for applies them when
+# CONSUMERS is overridden). Registers: 2 * 128 * 240 and 3 * 128 * 160 threads x registers,
+# plus the producer (padded to a warpgroup) at 24, fit the register file (FlashAttention-3
+# uses 240 and 160 for its 2 and 3 MMA warpgroups; Triton gives the default partition the
+# rest, 168 with 3). With 160 registers the unrolled loop's two P sets spill (1 KB of spill
+# stores at D=64), the plain loop does not: 3 consumers run without UNROLL.
+PER_CONSUMERS = {2: {"BLOCK_M": 128, "CONSUMER_REGS": 240},
+                 3: {"BLOCK_M": 192, "CONSUMER_REGS": 160, "UNROLL": False}}
+
+
 @dataclass(frozen=True)
 class GluonSettings:
     """Launch settings of the Gluon kernel: data, computed per head dim, overridable.
 
-    BLOCK_M is the CTA's query rows (2 consumer warpgroups x 64). Shared memory is
-    2 * 64 * D (Q) + 2 * STAGES * BLOCK_N * D (K, V ring) elements of 2 bytes.
-    CONSUMER_REGS / PRODUCER_REGS are setmaxnreg targets: 2 * 128 * 240 + 128 * 24 fits
-    the 64K-register file.
+    BLOCK_M is the CTA's query rows, CONSUMERS warpgroups x 64 (settings_for derives both
+    BLOCK_M and CONSUMER_REGS from CONSUMERS). Shared memory is BLOCK_M * D (Q) +
+    2 * STAGES * BLOCK_N * D (K, V ring) elements of 2 bytes. CONSUMER_REGS /
+    PRODUCER_REGS are setmaxnreg targets; CONSUMERS * 128 * CONSUMER_REGS + 128 *
+    PRODUCER_REGS must fit the 64K-register file (check()).
     """
     BLOCK_M: int = 128
     BLOCK_N: int = 128
@@ -48,18 +62,55 @@ class GluonSettings:
     PIN_PV_WAIT: bool = False  # keep the wait for PV(j) after the exponentials in SASS (notes)
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24
+    CONSUMERS: int = 2  # consumer warpgroups of 64 rows; 3 (BLOCK_M = 192) at head dim 64 only
 
     def smem_bytes(self, head_dim: int) -> int:
         return 2 * head_dim * (self.BLOCK_M + 2 * self.STAGES * self.BLOCK_N)
 
+    def check(self, head_dim: int) -> None:
+        """Raise ValueError for settings the kernel cannot be built or launched with."""
+        n = self.CONSUMERS
+        if n not in PER_CONSUMERS:
+            raise ValueError(f"CONSUMERS={n}: the Gluon kernel has 2 or 3 consumer warpgroups")
+        if n == 3 and head_dim != 64:
+            raise ValueError(
+                f"CONSUMERS=3 needs head_dim 64, got head_dim {head_dim}: three consumer "
+                f"warpgroups get {PER_CONSUMERS[3]['CONSUMER_REGS']} registers a thread, "
+                "which O (64) + S (64) + P (32) alone fill at head_dim 128 (ptxas spills "
+                "~0.9 KB a thread even without UNROLL); use CONSUMERS=2")
+        if self.BLOCK_M != WG_M * n:
+            raise ValueError(f"BLOCK_M={self.BLOCK_M} must be {WG_M} * CONSUMERS={n}")
+        for name in ("CONSUMER_REGS", "PRODUCER_REGS"):
+            regs = getattr(self, name)
+            if regs % 8 or not 24 <= regs <= 256:
+                raise ValueError(f"{name}={regs}: setmaxnreg takes a multiple of 8 in 24..256")
+        total = 128 * (n * self.CONSUMER_REGS + self.PRODUCER_REGS)
+        if total > REGISTER_FILE:
+            raise ValueError(f"CONSUMERS={n} x 128 x CONSUMER_REGS={self.CONSUMER_REGS} + 128 x "
+                             f"PRODUCER_REGS={self.PRODUCER_REGS} = {total} registers, more "
+                             f"than the {REGISTER_FILE} of an SM")
+        if self.smem_bytes(head_dim) > SMEM_LIMIT:
+            raise ValueError(f"{self.smem_bytes(head_dim)} bytes of shared memory at head_dim "
+                             f"{head_dim} (BLOCK_M={self.BLOCK_M}, STAGES={self.STAGES}, "
+                             f"BLOCK_N={self.BLOCK_N}); sm_90 has {SMEM_LIMIT}")
+
 
 def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSettings:
-    """Default settings per head dim (H200 measurements in notes/prefill_gluon.md)."""
-    if head_dim == 64:  # 16 + 4 * 32 KB of shared memory
+    """Default settings per head dim (H200 measurements in notes/prefill_gluon.md).
+
+    Overriding CONSUMERS also applies PER_CONSUMERS (BLOCK_M = 64 * CONSUMERS, registers,
+    UNROLL) except where those are overridden too. Raises ValueError for settings that
+    check() refuses."""
+    if head_dim == 64:  # 16 + 4 * 32 KB of shared memory (24 + 4 * 32 KB with 3 consumers)
         base = GluonSettings(BLOCK_N=128, STAGES=4)
     else:  # 32 + 3 * 64 KB; with 2 stages ptxas spills in the unrolled loop (0.6x cuDNN)
         base = GluonSettings(BLOCK_N=128, STAGES=3)
-    return replace(base, **overrides) if overrides else base
+    n = overrides.get("CONSUMERS", base.CONSUMERS)
+    if n != base.CONSUMERS and n in PER_CONSUMERS:
+        overrides = {**PER_CONSUMERS[n], **overrides}
+    s = replace(base, **overrides) if overrides else base
+    s.check(head_dim)
+    return s
 
 
 # --------------------------------------------------------------------------- launcher
@@ -87,7 +138,8 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
     return dict(GROUP=group, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N, D=head_dim, STAGES=s.STAGES,
                 CAUSAL=bool(causal), OVERLAP=s.OVERLAP, PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
                 PERSISTENT=s.PERSISTENT, PIN_PV_WAIT=s.PIN_PV_WAIT,
-                CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS)
+                CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
+                CONSUMERS=s.CONSUMERS)
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):
@@ -104,6 +156,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     s = settings or settings_for(D, causal)
+    s.check(D)
     out = _alloc.empty((B, Sq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Sq), torch.float32, q.device)
     if B * Sq * Hq == 0:
@@ -151,6 +204,7 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``."""
     s = settings or settings_for(head_dim, causal)
+    s.check(head_dim)
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
     kv_block = [1, s.BLOCK_N, head_dim]
     kv = f"tensordesc<{dtype}[1,{s.BLOCK_N},{head_dim}],{_layout(kv_block, dtype)!r}>"

@@ -1,13 +1,16 @@
 """Gluon partitions of the sm_90 warp-specialized prefill (see prefill_gluon.py).
 
-One CTA owns BLOCK_M = 2 * 64 query rows of one (batch, head). Three partitions:
-  - consumer warpgroup 0 (the default partition, 4 warps) and consumer warpgroup 1
-    (a 4-warp worker), each owning its own 64 rows of Q: QK^T and PV as async wgmma with
+One CTA owns BLOCK_M = CONSUMERS * 64 query rows of one (batch, head), CONSUMERS = 2 or 3.
+Partitions:
+  - CONSUMERS consumer warpgroups of 4 warps: warpgroup 0 is the default partition, the
+    others are workers; each owns its own 64 rows of Q: QK^T and PV as async wgmma with
     the accumulators in registers, online softmax in between;
   - a 1-warp producer worker that TMA-loads Q once and K/V tiles into a STAGES-deep
     shared-memory ring (k_ready / v_ready / kv_empty mbarriers) and gives up registers.
-Both consumers walk the same K/V tiles, so each ring slot is freed (kv_empty, count 2)
-once both have finished their PV on it.
+All consumers walk the same K/V tiles, so each ring slot is freed (kv_empty, count
+CONSUMERS) once every consumer has finished its PV on it. Three consumers (192 rows, as
+FlashAttention-3 does for head dim 64) give the tensor cores a third warpgroup's GEMMs to
+run while the other two do softmax; registers allow it at D = 64 only.
 """
 
 from __future__ import annotations
@@ -96,8 +99,8 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
           PIN_PV_WAIT: gl.constexpr):
     """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
     issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
-    tensor cores (OVERLAP). With PINGPONG the two consumer warpgroups take turns issuing
-    their GEMMs, so one's softmax runs under the other's GEMMs. r is tile j's index in the
+    tensor cores (OVERLAP). With PINGPONG the consumer warpgroups take turns (round-robin)
+    issuing their GEMMs, so one's softmax runs under the others' GEMMs. r is tile j's index in the
     shared-memory ring, counted over all the tiles this CTA has consumed (persistent); pp
     counts the ping-pong turns taken so far (one per step). PIN_PV_WAIT keeps the wait for
     PV(j) after the exponentials in SASS (see _pin_pv_wait)."""
@@ -247,9 +250,10 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PERSISTENT: gl.constexpr,
-              PIN_PV_WAIT: gl.constexpr):
+              PIN_PV_WAIT: gl.constexpr, CONSUMERS: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of each tile this
-    CTA takes (tiles pid, pid + grid, ...: one tile per CTA unless the launch is persistent)."""
+    CTA takes (tiles pid, pid + grid, ...: one tile per CTA unless the launch is persistent).
+    With PINGPONG the warpgroups take GEMM turns round-robin (0, 1, ..., CONSUMERS - 1)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -264,7 +268,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
     k2 = k_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)  # [STAGES, BLOCK_N, D]
     v2 = v_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)
     turn_mine = turn_bars.index(WG)
-    turn_other = turn_bars.index(1 - WG)
+    turn_other = turn_bars.index((WG + 1) % CONSUMERS)
 
     if PERSISTENT:
         r0 = 0  # ring index of the current tile's first K/V tile
@@ -284,20 +288,24 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
 
 
 @gluon.jit
-def _produce_q_tile(t, r0, tile_i, q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem,
+def _produce_q_tile(t, r0, tile_i, q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem,
                     q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, Sq, Sk, Hq,
                     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """Loads for tile t: Q once (both halves on one barrier, once both consumers have stored
-    the previous tile's O out of the Q buffers), then K and V through the ring from r0 on."""
+                    D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    CONSUMERS: gl.constexpr):
+    """Loads for tile t: Q once (one 64-row box per consumer into q_bufs[i], all on one
+    barrier, once every consumer has stored the previous tile's O out of its Q buffer), then
+    K and V through the ring from r0 on."""
     start_m, off_b, off_h = _tile_coords(t, n_m, Hq, CAUSAL)
     off_hkv = off_h // GROUP
     m0 = start_m * BLOCK_M
     # A fresh barrier's "previous phase" counts as complete, so the first waits pass.
     mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h * D], q_bar, q0_smem)
-    tma.async_copy_global_to_shared(q_desc, [off_b, m0 + WG_M, off_h * D], q_bar, q1_smem)
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h * D], q_bar, q_bufs[0])
+    for i in gl.static_range(1, CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [off_b, m0 + i * WG_M, off_h * D], q_bar,
+                                        q_bufs[i])
     n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
     for j in range(n_total):
         r = r0 + j
@@ -313,25 +321,25 @@ def _produce_q_tile(t, r0, tile_i, q_desc, k_desc, v_desc, q0_smem, q1_smem, k_s
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, q_empty,
+def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
               k_ready, v_ready, kv_empty, n_m, num_tiles, Sq, Sk, Hq,
               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+              PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
     """The TMA producer warp: the loads of each tile the CTA takes, in the consumers' order."""
     if PERSISTENT:
         r0 = 0
         pid = gl.program_id(0)
         n_prog = gl.num_programs(0)
         for t in range(pid, num_tiles, n_prog):
-            r0 += _produce_q_tile(t, r0, (t - pid) // n_prog, q_desc, k_desc, v_desc, q0_smem,
-                                  q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                                  kv_empty, n_m, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D,
-                                  STAGES, CAUSAL)
+            r0 += _produce_q_tile(t, r0, (t - pid) // n_prog, q_desc, k_desc, v_desc, q_bufs,
+                                  k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                                  n_m, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                                  CONSUMERS)
     else:
-        _produce_q_tile(gl.program_id(0), 0, 0, q_desc, k_desc, v_desc, q0_smem, q1_smem,
-                        k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, Sq,
-                        Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL)
+        _produce_q_tile(gl.program_id(0), 0, 0, q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem,
+                        q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, Sq, Sk, Hq, GROUP,
+                        BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS)
 
 
 @gluon.jit
@@ -340,11 +348,14 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Sq, Sk, Hq, qk_s
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     PERSISTENT: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                    CONSUMERS: gl.constexpr = 2):
     """1-D grid over tiles (row block, batch, head): one tile per CTA, or fewer CTAs than
     tiles (persistent), each striding over them. q/o descriptors are [B, Sq, Hq * D] with
-    box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv."""
-    gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
+    box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv.
+    CONSUMERS (2 or 3) consumer warpgroups of 64 rows each: BLOCK_M = 64 * CONSUMERS."""
+    gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
+    gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
     dtype: gl.constexpr = q_desc.dtype
     n_m = gl.cdiv(Sq, BLOCK_M)
     num_tiles = n_m * B * Hq
@@ -358,28 +369,49 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Sq, Sk, Hq, qk_s
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    mbarrier.init(q_empty, count=2)  # both consumer warpgroups are done with their Q buffer
+    mbarrier.init(q_empty, count=CONSUMERS)  # every consumer warpgroup is done with its Q
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a slot
-    for i in gl.static_range(2):
+        mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer releases a slot
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(turn_bars.index(i), count=1)
     if PINGPONG:
         mbarrier.arrive(turn_bars.index(0))  # warpgroup 0 issues its GEMMs first
 
-    gl.warp_specialize([
-        (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                     turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M,
-                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PERSISTENT,
-                     PIN_PV_WAIT)),
-        (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                     turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M,
-                     BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PERSISTENT,
-                     PIN_PV_WAIT)),
-        (_producer, (q_desc, k_desc, v_desc, q0_smem, q1_smem, k_smem, v_smem, q_bar, q_empty,
-                     k_ready, v_ready, kv_empty, n_m, num_tiles, Sq, Sk, Hq, GROUP, BLOCK_M,
-                     BLOCK_N, D, STAGES, CAUSAL, PERSISTENT)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
+                         qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
+                         UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS)),
+            (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
+                         qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
+                         UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS)),
+            (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
+                         q_empty, k_ready, v_ready, kv_empty, n_m, num_tiles, Sq, Sk, Hq,
+                         GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        gl.warp_specialize([
+            (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
+                         qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
+                         UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS)),
+            (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
+                         qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
+                         UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS)),
+            (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
+                         qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
+                         UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS)),
+            (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
+                         q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, num_tiles, Sq, Sk,
+                         Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT,
+                         CONSUMERS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

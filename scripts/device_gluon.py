@@ -57,6 +57,9 @@ VARIANTS = {
     "c3": {"CONSUMERS": 3, "D": 64},
     "c3_persistent": {"CONSUMERS": 3, "PERSISTENT": True, "D": 64},
     "c3_pingpong": {"CONSUMERS": 3, "PINGPONG": True, "D": 64},
+    # 64-key tiles: registers for UNROLL's two P sets (no spills; the 128-key c3 + UNROLL
+    # spills 1 KB), 8 stages = the same ring bytes as 4 x 128 keys.
+    "c3_bn64": {"CONSUMERS": 3, "BLOCK_N": 64, "STAGES": 8, "UNROLL": True, "D": 64},
 }
 
 

@@ -324,6 +324,33 @@ def test_sm90_strided_inputs(causal):
     assert_close(out, ref, torch.bfloat16)
 
 
+C3_GPU_CASES = [  # B, Sq, Sk, Hq, Hkv, causal: odd lengths around the 192-row tile
+    (1, 1, 1, 2, 1, False),
+    (2, 193, 193, 4, 2, True),
+    (1, 300, 300, 8, 1, False),   # GQA 8:1
+    (2, 17, 300, 4, 4, True),     # q_len < kv_len, bottom-right causal
+    (1, 384, 1000, 8, 2, True),
+    (2, 1000, 1000, 4, 4, False),
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("variant", [{}, {"PERSISTENT": True}, {"PINGPONG": True}],
+                         ids=["c3", "c3-persistent", "c3-pingpong"])
+@pytest.mark.parametrize("case", C3_GPU_CASES,
+                         ids=[_gpu_id((*c[:5], 64, c[5])) for c in C3_GPU_CASES])
+def test_sm90_three_consumers_numerics(case, variant):
+    """CONSUMERS=3 (192-row tiles, D=64) against the float64 reference, LSE too."""
+    from wsattn import reference
+    B, Sq, Sk, Hq, Hkv, causal = case
+    q, k, v = _qkv(B, Sq, Sk, Hq, Hkv, 64, torch.bfloat16, "cuda")
+    s = pg.settings_for(64, causal, CONSUMERS=3, **variant)
+    out, lse = pg.prefill(q, k, v, causal, 64 ** -0.5, settings=s)
+    ref, ref_lse = reference.attention(q, k, v, causal)
+    assert_close(out, ref, torch.bfloat16)
+    assert_lse_close(lse, ref_lse, torch.bfloat16)
+
+
 def test_auto_prefers_triton_only_where_it_measured_faster():
     """Short causal or D=64 queries go to Triton under impl="auto"; the rest to Gluon."""
     from wsattn.kernels.prefill_gluon import auto_prefers

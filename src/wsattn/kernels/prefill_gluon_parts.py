@@ -381,6 +381,9 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Sq, Sk, Hq, qk_s
     if PINGPONG:
         mbarrier.arrive(turn_bars.index(0))  # warpgroup 0 issues its GEMMs first
 
+    # The argument lists are spelled out per partition: a tuple built once and joined with
+    # `+` loses its constexpr members in Triton 3.6's frontend (D, BLOCK_N... become run-time
+    # values and the consumers' layouts fail to build), so it cannot be shared.
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,

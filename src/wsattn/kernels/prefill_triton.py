@@ -348,11 +348,11 @@ def _tma_ok(*tensors) -> bool:
 
 
 def _packed_heads(*tensors) -> bool:
-    """[B, S, H, D] tensors whose heads sit side by side in a row (stride(2) == D), TMA
-    aligned: then a 3-D view [B, S, H * D] (row stride stride(1)) serves every head from
-    one host descriptor. A [B, H, S, D] layout seen through a transpose does not."""
-    return all(t.stride(3) == 1 and t.stride(2) == t.shape[3] for t in tensors) and \
-        _tma_ok(*tensors)
+    """[B, S, H, D] tensors whose heads sit side by side in a row (stride(2) == D): then a
+    3-D view [B, S, H * D] (row stride stride(1)) serves every head from one host
+    descriptor. A [B, H, S, D] layout seen through a transpose does not. TMA alignment is
+    prefill()'s check (use_tma is off past it) and out is our own contiguous allocation."""
+    return all(t.stride(3) == 1 and t.stride(2) == t.shape[3] for t in tensors)
 
 
 def _desc3d(t, rows: int):

@@ -333,6 +333,7 @@ def battery_three_ranks(rank, W):
                          ("exchange", "allgather"), ("decode", "sp_invariant_decode")]:
                 assert want in modes, f"no {want} row in {sorted(modes)}"
             assert all(r["world_size"] == W and r["commit"] for r in rows)
+            assert rows[-1]["what"] == "run" and rows[-1]["complete"] is True, rows[-1]
     _run_check(res, "bench-smoke", bench_smoke)
     return res
 

@@ -320,17 +320,7 @@ def main(args) -> int:
         return {**st, "bench": "sp", "dtype": str(dtype).replace("torch.", ""),
                 "zigzag": zigzag, **{k: v for k, v in fields.items() if v is not None}}
 
-    rows = []
-    if "prefill" in what:
-        for S in seqlens:
-            if S % (2 * W):
-                continue
-            rows += bench_prefill(S, dtype, dev, rank, W, zigzag, reps, row)
-            _report_progress(rank, rows[-1])
-    if "exchange" in what:
-        rows += bench_exchange(dev, rank, W, reps, row)
-    if "decode" in what:
-        rows += bench_decode(context, dtype, dev, rank, W, reps, row)
+    path = None
     if rank == 0:
         path = getattr(args, "json", None)
         if not path:
@@ -339,8 +329,30 @@ def main(args) -> int:
             path = REPO_ROOT / "benchmarks" / "results" / \
                 f"sp_{slug(st['gpu'])}_w{W}_{date}_{slug(st['commit'])}.json"
         os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
+
+    rows = []
+
+    def flush(complete=False):
+        # Rewritten after every shape, so a run cut short by a time limit keeps what it
+        # measured; the last row says whether the run finished.
+        if rank == 0:
+            with open(path, "w") as f:
+                json.dump(rows + [row(what="run", mode="status", complete=complete)], f, indent=1)
+
+    if "prefill" in what:
+        for S in seqlens:
+            if S % (2 * W):
+                continue
+            rows += bench_prefill(S, dtype, dev, rank, W, zigzag, reps, row)
+            _report_progress(rank, rows[-1])
+            flush()
+    if "exchange" in what:
+        rows += bench_exchange(dev, rank, W, reps, row)
+        flush()
+    if "decode" in what:
+        rows += bench_decode(context, dtype, dev, rank, W, reps, row)
+    flush(complete=True)
+    if rank == 0:
         print(format_rows(rows))
         print(f"wrote {len(rows)} rows to {path}")
     dist.barrier()

@@ -27,7 +27,8 @@ from wsattn.target import Target
 from conftest import assert_close, assert_lse_close
 
 D = 64  # the interpreter's cost grows with D; D = 128 runs in the GPU tests
-KERNEL_MODULES = ("wsattn.kernels.merge", "wsattn.kernels.decode_triton")
+KERNEL_MODULES = ("wsattn.kernels.merge", "wsattn.kernels.decode_triton",
+                  "wsattn.kernels.state_exchange")
 
 
 def _patch_interpreter(monkeypatch):

@@ -88,3 +88,30 @@ def test_merge_is_deterministic(kernel_device):
     a = wsattn.merge_states(o, lse, impl="triton")
     b = wsattn.merge_states(o, lse, impl="triton")
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_into_strided_views_in_place(kernel_device, dtype):
+    """merge_into(acc, part) on strided [B, S, H, D] views (the second half of the rows, as
+    overlapped SP prefill passes them) == merge_states of the two, bit for bit; rows
+    outside the view are untouched; empty parts give no NaN."""
+    import importlib
+    merge = importlib.import_module("wsattn.kernels.merge")
+    g = torch.Generator().manual_seed(5)
+    B, S, H, D = 2, 9, 3, 64
+    acc = torch.randn(B, S, H, D, generator=g).to(dtype).to(kernel_device)
+    acc_lse = (torch.randn(B, H, S, generator=g) * 3).to(kernel_device)
+    part = torch.randn(B, S - 4, H, D, generator=g).to(dtype).to(kernel_device)
+    part_lse = (torch.randn(B, H, S - 4, generator=g) * 3).to(kernel_device)
+    acc_lse[0, 1, 6] = float("-inf")
+    part_lse[0, 1, 2] = float("-inf")  # row (0, 6, 1): both empty -> (0, -inf)
+    part_lse[1, 0, 0] = float("-inf")
+    before, before_lse = acc.clone(), acc_lse.clone()
+    want, want_lse = wsattn.merge_states(
+        torch.stack([acc[:, 4:], part]),
+        torch.stack([acc_lse[:, :, 4:].transpose(1, 2), part_lse.transpose(1, 2)]), impl="triton")
+    merge.merge_into(acc[:, 4:], acc_lse[:, :, 4:], part, part_lse)
+    assert torch.equal(acc[:, :4], before[:, :4]) and torch.equal(acc_lse[:, :, :4], before_lse[:, :, :4])
+    assert torch.equal(acc[:, 4:], want)
+    assert torch.equal(acc_lse[:, :, 4:], want_lse.transpose(1, 2))
+    assert acc_lse[0, 1, 6].item() == float("-inf") and not acc.isnan().any()

@@ -419,6 +419,9 @@ def battery_interpreter(rank, W):
          dict(B=2, Sq=3 * c, Sk=3 * c, Hq=4, Hkv=1, D=64, causal=True, zigzag=True, overlapped=False)),
         ("triton-overlap-B1-Sq" + str(2 * c) + "-Sk" + str(5 * c) + "-H4-HKV2-zigzag-causal-prefix",
          dict(B=1, Sq=2 * c, Sk=5 * c, Hq=4, Hkv=2, D=64, causal=True, zigzag=True, overlapped=True)),
+        # no prefix: one local call, one call per peer, merge_into (the kernel) in place
+        ("triton-overlap-B2-S" + str(3 * c) + "-H4-HKV2-zigzag-causal",
+         dict(B=2, Sq=3 * c, Sk=3 * c, Hq=4, Hkv=2, D=64, causal=True, zigzag=True, overlapped=True)),
     ]
     for i, (name, case) in enumerate(cases):
         _run_check(res, name, lambda: check_prefill(rank, W, **case, **kw, seed=300 + i))
@@ -508,10 +511,41 @@ def battery_nccl(rank, W):
         _run_check(res, f"nccl-decode-{ex}-B16-H32-HKV8-D128-empty-shards", lambda: check_decode(
             rank, W, lens=[1, 5000, 70000, 3] + [4096] * 12, Hq=32, Hkv=8, D=128, page=64,
             seed=420, exchange=ex, **kw) and None)
+    _run_check(res, "nccl-exchange-symm-equals-allgather-bitwise-500-steps",
+               lambda: check_exchange_steps(rank, W, steps=500))
     _run_check(res, "nccl-cuda-graph-prefill-and-decode", lambda: check_cuda_graph(rank, W))
     res.update(battery_invariance(rank, W, gpu=True))
     res.update(battery_bad_input_nccl(rank, W))
     return res
+
+
+def check_exchange_steps(rank, W, steps):
+    """The fused symmetric-memory exchange over many back-to-back steps (both parities,
+    the epoch counters, one rank running ahead of the other) gives, on every step, the
+    bits of merge_states over all ranks' parts (which every rank can form: the parts are
+    drawn from one seed per step), and the all-gather exchange gives the same bits."""
+    import wsattn
+    from wsattn.sp.decode import StateExchange
+    dev = torch.device("cuda", rank)
+    B, Hq, D = 16, 32, 128
+    ex = StateExchange.get(torch.distributed.group.WORLD, (B, Hq, D + 1), dev, "symm")
+    ag = StateExchange.get(torch.distributed.group.WORLD, (B, Hq, D + 1), dev, "allgather")
+    bad = []
+    for step in range(steps):
+        g = torch.Generator(device=dev).manual_seed(1000 + step)
+        outs = torch.randn(W, B, Hq, D, generator=g, device=dev)
+        lses = torch.randn(W, B, Hq, generator=g, device=dev) * 3
+        lens = torch.randint(0, 2, (W, B), generator=g, device=dev, dtype=torch.int32)
+        lses = torch.where(lens[:, :, None] == 0, float("-inf"), lses)
+        got, got_lse = ex.merge(outs[rank], lses[rank], lens[rank])
+        want, want_lse = wsattn.merge_states(outs, lses, impl="triton")
+        if step % 50 == 0:
+            o2, l2 = ag.merge(outs[rank], lses[rank], lens[rank])
+            if not (torch.equal(o2, want) and torch.equal(l2, want_lse)):
+                bad.append(f"allgather differs at step {step}")
+        if not (torch.equal(got, want) and torch.equal(got_lse, want_lse)):
+            bad.append(f"step {step}: max |diff| {(got - want).abs().max().item():.3g}")
+    assert not bad, "; ".join(bad[:5]) + f" ({len(bad)} bad of {steps})"
 
 
 def check_cuda_graph(rank, W):

@@ -115,6 +115,59 @@ def merge_states(outputs: torch.Tensor, lses: torch.Tensor):
     return out, out_lse
 
 
+@triton.jit
+def _merge_into_kernel(acc_ptr, acc_lse_ptr, part_ptr, part_lse_ptr, N, S, H,
+                       sa_b, sa_s, sa_h, sla_b, sla_h, sla_s,
+                       sp_b, sp_s, sp_h, slp_b, slp_h, slp_s,
+                       D: tl.constexpr, BLOCK_R: tl.constexpr):
+    # rows n = (b * S + s) * H + h of [B, S, H, D] outputs with [B, H, S] LSEs, any strides
+    n = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = n < N
+    n = n.to(tl.int64)
+    h = n % H
+    s = (n // H) % S
+    b = n // (H * S)
+    cols = tl.arange(0, D)
+    a_rows = acc_ptr + (b * sa_b + s * sa_s + h * sa_h)[:, None] + cols[None, :]
+    p_rows = part_ptr + (b * sp_b + s * sp_s + h * sp_h)[:, None] + cols[None, :]
+    a_lse = acc_lse_ptr + b * sla_b + h * sla_h + s * sla_s
+    p_lse = part_lse_ptr + b * slp_b + h * slp_h + s * slp_s
+    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc, m, den = merge_step(acc, m, den, tl.load(a_rows, mask=live[:, None], other=0.0),
+                             tl.load(a_lse, mask=live, other=float("-inf")))
+    acc, m, den = merge_step(acc, m, den, tl.load(p_rows, mask=live[:, None], other=0.0),
+                             tl.load(p_lse, mask=live, other=float("-inf")))
+    out, lse = merge_finish(acc, m, den)
+    # in place: each program reads its rows before it writes them, and no other does
+    tl.store(a_rows, out.to(acc_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(a_lse, lse, mask=live)
+
+
+def merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, part: torch.Tensor,
+               part_lse: torch.Tensor) -> None:
+    """acc <- merge(acc, part), in place, for attention-shaped states (used where partial
+    results arrive one at a time, as in overlapped sequence-parallel prefill).
+
+    acc, part: [B, S, H, D] (views with any strides, last dimension contiguous, D a power
+    of 2); acc_lse, part_lse: fp32 [B, H, S] views. Merged in the order (acc, part),
+    with the same arithmetic as :func:`merge_states`, and no stacked copy of the parts.
+    """
+    B, S, H, D = acc.shape
+    N = B * S * H
+    if N == 0:
+        return
+    block_r = _block_rows(D)
+    _merge_into_kernel[(triton.cdiv(N, block_r),)](
+        acc, acc_lse, part, part_lse, N, S, H,
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        acc_lse.stride(0), acc_lse.stride(1), acc_lse.stride(2),
+        part.stride(0), part.stride(1), part.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        D=D, BLOCK_R=block_r, num_warps=4)
+
+
 _TL_DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 
 

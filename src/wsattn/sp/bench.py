@@ -8,8 +8,8 @@ What it measures, each figure beside its baselines from the same run:
   the gather alone (the same all-gather of the K/V shards). Derived: throughput
   (tokens/s), speedup over one GPU, hidden = (T_gather_then_attend - T_overlapped) /
   T_gather.
-* state exchange of [B=16, Hq=32, D+1=129] fp32 states: NCCL all-gather vs the
-  symmetric-memory one-shot write, eager and replayed from a CUDA graph.
+* state exchange + merge of [B=16, Hq=32, D+1=129] fp32 states: NCCL all-gather then
+  merge_states vs the fused symmetric-memory kernel, eager and replayed from a CUDA graph.
 * decode at B = 1 with a long context: one GPU over the whole cache vs sp.decode over
   a 1/W shard each (ratio to one GPU), and sp.invariant_decode's cost beside them.
 
@@ -213,10 +213,16 @@ def bench_prefill(S, dtype, dev, rank, W, zigzag, reps, row):
 # --------------------------------------------------------------------------- exchange
 
 def bench_exchange(dev, rank, W, reps, row):
+    """Exchange + merge of [B=16, Hq=32, D+1=129] fp32 states: what a decode step pays
+    after its local kernel, by each method, eager and replayed from a CUDA graph."""
     from .decode import StateExchange
     B, Hq, D = 16, 32, 128
     shape = (B, Hq, D + 1)
-    state = torch.full(shape, float(rank), device=dev)
+    g = torch.Generator(device=dev).manual_seed(1234)  # the same on every rank
+    outs = torch.randn(W, B, Hq, D, generator=g, device=dev)
+    lses = torch.randn(W, B, Hq, generator=g, device=dev) * 3
+    lens = torch.full((B,), 7, dtype=torch.int32, device=dev)
+    want, want_lse = wsattn.merge_states(outs, lses, impl="reference")
     rows = []
     for method in ("allgather", "symm"):
         try:
@@ -224,21 +230,23 @@ def bench_exchange(dev, rank, W, reps, row):
         except Exception as e:  # noqa: BLE001 - reported as a row
             rows.append(row(what="exchange", mode=method, status="unavailable", reason=str(e)))
             continue
-        got = ex(state)
+        fn = lambda: ex.merge(outs[rank], lses[rank], lens)  # noqa: E731
+        got, got_lse = fn()
         _sync(dev)
-        want = torch.arange(W, device=dev, dtype=torch.float32).view(W, 1, 1, 1).expand_as(got)
-        if not torch.equal(got, want):
-            rows.append(row(what="exchange", mode=method, status="wrong"))
+        err = max(_rel_err(got, want), _rel_err(got_lse, want_lse))
+        if err > 1e-5:
+            rows.append(row(what="exchange", mode=method, status="wrong", rel_err=err))
             continue
         for graph in ((False, True) if dev.type == "cuda" else (False,)):
             try:
-                t = time_ms(lambda: ex(state), dev, reps, graph=graph)
+                t = time_ms(fn, dev, reps, graph=graph)
             except Exception as e:  # noqa: BLE001
                 rows.append(row(what="exchange", mode=method, status="failed",
                                 timing="graph" if graph else "eager", reason=repr(e)[:300]))
                 continue
             rows.append(row(what="exchange", mode=method, status="ok", B=B, Hq=Hq, D=D,
-                            bytes_per_rank=state.numel() * 4, us=t["median_ms"] * 1e3, **t))
+                            bytes_per_rank=B * Hq * (D + 1) * 4, includes="exchange+merge",
+                            us=t["median_ms"] * 1e3, **t))
     return rows
 
 

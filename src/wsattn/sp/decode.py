@@ -9,12 +9,12 @@ all ranks hold the same result. For B=16, Hq=32, D=128 a state is 264 KB.
 
 Two exchanges (:class:`StateExchange`):
 
-* ``"allgather"``: NCCL (or gloo) all-gather into a persistent buffer.
-* ``"symm"``: a one-shot write of the state into every peer's slot of a torch symmetric
-  memory buffer (NVLink peer stores), between two signal-pad barriers: the first says
-  every peer has finished reading the previous step's states (so a slot is never
-  overwritten while it is read), the second that every write of this step has landed.
-  No NCCL kernel, no host involvement; multicast is never used.
+* ``"allgather"``: pack, NCCL (or gloo) all-gather into a persistent buffer, merge.
+* ``"symm"``: ONE kernel (kernels/state_exchange.py) that stores this rank's rows into
+  every peer's slot of a torch symmetric-memory buffer over NVLink, raises one flag per
+  peer and program, waits for the peers' flags and merges in rank order: the same bits
+  as the all-gather path, one launch, no NCCL kernel, no host involvement; multicast
+  is never used.
 
 A rank whose shard of a sequence is empty (seqlens[b] == 0) contributes (0, -inf): the
 kernel still runs on that row with the length clamped to 1 and the first page pointed at
@@ -25,6 +25,7 @@ sync with check=False, so a decode step can be captured in a CUDA graph.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 import wsattn
 
@@ -51,12 +52,20 @@ def symm_unavailable_reason(group, device) -> str | None:
 
 
 class StateExchange:
-    """Static buffers that all-gather [B, Hq, D+1] fp32 states across a group.
+    """Exchanges and merges the [B, Hq, D+1] fp32 decode states of a group.
 
     Built once per (group, shape, method) and reused, so captured CUDA graphs see the
-    same buffers every replay. ``method`` is "allgather" or "symm"; with "auto" the
-    ranks agree (one small exchange) on "symm" where every rank can build it, else
-    "allgather"; ``fallback_reason`` says why.
+    same buffers every replay (the first eager call builds it: do one before capturing).
+    ``method`` is "allgather" or "symm"; with "auto" the ranks agree (one small
+    exchange) on "symm" where every rank can build it, else "allgather";
+    ``fallback_reason`` says why.
+
+    * "allgather": pack the state, NCCL (or gloo) all-gather into a persistent buffer,
+      ``merge_states`` in rank order: three to six launches.
+    * "symm": one launch of kernels/state_exchange.py: each program stores its rows into
+      every peer's slot of a torch symmetric-memory buffer (NVLink), raises a flag per
+      peer, waits for the peers' flags and merges in rank order. Same bits as
+      "allgather". Multicast is never used.
     """
 
     _cache: dict = {}
@@ -68,22 +77,23 @@ class StateExchange:
         self.rank, self.world_size = rank_and_size(group)
         self.shape = tuple(shape)
         self.device = device
-        self.numel = 1
-        for s in self.shape:
-            self.numel *= s
         self.fallback_reason = None
         self.method = "allgather"
         if method == "allgather" or self.world_size == 1:
-            self.out = torch.empty((self.world_size,) + self.shape, dtype=torch.float32,
-                                   device=device)
+            self._allgather_buffers()
             return
         reason = symm_unavailable_reason(group, device)
-        buf = handle = None
+        B, Hq, D1 = self.shape
+        R, D = B * Hq, D1 - 1
+        data = flags = None
         if reason is None:
             try:
                 from torch.distributed import _symmetric_memory as symm_mem
-                buf = symm_mem.empty((self.world_size, self.numel), dtype=torch.float32,
-                                     device=device)
+                from ..kernels import state_exchange as se
+                data = symm_mem.empty(se.buffer_shape(self.world_size, R, D),
+                                      dtype=torch.float32, device=device)
+                flags = symm_mem.empty((self.world_size, se.num_programs(R, D)),
+                                       dtype=torch.int32, device=device)
             except Exception as e:  # an allocator that cannot map peer memory here
                 reason = f"symm_mem.empty failed: {type(e).__name__}: {e}"
         # Every rank must take the same branch: rendezvous is a collective.
@@ -91,6 +101,7 @@ class StateExchange:
                                 {"symm ok": int(reason is None)})
         if not all(f["symm ok"] for f in per_rank):
             reason = reason or "another rank cannot use symmetric memory"
+        handles = None
         if reason is None:
             try:
                 import warnings
@@ -99,20 +110,33 @@ class StateExchange:
                     warnings.simplefilter("ignore", FutureWarning)
                     if not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
                         symm_mem.enable_symm_mem_for_group(group.group_name)
-                handle = symm_mem.rendezvous(buf, group.group_name)
+                handles = [symm_mem.rendezvous(t, group.group_name) for t in (data, flags)]
             except Exception as e:
                 reason = f"symm_mem.rendezvous failed: {type(e).__name__}: {e}"
         if reason is not None:
             if method == "symm":
                 raise RuntimeError(f"wsattn.sp.decode: exchange='symm' unavailable: {reason}")
             self.fallback_reason = reason
-            self.out = torch.empty((self.world_size,) + self.shape, dtype=torch.float32,
-                                   device=device)
+            self._allgather_buffers()
             return
         self.method = "symm"
-        self.buf, self.handle = buf, handle
-        self.peer_slots = [handle.get_buffer(p, (self.world_size, self.numel), torch.float32)[self.rank]
-                           for p in range(self.world_size)]
+        self.data, self.flags, self._handles = data, flags, handles
+
+        def offsets(t, handle):  # element offsets from this rank's buffer to each peer's
+            ptrs = [handle.get_buffer(p, tuple(t.shape), t.dtype).data_ptr()
+                    for p in range(self.world_size)]
+            return torch.tensor([(ptr - t.data_ptr()) // t.element_size() for ptr in ptrs],
+                                dtype=torch.int64, device=device)
+        self.data_off = offsets(data, handles[0])
+        self.flag_off = offsets(flags, handles[1])
+        self.epochs = torch.zeros(flags.shape[1], dtype=torch.int32, device=device)
+        flags.zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every rank's flags are zero before any peer raises one
+
+    def _allgather_buffers(self):
+        self.out = torch.empty((self.world_size,) + self.shape, dtype=torch.float32,
+                               device=self.device)
 
     @classmethod
     def get(cls, group, shape, device, method="auto") -> "StateExchange":
@@ -121,18 +145,26 @@ class StateExchange:
             cls._cache[key] = cls(group, shape, device, method)
         return cls._cache[key]
 
-    def __call__(self, state: torch.Tensor) -> torch.Tensor:
-        """state fp32 [*shape] -> every rank's state [W, *shape] (rank order)."""
-        if self.method == "allgather":
-            return all_gather_flat(state, self.world_size, self.group, out=self.out)
-        flat = state.reshape(-1)
-        self.handle.barrier(channel=0)  # every peer has finished reading the last step
-        for p in range(self.world_size):  # peer stores over NVLink; p == rank is local
-            self.peer_slots[p].copy_(flat)
-        self.handle.barrier(channel=0)  # every peer's write of this step has landed
-        # Read in place: the merge that reads it runs on this stream before the next
-        # step's first barrier lets a peer overwrite it.
-        return self.buf.view((self.world_size,) + self.shape)
+    def merge(self, out: torch.Tensor, lse: torch.Tensor, seqlens: torch.Tensor,
+              impl: str = "auto"):
+        """This rank's partial (out [B, Hq, D], lse fp32 [B, Hq]; sequences with
+        seqlens[b] == 0 count as empty) -> the merge over every rank, (out in out's
+        dtype, lse fp32), identical on every rank."""
+        B, Hq, D = out.shape
+        if self.method == "symm":
+            from ..kernels import state_exchange as se
+            merged = torch.empty_like(out)
+            merged_lse = torch.empty((B, Hq), dtype=torch.float32, device=out.device)
+            se.launch(out.reshape(B * Hq, D), lse.reshape(B * Hq), seqlens,
+                      merged.view(B * Hq, D), merged_lse.view(B * Hq), self.data, self.flags,
+                      self.epochs, self.data_off, self.flag_off, self.rank, self.world_size)
+            return merged, merged_lse
+        state = pack_state(out, lse, seqlens == 0)
+        states = all_gather_flat(state, self.world_size, self.group, out=self.out)
+        merge_impl = impl if impl in ("triton", "reference") else "auto"
+        merged, merged_lse = wsattn.merge_states(states[..., :D], states[..., D],
+                                                 impl=merge_impl)
+        return merged.to(out.dtype), merged_lse
 
 
 def pack_state(out: torch.Tensor, lse: torch.Tensor, empty: torch.Tensor | None = None,
@@ -235,12 +267,11 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
     rank, W = rank_and_size(group)
     validate_decode("decode", q, k_cache, v_cache, seqlens, block_table, group, rank, W, check,
                     timeout_s)
-    out, lse, empty = partial_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, impl,
-                                     num_splits, check)
+    out, lse, _ = partial_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, impl,
+                                 num_splits, check)
     B, Hq, D = q.shape
+    if impl == "reference" and exchange == "auto":
+        exchange = "allgather"  # the fused exchange is a Triton kernel
     ex = StateExchange.get(group, (B, Hq, D + 1), q.device, exchange)
-    states = ex(pack_state(out, lse, empty))  # [W, B, Hq, D+1]
-    merge_impl = impl if impl in ("triton", "reference") else "auto"
-    out, lse = wsattn.merge_states(states[..., :D], states[..., D], impl=merge_impl)
-    out = out.to(q.dtype)
+    out, lse = ex.merge(out, lse, seqlens, impl)
     return (out, lse) if return_lse else out

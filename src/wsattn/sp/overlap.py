@@ -11,15 +11,20 @@ Here the exchange is split per peer and the attention per K/V chunk:
    ``work.wait()`` only makes the compute stream wait for that one step (an event wait,
    no host sync); on gloo they run on gloo's threads and ``wait()`` blocks the host
    until that step has landed: the same algorithm, testable on a CPU.
-2. Meanwhile attend the local Q chunks over the local K/V chunks.
-3. For d = 1..W-1: wait for step d, attend the local Q chunks over rank r-d's chunks.
-4. Merge every (Q chunk, K/V chunk) partial state by LSE with one ``merge_states`` per
-   Q chunk, in ascending global K/V chunk order, so the result does not depend on
-   which peer's data came first.
+2. Meanwhile attend the local Q shard over the local K/V shard: ONE causal call, because
+   under zig-zag or contiguous sharding the causal mask in local coordinates is exactly
+   the global mask restricted to the local chunks.
+3. For d = 1..W-1: wait for step d, then ONE unmasked call of the local rows that see
+   rank r-d's keys over those keys (see :func:`_peer_part`), folded into the running
+   (out, lse) in place by ``merge_into`` (the LSE merge of kernels/merge.py): no
+   stacked copies, no concatenation. Merging in step order makes the result
+   independent of which transfer landed first.
 
-The causal structure is kept per chunk pair: K/V chunks wholly in the past are attended
-without a mask, the diagonal with the bottom-right mask, wholly-future chunks are
-skipped, and a cached prefix shifts all of it (see :func:`chunk_attention`).
+With a cached prefix (K/V shards longer than Q shards) the chunks of Q and K/V differ
+in length: then every (Q chunk, K/V chunk) pair is attended with its own causal
+structure (past chunks unmasked, the diagonal with the bottom-right mask, future chunks
+skipped; :func:`chunk_attention`) and merged per Q chunk by ``merge_states`` in global
+chunk order.
 
 Fixed-length batches only; variable-length batches go through prefill_varlen.
 """
@@ -191,6 +196,11 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
     else:
         steps = post_exchange(send, rank, W, group)
 
+    if not causal or Sq_loc == Sk_loc:
+        return _attend_as_shards_land(q, k, v, steps, rank, W, causal, zigzag, sm_scale, impl)
+
+    # A cached prefix: K/V chunks are longer than Q chunks, so attend chunk pair by chunk
+    # pair (chunk_attention keeps each pair's causal structure) and merge per Q chunk.
     chunks = local_chunks(W, rank, zigzag)
     n = len(chunks)
     cq, ck = Sq_loc // n, Sk_loc // n
@@ -228,3 +238,56 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
     if n == 1:
         return outs[0], lses[0].contiguous()
     return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def _peer_part(rank: int, src: int, zigzag: bool, causal: bool, cq: int, ck: int):
+    """Which local query rows see which keys of rank src's shard (no cached prefix):
+    (first query row, key rows or None for all of them), or None when none does.
+
+    Causal, contiguous shards: all of src's keys are in the past of all local rows when
+    src < rank, in the future otherwise. Causal, zig-zag (local chunks r and 2W-1-r,
+    src's p and 2W-1-p): chunk r sees p iff p < r and never 2W-1-p; chunk 2W-1-r sees p
+    always and 2W-1-p iff p > r. So a peer below is seen by every local row through its
+    first chunk only, a peer above by the second local chunk only, through both of its
+    chunks; either way ONE unmasked call."""
+    if not causal:
+        return 0, None
+    if not zigzag:
+        return (0, None) if src < rank else None
+    return (0, ck) if src < rank else (cq, None)
+
+
+def _attend_as_shards_land(q, k, v, steps, rank, W, causal, zigzag, sm_scale, impl):
+    """Shards of equal Q and K/V length: the local part is ONE call (under zig-zag or
+    contiguous sharding the causal mask in local coordinates is exactly the global one
+    restricted to the local chunks), then ONE call per peer as its shard lands, folded
+    into the running result in place, in step order."""
+    n = len(local_chunks(W, rank, zigzag))
+    cq, ck = q.shape[1] // n, k.shape[1] // n
+    out, lse = wsattn.attention(q, k, v, causal, sm_scale, return_lse=True, impl=impl)
+    for src_rank, buf, works in steps:
+        for w in works:  # the ready signal of this peer's shard
+            w.wait()
+        part = _peer_part(rank, src_rank, zigzag, causal, cq, ck)
+        if part is None:
+            continue
+        q0, kend = part
+        kk, vv = (buf[0], buf[1]) if kend is None else (buf[0][:, :kend], buf[1][:, :kend])
+        o, l = wsattn.attention(q[:, q0:], kk, vv, False, sm_scale, return_lse=True, impl=impl)
+        _merge_into(out[:, q0:], lse[:, :, q0:], o, l, impl)
+    return out, lse
+
+
+def _merge_into(acc, acc_lse, part, part_lse, impl):
+    """acc <- merge(acc, part) in place: the Triton kernel on a GPU or the interpreter,
+    else merge_states of the reference."""
+    from ..target import interpreting
+    if impl != "reference" and (acc.device.type == "cuda" or interpreting()):
+        from ..kernels.merge import merge_into
+        merge_into(acc, acc_lse, part, part_lse)
+        return
+    o, l = wsattn.merge_states(torch.stack([acc, part]),
+                               torch.stack([acc_lse.transpose(1, 2), part_lse.transpose(1, 2)]),
+                               impl="reference")
+    acc.copy_(o)
+    acc_lse.copy_(l.transpose(1, 2))

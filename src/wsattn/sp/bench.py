@@ -4,7 +4,8 @@
 What it measures, each figure beside its baselines from the same run:
 
 * prefill, causal, Hq 32 / Hkv 8 / D 128, B = 1, S from 2048 to 131072: one GPU over the
-  whole sequence; gather-then-attend (sp.prefill); overlapped (sp.prefill_overlapped);
+  whole sequence; gather-then-attend (sp.prefill); overlapped (sp.prefill_overlapped,
+  "overlapped" = the p2p transport, "overlapped_symm" = symmetric-memory pulls);
   the gather alone (the same all-gather of the K/V shards). Derived: throughput
   (tokens/s), speedup over one GPU, hidden = (T_gather_then_attend - T_overlapped) /
   T_gather.
@@ -171,7 +172,7 @@ def bench_prefill(S, dtype, dev, rank, W, zigzag, reps, row):
         "gather_then_attend": lambda: prefill(qs, ks, vs, True, group=None, zigzag=zigzag,
                                               impl=impl, check=False),
         "overlapped": lambda: prefill_overlapped(qs, ks, vs, True, group=None, zigzag=zigzag,
-                                                 impl=impl, check=False),
+                                                 impl=impl, check=False, transport="p2p"),
     }
     if dev.type == "cuda" and W > 1:
         modes["overlapped_symm"] = lambda: prefill_overlapped(

@@ -42,7 +42,7 @@ from .sharding import local_chunks
 
 __all__ = ["prefill_overlapped", "chunk_attention", "post_exchange", "SymmPull"]
 
-TRANSPORTS = ("p2p", "symm")
+TRANSPORTS = ("auto", "p2p", "symm")
 
 
 def chunk_attention(q, k, v, offset: int, causal: bool, sm_scale, impl):
@@ -165,13 +165,16 @@ class _EventWait:
 def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = None, *,
                        group=None, zigzag: bool = True, impl: str = "auto", check: bool = True,
                        timeout_s: float | None = None, global_seqlen: int | None = None,
-                       transport: str = "p2p"):
+                       transport: str = "auto"):
     """Same contract as :func:`wsattn.sp.prefill` (shards in, local (out, lse) out), with
     each peer's K/V consumed as soon as its transfer step has landed.
 
-    transport: "p2p" (NCCL or gloo batch_isend_irecv per shift step, the default) or
-    "symm" (copy-engine pulls from peers' symmetric memory on a side stream, CUDA + NCCL
-    only; see :class:`SymmPull`).
+    transport: "symm" (copy-engine pulls from peers' symmetric memory on a side stream,
+        CUDA + NCCL only; see :class:`SymmPull`), "p2p" (NCCL or gloo batch_isend_irecv
+        per shift step), or "auto": symm on CUDA with NCCL, else p2p. On two H200s
+        (benchmarks/results/sp_H200_w2_*_906c00d.json) symm was as fast or faster up to
+        S = 32768 and replays from a CUDA graph; NCCL's batched send/recv is not
+        captured.
 
     Example (under torchrun):
         >>> out, lse = wsattn.sp.prefill_overlapped(q_shard, k_shard, v_shard, causal=True)
@@ -187,8 +190,10 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
                    global_seqlen)
     Sq_loc, Sk_loc = q.shape[1], k.shape[1]
     send = torch.stack([k, v])  # [2, B, Sk/W, Hkv, D]: one message per step
+    from .decode import symm_unavailable_reason
+    if transport == "auto":  # the same on every rank: backend and device type were agreed on
+        transport = "p2p" if symm_unavailable_reason(group, q.device) else "symm"
     if transport == "symm":
-        from .decode import symm_unavailable_reason
         reason = symm_unavailable_reason(group, q.device)
         if reason:  # the same on every rank: backend and device type were agreed on
             raise ValueError(f"wsattn.sp.prefill_overlapped: transport='symm' unavailable: {reason}")

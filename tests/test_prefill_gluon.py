@@ -40,17 +40,21 @@ COMPILE_CASES = [pytest.param(d, c, id=f"D{d}-{'causal' if c else 'full'}")
 
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
 def test_sm90_structure(head_dim, causal):
-    """Producer warp + two 4-warp consumer warpgroups, registers handed over, wgmma, TMA."""
+    """Producer warp + the default settings' 4-warp consumer warpgroups (two at head dim
+    128, three at 64), registers handed over, wgmma, TMA."""
     k = _compile(head_dim, causal)
     s = pg.settings_for(head_dim, causal)
+    n = s.CONSUMERS
+    assert n == (3 if head_dim == 64 else 2)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
 
     ws = re.findall(r"ttg\.warp_specialize\(.*requestedRegisters = array<i32: ([0-9, ]+)>", ttgir)
     assert len(ws) == 1, "expected exactly one ttg.warp_specialize op"
-    assert [int(r) for r in ws[0].split(",")] == [s.CONSUMER_REGS, s.PRODUCER_REGS]
+    assert [int(r) for r in ws[0].split(",")] == [s.CONSUMER_REGS] * (n - 1) + [s.PRODUCER_REGS]
+    # The default partition is consumer 0; the workers are the other consumers and the producer.
     parts = re.findall(r"^\s*partition(\d+)\(.*num_warps\((\d+)\)", ttgir, re.M)
-    assert [(int(i), int(w)) for i, w in parts] == [(0, 4), (1, 1)]
-    assert k.metadata.num_warps == 12  # 4 (consumer 0) + 4 (consumer 1) + 1 producer padded to 4
+    assert [(int(i), int(w)) for i, w in parts] == [(i, 4) for i in range(n - 1)] + [(n - 1, 1)]
+    assert k.metadata.num_warps == 4 * n + 4  # n consumer warpgroups + 1 producer padded to 4
 
     # Both consumers run wgmma; the producer issues the TMA loads.
     assert ttgir.count("ttng.warp_group_dot") >= 4
@@ -107,8 +111,9 @@ def test_sm90_pin_pv_wait_keeps_exponentials_under_pv(head_dim, causal):
     BLOCK_N = 128, plus alpha) are issued before the wait for the in-flight PV, with no new
     spills and within the consumers' registers. (Without it ptxas hoists that wait above the
     exponentials: notes/prefill_gluon.md.)"""
-    k = _compile(head_dim, causal, PIN_PV_WAIT=True)
-    s = pg.settings_for(head_dim, causal)
+    # a switch of the two-consumer kernel (three consumers at 160 registers have no room)
+    k = _compile(head_dim, causal, PIN_PV_WAIT=True, CONSUMERS=2)
+    s = pg.settings_for(head_dim, causal, CONSUMERS=2)
     sass = k.asm["sass"]
     per_wait = _exp2_under_pv(sass)
     per_thread = 64 * s.BLOCK_N // 128  # p values per thread per tile (64 rows, 128 threads)
@@ -187,8 +192,12 @@ def test_three_consumer_settings():
     assert (s.CONSUMERS, s.BLOCK_M, s.CONSUMER_REGS, s.UNROLL) == (3, 192, 160, False)
     assert pg.settings_for(64, CONSUMERS=3, UNROLL=True).UNROLL  # explicit overrides win
     assert s.smem_bytes(64) == 2 * 64 * (192 + 2 * 4 * 128) <= pg.SMEM_LIMIT
-    for d in pg.GLUON_HEAD_DIMS:  # the defaults stay at two consumers
-        assert (pg.settings_for(d).CONSUMERS, pg.settings_for(d).BLOCK_M) == (2, 128)
+    # the defaults: three consumers at head dim 64 (ping-pong when not causal), two at 128
+    assert (pg.settings_for(64).CONSUMERS, pg.settings_for(64).BLOCK_M) == (3, 192)
+    assert pg.settings_for(64).PINGPONG and not pg.settings_for(64, True).PINGPONG
+    assert (pg.settings_for(128).CONSUMERS, pg.settings_for(128).BLOCK_M) == (2, 128)
+    two = pg.settings_for(64, False, CONSUMERS=2)  # the two-consumer kernel stays reachable
+    assert (two.BLOCK_M, two.CONSUMER_REGS, two.UNROLL, two.PINGPONG) == (128, 240, True, False)
     with pytest.raises(ValueError, match=r"CONSUMERS=3 needs head_dim 64, got head_dim 128"):
         pg.settings_for(128, False, CONSUMERS=3)
     with pytest.raises(ValueError, match=r"CONSUMERS=4"):

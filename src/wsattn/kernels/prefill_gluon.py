@@ -102,13 +102,20 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
     Overriding CONSUMERS also applies PER_CONSUMERS (BLOCK_M = 64 * CONSUMERS, registers,
     UNROLL) except where those are overridden too. Raises ValueError for settings that
     check() refuses."""
-    if head_dim == 64:  # 16 + 4 * 32 KB of shared memory (24 + 4 * 32 KB with 3 consumers)
-        base = GluonSettings(BLOCK_N=128, STAGES=4)
+    if head_dim == 64:
+        # Three consumer warpgroups (192 query rows, 24 + 4 * 32 KB of shared memory), as
+        # FlashAttention-3 does at this head dim; ping-pong between them when not causal.
+        # H200, gluon_dev run 5 (599424b), x cuDNN at N 4096/8192/16384: non-causal
+        # 1.03/1.08/1.10 (two consumers: 0.95/0.97/1.01), causal 0.84/0.99/1.07 (two:
+        # 0.86/0.96/1.03; with ping-pong 0.84/0.97/1.08).
+        n = overrides.get("CONSUMERS", 3)
+        base = GluonSettings(BLOCK_N=128, STAGES=4, CONSUMERS=n, PINGPONG=n == 3 and not causal,
+                             **PER_CONSUMERS.get(n, {}))
     else:  # 32 + 3 * 64 KB; with 2 stages ptxas spills in the unrolled loop (0.6x cuDNN)
         base = GluonSettings(BLOCK_N=128, STAGES=3)
-    n = overrides.get("CONSUMERS", base.CONSUMERS)
-    if n != base.CONSUMERS and n in PER_CONSUMERS:
-        overrides = {**PER_CONSUMERS[n], **overrides}
+        n = overrides.get("CONSUMERS", base.CONSUMERS)
+        if n != base.CONSUMERS and n in PER_CONSUMERS:
+            overrides = {**PER_CONSUMERS[n], **overrides}
     s = replace(base, **overrides) if overrides else base
     s.check(head_dim)
     return s

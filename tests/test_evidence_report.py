@@ -160,6 +160,13 @@ def test_markdown_from_an_earlier_json(tmp_path, capsys):
     table = [line for line in first.splitlines() if line.startswith("merge_states")]
     assert table and table[-1] in again
     assert md1.read_text() == md2.read_text()
+    # the report names the machine of the run, not the one rendering it
+    doc = json.loads(out.read_text())
+    doc["environment"] = {**doc["environment"], "gpu": "NVIDIA H200", "torch": "2.11.0+cu130"}
+    out.write_text(json.dumps(doc))
+    assert main(["ladder", "--from-json", str(out), "--markdown", str(md2)]) == 0
+    env_line = [ln for ln in md2.read_text().splitlines() if ln.startswith("Environment:")][0]
+    assert "gpu NVIDIA H200" in env_line and "torch 2.11.0+cu130" in env_line
 
 
 def test_targets_cli_ledger(tmp_path, capsys):

@@ -80,7 +80,7 @@ def run_ladder(args) -> int:
         if not doc.get("complete", True):
             print(f"note: {args.from_json} is a partial run (stopped before its last kernel)")
         if args.markdown:
-            report.to_markdown(results, args.markdown)
+            report.to_markdown(results, args.markdown, env=doc.get("environment"))
             print(f"wrote {args.markdown}")
         return 0
     targets, bad = _targets(args.target)

@@ -158,9 +158,12 @@ def structure_details(d: dict) -> str:
             f"shared {d.get('shared_bytes')} B/CTA; local {d.get('local_bytes')} B/thread; SASS: {sass}")
 
 
-def to_markdown(results, path) -> str:
-    """Markdown: the gate table, each verdict, and a bar chart of the profile gate."""
-    env = environment()
+def to_markdown(results, path, env: dict | None = None) -> str:
+    """Markdown: the gate table, each verdict, and a bar chart of the profile gate.
+
+    env: the environment the results were measured in (a report rendered from a device
+    run's JSON must name that machine, not the one rendering it); default: this one."""
+    env = env or environment()
     lines = ["# Evidence ladder", "",
              "Gates: " + ", ".join(f"{i} {g}" for i, g in enumerate(GATES)) +
              ". `+` passed, `X` failed, `-` not run, blank not reached, `i` numerics passed in the "

@@ -323,7 +323,8 @@ def battery_three_ranks(rank, W):
         from wsattn.sp import bench
         path = os.path.join(tempfile.gettempdir(), f"wsattn_sp_bench_{os.getppid()}.json")
         args = argparse.Namespace(quick=True, dtype="bf16", json=path, sp_what=None,
-                                  sp_seqlens=[12 * W], sp_context=64 * W, sp_no_zigzag=False,
+                                  sp_seqlens=[12 * W], sp_contexts=[64 * W], sp_batches=[1, 3],
+                                  sp_no_zigzag=False,
                                   sp_reps=1)
         assert bench.main(args) == 0, "a bench row was wrong"
         if rank == 0:
@@ -333,6 +334,8 @@ def battery_three_ranks(rank, W):
                          ("exchange", "allgather"), ("decode", "sp_invariant_decode")]:
                 assert want in modes, f"no {want} row in {sorted(modes)}"
             assert all(r["world_size"] == W and r["commit"] for r in rows)
+            decode_batches = {r["B"] for r in rows if r["what"] == "decode" and r["mode"] == "sp_decode"}
+            assert decode_batches == {1, 3}, decode_batches
             assert rows[-1]["what"] == "run" and rows[-1]["complete"] is True, rows[-1]
     _run_check(res, "bench-smoke", bench_smoke)
     return res

@@ -11,8 +11,10 @@ What it measures, each figure beside its baselines from the same run:
   T_gather.
 * state exchange + merge of [B=16, Hq=32, D+1=129] fp32 states: NCCL all-gather then
   merge_states vs the fused symmetric-memory kernel, eager and replayed from a CUDA graph.
-* decode at B = 1 with a long context: one GPU over the whole cache vs sp.decode over
-  a 1/W shard each (ratio to one GPU), and sp.invariant_decode's cost beside them.
+* decode at batch B (default 1) and global context L (default 1M): one GPU over the whole
+  cache vs sp.decode over a 1/W shard each (ratio to one GPU), and at B = 1
+  sp.invariant_decode's cost beside them. For the 4/8-GPU matrix:
+  ``--sp-batches 1 16 64 --sp-contexts 131072 1048576 4194304``.
 
 Every SP output is checked before it is timed against the single-GPU kernel on the same
 inputs (itself tested against the float64 reference). Rows are JSON, stamped (GPU,
@@ -47,8 +49,12 @@ def add_arguments(group) -> None:
     group.add_argument("--sp-seqlens", type=int, nargs="+", metavar="S",
                        help=f"prefill sequence lengths (default {' '.join(map(str, SEQLENS))}; "
                             f"--quick: {' '.join(map(str, QUICK_SEQLENS))})")
-    group.add_argument("--sp-context", type=int, default=None,
-                       help=f"decode context length (default {DECODE_CONTEXT}; --quick: 262144)")
+    group.add_argument("--sp-contexts", type=int, nargs="+", metavar="L",
+                       help=f"decode global context lengths (default {DECODE_CONTEXT}; "
+                            f"--quick: 262144)")
+    group.add_argument("--sp-batches", type=int, nargs="+", metavar="B",
+                       help="decode batch sizes (default 1); shapes whose global cache does not "
+                            "fit one GPU are reported as skipped")
     group.add_argument("--sp-no-zigzag", action="store_true", help="contiguous shards")
     group.add_argument("--sp-reps", type=int, default=10, help="timed repetitions (median)")
 
@@ -271,56 +277,79 @@ def bench_exchange(dev, rank, W, reps, row):
 
 # --------------------------------------------------------------------------- decode
 
-def bench_decode(L, dtype, dev, rank, W, reps, row):
+def _fits(nbytes: int, dev) -> bool:
+    """Whether every rank has nbytes free (a collective: every rank gets the same answer)."""
+    if dev.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(dev)
+    ok = torch.tensor([1.0 if nbytes <= 0.85 * free else 0.0], device=dev)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return ok.item() == 1.0
+
+
+def bench_decode(L, dtype, dev, rank, W, reps, row, B=1):
+    """One decode step at batch B, global context L: one GPU over the whole cache, sp.decode
+    over a 1/W shard each, and (B = 1) sp.invariant_decode; each checked against the one-GPU
+    kernel first. A shape whose global cache does not fit one GPU is a 'skipped' row: the
+    one-GPU baseline and the check both need it."""
     from .decode import decode
     from .invariant import invariant_decode
     Hq, Hkv, D, page, T = 32, 8, 128, 64, 4096
     if dev.type == "cpu":
         Hq, Hkv, D, page, T = 4, 1, 64, 16, 64
     L = -(-L // (T * W)) * T * W  # whole position blocks on every rank
+    elem = torch.empty((), dtype=dtype).element_size()
+    cache_bytes = 2 * B * L * Hkv * D * elem
+    invariant = B == 1
+    need = cache_bytes * (1 + (2 if invariant else 1) / W)  # the global cache + the shards
+    if not _fits(need, dev):
+        return [row(what="decode", mode="sp_decode", L=L, B=B, status="skipped",
+                    reason=f"the global K/V cache ({cache_bytes / 2**30:.1f} GiB) and its shards "
+                           f"do not fit one GPU, which the baseline and the check need")]
     impl = "auto" if dev.type == "cuda" else "reference"
-    g = torch.Generator(device=dev).manual_seed(L)  # the same global tensors on every rank
-    q = torch.randn(1, Hq, D, generator=g, device=dev).to(dtype)
-    k, v = (torch.randn(1, L, Hkv, D, generator=g, device=dev).to(dtype) for _ in range(2))
-    lens = torch.tensor([L], dtype=torch.int32, device=dev)
+    g = torch.Generator(device=dev).manual_seed(L + B)  # the same global tensors on every rank
+    q = torch.randn(B, Hq, D, generator=g, device=dev).to(dtype)
+    k, v = (torch.randn(B, L, Hkv, D, generator=g, device=dev).to(dtype) for _ in range(2))
+    lens = torch.full((B,), L, dtype=torch.int32, device=dev)
     ref = wsattn.decode(q, k, v, lens, impl=impl)
-    # This rank's shard: positions [r L/W, (r+1) L/W) as pages of a pool, identity table.
+    # This rank's shard: positions [r L/W, (r+1) L/W) of every sequence as pages of one
+    # pool, sequence b in pages [b n/page, (b+1) n/page).
     n = L // W
-    kp = k[0, rank * n:(rank + 1) * n].reshape(n // page, page, Hkv, D).contiguous()
-    vp = v[0, rank * n:(rank + 1) * n].reshape(n // page, page, Hkv, D).contiguous()
-    table = torch.arange(n // page, dtype=torch.int32, device=dev).view(1, -1)
-    local = torch.tensor([n], dtype=torch.int32, device=dev)
-    # Invariant layout: global position block j = i*W + r (T tokens) in local slot i.
+    kp = k[:, rank * n:(rank + 1) * n].reshape(B * n // page, page, Hkv, D).contiguous()
+    vp = v[:, rank * n:(rank + 1) * n].reshape(B * n // page, page, Hkv, D).contiguous()
+    table = torch.arange(B * n // page, dtype=torch.int32, device=dev).view(B, -1)
+    local = torch.full((B,), n, dtype=torch.int32, device=dev)
+    modes = {"sp_decode": lambda: decode(q, kp, vp, local, table, impl=impl, check=False)}
     n_blocks = L // T
-    nb_loc = n_blocks // W
-    kb = torch.cat([k[0, (i * W + rank) * T:(i * W + rank + 1) * T] for i in range(nb_loc)])
-    vb = torch.cat([v[0, (i * W + rank) * T:(i * W + rank + 1) * T] for i in range(nb_loc)])
-    kb = kb.reshape(-1, page, Hkv, D)
-    vb = vb.reshape(-1, page, Hkv, D)
-    btable = torch.arange(nb_loc * T // page, dtype=torch.int32, device=dev).view(1, nb_loc, -1)
-    blens = torch.full((1, nb_loc), T, dtype=torch.int32, device=dev)
+    if invariant:
+        # Invariant layout: global position block j = i*W + r (T tokens) in local slot i.
+        nb_loc = n_blocks // W
+        kb = torch.cat([k[0, (i * W + rank) * T:(i * W + rank + 1) * T] for i in range(nb_loc)])
+        vb = torch.cat([v[0, (i * W + rank) * T:(i * W + rank + 1) * T] for i in range(nb_loc)])
+        kb = kb.reshape(-1, page, Hkv, D)
+        vb = vb.reshape(-1, page, Hkv, D)
+        btable = torch.arange(nb_loc * T // page, dtype=torch.int32,
+                              device=dev).view(1, nb_loc, -1)
+        blens = torch.full((1, nb_loc), T, dtype=torch.int32, device=dev)
+        modes["sp_invariant_decode"] = lambda: invariant_decode(q, kb, vb, blens, btable,
+                                                                n_blocks, impl=impl, check=False)
     rows = []
-    modes = {
-        "sp_decode": lambda: decode(q, kp, vp, local, table, impl=impl, check=False),
-        "sp_invariant_decode": lambda: invariant_decode(q, kb, vb, blens, btable, n_blocks,
-                                                        impl=impl, check=False),
-    }
     checked = {}
     for mode, fn in modes.items():
         err = _rel_err(fn(), ref)
         if err > 2e-2:
-            rows.append(row(what="decode", mode=mode, L=L, status="wrong", rel_err=err))
+            rows.append(row(what="decode", mode=mode, L=L, B=B, status="wrong", rel_err=err))
             continue
         checked[mode] = err
     # eager (host work per step included) and replayed from a CUDA graph (a serving loop)
     for graph in ((False, True) if dev.type == "cuda" else (False,)):
         single = time_ms(lambda: wsattn.decode(q, k, v, lens, impl=impl, validate=False), dev,
                          reps, graph=graph)
-        rows.append(row(what="decode", mode="single_gpu", L=L, B=1, **single,
-                        bytes_per_s=2 * k.numel() * k.element_size() / (single["median_ms"] * 1e-3)))
+        rows.append(row(what="decode", mode="single_gpu", L=L, B=B, **single,
+                        bytes_per_s=cache_bytes / (single["median_ms"] * 1e-3)))
         for mode, err in checked.items():
             t = time_ms(modes[mode], dev, reps, graph=graph)
-            rows.append(row(what="decode", mode=mode, L=L, B=1, status="ok", rel_err=err, **t,
+            rows.append(row(what="decode", mode=mode, L=L, B=B, status="ok", rel_err=err, **t,
                             ratio_to_single=t["median_ms"] / single["median_ms"],
                             n_blocks=n_blocks if "invariant" in mode else None))
     return rows
@@ -343,9 +372,10 @@ def main(args) -> int:
     seqlens = getattr(args, "sp_seqlens", None) or (QUICK_SEQLENS if quick else SEQLENS)
     if dev.type == "cpu":
         seqlens = [s for s in seqlens if s <= 512] or [64 * W]
-    context = getattr(args, "sp_context", None) or ((1 << 18) if quick else DECODE_CONTEXT)
+    contexts = getattr(args, "sp_contexts", None) or [(1 << 18) if quick else DECODE_CONTEXT]
     if dev.type == "cpu":
-        context = min(context, 1024 * W)
+        contexts = sorted({min(c, 1024 * W) for c in contexts})
+    batches = getattr(args, "sp_batches", None) or [1]
     zigzag = not getattr(args, "sp_no_zigzag", False)
     reps = getattr(args, "sp_reps", 10)
 
@@ -383,7 +413,11 @@ def main(args) -> int:
         rows += bench_exchange(dev, rank, W, reps, row)
         flush()
     if "decode" in what:
-        rows += bench_decode(context, dtype, dev, rank, W, reps, row)
+        for B in batches:
+            for L in contexts:
+                rows += bench_decode(L, dtype, dev, rank, W, reps, row, B=B)
+                _report_progress(rank, rows[-1])
+                flush()
     flush(complete=True)
     if rank == 0:
         print(format_rows(rows))

@@ -18,7 +18,8 @@ and one signal per peer:
 
 Program i only ever waits for program i of its peers, which never waits on anything
 else of its own launch: no grid-wide barrier, and no deadlock however the programs are
-scheduled. The epoch is a per-program device counter (graph replays keep counting).
+scheduled. The epoch is a per-program int64 device counter (graph replays keep counting;
+int32 would wrap after 2**31 steps, a few weeks of serving, and then hang or mix parities).
 Two parities make reuse safe without a second barrier: the slot written at step e was
 last read at step e-2 by the peer, whose step e-1 signal (already waited for) was sent
 after that read, because its kernels run in stream order.
@@ -30,6 +31,7 @@ process cannot run W spinning kernels at once.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -110,14 +112,17 @@ def num_programs(R: int, D: int) -> int:
     return triton.cdiv(R, block_rows(D))
 
 
+FLAG_DTYPE = torch.int64  # flags and epochs: never wrap
+
+
 def launch(o, lse, seqlens, out, out_lse, data, flags, epochs, peer_data_off, peer_flag_off,
            rank: int, world_size: int, phases: int = 3):
     """Run the exchange-and-merge for one step (all arguments prepared by the caller).
 
     o [R, D] (any float dtype), lse [R] fp32, seqlens int32 [B] (R = B * Hq; rows of a
     sequence with seqlens 0 count as empty), out [R, D], out_lse [R] fp32; data: this
-    rank's fp32 receive buffer [2, W, R, D+4]; flags: its int32 flags [W, NPROG]; epochs
-    int32 [NPROG]; peer_data_off / peer_flag_off int64 [W]: element offsets from data /
+    rank's fp32 receive buffer [2, W, R, D+4]; flags: its int64 flags [W, NPROG]; epochs
+    int64 [NPROG]; peer_data_off / peer_flag_off int64 [W]: element offsets from data /
     flags to each peer's buffer (0 for this rank)."""
     R, D = o.shape
     B = seqlens.shape[0]

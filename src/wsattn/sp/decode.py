@@ -93,7 +93,7 @@ class StateExchange:
                 data = symm_mem.empty(se.buffer_shape(self.world_size, R, D),
                                       dtype=torch.float32, device=device)
                 flags = symm_mem.empty((self.world_size, se.num_programs(R, D)),
-                                       dtype=torch.int32, device=device)
+                                       dtype=se.FLAG_DTYPE, device=device)
             except Exception as e:  # an allocator that cannot map peer memory here
                 reason = f"symm_mem.empty failed: {type(e).__name__}: {e}"
         # Every rank must take the same branch: rendezvous is a collective.
@@ -129,7 +129,7 @@ class StateExchange:
                                 dtype=torch.int64, device=device)
         self.data_off = offsets(data, handles[0])
         self.flag_off = offsets(flags, handles[1])
-        self.epochs = torch.zeros(flags.shape[1], dtype=torch.int32, device=device)
+        self.epochs = torch.zeros(flags.shape[1], dtype=flags.dtype, device=device)
         flags.zero_()
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before any peer raises one

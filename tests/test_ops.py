@@ -78,3 +78,16 @@ def test_eager_calls_skip_the_dispatcher(kernel_device, monkeypatch):
     ref = wsattn.attention(q, k, v, causal=True, impl="reference")
     assert (o.float() - ref.float()).abs().max() < 1e-2
     assert torch.allclose(m.float(), d.float(), atol=1e-3)
+
+
+def test_inputs_that_require_grad_keep_the_clear_backward_error(kernel_device):
+    """The fast eager path must not silently drop gradients: with an input that requires
+    grad the call goes through the custom op, and backward() says there is no formula."""
+    q, k, v = _prefill_inputs(kernel_device)
+    q.requires_grad_(True)
+    o, _ = wsattn.attention(q, k, v, causal=True, return_lse=True, impl="triton")
+    assert o.requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        o.float().sum().backward()
+    with torch.no_grad():  # inference: the fast path, nothing to record
+        assert not wsattn.attention(q, k, v, causal=True, impl="triton").requires_grad

@@ -5,7 +5,8 @@ computes output shapes, which is all torch.compile needs to trace without a grap
 The ops always return the LSE: it costs one fp32 store per query row.
 
 Eager calls skip the dispatcher: :func:`prefill`, :func:`decode` and
-:func:`merge_states` call the kernel launchers directly unless torch.compile is tracing.
+:func:`merge_states` call the kernel launchers directly unless torch.compile is tracing
+or autograd would record the call (see :func:`_via_dispatcher`).
 Measured on H200 (torch 2.11, scripts/device_host_overhead.py): a call through the
 custom-op dispatcher cost 120-315 us of host time against ~10 us for a plain torch op,
 which made every small eager call (decode, merge, the sequence-parallel chunks) host
@@ -89,22 +90,28 @@ def _merge_fake(outputs, lses):
 
 # --------------------------------------------------------------------------- entry points
 
-def _tracing() -> bool:
-    return torch.compiler.is_compiling()
+def _via_dispatcher(*tensors) -> bool:
+    """Use the custom op (not the bare launcher) under a torch.compile trace, or when
+    autograd would record the call: the op then marks the outputs as needing a backward
+    it does not have, and backward() raises a clear error instead of gradients silently
+    going missing. Inference (no_grad, inference_mode, plain tensors) takes the fast path."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sm_scale,
             impl):
-    fn = prefill_op if _tracing() else _prefill_impl
+    fn = prefill_op if _via_dispatcher(q, k, v) else _prefill_impl
     return fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
               sm_scale, impl)
 
 
 def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits):
-    fn = decode_op if _tracing() else _decode_impl
+    fn = decode_op if _via_dispatcher(q, k_cache, v_cache) else _decode_impl
     return fn(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits)
 
 
 def merge_states(outputs, lses):
-    fn = merge_states_op if _tracing() else _merge_impl
+    fn = merge_states_op if _via_dispatcher(outputs, lses) else _merge_impl
     return fn(outputs, lses)

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Device run: bench first (clean timings), then the GPU tests and the sm_90 ladder side by side.
 # Usage on the device machine: WSATTN_COMMIT=<sha> [PARTS="bench checks"] bash scripts/device_full.sh [bench args]
-# One 10-minute command does not hold all three: on 2026-11-29 the bench took ~4 min and the
-# ladder ~45-55 s per kernel (8 kernels), so run PARTS=bench and PARTS=checks as two calls
-# back to back. Everything goes under $OUT (or ./device-out) as it is made; the ladder rewrites
-# its JSON after each kernel, so a timeout still returns what was reached.
+# Timings on 2026-11-29 (evening, one H200): bench ~100 s, GPU tests ~185 s, ladder ~27 s per
+# kernel (8 kernels; it was 45-55 s before eager calls skipped the torch.library dispatcher).
+# Tests and ladder run side by side, so PARTS="bench checks" may fit one 10-minute call; on a
+# 2-GPU machine, running the checks on the second GPU (CUDA_VISIBLE_DEVICES) is safer. The
+# ladder rewrites its JSON after each kernel, so a timeout still returns what was reached.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"

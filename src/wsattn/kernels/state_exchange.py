@@ -50,8 +50,8 @@ def exchange_merge_kernel(o_ptr, lse_ptr, seqlens_ptr, out_ptr, out_lse_ptr,
     live = rows < R
     epoch = tl.load(epoch_ptr + pid) + 1
     parity = epoch % 2
-    # A received row is D outputs and the LSE, padded to D + 4 floats so rows stay 16-byte
-    # aligned and the stores over NVLink go out as 128-bit vectors.
+    # A received row is D outputs and the LSE, padded to D + 4 floats (ROW_PAD) so rows stay
+    # 16-byte aligned and the stores over NVLink go out as 128-bit vectors.
     row_off = rows.to(tl.int64)[:, None] * (D + 4) + cols[None, :]  # [BLOCK_R, D]
     lse_off = rows.to(tl.int64) * (D + 4) + D  # [BLOCK_R]
     slot_elems = R.to(tl.int64) * (D + 4)
@@ -79,6 +79,9 @@ def exchange_merge_kernel(o_ptr, lse_ptr, seqlens_ptr, out_ptr, out_lse_ptr,
             seen = tl.atomic_add(flag_ptr + p * NPROG + pid, 0, sem="acquire", scope="sys")
             while seen < epoch:
                 seen = tl.atomic_add(flag_ptr + p * NPROG + pid, 0, sem="acquire", scope="sys")
+        # One thread's acquire, then a CTA barrier: every thread's loads below are ordered
+        # after the peers' stores. (".cv" asks not to use a cached copy; Triton 3.6 emits a
+        # plain ld.global for it on sm_90, the acquire is what the ordering rests on.)
         tl.debug_barrier()
         acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
         m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)

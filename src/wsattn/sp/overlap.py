@@ -174,7 +174,10 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
         per shift step), or "auto": symm on CUDA with NCCL, else p2p. On two H200s
         (benchmarks/results/sp_H200_w2_*_906c00d.json) symm was as fast or faster up to
         S = 32768 and replays from a CUDA graph; NCCL's batched send/recv is not
-        captured.
+        captured. Memory: symm keeps its buffers (the shard in symmetric memory plus one
+        receive buffer per peer) for every distinct shard shape it has seen, for the life
+        of the process; a server with many prompt lengths should pass "p2p" (or pad
+        lengths to a few buckets) until buffers are shared by capacity (notes/sp.md).
 
     Example (under torchrun):
         >>> out, lse = wsattn.sp.prefill_overlapped(q_shard, k_shard, v_shard, causal=True)

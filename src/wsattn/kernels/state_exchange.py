@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .merge import _block_rows as block_rows  # the merge kernel's tile: ~4K fp32 a program
 from .merge import merge_finish, merge_step
 
 
@@ -96,11 +97,6 @@ def exchange_merge_kernel(o_ptr, lse_ptr, seqlens_ptr, out_ptr, out_lse_ptr,
                  out.to(out_ptr.dtype.element_ty), mask=live[:, None])
         tl.store(out_lse_ptr + rows, out_lse, mask=live)
         tl.store(epoch_ptr + pid, epoch)
-
-
-def block_rows(D: int) -> int:
-    # the merge kernel's tile: ~4K fp32 accumulator elements per program
-    return max(1, min(64, 4096 // D))
 
 
 ROW_PAD = 4  # a received row: D outputs, the LSE, 3 floats of padding

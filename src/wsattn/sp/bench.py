@@ -298,8 +298,7 @@ def bench_decode(L, dtype, dev, rank, W, reps, row, B=1):
     if dev.type == "cpu":
         Hq, Hkv, D, page, T = 4, 1, 64, 16, 64
     L = -(-L // (T * W)) * T * W  # whole position blocks on every rank
-    elem = torch.empty((), dtype=dtype).element_size()
-    cache_bytes = 2 * B * L * Hkv * D * elem
+    cache_bytes = 2 * B * L * Hkv * D * dtype.itemsize
     invariant = B == 1
     need = cache_bytes * (1 + (2 if invariant else 1) / W)  # the global cache + the shards
     if not _fits(need, dev):

@@ -194,11 +194,12 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
     Sq_loc, Sk_loc = q.shape[1], k.shape[1]
     send = torch.stack([k, v])  # [2, B, Sk/W, Hkv, D]: one message per step
     from .decode import symm_unavailable_reason
-    if transport == "auto":  # the same on every rank: backend and device type were agreed on
-        transport = "p2p" if symm_unavailable_reason(group, q.device) else "symm"
+    # the same on every rank: backend and device type were agreed on
+    reason = symm_unavailable_reason(group, q.device)
+    if transport == "auto":
+        transport = "p2p" if reason else "symm"
     if transport == "symm":
-        reason = symm_unavailable_reason(group, q.device)
-        if reason:  # the same on every rank: backend and device type were agreed on
+        if reason:
             raise ValueError(f"wsattn.sp.prefill_overlapped: transport='symm' unavailable: {reason}")
         steps = SymmPull.get(group, send.shape, send.dtype, send.device).post(send)
     else:

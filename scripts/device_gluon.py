@@ -60,6 +60,12 @@ VARIANTS = {
     # 64-key tiles: registers for UNROLL's two P sets (no spills; the 128-key c3 + UNROLL
     # spills 1 KB), 8 stages = the same ring bytes as 4 x 128 keys.
     "c3_bn64": {"CONSUMERS": 3, "BLOCK_N": 64, "STAGES": 8, "UNROLL": True, "D": 64},
+    # O stored from registers, Q released after the last QK^T (on top of each head dim's
+    # defaults); with a persistent grid, statically strided or claiming tiles dynamically.
+    "direct": {"O_DIRECT": True},
+    "pers_direct": {"PERSISTENT": True, "O_DIRECT": True},
+    "dyn": {"PERSISTENT": True, "DYNAMIC": True, "O_DIRECT": True},
+    "dyn_tma": {"PERSISTENT": True, "DYNAMIC": True},
 }
 
 
@@ -87,6 +93,9 @@ NUMERIC_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal, dtype
     (2, 193, 193, 4, 2, 64, True, torch.float16),
     (1, 17, 300, 4, 4, 64, True, torch.bfloat16),
     (2, 1000, 1000, 4, 4, 64, False, torch.bfloat16),
+    # more tiles than SMs, so persistent CTAs take several (and DYNAMIC claims some)
+    (4, 1000, 1000, 32, 8, 128, False, torch.bfloat16),
+    (3, 777, 777, 32, 4, 64, True, torch.float16),
 ]
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 LSE_TOL = {torch.float16: 1e-3, torch.bfloat16: 5e-3}
@@ -159,9 +168,9 @@ def numerics(log, name):
         log.add(row)
 
 
-def stress(log, name="default", launches=2000):
-    D = VARIANTS[name].get("D", 128)  # a variant limited to one head dim is stressed there
-    B, S, H, HKV = 2, 1000, 8, 2
+def stress(log, name="default", launches=2000, D=128):
+    D = VARIANTS[name].get("D", D)  # a variant limited to one head dim is stressed there
+    B, S, H, HKV = 2, 1000, 32, 8  # 384-512 tiles: more than SMs, for persistent schedules
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16)
@@ -250,6 +259,7 @@ def main():
     ap.add_argument("--numerics-variants", default="default")
     ap.add_argument("--stress-variants", default="default")
     ap.add_argument("--launches", type=int, default=2000, help="stress launches per case")
+    ap.add_argument("--stress-ds", default="128", help="head dims to stress a variant at")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--ns", default="4096,8192,16384", help="sequence lengths to time")
     ap.add_argument("--ds", default="128,64", help="head dims to time")
@@ -260,8 +270,9 @@ def main():
         if name:
             numerics(log, name)
     for name in args.stress_variants.split(","):
-        if name:
-            stress(log, name, args.launches)
+        for d in ([] if not name else sorted({VARIANTS[name].get("D", int(d))
+                                               for d in args.stress_ds.split(",")})):
+            stress(log, name, args.launches, d)
     if not args.skip_timing:
         timing(log, [n for n in args.variants.split(",") if n],
                tuple(int(n) for n in args.ns.split(",")), tuple(int(d) for d in args.ds.split(",")))

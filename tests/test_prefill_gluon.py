@@ -232,6 +232,57 @@ def test_launcher_grid_follows_block_m(monkeypatch, consumers, block_m):
                                                                        s.CONSUMER_REGS)
 
 
+SCHEDULE_CASES = [pytest.param(64, True, id="D64-causal"), pytest.param(128, False, id="D128-full")]
+
+
+@pytest.mark.parametrize("head_dim, causal", SCHEDULE_CASES)
+def test_sm90_dynamic_schedule_and_direct_epilogue(head_dim, causal):
+    """PERSISTENT + DYNAMIC + O_DIRECT: the producer claims tiles with one global atomic and
+    publishes each in shared memory before the Q load's barrier; O leaves from registers
+    (no TMA store), so Q's buffer can be released after the last QK^T."""
+    k = _compile(head_dim, causal, PERSISTENT=True, DYNAMIC=True, O_DIRECT=True)
+    s = pg.settings_for(head_dim, causal)
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+    parts = re.findall(r"^\s*partition(\d+)\(.*num_warps\((\d+)\)", ttgir, re.M)
+    assert len(parts) == s.CONSUMERS  # same partitions as the default build
+    assert len(re.findall(r"atom\.global\.\S*add\.u32", ptx)) == 1
+    assert "ttng.async_tma_copy_local_to_global" not in ttgir
+    assert re.search(r"st\.global(\.v\d)?\.b(16|32)", ptx)
+    # the consumers read the published tile index after each q_bar wait
+    assert len(re.findall(r"ld\.shared\.b32", ptx)) >= 2 * s.CONSUMERS
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+
+
+def test_dynamic_needs_persistent():
+    with pytest.raises(ValueError, match=r"DYNAMIC=True is a persistent schedule"):
+        pg.settings_for(128, False, DYNAMIC=True)
+    pg.settings_for(128, False, DYNAMIC=True, PERSISTENT=True)  # fine together
+
+
+def test_dynamic_launch_gets_a_fresh_zero_counter(monkeypatch):
+    """DYNAMIC: one CTA per SM at most and a zeroed int32 counter per launch (a reused
+    counter would start past the end after the first launch); others get a dummy."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, args, kw))
+
+    monkeypatch.setattr(pg, "attn_fwd_kernel", Recorder())
+    monkeypatch.setattr(pg, "_num_sms", lambda device: 5)
+    q, k, v = _qkv(2, 300, 300, 4, 2, 128, torch.bfloat16)
+    dyn = pg.settings_for(128, True, PERSISTENT=True, DYNAMIC=True)
+    for _ in range(2):
+        pg.prefill(q, k, v, True, 0.125, settings=dyn)
+    pg.prefill(q, k, v, True, 0.125, settings=pg.settings_for(128, True))
+    (g1, a1, kw1), (g2, a2, _), (g3, a3, kw3) = launches
+    assert g1 == g2 == (5, ) and g3 == (3 * 2 * 4, )
+    assert kw1["DYNAMIC"] and not kw3["DYNAMIC"]
+    c1, c2 = a1[6], a2[6]
+    assert c1.dtype == torch.int32 and c1.tolist() == [0] and c1 is not c2
+    assert a3[6].dtype == torch.int32  # the unused counter argument keeps the signature
+
+
 def test_api_qualifies_the_same_calls():
     """CONSUMERS is a settings option only: the default settings build for every head dim
     and the qualification rules accept the same fp16/bf16 D=64/128 calls as before."""
@@ -358,6 +409,38 @@ def test_sm90_three_consumers_numerics(case, variant):
     ref, ref_lse = reference.attention(q, k, v, causal)
     assert_close(out, ref, torch.bfloat16)
     assert_lse_close(lse, ref_lse, torch.bfloat16)
+
+
+SCHEDULE_VARIANTS = {"direct": {"O_DIRECT": True},
+                     "persistent-direct": {"PERSISTENT": True, "O_DIRECT": True},
+                     "dynamic": {"PERSISTENT": True, "DYNAMIC": True},
+                     "dynamic-direct": {"PERSISTENT": True, "DYNAMIC": True, "O_DIRECT": True}}
+SCHEDULE_GPU_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal: more tiles than SMs in the last two
+    (1, 1, 1, 2, 1, 64, False),
+    (2, 17, 300, 4, 4, 128, True),
+    (1, 300, 300, 8, 1, 128, True),
+    (4, 1000, 1000, 32, 8, 128, False),
+    (3, 777, 777, 32, 4, 64, True),
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("variant", list(SCHEDULE_VARIANTS))
+@pytest.mark.parametrize("case", SCHEDULE_GPU_CASES, ids=[_gpu_id(c) for c in SCHEDULE_GPU_CASES])
+def test_sm90_schedule_variants_numerics(case, variant):
+    """The epilogue and schedule switches against the float64 reference, and bit-identical
+    on a rerun (which CTA takes a tile must not change its result)."""
+    from wsattn import reference
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = _qkv(B, Sq, Sk, Hq, Hkv, D, torch.float16, "cuda")
+    s = pg.settings_for(D, causal, **SCHEDULE_VARIANTS[variant])
+    out, lse = pg.prefill(q, k, v, causal, D ** -0.5, settings=s)
+    ref, ref_lse = reference.attention(q, k, v, causal)
+    assert_close(out, ref, torch.float16)
+    assert_lse_close(lse, ref_lse, torch.float16)
+    for _ in range(20):
+        again, again_lse = pg.prefill(q, k, v, causal, D ** -0.5, settings=s)
+        assert torch.equal(again, out) and torch.equal(again_lse, lse)
 
 
 def test_auto_prefers_triton_only_where_it_measured_faster():

@@ -60,6 +60,8 @@ class GluonSettings:
     PINGPONG: bool = False  # consumer warpgroups take turns issuing GEMMs
     UNROLL: bool = True  # steps in pairs, so P(j), P(j+1) can take two register sets (notes)
     PERSISTENT: bool = False  # one CTA per SM striding over the tiles (K/V prefetch across tiles)
+    DYNAMIC: bool = False  # persistent CTAs claim tiles from a global counter (load balance)
+    O_DIRECT: bool = False  # O stored from registers; Q's buffer freed after the last QK^T
     PIN_PV_WAIT: bool = False  # keep the wait for PV(j) after the exponentials in SASS (notes)
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24
@@ -79,6 +81,8 @@ class GluonSettings:
                 f"warpgroups get {PER_CONSUMERS[3]['CONSUMER_REGS']} registers a thread, "
                 "which O (64) + S (64) + P (32) alone fill at head_dim 128 (ptxas spills "
                 "~0.9 KB a thread even without UNROLL); use CONSUMERS=2")
+        if self.DYNAMIC and not self.PERSISTENT:
+            raise ValueError("DYNAMIC=True is a persistent schedule: it needs PERSISTENT=True")
         if self.BLOCK_M != WG_M * n:
             raise ValueError(f"BLOCK_M={self.BLOCK_M} must be {WG_M} * CONSUMERS={n}")
         for name in ("CONSUMER_REGS", "PRODUCER_REGS"):
@@ -153,7 +157,7 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
                 CAUSAL=bool(causal), OVERLAP=s.OVERLAP, PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
                 PERSISTENT=s.PERSISTENT, PIN_PV_WAIT=s.PIN_PV_WAIT,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
-                CONSUMERS=s.CONSUMERS)
+                CONSUMERS=s.CONSUMERS, DYNAMIC=s.DYNAMIC, O_DIRECT=s.O_DIRECT)
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):
@@ -184,10 +188,25 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     num_tiles = triton_cdiv(Sq, s.BLOCK_M) * B * Hq
     if s.PERSISTENT:
         num_tiles = min(num_tiles, _num_sms(q.device))  # one CTA per SM: registers allow no more
-    attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, B, Sq, Sk, Hq,
-                          sm_scale * math.log2(math.e), num_warps=4,
-                          **_constexprs(D, Hq // Hkv, causal, s))
+    # DYNAMIC claims tiles from this counter; it must start at zero on every launch (a
+    # memset in the stream, so CUDA-graph replays and other streams each get their own).
+    counter = (torch.zeros(1, dtype=torch.int32, device=q.device) if s.DYNAMIC
+               else _unused_counter(q.device))
+    attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, out, lse, counter, B, Sq,
+                                   Sk, Hq, sm_scale * math.log2(math.e), num_warps=4,
+                                   **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
+
+
+_UNUSED = {}
+
+
+def _unused_counter(device):
+    """The tile_counter argument of launches that do not claim tiles (never read there)."""
+    key = torch.device(device)
+    if key not in _UNUSED:
+        _UNUSED[key] = torch.zeros(1, dtype=torch.int32, device=key)
+    return _UNUSED[key]
 
 
 def _tma_ready(t) -> bool:
@@ -222,8 +241,8 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
     kv_block = [1, s.BLOCK_N, head_dim]
     kv = f"tensordesc<{dtype}[1,{s.BLOCK_N},{head_dim}],{_layout(kv_block, dtype)!r}>"
-    signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",
-                 "B": "i32", "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32"}
+    signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "o_ptr": f"*{dtype}",
+                 "lse_ptr": "*fp32", "tile_counter": "*i32", "B": "i32", "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32"}
     return {"fn": attn_fwd_kernel, "signature": signature,
             "constexprs": _constexprs(head_dim, 1, causal, s),
             "options": {"num_warps": 4}}

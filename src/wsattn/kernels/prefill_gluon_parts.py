@@ -179,13 +179,18 @@ def _tile_coords(t, n_m, Hq, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q_empty,
-                    k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc, lse_ptr, n_m,
-                    Sq, Sk, Hq, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                    k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc, o_ptr, lse_ptr,
+                    n_m, Sq, Sk, Hq, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                     p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                    PIN_PV_WAIT: gl.constexpr):
-    """Tile t (this CTA's tile_i-th, its K/V from ring index r0 on); returns its K/V count."""
+                    PIN_PV_WAIT: gl.constexpr, O_DIRECT: gl.constexpr):
+    """Tile t (this CTA's tile_i-th, its K/V from ring index r0 on); returns its K/V count.
+
+    O_DIRECT stores O from registers to global memory and gives Q's buffer back as soon as
+    the last QK^T has completed, so the producer loads the next tile's Q during this tile's
+    last PV and epilogue (persistent launches); otherwise O goes out by TMA through the Q
+    buffer, which is released only once that store has read it."""
     dtype: gl.constexpr = q_smem.dtype
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     start_m, off_b, off_h = _tile_coords(t, n_m, Hq, CAUSAL)
@@ -220,6 +225,8 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
                                          l_i, acc, rows, Sq, Sk, qk_scale, s_layout,
                                          p_layout, BLOCK_N, STAGES, True, CAUSAL, OVERLAP,
                                          PINGPONG, False, PIN_PV_WAIT)
+    if O_DIRECT:
+        mbarrier.arrive(q_empty)  # every QK^T of this tile has completed: Q is not read again
 
     # Epilogue: PV of the last tile.
     r_last = r0 + n_total - 1
@@ -232,27 +239,52 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
     # O = acc / l, written through this warpgroup's own Q buffer (Q is no longer read).
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
-    q.store(out)
-    fence_async_shared()  # so the TMA engine sees the register-to-shared stores
-    tma.async_copy_shared_to_global(o_desc, [off_b, m_row0, off_h * D], q_smem)
+    if O_DIRECT:
+        # O is [B, Sq, Hq, D] contiguous; rows past Sq belong to no one (masked).
+        o_rows = m_row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        o_off = ((off_b * Sq + o_rows).to(gl.int64) * Hq + off_h) * D
+        gl.store(o_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(o_cols, 0), out,
+                 mask=gl.expand_dims(o_rows < Sq, 1))
+    else:
+        q.store(out)
+        fence_async_shared()  # so the TMA engine sees the register-to-shared stores
+        tma.async_copy_shared_to_global(o_desc, [off_b, m_row0, off_h * D], q_smem)
     # LSE in natural log: ln(l) + m / log2(e) with m in the log2 domain.
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(lse_ptr + ((off_b * Hq + off_h) * Sq + rows).to(gl.int64), lse,
              mask=rows < Sq)
-    tma.store_wait(0)
-    mbarrier.arrive(q_empty)  # the producer may load the next tile's Q into q_smem
+    if not O_DIRECT:
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty)  # the producer may load the next tile's Q into q_smem
     return n_total
 
 
 @gluon.jit
+def _read_tile(tile_smem):
+    """The tile index the producer published in shared memory (DYNAMIC schedule)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.max(tile_smem.load(layout), axis=0)
+
+
+@gluon.jit
+def _publish_tile(tile_smem, t):
+    """Write tile index t for the consumers; the q_bar arrive that follows releases it."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tile_smem.store(gl.full([1], t, gl.int32, layout))
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-              kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq, qk_scale,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
+              qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PERSISTENT: gl.constexpr,
-              PIN_PV_WAIT: gl.constexpr, CONSUMERS: gl.constexpr):
+              PIN_PV_WAIT: gl.constexpr, CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr,
+              O_DIRECT: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of each tile this
-    CTA takes (tiles pid, pid + grid, ...: one tile per CTA unless the launch is persistent).
+    CTA takes: one tile per CTA, or (PERSISTENT) tiles pid, pid + grid, ..., or (DYNAMIC)
+    the tiles the producer claims from a global counter and publishes in tile_smem.
     With PINGPONG the warpgroups take GEMM turns round-robin (0, 1, ..., CONSUMERS - 1)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -270,37 +302,56 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
     turn_mine = turn_bars.index(WG)
     turn_other = turn_bars.index((WG + 1) % CONSUMERS)
 
-    if PERSISTENT:
+    if DYNAMIC:
         r0 = 0  # ring index of the current tile's first K/V tile
+        tile_i = 0
+        mbarrier.wait(q_bar, 0)
+        t = _read_tile(tile_smem)
+        while t < num_tiles:
+            r0 += _consume_q_tile(t, r0, tile_i, WG, q, q_smem, k2, v2, q_bar, q_empty,
+                                  k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc,
+                                  o_ptr, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
+                                  o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT)
+            tile_i += 1
+            # The producer's next q_bar phase carries the next tile, or one past the end.
+            mbarrier.wait(q_bar, tile_i & 1)
+            t = _read_tile(tile_smem)
+    elif PERSISTENT:
+        r0 = 0
         pid = gl.program_id(0)
         n_prog = gl.num_programs(0)
         for t in range(pid, num_tiles, n_prog):
             r0 += _consume_q_tile(t, r0, (t - pid) // n_prog, WG, q, q_smem, k2, v2, q_bar,
                                   q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other,
-                                  o_desc, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
+                                  o_desc, o_ptr, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
                                   o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT)
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT)
     else:  # one tile per CTA: no tile loop, nothing carried across tiles
         _consume_q_tile(gl.program_id(0), 0, 0, WG, q, q_smem, k2, v2, q_bar, q_empty, k_ready,
-                        v_ready, kv_empty, turn_mine, turn_other, o_desc, lse_ptr, n_m, Sq, Sk,
-                        Hq, qk_scale, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES,
-                        CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT)
+                        v_ready, kv_empty, turn_mine, turn_other, o_desc, o_ptr, lse_ptr, n_m,
+                        Sq, Sk, Hq, qk_scale, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
+                        D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT)
 
 
 @gluon.jit
 def _produce_q_tile(t, r0, tile_i, q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem,
-                    q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, Sq, Sk, Hq,
+                    q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, n_m, Sq, Sk, Hq,
                     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    CONSUMERS: gl.constexpr):
+                    CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr):
     """Loads for tile t: Q once (one 64-row box per consumer into q_bufs[i], all on one
-    barrier, once every consumer has stored the previous tile's O out of its Q buffer), then
-    K and V through the ring from r0 on."""
+    barrier, once every consumer is done with the previous tile's Q buffer), then K and V
+    through the ring from r0 on. DYNAMIC: t is published in tile_smem before the Q load,
+    whose barrier tells the consumers (they read it after q_bar)."""
     start_m, off_b, off_h = _tile_coords(t, n_m, Hq, CAUSAL)
     off_hkv = off_h // GROUP
     m0 = start_m * BLOCK_M
     # A fresh barrier's "previous phase" counts as complete, so the first waits pass.
     mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+    if DYNAMIC:
+        # Every consumer has read the previous index (they read it before releasing Q).
+        _publish_tile(tile_smem, t)
     mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h * D], q_bar, q_bufs[0])
     for i in gl.static_range(1, CONSUMERS):
@@ -322,40 +373,67 @@ def _produce_q_tile(t, r0, tile_i, q_desc, k_desc, v_desc, q_bufs, k_smem, v_sme
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
-              k_ready, v_ready, kv_empty, n_m, num_tiles, Sq, Sk, Hq,
+              k_ready, v_ready, kv_empty, tile_smem, tile_counter, n_m, num_tiles, Sq, Sk, Hq,
               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The TMA producer warp: the loads of each tile the CTA takes, in the consumers' order."""
-    if PERSISTENT:
+              PERSISTENT: gl.constexpr, CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The TMA producer warp: the loads of each tile the CTA takes, in the consumers' order.
+
+    DYNAMIC: after its first tile (pid) a CTA claims the next one from a global counter
+    (zeroed by the launcher), so CTAs that drew short causal tiles take more of them; the
+    tiles keep the non-persistent order (row blocks of a head together, the longest first),
+    the order the hardware block scheduler would have dealt them in."""
+    if DYNAMIC:
+        r0 = 0
+        tile_i = 0
+        n_prog = gl.num_programs(0)
+        t = gl.program_id(0)
+        while t < num_tiles:
+            r0 += _produce_q_tile(t, r0, tile_i, q_desc, k_desc, v_desc, q_bufs, k_smem,
+                                  v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem,
+                                  n_m, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                                  CONSUMERS, DYNAMIC)
+            tile_i += 1
+            # Claimed once this tile's loads are issued: STAGES tiles before the consumers
+            # release Q, so the atomic's latency is off the critical path.
+            t = n_prog + gl.atomic_add(tile_counter, 1)
+        # No tile left: one more q_bar phase, with no bytes, carries the end to the consumers.
+        mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+        _publish_tile(tile_smem, t)
+        mbarrier.arrive(q_bar)
+    elif PERSISTENT:
         r0 = 0
         pid = gl.program_id(0)
         n_prog = gl.num_programs(0)
         for t in range(pid, num_tiles, n_prog):
             r0 += _produce_q_tile(t, r0, (t - pid) // n_prog, q_desc, k_desc, v_desc, q_bufs,
                                   k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                                  n_m, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  CONSUMERS)
+                                  tile_smem, n_m, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D,
+                                  STAGES, CAUSAL, CONSUMERS, DYNAMIC)
     else:
         _produce_q_tile(gl.program_id(0), 0, 0, q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem,
-                        q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, Sq, Sk, Hq, GROUP,
-                        BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS)
+                        q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, n_m, Sq, Sk, Hq,
+                        GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, DYNAMIC)
 
 
 @gluon.jit
-def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Sq, Sk, Hq, qk_scale,
-                    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter, B, Sq, Sk,
+                    Hq, qk_scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     PERSISTENT: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                    CONSUMERS: gl.constexpr = 2):
+                    CONSUMERS: gl.constexpr = 2, DYNAMIC: gl.constexpr = False,
+                    O_DIRECT: gl.constexpr = False):
     """1-D grid over tiles (row block, batch, head): one tile per CTA, or fewer CTAs than
     tiles (persistent), each striding over them. q/o descriptors are [B, Sq, Hq * D] with
     box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv.
-    CONSUMERS (2 or 3) consumer warpgroups of 64 rows each: BLOCK_M = 64 * CONSUMERS."""
+    CONSUMERS (2 or 3) consumer warpgroups of 64 rows each: BLOCK_M = 64 * CONSUMERS.
+    o_ptr is O itself ([B, Sq, Hq, D] contiguous) for O_DIRECT; tile_counter an int32 zero
+    for DYNAMIC (a persistent launch that claims tiles from it)."""
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
+    gl.static_assert(PERSISTENT or not DYNAMIC, "DYNAMIC is a persistent schedule")
     dtype: gl.constexpr = q_desc.dtype
     n_m = gl.cdiv(Sq, BLOCK_M)
     num_tiles = n_m * B * Hq
@@ -370,6 +448,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Sq, Sk, Hq, qk_s
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    tile_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=CONSUMERS)  # every consumer warpgroup is done with its Q
     for i in gl.static_range(STAGES):
@@ -387,34 +466,40 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Sq, Sk, Hq, qk_s
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
-                         qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
-                         UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS)),
+                         kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
+                         num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
+                         DYNAMIC, O_DIRECT)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
-                         qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
-                         UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS)),
+                         kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
+                         num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
+                         DYNAMIC, O_DIRECT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
-                         q_empty, k_ready, v_ready, kv_empty, n_m, num_tiles, Sq, Sk, Hq,
-                         GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, CONSUMERS)),
+                         q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_counter, n_m,
+                         num_tiles, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         PERSISTENT, CONSUMERS, DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
-                         qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
-                         UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS)),
+                         kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
+                         num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
+                         DYNAMIC, O_DIRECT)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
-                         qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
-                         UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS)),
+                         kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
+                         num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
+                         DYNAMIC, O_DIRECT)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
-                         qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
-                         UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS)),
+                         kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
+                         num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
+                         DYNAMIC, O_DIRECT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
-                         q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, num_tiles, Sq, Sk,
-                         Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT,
-                         CONSUMERS)),
+                         q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_counter,
+                         n_m, num_tiles, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         PERSISTENT, CONSUMERS, DYNAMIC)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -66,6 +66,8 @@ VARIANTS = {
     "pers_direct": {"PERSISTENT": True, "O_DIRECT": True},
     "dyn": {"PERSISTENT": True, "DYNAMIC": True, "O_DIRECT": True},
     "dyn_tma": {"PERSISTENT": True, "DYNAMIC": True},
+    # every warpgroup walks all of its CTA's K/V tiles (the kernel before WG_TILES)
+    "no_wg_tiles": {"WG_TILES": False},
 }
 
 

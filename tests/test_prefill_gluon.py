@@ -411,7 +411,8 @@ def test_sm90_three_consumers_numerics(case, variant):
     assert_lse_close(lse, ref_lse, torch.bfloat16)
 
 
-SCHEDULE_VARIANTS = {"direct": {"O_DIRECT": True},
+SCHEDULE_VARIANTS = {"all-tiles": {"WG_TILES": False},
+                     "direct": {"O_DIRECT": True},
                      "persistent-direct": {"PERSISTENT": True, "O_DIRECT": True},
                      "dynamic": {"PERSISTENT": True, "DYNAMIC": True},
                      "dynamic-direct": {"PERSISTENT": True, "DYNAMIC": True, "O_DIRECT": True}}
@@ -419,6 +420,8 @@ SCHEDULE_GPU_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal: more tiles than SMs in 
     (1, 1, 1, 2, 1, 64, False),
     (2, 17, 300, 4, 4, 128, True),
     (1, 300, 300, 8, 1, 128, True),
+    (2, 193, 450, 4, 2, 64, True),    # a warpgroup with 1 row, two with none (192-row tiles)
+    (1, 130, 130, 4, 4, 64, False),   # the same without a mask
     (4, 1000, 1000, 32, 8, 128, False),
     (3, 777, 777, 32, 4, 64, True),
 ]

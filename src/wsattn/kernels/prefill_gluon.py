@@ -62,6 +62,7 @@ class GluonSettings:
     PERSISTENT: bool = False  # one CTA per SM striding over the tiles (K/V prefetch across tiles)
     DYNAMIC: bool = False  # persistent CTAs claim tiles from a global counter (load balance)
     O_DIRECT: bool = False  # O stored from registers; Q's buffer freed after the last QK^T
+    WG_TILES: bool = True  # a warpgroup computes only the K/V tiles its own rows need
     PIN_PV_WAIT: bool = False  # keep the wait for PV(j) after the exponentials in SASS (notes)
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24
@@ -157,7 +158,8 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
                 CAUSAL=bool(causal), OVERLAP=s.OVERLAP, PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
                 PERSISTENT=s.PERSISTENT, PIN_PV_WAIT=s.PIN_PV_WAIT,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
-                CONSUMERS=s.CONSUMERS, DYNAMIC=s.DYNAMIC, O_DIRECT=s.O_DIRECT)
+                CONSUMERS=s.CONSUMERS, DYNAMIC=s.DYNAMIC, O_DIRECT=s.O_DIRECT,
+                WG_TILES=s.WG_TILES)
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):

@@ -49,6 +49,46 @@ def _tile_counts(start_m, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
+def _wg_tile_counts(m_row0, Sq, Sk, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(n_full, n_total) for one warpgroup's rows [m_row0, m_row0 + 64): the tiles it needs,
+    which can be fewer than its CTA's (_tile_counts). Causal: the CTA's last tiles lie past
+    the diagonal of its first warpgroups' rows; any mask: a warpgroup whose rows all lie at
+    or past Sq (the last, partial row block) needs none. (0, 0) then."""
+    if CAUSAL:
+        shift = Sk - Sq
+        end = gl.minimum(m_row0 + WG_M, Sq)  # one past this warpgroup's last real row
+        n_total = gl.cdiv(gl.minimum(Sk, end + shift), BLOCK_N)
+        n_full = gl.minimum(Sk // BLOCK_N, (m_row0 + shift + 1) // BLOCK_N)
+    else:
+        n_total = gl.cdiv(Sk, BLOCK_N)
+        n_full = Sk // BLOCK_N
+    if m_row0 >= Sq:
+        n_total = 0
+        n_full = 0
+    return n_full, n_total
+
+
+@gluon.jit
+def _release_tiles(j_lo, j_hi, r0, pp0, v_ready, kv_empty, turn_mine, turn_other,
+                   STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """The barrier duties of a warpgroup for tiles [j_lo, j_hi) it does not compute (see
+    _wg_tile_counts): release each ring slot once its data has landed (so an arrival is
+    never counted towards an earlier round of the slot), and with PINGPONG pass on the
+    turns its steps would have taken (step j's turn before tile j + 1, as in _step), so
+    the other warpgroups' round-robin and the producer go on as if it had computed them."""
+    if j_lo == 0 and j_hi > 0:  # tile 0 belongs to the prologue, which takes no turn
+        mbarrier.wait(v_ready.index(r0 % STAGES), (r0 // STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(r0 % STAGES))
+    for j in range(gl.maximum(j_lo, 1), j_hi):
+        if PINGPONG:
+            mbarrier.wait(turn_mine, (pp0 + j - 1) & 1)
+            mbarrier.arrive(turn_other)
+        r = r0 + j
+        mbarrier.wait(v_ready.index(r % STAGES), (r // STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(r % STAGES))
+
+
+@gluon.jit
 def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr,
                   BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """Online-softmax step on one S tile [WG_M, BLOCK_N] (fp32, raw q.k).
@@ -184,22 +224,56 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
                     p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                    PIN_PV_WAIT: gl.constexpr, O_DIRECT: gl.constexpr):
+                    PIN_PV_WAIT: gl.constexpr, O_DIRECT: gl.constexpr,
+                    WG_TILES: gl.constexpr):
     """Tile t (this CTA's tile_i-th, its K/V from ring index r0 on); returns its K/V count.
+
+    WG_TILES: each warpgroup computes only the K/V tiles its own rows need
+    (_wg_tile_counts) and just releases the rest; otherwise all walk the CTA's tiles.
 
     O_DIRECT stores O from registers to global memory and gives Q's buffer back as soon as
     the last QK^T has completed, so the producer loads the next tile's Q during this tile's
     last PV and epilogue (persistent launches); otherwise O goes out by TMA through the Q
     buffer, which is released only once that store has read it."""
-    dtype: gl.constexpr = q_smem.dtype
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     start_m, off_b, off_h = _tile_coords(t, n_m, Hq, CAUSAL)
     m_row0 = start_m * BLOCK_M + WG * WG_M
     rows = m_row0 + gl.arange(0, WG_M, layout=row_layout)  # [WG_M]
-    n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
-
-    # Prologue: S(0) and its softmax (always masked: one tile, maybe the diagonal).
+    n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)  # tiles loaded
+    if WG_TILES:
+        n_mine_full, n_mine = _wg_tile_counts(m_row0, Sq, Sk, BLOCK_N, CAUSAL)  # computed here
+    else:
+        n_mine_full = n_full
+        n_mine = n_total
+    # Waited even where nothing is computed: q_bar(i) means every warpgroup released Q of
+    # tile i - 1, so an arrival on q_empty below always counts towards this tile.
     mbarrier.wait(q_bar, tile_i & 1)
+    if n_mine > 0:
+        _compute_q_tile(r0, r0 - tile_i, n_mine_full, n_mine, off_b, off_h, m_row0, rows, q,
+                        q_smem, k2, v2, q_empty, k_ready, v_ready, kv_empty, turn_mine,
+                        turn_other, o_desc, o_ptr, lse_ptr, Sq, Sk, Hq, qk_scale, s_layout,
+                        o_layout, p_layout, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
+                        UNROLL, PIN_PV_WAIT, O_DIRECT)
+    else:
+        mbarrier.arrive(q_empty)  # rows all past Sq: this warpgroup reads no Q
+    _release_tiles(n_mine, n_total, r0, r0 - tile_i, v_ready, kv_empty, turn_mine, turn_other,
+                   STAGES, PINGPONG)
+    return n_total
+
+
+@gluon.jit
+def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, m_row0, rows, q, q_smem, k2,
+                    v2, q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc,
+                    o_ptr, lse_ptr, Sq, Sk, Hq, qk_scale, s_layout: gl.constexpr,
+                    o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                    D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
+                    PIN_PV_WAIT: gl.constexpr, O_DIRECT: gl.constexpr):
+    """This warpgroup's tiles [0, n_mine) (n_mine >= 1; tiles [0, n_mine_full) unmasked),
+    O and LSE stored, Q released. pp0 counts the ping-pong turns taken before this tile."""
+    dtype: gl.constexpr = q_smem.dtype
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # Prologue: S(0) and its softmax (always masked: one tile, maybe the diagonal).
     mbarrier.wait(k_ready.index(r0 % STAGES), (r0 // STAGES) & 1)
     zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q, k2.index(r0 % STAGES).permute((1, 0)), zero, use_acc=False,
@@ -212,15 +286,14 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
 
-    # Steady state: softmax of tile j + 1 unmasked while j + 1 < n_full, masked after.
-    split = gl.maximum(n_full - 1, 0)
-    pp0 = r0 - tile_i
+    # Steady state: softmax of tile j + 1 unmasked while j + 1 < n_mine_full, masked after.
+    split = gl.maximum(n_mine_full - 1, 0)
     p_op, m_i, l_i, acc = _consume_tiles(0, split, r0, pp0, q, k2, v2, k_ready, v_ready,
                                          kv_empty, turn_mine, turn_other, p_op, m_i, l_i,
                                          acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
                                          BLOCK_N, STAGES, False, CAUSAL, OVERLAP, PINGPONG,
                                          UNROLL, PIN_PV_WAIT)
-    p_op, m_i, l_i, acc = _consume_tiles(split, n_total - 1, r0, pp0, q, k2, v2, k_ready,
+    p_op, m_i, l_i, acc = _consume_tiles(split, n_mine - 1, r0, pp0, q, k2, v2, k_ready,
                                          v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
                                          l_i, acc, rows, Sq, Sk, qk_scale, s_layout,
                                          p_layout, BLOCK_N, STAGES, True, CAUSAL, OVERLAP,
@@ -229,7 +302,7 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
         mbarrier.arrive(q_empty)  # every QK^T of this tile has completed: Q is not read again
 
     # Epilogue: PV of the last tile.
-    r_last = r0 + n_total - 1
+    r_last = r0 + n_mine - 1
     s_last = r_last % STAGES
     mbarrier.wait(v_ready.index(s_last), (r_last // STAGES) & 1)
     acc = warpgroup_mma(p_op, v2.index(s_last), acc, is_async=True)
@@ -257,7 +330,6 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
     if not O_DIRECT:
         tma.store_wait(0)
         mbarrier.arrive(q_empty)  # the producer may load the next tile's Q into q_smem
-    return n_total
 
 
 @gluon.jit
@@ -281,7 +353,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PERSISTENT: gl.constexpr,
               PIN_PV_WAIT: gl.constexpr, CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr,
-              O_DIRECT: gl.constexpr):
+              O_DIRECT: gl.constexpr, WG_TILES: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of each tile this
     CTA takes: one tile per CTA, or (PERSISTENT) tiles pid, pid + grid, ..., or (DYNAMIC)
     the tiles the producer claims from a global counter and publishes in tile_smem.
@@ -312,7 +384,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                   k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc,
                                   o_ptr, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
                                   o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT)
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT, WG_TILES)
             tile_i += 1
             # The producer's next q_bar phase carries the next tile, or one past the end.
             mbarrier.wait(q_bar, tile_i & 1)
@@ -326,12 +398,12 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                   q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other,
                                   o_desc, o_ptr, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
                                   o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT)
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT, WG_TILES)
     else:  # one tile per CTA: no tile loop, nothing carried across tiles
         _consume_q_tile(gl.program_id(0), 0, 0, WG, q, q_smem, k2, v2, q_bar, q_empty, k_ready,
                         v_ready, kv_empty, turn_mine, turn_other, o_desc, o_ptr, lse_ptr, n_m,
                         Sq, Sk, Hq, qk_scale, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
-                        D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT)
+                        D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT, WG_TILES)
 
 
 @gluon.jit
@@ -424,7 +496,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
                     PERSISTENT: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr = 2, DYNAMIC: gl.constexpr = False,
-                    O_DIRECT: gl.constexpr = False):
+                    O_DIRECT: gl.constexpr = False, WG_TILES: gl.constexpr = True):
     """1-D grid over tiles (row block, batch, head): one tile per CTA, or fewer CTAs than
     tiles (persistent), each striding over them. q/o descriptors are [B, Sq, Hq * D] with
     box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv.
@@ -469,12 +541,12 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
                          kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
-                         DYNAMIC, O_DIRECT)),
+                         DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
-                         DYNAMIC, O_DIRECT)),
+                         DYNAMIC, O_DIRECT, WG_TILES)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_counter, n_m,
                          num_tiles, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
@@ -487,17 +559,17 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
                          kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
-                         DYNAMIC, O_DIRECT)),
+                         DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
-                         DYNAMIC, O_DIRECT)),
+                         DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
-                         DYNAMIC, O_DIRECT)),
+                         DYNAMIC, O_DIRECT, WG_TILES)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_counter,
                          n_m, num_tiles, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,

@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+from wsattn.evidence.compile_gate import sass_listing
 from wsattn.kernels import prefill_gluon as pg
 
 from conftest import assert_close, assert_lse_close
@@ -73,9 +74,7 @@ def test_sm90_structure(head_dim, causal):
 def test_sm90_no_spills(head_dim, causal):
     """ptxas must keep S, both P register sets and O in registers: spills in the loop (2-stage
     ring, D=128) once cost 40%. One register parked across the kernel entry is tolerated."""
-    from triton.tools.disasm import get_sass
-
-    sass = get_sass(_compile(head_dim, causal).asm["cubin"])
+    sass = sass_listing(_compile(head_dim, causal).asm["cubin"])
     assert "HGMMA" in sass and "UTMALDG" in sass
     spills = re.findall(r"\b(LDL|STL)(?:\.\w+)*\b", sass)
     assert len(spills) <= 2, f"{len(spills)} local-memory (spill) instructions in SASS"
@@ -114,7 +113,7 @@ def test_sm90_pin_pv_wait_keeps_exponentials_under_pv(head_dim, causal):
     # a switch of the two-consumer kernel (three consumers at 160 registers have no room)
     k = _compile(head_dim, causal, PIN_PV_WAIT=True, CONSUMERS=2)
     s = pg.settings_for(head_dim, causal, CONSUMERS=2)
-    sass = k.asm["sass"]
+    sass = sass_listing(k.asm["cubin"])
     per_wait = _exp2_under_pv(sass)
     per_thread = 64 * s.BLOCK_N // 128  # p values per thread per tile (64 rows, 128 threads)
     steady = [n for n in per_wait if n >= per_thread]

@@ -348,6 +348,9 @@ def test_graph_timer_times_a_copy_and_falls_back_when_capture_fails():
     assert t.method == "graph" and 0 < t.q20_ms <= t.median_ms <= t.q80_ms
     syncing = timer(lambda: dst[:1].sum().item())  # a host sync cannot be captured
     assert syncing.method.startswith("eager (graph capture failed")
+    # the failed capture must leave the CUDA generator usable, eagerly and in a new capture
+    assert torch.randn(4, device="cuda").isfinite().all()
+    assert timer(lambda: torch.randn(1024, device="cuda")).method == "graph"
 
 
 @pytest.mark.gpu

@@ -59,6 +59,24 @@ def _events_ms(torch, launch, n) -> float:
     return start.elapsed_time(end)
 
 
+class _RngGuard:
+    """Keeps the device's default CUDA generator usable after a failed graph capture.
+
+    torch.cuda.graph marks the generator as capturing and unmarks it only once the capture
+    ends cleanly; when the captured code breaks the capture (a host sync, say), every later
+    torch.randn on that device fails with "Offset increment outside graph capture
+    encountered unexpectedly" (seen on torch 2.11: one failed capture broke every later
+    bench row's inputs). restore() puts a copy of the state from before the capture back."""
+
+    def __init__(self, torch):
+        self.default = torch.cuda.default_generators[torch.cuda.current_device()]
+        self.saved = torch.cuda.Generator(self.default.device)
+        self.saved.set_state(self.default.get_state())
+
+    def restore(self):
+        self.default.graphsafe_set_state(self.saved.graphsafe_get_state())
+
+
 def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph",
                samples: int = 20):
     """A timer(fn) -> Timing for CUDA work."""
@@ -80,6 +98,7 @@ def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph"
         calls = max(1, min(1000, round(rep_ms / samples / estimate)))
         launch, used = fn, "eager"
         if method == "graph":
+            rng = _RngGuard(torch)
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -87,6 +106,7 @@ def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph"
                         fn()
                 launch, used = graph.replay, "graph"
             except Exception as e:  # not capturable: time it eagerly and say why
+                rng.restore()
                 torch.cuda.synchronize()
                 first_line = (str(e).splitlines() or [""])[0][:120]
                 used = f"eager (graph capture failed: {type(e).__name__}: {first_line})"

@@ -70,7 +70,7 @@ class _RngGuard:
 
     def __init__(self, torch):
         self.default = torch.cuda.default_generators[torch.cuda.current_device()]
-        self.saved = torch.cuda.Generator(self.default.device)
+        self.saved = torch.Generator(device=self.default.device)
         self.saved.set_state(self.default.get_state())
 
     def restore(self):

@@ -10,6 +10,7 @@ seconds per process, so one group runs many checks.
 
 from __future__ import annotations
 
+import math
 import os
 import queue as queue_mod
 import socket
@@ -486,7 +487,6 @@ def battery_two_ranks(rank, W):
 
 def battery_nccl(rank, W):
     """The GPU battery: realistic sizes, bf16, the library's best kernels, NCCL."""
-    import wsattn.sp as sp
     res = {}
     dev = f"cuda:{rank}"
     kw = dict(impl="auto", dtype=torch.bfloat16, device=dev)
@@ -516,10 +516,33 @@ def battery_nccl(rank, W):
             seed=420, exchange=ex, **kw) and None)
     _run_check(res, "nccl-exchange-symm-equals-allgather-bitwise-500-steps",
                lambda: check_exchange_steps(rank, W, steps=500))
+    _run_check(res, "nccl-symm-pull-buffers-shared-by-capacity",
+               lambda: check_symm_pull_capacity(rank, W))
     _run_check(res, "nccl-cuda-graph-prefill-and-decode", lambda: check_cuda_graph(rank, W))
     res.update(battery_invariance(rank, W, gpu=True))
     res.update(battery_bad_input_nccl(rank, W))
     return res
+
+
+def check_symm_pull_capacity(rank, W):
+    """SymmPull keeps one power-of-two buffer set per (group, dtype, device) and grows it
+    only for a shard that does not fit: shards of many lengths cost less than twice the
+    largest; every pull, from a smaller view of a larger set too, brings the peer's bits."""
+    from wsattn.sp.overlap import SymmPull
+    dev = torch.device("cuda", rank)
+    group = torch.distributed.group.WORLD
+    dtype = torch.float16  # a dtype no other check of the battery pulls: a fresh cache key
+    for i, S in enumerate([3000, 5000, 1000, 4999, 20000, 7]):
+        shape = (2, 1, S, 2, 64)
+        mark = lambda r: (torch.arange(math.prod(shape), device=dev) % 997  # noqa: E731
+                          + 1000 * r + 7 * i).to(dtype).view(shape)
+        for src, buf, waits in SymmPull.get(group, shape, dtype, dev).post(mark(rank)):
+            for w in waits:
+                w.wait()
+            assert torch.equal(buf, mark(src)), f"S={S}: rank {src}'s shard differs"
+    # 2*3000*128 -> 2**20; 5000 -> 2**21 (grown); 1000, 4999 fit; 20000 -> 2**23 (grown)
+    assert SymmPull.held(group, dtype, dev) == [2 ** 20, 2 ** 21, 2 ** 23], \
+        SymmPull.held(group, dtype, dev)
 
 
 def check_exchange_steps(rank, W, steps):

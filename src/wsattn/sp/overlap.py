@@ -31,6 +31,8 @@ Fixed-length batches only; variable-length batches go through prefill_varlen.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -104,36 +106,59 @@ class SymmPull:
     Per call, on the side stream: barrier (every peer has finished pulling the previous
     call's shards), copy the local shard into the buffer, barrier (every shard is in
     place), then one pull per peer in the shift order, each followed by its event.
-    Buffers are cached per (group, shape, dtype)."""
 
-    _cache: dict = {}
+    Buffers are flat and shared by every shard shape that fits: one set per (group, dtype,
+    device), of a power-of-two number of elements. A larger shard allocates the next set
+    (collectively: shards have the same shape on every rank, so every rank grows at the
+    same call); the smaller sets are kept, not freed, because a CUDA graph captured earlier
+    may still replay into them and a peer may still be reading them. So the memory held is
+    less than twice that of the largest shard seen, whatever the number of prompt lengths."""
 
-    def __init__(self, group, shape, dtype, device):
+    _cache: dict = {}  # (id(group), dtype, device) -> the largest set
+    _retired: dict = {}  # same key -> the smaller sets, kept alive (see above)
+
+    def __init__(self, group, capacity: int, dtype, device):
         import warnings
         from torch.distributed import _symmetric_memory as symm_mem
         self.rank, self.world_size = rank_and_size(group)
-        self.buf = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
+        self.capacity = capacity
+        self.buf = symm_mem.empty((capacity, ), dtype=dtype, device=device)
         with warnings.catch_warnings():  # needed before torch 2.9, a no-op after
             warnings.simplefilter("ignore", FutureWarning)
             if not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
                 symm_mem.enable_symm_mem_for_group(group.group_name)
         self.handle = symm_mem.rendezvous(self.buf, group.group_name)
-        self.peers = [self.handle.get_buffer(p, tuple(shape), dtype)
+        self.peers = [self.handle.get_buffer(p, (capacity, ), dtype)
                       for p in range(self.world_size)]
-        self.recv = {p: torch.empty(shape, dtype=dtype, device=device)
+        self.recv = {p: torch.empty(capacity, dtype=dtype, device=device)
                      for p in range(self.world_size) if p != self.rank}
         self.events = {p: torch.cuda.Event() for p in self.recv}
         self.stream = torch.cuda.Stream(device)
 
     @classmethod
     def get(cls, group, shape, dtype, device) -> "SymmPull":
-        key = (id(group), tuple(shape), dtype, str(device))
-        if key not in cls._cache:
-            cls._cache[key] = cls(group, shape, dtype, device)
-        return cls._cache[key]
+        """The buffer set a shard of this shape uses (allocated collectively if none fits)."""
+        need = max(1, math.prod(shape))
+        key = (id(group), dtype, str(device))
+        cur = cls._cache.get(key)
+        if cur is None or cur.capacity < need:
+            if cur is not None:
+                cls._retired.setdefault(key, []).append(cur)
+            cur = cls._cache[key] = cls(group, 1 << (need - 1).bit_length(), dtype, device)
+        return cur
+
+    @classmethod
+    def held(cls, group, dtype, device) -> list[int]:
+        """Capacities (elements) of the buffer sets kept for (group, dtype, device)."""
+        key = (id(group), dtype, str(device))
+        sets = cls._retired.get(key, []) + ([cls._cache[key]] if key in cls._cache else [])
+        return [s.capacity for s in sets]
 
     def post(self, send):
         """Start the pulls; returns [(source rank, buffer, [event])] in shift order."""
+        n, shape = send.numel(), send.shape
+        if n > self.capacity:
+            raise ValueError(f"SymmPull: a shard of {n} elements does not fit {self.capacity}")
         compute = torch.cuda.current_stream()
         # after the send tensor is written and after the previous call's readers of recv
         self.stream.wait_stream(compute)
@@ -141,13 +166,14 @@ class SymmPull:
         steps = []
         with torch.cuda.stream(self.stream):
             self.handle.barrier(channel=0)
-            self.buf.copy_(send)
+            self.buf[:n].view(shape).copy_(send)
             self.handle.barrier(channel=0)
             for d in range(1, self.world_size):
                 src = (self.rank - d) % self.world_size
-                self.recv[src].copy_(self.peers[src])  # a peer-to-peer copy-engine read
+                recv = self.recv[src][:n].view(shape)
+                recv.copy_(self.peers[src][:n].view(shape))  # a peer-to-peer copy-engine read
                 self.events[src].record(self.stream)
-                steps.append((src, self.recv[src], [_EventWait(self.events[src])]))
+                steps.append((src, recv, [_EventWait(self.events[src])]))
         return steps
 
 
@@ -175,9 +201,8 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
         (benchmarks/results/sp_H200_w2_*_906c00d.json) symm was as fast or faster up to
         S = 32768 and replays from a CUDA graph; NCCL's batched send/recv is not
         captured. Memory: symm keeps its buffers (the shard in symmetric memory plus one
-        receive buffer per peer) for every distinct shard shape it has seen, for the life
-        of the process; a server with many prompt lengths should pass "p2p" (or pad
-        lengths to a few buckets) until buffers are shared by capacity (notes/sp.md).
+        receive buffer per peer) for the life of the process, shared by every shard that
+        fits, in power-of-two sizes: less than twice the largest shard's (SymmPull).
 
     Example (under torchrun):
         >>> out, lse = wsattn.sp.prefill_overlapped(q_shard, k_shard, v_shard, causal=True)

@@ -61,6 +61,11 @@ def main():
                 variants.append(("page16-inorder-stages7", (16, "inorder"), replace(pb, num_stages=7)))
                 variants.append(("page16-BN32-stages7", 16, replace(pb, BLOCK_N=32, num_stages=7)))
                 variants.append(("page16-BN16-stages8", 16, replace(pb, BLOCK_N=16, num_stages=8)))
+                # the split's block-table entries read once (bt_preload): at 4 stages the
+                # pipeliner keeps 3 K/V buffers like the contiguous cache (sm_90 TTGIR)
+                for stages in (4, 5):
+                    variants.append((f"page16-preload-stages{stages}", 16,
+                                     replace(pb, num_stages=stages, bt_preload=True)))
                 for n in filter(None, args.splits.split(",")):
                     for stages in (5, 7):
                         variants.append((f"page16-splits{n}-stages{stages}", 16,

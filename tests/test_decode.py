@@ -12,6 +12,7 @@ through the interpreter, and works around numpy >= 2.4 (see _patch_interpreter).
 GPU the same tests run on CUDA instead.
 """
 
+import dataclasses
 import importlib
 import sys
 
@@ -151,6 +152,71 @@ def test_decode_settings_override(kernel_device):
     ref, ref_lse = reference.decode(q, k, v, seqlens)
     assert_close(out, ref, torch.float32)
     assert_lse_close(lse, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("page, splits", [(7, 1), (7, 3), (1, 2), (5, 4)],
+                         ids=["page7-split1", "page7-split3", "page1-split2", "page5-split4"])
+def test_decode_block_table_preload(kernel_device, page, splits):
+    """bt_preload (each split's block-table entries read once before the loop) gives the
+    reference's answer and the same bits as the per-tile table reads."""
+    from wsattn.kernels import decode_triton
+
+    q, k, v, seqlens, table = _cache(3, 2, 8, 2, [70, 2, 33], page, 75, torch.float16,
+                                     kernel_device, 11)
+    base = decode_triton.DecodeSettings(BLOCK_N=16, num_warps=4, num_stages=1,
+                                        num_splits=splits)
+    pre = dataclasses.replace(base, bt_preload=True)
+    assert decode_triton.bt_chunk(pre, table.shape[1] * page, page) > 0  # the switch applies
+    out, lse = decode_triton.decode(q, k, v, seqlens, table, D ** -0.5, 0, settings=pre)
+    ref, ref_lse = reference.decode(q, k, v, seqlens, table)
+    assert_close(out, ref, torch.float16)
+    assert_lse_close(lse, ref_lse, torch.float16)
+    out0, lse0 = decode_triton.decode(q, k, v, seqlens, table, D ** -0.5, 0, settings=base)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+
+
+def test_bt_chunk_covers_a_split_and_stays_small():
+    from wsattn.kernels.decode_triton import BT_PRELOAD_MAX, DecodeSettings, bt_chunk
+
+    s = DecodeSettings(BLOCK_N=64, num_warps=8, num_stages=4, num_splits=64, bt_preload=True)
+    # B=1 L=131072 page 16: 32 tiles of 64 keys a split = 128 pages, +1 for a straddle
+    assert bt_chunk(s, 131072, 16) == 256
+    assert bt_chunk(dataclasses.replace(s, bt_preload=False), 131072, 16) == 0
+    assert bt_chunk(s, 131072, 64) == 0  # whole-tile pages read one entry per tile already
+    assert bt_chunk(dataclasses.replace(s, num_splits=1), 8192, 16) == 0  # 513 > the cap
+    assert bt_chunk(dataclasses.replace(s, num_splits=32), 131072, 16) == 0
+    assert bt_chunk(s, 131072, 7) == 0  # 2048 keys / 7 + 1 = 294 entries -> 512 > the cap
+    assert bt_chunk(s, 65536, 7) == 256 <= BT_PRELOAD_MAX  # 1024 keys: 148 entries
+
+
+def test_sm90_bt_preload_pipelines_like_the_contiguous_cache():
+    """With the block table read before the loop, the K/V loads no longer wait on a load of
+    the same iteration: at 4 stages the pipeliner keeps 3 K/V buffers (per-tile reads: 1)
+    and no block-table buffer, in the same shared memory as the contiguous build."""
+    import re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from wsattn.kernels import decode_triton
+
+    def build(paged, preload):
+        s = decode_triton.compile_spec(90, paged=paged)
+        st = decode_triton.DecodeSettings(BLOCK_N=64, num_warps=s["options"]["num_warps"],
+                                          num_stages=4, num_splits=s["constexprs"]["NUM_SPLITS"],
+                                          bt_preload=preload)
+        s = decode_triton.compile_spec(90, paged=paged, settings=st)
+        k = triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
+                                     attrs=s["attrs"]),
+                           target=GPUTarget("cuda", 90, 32), options=s["options"])
+        allocs = re.findall(r"ttg\.local_alloc.*?!ttg\.memdesc<([0-9x]+)x(bf16|i32)", k.asm["ttgir"])
+        return allocs, k.metadata.shared
+
+    per_tile, _ = build(True, False)
+    preload, smem = build(True, True)
+    _, contiguous_smem = build(False, False)
+    assert ("1x64x128", "bf16") in per_tile and any(t == "i32" for _, t in per_tile)
+    assert preload.count(("3x64x128", "bf16")) == 2 and not any(t == "i32" for _, t in preload)
+    assert smem == contiguous_smem
 
 
 def test_auto_splits_fill_the_gpu_without_reading_seqlens():

@@ -43,7 +43,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
                    stride_btb,
                    T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr = 0):
     # stride_kb / stride_vb step a sequence (contiguous cache) or a page (paged cache).
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -70,6 +70,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running denominator
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    if BT_CHUNK > 0:
+        # The split's block-table entries, read once: the K/V addresses in the loop then
+        # depend on registers only, not on a load of the same iteration (which keeps the
+        # pipeliner from running the K/V loads far ahead; notes/decode_triton.md).
+        first_page = lo // PAGE_SIZE
+        pidx = first_page + tl.arange(0, BT_CHUNK)  # [BT_CHUNK]
+        bt_row = tl.load(bt_ptr + b * stride_btb + pidx, mask=pidx * PAGE_SIZE < hi, other=0)
     for start in range(lo, hi, BLOCK_N):  # software-pipelined num_stages deep
         n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         kv_live = n < hi
@@ -82,7 +89,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
             k_rows = page * stride_kb + in_page * stride_kl  # [BLOCK_N]
             v_rows = page * stride_vb + in_page * stride_vl
         elif PAGED:  # a tile spans pages: gather its rows through the block table
-            page = tl.load(bt_ptr + b * stride_btb + n // PAGE_SIZE, mask=kv_live, other=0)  # [BLOCK_N]
+            if BT_CHUNK > 0:  # from the entries read before the loop (clamped past hi)
+                slot = tl.minimum(n // PAGE_SIZE - first_page, BT_CHUNK - 1)
+                page = tl.gather(bt_row, slot, axis=0)  # [BLOCK_N]
+            else:
+                page = tl.load(bt_ptr + b * stride_btb + n // PAGE_SIZE, mask=kv_live, other=0)  # [BLOCK_N]
             in_page = (n % PAGE_SIZE).to(tl.int64)
             k_rows = page.to(tl.int64) * stride_kb + in_page * stride_kl  # [BLOCK_N]
             v_rows = page.to(tl.int64) * stride_vb + in_page * stride_vl
@@ -147,12 +158,16 @@ class DecodeSettings:
     """Launch settings of the decode kernel (see default_settings for how they are chosen).
 
     BLOCK_N: keys per tile; num_warps / num_stages: as in triton; num_splits: splits of
-    each sequence (>= 1; 1 means no workspace and no combine launch).
+    each sequence (>= 1; 1 means no workspace and no combine launch). bt_preload: a paged
+    cache whose pages are shorter than a tile reads each split's block-table entries once
+    before the loop (at most BT_PRELOAD_MAX of them) instead of per tile; unmeasured on a
+    GPU, so off by default (notes/decode_triton.md).
     """
     BLOCK_N: int
     num_warps: int
     num_stages: int
     num_splits: int
+    bt_preload: bool = False
 
 
 # Auto splitting aims at this many programs per SM once B * Hkv alone cannot fill the
@@ -226,6 +241,22 @@ def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int
             stages = (7 if paged else 4) if target.cc >= 90 else (5 if paged else 3)
     splits = num_splits or auto_splits(batch, kv_heads, capacity, block_n, target.num_sms)
     return DecodeSettings(BLOCK_N=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+
+
+BT_PRELOAD_MAX = 256  # block-table entries a program keeps in registers (1-2 per thread)
+
+
+def bt_chunk(settings: DecodeSettings, capacity: int, page_size: int) -> int:
+    """The BT_CHUNK constexpr: how many block-table entries (a power of two) cover one
+    split's keys, or 0 where the preload is off, does not apply (pages of whole tiles
+    read one entry per tile already) or would not fit BT_PRELOAD_MAX."""
+    if not settings.bt_preload or page_size % settings.BLOCK_N == 0:
+        return 0
+    tiles = triton.cdiv(triton.cdiv(capacity, settings.BLOCK_N), settings.num_splits)
+    # a split starts BLOCK_N-aligned, so its keys can straddle one more page
+    pages = triton.cdiv(tiles * settings.BLOCK_N, page_size) + 1
+    chunk = triton.next_power_of_2(pages)
+    return chunk if chunk <= BT_PRELOAD_MAX else 0
 
 
 def _block_m(T: int, group: int) -> int:
@@ -305,6 +336,7 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         block_table.stride(0) if paged else 0,
         T=T, GROUP=group, D=D, BLOCK_M=_block_m(T, group), BLOCK_N=settings.BLOCK_N,
         NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=page_size,
+        BT_CHUNK=bt_chunk(settings, capacity, page_size) if paged else 0,
         num_warps=settings.num_warps, num_stages=settings.num_stages)
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, D)
@@ -364,7 +396,8 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
         sig[name] = "i32"
     const = {"T": T, "GROUP": group, "D": head_dim, "BLOCK_M": _block_m(T, group),
              "BLOCK_N": settings.BLOCK_N, "NUM_SPLITS": settings.num_splits, "PAGED": paged,
-             "PAGE_SIZE": page_size if paged else 1}
+             "PAGE_SIZE": page_size if paged else 1,
+             "BT_CHUNK": bt_chunk(settings, 131072, page_size) if paged else 0}
     sig.update({name: "constexpr" for name in const})
     return {"fn": _decode_kernel, "signature": sig, "constexprs": const,
             "attrs": _aligned(_decode_kernel, _DECODE_ALIGNED),

@@ -43,12 +43,19 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_CUDA_TARGETS: dict[int, Target] = {}  # device index -> Target: asked once per GPU
+
+
 def target_of(device: torch.device) -> Target:
     device = torch.device(device)
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return Target("cuda", major * 10 + minor, sms)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = _CUDA_TARGETS.get(index)
+        if target is None:  # the two property queries cost host time on every launch
+            major, minor = torch.cuda.get_device_capability(index)
+            sms = torch.cuda.get_device_properties(index).multi_processor_count
+            target = _CUDA_TARGETS[index] = Target("cuda", major * 10 + minor, sms)
+        return target
     if interpreting():
         return Target("interpreter", 0, 4)
     raise UnsupportedTargetError(

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..target import Target, target_of
 from ._alloc import empty
+from ._intmath import cdiv, next_pow2
 from .merge import merge_finish, merge_step
 
 LOG2E = 1.4426950408889634
@@ -197,13 +198,13 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
     programs = max(1, batch * kv_heads)  # an empty batch launches nothing; any count will do
     if programs >= 2 * num_sms:
         return 1  # two waves of whole sequences: splitting would only add the combine
-    want = triton.cdiv(WAVES * num_sms, programs)
+    want = cdiv(WAVES * num_sms, programs)
     most = max(1, capacity // (MIN_SPLIT_TILES * block_n))
     splits = max(1, min(want, most, MAX_SPLITS))
     # the kernel gives each split cdiv(tiles, splits) tiles; drop the splits a full-length
     # sequence would leave empty (131072 keys, 66 wanted: 32 tiles each fill only 64)
-    tiles = triton.cdiv(capacity, block_n)
-    used = lambda n: triton.cdiv(tiles, triton.cdiv(tiles, n))  # noqa: E731
+    tiles = cdiv(capacity, block_n)
+    used = lambda n: cdiv(tiles, cdiv(tiles, n))  # noqa: E731
     # then the largest count at most that whose last wave of resident programs is full
     # enough (B=8, Hkv=8 on 132 SMs: 9 -> 8 splits, 512 programs = 264 + 248)
     slots = RESIDENT_PER_SM * num_sms
@@ -214,6 +215,8 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
     return used(splits)
 
 
+# Pure in its arguments and asked on every decode step: cached (it was ~15 us of host time).
+@functools.lru_cache(maxsize=4096)
 def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int,
                      capacity: int, dtype: torch.dtype, paged: bool = False,
                      query_rows: int = 4, num_splits: int = 0) -> DecodeSettings:
@@ -252,15 +255,15 @@ def bt_chunk(settings: DecodeSettings, capacity: int, page_size: int) -> int:
     read one entry per tile already) or would not fit BT_PRELOAD_MAX."""
     if not settings.bt_preload or page_size % settings.BLOCK_N == 0:
         return 0
-    tiles = triton.cdiv(triton.cdiv(capacity, settings.BLOCK_N), settings.num_splits)
+    tiles = cdiv(cdiv(capacity, settings.BLOCK_N), settings.num_splits)
     # a split starts BLOCK_N-aligned, so its keys can straddle one more page
-    pages = triton.cdiv(tiles * settings.BLOCK_N, page_size) + 1
-    chunk = triton.next_power_of_2(pages)
+    pages = cdiv(tiles * settings.BLOCK_N, page_size) + 1
+    chunk = next_pow2(pages)
     return chunk if chunk <= BT_PRELOAD_MAX else 0
 
 
 def _block_m(T: int, group: int) -> int:
-    return max(16, triton.next_power_of_2(T * group))
+    return max(16, next_pow2(T * group))
 
 
 COMBINE_BLOCK_D = 32  # one warp, one fp32 a thread per split

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._alloc import empty
+from ._intmath import cdiv
 
 
 @triton.jit
@@ -108,7 +109,7 @@ def merge_states(outputs: torch.Tensor, lses: torch.Tensor):
     if N == 0:
         return out, out_lse
     block_r = _block_rows(D)
-    _merge_states_kernel[(triton.cdiv(N, block_r),)](
+    _merge_states_kernel[(cdiv(N, block_r),)](
         outputs, lses, out, out_lse, N, P,
         outputs.stride(0), outputs.stride(1), lses.stride(0),
         D=D, BLOCK_R=block_r, num_warps=4)
@@ -159,7 +160,7 @@ def merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, part: torch.Tensor,
     if N == 0:
         return
     block_r = _block_rows(D)
-    _merge_into_kernel[(triton.cdiv(N, block_r),)](
+    _merge_into_kernel[(cdiv(N, block_r),)](
         acc, acc_lse, part, part_lse, N, S, H,
         acc.stride(0), acc.stride(1), acc.stride(2),
         acc_lse.stride(0), acc_lse.stride(1), acc_lse.stride(2),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import _alloc
+from ._intmath import cdiv
 from .prefill_gluon_parts import ROWS_PER_WG as WG_M, attn_fwd_kernel
 
 GLUON_CC = 90  # wgmma and setmaxnreg exist on sm_90 only
@@ -187,7 +188,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     o_desc = _descriptor(out.view(B, Sq, Hq * D), [1, WG_M, D], name)
     k_desc = _descriptor(k.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
     v_desc = _descriptor(v.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
-    num_tiles = triton_cdiv(Sq, s.BLOCK_M) * B * Hq
+    num_tiles = cdiv(Sq, s.BLOCK_M) * B * Hq
     if s.PERSISTENT:
         num_tiles = min(num_tiles, _num_sms(q.device))  # one CTA per SM: registers allow no more
     # DYNAMIC claims tiles from this counter; it must start at zero on every launch (a
@@ -217,10 +218,6 @@ def _tma_ready(t) -> bool:
     B, S, H, D = t.shape
     return (t.stride(3) == 1 and t.stride(2) == D and t.stride(1) == H * D
             and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 _SMS = {}

@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._alloc import empty
 from ..target import Target, UnsupportedTargetError, target_of
+from ._alloc import empty
+from ._intmath import cdiv
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -388,7 +389,7 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sm_scale, s: Pr
         Hkv = k.shape[2]
         qs, ks, vs, os_ = (tuple(t.stride()[:3]) for t in (q, k, v, out))
         lse_strides = (lse.stride(0), lse.stride(1))  # [B, Hq, Sq]
-    grid = (triton.cdiv(max_q, s.BLOCK_M), Hq, B)
+    grid = (cdiv(max_q, s.BLOCK_M), Hq, B)
     host_desc = s.use_tma and s.host_desc and not varlen and _packed_heads(q, k, v, out)
     if host_desc:
         q_arg, o_arg = (_desc3d(t, s.BLOCK_M) for t in (q, out))

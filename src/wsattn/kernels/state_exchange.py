@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._intmath import cdiv
 from .merge import _block_rows as block_rows  # the merge kernel's tile: ~4K fp32 a program
 from .merge import merge_finish, merge_step
 
@@ -108,7 +109,7 @@ def buffer_shape(world_size: int, R: int, D: int) -> tuple[int, ...]:
 
 
 def num_programs(R: int, D: int) -> int:
-    return triton.cdiv(R, block_rows(D))
+    return cdiv(R, block_rows(D))
 
 
 FLAG_DTYPE = torch.int64  # flags and epochs: never wrap

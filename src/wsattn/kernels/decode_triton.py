@@ -271,16 +271,6 @@ COMBINE_BLOCK_D = 32  # one warp, one fp32 a thread per split
 
 # --------------------------------------------------------------------------- launcher
 
-@functools.lru_cache(maxsize=None)
-def _cuda_target(device: torch.device) -> Target:
-    return target_of(device)
-
-
-def _target(device) -> Target:
-    # a device's properties are asked once (decode runs every step of generation); the
-    # interpreter target is not cached, it follows TRITON_INTERPRET
-    return _cuda_target(device) if device.type == "cuda" else target_of(device)
-
 
 def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, settings=None):
     """Decode attention of T new tokens per sequence against a KV cache (validated by api.py).
@@ -313,7 +303,7 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     if settings is None:
-        settings = default_settings(_target(q.device), batch=B, kv_heads=HKV, head_dim=D,
+        settings = default_settings(target_of(q.device), batch=B, kv_heads=HKV, head_dim=D,
                                     capacity=capacity, dtype=q.dtype, paged=paged,
                                     query_rows=T * group, num_splits=num_splits)
     elif num_splits:

@@ -30,22 +30,29 @@ WG_M = gl.constexpr(ROWS_PER_WG)
 
 
 @gluon.jit
-def _tile_counts(start_m, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr):
-    """(n_full, n_total): tiles [0, n_full) need no mask, [n_full, n_total) do.
+def _key_tiles(row0, row_end, Sq, Sk, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(n_full, n_total) for query rows [row0, row_end): key tiles [0, n_full) need no mask,
+    [n_full, n_total) do.
 
-    Causal is bottom-right aligned: row i sees keys j <= i + Sk - Sq, so a CTA with rows
-    [M0, M0 + BLOCK_M) needs keys < M0 + BLOCK_M + Sk - Sq, all unmasked up to M0 + Sk - Sq.
+    Causal is bottom-right aligned: row i sees keys j <= i + Sk - Sq, so the rows need keys
+    < row_end + Sk - Sq, all unmasked up to row0 + Sk - Sq.
     """
     if CAUSAL:
         shift = Sk - Sq
-        m0 = start_m * BLOCK_M
-        n_total = gl.cdiv(gl.minimum(Sk, m0 + BLOCK_M + shift), BLOCK_N)
-        n_full = gl.minimum(Sk // BLOCK_N, (m0 + shift + 1) // BLOCK_N)
+        n_total = gl.cdiv(gl.minimum(Sk, row_end + shift), BLOCK_N)
+        n_full = gl.minimum(Sk // BLOCK_N, (row0 + shift + 1) // BLOCK_N)
     else:
         n_total = gl.cdiv(Sk, BLOCK_N)
         n_full = Sk // BLOCK_N
     return n_full, n_total
+
+
+@gluon.jit
+def _tile_counts(start_m, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """(n_full, n_total) for a CTA's rows: the tiles its producer loads."""
+    m0 = start_m * BLOCK_M
+    return _key_tiles(m0, m0 + BLOCK_M, Sq, Sk, BLOCK_N, CAUSAL)
 
 
 @gluon.jit
@@ -54,14 +61,8 @@ def _wg_tile_counts(m_row0, Sq, Sk, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr)
     which can be fewer than its CTA's (_tile_counts). Causal: the CTA's last tiles lie past
     the diagonal of its first warpgroups' rows; any mask: a warpgroup whose rows all lie at
     or past Sq (the last, partial row block) needs none. (0, 0) then."""
-    if CAUSAL:
-        shift = Sk - Sq
-        end = gl.minimum(m_row0 + WG_M, Sq)  # one past this warpgroup's last real row
-        n_total = gl.cdiv(gl.minimum(Sk, end + shift), BLOCK_N)
-        n_full = gl.minimum(Sk // BLOCK_N, (m_row0 + shift + 1) // BLOCK_N)
-    else:
-        n_total = gl.cdiv(Sk, BLOCK_N)
-        n_full = Sk // BLOCK_N
+    end = gl.minimum(m_row0 + WG_M, Sq)  # one past this warpgroup's last real row
+    n_full, n_total = _key_tiles(m_row0, end, Sq, Sk, BLOCK_N, CAUSAL)
     if m_row0 >= Sq:
         n_total = 0
         n_full = 0

@@ -68,6 +68,15 @@ VARIANTS = {
     "dyn_tma": {"PERSISTENT": True, "DYNAMIC": True},
     # every warpgroup walks all of its CTA's K/V tiles (the kernel before WG_TILES)
     "no_wg_tiles": {"WG_TILES": False},
+    # Ping-pong turns through named barriers (bar.sync / bar.arrive), around the GEMM issue
+    # (pp_named) or around the exponentials (pp_soft*: cuDNN's placement, seen in ncu's SASS;
+    # the exponentials then also run under the warpgroup's own in-flight PV). pp_soft_named
+    # spills with three 160-register consumers at D=64: there it runs with two (c2).
+    "pp_named": {"PINGPONG": True, "PP_NAMED": True},
+    "pp_soft": {"PINGPONG": True, "PP_SOFTMAX": True},
+    "pp_soft_named": {"PINGPONG": True, "PP_SOFTMAX": True, "PP_NAMED": True, "D": 128},
+    "pp_soft_named_c2": {"CONSUMERS": 2, "PINGPONG": True, "PP_SOFTMAX": True,
+                         "PP_NAMED": True, "D": 64},
 }
 
 

@@ -59,6 +59,8 @@ class GluonSettings:
     STAGES: int = 2
     OVERLAP: bool = True  # next QK^T issued before the current softmax
     PINGPONG: bool = False  # consumer warpgroups take turns issuing GEMMs
+    PP_SOFTMAX: bool = False  # with PINGPONG: the turn covers the exponentials instead
+    PP_NAMED: bool = False  # with PINGPONG: turns through named barriers (bar.sync/arrive)
     UNROLL: bool = True  # steps in pairs, so P(j), P(j+1) can take two register sets (notes)
     PERSISTENT: bool = False  # one CTA per SM striding over the tiles (K/V prefetch across tiles)
     DYNAMIC: bool = False  # persistent CTAs claim tiles from a global counter (load balance)
@@ -85,6 +87,9 @@ class GluonSettings:
                 "~0.9 KB a thread even without UNROLL); use CONSUMERS=2")
         if self.DYNAMIC and not self.PERSISTENT:
             raise ValueError("DYNAMIC=True is a persistent schedule: it needs PERSISTENT=True")
+        if (self.PP_SOFTMAX or self.PP_NAMED) and not self.PINGPONG:
+            raise ValueError("PP_SOFTMAX / PP_NAMED say where and how ping-pong turns are "
+                             "taken: they need PINGPONG=True")
         if self.BLOCK_M != WG_M * n:
             raise ValueError(f"BLOCK_M={self.BLOCK_M} must be {WG_M} * CONSUMERS={n}")
         for name in ("CONSUMER_REGS", "PRODUCER_REGS"):
@@ -160,7 +165,7 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
                 PERSISTENT=s.PERSISTENT, PIN_PV_WAIT=s.PIN_PV_WAIT,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
                 CONSUMERS=s.CONSUMERS, DYNAMIC=s.DYNAMIC, O_DIRECT=s.O_DIRECT,
-                WG_TILES=s.WG_TILES)
+                WG_TILES=s.WG_TILES, PP_SOFTMAX=s.PP_SOFTMAX, PP_NAMED=s.PP_NAMED)
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):

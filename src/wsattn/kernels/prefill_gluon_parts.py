@@ -69,9 +69,65 @@ def _wg_tile_counts(m_row0, Sq, Sk, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr)
     return n_full, n_total
 
 
+# Named hardware barriers for ping-pong turns (PP_NAMED): bar.sync / bar.arrive on barrier
+# NAMED_BAR0 + warpgroup, 256 threads (the waiting warpgroup's 128 + the passing one's 128).
+# Triton 3.6 uses barriers 0-2 for its own partition syncs; 8.. are free. ptxas moves a plain
+# bar.sync / bar.arrive freely among ALU instructions (seen in SASS: both rose into the row
+# max, ahead of every exponential), and a mov through the asm is copy-propagated away. So,
+# as in _PV_WAIT_AFTER_L, the barrier is predicated on the two values a thread passes
+# through (always true: no arithmetic result is the signalling-NaN pattern 0x7f800001):
+# it cannot issue before they exist, and the branch ptxas makes of it is a block boundary
+# the exponentials stay behind (the row max goes through the wait, the row sum through the
+# pass).
+NAMED_BAR0 = gl.constexpr(8)
+_BAR_SYNC = gl.constexpr("{ .reg .pred ok; setp.ne.b32 ok, $4, 0x7f800001; "
+                         "setp.ne.and.b32 ok, $5, 0x7f800001, ok; @ok bar.sync $2, 256; "
+                         "mov.b32 $0, $4; mov.b32 $1, $5; }")
+_BAR_ARRIVE = gl.constexpr("{ .reg .pred ok; setp.ne.b32 ok, $4, 0x7f800001; "
+                           "setp.ne.and.b32 ok, $5, 0x7f800001, ok; @ok bar.arrive $2, 256; "
+                           "mov.b32 $0, $4; mov.b32 $1, $5; }")
+
+
+@gluon.jit
+def _named_bar(bar_id, x, ARRIVE: gl.constexpr):
+    """x unchanged, after bar.sync (ARRIVE=False) or bar.arrive on barrier bar_id (an int32
+    tensor of x's shape and layout, two elements a thread)."""
+    if ARRIVE:
+        asm: gl.constexpr = _BAR_ARRIVE
+    else:
+        asm: gl.constexpr = _BAR_SYNC
+    return gl.inline_asm_elementwise(asm, "=r,=r,r,r,r,r", [bar_id, x], dtype=gl.float32,
+                                     is_pure=False, pack=2)
+
+
+@gluon.jit
+def _turn_wait(x, turn_mine, pp, PP_NAMED: gl.constexpr):
+    """Wait for this warpgroup's ping-pong turn number pp; returns x (see _named_bar).
+
+    PP_NAMED: turn_mine is (barrier ids, a zeroed fp32 row in shared memory). x comes back
+    plus a zero loaded from that row after the bar.sync: a shared-memory load cannot rise
+    above a bar.sync, so what is computed from x (the exponentials) cannot either."""
+    if PP_NAMED:
+        x = _named_bar(turn_mine[0], x, False)
+        x = x + turn_mine[1].load(x.type.layout)
+    else:
+        mbarrier.wait(turn_mine, pp & 1)
+    return x
+
+
+@gluon.jit
+def _turn_pass(x, turn_other, PP_NAMED: gl.constexpr):
+    """Hand the turn to the next warpgroup; returns x (see _named_bar)."""
+    if PP_NAMED:
+        x = _named_bar(turn_other, x, True)
+    else:
+        mbarrier.arrive(turn_other)
+    return x
+
+
 @gluon.jit
 def _release_tiles(j_lo, j_hi, r0, pp0, v_ready, kv_empty, turn_mine, turn_other,
-                   STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                   STAGES: gl.constexpr, PINGPONG: gl.constexpr, PP_NAMED: gl.constexpr):
     """The barrier duties of a warpgroup for tiles [j_lo, j_hi) it does not compute (see
     _wg_tile_counts): release each ring slot once its data has landed (so an arrival is
     never counted towards an earlier round of the slot), and with PINGPONG pass on the
@@ -81,9 +137,13 @@ def _release_tiles(j_lo, j_hi, r0, pp0, v_ready, kv_empty, turn_mine, turn_other
         mbarrier.wait(v_ready.index(r0 % STAGES), (r0 // STAGES) & 1)
         mbarrier.arrive(kv_empty.index(r0 % STAGES))
     for j in range(gl.maximum(j_lo, 1), j_hi):
-        if PINGPONG:
-            mbarrier.wait(turn_mine, (pp0 + j - 1) & 1)
-            mbarrier.arrive(turn_other)
+        if PINGPONG:  # the turn of step j - 1, wherever the step takes it (PP_SOFTMAX)
+            if PP_NAMED:
+                x = _turn_wait(turn_mine[0].to(gl.float32), turn_mine, pp0 + j - 1, PP_NAMED)
+                _turn_pass(x, turn_other, PP_NAMED)
+            else:
+                _turn_wait(0.0, turn_mine, pp0 + j - 1, PP_NAMED)
+                _turn_pass(0.0, turn_other, PP_NAMED)
         r = r0 + j
         mbarrier.wait(v_ready.index(r % STAGES), (r // STAGES) & 1)
         mbarrier.arrive(kv_empty.index(r % STAGES))
@@ -91,13 +151,18 @@ def _release_tiles(j_lo, j_hi, r0, pp0, v_ready, kv_empty, turn_mine, turn_other
 
 @gluon.jit
 def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr,
-                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                  turn_mine=None, turn_other=None, pp=0, TURN: gl.constexpr = False,
+                  PP_NAMED: gl.constexpr = False):
     """Online-softmax step on one S tile [WG_M, BLOCK_N] (fp32, raw q.k).
 
     m_i is kept in the log2 domain (scaled by qk_scale = sm_scale * log2 e). Returns the
     unnormalized probabilities p, the factor alpha that rescales everything accumulated
     before this tile, and the new (m_i, l_i). MASK is constexpr so the compare/select
-    compiles away on the tiles that need none.
+    compiles away on the tiles that need none. TURN (ping-pong turns at the softmax,
+    PP_SOFTMAX): the exponentials run inside this warpgroup's turn pp, after the row max,
+    so the consumer warpgroups' exponentials never compete for the SFU and issue slots
+    while the tensor cores run the other warpgroups' GEMMs.
     """
     if MASK:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -106,9 +171,13 @@ def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (Sk - Sq), 1))
         s = gl.where(keep, s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # [WG_M]
+    if TURN:
+        m_new = _turn_wait(m_new, turn_mine, pp, PP_NAMED)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))  # [WG_M, BLOCK_N]
     alpha = gl.exp2(m_i - m_new)  # [WG_M]
     l_i = l_i * alpha + gl.sum(p, axis=1)
+    if TURN:
+        l_i = _turn_pass(l_i, turn_other, PP_NAMED)
     return p, alpha, m_new, l_i
 
 
@@ -137,19 +206,26 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
           p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr,
           p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
           CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-          PIN_PV_WAIT: gl.constexpr):
+          PIN_PV_WAIT: gl.constexpr,
+          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr):
     """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
     issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
     tensor cores (OVERLAP). With PINGPONG the consumer warpgroups take turns (round-robin)
-    issuing their GEMMs, so one's softmax runs under the others' GEMMs. r is tile j's index in the
+    issuing their GEMMs, so one's softmax runs under the others' GEMMs, or with PP_SOFTMAX
+    running their exponentials (see _softmax_tile); PP_NAMED passes the turns through named
+    hardware barriers instead of mbarriers. r is tile j's index in the
     shared-memory ring, counted over all the tiles this CTA has consumed (persistent); pp
     counts the ping-pong turns taken so far (one per step). PIN_PV_WAIT keeps the wait for
     PV(j) after the exponentials in SASS (see _pin_pv_wait)."""
     s_cur = r % STAGES
     nxt = j + 1
     s_nxt = (r + 1) % STAGES
-    if PINGPONG:
-        mbarrier.wait(turn_mine, pp & 1)
+    GEMM_TURNS: gl.constexpr = PINGPONG and not PP_SOFTMAX
+    if GEMM_TURNS:
+        if PP_NAMED:
+            _turn_wait(turn_mine[0].to(gl.float32), turn_mine, pp, PP_NAMED)
+        else:
+            _turn_wait(0.0, turn_mine, pp, PP_NAMED)
     mbarrier.wait(k_ready.index(s_nxt), ((r + 1) // STAGES) & 1)
     zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q, k_smem.index(s_nxt).permute((1, 0)), zero, use_acc=False,
@@ -158,11 +234,15 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
         s_tok = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.wait(v_ready.index(s_cur), (r // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(s_cur), acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn_other)
+    if GEMM_TURNS:
+        if PP_NAMED:
+            _turn_pass(turn_other.to(gl.float32), turn_other, PP_NAMED)
+        else:
+            _turn_pass(0.0, turn_other, PP_NAMED)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))  # QK^T(j+1) done; PV(j) may still run
     p, alpha, m_i, l_i = _softmax_tile(s, nxt, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
-                                       BLOCK_N, MASK, CAUSAL)
+                                       BLOCK_N, MASK, CAUSAL, turn_mine, turn_other, pp,
+                                       PINGPONG and PP_SOFTMAX, PP_NAMED)
     # P(j + 1) is packed before waiting for PV(j), which still reads P(j) from registers.
     p_nxt = gl.convert_layout(p.to(q.dtype), p_layout)
     if PIN_PV_WAIT:
@@ -179,7 +259,8 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
                    s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                   PIN_PV_WAIT: gl.constexpr):
+                   PIN_PV_WAIT: gl.constexpr,
+          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr):
     """Iterations j in [j_lo, j_hi), unrolled by two (UNROLL) so that P(j) and P(j + 1) can
     live in two register sets: with one loop-carried set, ptxas packs P(j + 1) into the
     registers the in-flight PV(j) still reads and so waits for PV(j) before the softmax
@@ -191,17 +272,17 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
         p_b, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                    kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
                                    Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                   CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT)
+                                   CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED)
         p_op, m_i, l_i, acc = _step(j + 1, r0 + j + 1, pp0 + j + 1, q, k_smem, v_smem,
                                     k_ready, v_ready, kv_empty, turn_mine, turn_other, p_b, m_i,
                                     l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
                                     BLOCK_N, STAGES, MASK, CAUSAL, OVERLAP, PINGPONG,
-                                    PIN_PV_WAIT)
+                                    PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED)
     for j in range(j_lo + 2 * n_pairs, j_hi):  # the odd one out, or all without UNROLL
         p_op, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                     kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
                                     Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                    CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT)
+                                    CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED)
     return p_op, m_i, l_i, acc
 
 
@@ -225,7 +306,8 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
                     p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                    PIN_PV_WAIT: gl.constexpr, O_DIRECT: gl.constexpr,
+                    PIN_PV_WAIT: gl.constexpr,
+          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr, O_DIRECT: gl.constexpr,
                     WG_TILES: gl.constexpr):
     """Tile t (this CTA's tile_i-th, its K/V from ring index r0 on); returns its K/V count.
 
@@ -254,11 +336,11 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
                         q_smem, k2, v2, q_empty, k_ready, v_ready, kv_empty, turn_mine,
                         turn_other, o_desc, o_ptr, lse_ptr, Sq, Sk, Hq, qk_scale, s_layout,
                         o_layout, p_layout, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
-                        UNROLL, PIN_PV_WAIT, O_DIRECT)
+                        UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, O_DIRECT)
     else:
         mbarrier.arrive(q_empty)  # rows all past Sq: this warpgroup reads no Q
     _release_tiles(n_mine, n_total, r0, r0 - tile_i, v_ready, kv_empty, turn_mine, turn_other,
-                   STAGES, PINGPONG)
+                   STAGES, PINGPONG, PP_NAMED)
     return n_total
 
 
@@ -269,7 +351,8 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, m_row0, rows, q,
                     o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                    PIN_PV_WAIT: gl.constexpr, O_DIRECT: gl.constexpr):
+                    PIN_PV_WAIT: gl.constexpr,
+          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr, O_DIRECT: gl.constexpr):
     """This warpgroup's tiles [0, n_mine) (n_mine >= 1; tiles [0, n_mine_full) unmasked),
     O and LSE stored, Q released. pp0 counts the ping-pong turns taken before this tile."""
     dtype: gl.constexpr = q_smem.dtype
@@ -293,12 +376,12 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, m_row0, rows, q,
                                          kv_empty, turn_mine, turn_other, p_op, m_i, l_i,
                                          acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
                                          BLOCK_N, STAGES, False, CAUSAL, OVERLAP, PINGPONG,
-                                         UNROLL, PIN_PV_WAIT)
+                                         UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED)
     p_op, m_i, l_i, acc = _consume_tiles(split, n_mine - 1, r0, pp0, q, k2, v2, k_ready,
                                          v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
                                          l_i, acc, rows, Sq, Sk, qk_scale, s_layout,
                                          p_layout, BLOCK_N, STAGES, True, CAUSAL, OVERLAP,
-                                         PINGPONG, False, PIN_PV_WAIT)
+                                         PINGPONG, False, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED)
     if O_DIRECT:
         mbarrier.arrive(q_empty)  # every QK^T of this tile has completed: Q is not read again
 
@@ -349,11 +432,12 @@ def _publish_tile(tile_smem, t):
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-              kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
+              kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
               qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PERSISTENT: gl.constexpr,
-              PIN_PV_WAIT: gl.constexpr, CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr,
+              PIN_PV_WAIT: gl.constexpr,
+          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr, CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr,
               O_DIRECT: gl.constexpr, WG_TILES: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of each tile this
     CTA takes: one tile per CTA, or (PERSISTENT) tiles pid, pid + grid, ..., or (DYNAMIC)
@@ -372,8 +456,16 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
     q = q_smem._reinterpret(dtype, [WG_M, D], flat_q)  # [WG_M, D]
     k2 = k_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)  # [STAGES, BLOCK_N, D]
     v2 = v_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)
-    turn_mine = turn_bars.index(WG)
-    turn_other = turn_bars.index((WG + 1) % CONSUMERS)
+    if PP_NAMED:  # barrier ids, as int32 tensors of the row-vector layout (see _named_bar)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        turn_mine = (gl.full([WG_M], NAMED_BAR0 + WG, gl.int32, row_layout),
+                     turn_zero.index(WG))
+        turn_other = gl.full([WG_M], NAMED_BAR0 + (WG + 1) % CONSUMERS, gl.int32, row_layout)
+        if PINGPONG and WG == CONSUMERS - 1:
+            _turn_pass(turn_other.to(gl.float32), turn_other, PP_NAMED)  # warpgroup 0 first
+    else:
+        turn_mine = turn_bars.index(WG)
+        turn_other = turn_bars.index((WG + 1) % CONSUMERS)
 
     if DYNAMIC:
         r0 = 0  # ring index of the current tile's first K/V tile
@@ -385,7 +477,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                   k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc,
                                   o_ptr, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
                                   o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT, WG_TILES)
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, O_DIRECT, WG_TILES)
             tile_i += 1
             # The producer's next q_bar phase carries the next tile, or one past the end.
             mbarrier.wait(q_bar, tile_i & 1)
@@ -399,12 +491,12 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                   q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other,
                                   o_desc, o_ptr, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
                                   o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT, WG_TILES)
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, O_DIRECT, WG_TILES)
     else:  # one tile per CTA: no tile loop, nothing carried across tiles
         _consume_q_tile(gl.program_id(0), 0, 0, WG, q, q_smem, k2, v2, q_bar, q_empty, k_ready,
                         v_ready, kv_empty, turn_mine, turn_other, o_desc, o_ptr, lse_ptr, n_m,
                         Sq, Sk, Hq, qk_scale, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
-                        D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, O_DIRECT, WG_TILES)
+                        D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, O_DIRECT, WG_TILES)
 
 
 @gluon.jit
@@ -497,7 +589,8 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
                     PERSISTENT: gl.constexpr, PIN_PV_WAIT: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr = 2, DYNAMIC: gl.constexpr = False,
-                    O_DIRECT: gl.constexpr = False, WG_TILES: gl.constexpr = True):
+                    O_DIRECT: gl.constexpr = False, WG_TILES: gl.constexpr = True,
+                    PP_SOFTMAX: gl.constexpr = False, PP_NAMED: gl.constexpr = False):
     """1-D grid over tiles (row block, batch, head): one tile per CTA, or fewer CTAs than
     tiles (persistent), each striding over them. q/o descriptors are [B, Sq, Hq * D] with
     box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv.
@@ -522,6 +615,14 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     tile_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if PP_NAMED:  # one zeroed fp32 row per consumer (see _turn_wait)
+        turn_zero = gl.allocate_shared_memory(gl.float32, [CONSUMERS, WG_M],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for i in gl.static_range(CONSUMERS):
+            turn_zero.index(i).store(gl.zeros([WG_M], gl.float32, gl.BlockedLayout(
+                [1], [32], [gl.num_warps()], [0])))
+    else:
+        turn_zero = tile_smem  # not read
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=CONSUMERS)  # every consumer warpgroup is done with its Q
     for i in gl.static_range(STAGES):
@@ -530,8 +631,8 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
         mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer releases a slot
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(turn_bars.index(i), count=1)
-    if PINGPONG:
-        mbarrier.arrive(turn_bars.index(0))  # warpgroup 0 issues its GEMMs first
+    if PINGPONG and not PP_NAMED:
+        mbarrier.arrive(turn_bars.index(0))  # warpgroup 0 takes the first turn
 
     # The argument lists are spelled out per partition: a tuple built once and joined with
     # `+` loses its constexpr members in Triton 3.6's frontend (D, BLOCK_N... become run-time
@@ -539,14 +640,14 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
+                         kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, CONSUMERS,
                          DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
+                         kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, CONSUMERS,
                          DYNAMIC, O_DIRECT, WG_TILES)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_counter, n_m,
@@ -557,19 +658,19 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
         q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
+                         kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, CONSUMERS,
                          DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
+                         kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, CONSUMERS,
                          DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
+                         kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, CONSUMERS,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, CONSUMERS,
                          DYNAMIC, O_DIRECT, WG_TILES)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_counter,

@@ -77,6 +77,9 @@ VARIANTS = {
     "pp_soft_named": {"PINGPONG": True, "PP_SOFTMAX": True, "PP_NAMED": True, "D": 128},
     "pp_soft_named_c2": {"CONSUMERS": 2, "PINGPONG": True, "PP_SOFTMAX": True,
                          "PP_NAMED": True, "D": 64},
+    # row max and row sum over adjacent column pairs first (half the serial FMNMX/FADD chain)
+    "pair": {"PAIR_REDUCE": True},
+    "pair_pp_named": {"PAIR_REDUCE": True, "PINGPONG": True, "PP_NAMED": True},
 }
 
 

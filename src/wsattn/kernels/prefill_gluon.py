@@ -61,6 +61,7 @@ class GluonSettings:
     PINGPONG: bool = False  # consumer warpgroups take turns issuing GEMMs
     PP_SOFTMAX: bool = False  # with PINGPONG: the turn covers the exponentials instead
     PP_NAMED: bool = False  # with PINGPONG: turns through named barriers (bar.sync/arrive)
+    PAIR_REDUCE: bool = False  # row max / sum over column pairs first (half the serial chain)
     UNROLL: bool = True  # steps in pairs, so P(j), P(j+1) can take two register sets (notes)
     PERSISTENT: bool = False  # one CTA per SM striding over the tiles (K/V prefetch across tiles)
     DYNAMIC: bool = False  # persistent CTAs claim tiles from a global counter (load balance)
@@ -165,7 +166,8 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
                 PERSISTENT=s.PERSISTENT, PIN_PV_WAIT=s.PIN_PV_WAIT,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
                 CONSUMERS=s.CONSUMERS, DYNAMIC=s.DYNAMIC, O_DIRECT=s.O_DIRECT,
-                WG_TILES=s.WG_TILES, PP_SOFTMAX=s.PP_SOFTMAX, PP_NAMED=s.PP_NAMED)
+                WG_TILES=s.WG_TILES, PP_SOFTMAX=s.PP_SOFTMAX, PP_NAMED=s.PP_NAMED,
+                PAIR_REDUCE=s.PAIR_REDUCE)
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):

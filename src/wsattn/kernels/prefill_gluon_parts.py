@@ -150,10 +150,26 @@ def _release_tiles(j_lo, j_hi, r0, pp0, v_ready, kv_empty, turn_mine, turn_other
 
 
 @gluon.jit
+def _row_reduce_pairs(x, BLOCK_N: gl.constexpr, MAX: gl.constexpr):
+    """Row max (MAX) or sum of x [WG_M, BLOCK_N] with half the serial chain: a thread holds
+    its columns in adjacent pairs (wgmma accumulator layout), so reshaping to
+    [WG_M, BLOCK_N / 2, 2] and splitting moves no data; the pairs combine in parallel and
+    only BLOCK_N / 2 / 4 of them chain per thread (gl.max / gl.sum fold a thread's 32
+    values one after the other: 32 dependent FMNMX or FADD per row at BLOCK_N = 128)."""
+    even, odd = gl.split(gl.reshape(x, [WG_M, BLOCK_N // 2, 2]))
+    if MAX:
+        r = gl.max(gl.maximum(even, odd), axis=1)
+    else:
+        r = gl.sum(even + odd, axis=1)
+    # back to the row layout of x's own reductions: the same distribution, no data moves
+    return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
+
+
+@gluon.jit
 def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr,
                   BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
                   turn_mine=None, turn_other=None, pp=0, TURN: gl.constexpr = False,
-                  PP_NAMED: gl.constexpr = False):
+                  PP_NAMED: gl.constexpr = False, PAIR_REDUCE: gl.constexpr = False):
     """Online-softmax step on one S tile [WG_M, BLOCK_N] (fp32, raw q.k).
 
     m_i is kept in the log2 domain (scaled by qk_scale = sm_scale * log2 e). Returns the
@@ -170,12 +186,19 @@ def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr
         if CAUSAL:
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (Sk - Sq), 1))
         s = gl.where(keep, s, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # [WG_M]
+    if PAIR_REDUCE:
+        m_tile = _row_reduce_pairs(s, BLOCK_N, True)
+    else:
+        m_tile = gl.max(s, axis=1)
+    m_new = gl.maximum(m_i, m_tile * qk_scale)  # [WG_M]
     if TURN:
         m_new = _turn_wait(m_new, turn_mine, pp, PP_NAMED)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))  # [WG_M, BLOCK_N]
     alpha = gl.exp2(m_i - m_new)  # [WG_M]
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    if PAIR_REDUCE:
+        l_i = l_i * alpha + _row_reduce_pairs(p, BLOCK_N, False)
+    else:
+        l_i = l_i * alpha + gl.sum(p, axis=1)
     if TURN:
         l_i = _turn_pass(l_i, turn_other, PP_NAMED)
     return p, alpha, m_new, l_i
@@ -207,7 +230,8 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
           p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
           CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
           PIN_PV_WAIT: gl.constexpr,
-          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr):
+          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
+          PAIR_REDUCE: gl.constexpr):
     """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
     issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
     tensor cores (OVERLAP). With PINGPONG the consumer warpgroups take turns (round-robin)
@@ -242,7 +266,7 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
     s = warpgroup_mma_wait(1, deps=(s_tok, ))  # QK^T(j+1) done; PV(j) may still run
     p, alpha, m_i, l_i = _softmax_tile(s, nxt, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
                                        BLOCK_N, MASK, CAUSAL, turn_mine, turn_other, pp,
-                                       PINGPONG and PP_SOFTMAX, PP_NAMED)
+                                       PINGPONG and PP_SOFTMAX, PP_NAMED, PAIR_REDUCE)
     # P(j + 1) is packed before waiting for PV(j), which still reads P(j) from registers.
     p_nxt = gl.convert_layout(p.to(q.dtype), p_layout)
     if PIN_PV_WAIT:
@@ -260,7 +284,8 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
                    STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                    PIN_PV_WAIT: gl.constexpr,
-          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr):
+          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
+          PAIR_REDUCE: gl.constexpr):
     """Iterations j in [j_lo, j_hi), unrolled by two (UNROLL) so that P(j) and P(j + 1) can
     live in two register sets: with one loop-carried set, ptxas packs P(j + 1) into the
     registers the in-flight PV(j) still reads and so waits for PV(j) before the softmax
@@ -272,17 +297,17 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
         p_b, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                    kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
                                    Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                   CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED)
+                                   CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE)
         p_op, m_i, l_i, acc = _step(j + 1, r0 + j + 1, pp0 + j + 1, q, k_smem, v_smem,
                                     k_ready, v_ready, kv_empty, turn_mine, turn_other, p_b, m_i,
                                     l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
                                     BLOCK_N, STAGES, MASK, CAUSAL, OVERLAP, PINGPONG,
-                                    PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED)
+                                    PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE)
     for j in range(j_lo + 2 * n_pairs, j_hi):  # the odd one out, or all without UNROLL
         p_op, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                     kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
                                     Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                    CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED)
+                                    CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE)
     return p_op, m_i, l_i, acc
 
 
@@ -307,7 +332,8 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     PIN_PV_WAIT: gl.constexpr,
-          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr, O_DIRECT: gl.constexpr,
+          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
+          PAIR_REDUCE: gl.constexpr, O_DIRECT: gl.constexpr,
                     WG_TILES: gl.constexpr):
     """Tile t (this CTA's tile_i-th, its K/V from ring index r0 on); returns its K/V count.
 
@@ -336,7 +362,7 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
                         q_smem, k2, v2, q_empty, k_ready, v_ready, kv_empty, turn_mine,
                         turn_other, o_desc, o_ptr, lse_ptr, Sq, Sk, Hq, qk_scale, s_layout,
                         o_layout, p_layout, BLOCK_N, D, STAGES, CAUSAL, OVERLAP, PINGPONG,
-                        UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, O_DIRECT)
+                        UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, O_DIRECT)
     else:
         mbarrier.arrive(q_empty)  # rows all past Sq: this warpgroup reads no Q
     _release_tiles(n_mine, n_total, r0, r0 - tile_i, v_ready, kv_empty, turn_mine, turn_other,
@@ -352,7 +378,8 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, m_row0, rows, q,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     PIN_PV_WAIT: gl.constexpr,
-          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr, O_DIRECT: gl.constexpr):
+          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
+          PAIR_REDUCE: gl.constexpr, O_DIRECT: gl.constexpr):
     """This warpgroup's tiles [0, n_mine) (n_mine >= 1; tiles [0, n_mine_full) unmasked),
     O and LSE stored, Q released. pp0 counts the ping-pong turns taken before this tile."""
     dtype: gl.constexpr = q_smem.dtype
@@ -366,7 +393,8 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, m_row0, rows, q,
     m_i = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
     l_i = gl.zeros([WG_M], gl.float32, row_layout)
     p, alpha, m_i, l_i = _softmax_tile(s, 0, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
-                                       BLOCK_N, True, CAUSAL)
+                                       BLOCK_N, True, CAUSAL, None, None, 0, False, False,
+                                       PAIR_REDUCE)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
 
@@ -376,12 +404,12 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, m_row0, rows, q,
                                          kv_empty, turn_mine, turn_other, p_op, m_i, l_i,
                                          acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
                                          BLOCK_N, STAGES, False, CAUSAL, OVERLAP, PINGPONG,
-                                         UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED)
+                                         UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE)
     p_op, m_i, l_i, acc = _consume_tiles(split, n_mine - 1, r0, pp0, q, k2, v2, k_ready,
                                          v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
                                          l_i, acc, rows, Sq, Sk, qk_scale, s_layout,
                                          p_layout, BLOCK_N, STAGES, True, CAUSAL, OVERLAP,
-                                         PINGPONG, False, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED)
+                                         PINGPONG, False, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE)
     if O_DIRECT:
         mbarrier.arrive(q_empty)  # every QK^T of this tile has completed: Q is not read again
 
@@ -437,7 +465,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PERSISTENT: gl.constexpr,
               PIN_PV_WAIT: gl.constexpr,
-          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr, CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr,
+          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
+          PAIR_REDUCE: gl.constexpr, CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr,
               O_DIRECT: gl.constexpr, WG_TILES: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of each tile this
     CTA takes: one tile per CTA, or (PERSISTENT) tiles pid, pid + grid, ..., or (DYNAMIC)
@@ -477,7 +506,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                   k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc,
                                   o_ptr, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
                                   o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, O_DIRECT, WG_TILES)
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, O_DIRECT, WG_TILES)
             tile_i += 1
             # The producer's next q_bar phase carries the next tile, or one past the end.
             mbarrier.wait(q_bar, tile_i & 1)
@@ -491,12 +520,12 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                   q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other,
                                   o_desc, o_ptr, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
                                   o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, O_DIRECT, WG_TILES)
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, O_DIRECT, WG_TILES)
     else:  # one tile per CTA: no tile loop, nothing carried across tiles
         _consume_q_tile(gl.program_id(0), 0, 0, WG, q, q_smem, k2, v2, q_bar, q_empty, k_ready,
                         v_ready, kv_empty, turn_mine, turn_other, o_desc, o_ptr, lse_ptr, n_m,
                         Sq, Sk, Hq, qk_scale, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
-                        D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, O_DIRECT, WG_TILES)
+                        D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, O_DIRECT, WG_TILES)
 
 
 @gluon.jit
@@ -590,7 +619,8 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr = 2, DYNAMIC: gl.constexpr = False,
                     O_DIRECT: gl.constexpr = False, WG_TILES: gl.constexpr = True,
-                    PP_SOFTMAX: gl.constexpr = False, PP_NAMED: gl.constexpr = False):
+                    PP_SOFTMAX: gl.constexpr = False, PP_NAMED: gl.constexpr = False,
+                    PAIR_REDUCE: gl.constexpr = False):
     """1-D grid over tiles (row block, batch, head): one tile per CTA, or fewer CTAs than
     tiles (persistent), each striding over them. q/o descriptors are [B, Sq, Hq * D] with
     box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D]; GROUP = Hq // Hkv.
@@ -642,12 +672,12 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, CONSUMERS,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, CONSUMERS,
                          DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, CONSUMERS,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, CONSUMERS,
                          DYNAMIC, O_DIRECT, WG_TILES)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_counter, n_m,
@@ -660,17 +690,17 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, CONSUMERS,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, CONSUMERS,
                          DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, CONSUMERS,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, CONSUMERS,
                          DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, CONSUMERS,
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, CONSUMERS,
                          DYNAMIC, O_DIRECT, WG_TILES)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_counter,

@@ -252,6 +252,57 @@ def test_sm90_dynamic_schedule_and_direct_epilogue(head_dim, causal):
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
 
 
+def _between(sass: str, start: str, end: str, what: str) -> list[int]:
+    """For each line matching `start`, how many lines matching `what` come before the next
+    line matching `end` (SASS order)."""
+    counts, n = [], None
+    for line in sass.splitlines():
+        if n is not None and re.search(end, line):
+            counts.append(n)
+            n = None
+        elif n is not None and re.search(what, line):
+            n += 1
+        if re.search(start, line):
+            n = 0
+    return counts
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_named_turns_wrap_the_exponentials(causal):
+    """PINGPONG + PP_SOFTMAX + PP_NAMED at D=128: each warpgroup's turn is a bar.sync on its
+    own named barrier (8, 9) and the pass a bar.arrive on the next one's, and in SASS the
+    tile's exponentials (64 a thread at BLOCK_N = 128) sit between the two. Plain asm
+    barriers were hoisted into the row max by ptxas, with every exponential outside the
+    turn; this checks the pinning (_named_bar, _turn_wait) holds. No spills."""
+    k = _compile(128, causal, PINGPONG=True, PP_SOFTMAX=True, PP_NAMED=True)
+    sass, ptx = sass_listing(k.asm["cubin"]), k.asm["ptx"]
+    assert re.search(r"bar\.sync\s+%r\d+, 256", ptx) and re.search(r"bar\.arrive\s+%r\d+, 256", ptx)
+    turns = _between(sass, r"BAR\.SYNC\S* 0x(8|9), 0x100", r"BAR\.ARV 0x(8|9), 0x100",
+                     r"MUFU\.EX2")
+    steady = [n for n in turns if n >= 64]
+    assert len(steady) >= 6, turns  # both consumers' unrolled pair and masked step
+    assert not re.findall(r"\b(LDL|STL)(?:\.\w+)*\b", sass)
+
+
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_pair_reduce_moves_no_data(head_dim, causal):
+    """PAIR_REDUCE reshapes S and P to [64, BLOCK_N / 2, 2] and splits them: a view of the
+    registers each thread already holds, so the build has no shared-memory instruction the
+    default build lacks (a layout conversion would go through shared memory), and no spill."""
+    def smem_ops(sass):
+        return len(re.findall(r"\b(STS|LDS|STSM|LDSM)\b", sass))
+    base = sass_listing(_compile(head_dim, causal).asm["cubin"])
+    paired = sass_listing(_compile(head_dim, causal, PAIR_REDUCE=True).asm["cubin"])
+    assert smem_ops(paired) <= smem_ops(base)
+    assert not re.findall(r"\b(LDL|STL)(?:\.\w+)*\b", paired)
+
+
+def test_turn_switches_need_pingpong():
+    for over in ({"PP_SOFTMAX": True}, {"PP_NAMED": True}):
+        with pytest.raises(ValueError, match=r"need PINGPONG=True"):
+            pg.settings_for(128, False, **over)
+
+
 def test_dynamic_needs_persistent():
     with pytest.raises(ValueError, match=r"DYNAMIC=True is a persistent schedule"):
         pg.settings_for(128, False, DYNAMIC=True)
@@ -414,7 +465,16 @@ SCHEDULE_VARIANTS = {"all-tiles": {"WG_TILES": False},
                      "direct": {"O_DIRECT": True},
                      "persistent-direct": {"PERSISTENT": True, "O_DIRECT": True},
                      "dynamic": {"PERSISTENT": True, "DYNAMIC": True},
-                     "dynamic-direct": {"PERSISTENT": True, "DYNAMIC": True, "O_DIRECT": True}}
+                     "dynamic-direct": {"PERSISTENT": True, "DYNAMIC": True, "O_DIRECT": True},
+                     # ping-pong turns: named barriers, at the exponentials, both; with
+                     # WG_TILES a warpgroup that skips tiles still passes its turns
+                     "pp-named": {"PINGPONG": True, "PP_NAMED": True},
+                     "pp-softmax": {"PINGPONG": True, "PP_SOFTMAX": True},
+                     "pp-softmax-named": {"PINGPONG": True, "PP_SOFTMAX": True,
+                                          "PP_NAMED": True},
+                     "pp-named-dynamic": {"PINGPONG": True, "PP_NAMED": True,
+                                          "PERSISTENT": True, "DYNAMIC": True},
+                     "pair-reduce": {"PAIR_REDUCE": True}}
 SCHEDULE_GPU_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal: more tiles than SMs in the last two
     (1, 1, 1, 2, 1, 64, False),
     (2, 17, 300, 4, 4, 128, True),

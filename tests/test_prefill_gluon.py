@@ -276,7 +276,8 @@ def test_sm90_named_turns_wrap_the_exponentials(causal):
     turn; this checks the pinning (_named_bar, _turn_wait) holds. No spills."""
     k = _compile(128, causal, PINGPONG=True, PP_SOFTMAX=True, PP_NAMED=True)
     sass, ptx = sass_listing(k.asm["cubin"]), k.asm["ptx"]
-    assert re.search(r"bar\.sync\s+%r\d+, 256", ptx) and re.search(r"bar\.arrive\s+%r\d+, 256", ptx)
+    assert re.search(r"bar\.sync\s+%r\d+, 256", ptx)
+    assert re.search(r"bar\.arrive\s+%r\d+, 256", ptx)
     turns = _between(sass, r"BAR\.SYNC\S* 0x(8|9), 0x100", r"BAR\.ARV 0x(8|9), 0x100",
                      r"MUFU\.EX2")
     steady = [n for n in turns if n >= 64]

@@ -189,6 +189,25 @@ def test_bt_chunk_covers_a_split_and_stays_small():
     assert bt_chunk(s, 65536, 7) == 256 <= BT_PRELOAD_MAX  # 1024 keys: 148 entries
 
 
+def test_default_settings_preload_the_table_where_it_fits_on_sm90():
+    """sm_90, pages shorter than a tile: the block table is preloaded (4 stages) where a
+    split's entries fit BT_PRELOAD_MAX (B=1, 64 splits), not where they do not (B=64, one
+    split of 513 entries: 7 stages as before); whole-tile pages and other targets keep the
+    per-tile reads."""
+    from wsattn.kernels.decode_triton import bt_chunk, default_settings
+
+    def settings(cc, batch, capacity, page):
+        return default_settings(Target("cuda", cc, 132), batch=batch, kv_heads=8, head_dim=128,
+                                capacity=capacity, dtype=torch.bfloat16, paged=True,
+                                page_size=page)
+    long = settings(90, 1, 131072, 16)
+    assert long.bt_preload and long.num_stages == 4 and bt_chunk(long, 131072, 16) == 256
+    wide = settings(90, 64, 8192, 16)
+    assert not wide.bt_preload and wide.num_stages == 7
+    assert not settings(90, 1, 131072, 64).bt_preload  # one table entry per tile already
+    assert not settings(100, 1, 131072, 16).bt_preload  # measured on sm_90 only
+
+
 def test_sm90_bt_preload_pipelines_like_the_contiguous_cache():
     """With the block table read before the loop, the K/V loads no longer wait on a load of
     the same iteration: at 4 stages the pipeliner keeps 3 K/V buffers (per-tile reads: 1)

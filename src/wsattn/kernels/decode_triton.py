@@ -161,8 +161,8 @@ class DecodeSettings:
     BLOCK_N: keys per tile; num_warps / num_stages: as in triton; num_splits: splits of
     each sequence (>= 1; 1 means no workspace and no combine launch). bt_preload: a paged
     cache whose pages are shorter than a tile reads each split's block-table entries once
-    before the loop (at most BT_PRELOAD_MAX of them) instead of per tile; unmeasured on a
-    GPU, so off by default (notes/decode_triton.md).
+    before the loop (at most BT_PRELOAD_MAX of them) instead of per tile; default_settings
+    turns it on where it applies on sm_90 (measured there: notes/decode_triton.md).
     """
     BLOCK_N: int
     num_warps: int
@@ -219,9 +219,11 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
 @functools.lru_cache(maxsize=4096)
 def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int,
                      capacity: int, dtype: torch.dtype, paged: bool = False,
-                     query_rows: int = 4, num_splits: int = 0) -> DecodeSettings:
+                     query_rows: int = 4, num_splits: int = 0,
+                     page_size: int = 0) -> DecodeSettings:
     """Settings from (target, shape, dtype); query_rows = T * Hq / Hkv, the rows of a
-    program's query tile; num_splits 0 = auto (see auto_splits)."""
+    program's query tile; num_splits 0 = auto (see auto_splits); page_size of a paged
+    cache (0: unknown), which decides bt_preload on sm_90."""
     if target.backend == "interpreter":
         # small tiles, so that short test sequences still cross several tiles and splits
         block_n, warps, stages = 16, 4, 1
@@ -243,7 +245,18 @@ def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int
         else:
             stages = (7 if paged else 4) if target.cc >= 90 else (5 if paged else 3)
     splits = num_splits or auto_splits(batch, kv_heads, capacity, block_n, target.num_sms)
-    return DecodeSettings(BLOCK_N=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+    s = DecodeSettings(BLOCK_N=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+    if paged and target.cc == 90 and page_size:
+        # Pages shorter than a tile, few enough per split to preload the block table: the
+        # K/V loads no longer wait on a table load, and at 4 stages the pipeliner keeps 3
+        # K/V buffers as for the contiguous cache. H200, B=1 L=131072 page 16 (64 splits,
+        # 256 entries): 0.944 -> 0.971x the contiguous cache (notes/decode_triton.md). Where
+        # the table does not fit BT_PRELOAD_MAX (B=8/64 here) 7 stages stay: 4 stages
+        # without the preload ran 0.71x.
+        pre = replace(s, bt_preload=True, num_stages=4)
+        if bt_chunk(pre, capacity, page_size):
+            s = pre
+    return s
 
 
 BT_PRELOAD_MAX = 256  # block-table entries a program keeps in registers (1-2 per thread)
@@ -305,7 +318,8 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     if settings is None:
         settings = default_settings(target_of(q.device), batch=B, kv_heads=HKV, head_dim=D,
                                     capacity=capacity, dtype=q.dtype, paged=paged,
-                                    query_rows=T * group, num_splits=num_splits)
+                                    query_rows=T * group, num_splits=num_splits,
+                                    page_size=page_size if paged else 0)
     elif num_splits:
         settings = replace(settings, num_splits=num_splits)
     splits = settings.num_splits
@@ -371,7 +385,7 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
         target = Target("cuda", cc, num_sms)
         settings = default_settings(target, batch=1, kv_heads=8, head_dim=head_dim,
                                     capacity=131072, dtype=_TORCH[dtype], paged=paged,
-                                    query_rows=T * group)
+                                    query_rows=T * group, page_size=page_size if paged else 0)
     if kernel == "combine":
         sig = {"ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "out_ptr": f"*{t}", "lse_ptr": "*fp32",
                "D": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_D": "constexpr"}

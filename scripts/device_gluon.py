@@ -55,6 +55,9 @@ VARIANTS = {
     # Three consumer warpgroups, BLOCK_M = 192 (head dim 64 only; settings_for then takes
     # 160 registers a consumer and no UNROLL). Compare with plain_s4 (2 consumers, no UNROLL).
     "c3": {"CONSUMERS": 3, "D": 64},
+    # two consumers (128-row tiles) at D=64, now that WG_TILES skips empty warpgroups: more,
+    # smaller causal CTAs (N=4096: 4,096 CTAs instead of 2,816)
+    "c2": {"CONSUMERS": 2, "D": 64},
     "c3_persistent": {"CONSUMERS": 3, "PERSISTENT": True, "D": 64},
     "c3_pingpong": {"CONSUMERS": 3, "PINGPONG": True, "D": 64},
     # 64-key tiles: registers for UNROLL's two P sets (no spills; the 128-key c3 + UNROLL

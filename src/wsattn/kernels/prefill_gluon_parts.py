@@ -229,8 +229,7 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
           p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr,
           p_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
           CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-          PIN_PV_WAIT: gl.constexpr,
-          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
+          PIN_PV_WAIT: gl.constexpr, PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
           PAIR_REDUCE: gl.constexpr):
     """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
     issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
@@ -283,9 +282,8 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
                    s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
                    OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                   PIN_PV_WAIT: gl.constexpr,
-          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
-          PAIR_REDUCE: gl.constexpr):
+                   PIN_PV_WAIT: gl.constexpr, PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
+                   PAIR_REDUCE: gl.constexpr):
     """Iterations j in [j_lo, j_hi), unrolled by two (UNROLL) so that P(j) and P(j + 1) can
     live in two register sets: with one loop-carried set, ptxas packs P(j + 1) into the
     registers the in-flight PV(j) still reads and so waits for PV(j) before the softmax
@@ -297,7 +295,8 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
         p_b, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                    kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
                                    Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                   CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE)
+                                   CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED,
+                                   PAIR_REDUCE)
         p_op, m_i, l_i, acc = _step(j + 1, r0 + j + 1, pp0 + j + 1, q, k_smem, v_smem,
                                     k_ready, v_ready, kv_empty, turn_mine, turn_other, p_b, m_i,
                                     l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
@@ -307,7 +306,8 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
         p_op, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                     kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
                                     Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                    CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE)
+                                    CAUSAL, OVERLAP, PINGPONG, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED,
+                                    PAIR_REDUCE)
     return p_op, m_i, l_i, acc
 
 
@@ -331,9 +331,8 @@ def _consume_q_tile(t, r0, tile_i, WG: gl.constexpr, q, q_smem, k2, v2, q_bar, q
                     p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                    PIN_PV_WAIT: gl.constexpr,
-          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
-          PAIR_REDUCE: gl.constexpr, O_DIRECT: gl.constexpr,
+                    PIN_PV_WAIT: gl.constexpr, PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
+                    PAIR_REDUCE: gl.constexpr, O_DIRECT: gl.constexpr,
                     WG_TILES: gl.constexpr):
     """Tile t (this CTA's tile_i-th, its K/V from ring index r0 on); returns its K/V count.
 
@@ -377,9 +376,8 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, m_row0, rows, q,
                     o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
-                    PIN_PV_WAIT: gl.constexpr,
-          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
-          PAIR_REDUCE: gl.constexpr, O_DIRECT: gl.constexpr):
+                    PIN_PV_WAIT: gl.constexpr, PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
+                    PAIR_REDUCE: gl.constexpr, O_DIRECT: gl.constexpr):
     """This warpgroup's tiles [0, n_mine) (n_mine >= 1; tiles [0, n_mine_full) unmasked),
     O and LSE stored, Q released. pp0 counts the ping-pong turns taken before this tile."""
     dtype: gl.constexpr = q_smem.dtype
@@ -409,7 +407,8 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, m_row0, rows, q,
                                          v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
                                          l_i, acc, rows, Sq, Sk, qk_scale, s_layout,
                                          p_layout, BLOCK_N, STAGES, True, CAUSAL, OVERLAP,
-                                         PINGPONG, False, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE)
+                                         PINGPONG, False, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED,
+                                         PAIR_REDUCE)
     if O_DIRECT:
         mbarrier.arrive(q_empty)  # every QK^T of this tile has completed: Q is not read again
 
@@ -460,13 +459,12 @@ def _publish_tile(tile_smem, t):
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-              kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m, num_tiles, Sq, Sk, Hq,
-              qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m, num_tiles,
+              Sq, Sk, Hq, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PERSISTENT: gl.constexpr,
-              PIN_PV_WAIT: gl.constexpr,
-          PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
-          PAIR_REDUCE: gl.constexpr, CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr,
+              PIN_PV_WAIT: gl.constexpr, PP_SOFTMAX: gl.constexpr, PP_NAMED: gl.constexpr,
+              PAIR_REDUCE: gl.constexpr, CONSUMERS: gl.constexpr, DYNAMIC: gl.constexpr,
               O_DIRECT: gl.constexpr, WG_TILES: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of each tile this
     CTA takes: one tile per CTA, or (PERSISTENT) tiles pid, pid + grid, ..., or (DYNAMIC)
@@ -506,7 +504,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                   k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc,
                                   o_ptr, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
                                   o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, O_DIRECT, WG_TILES)
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED,
+                                  PAIR_REDUCE, O_DIRECT, WG_TILES)
             tile_i += 1
             # The producer's next q_bar phase carries the next tile, or one past the end.
             mbarrier.wait(q_bar, tile_i & 1)
@@ -520,12 +519,14 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                                   q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other,
                                   o_desc, o_ptr, lse_ptr, n_m, Sq, Sk, Hq, qk_scale, s_layout,
                                   o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, O_DIRECT, WG_TILES)
+                                  OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED,
+                                  PAIR_REDUCE, O_DIRECT, WG_TILES)
     else:  # one tile per CTA: no tile loop, nothing carried across tiles
         _consume_q_tile(gl.program_id(0), 0, 0, WG, q, q_smem, k2, v2, q_bar, q_empty, k_ready,
                         v_ready, kv_empty, turn_mine, turn_other, o_desc, o_ptr, lse_ptr, n_m,
                         Sq, Sk, Hq, qk_scale, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N,
-                        D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, O_DIRECT, WG_TILES)
+                        D, STAGES, CAUSAL, OVERLAP, PINGPONG, UNROLL, PIN_PV_WAIT, PP_SOFTMAX,
+                        PP_NAMED, PAIR_REDUCE, O_DIRECT, WG_TILES)
 
 
 @gluon.jit
@@ -672,13 +673,13 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, CONSUMERS,
-                         DYNAMIC, O_DIRECT, WG_TILES)),
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED,
+                         PAIR_REDUCE, CONSUMERS, DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, CONSUMERS,
-                         DYNAMIC, O_DIRECT, WG_TILES)),
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED,
+                         PAIR_REDUCE, CONSUMERS, DYNAMIC, O_DIRECT, WG_TILES)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_counter, n_m,
                          num_tiles, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
@@ -690,18 +691,18 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, CONSUMERS,
-                         DYNAMIC, O_DIRECT, WG_TILES)),
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED,
+                         PAIR_REDUCE, CONSUMERS, DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, CONSUMERS,
-                         DYNAMIC, O_DIRECT, WG_TILES)),
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED,
+                         PAIR_REDUCE, CONSUMERS, DYNAMIC, O_DIRECT, WG_TILES)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, turn_zero, tile_smem, o_desc, o_ptr, lse_ptr, n_m,
                          num_tiles, Sq, Sk, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED, PAIR_REDUCE, CONSUMERS,
-                         DYNAMIC, O_DIRECT, WG_TILES)),
+                         OVERLAP, PINGPONG, UNROLL, PERSISTENT, PIN_PV_WAIT, PP_SOFTMAX, PP_NAMED,
+                         PAIR_REDUCE, CONSUMERS, DYNAMIC, O_DIRECT, WG_TILES)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, tile_smem, tile_counter,
                          n_m, num_tiles, Sq, Sk, Hq, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,

@@ -235,11 +235,10 @@ def sass_listing(cubin: bytes) -> str:
                              timeout=120, check=True).stdout
     lines = []
     for line in out.splitlines():
-        m = _SASS_LINE_RE.match(line)
-        if m:
+        if m := _SASS_LINE_RE.match(line):
             lines.append(f"-\t{m.group(1)};")
-        elif _SASS_FUNC_RE.match(line):
-            lines.append(f"Function:{_SASS_FUNC_RE.match(line).group(1)}")
+        elif m := _SASS_FUNC_RE.match(line):
+            lines.append(f"Function:{m.group(1)}")
     return "\n".join(lines) + "\n"
 
 

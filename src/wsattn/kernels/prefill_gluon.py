@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..target import target_of
 from . import _alloc
 from ._intmath import cdiv
 from .prefill_gluon_parts import ROWS_PER_WG as WG_M, attn_fwd_kernel
@@ -133,6 +134,21 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
     return s
 
 
+@functools.lru_cache(maxsize=None)
+def _default_settings(head_dim: int, causal: bool) -> GluonSettings:
+    # asked on every launch: built (and checked) once per (head dim, mask)
+    return settings_for(head_dim, causal)
+
+
+def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool) -> GluonSettings:
+    """The settings to build with: the defaults (checked when made), or the caller's,
+    checked here."""
+    if settings is None:
+        return _default_settings(head_dim, bool(causal))
+    settings.check(head_dim)
+    return settings
+
+
 # --------------------------------------------------------------------------- launcher
 
 _TORCH_TO_GL = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -183,8 +199,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    s = settings or settings_for(D, causal)
-    s.check(D)
+    s = _resolve(settings, D, causal)
     out = _alloc.empty((B, Sq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Sq), torch.float32, q.device)
     if B * Sq * Hq == 0:
@@ -227,14 +242,8 @@ def _tma_ready(t) -> bool:
             and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
-_SMS = {}
-
-
 def _num_sms(device) -> int:
-    index = torch.device(device).index or 0
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    return target_of(device).num_sms  # asked once per GPU (target.py caches it)
 
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
@@ -242,13 +251,13 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``."""
-    s = settings or settings_for(head_dim, causal)
-    s.check(head_dim)
+    s = _resolve(settings, head_dim, causal)
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
     kv_block = [1, s.BLOCK_N, head_dim]
     kv = f"tensordesc<{dtype}[1,{s.BLOCK_N},{head_dim}],{_layout(kv_block, dtype)!r}>"
     signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "o_ptr": f"*{dtype}",
-                 "lse_ptr": "*fp32", "tile_counter": "*i32", "B": "i32", "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32"}
+                 "lse_ptr": "*fp32", "tile_counter": "*i32", "B": "i32", "Sq": "i32",
+                 "Sk": "i32", "Hq": "i32", "qk_scale": "fp32"}
     return {"fn": attn_fwd_kernel, "signature": signature,
             "constexprs": _constexprs(head_dim, 1, causal, s),
             "options": {"num_warps": 4}}
@@ -258,10 +267,7 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
 
 def _cc(device) -> int | None:
     device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
+    return target_of(device).cc if device.type == "cuda" else None
 
 
 # impl="auto" takes the Triton kernel instead where it measured faster on H200

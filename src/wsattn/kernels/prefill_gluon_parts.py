@@ -102,26 +102,36 @@ def _named_bar(bar_id, x, ARRIVE: gl.constexpr):
 
 @gluon.jit
 def _turn_wait(x, turn_mine, pp, PP_NAMED: gl.constexpr):
-    """Wait for this warpgroup's ping-pong turn number pp; returns x (see _named_bar).
+    """Wait for this warpgroup's ping-pong turn number pp; returns x (see _named_bar), or
+    a throw-away value where x is None (a turn that carries nothing).
 
     PP_NAMED: turn_mine is (barrier ids, a zeroed fp32 row in shared memory). x comes back
     plus a zero loaded from that row after the bar.sync: a shared-memory load cannot rise
     above a bar.sync, so what is computed from x (the exponentials) cannot either."""
     if PP_NAMED:
+        if x is None:
+            x = turn_mine[0].to(gl.float32)
         x = _named_bar(turn_mine[0], x, False)
         x = x + turn_mine[1].load(x.type.layout)
     else:
         mbarrier.wait(turn_mine, pp & 1)
+        if x is None:
+            x = 0.0
     return x
 
 
 @gluon.jit
 def _turn_pass(x, turn_other, PP_NAMED: gl.constexpr):
-    """Hand the turn to the next warpgroup; returns x (see _named_bar)."""
+    """Hand the turn to the next warpgroup; returns x (see _named_bar; None as in
+    _turn_wait)."""
     if PP_NAMED:
+        if x is None:
+            x = turn_other.to(gl.float32)
         x = _named_bar(turn_other, x, True)
     else:
         mbarrier.arrive(turn_other)
+        if x is None:
+            x = 0.0
     return x
 
 
@@ -138,12 +148,8 @@ def _release_tiles(j_lo, j_hi, r0, pp0, v_ready, kv_empty, turn_mine, turn_other
         mbarrier.arrive(kv_empty.index(r0 % STAGES))
     for j in range(gl.maximum(j_lo, 1), j_hi):
         if PINGPONG:  # the turn of step j - 1, wherever the step takes it (PP_SOFTMAX)
-            if PP_NAMED:
-                x = _turn_wait(turn_mine[0].to(gl.float32), turn_mine, pp0 + j - 1, PP_NAMED)
-                _turn_pass(x, turn_other, PP_NAMED)
-            else:
-                _turn_wait(0.0, turn_mine, pp0 + j - 1, PP_NAMED)
-                _turn_pass(0.0, turn_other, PP_NAMED)
+            x = _turn_wait(None, turn_mine, pp0 + j - 1, PP_NAMED)
+            _turn_pass(x, turn_other, PP_NAMED)
         r = r0 + j
         mbarrier.wait(v_ready.index(r % STAGES), (r // STAGES) & 1)
         mbarrier.arrive(kv_empty.index(r % STAGES))
@@ -245,10 +251,7 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
     s_nxt = (r + 1) % STAGES
     GEMM_TURNS: gl.constexpr = PINGPONG and not PP_SOFTMAX
     if GEMM_TURNS:
-        if PP_NAMED:
-            _turn_wait(turn_mine[0].to(gl.float32), turn_mine, pp, PP_NAMED)
-        else:
-            _turn_wait(0.0, turn_mine, pp, PP_NAMED)
+        _turn_wait(None, turn_mine, pp, PP_NAMED)
     mbarrier.wait(k_ready.index(s_nxt), ((r + 1) // STAGES) & 1)
     zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q, k_smem.index(s_nxt).permute((1, 0)), zero, use_acc=False,
@@ -258,10 +261,7 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
     mbarrier.wait(v_ready.index(s_cur), (r // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(s_cur), acc, is_async=True)
     if GEMM_TURNS:
-        if PP_NAMED:
-            _turn_pass(turn_other.to(gl.float32), turn_other, PP_NAMED)
-        else:
-            _turn_pass(0.0, turn_other, PP_NAMED)
+        _turn_pass(None, turn_other, PP_NAMED)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))  # QK^T(j+1) done; PV(j) may still run
     p, alpha, m_i, l_i = _softmax_tile(s, nxt, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
                                        BLOCK_N, MASK, CAUSAL, turn_mine, turn_other, pp,
@@ -489,7 +489,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                      turn_zero.index(WG))
         turn_other = gl.full([WG_M], NAMED_BAR0 + (WG + 1) % CONSUMERS, gl.int32, row_layout)
         if PINGPONG and WG == CONSUMERS - 1:
-            _turn_pass(turn_other.to(gl.float32), turn_other, PP_NAMED)  # warpgroup 0 first
+            _turn_pass(None, turn_other, PP_NAMED)  # warpgroup 0 takes the first turn
     else:
         turn_mine = turn_bars.index(WG)
         turn_other = turn_bars.index((WG + 1) % CONSUMERS)

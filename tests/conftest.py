@@ -7,35 +7,17 @@ import os
 import pytest
 import torch
 
-# One table of tolerances on ||out - ref|| / ||ref|| against the float64 reference.
-# fp32 through tl.dot is tf32 on the GPU (about 3e-4); fp16 rounds P to 11 bits, bf16 to 8.
-TOL = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 2e-2}
-LSE_TOL = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 5e-3}
+from wsattn.testing import DTYPES, assert_lse_close, rel_err  # noqa: F401  (the one table)
+from wsattn.testing import LSE_TOL as _LSE_TOL, TOL as _TOL
+from wsattn.testing import assert_close as _assert_close
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf (NaN never passes)."""
-    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
-    if torch.isnan(out64).any():
-        return float("inf")
-    return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+# keyed by torch dtype for the tests' convenience; the values live in wsattn.testing
+TOL = {DTYPES[k]: v for k, v in _TOL.items()}
+LSE_TOL = {DTYPES[k]: v for k, v in _LSE_TOL.items()}
 
 
 def assert_close(out, ref, dtype, what="out", tol=None):
-    tol = TOL[dtype] if tol is None else tol
-    err = rel_err(out, ref)
-    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} ({dtype})"
-
-
-def assert_lse_close(lse, ref, dtype):
-    """LSE compared where finite; -inf (empty rows) must match exactly."""
-    lse, ref = lse.detach().double().cpu(), ref.detach().double().cpu()
-    assert not torch.isnan(lse).any(), "lse has NaN"
-    fin = torch.isfinite(ref)
-    assert torch.equal(torch.isfinite(lse), fin), "lse -inf pattern differs from the reference"
-    err = (lse[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
-    assert err <= LSE_TOL[dtype] * max(1.0, ref[fin].abs().max().item() if fin.any() else 1.0), \
-        f"lse: max abs error {err:.3e} ({dtype})"
+    _assert_close(out, ref, dtype, what, tol)
 
 
 @pytest.fixture(autouse=True)

@@ -53,13 +53,11 @@ def test_stamp_on_cpu_says_none_for_gpu_fields(monkeypatch):
     assert len(host) < 4 or host not in json.dumps(s), "the stamp must not carry the host name"
 
 
-def test_commit_override_and_json_path(monkeypatch):
+def test_commit_override_and_json_name(monkeypatch):
     monkeypatch.setenv("WSATTN_COMMIT", "deadbeef")
     assert env.git_commit() == "deadbeef"
     s = {"gpu": "NVIDIA H200", "date": "2026-11-29T14:05:09Z", "commit": "deadbeef-dirty"}
-    path = env.default_json_path(s)
-    assert path.parent == env.REPO_ROOT / "benchmarks" / "results"
-    assert path.name == "bench_nvidia-h200_20261129T1405_deadbeef-dirty.json"
+    assert env.json_name(s) == "bench_nvidia-h200_20261129T1405_deadbeef-dirty.json"
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -310,8 +308,59 @@ def test_console_bench_without_gpu_exits_2():
     assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr
 
 
+def _bench_args(*argv):
+    return wsattn.cli.build_parser().parse_args(["bench", *argv])
+
+
+def test_bench_writes_nothing_unless_asked(tmp_path, monkeypatch, capsys):
+    """Without --json / --plot the bench only prints: it used to write its JSON and PNG
+    into benchmarks/results/ of the checkout it ran from."""
+    results = env.REPO_ROOT / "benchmarks" / "results"
+    before = sorted(results.iterdir()) if results.exists() else []
+    monkeypatch.chdir(tmp_path)
+    assert bench_cli.write_outputs(_plot_rows(), _stamp(), _bench_args()) == []
+    assert list(tmp_path.iterdir()) == []
+    assert (sorted(results.iterdir()) if results.exists() else []) == before
+    assert "written" not in capsys.readouterr().out
+
+
+def test_bench_writes_json_and_plot_where_asked(tmp_path):
+    rows = _plot_rows()
+    (path,) = bench_cli.write_outputs(rows, _stamp(), _bench_args("--json", str(tmp_path / "r.json"),
+                                                                  "--no-plot"))
+    assert path == tmp_path / "r.json" and len(json.loads(path.read_text())) == len(rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+    # a directory gets the conventional name; the plot goes beside the JSON or to --plot
+    written = bench_cli.write_outputs(rows, _stamp(), _bench_args("--json", str(tmp_path)))
+    assert written[0] == tmp_path / env.json_name(_stamp())
+    plotted = bench_cli.write_outputs(rows, _stamp(), _bench_args("--plot", str(tmp_path / "p.png")))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert written[1:] == [] and plotted == []
+    else:
+        assert written[1:] == [written[0].with_suffix(".png")] and written[1].exists()
+        assert plotted == [tmp_path / "p.png"] and plotted[0].exists()
+
+
+def test_bench_sp_without_gpus_exits_2_with_message(monkeypatch, capsys):
+    """`wsattn bench sp` on a machine without GPUs said nothing useful and ran on gloo."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert wsattn.cli.main(["bench", "sp", "--quick"]) == 2
+    assert "wsattn bench sp needs CUDA GPUs" in capsys.readouterr().err
+
+
+def test_console_sp_bench_without_gpus_exits_2():
+    env_ = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "wsattn.sp.bench", "--quick"],
+                         capture_output=True, text=True, env=env_, timeout=120)
+    assert res.returncode == 2 and "needs CUDA GPUs" in res.stderr, res.stdout + res.stderr
+
+
 def test_bench_sp_hook(monkeypatch, capsys):
     """`wsattn bench sp` dispatches to wsattn.sp.bench.main(args), or says it is not built."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench_cli, "SP_MODULE", "wsattn.sp.bench_not_here")
     assert wsattn.cli.main(["bench", "sp"]) == 2
     assert "not built yet" in capsys.readouterr().err

@@ -4,10 +4,12 @@
                  [--json PATH] [--plot PATH | --no-plot]
 
 Each output is checked against the float64 reference (on a slice) before it is timed; a
-failed check is recorded, not timed. Prints a table, writes JSON rows to
-benchmarks/results/bench_<gpu>_<date>_<commit>.json (or --json) and a PNG plot beside it
-(or --plot). Exit status: 0, 1 if a wsattn kernel failed its check or raised, 2 without a
-CUDA GPU. `wsattn bench sp` runs the sequence-parallel benchmark (wsattn.sp.bench).
+failed check is recorded, not timed. Prints a table; writes nothing unless asked: JSON rows
+with --json PATH (a directory there gets the conventional name
+bench_<gpu>_<date>_<commit>.json), a PNG plot with --plot PATH, or beside the JSON unless
+--no-plot. Exit status: 0, 1 if a wsattn kernel failed its check or raised, 2 without a
+CUDA GPU. `wsattn bench sp` runs the sequence-parallel benchmark (wsattn.sp.bench) under
+torchrun, one process per GPU.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 WHAT = ("prefill", "decode", "all", "sp")
 SP_MODULE = "wsattn.sp.bench"  # provides main(args) -> int, optionally add_arguments(parser)
@@ -46,10 +49,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--impl", nargs="+", choices=RUNNER_NAMES, default=list(RUNNER_NAMES),
                    metavar="IMPL",
                    help=f"implementations to run (default all: {' '.join(RUNNER_NAMES)})")
-    p.add_argument("--json", metavar="PATH", help="where to write the JSON rows "
-                   "(default benchmarks/results/bench_<gpu>_<date>_<commit>.json)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the JSON rows there (an existing directory: "
+                        "bench_<gpu>_<date>_<commit>.json inside it); default: no file")
     p.add_argument("--plot", metavar="PATH",
-                   help="where to draw the PNG (default: beside the JSON)")
+                   help="draw the PNG there (default: beside the JSON when --json is given)")
     p.add_argument("--no-plot", action="store_true", help="draw no plot")
     p.add_argument("--timing", choices=METHODS, default="graph",
                    help="graph: kernels replayed from a CUDA graph (no host overhead; the "
@@ -67,12 +71,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 NO_GPU = ("wsattn bench needs a CUDA GPU, and this machine has none visible to torch "
           "(torch {torch}, CUDA build: {cuda}). Run it on a GPU machine; here, `wsattn ladder` "
           "or `python -m wsattn.bench.smoke` runs the kernels through the Triton interpreter.")
+NO_GPUS_SP = ("wsattn bench sp needs CUDA GPUs (one process per GPU: torchrun --nproc-per-node N "
+              "-m wsattn.cli bench sp), and this machine has none visible to torch (torch {torch}, "
+              "CUDA build: {cuda}). The CPU tests run its plumbing on gloo (tests/test_sp_gloo.py).")
 
 
 def run(args) -> int:
     import torch
 
     if args.what == "sp":
+        if not torch.cuda.is_available():
+            print(NO_GPUS_SP.format(torch=torch.__version__, cuda=torch.version.cuda),
+                  file=sys.stderr)
+            return 2
         sp, why = _sp_module()
         if sp is None:
             print(f"wsattn bench sp: the sequence-parallel benchmark is unavailable: {why}",
@@ -95,9 +106,8 @@ def _bench(args, torch) -> int:
 
     from . import ceilings as ceil_mod
     from .cases import decode_cases, prefill_cases
-    from .env import default_json_path, stamp as make_stamp
-    from .plot import plot_rows
-    from .report import add_ratios, ceiling_row, format_table, write_json
+    from .env import stamp as make_stamp
+    from .report import add_ratios, ceiling_row, format_table
     from .runners import all_runners
     from .suite import run_cases
     from .timing import cuda_timer
@@ -129,13 +139,30 @@ def _bench(args, torch) -> int:
         rows += run_cases(cases, runners, timer, stamp, device, progress=bar)
     add_ratios(rows, ceilings)
     print(format_table(rows))
-    path = write_json(rows, args.json or default_json_path(stamp))
-    print(f"\nJSON rows written to {path}")
-    if not args.no_plot:
-        _, message = plot_rows(rows, args.plot or path.with_suffix(".png"))
-        print(message)
+    write_outputs(rows, stamp, args)
     broken = [r for r in rows
               if r["impl"] in ("triton", "gluon") and r["status"] in ("failed", "error")]
     for r in broken:
         print(f"wsattn {r['impl']} {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
     return 1 if broken else 0
+
+
+def write_outputs(rows, stamp, args) -> list[Path]:
+    """Write the JSON rows and the plot where args.json / args.plot say, and nowhere else:
+    a command run in a checkout must not leave files in it unasked."""
+    from .env import json_name
+    from .plot import plot_rows
+    from .report import write_json
+
+    written, path = [], None
+    if args.json:
+        path = Path(args.json)
+        path = write_json(rows, path / json_name(stamp) if path.is_dir() else path)
+        written.append(path)
+        print(f"\nJSON rows written to {path}")
+    plot_path = args.plot or (path.with_suffix(".png") if path else None)
+    if plot_path and not args.no_plot:
+        drawn, message = plot_rows(rows, plot_path)
+        written += [drawn] if drawn else []
+        print(message)
+    return written

@@ -83,8 +83,7 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-") or "unknown"
 
 
-def default_json_path(s: dict, root: Path = REPO_ROOT) -> Path:
-    """benchmarks/results/bench_<gpu>_<date>_<commit>.json"""
+def json_name(s: dict) -> str:
+    """The conventional name of a run's rows: bench_<gpu>_<date>_<commit>.json"""
     date = s["date"].replace("-", "").replace(":", "")[:13]  # 20261129T1405
-    name = f"bench_{slug(s['gpu'])}_{date}_{slug(s['commit'])}.json"
-    return root / "benchmarks" / "results" / name
+    return f"bench_{slug(s['gpu'])}_{date}_{slug(s['commit'])}.json"

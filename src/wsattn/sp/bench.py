@@ -18,8 +18,9 @@ What it measures, each figure beside its baselines from the same run:
 
 Every SP output is checked before it is timed against the single-GPU kernel on the same
 inputs (itself tested against the float64 reference). Rows are JSON, stamped (GPU,
-driver, versions, commit, date, world size), written by rank 0 to benchmarks/results/.
-Without a GPU it runs on gloo at toy sizes, which checks the plumbing only.
+driver, versions, commit, date, world size), written by rank 0 where --json says (no file
+without it). From the command line it needs CUDA GPUs (exit status 2 without them);
+``main(args)`` also runs on gloo at toy sizes, which the CPU tests use to check the plumbing.
 """
 
 from __future__ import annotations
@@ -359,7 +360,7 @@ def bench_decode(L, dtype, dev, rank, W, reps, row, B=1):
 def main(args) -> int:
     """Run the SP benchmark on every rank; rank 0 prints a table and writes the JSON."""
     rank, W, dev = _init()
-    from wsattn.bench.env import slug, stamp
+    from wsattn.bench.env import stamp
     st = stamp(dev if dev.type == "cuda" else None)
     st["world_size"] = W
     st["backend"] = str(dist.get_backend())
@@ -382,14 +383,8 @@ def main(args) -> int:
         return {**st, "bench": "sp", "dtype": str(dtype).replace("torch.", ""),
                 "zigzag": zigzag, **{k: v for k, v in fields.items() if v is not None}}
 
-    path = None
-    if rank == 0:
-        path = getattr(args, "json", None)
-        if not path:
-            from wsattn.bench.env import REPO_ROOT
-            date = st["date"].replace("-", "").replace(":", "")[:13]
-            path = REPO_ROOT / "benchmarks" / "results" / \
-                f"sp_{slug(st['gpu'])}_w{W}_{date}_{slug(st['commit'])}.json"
+    path = getattr(args, "json", None) if rank == 0 else None
+    if path:
         os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
 
     rows = []
@@ -397,7 +392,7 @@ def main(args) -> int:
     def flush(complete=False):
         # Rewritten after every shape, so a run cut short by a time limit keeps what it
         # measured; the last row says whether the run finished.
-        if rank == 0:
+        if path:
             with open(path, "w") as f:
                 json.dump(rows + [row(what="run", mode="status", complete=complete)], f, indent=1)
 
@@ -420,7 +415,8 @@ def main(args) -> int:
     flush(complete=True)
     if rank == 0:
         print(format_rows(rows))
-        print(f"wrote {len(rows)} rows to {path}")
+        if path:
+            print(f"wrote {len(rows)} rows to {path}")
     dist.barrier()
     return 0 if all(r.get("status", "ok") in ("ok", "unavailable") for r in rows) else 1
 
@@ -444,5 +440,19 @@ def format_rows(rows) -> str:
     return "\n".join(lines)
 
 
+NO_GPUS = ("python -m wsattn.sp.bench needs CUDA GPUs (one process per GPU: torchrun "
+           "--nproc-per-node N -m wsattn.sp.bench), and this machine has none visible to torch. "
+           "The CPU tests run its plumbing on gloo (tests/test_sp_gloo.py).")
+
+
+def cli(argv=None) -> int:
+    """The command line: refuses to start without CUDA GPUs, like `wsattn bench`."""
+    args = _parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print(NO_GPUS, file=sys.stderr)
+        return 2
+    return main(args)
+
+
 if __name__ == "__main__":
-    sys.exit(main(_parser().parse_args()))
+    sys.exit(cli())

@@ -2,27 +2,43 @@
 
 Everything a caller can get wrong is checked here, before any kernel runs, with an
 error that names the argument and what was expected. Kernels may assume valid input.
+Each public function has a ``check_*`` twin that runs exactly its checks and launches
+nothing; :mod:`wsattn.sp` runs them on every rank before the ranks agree.
 
-impl:
+impl (resolved in :mod:`wsattn.dispatch`):
   "auto"      - the fastest qualified kernel for the device: Gluon on sm_90 where it
-                qualifies, Triton elsewhere on CUDA; the Triton kernels on CPU tensors
-                when TRITON_INTERPRET=1; the reference on CPU otherwise.
+                qualifies and measured faster, Triton elsewhere on CUDA; the Triton
+                kernels on CPU tensors when TRITON_INTERPRET=1; the reference on CPU
+                otherwise.
   "triton"    - the Triton (``tl``) kernels.
-  "gluon"     - the warp-specialized Gluon kernel (sm_90 only, prefill only).
+  "gluon"     - the warp-specialized Gluon kernel (sm_90 only, fixed-length prefill).
   "reference" - the PyTorch reference (float64 inside, returns q's dtype).
+
+Value checks and host synchronisation: shapes, dtypes, devices and strides are host
+metadata and are always checked. The *values* of index tensors (``cu_seqlens``,
+``seqlens``, ``block_table``) can only be read on the host, which on a GPU waits for
+the device; ``validate`` decides: ``True`` reads and checks them, ``False`` never does,
+``None`` (the default) checks them where that is free (index tensors on the CPU) or
+when the environment sets ``WSATTN_VALIDATE=1``. A default call on CUDA tensors never
+synchronises; unchecked values are then the caller's contract, as in flash-attn.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import os
+
 import torch
 
-from . import reference
+from . import dispatch, reference
+from .dispatch import IMPLS, Call
 from .target import interpreting
 
-IMPLS = ("auto", "triton", "gluon", "reference")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_HEAD_DIMS = (64, 128, 256)
+MAX_NUM_SPLITS = 256  # splits per sequence; the workspace and the combine grow with it
+LSE_LAYOUTS = ("outputs", "heads_first")
 
 
 # --------------------------------------------------------------------------- checks
@@ -35,8 +51,30 @@ def _tensor(name, t, ndim=None, what=""):
     return t
 
 
+def _flag(name, value):
+    """Python bool only: "False" (a non-empty string) or 0/1 must not pass as a mask switch."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} "
+                        f"{value!r}")
+
+
+def _validate_flag(validate):
+    if validate is not None and not isinstance(validate, bool):
+        raise TypeError(f"validate must be True, False or None, got {type(validate).__name__} "
+                        f"{validate!r}")
+
+
+def _values_checked(validate, *index_tensors) -> bool:
+    """Whether this call reads index values on the host (see the module docstring)."""
+    if validate is not None:
+        return validate
+    if os.environ.get("WSATTN_VALIDATE", "0") == "1":
+        return True
+    return all(t.device.type == "cpu" for t in index_tensors if t is not None)
+
+
 def _last_dim_contiguous(name, t):
-    if t.dim() and t.stride(-1) != 1:
+    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1), "
                          f"got strides {tuple(t.stride())}")
 
@@ -51,33 +89,30 @@ def _same(names, tensors, what):
 
 
 def _check_impl(impl):
-    if impl not in IMPLS:
+    if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def _cpu_auto(impl, device):
-    """impl="auto" on CPU tensors outside the interpreter means the reference."""
-    if impl == "auto" and device.type != "cuda" and not interpreting():
-        return "reference"
-    return impl
+def _check_float(name, t):
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def _check_kernel_inputs(q, impl, head_dim, op):
+def _check_head_dim(D):
+    if D <= 0:
+        raise ValueError(f"head dim (q.shape[-1]) must be positive, got {D}")
+
+
+def _check_kernel_inputs(dtype, impl, head_dim, op):
     """Checks that only the kernels need (the reference takes any float dtype and D)."""
     if impl == "reference":
-        if not q.is_floating_point():
-            raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
         return
-    if q.dtype not in KERNEL_DTYPES:
+    if dtype not in KERNEL_DTYPES:
         raise TypeError(f"q dtype must be one of float16, bfloat16, float32 for impl={impl!r}, "
-                        f"got {q.dtype}")
+                        f"got {dtype}")
     if head_dim not in KERNEL_HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[-1]) must be one of {KERNEL_HEAD_DIMS} for "
-                         f"impl={impl!r}, got {head_dim}")
-    if q.device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f"impl={impl!r} runs {op} on CUDA tensors, got tensors on {q.device}; set "
-            "TRITON_INTERPRET=1 to run the Triton kernels on the CPU, or use impl='reference'")
+                         f"impl={impl!r} ({op}), got {head_dim}")
 
 
 def _check_heads(hq, hkv, q_name="q", k_name="k"):
@@ -86,53 +121,65 @@ def _check_heads(hq, hkv, q_name="q", k_name="k"):
                          f"multiple of the number of KV heads ({k_name}: {hkv})")
 
 
-def _check_cu_seqlens(name, cu, total, validate):
-    _tensor(name, cu, 1, "a 1-D int32 tensor [batch + 1]")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {cu.dtype}")
-    if cu.numel() < 2:
-        raise ValueError(f"{name} must hold at least 2 offsets (batch + 1), got {cu.numel()}")
-    if validate:
-        vals = cu.tolist()
-        if vals[0] != 0:
-            raise ValueError(f"{name}[0] must be 0, got {vals[0]}")
-        if any(b < a for a, b in zip(vals, vals[1:])):
-            raise ValueError(f"{name} must be non-decreasing, got {vals}")
-        if vals[-1] != total:
-            raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), "
-                             f"got {vals[-1]}")
-        return vals
-    return None
+def _index_tensor(name, t, ndim, what):
+    _tensor(name, t, ndim, what)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
 
 
-def _resolve_impl(impl, device, op, gluon_reason=None, gluon_faster=True):
-    """Turn "auto" into a concrete impl and refuse "gluon" where it cannot run.
-    gluon_faster: False where the Triton kernel measured faster for this call's shape."""
-    if impl == "gluon":
-        if op != "prefill":
-            raise ValueError(f"impl='gluon' has no {op} kernel; use impl='triton' or 'auto'")
-        from .kernels import prefill_gluon
-        prefill_gluon.check_device(device)
-        if gluon_reason is not None:
-            raise ValueError(f"impl='gluon' cannot run this call: {gluon_reason}")
-        return "gluon"
-    if impl != "auto":
-        return impl
-    if device.type == "cuda":
-        if op == "prefill" and gluon_reason is None and gluon_faster:
-            from .kernels import prefill_gluon
-            if prefill_gluon.device_supported(device):
-                return "gluon"
-        return "triton"
-    return "triton" if interpreting() else "reference"
+def _cu_values(name, cu, total):
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {vals[0]}")
+    if any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {vals}")
+    if vals[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), "
+                         f"got {vals[-1]}")
+    return vals
+
+
+def _max_seqlen(name, value):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise TypeError(f"{name} must be a non-negative int or None, got "
+                        f"{type(value).__name__} {value!r}")
 
 
 def _scale(sm_scale, d):
     if sm_scale is None:
         return 1.0 / math.sqrt(d)
-    if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0:
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale must be a positive finite number or None, got "
+                        f"{type(sm_scale).__name__} {sm_scale!r}")
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
     return float(sm_scale)
+
+
+def _resolve(impl, call: Call) -> str:
+    if impl not in ("auto", "reference"):  # what the caller asked for first, then where
+        _check_kernel_inputs(call.dtype, impl, call.head_dim, call.op)
+    impl = dispatch.resolve(impl, call)
+    _check_kernel_inputs(call.dtype, impl, call.head_dim, call.op)
+    return impl
+
+
+# --------------------------------------------------------------------------- running
+
+def _kernel_dtype(t: torch.Tensor) -> torch.Tensor:
+    """Triton's interpreter multiplies bf16 operands of tl.dot as raw bits (garbage), so
+    on the CPU bf16 inputs run in fp32 and the outputs are rounded back to bf16."""
+    return t.float() if t.dtype == torch.bfloat16 and t.device.type != "cuda" else t
+
+
+def _run_kernels(impl, device, *tensors):
+    """Tensors as the kernels take them on this device."""
+    if impl == "triton" and device.type != "cuda":
+        return tuple(_kernel_dtype(t) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                     else t for t in tensors)
+    return tensors
 
 
 def _finish(out, lse, dtype, return_lse):
@@ -143,6 +190,36 @@ def _finish(out, lse, dtype, return_lse):
 
 # --------------------------------------------------------------------------- prefill
 
+def _attention_call(q, k, v, causal, sm_scale, impl):
+    _check_impl(impl)
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        _tensor(n, t, 4, "4-D [batch, seqlen, heads, head_dim]")
+        _check_float(n, t)
+        _last_dim_contiguous(n, t)
+    _flag("causal", causal)
+    _same(("q", "k", "v"), (q, k, v), "dtype")
+    _same(("q", "k", "v"), (q, k, v), "device")
+    B, Sq, Hq, D = q.shape
+    _check_head_dim(D)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must be [B={B}, Sk, Hkv, D={D}] to match q, got {tuple(k.shape)}")
+    _check_heads(Hq, k.shape[2])
+    if causal and Sq > k.shape[1]:
+        raise ValueError(f"causal attention needs q_len <= kv_len (bottom-right aligned), "
+                         f"got q seqlen {Sq} > k seqlen {k.shape[1]}")
+    scale = _scale(sm_scale, D)
+    call = Call("prefill", q.device, q.dtype, D, causal, Sq, k.shape[1])
+    return scale, _resolve(impl, call)
+
+
+def check_attention(q, k, v, causal=False, sm_scale=None, *, impl="auto") -> None:
+    """Every check :func:`attention` runs, and nothing else (ValueError / TypeError)."""
+    _attention_call(q, k, v, causal, sm_scale, impl)
+
+
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *,
               return_lse: bool = False, impl: str = "auto"):
     """Prefill attention forward over fixed-length batches.
@@ -151,10 +228,11 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *,
         q: [B, Sq, Hq, D], float16 / bfloat16 (float32 for the interpreter and the
            reference), last dimension contiguous.
         k, v: [B, Sk, Hkv, D], same dtype and device; Hq must be a multiple of Hkv (GQA).
-        causal: mask keys after each query, aligned bottom-right: query i sees keys
+        causal: bool; mask keys after each query, aligned bottom-right: query i sees keys
            j <= i + Sk - Sq (so Sq <= Sk is required), as in chunked prefill.
         sm_scale: softmax scale, default 1/sqrt(D).
-        return_lse: also return the log-sum-exp, natural log, float32, [B, Hq, Sq].
+        return_lse: also return the log-sum-exp, natural log, float32, [B, Hq, Sq]
+           (``merge_states(..., lse_layout="heads_first")`` takes it as it is).
         impl: "auto", "triton", "gluon" or "reference" (see module docstring).
 
     Returns:
@@ -166,77 +244,55 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *,
         >>> out.shape, lse.shape
         (torch.Size([1, 17, 4, 64]), torch.Size([1, 4, 17]))
     """
-    _check_impl(impl)
-    for n, t in (("q", q), ("k", k), ("v", v)):
-        _tensor(n, t, 4, "4-D [batch, seqlen, heads, head_dim]")
-        _last_dim_contiguous(n, t)
-    _same(("q", "k", "v"), (q, k, v), "dtype")
-    _same(("q", "k", "v"), (q, k, v), "device")
+    _flag("return_lse", return_lse)
+    scale, impl = _attention_call(q, k, v, causal, sm_scale, impl)
     B, Sq, Hq, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k must be [B={B}, Sk, Hkv, D={D}] to match q, got {tuple(k.shape)}")
-    _check_heads(Hq, k.shape[2])
-    if causal and Sq > k.shape[1]:
-        raise ValueError(f"causal attention needs q_len <= kv_len (bottom-right aligned), "
-                         f"got q seqlen {Sq} > k seqlen {k.shape[1]}")
-    scale = _scale(sm_scale, D)
-    impl = _cpu_auto(impl, q.device)
-    _check_kernel_inputs(q, impl, D, "attention")
-    if impl == "reference":
-        out, lse = reference.attention(q, k, v, causal, scale)
-        return _finish(out, lse, q.dtype, return_lse)
-    from .kernels import prefill_gluon
-    impl = _resolve_impl(impl, q.device, "prefill",
-                         prefill_gluon.unsupported_reason(q, k, v, causal, varlen=False),
-                         prefill_gluon.auto_prefers(q, causal))
+    if q.numel() == 0:  # nothing to compute: no kernel, no reference
+        out = torch.empty_like(q)
+        lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
     if impl == "reference":
         out, lse = reference.attention(q, k, v, causal, scale)
         return _finish(out, lse, q.dtype, return_lse)
     from . import ops
-    out, lse = ops.prefill(q, k, v, None, None, 0, 0, causal, scale, impl)
-    return (out, lse) if return_lse else out
+    qk, kk, vk = _run_kernels(impl, q.device, q, k, v)
+    out, lse = ops.prefill(qk, kk, vk, None, None, 0, 0, causal, scale, impl)
+    return _finish(out, lse, q.dtype, return_lse)
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
-                     max_seqlen_k: int | None = None, causal: bool = False,
-                     sm_scale: float | None = None, *, return_lse: bool = False,
-                     impl: str = "auto", validate: bool = True):
-    """Prefill attention over variable-length sequences packed along the token axis.
-
-    Args:
-        q: [Tq, Hq, D] packed queries; k, v: [Tk, Hkv, D] packed keys and values.
-        cu_seqlens_q, cu_seqlens_k: int32 [batch + 1], starting at 0, non-decreasing,
-            ending at Tq / Tk; sequence i owns q rows cu_seqlens_q[i]:cu_seqlens_q[i+1].
-        max_seqlen_q, max_seqlen_k: the longest sequence (computed from cu_seqlens
-            when omitted, which reads them on the host).
-        causal: bottom-right aligned per sequence (each q_len <= its kv_len).
-        validate: read cu_seqlens on the host to check them (turn off, with the max
-            lengths given, for CUDA-graph capture).
-
-    Returns:
-        out [Tq, Hq, D], or (out, lse) with lse float32 [Hq, Tq].
-    """
+def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                 sm_scale, impl, validate):
     _check_impl(impl)
     for n, t in (("q", q), ("k", k), ("v", v)):
         _tensor(n, t, 3, "3-D [total_tokens, heads, head_dim]")
+        _check_float(n, t)
         _last_dim_contiguous(n, t)
+    _index_tensor("cu_seqlens_q", cu_seqlens_q, 1, "a 1-D int32 tensor [batch + 1]")
+    _index_tensor("cu_seqlens_k", cu_seqlens_k, 1, "a 1-D int32 tensor [batch + 1]")
+    _flag("causal", causal)
+    _validate_flag(validate)
+    _max_seqlen("max_seqlen_q", max_seqlen_q)
+    _max_seqlen("max_seqlen_k", max_seqlen_k)
     _same(("q", "k", "v"), (q, k, v), "dtype")
     _same(("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
           (q, k, v, cu_seqlens_q, cu_seqlens_k), "device")
     Tq, Hq, D = q.shape
+    _check_head_dim(D)
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     if k.shape[2] != D:
         raise ValueError(f"k must be [Tk, Hkv, D={D}] to match q, got {tuple(k.shape)}")
     _check_heads(Hq, k.shape[1])
-    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq, validate or max_seqlen_q is None)
-    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], validate or max_seqlen_k is None)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.numel() < 2:
+            raise ValueError(f"{name} must hold at least 2 offsets (batch + 1), got {cu.numel()}")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
                          f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
-    if cq is not None and ck is not None:
+    if _values_checked(validate, cu_seqlens_q, cu_seqlens_k):
+        cq = _cu_values("cu_seqlens_q", cu_seqlens_q, Tq)
+        ck = _cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0])
         lq = [b - a for a, b in zip(cq, cq[1:])]
         lk = [b - a for a, b in zip(ck, ck[1:])]
         if causal:
@@ -244,35 +300,74 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
             if bad:
                 raise ValueError(f"causal attention needs q_len <= kv_len per sequence; sequence "
                                  f"{bad[0]} has q_len {lq[bad[0]]} > kv_len {lk[bad[0]]}")
-        for name, given, lens in (("max_seqlen_q", max_seqlen_q, lq), ("max_seqlen_k", max_seqlen_k, lk)):
+        for name, given, lens in (("max_seqlen_q", max_seqlen_q, lq),
+                                  ("max_seqlen_k", max_seqlen_k, lk)):
             if given is not None and given < max(lens):
-                raise ValueError(f"{name}={given} is shorter than the longest sequence ({max(lens)})")
-        max_seqlen_q = max(lq) if max_seqlen_q is None else max_seqlen_q
-        max_seqlen_k = max(lk) if max_seqlen_k is None else max_seqlen_k
+                raise ValueError(f"{name}={given} is shorter than the longest sequence "
+                                 f"({max(lens)})")
     scale = _scale(sm_scale, D)
-    impl = _cpu_auto(impl, q.device)
-    _check_kernel_inputs(q, impl, D, "attention_varlen")
-    if impl == "gluon":
-        raise ValueError("impl='gluon' takes fixed-length batches only (wsattn.attention); "
-                         "use impl='triton' or 'auto' for attention_varlen")
-    if impl == "auto":
-        impl = "triton" if q.device.type == "cuda" or interpreting() else "reference"
+    call = Call("prefill_varlen", q.device, q.dtype, D, causal)
+    return scale, _resolve(impl, call)
+
+
+def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                           max_seqlen_k=None, causal=False, sm_scale=None, *, impl="auto",
+                           validate=None) -> None:
+    """Every check :func:`attention_varlen` runs, and nothing else (ValueError / TypeError)."""
+    _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                 sm_scale, impl, validate)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None = None,
+                     max_seqlen_k: int | None = None, causal: bool = False,
+                     sm_scale: float | None = None, *, return_lse: bool = False,
+                     impl: str = "auto", validate: bool | None = None):
+    """Prefill attention over variable-length sequences packed along the token axis.
+
+    Args:
+        q: [Tq, Hq, D] packed queries; k, v: [Tk, Hkv, D] packed keys and values.
+        cu_seqlens_q, cu_seqlens_k: int32 [batch + 1] tensors on q's device (views with
+            any stride are fine), starting at 0, non-decreasing, ending at Tq / Tk;
+            sequence i owns q rows cu_seqlens_q[i]:cu_seqlens_q[i+1].
+        max_seqlen_q, max_seqlen_k: the longest sequence, or an upper bound. Omitted, the
+            kernel's grid covers Tq rows per sequence (no host read; surplus programs
+            exit at once); given, it must not be shorter than the longest sequence
+            (checked when values are checked).
+        causal: bool; bottom-right aligned per sequence (each q_len <= its kv_len).
+        validate: read cu_seqlens on the host and check them: True, False, or None (the
+            default: where free, i.e. CPU tensors, or with WSATTN_VALIDATE=1; see the
+            module docstring). A default call on CUDA tensors never synchronises.
+
+    Returns:
+        out [Tq, Hq, D], or (out, lse) with lse float32 [Hq, Tq].
+    """
+    _flag("return_lse", return_lse)
+    scale, impl = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal, sm_scale, impl, validate)
+    # the kernels read offsets with unit stride: a strided view becomes one small copy
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    if q.numel() == 0:
+        out = torch.empty_like(q)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
     if impl == "reference":
-        out, lse = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+        out, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale)
         return _finish(out, lse, q.dtype, return_lse)
     from . import ops
-    out, lse = ops.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                           int(max_seqlen_k), causal, scale, impl)
-    return (out, lse) if return_lse else out
+    max_q = q.shape[0] if max_seqlen_q is None else min(int(max_seqlen_q), q.shape[0])
+    max_k = k.shape[0] if max_seqlen_k is None else min(int(max_seqlen_k), k.shape[0])
+    qk, kk, vk = _run_kernels(impl, q.device, q, k, v)
+    out, lse = ops.prefill(qk, kk, vk, cu_q, cu_k, max_q, max_k, causal, scale, impl)
+    return _finish(out, lse, q.dtype, return_lse)
 
 
 # --------------------------------------------------------------------------- decode
 
 def check_decode_values(seqlens, block_table, num_pages, page, T, capacity):
     """Value checks of seqlens (in [T, capacity]) and of the block-table pages a sequence
-    uses (in [0, num_pages)), computed where the tensors live with one host read (a Python
-    loop over a large block table took milliseconds per call); the first offending entry
-    is looked up only when there is one. Also used by wsattn.sp.decode (T = 0)."""
+    uses (in [0, num_pages)), computed where the tensors live with one host read; the
+    first offending entry is looked up only when there is one. Also used by
+    wsattn.sp.decode (T = 0)."""
     lens_bad = (seqlens < T) | (seqlens > capacity)
     if block_table is not None:
         used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
@@ -292,9 +387,76 @@ def check_decode_values(seqlens, block_table, num_pages, page, T, capacity):
                          f"[0, {num_pages}) (num_pages of k_cache)")
 
 
+def _decode_call(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, impl,
+                 validate):
+    _check_impl(impl)
+    _tensor("q", q, (3, 4), "[B, Hq, D] or [B, T, Hq, D]")
+    _tensor("k_cache", k_cache, 4,
+            "4-D ([B, L_max, Hkv, D] or paged [num_pages, page_size, Hkv, D])")
+    _tensor("v_cache", v_cache, 4,
+            "4-D ([B, L_max, Hkv, D] or paged [num_pages, page_size, Hkv, D])")
+    for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_float(n, t)
+        _last_dim_contiguous(n, t)
+    _index_tensor("seqlens", seqlens, 1, "a 1-D int32 tensor [B]")
+    if block_table is not None:
+        _index_tensor("block_table", block_table, 2, "a 2-D int32 tensor [B, max_pages]")
+    _validate_flag(validate)
+    if num_splits is not None and (isinstance(num_splits, bool)
+                                   or not isinstance(num_splits, numbers.Integral)):
+        raise TypeError(f"num_splits must be an int in [1, {MAX_NUM_SPLITS}] or None, got "
+                        f"{type(num_splits).__name__} {num_splits!r}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_NUM_SPLITS}] or None (auto), got "
+                         f"{num_splits}")
+    _same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), "dtype")
+    names, tens = ["q", "k_cache", "v_cache", "seqlens"], [q, k_cache, v_cache, seqlens]
+    if block_table is not None:
+        names.append("block_table")
+        tens.append(block_table)
+    _same(tuple(names), tuple(tens), "device")
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    B, T, Hq, D = q4.shape
+    _check_head_dim(D)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != D:
+        raise ValueError(f"k_cache head dim must be D={D} to match q, got {tuple(k_cache.shape)}")
+    _check_heads(Hq, k_cache.shape[2], "q", "k_cache")
+    if seqlens.shape[0] != B:
+        raise ValueError(f"seqlens must be [B={B}], got {tuple(seqlens.shape)}")
+    if block_table is None:
+        if k_cache.shape[0] != B:
+            raise ValueError(f"a contiguous k_cache must be [B={B}, L_max, Hkv, D], got "
+                             f"{tuple(k_cache.shape)} (pass block_table for a paged cache)")
+        capacity = k_cache.shape[1]
+    else:
+        if block_table.shape[0] != B:
+            raise ValueError(f"block_table must be [B={B}, max_pages], got "
+                             f"{tuple(block_table.shape)}")
+        if k_cache.shape[1] == 0:
+            raise ValueError("a paged k_cache must have page_size >= 1, got shape "
+                             f"{tuple(k_cache.shape)}")
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    if _values_checked(validate, seqlens, block_table):
+        check_decode_values(seqlens, block_table, k_cache.shape[0], k_cache.shape[1], T,
+                            capacity)
+    scale = _scale(sm_scale, D)
+    call = Call("decode", q.device, q.dtype, D, True)
+    return scale, _resolve(impl, call)
+
+
+def check_decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale=None, *,
+                 num_splits=None, impl="auto", validate=None) -> None:
+    """Every check :func:`decode` runs, and nothing else (ValueError / TypeError)."""
+    _decode_call(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, impl,
+                 validate)
+
+
 def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | None = None, *,
            num_splits: int | None = None, return_lse: bool = False, impl: str = "auto",
-           validate: bool = True):
+           validate: bool | None = None):
     """Decode attention: a few new query tokens per sequence against a KV cache.
 
     Args:
@@ -304,86 +466,67 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
            [num_pages, page_size, Hkv, D] when block_table is given.
         seqlens: int32 [B], keys per sequence including the T new ones (T <= seqlens[b]).
         block_table: int32 [B, max_pages], page indices of each sequence (paged cache).
-        num_splits: split-KV count per sequence (default: chosen from B, the length
-           and the SM count so that B=1 with a long context still fills the GPU).
-        validate: read seqlens and block_table on the host to check their values (turn
-           off for CUDA-graph capture).
+           Index tensors may be views with any strides (one small copy makes them dense).
+        num_splits: split-KV count per sequence in [1, 256] (default: chosen from B, the
+           cache capacity and the SM count so that B=1 with a long context fills the GPU);
+           splits past the keys a sequence has are empty and cost little.
+        validate: read seqlens and block_table on the host and check their values: True,
+           False, or None (the default: where free, i.e. CPU tensors, or with
+           WSATTN_VALIDATE=1). A default call on CUDA tensors never synchronises, so it
+           can be captured in a CUDA graph.
 
     Returns:
         out shaped like q, or (out, lse) with lse float32 [B, Hq] or [B, T, Hq].
     """
-    _check_impl(impl)
-    _tensor("q", q, (3, 4), "[B, Hq, D] or [B, T, Hq, D]")
-    for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _tensor(n, t, None)
-        _last_dim_contiguous(n, t)
-    _tensor("k_cache", k_cache, 4, "4-D ([B, L_max, Hkv, D] or paged [num_pages, page_size, Hkv, D])")
-    _tensor("seqlens", seqlens, 1, "a 1-D int32 tensor [B]")
-    _same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), "dtype")
-    names, tens = ["q", "k_cache", "v_cache", "seqlens"], [q, k_cache, v_cache, seqlens]
-    if block_table is not None:
-        _tensor("block_table", block_table, 2, "a 2-D int32 tensor [B, max_pages]")
-        names.append("block_table")
-        tens.append(block_table)
-    _same(tuple(names), tuple(tens), "device")
-    q4 = q.unsqueeze(1) if q.dim() == 3 else q
-    B, T, Hq, D = q4.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.shape[3] != D:
-        raise ValueError(f"k_cache head dim must be D={D} to match q, got {tuple(k_cache.shape)}")
-    _check_heads(Hq, k_cache.shape[2], "q", "k_cache")
-    if seqlens.dtype != torch.int32:
-        raise TypeError(f"seqlens must be int32, got {seqlens.dtype}")
-    if seqlens.shape[0] != B:
-        raise ValueError(f"seqlens must be [B={B}], got {tuple(seqlens.shape)}")
-    if block_table is None:
-        if k_cache.shape[0] != B:
-            raise ValueError(f"a contiguous k_cache must be [B={B}, L_max, Hkv, D], got "
-                             f"{tuple(k_cache.shape)} (pass block_table for a paged cache)")
-        capacity = k_cache.shape[1]
-    else:
-        if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
-        if block_table.shape[0] != B:
-            raise ValueError(f"block_table must be [B={B}, max_pages], got {tuple(block_table.shape)}")
-        capacity = block_table.shape[1] * k_cache.shape[1]
-    if validate:
-        check_decode_values(seqlens, block_table, k_cache.shape[0], k_cache.shape[1], T,
-                             capacity)
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
-    scale = _scale(sm_scale, D)
-    impl = _cpu_auto(impl, q.device)
-    _check_kernel_inputs(q, impl, D, "decode")
-    impl = "reference" if impl == "reference" else _resolve_impl(impl, q.device, "decode")
+    _flag("return_lse", return_lse)
+    scale, impl = _decode_call(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits,
+                               impl, validate)
+    seqlens = seqlens.contiguous()
+    block_table = None if block_table is None else block_table.contiguous()
+    if q.numel() == 0:
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
     if impl == "reference":
         out, lse = reference.decode(q, k_cache, v_cache, seqlens, block_table, scale)
         return _finish(out, lse, q.dtype, return_lse)
     from . import ops
-    out, lse = ops.decode(q4, k_cache, v_cache, seqlens, block_table, scale, num_splits or 0)
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    q4, kc, vc = _run_kernels(impl, q.device, q4, k_cache, v_cache)
+    out, lse = ops.decode(q4, kc, vc, seqlens, block_table, scale, num_splits or 0)
     if q.dim() == 3:
         out, lse = out[:, 0], lse[:, 0]
-    return (out, lse) if return_lse else out
+    return _finish(out, lse, q.dtype, return_lse)
 
 
 # --------------------------------------------------------------------------- merge
 
-def merge_states(outputs, lses, *, impl: str = "auto"):
+def merge_states(outputs, lses, *, lse_layout: str = "outputs", impl: str = "auto"):
     """Merge P partial attention states computed over disjoint key sets.
 
     Args:
         outputs: [P, ..., D] tensor, or a sequence of P tensors [..., D]; each part is
-            normalized by its own softmax denominator. float16/bfloat16/float32.
-        lses: [P, ...] float32 (or a sequence of P tensors [...]): natural-log LSE of each
-            part; -inf marks an empty part, which contributes nothing.
+            normalized by its own softmax denominator. float16/bfloat16/float32, any D.
+        lses: float32, natural-log LSE of each part (or a sequence of P tensors), laid
+            out as ``lse_layout`` says:
+            "outputs" (default): [P, ...], shaped like outputs without D (what
+                :func:`decode` returns);
+            "heads_first": the layout :func:`attention` and :func:`attention_varlen`
+                return: [P, B, H, S] for outputs [P, B, S, H, D], [P, H, T] for
+                outputs [P, T, H, D].
         impl: "auto", "triton" or "reference".
 
+    Rules, kept by the kernel and the reference alike:
+        * a part with LSE -inf is empty and contributes nothing, whatever its output
+          holds (NaN included); all parts empty gives out 0, LSE -inf;
+        * NaN propagates: a NaN LSE in any part makes that row's out and LSE NaN, and a
+          NaN in a non-empty part's output makes those elements NaN;
+        * +inf is not a valid LSE (an infinite softmax denominator): a row holding one
+          gives out and LSE NaN, never a silently dropped part.
+
     Returns:
-        (out [..., D] in outputs' dtype, lse [...] float32), merged in the fixed order
-        p = 0..P-1 so the result does not depend on timing. All parts empty gives
-        (0, -inf), never NaN.
+        (out [..., D] in outputs' dtype, lse float32 in ``lse_layout`` without P), merged
+        in the fixed order p = 0..P-1 so the result does not depend on timing.
 
     Example:
         >>> o = torch.randn(2, 3, 64); s = torch.tensor([[0.5, -float("inf"), 1.0], [0.1, 0.2, 0.3]])
@@ -394,18 +537,38 @@ def merge_states(outputs, lses, *, impl: str = "auto"):
     _check_impl(impl)
     if impl == "gluon":
         raise ValueError("impl='gluon' has no merge_states kernel; use 'triton' or 'auto'")
+    if lse_layout not in LSE_LAYOUTS:
+        raise ValueError(f"lse_layout must be one of {LSE_LAYOUTS}, got {lse_layout!r}")
+    for name, x in (("outputs", outputs), ("lses", lses)):
+        if isinstance(x, (list, tuple)):
+            if not x:
+                raise ValueError(f"{name} must hold at least one part, got an empty sequence")
+            for i, t in enumerate(x):
+                _tensor(f"{name}[{i}]", t)
     if isinstance(outputs, (list, tuple)):
-        if not outputs:
-            raise ValueError("outputs must hold at least one part")
         outputs = torch.stack(list(outputs))
     if isinstance(lses, (list, tuple)):
-        if not lses:
-            raise ValueError("lses must hold at least one part")
         lses = torch.stack(list(lses))
     _tensor("outputs", outputs, None)
     _tensor("lses", lses, None)
     if outputs.dim() < 2:
         raise ValueError(f"outputs must be [P, ..., D], got shape {tuple(outputs.shape)}")
+    if outputs.shape[0] == 0:
+        raise ValueError(f"outputs must hold at least one part (P >= 1), got shape "
+                         f"{tuple(outputs.shape)}")
+    if outputs.shape[-1] == 0:
+        raise ValueError(f"outputs' head dim (last dimension) must be positive, got shape "
+                         f"{tuple(outputs.shape)}")
+    if lse_layout == "heads_first":
+        if outputs.dim() not in (4, 5):
+            raise ValueError("lse_layout='heads_first' takes outputs [P, B, S, H, D] or "
+                             f"[P, T, H, D], got shape {tuple(outputs.shape)}")
+        want = tuple(outputs.shape[:-3]) + (outputs.shape[-2], outputs.shape[-3])
+        if tuple(lses.shape) != want:
+            raise ValueError(f"lses must be {want} ([P, ..., H, S], the layout attention "
+                             f"returns) to match outputs {tuple(outputs.shape)}, got "
+                             f"{tuple(lses.shape)}")
+        lses = lses.transpose(-1, -2)
     if tuple(lses.shape) != tuple(outputs.shape[:-1]):
         raise ValueError(f"lses must be [P, ...] = {tuple(outputs.shape[:-1])} to match outputs "
                          f"{tuple(outputs.shape)}, got {tuple(lses.shape)}")
@@ -414,18 +577,19 @@ def merge_states(outputs, lses, *, impl: str = "auto"):
     if outputs.dtype not in KERNEL_DTYPES:
         raise TypeError(f"outputs dtype must be float16, bfloat16 or float32, got {outputs.dtype}")
     _same(("outputs", "lses"), (outputs, lses), "device")
-    dev = outputs.device
-    if impl == "auto":
-        impl = "triton" if dev.type == "cuda" or interpreting() else "reference"
-    if impl == "triton" and dev.type != "cuda" and not interpreting():
-        raise ValueError(f"impl='triton' needs CUDA tensors, got {dev}; set TRITON_INTERPRET=1 "
-                         "or use impl='reference'")
+    call = Call("merge", outputs.device, outputs.dtype, outputs.shape[-1])
+    impl = dispatch.resolve(impl, call)
     lead = outputs.shape[1:-1]
     if impl == "reference":
         out, lse = reference.merge_states(outputs, lses)
-        return out.to(outputs.dtype), lse.to(torch.float32)
-    from . import ops
-    P, D = outputs.shape[0], outputs.shape[-1]
-    out, lse = ops.merge_states(outputs.reshape(P, -1, D).contiguous(),
-                                lses.reshape(P, -1).contiguous())
-    return out.reshape(*lead, D), lse.reshape(lead)
+        out, lse = out.to(outputs.dtype), lse.to(torch.float32)
+    else:
+        from . import ops
+        P, D = outputs.shape[0], outputs.shape[-1]
+        (o,) = _run_kernels(impl, outputs.device, outputs)
+        out, lse = ops.merge_states(o.reshape(P, -1, D).contiguous(),
+                                    lses.reshape(P, -1).contiguous())
+        out, lse = out.reshape(*lead, D).to(outputs.dtype), lse.reshape(lead)
+    if lse_layout == "heads_first":
+        lse = lse.transpose(-1, -2)
+    return out, lse

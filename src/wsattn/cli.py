@@ -18,6 +18,8 @@ SUBCOMMANDS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wsattn", description="Warp-specialized attention kernels: benchmarks and evidence.")
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"wsattn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         try:

@@ -25,8 +25,23 @@ __all__ = ["prefill", "decode", "merge_states"]
 
 # --------------------------------------------------------------------------- launchers
 
+_interpreter_patched = False
+
+
+def _interpreter_ready(device):
+    """The library works as installed (``pip install -e .`` resolves any numpy): it
+    applies its Triton-interpreter work-arounds itself, once, when a kernel first runs
+    on CPU tensors; not in traced code, since the launchers below run eagerly."""
+    global _interpreter_patched
+    if not _interpreter_patched and device.type != "cuda":
+        from ._triton_compat import patch_interpreter
+        patch_interpreter()
+        _interpreter_patched = True
+
+
 def _prefill_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                   sm_scale, impl):
+    _interpreter_ready(q.device)
     if impl == "gluon":
         from .kernels import prefill_gluon
         return prefill_gluon.prefill(q, k, v, causal, sm_scale)
@@ -36,11 +51,13 @@ def _prefill_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 
 def _decode_impl(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits):
+    _interpreter_ready(q.device)
     from .kernels import decode_triton
     return decode_triton.decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits)
 
 
 def _merge_impl(outputs, lses):
+    _interpreter_ready(outputs.device)
     from .kernels import merge
     return merge.merge_states(outputs, lses)
 

@@ -34,6 +34,12 @@ def _scale(sm_scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 
 
+# Scores are formed for this many (query, key, head) triples at a time at most, so the
+# reference never holds a full [Hq, Sq, Sk] matrix (17 GB in float64 at 32k tokens and
+# 16 heads): queries are taken in chunks, each chunk exact on its own.
+SCORE_ELEMENTS_PER_CHUNK = 1 << 25  # 256 MiB of float64
+
+
 def _attend(q, k, v, sm_scale, causal, q_pos=None, kv_len=None):
     """Core of every reference: one sequence.
 
@@ -45,19 +51,27 @@ def _attend(q, k, v, sm_scale, causal, q_pos=None, kv_len=None):
     Sk, Hkv, Dv = v.shape
     if kv_len is not None:
         k, v, Sk = k[:kv_len], v[:kv_len], kv_len
+    if causal and q_pos is None:
+        q_pos = torch.arange(Sq, device=q.device) + (Sk - Sq)
     group = Hq // Hkv
     k = k.repeat_interleave(group, dim=1)  # [Sk, Hq, D]
     v = v.repeat_interleave(group, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * sm_scale  # [Hq, Sq, Sk]
-    if causal:
-        if q_pos is None:
-            q_pos = torch.arange(Sq, device=q.device) + (Sk - Sq)
-        k_pos = torch.arange(Sk, device=q.device)
-        s = s.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [Hq, Sq]; -inf where a row sees nothing
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("hqk,khd->qhd", p, v)  # rows with no key stay 0
-    return out, lse
+    chunk = max(1, SCORE_ELEMENTS_PER_CHUNK // max(1, Hq * Sk))
+    outs, lses = [], []
+    for i in range(0, Sq, chunk):
+        qc = q[i:i + chunk]
+        s = torch.einsum("qhd,khd->hqk", qc, k) * sm_scale  # [Hq, chunk, Sk]
+        if causal:
+            k_pos = torch.arange(Sk, device=q.device)
+            s = s.masked_fill(k_pos[None, None, :] > q_pos[i:i + chunk][None, :, None],
+                              float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # [Hq, chunk]; -inf where a row sees nothing
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+        outs.append(torch.einsum("hqk,khd->qhd", p, v))  # rows with no key stay 0
+        lses.append(lse)
+    if not outs:  # Sq == 0
+        return q.new_zeros((0, Hq, Dv)), q.new_zeros((Hq, 0))
+    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
 def attention(q, k, v, causal=False, sm_scale=None, *, compute_dtype=torch.float64):
@@ -139,16 +153,24 @@ def merge_states(outputs, lses, *, compute_dtype=torch.float64):
     outputs [P, ..., D] (each normalized by its own softmax denominator), lses [P, ...].
     Returns (out [..., D], lse [...]):
     lse = m + ln(sum_p exp(lse_p - m)), out = sum_p exp(lse_p - lse) * out_p.
-    A part with lse = -inf contributes nothing; if every part is empty the result is
-    (0, -inf), never NaN.
+    A part with lse = -inf is empty and contributes nothing, whatever its output holds;
+    if every part is empty the result is (0, -inf). A NaN or +inf lse in any part makes
+    the row's out and lse NaN (an invalid state is never silently dropped); NaN in a
+    non-empty part's output propagates to those elements.
     """
     o = outputs.to(compute_dtype)
     s = lses.to(compute_dtype)
+    invalid = (torch.isnan(s) | (s == float("inf"))).any(dim=0)  # [...]
+    s = torch.where(invalid[None], float("-inf"), s)  # worked around below, then marked
     m = s.max(dim=0).values
     m_safe = torch.where(torch.isinf(m), 0.0, m)
     w = torch.exp(s - m_safe)  # exp(-inf) = 0 for empty parts
     total = w.sum(dim=0)
     lse = m_safe + torch.log(total)  # log(0) = -inf when all parts are empty
     scale = torch.where(total > 0, w / torch.where(total > 0, total, 1.0), 0.0)
-    out = (scale[..., None] * o).sum(dim=0)
+    # where, not a multiply by 0: an empty part's output may hold NaN
+    out = torch.where(scale[..., None] > 0, scale[..., None] * o, 0.0).sum(dim=0)
+    nan = torch.tensor(float("nan"), dtype=compute_dtype, device=o.device)
+    out = torch.where(invalid[..., None], nan, out)
+    lse = torch.where(invalid, nan, lse)
     return out, lse

@@ -6,8 +6,9 @@ merge as
 
     L = M + ln(sum_i exp(L_i - M)),   O = sum_i exp(L_i - L) O_i,   M = max_i L_i,
 
-with L in fp32. An empty part (lse_i = -inf) contributes nothing; all parts empty gives
-(0, -inf), never NaN.
+with L in fp32. An empty part (lse_i = -inf) contributes nothing, whatever its output
+holds; all parts empty gives (0, -inf), never NaN. A NaN or +inf lse_i is an invalid
+state: the row's O and L become NaN (never a silently dropped part), as in the reference.
 
 ``merge_step`` folds one part into a running (acc, m, den) and ``merge_finish`` turns
 that into (O, L). They are the only place the formula lives: the ``merge_states``
@@ -21,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..testing import dtype_name
 from ._alloc import empty
-from ._intmath import cdiv
+from ._intmath import cdiv, next_pow2
 
 
 @triton.jit
@@ -34,11 +36,13 @@ def merge_step(acc, m, den, o_i, lse_i):
     o_i [R, D] (any float dtype), lse_i [R] fp32. Start from (0, -inf, 0).
     """
     m_new = tl.maximum(m, lse_i)  # [R]
+    # max drops a NaN operand; keep it, so that an invalid part poisons the row for good
+    m_new = tl.where((m != m) | (lse_i != lse_i), float("nan"), m_new)
     # A row that has seen only empty parts keeps m = -inf; shift by 0 there so that
     # exp(-inf - (-inf)) never forms a NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)  # [R] rescales what is accumulated; 0 while empty
-    w = tl.exp(lse_i - m_safe)  # [R] weight of part i; 0 when it is empty
+    w = tl.exp(lse_i - m_safe)  # [R] weight of part i; 0 when empty, NaN when +inf/NaN
     # where, not a multiply by w = 0: an empty part's o_i may hold anything.
     contrib = tl.where((w > 0.0)[:, None], w[:, None] * o_i.to(tl.float32), 0.0)  # [R, D]
     acc = acc * alpha[:, None] + contrib
@@ -48,36 +52,42 @@ def merge_step(acc, m, den, o_i, lse_i):
 
 @triton.jit
 def merge_finish(acc, m, den):
-    """(acc [R, D], m [R], den [R]) -> (out [R, D] fp32, lse [R] fp32); empty rows give (0, -inf)."""
+    """(acc [R, D], m [R], den [R]) -> (out [R, D] fp32, lse [R] fp32); empty rows give
+    (0, -inf), rows that folded in a NaN or +inf LSE give (NaN, NaN)."""
     seen = den > 0.0  # [R]
+    invalid = den != den  # [R] NaN: only an invalid part makes den NaN
     out = tl.where(seen[:, None], acc / tl.where(seen, den, 1.0)[:, None], 0.0)
     lse = tl.where(seen, m + tl.log(tl.where(seen, den, 1.0)), float("-inf"))
+    out = tl.where(invalid[:, None], float("nan"), out)
+    lse = tl.where(invalid, float("nan"), lse)
     return out, lse
 
 
 @triton.jit
 def _merge_states_kernel(o_ptr, lse_ptr, out_ptr, out_lse_ptr, N, P,
                          stride_op, stride_on, stride_lp,
-                         D: tl.constexpr, BLOCK_R: tl.constexpr):
-    # one program: BLOCK_R rows x D, the P parts folded in the order p = 0..P-1
+                         D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program: BLOCK_R rows x D, the P parts folded in the order p = 0..P-1; BLOCK_D is
+    # D rounded up to a power of two (tl.arange needs one), the extra columns masked
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    cols = tl.arange(0, D)  # [D]
+    cols = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     live = rows < N
-    o_rows = o_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]  # [BLOCK_R, D]
-    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    live_d = live[:, None] & (cols < D)[None, :]  # [BLOCK_R, BLOCK_D]
+    o_rows = o_ptr + rows.to(tl.int64)[:, None] * stride_on + cols[None, :]  # [BLOCK_R, BLOCK_D]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
     lse_rows = lse_ptr + rows  # [BLOCK_R]
     for p in range(0, P):
         lse_p = tl.load(lse_rows, mask=live, other=float("-inf"))  # [BLOCK_R]
-        o_p = tl.load(o_rows, mask=live[:, None], other=0.0)  # [BLOCK_R, D]
+        o_p = tl.load(o_rows, mask=live_d, other=0.0)  # [BLOCK_R, BLOCK_D]
         acc, m, den = merge_step(acc, m, den, o_p, lse_p)
         # step the pointers rather than forming p * stride, which can pass 2**31 elements
         o_rows += stride_op
         lse_rows += stride_lp
     out, lse = merge_finish(acc, m, den)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=live_d)
     tl.store(out_lse_ptr + rows, lse, mask=live)
 
 
@@ -91,7 +101,7 @@ def merge_states(outputs: torch.Tensor, lses: torch.Tensor):
 
     Args:
         outputs: [P, N, D] float16 / bfloat16 / float32, last dimension contiguous;
-            part p of row n normalized by its own softmax denominator. D a power of 2.
+            part p of row n normalized by its own softmax denominator; any D >= 1.
         lses: [P, N] float32, natural-log LSE of each part; -inf marks an empty part.
 
     Returns:
@@ -108,11 +118,12 @@ def merge_states(outputs: torch.Tensor, lses: torch.Tensor):
     out_lse = empty((N,), torch.float32, outputs.device)
     if N == 0:
         return out, out_lse
-    block_r = _block_rows(D)
+    block_d = next_pow2(D)
+    block_r = _block_rows(block_d)
     _merge_states_kernel[(cdiv(N, block_r),)](
         outputs, lses, out, out_lse, N, P,
         outputs.stride(0), outputs.stride(1), lses.stride(0),
-        D=D, BLOCK_R=block_r, num_warps=4)
+        D=D, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
     return out, out_lse
 
 
@@ -169,9 +180,6 @@ def merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, part: torch.Tensor,
         D=D, BLOCK_R=block_r, num_warps=4)
 
 
-_TL_DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-
-
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", settings=None) -> dict:
     """What ``triton.compile`` needs to build the merge_states kernel for compute capability cc.
 
@@ -187,13 +195,14 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", settings=Non
     attrs=s["attrs"]), target=GPUTarget("cuda", cc, 32), options=s["options"])``. ``settings`` is unused
     (the merge has no tunables beyond BLOCK_R); it is accepted for a uniform call.
     """
-    t = _TL_DTYPES[dtype]
+    t = dtype_name(dtype)  # Triton's type string is the same name
     sig = {"o_ptr": f"*{t}", "lse_ptr": "*fp32", "out_ptr": f"*{t}", "out_lse_ptr": "*fp32",
            "N": "i32", "P": "i32", "stride_op": "i32", "stride_on": "i32", "stride_lp": "i32",
-           "D": "constexpr", "BLOCK_R": "constexpr"}
+           "D": "constexpr", "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"}
     aligned = ("o_ptr", "lse_ptr", "out_ptr", "out_lse_ptr", "stride_op", "stride_on")
     return {"fn": _merge_states_kernel, "signature": sig,
-            "constexprs": {"D": head_dim, "BLOCK_R": _block_rows(head_dim)},
+            "constexprs": {"D": head_dim, "BLOCK_R": _block_rows(next_pow2(head_dim)),
+                           "BLOCK_D": next_pow2(head_dim)},
             "attrs": {(_merge_states_kernel.arg_names.index(n),): [["tt.divisibility", 16]]
                       for n in aligned},
             "options": {"num_warps": 4}}

@@ -1,0 +1,117 @@
+"""Which implementation runs a call: ``impl="auto"`` is resolved here and nowhere else.
+
+Each backend states what it supports (``supports(call) -> reason or None``); the policy
+ranks the supported ones for the call's device and shape from measurements, and the
+first that supports the call wins. The API (:mod:`wsattn.api`), the custom ops and
+:mod:`wsattn.sp` all ask :func:`resolve`.
+
+Backends:
+  "gluon"     - the sm_90 warp-specialized Gluon prefill (fixed length, fp16/bf16, D 64/128).
+  "triton"    - the Triton kernels: prefill (fixed and varlen), split-KV decode, merge;
+                any CUDA GPU, and CPU tensors through the interpreter (TRITON_INTERPRET=1).
+  "reference" - plain PyTorch in float64, any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .target import interpreting
+
+IMPLS = ("auto", "triton", "gluon", "reference")
+OPS = ("prefill", "prefill_varlen", "decode", "merge")
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the policy needs to know about a call (host metadata only, no device reads)."""
+    op: str                      # one of OPS
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    causal: bool = False
+    seqlen_q: int = 0            # fixed-length prefill: Sq
+    seqlen_k: int = 0            # fixed-length prefill: Sk
+
+
+# --------------------------------------------------------------------------- backends
+
+def _gluon_supports(call: Call) -> str | None:
+    if call.op != "prefill":
+        what = "varlen prefill" if call.op == "prefill_varlen" else call.op
+        return f"the Gluon kernel has no {what} path (fixed-length prefill only)"
+    from .kernels import prefill_gluon
+    if not prefill_gluon.device_supported(call.device):
+        try:
+            prefill_gluon.check_device(call.device)
+        except ValueError as e:  # its message names the device's compute capability
+            return str(e)
+        return f"the Gluon kernel does not run on {call.device}"
+    if call.dtype not in prefill_gluon.GLUON_DTYPES:
+        return f"the Gluon kernel takes float16 or bfloat16, got {call.dtype}"
+    if call.head_dim not in prefill_gluon.GLUON_HEAD_DIMS:
+        return f"the Gluon kernel takes head dim 64 or 128, got {call.head_dim}"
+    if call.seqlen_k == 0:
+        return "the Gluon kernel needs at least one key (kv_len > 0)"
+    return None
+
+
+def _triton_supports(call: Call) -> str | None:
+    if call.device.type != "cuda" and not interpreting():
+        return (f"the Triton kernels run on CUDA tensors, got tensors on {call.device}; set "
+                "TRITON_INTERPRET=1 to run them through the interpreter on the CPU, or use "
+                "impl='reference'")
+    return None
+
+
+def _reference_supports(call: Call) -> str | None:
+    return None
+
+
+SUPPORTS = {"gluon": _gluon_supports, "triton": _triton_supports,
+            "reference": _reference_supports}
+
+
+# --------------------------------------------------------------------------- policy
+
+# Prefill on sm_90, measured side by side on H200 (bf16, 16k tokens a batch; bench
+# results in benchmarks/results/): the Triton kernel is faster than the Gluon kernel up
+# to these query lengths, keyed by (head dim, causal); longer calls go to Gluon.
+# N = 1024: D64 355 vs 376 TFLOP/s, D64 causal 192 vs 271, D128 causal 314 vs 354; D128
+# non-causal 523 vs 409 stays Gluon; from N = 4096 on the Gluon kernel leads or ties.
+TRITON_FASTER_UP_TO = {(64, False): 1024, (64, True): 1024, (128, True): 1024}
+
+
+def ranking(call: Call) -> tuple[str, ...]:
+    """Backends in the order the policy prefers them for this call."""
+    if call.device.type != "cuda":
+        # CPU: the kernels only under the interpreter (a test mode), else the reference
+        return ("triton", "reference") if interpreting() else ("reference",)
+    if call.op == "prefill":
+        limit = TRITON_FASTER_UP_TO.get((call.head_dim, bool(call.causal)), 0)
+        return ("triton", "gluon") if call.seqlen_q <= limit else ("gluon", "triton")
+    return ("triton",)
+
+
+def reason(impl: str, call: Call) -> str | None:
+    """None when ``impl`` can run ``call``, else why not."""
+    return SUPPORTS[impl](call)
+
+
+def resolve(impl: str, call: Call) -> str:
+    """The concrete backend for ``impl`` ("auto" or a backend name): raises ValueError
+    naming the reason when the named backend cannot run the call."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        why = reason(impl, call)
+        if why is not None:
+            raise ValueError(why if why.startswith("impl=") else
+                             f"impl={impl!r} cannot run this {call.op} call: {why}")
+        return impl
+    for name in ranking(call):
+        if reason(name, call) is None:
+            return name
+    return "reference"

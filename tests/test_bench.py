@@ -375,6 +375,30 @@ def test_bench_sp_hook(monkeypatch, capsys):
     assert seen["args"].world == 2 and seen["args"].quick
 
 
+def test_host_time_entries_call_the_api_with_and_without_validate():
+    """Every call the host-time module times is a valid API call (here through the
+    reference, at toy sizes), each decode/varlen call with the default and validate=True."""
+    from wsattn.bench import host
+
+    calls = host.entries(torch.device("cpu"), torch.float32, B=2, L=32, Hq=4, Hkv=2, D=16,
+                         page=4, varlen_lens=(3, 7))
+    for kind in ("decode contiguous", "decode paged4", "attention_varlen causal"):
+        assert {f"{kind}, default", f"{kind}, validate=True"} <= set(calls)
+    for name, (shape, fn) in calls.items():
+        fn()
+        assert shape.get("validate") in (None, "default", "validate=True"), name
+    host_us, wall_us = host.per_call_us(calls["merge_states"][1], calls=3, sync=lambda: None)
+    assert 0 < host_us <= wall_us
+
+
+def test_host_time_without_gpu_exits_2(monkeypatch, capsys):
+    from wsattn.bench import host
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert host.main(["--json", "unused.json"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
 def test_smoke_run_sets_the_interpreter_before_triton():
     """The smoke module runs the kernels through the interpreter in a fresh process."""
     env_ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -1,11 +1,12 @@
-"""The program that `ncu` profiles (device helper, not part of CI; scripts/device_ncu.sh).
+"""The program that Nsight Compute profiles: one prefill launch of one implementation.
 
-    python3 scripts/device_ncu_target.py {gluon,triton,cudnn} [--n 4096] [--d 128] [--causal]
+    ncu --nvtx --nvtx-include "prof/" --set full ... \
+        python3 -m wsattn.bench.ncu_target {gluon,triton,cudnn} [--n 4096] [--d 128] [--causal]
 
-Builds bf16 inputs (B * N = 16k tokens, H * D = 2048, the bench's shapes), checks the output
-against SDPA's math backend in float32 once, warms up three calls, then runs one more inside
-an NVTX range "prof", which `ncu --nvtx --nvtx-include prof/` selects, so only that launch
-is profiled whatever the other kernels (random fills, checks) are.
+(`scripts/device.sh ncu` runs it so.) Builds bf16 inputs of the bench's shapes (B * N = 16k
+tokens, H * D = 2048), checks the output against SDPA's math backend in float32 once, warms
+up three calls, then runs one more inside an NVTX range "prof", which `--nvtx-include prof/`
+selects, so only that launch is profiled whatever else (random fills, the check) launched.
 """
 
 import argparse
@@ -18,7 +19,7 @@ import wsattn
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python3 -m wsattn.bench.ncu_target")
     ap.add_argument("impl", choices=["gluon", "triton", "cudnn"])
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--d", type=int, default=128)

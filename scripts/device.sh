@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# The GPU-machine runner: runs the named parts in order with the system python3 and src/ on
+# PYTHONPATH (no venv, no registry needed) and leaves what they produce under $OUT.
+#
+#   WSATTN_COMMIT=<sha> bash scripts/device.sh PART...
+#
+# Parts (files under $OUT; the whole console output also goes to device.log):
+#   tests   every GPU-marked test in tests/ on one GPU ("gpu or sm90", not multi_gpu) -> gpu_tests.log
+#   ladder  the sm_90 evidence ladder, every library kernel, top gate
+#           -> ladder_sm90.json (rewritten after each kernel), ladder_sm90.md, ladder_sm90.png
+#   bench   `wsattn bench` with ceilings and peers -> bench.json, bench.png
+#   host    host time of one eager decode / varlen call, default and validate=True
+#           (python3 -m wsattn.bench.host) -> host.json
+#   sp      sp-tests then sp-bench, over every visible GPU (two or more)
+#   sp-tests  the NCCL battery, tests/test_sp_nccl.py -> sp_tests.log
+#   sp-bench  torchrun -m wsattn.sp.bench, one process per GPU -> sp_bench_w<GPUs>.json
+#   ncu     Nsight Compute, --set full, of one prefill launch per implementation
+#           (python3 -m wsattn.bench.ncu_target) -> ncu_<impl>_<args>.txt (+ _sass.csv.gz)
+#
+# Settings (environment):
+#   OUT            where results go (the device tool sets it; default ./device-out)
+#   WSATTN_COMMIT  the commit the rows are stamped with (the device copy has no .git)
+#   BENCH_ARGS     arguments of `wsattn bench` (default "all"; e.g. "decode --quick")
+#   LADDER_ARGS    extra ladder arguments (default "--stress-launches 2000"; kernels by name)
+#   SP_ARGS        arguments of the SP bench (e.g. "--sp-what prefill --sp-seqlens 16384 65536")
+#   NCU_IMPLS      implementations to profile (default "gluon cudnn"), NCU_ARGS their shape
+#                  (default "--n 4096 --d 128"), SOURCE=1 adds per-SASS counters
+#   <PART>_S       time limit of a part in seconds (TESTS_S, LADDER_S, BENCH_S, HOST_S,
+#                  SP_TESTS_S, SP_BENCH_S, NCU_S per implementation)
+#
+# A part that fails or runs out of time is reported and the next one runs; the exit status
+# is 0 only when every part passed. The device tool brings back at most 8 files: the parts
+# above write 8 or fewer together except where a call combines most of them; then every
+# file but device.log is packed into results.tar.gz.
+#
+# Rough durations on one H200: tests 3-5 min, ladder 6.5 min (8 kernels, 2,000 stress
+# launches each), bench 2 min, host 1 min, sp-tests 2 min, sp-bench up to 9 min (every
+# shape; SP_ARGS picks fewer), ncu 1-2 min an implementation. One call runs at most 10
+# minutes, so e.g. "tests host bench" is one call and "ladder" another. Nsight Compute
+# reads the hardware counters on the Firecracker kinds (nvidia-h200-x2 and larger), not on
+# the single-GPU kind; it runs with --clock-control none (clocks as in the benchmarks).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
+PARTS=()
+for p in "$@"; do
+  case "$p" in
+    tests|ladder|bench|host|sp-tests|sp-bench|ncu) PARTS+=("$p") ;;
+    sp) PARTS+=(sp-tests sp-bench) ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "device.sh: unknown part '$p'" >&2; usage >&2; exit 2 ;;
+  esac
+done
+[ ${#PARTS[@]} -gt 0 ] || { usage >&2; exit 2; }
+
+OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# NVLink multicast stays off on the lent machines: a program using it can take the host's
+# GPUs out of service. Exported here so that every child (torchrun's too) inherits it.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+run_part() {  # run_part NAME SECONDS COMMAND...: the part's status, a timeout named as such
+  local name=$1 limit=$2; shift 2
+  echo "device: == $name (limit ${limit} s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@"
+  local rc=$?
+  if [ "$rc" -eq 124 ]; then
+    echo "device: $name ran out of its ${limit} s" >&2
+  fi
+  echo "device: $name rc=$rc in $((SECONDS - t0)) s"
+  return "$rc"
+}
+
+ngpus() { python3 -c 'import torch; print(torch.cuda.device_count())'; }
+
+part_tests() {
+  run_part tests "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -rf \
+    --timeout "${TEST_TIMEOUT_S:-300}" -m "(gpu or sm90) and not multi_gpu" tests/ \
+    > "$OUT/gpu_tests.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/gpu_tests.log"
+  return "$rc"
+}
+
+part_ladder() {
+  # shellcheck disable=SC2086  # LADDER_ARGS is a list of words
+  run_part ladder "${LADDER_S:-580}" python3 -m wsattn.cli ladder --target sm_90 \
+    --json "$OUT/ladder_sm90.json" --markdown "$OUT/ladder_sm90.md" \
+    ${LADDER_ARGS:---stress-launches 2000}
+}
+
+part_bench() {
+  # shellcheck disable=SC2086
+  run_part bench "${BENCH_S:-300}" python3 -m wsattn.cli bench \
+    --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-all}
+}
+
+part_host() {
+  run_part host "${HOST_S:-180}" python3 -m wsattn.bench.host --json "$OUT/host.json"
+}
+
+part_sp-tests() {
+  local n; n=$(ngpus)
+  [ "$n" -ge 2 ] || { echo "device: sp-tests needs two or more GPUs, found $n" >&2; return 1; }
+  run_part sp-tests "${SP_TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf \
+    --timeout "${SP_TESTS_S:-300}" -m multi_gpu tests/test_sp_nccl.py > "$OUT/sp_tests.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/sp_tests.log"
+  return "$rc"
+}
+
+part_sp-bench() {
+  local n; n=$(ngpus)
+  [ "$n" -ge 2 ] || { echo "device: sp-bench needs two or more GPUs, found $n" >&2; return 1; }
+  # shellcheck disable=SC2086
+  run_part sp-bench "${SP_BENCH_S:-540}" python3 -m torch.distributed.run --standalone \
+    --nproc-per-node "$n" -m wsattn.sp.bench --json "$OUT/sp_bench_w$n.json" ${SP_ARGS:-}
+}
+
+part_ncu() {
+  local rep=${NCU_REP:-/tmp/ncu-rep} status=0 impl tag
+  mkdir -p "$rep"
+  local args=${NCU_ARGS:---n 4096 --d 128}
+  for impl in ${NCU_IMPLS:-gluon cudnn}; do
+    tag=$(echo "$impl $args" | tr -c 'a-zA-Z0-9\n' '_' | tr -s '_' | sed 's/^_//; s/_$//')
+    # shellcheck disable=SC2086
+    run_part "ncu $impl" "${NCU_S:-300}" ncu --clock-control none --nvtx --nvtx-include "prof/" \
+      --set full --import-source no -f -o "$rep/$tag" \
+      python3 -m wsattn.bench.ncu_target "$impl" $args > "$OUT/ncu_$tag.txt" 2>&1 || status=1
+    ncu -i "$rep/$tag.ncu-rep" --page details --print-units base >> "$OUT/ncu_$tag.txt" 2>&1 \
+      || status=1
+    if [ -n "${SOURCE:-}" ]; then
+      ncu -i "$rep/$tag.ncu-rep" --page source --csv --print-source sass 2>&1 \
+        | gzip > "$OUT/ncu_${tag}_sass.csv.gz"
+    fi
+  done
+  return "$status"
+}
+
+main() {
+  echo "device: parts ${PARTS[*]}; results in $OUT"
+  echo "device: commit ${WSATTN_COMMIT:-unset (set WSATTN_COMMIT: the rows say 'unknown' without .git)}"
+  nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,temperature.gpu --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+'cudnn', torch.backends.cudnn.version(), 'gpus', torch.cuda.device_count())"
+  local failed=()
+  for p in "${PARTS[@]}"; do
+    "part_$p" || failed+=("$p")
+  done
+  if [ ${#failed[@]} -eq 0 ]; then
+    echo "device: all parts passed"
+  else
+    echo "device: FAILED: ${failed[*]}"
+    return 1
+  fi
+}
+
+main 2>&1 | tee "$OUT/device.log"
+status=${PIPESTATUS[0]}
+
+# The device tool returns at most 8 files: past that, one archive holds all but the log.
+mapfile -t files < <(cd "$OUT" && find . -type f ! -name device.log | sort)
+if [ $(( ${#files[@]} + 1 )) -gt 8 ]; then
+  (cd "$OUT" && tar czf results.tar.gz "${files[@]}" && rm -f "${files[@]}")
+  echo "device: ${#files[@]} result files packed into $OUT/results.tar.gz" | tee -a "$OUT/device.log"
+fi
+exit "$status"

@@ -234,7 +234,7 @@ def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int
         # block-table load, and the pipeliner keeps fewer buffers for the same count: 1 at
         # 4 stages, 2 at 5-6, 3 at 7-8 (sm_90 TTGIR). On H200 paged decode at 5 stages ran
         # 0.76-0.92x the contiguous cache, at 7 stages 0.94-1.0x
-        # (benchmarks/results/decode_paged_experiment_*.txt): 7 it is, 105 KB, still two
+        # (notes/decode_triton.md): 7 it is, 105 KB, still two
         # programs per SM on sm_90/sm_100 (228 KB); sm_80 (164 KB) gets 2 buffers (5
         # stages paged), consumer parts (~100 KB) 2 stages.
         block_n = max(16, min(128, STAGE_BYTES // (2 * head_dim * elem)))

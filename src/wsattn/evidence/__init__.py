@@ -2,7 +2,8 @@
 
 ``wsattn ladder`` climbs, per (kernel, target): 0 target path, 1 compile (no GPU needed),
 2 structure (warp specialization formed or not, and why), 3 launch, 4 numerics,
-5 stress (hangs and races), 6 profile against a baseline, stopping at the first gate a
+5 stress (hangs and races), 6 sanitizer (compute-sanitizer's memcheck, racecheck,
+synccheck, initcheck), 7 profile against a baseline, stopping at the first gate a
 kernel fails, and states no more than the highest gate reached. ``wsattn targets`` is the
 card ledger: every library kernel against every target. See notes/evidence.md.
 """

@@ -16,9 +16,21 @@ def _default_targets() -> list:
     return list(KNOWN_CCS)
 
 
+class UnknownKernel(Exception):
+    """A KERNEL argument that is neither a library name nor module:function."""
+
+
 def _specs(kernels, spec_files) -> list:
+    """Specs to climb; raises UnknownKernel (listing the library's names) for a bare name
+    the library does not hold, before anything is compiled."""
     from . import library
     from .spec import load_file, load_ref
+    unknown = [n for n in kernels or [] if ":" not in n and n not in library.NAMES]
+    if unknown:
+        raise UnknownKernel(
+            f"unknown kernel{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
+            f"known kernels are {', '.join(library.NAMES)}; or give module:function "
+            "(e.g. wsattn.evidence.demo:matmul_ws_4w) or --spec FILE")
     specs = []
     for path in spec_files or []:
         specs += load_file(path)
@@ -70,8 +82,14 @@ def _climb_all(specs, targets, config, desc, on_result=None):
     return results
 
 
+def _usage_error(e) -> int:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
 def run_ladder(args) -> int:
-    """Climb the evidence ladder for kernels x targets and report."""
+    """Climb the evidence ladder for kernels x targets and report. Nothing is written
+    unless asked: --json and --markdown (which puts its PNG chart beside it) name files."""
     from . import report
     from .ladder import FAIL, Config
     if args.from_json:  # report only: no kernel is built or run
@@ -83,17 +101,22 @@ def run_ladder(args) -> int:
             report.to_markdown(results, args.markdown, env=doc.get("environment"))
             print(f"wrote {args.markdown}")
         return 0
+    try:
+        specs = _specs(args.kernels, args.spec)
+        tools = _sanitizer_tools(args.sanitizer)
+    except (UnknownKernel, ValueError) as e:
+        return _usage_error(e)
     targets, bad = _targets(args.target)
     for t in bad:
         print(f"error: unknown target {t!r}: expected one of {', '.join(KNOWN_CCS)} (skipped)",
               file=sys.stderr)
-    specs = _specs(args.kernels, args.spec)
     for s in specs:
         if s.unavailable:
             print(f"error: {s.name}: {s.unavailable}", file=sys.stderr)
     config = Config(max_gate=args.max_gate, numerics_shapes=args.numerics_shapes,
                     interpreter_numerics=not args.no_interpreter, interpreter_shapes=args.interpreter_shapes,
                     stress_launches=args.stress_launches, stress_timeout=args.stress_timeout,
+                    sanitizer_tools=tools, sanitizer_timeout=args.sanitizer_timeout,
                     profile_repeats=args.profile_repeats, strict_ws=args.strict_ws, seed=args.seed)
     meta = {"targets": targets, "config": vars(config)}
 
@@ -116,16 +139,23 @@ def run_ladder(args) -> int:
 
 
 def run_targets(args) -> int:
-    """The card ledger: every library kernel against every target, compiled with no GPU."""
+    """The card ledger: every library kernel against every target, compiled with no GPU.
+    Nothing is written unless --json names a file."""
     import json
 
     from . import report
     from .ladder import Config
+    try:
+        specs = _specs(args.kernels, args.spec)
+    except UnknownKernel as e:
+        return _usage_error(e)
     targets, bad = _targets(args.target or list(KNOWN_CCS))
     for t in bad:
         print(f"error: unknown target {t!r}: expected one of {', '.join(KNOWN_CCS)} (skipped)",
               file=sys.stderr)
-    specs = _specs(args.kernels, args.spec)
+    for s in specs:
+        if s.unavailable:
+            print(f"error: {s.name}: {s.unavailable}", file=sys.stderr)
     results = _climb_all(specs, targets, Config(max_gate=2, interpreter_numerics=False), "targets")
     rows = [report.ledger_row(r) for r in results]
     print(report.ledger_table(rows))
@@ -133,16 +163,31 @@ def run_targets(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"environment": report.environment(), "rows": rows}, f, indent=2)
         print(f"wrote {args.json}")
-    return 1 if bad else 0
+    return 1 if bad or any(s.unavailable for s in specs) else 0
+
+
+def _sanitizer_tools(text) -> tuple:
+    """'memcheck,racecheck' -> the tools, in the order given; 'none' -> ()."""
+    from .sanitizer import TOOLS
+    if text is None:
+        return TOOLS
+    if text.strip().lower() == "none":
+        return ()
+    tools = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in tools if t not in TOOLS]
+    if bad:
+        raise ValueError(f"unknown sanitizer tool {bad[0]!r}: expected some of {', '.join(TOOLS)} "
+                         "(comma-separated) or none")
+    return tools
 
 
 def add_parser(subparsers):
     """Register ``ladder`` and ``targets``; returns the ladder parser."""
     p = subparsers.add_parser(
         "ladder", help="climb the evidence ladder (compile -> structure -> launch -> numerics -> "
-                       "stress -> profile) for kernels and targets",
+                       "stress -> sanitizer -> profile) for kernels and targets",
         description=run_ladder.__doc__ + "\n\nGates: 0 target path, 1 compile, 2 structure, 3 launch, "
-        "4 numerics, 5 stress, 6 profile. A kernel stops at the first gate it fails; the verdict "
+        "4 numerics, 5 stress, 6 sanitizer, 7 profile. A kernel stops at the first gate it fails; the verdict "
         "never claims more than the highest gate reached. Without a GPU the default climbs gates "
         "0-2 for all targets and runs numerics through the Triton interpreter at small sizes; on "
         "a GPU it climbs all gates for that GPU's target.",
@@ -158,13 +203,18 @@ def add_parser(subparsers):
     p.add_argument("--markdown", metavar="PATH", help="write a Markdown report (+ a PNG chart)")
     p.add_argument("--from-json", metavar="PATH",
                    help="climb nothing: report (table, --markdown) from an earlier run's --json")
-    p.add_argument("--max-gate", type=int, default=6, choices=range(7), help="stop after this gate")
+    p.add_argument("--max-gate", type=int, default=7, choices=range(8), help="stop after this gate")
     p.add_argument("--numerics-shapes", type=int, default=32, help="random shapes per dtype (GPU)")
     p.add_argument("--interpreter-shapes", type=int, default=3,
                    help="random small shapes for the interpreter numerics (no GPU)")
     p.add_argument("--no-interpreter", action="store_true", help="skip the interpreter numerics")
     p.add_argument("--stress-launches", type=int, default=2000)
     p.add_argument("--stress-timeout", type=float, default=600.0, help="watchdog seconds")
+    p.add_argument("--sanitizer", metavar="TOOLS", default=None,
+                   help="compute-sanitizer tools for gate 6, comma-separated (default: memcheck,"
+                        "racecheck,synccheck,initcheck; 'none' leaves the gate not run)")
+    p.add_argument("--sanitizer-timeout", type=float, default=300.0,
+                   help="watchdog seconds per sanitizer tool and kernel")
     p.add_argument("--profile-repeats", type=int, default=7)
     p.add_argument("--strict-ws", action="store_true",
                    help="fail gate 2 when warp specialization is requested but does not form")

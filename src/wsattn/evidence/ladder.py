@@ -3,7 +3,14 @@
 Gates, in order (a kernel stops at the first one it fails; "not run" also stops the
 climb, and is never a pass):
 
-0. target path  1. compile  2. structure  3. launch  4. numerics  5. stress  6. profile
+0. target path  1. compile  2. structure  3. launch  4. numerics  5. stress
+6. sanitizer  7. profile
+
+The sanitizer gate comes after stress and before profile: it is the slowest correctness
+gate (four instrumented child processes), so a kernel that already gives wrong numbers or
+moving results stops before paying for it, and what it adds (a memory error or a
+shared-memory hazard in launches that looked right) is what stress cannot see; a speed
+claim comes only after every correctness gate.
 
 ``highest_gate`` is the last gate passed with every gate below it passed too. On a
 machine without a device of the target's compute capability, the numerics gate can run
@@ -20,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from . import structure as st_mod
 from .compile_gate import compile_kernel, expected_path, parse_target_name
 
-GATES = ("target path", "compile", "structure", "launch", "numerics", "stress", "profile")
+GATES = ("target path", "compile", "structure", "launch", "numerics", "stress", "sanitizer",
+         "profile")
 PASS, FAIL, NOT_RUN = "pass", "FAIL", "not run"
 
 
@@ -35,13 +43,15 @@ class GateResult:
 
 @dataclass
 class Config:
-    max_gate: int = 6
+    max_gate: int = len(GATES) - 1
     numerics_shapes: int = 32          # per dtype, on the GPU
     interpreter_numerics: bool = True  # gate 4 through the interpreter where no device
     interpreter_shapes: int = 3
     interpreter_timeout: float = 600.0
     stress_launches: int = 2000
     stress_timeout: float = 600.0
+    sanitizer_tools: tuple = ("memcheck", "racecheck", "synccheck", "initcheck")
+    sanitizer_timeout: float = 300.0   # per tool
     profile_repeats: int = 7
     strict_ws: bool = False            # WS requested but not formed fails gate 2
     seed: int = 0
@@ -81,7 +91,7 @@ def climb(spec, target: str, config: Config | None = None, cache: dict | None = 
     except Exception as e:  # a bug in a gate must not take the other kernels down
         last = len(gates)
         tb = traceback.extract_tb(e.__traceback__)[-1]
-        gates.append(_gate(min(last, 6), FAIL, f"internal error in the ladder: {type(e).__name__}: {e} "
+        gates.append(_gate(min(last, len(GATES) - 1), FAIL, f"internal error in the ladder: {type(e).__name__}: {e} "
                                                 f"({tb.filename.split('/')[-1]}:{tb.lineno})"))
     highest = -1
     for g in gates:
@@ -188,20 +198,28 @@ def _climb(spec, target, config, cache, gates, extra):
     gates.append(_gate(5, PASS if r["ok"] else FAIL, line, **r))
     if not r["ok"] or config.max_gate < 6:
         return
-    # gate 6: profile
+    # gate 6: sanitizer
+    from . import sanitizer
+    r = sanitizer.run_sanitizer(spec, tuple(config.sanitizer_tools), config.sanitizer_timeout,
+                                config.seed)
+    status = NOT_RUN if r.get("not_run") else PASS if r["ok"] else FAIL
+    gates.append(_gate(6, status, sanitizer.summary(r), **r))
+    if status != PASS or config.max_gate < 7:
+        return
+    # gate 7: profile
     from .profile import run_profile
     r = run_profile(spec, config.profile_repeats, config.seed)
     if r.get("not_run"):
-        gates.append(_gate(6, NOT_RUN, f"not run: {r['error']}"))
+        gates.append(_gate(7, NOT_RUN, f"not run: {r['error']}"))
     elif not r["ok"]:
-        gates.append(_gate(6, FAIL, r["error"], **r))
+        gates.append(_gate(7, FAIL, r["error"], **r))
     else:
         parts = [f"{row['verdict']} than {r['baseline']}".replace("no clear difference than",
                                                                   "no clear difference from")
                  + f" at {row['shape']} ({row['kernel_ms']:.3f} ms +-{row['kernel_spread_ms']:.3f} vs "
                    f"{row['baseline_ms']:.3f} ms +-{row['baseline_spread_ms']:.3f}, x{row['speedup']:.2f})"
                  for row in r["rows"]]
-        gates.append(_gate(6, PASS, "; ".join(parts), **r))
+        gates.append(_gate(7, PASS, "; ".join(parts), **r))
 
 
 def _numerics_line(r) -> str:
@@ -261,6 +279,9 @@ def verdict(gates, extra, target) -> str:
             elif g.gate == 5:
                 words.append(f"no hang or race in {g.data.get('launches')} launches")
             elif g.gate == 6:
+                words.append(f"sanitizer-clean ({', '.join(t['tool'] for t in g.data.get('tools', []))} "
+                             f"on {len(g.data.get('shapes', []))} shapes)")
+            elif g.gate == 7:
                 rows = g.data.get("rows", [])
                 words.append("; ".join(f"{r['verdict']} vs {g.data.get('baseline')} (x{r['speedup']:.2f})"
                                        for r in rows))

@@ -22,7 +22,7 @@ def device_cc() -> int | None:
 
 
 def not_here(cc: int) -> str | None:
-    """Why gates 3-6 cannot run for target sm_cc on this machine, or None if they can."""
+    """Why gates 3-7 cannot run for target sm_cc on this machine, or None if they can."""
     here = device_cc()
     if here == cc:
         return None

@@ -2,7 +2,7 @@
 
 Each entry calls a kernel module's ``compile_spec(cc, ...)`` for gates 0-2 and runs the
 public API (``wsattn.attention(..., impl="triton")``, ``wsattn.decode``,
-``wsattn.merge_states``) against ``wsattn.reference`` for gates 3-6. Registration is
+``wsattn.merge_states``) against ``wsattn.reference`` for gates 3-7. Registration is
 defensive: a kernel module or function that is missing gives a spec marked unavailable
 (a failed gate 1 naming the reason), never an import error.
 """
@@ -105,6 +105,16 @@ def _sdpa_prefill(causal):
     return run
 
 
+# Sanitizers slow kernels 10-100x: two small shapes, odd lengths (not multiples of a tile,
+# S = 1), GQA, and both head dims (the Gluon kernel is a different build at D=64).
+_SANITIZER_PREFILL = {
+    False: ({"B": 1, "Sq": 17, "Sk": 40, "Hq": 4, "Hkv": 2, "D": 128},
+            {"B": 2, "Sq": 1, "Sk": 127, "Hq": 2, "Hkv": 1, "D": 64}),
+    True: ({"Sq": [17, 1], "Sk": [40, 1], "Hq": 4, "Hkv": 2, "D": 128},
+           {"Sq": [127], "Sk": [127], "Hq": 2, "Hkv": 1, "D": 64}),
+}
+
+
 def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only_ccs=None):
     kwargs = {"head_dim": 128, "dtype": "bf16", "causal": causal}
     if varlen:
@@ -116,7 +126,7 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                   baseline_name=None if varlen else "torch SDPA (cuDNN/flash)",
                   profile_shapes=() if varlen else (
                       {"B": 4, "Sq": 4096, "Sk": 4096, "Hq": 16, "Hkv": 16, "D": 128},),
-                  describe=_describe_prefill)
+                  sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill)
     desc = f"{'Gluon' if impl == 'gluon' else 'Triton'} prefill, D=128 bf16" + \
         (", causal" if causal else "") + (", varlen" if varlen else "")
     return name, module, "compile_spec", kwargs, run, desc, only_ccs
@@ -186,6 +196,8 @@ def _decode_entry(name, paged):
                   reference=_decode_reference, dtypes=("bf16", "fp16"), baseline=_sdpa_decode,
                   baseline_name="torch SDPA" + (" (contiguous cache)" if paged else ""),
                   profile_shapes=({"B": 8, "L": [65536] * 8, "Hq": 32, "Hkv": 8, "D": 128, "paged": paged},),
+                  sanitizer_shapes=({"B": 2, "L": [17, 60], "Hq": 4, "Hkv": 1, "D": 128, "paged": paged},
+                                    {"B": 1, "L": [1], "Hq": 2, "Hkv": 2, "D": 64, "paged": paged}),
                   describe=_describe_decode)
     return (name, "wsattn.kernels.decode_triton", "compile_spec",
             {"head_dim": 128, "dtype": "bf16", "paged": paged}, run,
@@ -230,6 +242,7 @@ def _merge_entry():
                   dtypes=("bf16", "fp16", "fp32"), interpreter_dtypes=("fp16", "fp32"),
                   baseline=_merge_eager, baseline_name="torch eager (fp32)",
                   profile_shapes=({"P": 8, "N": 32768, "D": 128},),
+                  sanitizer_shapes=({"P": 3, "N": 17, "D": 128}, {"P": 1, "N": 1, "D": 64}),
                   describe=lambda s: f"P{s['P']}-N{s['N']}-D{s['D']}")
     return ("merge_states", "wsattn.kernels.merge", "compile_spec", {"head_dim": 128, "dtype": "bf16"},
             run, "LSE merge of partial states, D=128 bf16", None)

@@ -35,7 +35,8 @@ def table(results) -> str:
     """The terminal table: one row per (kernel, target), verdict last."""
     kw = max([len("kernel")] + [len(r.kernel) for r in results])
     tw = max([len("target")] + [len(r.target) for r in results])
-    head = f"{'kernel':<{kw}}  {'target':<{tw}}  0 1 2 3 4 5 6  {'reached':<13}  verdict"
+    nums = " ".join(str(i) for i in range(len(GATES)))
+    head = f"{'kernel':<{kw}}  {'target':<{tw}}  {nums}  {'reached':<13}  verdict"
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(f"{r.kernel:<{kw}}  {r.target:<{tw}}  {' '.join(_marks(r))}  {reached(r):<13}  {r.verdict}")
@@ -78,7 +79,7 @@ def _jsonable(x):
 
 
 def to_json(results, path, extra: dict | None = None) -> dict:
-    doc = {"environment": environment(), **(extra or {}),
+    doc = {"environment": environment(), "gate_names": list(GATES), **(extra or {}),
            "results": [_jsonable(r.to_dict()) for r in results]}
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
@@ -94,10 +95,21 @@ def from_json(path) -> tuple[list, dict]:
     results = []
     for d in doc["results"]:
         d = {k: v for k, v in d.items() if k != "highest_gate_name"}
-        d["gates"] = [GateResult(**g) for g in d["gates"]]
-        d["extra"] = [GateResult(**g) for g in d.get("extra", [])]
+        # numbered by name: a run from before the sanitizer gate has profile as gate 6
+        d["gates"] = [GateResult(**_renumbered(g)) for g in d["gates"]]
+        d["extra"] = [GateResult(**_renumbered(g)) for g in d.get("extra", [])]
+        highest = -1  # passed with no gap below it: an old run never climbed gate 6
+        for g in sorted(d["gates"], key=lambda g: g.gate):
+            if g.status != PASS or g.gate != highest + 1:
+                break
+            highest = g.gate
+        d["highest_gate"] = highest
         results.append(LadderResult(**d))
     return results, doc
+
+
+def _renumbered(g: dict) -> dict:
+    return {**g, "gate": GATES.index(g["name"])} if g.get("name") in GATES else g
 
 
 # --------------------------------------------------------------------------- markdown
@@ -106,7 +118,7 @@ def _profile_rows(results):
     rows = []
     for r in results:
         for g in r.gates:
-            if g.gate == 6 and g.status == PASS:
+            if g.name == "profile" and g.status == PASS:
                 for row in g.data.get("rows", []):
                     rows.append((f"{r.kernel} {r.target}", g.data.get("baseline"), row))
     return rows
@@ -158,6 +170,21 @@ def structure_details(d: dict) -> str:
             f"shared {d.get('shared_bytes')} B/CTA; local {d.get('local_bytes')} B/thread; SASS: {sass}")
 
 
+def sanitizer_details(d: dict) -> list:
+    """One line per compute-sanitizer tool: errors, racecheck's hazards, first finding."""
+    out = []
+    for t in d.get("tools") or []:
+        line = f"{t['tool']}: " + ("no summary" if t.get("errors") is None else f"{t['errors']} errors")
+        if "hazards" in t:
+            line += f", {t['hazards']} hazards ({t['race_errors']} errors, {t['warnings']} warnings)"
+        if t.get("seconds") is not None:
+            line += f", {t['seconds']:.0f} s"
+        if t.get("first"):
+            line += ": `" + " | ".join(t["first"]).replace("`", "'") + "`"
+        out.append(line)
+    return out
+
+
 def to_markdown(results, path, env: dict | None = None) -> str:
     """Markdown: the gate table, each verdict, and a bar chart of the profile gate.
 
@@ -182,6 +209,8 @@ def to_markdown(results, path, env: dict | None = None) -> str:
             lines.append(f"- gate {g.gate} {g.name}: **{g.status}**: {detail}")
             if g.gate == 2 and g.status == PASS:
                 lines.append(f"  - {structure_details(g.data)}")
+            if g.name == "sanitizer":
+                lines += [f"  - {line}" for line in sanitizer_details(g.data)]
         lines.append("")
     rows = _profile_rows(results)
     lines += ["## Profile", ""]

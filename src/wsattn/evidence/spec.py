@@ -2,7 +2,7 @@
 
 A :class:`KernelSpec` names a kernel and gives, per compute capability, the four things a
 compile needs (``compile_spec(cc) -> {"fn", "signature", "constexprs", "options"}``); a
-:class:`RunSpec` adds what gates 3-6 need: a shape sampler, an input builder, the kernel
+:class:`RunSpec` adds what gates 3-7 need: a shape sampler, an input builder, the kernel
 runner, a reference, and optionally a baseline to time against.
 
 A user's kernel comes in three ways:
@@ -17,7 +17,7 @@ A user's kernel comes in three ways:
       signature = { a_ptr = "*fp16", M = "i32" }  # Triton signature strings
       constexprs = { BLOCK_M = 128 }
       options = { num_warps = 4, num_stages = 3 }
-      run = "mypkg.kernels:run_spec"              # optional: returns a RunSpec (gates 3-6)
+      run = "mypkg.kernels:run_spec"              # optional: returns a RunSpec (gates 3-7)
 
 Every way of failing to load gives a spec whose ``unavailable`` holds one line saying
 what to fix, so one bad kernel never stops the others.
@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 @dataclass
 class RunSpec:
-    """What gates 3-6 need to run a kernel.
+    """What gates 3-7 need to run a kernel.
 
     draw_shape(rng, small) -> dict: one valid shape, small=True for the interpreter.
     build(shape, dtype, device, generator) -> inputs (any object the runner takes).
@@ -51,7 +51,8 @@ class RunSpec:
     interpreter: bool = True               # can run under TRITON_INTERPRET=1 on CPU tensors
     baseline: Callable | None = None
     baseline_name: str | None = None
-    profile_shapes: tuple = ()             # shapes gate 6 times (draw_shape if empty)
+    profile_shapes: tuple = ()             # shapes the profile gate times (draw_shape if empty)
+    sanitizer_shapes: tuple = ()           # small odd shapes for the sanitizer gate (drawn small if empty)
     describe: Callable = lambda shape: "-".join(f"{k}{v}" for k, v in shape.items())
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,15 +19,18 @@ import time
 
 
 def run_child(task: str, args: dict, timeout: float, env: dict | None = None,
-              progress=None) -> dict:
-    """Run ``wsattn.evidence.child`` under a watchdog; returns its result, or a hang."""
+              progress=None, prefix: list | None = None) -> dict:
+    """Run ``wsattn.evidence.child`` under a watchdog; returns its result (with the
+    process's ``returncode``), or a hang. ``prefix`` wraps the child (a sanitizer: the
+    command line becomes ``prefix + [python, -m, ...]``)."""
     fd, path = tempfile.mkstemp(prefix="wsattn-evidence-", suffix=".jsonl")
     os.close(fd)
     child_env = dict(os.environ)
     child_env.update(env or {})
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (src, child_env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "wsattn.evidence.child", task, json.dumps(args), path]
+    cmd = list(prefix or []) + [sys.executable, "-m", "wsattn.evidence.child", task,
+                                json.dumps(args), path]
     t0 = time.monotonic()
     # stderr goes to a file, not a pipe: a child that warns on every launch would fill a
     # pipe's buffer, block, and look exactly like a hang.
@@ -38,8 +42,7 @@ def run_child(task: str, args: dict, timeout: float, env: dict | None = None,
         while proc.poll() is None:
             if time.monotonic() - t0 > timeout:
                 hung = True
-                proc.kill()  # the child's own process only, by its id
-                proc.wait()
+                _kill(proc)
                 break
             time.sleep(0.05)
             if progress:
@@ -49,8 +52,7 @@ def run_child(task: str, args: dict, timeout: float, env: dict | None = None,
         lines = [json.loads(l) for l in open(path) if l.strip()]
     finally:
         if proc.poll() is None:  # interrupted (Ctrl-C): take our child down with us
-            proc.kill()
-            proc.wait()
+            _kill(proc)
         err_file.close()
         os.remove(path)
     seconds = time.monotonic() - t0
@@ -64,9 +66,21 @@ def run_child(task: str, args: dict, timeout: float, env: dict | None = None,
         tail = stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
         return {"ok": False, "kind": "crash", "shape": last_at, "seconds": seconds,
                 "error": f"child died (exit {proc.returncode})"
-                         + (f" at {last_at}" if last_at else "") + f": {tail[0][:300]}"}
+                         + (f" at {last_at}" if last_at else "") + f": {tail[0][:300]}",
+                "returncode": proc.returncode}
     result["seconds"] = seconds
+    result["returncode"] = proc.returncode
     return result
+
+
+def _kill(proc):
+    """Kill the child's own session (started for it by Popen), so a wrapper's target
+    (the Python under compute-sanitizer) goes too, by that session's id."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
 
 
 def run_stress(spec, device: str, launches: int = 2000, timeout: float = 300.0,

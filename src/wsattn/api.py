@@ -33,7 +33,6 @@ import torch
 
 from . import dispatch, reference
 from .dispatch import IMPLS, Call
-from .target import interpreting
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_HEAD_DIMS = (64, 128, 256)

@@ -24,8 +24,7 @@ from wsattn import reference
 
 from .cases import DTYPES
 
-# ||out - ref|| / ||ref|| allowed against the float64 reference (tests/conftest.py's table)
-TOL = {"bf16": 2e-2, "fp16": 4e-3, "fp32": 2e-3}
+from wsattn.testing import TOL  # the one table the tests use too
 
 
 class NotAvailable(Exception):

@@ -1,4 +1,4 @@
-"""Device-side check and timing of the Gluon sm_90 prefill kernel (issue 4).
+"""Device-side check and timing of the Gluon sm_90 prefill kernel.
 
 Run on an H200 from the repository root:
     PYTHONPATH=$PWD/src python3 scripts/device_gluon.py [--out DIR] [--variants a,b] [--skip-stress]
@@ -36,53 +36,19 @@ from wsattn.kernels import prefill_gluon as pg  # noqa: E402
 # Settings overrides to compare; a "D" key limits a variant to one head dim.
 VARIANTS = {
     "default": {},
-    "no_overlap": {"OVERLAP": False},
     "pingpong": {"PINGPONG": True},
-    "persistent": {"PERSISTENT": True},
-    "v1": {"UNROLL": False, "STAGES": 2, "BLOCK_N": 128},  # the first correct version
-    "unroll_s2": {"UNROLL": True, "STAGES": 2, "BLOCK_N": 128},
-    "unroll_s3": {"UNROLL": True, "STAGES": 3, "BLOCK_N": 128, "D": 128},
+    "plain": {"UNROLL": False},  # no step pairs (one P register set)
     "plain_s3": {"UNROLL": False, "STAGES": 3, "BLOCK_N": 128, "D": 128},
-    "pp_s3": {"UNROLL": True, "STAGES": 3, "BLOCK_N": 128, "PINGPONG": True, "D": 128},
     "bn64_s4": {"UNROLL": True, "STAGES": 4, "BLOCK_N": 64, "D": 128},
-    "s4": {"UNROLL": True, "STAGES": 4, "BLOCK_N": 128, "D": 64},
     "plain_s4": {"UNROLL": False, "STAGES": 4, "BLOCK_N": 128, "D": 64},
-    "pp_s4": {"UNROLL": True, "STAGES": 4, "BLOCK_N": 128, "PINGPONG": True, "D": 64},
-    # The wait for PV(j) pinned after the exponentials (SASS: softmax under PV, notes).
-    "pin": {"PIN_PV_WAIT": True},
-    "pin_plain": {"PIN_PV_WAIT": True, "UNROLL": False},
-    "pin_persistent": {"PIN_PV_WAIT": True, "PERSISTENT": True},
-    # Three consumer warpgroups, BLOCK_M = 192 (head dim 64 only; settings_for then takes
-    # 160 registers a consumer and no UNROLL). Compare with plain_s4 (2 consumers, no UNROLL).
-    "c3": {"CONSUMERS": 3, "D": 64},
-    # two consumers (128-row tiles) at D=64, now that WG_TILES skips empty warpgroups: more,
-    # smaller causal CTAs (N=4096: 4,096 CTAs instead of 2,816)
+    # two consumer warpgroups (128-row tiles) at D=64, where the default has three
     "c2": {"CONSUMERS": 2, "D": 64},
-    "c3_persistent": {"CONSUMERS": 3, "PERSISTENT": True, "D": 64},
     "c3_pingpong": {"CONSUMERS": 3, "PINGPONG": True, "D": 64},
     # 64-key tiles: registers for UNROLL's two P sets (no spills; the 128-key c3 + UNROLL
     # spills 1 KB), 8 stages = the same ring bytes as 4 x 128 keys.
     "c3_bn64": {"CONSUMERS": 3, "BLOCK_N": 64, "STAGES": 8, "UNROLL": True, "D": 64},
-    # O stored from registers, Q released after the last QK^T (on top of each head dim's
-    # defaults); with a persistent grid, statically strided or claiming tiles dynamically.
-    "direct": {"O_DIRECT": True},
-    "pers_direct": {"PERSISTENT": True, "O_DIRECT": True},
-    "dyn": {"PERSISTENT": True, "DYNAMIC": True, "O_DIRECT": True},
-    "dyn_tma": {"PERSISTENT": True, "DYNAMIC": True},
-    # every warpgroup walks all of its CTA's K/V tiles (the kernel before WG_TILES)
+    # every warpgroup walks all of its CTA's K/V tiles
     "no_wg_tiles": {"WG_TILES": False},
-    # Ping-pong turns through named barriers (bar.sync / bar.arrive), around the GEMM issue
-    # (pp_named) or around the exponentials (pp_soft*: cuDNN's placement, seen in ncu's SASS;
-    # the exponentials then also run under the warpgroup's own in-flight PV). pp_soft_named
-    # spills with three 160-register consumers at D=64: there it runs with two (c2).
-    "pp_named": {"PINGPONG": True, "PP_NAMED": True},
-    "pp_soft": {"PINGPONG": True, "PP_SOFTMAX": True},
-    "pp_soft_named": {"PINGPONG": True, "PP_SOFTMAX": True, "PP_NAMED": True, "D": 128},
-    "pp_soft_named_c2": {"CONSUMERS": 2, "PINGPONG": True, "PP_SOFTMAX": True,
-                         "PP_NAMED": True, "D": 64},
-    # row max and row sum over adjacent column pairs first (half the serial FMNMX/FADD chain)
-    "pair": {"PAIR_REDUCE": True},
-    "pair_pp_named": {"PAIR_REDUCE": True, "PINGPONG": True, "PP_NAMED": True},
 }
 
 
@@ -110,7 +76,7 @@ NUMERIC_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal, dtype
     (2, 193, 193, 4, 2, 64, True, torch.float16),
     (1, 17, 300, 4, 4, 64, True, torch.bfloat16),
     (2, 1000, 1000, 4, 4, 64, False, torch.bfloat16),
-    # more tiles than SMs, so persistent CTAs take several (and DYNAMIC claims some)
+    # more tiles than SMs
     (4, 1000, 1000, 32, 8, 128, False, torch.bfloat16),
     (3, 777, 777, 32, 4, 64, True, torch.float16),
 ]
@@ -187,7 +153,7 @@ def numerics(log, name):
 
 def stress(log, name="default", launches=2000, D=128):
     D = VARIANTS[name].get("D", D)  # a variant limited to one head dim is stressed there
-    B, S, H, HKV = 2, 1000, 32, 8  # 384-512 tiles: more than SMs, for persistent schedules
+    B, S, H, HKV = 2, 1000, 32, 8  # 384-512 tiles: more than SMs
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16)

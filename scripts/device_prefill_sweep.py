@@ -20,17 +20,17 @@ from wsattn.kernels import prefill_triton as pt
 from wsattn.target import target_of
 
 VARIANTS = {  # name: PrefillSettings fields (BLOCK_M, BLOCK_N, num_warps, num_stages, use_tma,
-    # warp_specialize, host_desc); None = the defaults
+    # host_desc); None = the defaults
     128: {"default": None, "s3": (128, 128, 8, 3, True), "bn64-s3": (128, 64, 8, 3, True),
           "w4-bn64-s3": (128, 64, 4, 3, True),
-          "hd": (128, 128, 8, 2, True, False, True), "hd-s3": (128, 128, 8, 3, True, False, True),
-          "hd-bn64-s3": (128, 64, 8, 3, True, False, True),
-          "hd-bn64-s4": (128, 64, 8, 4, True, False, True),
-          "hd-m64-bn64-s3": (64, 64, 4, 3, True, False, True),
+          "hd": (128, 128, 8, 2, True, True), "hd-s3": (128, 128, 8, 3, True, True),
+          "hd-bn64-s3": (128, 64, 8, 3, True, True),
+          "hd-bn64-s4": (128, 64, 8, 4, True, True),
+          "hd-m64-bn64-s3": (64, 64, 4, 3, True, True),
           "pointers": (128, 128, 8, 2, False)},
-    64: {"default": None, "hd": (128, 128, 8, 3, True, False, True),
-         "hd-s4": (128, 128, 8, 4, True, False, True),
-         "hd-bn64-s4": (128, 64, 8, 4, True, False, True),
+    64: {"default": None, "hd": (128, 128, 8, 3, True, True),
+         "hd-s4": (128, 128, 8, 4, True, True),
+         "hd-bn64-s4": (128, 64, 8, 4, True, True),
          "w4-bn64-s3": (128, 64, 4, 3, True)},
 }
 

@@ -62,7 +62,7 @@ def test_sm90_default_uses_wgmma_and_tma(head_dim, causal, record_property):
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx
     assert "cp.async.bulk.tensor" in ptx, "K/V/Q should arrive by TMA on sm_90"
-    assert "ttg.warp_specialize" not in kernel.asm["ttgir"]  # off by default
+    assert "ttg.warp_specialize" not in kernel.asm["ttgir"]  # no automatic warp specialization
     regs, spills = _report(record_property, f"sm90-D{head_dim}-{'causal' if causal else 'full'}",
                            kernel)
     assert kernel.metadata.shared <= SMEM_LIMIT[90]
@@ -86,20 +86,6 @@ def test_sm90_varlen_uses_tma(record_property):
     _report(record_property, "sm90-D128-causal-varlen", kernel)
 
 
-def test_sm90_warp_specialize_forms(record_property):
-    """Non-causal with the switch on: Triton's pass forms producer/consumer partitions
-    (the off state is the default build, checked above to carry no partitions)."""
-    from wsattn.target import Target
-    import torch
-    settings = prefill_triton.default_settings(Target("cuda", 90, 132), 128, torch.bfloat16,
-                                               causal=False, warp_specialize=True)
-    kernel = _compile(90, 128, "bf16", causal=False, settings=settings)
-    assert "ttg.warp_specialize" in kernel.asm["ttgir"]
-    assert "setmaxnreg" in kernel.asm["ptx"]
-    assert kernel.metadata.num_warps == 12  # 4 asked + producer and consumer groups
-    _report(record_property, "sm90-D128-full-ws", kernel)
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_host_descriptors_build_no_descriptor_in_the_kernel(causal, record_property):
     """host_desc (the sm_90 default): Q/K/V/O arrive as 3-D host descriptors, so the PTX
@@ -115,16 +101,6 @@ def test_sm90_host_descriptors_build_no_descriptor_in_the_kernel(causal, record_
     own = prefill_triton.PrefillSettings(128, 128, 8, 3, use_tma=True, host_desc=False)
     assert "tensormap" in _compile(90, 128, "bf16", causal=causal, settings=own).asm["ptx"]
     assert _compile(90, 128, "bf16", causal=causal, varlen=True).asm["ptx"].count("tensormap")
-
-
-def test_causal_forces_warp_specialize_off():
-    from wsattn.target import Target
-    import torch
-    s = prefill_triton.PrefillSettings(128, 128, 4, 2, use_tma=True, warp_specialize=True)
-    spec = prefill_triton.compile_spec(90, 128, "bf16", causal=True, settings=s)
-    assert spec["constexprs"]["WARP_SPECIALIZE"] is False
-    assert not prefill_triton.default_settings(Target("cuda", 90, 132), 128, torch.bfloat16,
-                                               True, warp_specialize=True).warp_specialize
 
 
 @pytest.mark.parametrize("cc,head_dim", [(90, 256)], ids=["sm90-D256"])

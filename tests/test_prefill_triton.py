@@ -77,13 +77,10 @@ def test_attention_matches_reference(case):
     assert_lse_close(lse, ref_lse, dtype)
 
 
-# Launch variants the API does not pick on the CPU: pointer loads (sm_80), the
-# warp-specialized variant's single masked loop, BLOCK_M != BLOCK_N.
+# Launch variants the API does not pick on the CPU: pointer loads (sm_80), BLOCK_M != BLOCK_N.
 SETTINGS = [
     pytest.param(PrefillSettings(32, 32, 4, 1, use_tma=False), False, id="pointers-full"),
     pytest.param(PrefillSettings(32, 32, 4, 1, use_tma=False), True, id="pointers-causal"),
-    pytest.param(PrefillSettings(32, 32, 4, 1, use_tma=True, warp_specialize=True), False,
-                 id="tma-ws-full"),
     pytest.param(PrefillSettings(64, 32, 4, 1, use_tma=True), True, id="tma-M64-N32-causal"),
     pytest.param(PrefillSettings(16, 64, 4, 1, use_tma=False), True, id="pointers-M16-N64-causal"),
     pytest.param(PrefillSettings(16, 64, 4, 1, use_tma=True), False, id="tma-M16-N64-full"),
@@ -194,7 +191,7 @@ def test_default_settings_per_target():
     from wsattn.target import Target, UnsupportedTargetError
     h200 = Target("cuda", 90, 132)
     s = prefill_triton.default_settings(h200, 128, torch.bfloat16, causal=False)
-    assert (s.BLOCK_M, s.BLOCK_N, s.num_warps, s.use_tma, s.warp_specialize) == (128, 128, 8, True, False)
+    assert (s.BLOCK_M, s.BLOCK_N, s.num_warps, s.use_tma) == (128, 128, 8, True)
     assert s.host_desc and s.num_stages == 3
     assert prefill_triton.default_settings(h200, 256, torch.bfloat16, True).BLOCK_M == 64
     # causal D = 128: 64-row blocks up to SHORT_CAUSAL_Q query rows, 128 past it or unknown
@@ -205,10 +202,6 @@ def test_default_settings_per_target():
     assert not prefill_triton.default_settings(Target("cuda", 120, 84), 128, torch.bfloat16,
                                                False).host_desc
     assert not prefill_triton.default_settings(Target("cuda", 80, 108), 128, torch.float16, False).use_tma
-    ws = prefill_triton.default_settings(h200, 128, torch.bfloat16, False, warp_specialize=True)
-    assert ws.warp_specialize and ws.num_warps == 4
-    assert not prefill_triton.default_settings(h200, 128, torch.bfloat16, True,
-                                               warp_specialize=True).warp_specialize
     with pytest.raises(UnsupportedTargetError, match="sm_75"):
         prefill_triton.default_settings(Target("cuda", 75, 40), 128, torch.float16, False)
 

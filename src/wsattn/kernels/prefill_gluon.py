@@ -1,4 +1,4 @@
-"""sm_90 warp-specialized prefill attention in Gluon (issue 4).
+"""sm_90 warp-specialized prefill attention in Gluon.
 
 FlashAttention-3's structure written with Triton 3.6's Gluon pieces: a 1-warp TMA
 producer that gives up registers, two (at head dim 64 optionally three:
@@ -23,8 +23,8 @@ from ._intmath import cdiv
 from .prefill_gluon_parts import ROWS_PER_WG as WG_M, attn_fwd_kernel
 
 GLUON_CC = 90  # wgmma and setmaxnreg exist on sm_90 only
-# Set once the kernel has passed the device numerics (scripts/device_gluon.py); until then
-# impl="auto" keeps the Triton kernel and impl="gluon" is refused.
+# True once the kernel has passed its GPU numerics (the sm90 tests of
+# tests/test_prefill_gluon.py); False keeps impl="auto" on Triton and refuses impl="gluon".
 VERIFIED_ON_GPU = True
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 GLUON_HEAD_DIMS = (64, 128)
@@ -58,17 +58,9 @@ class GluonSettings:
     BLOCK_M: int = 128
     BLOCK_N: int = 128
     STAGES: int = 2
-    OVERLAP: bool = True  # next QK^T issued before the current softmax
     PINGPONG: bool = False  # consumer warpgroups take turns issuing GEMMs
-    PP_SOFTMAX: bool = False  # with PINGPONG: the turn covers the exponentials instead
-    PP_NAMED: bool = False  # with PINGPONG: turns through named barriers (bar.sync/arrive)
-    PAIR_REDUCE: bool = False  # row max / sum over column pairs first (half the serial chain)
     UNROLL: bool = True  # steps in pairs, so P(j), P(j+1) can take two register sets (notes)
-    PERSISTENT: bool = False  # one CTA per SM striding over the tiles (K/V prefetch across tiles)
-    DYNAMIC: bool = False  # persistent CTAs claim tiles from a global counter (load balance)
-    O_DIRECT: bool = False  # O stored from registers; Q's buffer freed after the last QK^T
     WG_TILES: bool = True  # a warpgroup computes only the K/V tiles its own rows need
-    PIN_PV_WAIT: bool = False  # keep the wait for PV(j) after the exponentials in SASS (notes)
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24
     CONSUMERS: int = 2  # consumer warpgroups of 64 rows; 3 (BLOCK_M = 192) at head dim 64 only
@@ -87,11 +79,6 @@ class GluonSettings:
                 f"warpgroups get {PER_CONSUMERS[3]['CONSUMER_REGS']} registers a thread, "
                 "which O (64) + S (64) + P (32) alone fill at head_dim 128 (ptxas spills "
                 "~0.9 KB a thread even without UNROLL); use CONSUMERS=2")
-        if self.DYNAMIC and not self.PERSISTENT:
-            raise ValueError("DYNAMIC=True is a persistent schedule: it needs PERSISTENT=True")
-        if (self.PP_SOFTMAX or self.PP_NAMED) and not self.PINGPONG:
-            raise ValueError("PP_SOFTMAX / PP_NAMED say where and how ping-pong turns are "
-                             "taken: they need PINGPONG=True")
         if self.BLOCK_M != WG_M * n:
             raise ValueError(f"BLOCK_M={self.BLOCK_M} must be {WG_M} * CONSUMERS={n}")
         for name in ("CONSUMER_REGS", "PRODUCER_REGS"):
@@ -118,9 +105,9 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
     if head_dim == 64:
         # Three consumer warpgroups (192 query rows, 24 + 4 * 32 KB of shared memory), as
         # FlashAttention-3 does at this head dim; ping-pong between them when not causal.
-        # H200, gluon_dev run 5 (599424b), x cuDNN at N 4096/8192/16384: non-causal
-        # 1.03/1.08/1.10 (two consumers: 0.95/0.97/1.01), causal 0.84/0.99/1.07 (two:
-        # 0.86/0.96/1.03; with ping-pong 0.84/0.97/1.08).
+        # H200, x cuDNN at N 4096/8192/16384: non-causal 1.03/1.08/1.10 (two consumers:
+        # 0.95/0.97/1.01), causal 0.84/0.99/1.07 (two: 0.86/0.96/1.03; with ping-pong
+        # 0.84/0.97/1.08); notes/prefill_gluon.md.
         n = overrides.get("CONSUMERS", 3)
         base = GluonSettings(BLOCK_N=128, STAGES=4, CONSUMERS=n, PINGPONG=n == 3 and not causal,
                              **PER_CONSUMERS.get(n, {}))
@@ -178,12 +165,9 @@ def _descriptor(t3, block, dtype_name):
 
 def _constexprs(head_dim, group, causal, s: GluonSettings):
     return dict(GROUP=group, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N, D=head_dim, STAGES=s.STAGES,
-                CAUSAL=bool(causal), OVERLAP=s.OVERLAP, PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
-                PERSISTENT=s.PERSISTENT, PIN_PV_WAIT=s.PIN_PV_WAIT,
+                CAUSAL=bool(causal), PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
-                CONSUMERS=s.CONSUMERS, DYNAMIC=s.DYNAMIC, O_DIRECT=s.O_DIRECT,
-                WG_TILES=s.WG_TILES, PP_SOFTMAX=s.PP_SOFTMAX, PP_NAMED=s.PP_NAMED,
-                PAIR_REDUCE=s.PAIR_REDUCE)
+                CONSUMERS=s.CONSUMERS, WG_TILES=s.WG_TILES)
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):
@@ -211,12 +195,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     k_desc = _descriptor(k.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
     v_desc = _descriptor(v.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
     num_tiles = cdiv(Sq, s.BLOCK_M) * B * Hq
-    if s.PERSISTENT:
-        num_tiles = min(num_tiles, _num_sms(q.device))  # one CTA per SM: registers allow no more
-    # DYNAMIC claims tiles from this counter; it must start at zero on every launch (a
-    # memset in the stream, so CUDA-graph replays and other streams each get their own).
-    counter = (torch.zeros(1, dtype=torch.int32, device=q.device) if s.DYNAMIC
-               else _unused_counter(q.device))
+    counter = _unused_counter(q.device)
     attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, out, lse, counter, B, Sq,
                                    Sk, Hq, sm_scale * math.log2(math.e), num_warps=4,
                                    **_constexprs(D, Hq // Hkv, causal, s))
@@ -240,10 +219,6 @@ def _tma_ready(t) -> bool:
     B, S, H, D = t.shape
     return (t.stride(3) == 1 and t.stride(2) == D and t.stride(1) == H * D
             and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
-
-
-def _num_sms(device) -> int:
-    return target_of(device).num_sms  # asked once per GPU (target.py caches it)
 
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
@@ -271,9 +246,9 @@ def _cc(device) -> int | None:
 
 
 # impl="auto" takes the Triton kernel instead where it measured faster on H200
-# (benchmarks/results/bench_H200_2026-11-29_run3_0127ce6.json, TFLOP/s Gluon vs Triton at
-# N = 1024: D=64 355 vs 376, D=64 causal 192 vs 271, D=128 causal 314 vs 354; D=128
-# non-causal 523 vs 409 stays Gluon; from N = 4096 on Gluon leads or ties everywhere):
+# (notes/prefill_gluon.md; TFLOP/s Gluon vs Triton at N = 1024: D=64 355 vs 376, D=64
+# causal 192 vs 271, D=128 causal 314 vs 354; D=128 non-causal 523 vs 409 stays Gluon;
+# from N = 4096 on Gluon leads or ties everywhere):
 # (head dim, causal) -> the longest query length that still goes to Triton.
 AUTO_TRITON_UP_TO = {(64, False): 1024, (64, True): 1024, (128, True): 1024}
 

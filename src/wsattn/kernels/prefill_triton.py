@@ -1,7 +1,7 @@
 """FlashAttention-2 style prefill forward in Triton (``tl``), fixed-length and varlen.
 
 One kernel, ``_attn_fwd``, with constexpr switches (causal, varlen, TMA vs pointer
-loads, warp specialization); one inner-loop helper, ``_attn_inner``, called twice: over
+loads, host vs device descriptors); one inner-loop helper, ``_attn_inner``, called twice: over
 the key tiles every query row of the block sees (no mask), then over the diagonal /
 boundary tiles (``MASK=True``). Online softmax in fp32 with exp2 (the softmax scale is
 folded into log2(e)); the LSE is always written (natural log, fp32).
@@ -50,8 +50,7 @@ def _sum_combine(a, b):
 def _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
                 offs_m, seqlen_k, diag, qk_scale, kv_b, kv_col,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                HOST_DESC: tl.constexpr):
+                CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr):
     """Key tiles [lo, hi) into the running (acc, l_i, m_i); m_i is in log2 units.
 
     k_src/v_src are TMA descriptors of this (sequence, KV head) (USE_TMA), 3-D host
@@ -62,7 +61,7 @@ def _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
     """
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0  # [BLOCK_N]
         if HOST_DESC:  # the box clips at this batch element's Sk: zero-filled past it
@@ -118,8 +117,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               GROUP: tl.constexpr, D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-              USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-              HOST_DESC: tl.constexpr):
+              USE_TMA: tl.constexpr, HOST_DESC: tl.constexpr):
     """Grid (row blocks, Hq, B). Fixed: q [B,Sq,Hq,D], lse [B,Hq,Sq]. Varlen: q [Tq,Hq,D]
     (stride_*b = 0), cu_seqlens give each sequence's rows, lse [Hq,Tq] (stride_lb = 0).
     HOST_DESC (fixed length only): Q, K, V, O are 3-D TMA descriptors made on the host over
@@ -188,20 +186,12 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
     else:
         n_full = (seqlen_k // BLOCK_N) * BLOCK_N
         n_end = seqlen_k
-    if WARP_SPECIALIZE:
-        # Triton 3.6 forms warp specialization only for a kernel with a single loop
-        # (a second loop before or after it crashes the pass), so this variant masks
-        # every tile of its one loop instead of splitting off the boundary tile.
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
-                                    0, n_end, offs_m, seqlen_k, diag, qk_scale, b, hk * D,
-                                    D, BLOCK_N, True, CAUSAL, USE_TMA, True, HOST_DESC)
-    else:
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
-                                    0, n_full, offs_m, seqlen_k, diag, qk_scale, b, hk * D,
-                                    D, BLOCK_N, False, CAUSAL, USE_TMA, False, HOST_DESC)
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
-                                    n_full, n_end, offs_m, seqlen_k, diag, qk_scale, b, hk * D,
-                                    D, BLOCK_N, True, CAUSAL, USE_TMA, False, HOST_DESC)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
+                                0, n_full, offs_m, seqlen_k, diag, qk_scale, b, hk * D,
+                                D, BLOCK_N, False, CAUSAL, USE_TMA, HOST_DESC)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
+                                n_full, n_end, offs_m, seqlen_k, diag, qk_scale, b, hk * D,
+                                D, BLOCK_N, True, CAUSAL, USE_TMA, HOST_DESC)
 
     # A row that saw no key (empty KV sequence) gives out 0 and lse -inf, not 0/0.
     seen = l_i > 0.0
@@ -267,7 +257,6 @@ class PrefillSettings:
     num_warps: int
     num_stages: int
     use_tma: bool
-    warp_specialize: bool = False
     # fixed length only: 3-D host TMA descriptors instead of per-program device-side ones
     # (no descriptor writes and fences at each program's start; needs packed heads)
     host_desc: bool = False
@@ -289,9 +278,6 @@ _TILES = {
     # spills; D = 256 uses pointer loads, whose TMA build spills (see the notes).
     "small": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
 }
-# Triton 3.6 auto-WS forms only with num_warps = 4 (FACTS.md): one producer warp plus two
-# consumer warpgroups, 12 warps in total.
-_WS_TILES = {64: (128, 128, 4, 2), 128: (128, 128, 4, 2), 256: (64, 64, 4, 2)}
 # Causal D = 128 with short queries (max_seqlen_q <= SHORT_CAUSAL_Q): 64-row blocks, so
 # twice the programs share the triangle's uneven work (H200: N = 1024 causal 299 -> 330
 # TFLOP/s, N = 4096 425 -> 431; at N = 16384 the 128-row tiles lead, 497 against 475).
@@ -301,14 +287,13 @@ _INTERPRETER = PrefillSettings(32, 32, 4, 1, use_tma=True)
 
 
 def default_settings(target: Target, head_dim: int, dtype: torch.dtype, causal: bool,
-                     warp_specialize: bool = False, max_seqlen_q: int = 0) -> PrefillSettings:
+                     max_seqlen_q: int = 0) -> PrefillSettings:
     """Launch settings for (target, head dim, dtype, causal, longest query; 0 = unknown).
 
     The interpreter gets small tiles (quick tests) and the TMA path (the code that runs
     on sm_90, with TMA emulated). fp32 halves BLOCK_N (twice the bytes per tile) and
     takes 8 warps at D = 256. On sm_90/sm_100 fixed-length launches take host TMA
     descriptors (``host_desc``; varlen and unpacked layouts fall back to per-program ones).
-    warp_specialize is honoured only where Triton 3.6 can form it: non-causal with TMA.
     """
     if target.backend == "interpreter":
         return _INTERPRETER
@@ -319,24 +304,21 @@ def default_settings(target: Target, head_dim: int, dtype: torch.dtype, causal: 
                                      f"{target.name}")
     family = "sm80" if target.cc < 90 else "small" if target.cc >= 120 else "big"
     use_tma = target.has_tma and not (family == "small" and head_dim == 256)
-    ws = warp_specialize and use_tma and not causal
     short = _SHORT_CAUSAL_TILES.get(family, {}).get(head_dim)
-    if ws:
-        bm, bn, warps, stages = _WS_TILES[head_dim]
-    elif causal and short and 0 < max_seqlen_q <= SHORT_CAUSAL_Q:
+    if causal and short and 0 < max_seqlen_q <= SHORT_CAUSAL_Q:
         bm, bn, warps, stages = short
     else:
         bm, bn, warps, stages = _TILES[family][head_dim]
     if dtype == torch.float32:
         bn = max(16, bn // 2)
         stages = min(stages, 2)
-        if head_dim == 256 and not ws:
+        if head_dim == 256:
             warps = 8  # 4 warps spill at 64 x 256 fp32 operands (ptxas, sm_90)
     # host descriptors: measured on H200 only (+1-3 % at N = 16384, +16-35 % at N = 1024,
     # where each program's own descriptor writes and fences weigh most); other families
-    # keep theirs, and so does auto-WS (FACTS.md: host descriptors break its formation)
-    host_desc = use_tma and family == "big" and not ws
-    return PrefillSettings(bm, bn, warps, stages, use_tma, ws, host_desc)
+    # keep theirs
+    host_desc = use_tma and family == "big"
+    return PrefillSettings(bm, bn, warps, stages, use_tma, host_desc)
 
 
 def _tma_ok(*tensors) -> bool:
@@ -402,8 +384,7 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sm_scale, s: Pr
         q_arg, k_arg, v_arg, o_arg, lse, cu_q, cu_k, *qs, *ks, *vs, *os_, *lse_strides,
         max_q, max_k, sm_scale,
         GROUP=Hq // Hkv, D=D, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N,
-        CAUSAL=causal, VARLEN=varlen, USE_TMA=s.use_tma, WARP_SPECIALIZE=s.warp_specialize,
-        HOST_DESC=host_desc, num_warps=s.num_warps, num_stages=s.num_stages)
+        CAUSAL=causal, VARLEN=varlen, USE_TMA=s.use_tma, HOST_DESC=host_desc, num_warps=s.num_warps, num_stages=s.num_stages)
 
 
 _TRITON_DTYPES = {"fp16": (torch.float16, "fp16"), "bf16": (torch.bfloat16, "bf16"),
@@ -442,8 +423,6 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", causal: bool
     """
     torch_dtype, ty = _TRITON_DTYPES[dtype]
     s = settings or default_settings(Target("cuda", cc, 132), head_dim, torch_dtype, causal)
-    if causal and s.warp_specialize:
-        s = dataclasses.replace(s, warp_specialize=False)
     fn = _kernel(False)
     ptr = "*" + ty
     host_desc = s.use_tma and s.host_desc and not varlen
@@ -457,7 +436,7 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", causal: bool
     signature.update({"SEQLEN_Q": "i32", "SEQLEN_K": "i32", "sm_scale": "fp32"})
     constexprs = {"GROUP": 1, "D": head_dim, "BLOCK_M": s.BLOCK_M, "BLOCK_N": s.BLOCK_N,
                   "CAUSAL": causal, "VARLEN": varlen, "USE_TMA": s.use_tma,
-                  "WARP_SPECIALIZE": s.warp_specialize, "HOST_DESC": host_desc}
+                  "HOST_DESC": host_desc}
     if not varlen:
         constexprs.update({"CU_Q": None, "CU_K": None})
     signature.update({n: "constexpr" for n in constexprs})
@@ -502,19 +481,8 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     D = q.shape[-1]
     s = settings or default_settings(target, D, q.dtype, causal,
                                      max_seqlen_q=int(max_seqlen_q) if varlen else q.shape[1])
-    if s.warp_specialize and target.backend == "cuda":
-        # Measured wrong: on H200 (2026-11-29, Triton 3.6.0) the auto-WS build returned NaN
-        # LSE rows for Sq=1000, Sk=1000/4096 (tests/test_prefill_gpu.py), while the same
-        # code without the pass is right. Kept for compile-only study (compile_spec, the
-        # evidence ladder) until a GPU run shows it correct; never launched meanwhile.
-        raise ValueError("PrefillSettings.warp_specialize=True is refused on the GPU: Triton "
-                         "3.6's automatic warp specialization gave NaN on H200 for this kernel "
-                         "(notes/prefill_triton.md); use warp_specialize=False")
-    if causal and s.warp_specialize:
-        # Triton 3.6's warp specialization does not compile the causal kernel's two loops.
-        s = dataclasses.replace(s, warp_specialize=False)
     if s.use_tma and not _tma_ok(q, k, v):
-        s = dataclasses.replace(s, use_tma=False, warp_specialize=False)
+        s = dataclasses.replace(s, use_tma=False)
     out = empty(q.shape, q.dtype, q.device)
     if varlen:
         Tq, Hq = q.shape[0], q.shape[1]

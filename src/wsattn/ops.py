@@ -7,7 +7,7 @@ The ops always return the LSE: it costs one fp32 store per query row.
 Eager calls skip the dispatcher: :func:`prefill`, :func:`decode` and
 :func:`merge_states` call the kernel launchers directly unless torch.compile is tracing
 or autograd would record the call (see :func:`_via_dispatcher`).
-Measured on H200 (torch 2.11, scripts/device_host_overhead.py): a call through the
+Measured on H200 (torch 2.11, ``python -m wsattn.bench.host``): a call through the
 custom-op dispatcher cost 120-315 us of host time against ~10 us for a plain torch op,
 which made every small eager call (decode, merge, the sequence-parallel chunks) host
 bound. Traced graphs still see one custom op per call.

@@ -27,8 +27,8 @@ def copy_bandwidth(timer, device, nbytes: int = 1 << 30) -> Ceiling:
     src = torch.empty(nbytes // 4, dtype=torch.int32, device=device).random_(0, 1 << 30)
     dst = torch.empty_like(src)
     # An SM kernel (elementwise add of 0), not dst.copy_(src): a plain contiguous copy is a
-    # cudaMemcpy, which runs on the copy engine (2.7 TB/s on H200, first bench run
-    # 2026-11-29) and is not the ceiling a streaming kernel competes with (4.3 TB/s).
+    # cudaMemcpy, which runs on the copy engine (2.7 TB/s measured on H200) and is not the
+    # ceiling a streaming kernel competes with (4.3 TB/s).
     t = timer(lambda: torch.add(src, 0, out=dst))
     return Ceiling("copy", f"device-to-device copy by an SM kernel, {nbytes >> 20} MiB, "
                    "read + written",

@@ -194,23 +194,11 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     o_desc = _descriptor(out.view(B, Sq, Hq * D), [1, WG_M, D], name)
     k_desc = _descriptor(k.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
     v_desc = _descriptor(v.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
-    num_tiles = cdiv(Sq, s.BLOCK_M) * B * Hq
-    counter = _unused_counter(q.device)
-    attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, out, lse, counter, B, Sq,
-                                   Sk, Hq, sm_scale * math.log2(math.e), num_warps=4,
+    num_tiles = cdiv(Sq, s.BLOCK_M) * B * Hq  # one CTA per tile
+    attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
+                                   sm_scale * math.log2(math.e), num_warps=4,
                                    **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
-
-
-_UNUSED = {}
-
-
-def _unused_counter(device):
-    """The tile_counter argument of launches that do not claim tiles (never read there)."""
-    key = torch.device(device)
-    if key not in _UNUSED:
-        _UNUSED[key] = torch.zeros(1, dtype=torch.int32, device=key)
-    return _UNUSED[key]
 
 
 def _tma_ready(t) -> bool:
@@ -230,9 +218,8 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
     kv_block = [1, s.BLOCK_N, head_dim]
     kv = f"tensordesc<{dtype}[1,{s.BLOCK_N},{head_dim}],{_layout(kv_block, dtype)!r}>"
-    signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "o_ptr": f"*{dtype}",
-                 "lse_ptr": "*fp32", "tile_counter": "*i32", "B": "i32", "Sq": "i32",
-                 "Sk": "i32", "Hq": "i32", "qk_scale": "fp32"}
+    signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",
+                 "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32"}
     return {"fn": attn_fwd_kernel, "signature": signature,
             "constexprs": _constexprs(head_dim, 1, causal, s),
             "options": {"num_warps": 4}}

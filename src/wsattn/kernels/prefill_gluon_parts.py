@@ -304,7 +304,8 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
     start_m, off_b, off_h = _tile_coords(gl.program_id(0), n_m, Hq, CAUSAL)
     off_hkv = off_h // GROUP
     m0 = start_m * BLOCK_M
-    # A fresh barrier's "previous phase" counts as complete, so this wait passes at once.
+    # q_empty is the consumers' hand-back of the Q buffers; with one tile per CTA nothing
+    # refills them, and this wait on a fresh barrier's "previous phase" passes at once.
     mbarrier.wait(q_empty, 1)
     mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h * D], q_bar, q_bufs[0])
@@ -324,8 +325,8 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
 
 
 @gluon.jit
-def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, tile_counter, B, Sq, Sk,
-                    Hq, qk_scale, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale,
+                    GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,

@@ -263,3 +263,138 @@ def test_subcommands_write_nothing_unless_asked(tmp_path, monkeypatch):
     assert main(["ladder", "merge_states", "--target", "sm_90", "--max-gate", "2",
                  "--no-interpreter", "--json", str(out)]) == 0
     assert out.exists() and all(REPO not in p.parents for p in written)
+
+
+# --------------------------------------------------------------------------- the dispatch-byte waiver
+
+# the dispatch as Triton 3.6 lowers gl.warp_specialize (notes/sanitizer.md): 12 warps, 4 default
+WS_PTX = """\
+\tst.shared.v2.b32 \t[global_smem+229720], {0, 50397698};
+\tbarrier.sync \t1;
+\tld.shared.b8 \t%r95, [%r96+229716];
+\tst.shared.v2.b32 \t[global_smem+229720], {67372036, 67372036};
+\tbarrier.sync \t1;
+"""
+WS = sanitizer.dispatch_bytes(WS_PTX, 229728, 12, 4)
+
+
+def _probe(bar0=0, bar1=1, kinds1=("RAW",), ran=True):
+    def mode(i, n, kinds):
+        return {"returncode": 86 if n else 0, "hazards": n, "race_errors": n, "warnings": 0,
+                "kinds": list(kinds) if n else [], "ran": ran, "stdout": f"mode {i}: no error"}
+    return {"modes": {"bar0": mode(0, bar0, ("RAW",)), "bar1": mode(1, bar1, kinds1),
+                      "bar1_384": mode(2, bar1, kinds1), "none": mode(3, 1, ("RAW",))}}
+
+
+SUPPORTING = _probe()
+
+
+def _race(log, probe=SUPPORTING, ws=WS, child_ok=True):
+    r = sanitizer.parse("racecheck", log, sanitizer.ERROR_EXITCODE)
+    r["child_ok"] = child_ok
+    return sanitizer.waive(r, ws, lambda: probe)
+
+
+def test_dispatch_bytes_and_codes_from_the_kernel():
+    assert (WS["lo"], WS["hi"], WS["read_base"], WS["workers"]) == (0x38158, 0x38160, 0x38154, 8)
+    assert WS["values"][str(0x3815d)] == [2, 4] and WS["values"][str(0x3815e)] == [1, 4]
+    # a store from a register, or a read the PTX does not have: no dispatch bytes, no waiver
+    assert "error" in sanitizer.dispatch_bytes(WS_PTX.replace("{0, 50397698}", "{%r1, %r2}"), 229728, 12, 4)
+    assert "error" in sanitizer.dispatch_bytes(WS_PTX, 229732, 12, 4)
+    assert "error" in sanitizer.dispatch_bytes(WS_PTX, 229728, 4, 4)
+
+
+def test_dispatch_hazard_with_a_supporting_probe_is_waived_and_said_so():
+    r = _race(RACECHECK_RAW)
+    assert r["ok"] and r["waived"] == 1 and "error" not in r
+    assert r["waiver"].startswith("racecheck: 1 hazard waived: warp-specialize dispatch bytes "
+                                  "[0x38158, 0x38160), ordered by barrier.sync 1 (notes/sanitizer.md); "
+                                  "probe: bar0 0 hazard(s), bar1 1 hazard(s) RAW")
+    assert r["errors"] == 1 and r["hazards"] == 1  # the counts stay what racecheck said
+
+
+def test_same_hazard_without_a_supporting_probe_fails():
+    for probe in (_probe(bar1=0), _probe(bar0=1), _probe(ran=False), _probe(kinds1=("WAR",)),
+                  {"error": "nvcc not found"}, None):
+        r = _race(RACECHECK_RAW, probe)
+        assert not r["ok"] and "waived" not in r and "racecheck: 1 error" in r["error"], probe
+        assert r["not_waived"].startswith("probe:"), r["not_waived"]
+
+
+def test_hazard_outside_the_dispatch_bytes_fails():
+    for addr in ("0x38157", "0x38160", "0x404"):
+        r = _race(RACECHECK_RAW.replace("0x3815d", addr))
+        assert not r["ok"] and "outside the dispatch bytes [0x38158, 0x38160)" in r["not_waived"]
+
+
+def test_war_waw_or_other_values_fail():
+    for kind in ("WAR", "WAW"):
+        r = _race(RACECHECK_RAW.replace("RAW", kind))
+        assert not r["ok"] and r["not_waived"].endswith(f"{kind} hazard")
+    r = _race(RACECHECK_RAW.replace("Current Value : 2", "Current Value : 7"))
+    assert not r["ok"] and "not among the dispatch codes [2, 4]" in r["not_waived"]
+    # value 1 is warp 10's code, not warp 9's (whose byte 0x3815d is)
+    r = _race(RACECHECK_RAW.replace("Current Value : 2", "Current Value : 1"))
+    assert not r["ok"]
+    # read by a warp other than the byte's owner, or written by a worker
+    assert not _race(RACECHECK_RAW.replace("Read Thread (288,", "Read Thread (320,"))["ok"]
+    assert not _race(RACECHECK_RAW.replace("Write Thread (31,", "Write Thread (200,"))["ok"]
+
+
+def test_no_waiver_off_a_warp_specialize_kernel_or_with_anything_else_in_the_log():
+    assert not _race(RACECHECK_RAW, ws=None)["ok"]
+    assert not _race(RACECHECK_RAW, child_ok=False)["ok"]
+    # a second hazard elsewhere, or a summary counting more than the log shows
+    two = RACECHECK_RAW.replace("========= Error: Race reported", """\
+========= Error: Potential RAW hazard detected at __shared__ 0x100 in block (0,0,0) :
+=========     Write Thread (0,0,0) at attn_fwd_kernel+0x900 in prefill_gluon_parts.py:300
+=========     Read Thread (300,0,0) at attn_fwd_kernel+0x980 in prefill_gluon_parts.py:310
+=========     Current Value : 0
+=========
+========= Error: Race reported""").replace("1 hazard displayed (1 error", "2 hazards displayed (2 errors")
+    r = _race(two)
+    assert not r["ok"] and "0x100" in r["not_waived"]
+    assert not _race(RACECHECK_RAW.replace("(1 error, 0 warnings)", "(3 errors, 0 warnings)"))["ok"]
+    # a race report between other code offsets
+    assert not _race(RACECHECK_RAW.replace("and Read access at attn_fwd_kernel+0x180",
+                                           "and Read access at attn_fwd_kernel+0x200"))["ok"]
+    # other tools are never waived
+    r = sanitizer.parse("memcheck", MEMCHECK_OOB, sanitizer.ERROR_EXITCODE)
+    assert not sanitizer.waive(r, WS, lambda: SUPPORTING)["ok"]
+
+
+def test_the_probe_runs_only_when_a_hazard_could_be_waived():
+    calls = []
+    r = sanitizer.parse("racecheck", RACECHECK_RAW.replace("RAW", "WAW"), sanitizer.ERROR_EXITCODE)
+    sanitizer.waive(r, WS, lambda: calls.append(1) or SUPPORTING)
+    assert calls == [] and not r["ok"]
+
+
+def test_a_waived_run_is_never_called_clean(monkeypatch):
+    _stand_ins(monkeypatch)
+    race = _race(RACECHECK_RAW)
+    tools = [sanitizer.parse("memcheck", MEMCHECK_CLEAN, 0), race]
+    monkeypatch.setattr(sanitizer, "run_sanitizer", lambda *a, **k: {
+        "ok": True, "tools": tools, "shapes": ["M17 fp16"], "dtype": "fp16", "waivers": [race["waiver"]]})
+    r = ladder.climb(demo.matmul_ws_4w(), "sm_90", ladder.Config())
+    assert r.highest_gate == 7 and "sanitizer-clean" not in r.verdict
+    assert ("sanitizer passes WITH A WAIVER (memcheck, racecheck on 1 shapes; racecheck: 1 hazard waived: "
+            "warp-specialize dispatch bytes [0x38158, 0x38160), ordered by barrier.sync 1 "
+            "(notes/sanitizer.md); probe: ") in r.verdict
+    text = report.to_markdown([r], os.devnull)
+    assert "; WAIVED: racecheck: 1 hazard waived: warp-specialize dispatch bytes [0x38158, 0x38160)" in text
+    assert "[racecheck: 1 hazard waived" in r.gates[6].detail
+
+
+def test_run_sanitizer_waives_through_the_wrapped_child(tmp_path, monkeypatch):
+    exe = tmp_path / "compute-sanitizer"
+    exe.write_text(f"#!{sys.executable}\n" + FAKE)
+    exe.chmod(0o755)
+    (tmp_path / "racecheck.log").write_text(RACECHECK_RAW)
+    monkeypatch.setenv("FAKE_SANITIZER_LOGS", str(tmp_path))
+    r = sanitizer.run_sanitizer(demo.steady_spec(), ("racecheck",), timeout=120, exe=str(exe),
+                                device="cpu", ws_dispatch=WS, probe=lambda: SUPPORTING)
+    assert r["ok"] and r["waivers"][0].startswith("racecheck: 1 hazard waived") and r["tools"][0]["child_ok"]
+    r = sanitizer.run_sanitizer(demo.steady_spec(), ("racecheck",), timeout=120, exe=str(exe),
+                                device="cpu", ws_dispatch=WS, probe=lambda: _probe(bar1=0))
+    assert not r["ok"] and r["failed_tools"] == ["racecheck"] and "waivers" not in r

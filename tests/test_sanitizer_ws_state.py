@@ -76,3 +76,20 @@ def test_sass_barrier_1_has_no_thread_count(build):
     for i in stores:
         nxt = next(ln for ln in sass[i + 1:] if re.search(r"\b(BAR|BRA|EXIT|BRX)\b", ln))
         assert nxt == "BAR.SYNC.DEFER_BLOCKING 0x1;", nxt
+
+
+def test_the_gate_derives_the_dispatch_bytes_and_codes_from_the_compiled_kernel(build):
+    """What the sanitizer gate's waiver reads (wsattn.evidence.sanitizer.dispatch_bytes):
+    the range from metadata.shared and the worker warp count, cross-checked with the PTX,
+    and the codes each byte can hold from the default group's two stores."""
+    from wsattn.evidence import sanitizer
+    md = build.metadata
+    ws = sanitizer.dispatch_bytes(build.asm["ptx"], md.shared, md.num_warps, 4)
+    assert "error" not in ws, ws
+    assert (ws["lo"], ws["hi"], ws["workers"]) == (md.shared - 8, md.shared, 8)
+    assert ws["read_base"] + 4 == ws["lo"]
+    codes = {int(a) - ws["lo"] + 4: v for a, v in ws["values"].items()}  # by worker warp
+    assert codes == {4: [0, 4], 5: [0, 4], 6: [0, 4], 7: [0, 4], 8: [2, 4], 9: [2, 4], 10: [1, 4],
+                     11: [3, 4]}
+    # a wrong default-warp count does not find the worker read: nothing could be waived
+    assert "error" in sanitizer.dispatch_bytes(build.asm["ptx"], md.shared, md.num_warps, 2)

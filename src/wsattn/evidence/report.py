@@ -181,6 +181,10 @@ def sanitizer_details(d: dict) -> list:
             line += f", {t['seconds']:.0f} s"
         if t.get("first"):
             line += ": `" + " | ".join(t["first"]).replace("`", "'") + "`"
+        if t.get("waiver"):
+            line += f"; WAIVED: {t['waiver']}"
+        elif t.get("not_waived") and t.get("hazards"):
+            line += f"; not waived: {t['not_waived']}"
         out.append(line)
     return out
 

@@ -14,12 +14,15 @@ and the reads:
 
 and prints one line per mode with racecheck's summary. If bar1 reports the hazard that
 bar0 does not, racecheck does not model the named barrier and the Gluon report is false.
+The result also goes to ``OUT_DIR/probe.json``; the ladder's sanitizer gate runs
+:func:`run` once per ladder run and waives the Gluon dispatch hazard only when
+:func:`supports_waiver` holds (notes/sanitizer.md).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -55,32 +58,113 @@ int main(int argc, char **argv) {
 """
 
 
+def find_nvcc(env: dict | None = None) -> str | None:
+    import glob
+    import shutil
+    env = os.environ if env is None else env
+    path = shutil.which("nvcc", path=env.get("PATH"))
+    if path:
+        return path
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    for c in ([os.path.join(home, "bin", "nvcc")] if home else []) + \
+            ["/usr/local/cuda/bin/nvcc", *sorted(glob.glob("/usr/local/cuda-*/bin/nvcc"), reverse=True)]:
+        if os.access(c, os.X_OK):
+            return c
+    return None
+
+
 def build(workdir: str, nvcc: str = "nvcc") -> str:
     src, exe = os.path.join(workdir, "dispatch.cu"), os.path.join(workdir, "dispatch")
     with open(src, "w") as f:
         f.write(SOURCE)
-    subprocess.run([nvcc, "-arch=sm_90a", "-lineinfo", "-o", exe, src], check=True)
+    subprocess.run([nvcc, "-arch=sm_90a", "-lineinfo", "-o", exe, src], check=True,
+                   capture_output=True, text=True)
     return exe
 
 
-def main(argv) -> int:
-    from .sanitizer import find_tool
-    out_dir = argv[0] if argv else tempfile.mkdtemp(prefix="wsattn-probe-")
+def run(out_dir: str | None = None, tool: str | None = None, timeout: float = 120.0) -> dict:
+    """Build the control and run each mode under racecheck; never raises. Returns
+    ``{"modes": {mode: {...}}, "supports_waiver": bool, "line": str}`` or, when it could not
+    run, ``{"error", "supports_waiver": False, "line"}``."""
+    from .sanitizer import find_tool, parse
+    out_dir = out_dir or tempfile.mkdtemp(prefix="wsattn-probe-")
     os.makedirs(out_dir, exist_ok=True)
-    tool, why = find_tool()
     if tool is None:
-        print(f"not run: {why}")
-        return 2
-    exe = build(out_dir)
+        tool, why = find_tool()
+        if tool is None:
+            return _done(out_dir, {"error": why})
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return _done(out_dir, {"error": "nvcc not found"})
+    try:
+        exe = build(out_dir, nvcc)
+    except subprocess.CalledProcessError as e:
+        return _done(out_dir, {"error": f"nvcc failed: {(e.stderr or '').strip()[-300:]}"})
+    except OSError as e:
+        return _done(out_dir, {"error": f"nvcc failed: {e}"})
+    modes = {}
     for i, mode in enumerate(MODES):
         log = os.path.join(out_dir, f"racecheck_{mode}.log")
-        run = subprocess.run([tool, "--tool", "racecheck", "--racecheck-report", "all",
-                              "--log-file", log, exe, str(i)], capture_output=True, text=True)
-        text = open(log).read()
-        summary = re.findall(r"RACECHECK SUMMARY:.*", text) or ["no summary"]
-        hazard = re.findall(r"(?:Error|Warning): .*hazard.*", text)
-        print(f"{mode:9s} exit {run.returncode}  {summary[-1]}  {hazard[0] if hazard else ''}  "
-              f"| {run.stdout.strip()}")
+        try:
+            p = subprocess.run([tool, "--tool", "racecheck", "--racecheck-report", "all",
+                                "--log-file", log, exe, str(i)], capture_output=True, text=True,
+                               timeout=timeout)
+            rc, stdout = p.returncode, p.stdout.strip()
+        except subprocess.TimeoutExpired:
+            rc, stdout = None, f"timed out after {timeout:.0f} s"
+        text = open(log, errors="replace").read() if os.path.exists(log) else ""
+        r = parse("racecheck", text, rc)
+        modes[mode] = {"returncode": rc, "stdout": stdout, "hazards": r.get("hazards"),
+                       "race_errors": r.get("race_errors"), "warnings": r.get("warnings"),
+                       "kinds": sorted({h["kind"] for h in r.get("findings", [])}),
+                       # the kernel ran to the end and read back (a crash is no evidence)
+                       "ran": f"mode {i}: no error" in stdout}
+    return _done(out_dir, {"modes": modes})
+
+
+def supports_waiver(probe: dict | None) -> tuple[bool, str]:
+    """(racecheck demonstrably reports a hazard for a barrier-1-ordered handoff that it
+    does not report under bar.sync 0, the line that says what the probe showed)."""
+    if not probe:
+        return False, "probe: not run"
+    if probe.get("error"):
+        return False, f"probe: not run: {probe['error']}"
+    m = probe.get("modes") or {}
+
+    def say(mode):
+        x = m.get(mode) or {}
+        if x.get("hazards") is None:
+            return f"{mode} no summary"
+        kinds = "/".join(x.get("kinds") or [])
+        return f"{mode} {x['hazards']} hazard(s){' ' + kinds if kinds else ''}" + ("" if x.get("ran") else " (did not run)")
+
+    line = "probe: " + ", ".join(say(k) for k in MODES if k in m)
+    b0, b1 = m.get("bar0") or {}, m.get("bar1") or {}
+    ok = (b0.get("ran") and b0.get("hazards") == 0 and b0.get("race_errors") == 0
+          and b1.get("ran") and (b1.get("race_errors") or 0) >= 1 and "RAW" in (b1.get("kinds") or []))
+    return bool(ok), line + ("; racecheck flags the barrier.sync 1 handoff and not bar.sync 0: "
+                             "false positive on this machine" if ok else
+                             "; does not show a barrier-1 false positive: nothing waived")
+
+
+def _done(out_dir, result):
+    result["supports_waiver"], result["line"] = supports_waiver(result)
+    result["out_dir"] = out_dir
+    with open(os.path.join(out_dir, "probe.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv) -> int:
+    r = run(argv[0] if argv else None)
+    if r.get("error"):
+        print(f"not run: {r['error']}")
+        return 2
+    for mode, x in r["modes"].items():
+        print(f"{mode:9s} exit {x['returncode']}  hazards {x['hazards']} ({x['race_errors']} errors, "
+              f"{x['warnings']} warnings) {'/'.join(x['kinds'])}  | {x['stdout']}")
+    print(r["line"])
+    print(f"json: {os.path.join(r['out_dir'], 'probe.json')}")
     return 0
 
 

@@ -209,6 +209,39 @@ def check_decode(rank, W, *, lens, Hq, Hkv, D, page, impl, dtype, device, seed,
     return (local == 0).any().item()
 
 
+def check_decode_exact_contiguous(rank, W, *, lens, Hq, Hkv, D, impl, dtype, device, seed):
+    """sp.decode over exact-size contiguous shards [B, L_local, Hkv, D]: a rank holding no
+    key of any sequence passes L_local = 0 and seqlens all 0. Returns L_local."""
+    import wsattn.sp as sp
+    from wsattn import reference
+    g = _gen(seed)
+    B, L = len(lens), max(lens)
+    q = _rand(g, B, Hq, D, dtype=dtype, device=device)
+    k = _rand(g, B, L, Hkv, D, dtype=dtype, device=device)
+    v = _rand(g, B, L, Hkv, D, dtype=dtype, device=device)
+    ref, ref_lse = reference.decode(q, k, v, torch.tensor(lens, dtype=torch.int32))
+    spans = [(n * rank // W, n * (rank + 1) // W) for n in lens]
+    L_loc = max(e - a for a, e in spans)
+    k_loc = torch.zeros(B, L_loc, Hkv, D, dtype=dtype, device=device)
+    v_loc = torch.zeros_like(k_loc)
+    for b, (a, e) in enumerate(spans):
+        k_loc[b, :e - a], v_loc[b, :e - a] = k[b, a:e], v[b, a:e]
+    local = torch.tensor([e - a for a, e in spans], dtype=torch.int32, device=device)
+    out, lse = sp.decode(q, k_loc, v_loc, local, impl=impl, exchange="allgather",
+                         return_lse=True)
+    _cmp(out, ref, dtype, "out")
+    _cmp_lse(lse, ref_lse, dtype, "lse")
+    return L_loc
+
+
+def _decode_no_key_rank(rank, W, **kw):
+    """A rank holding no key (L_max = 0) used to fail with 'seqlens[0]=1', a length the
+    caller never passed: it must contribute (0, -inf) and the merge ignore it."""
+    # lens [1, W-1]: rank 0 holds nothing of either sequence, the others one key each
+    L_loc = check_decode_exact_contiguous(rank, W, lens=[1, max(W - 1, 1)], **kw)
+    assert (L_loc == 0) == (rank == 0), f"rank {rank} holds L_local = {L_loc}"
+
+
 def invariant_output(rank, W, *, impl, dtype, device, seed=7, lens=(300, 1, 129, 64),
                      block_tokens=32, n_blocks=12, Hq=4, Hkv=2, D=64, page=16, group=None):
     """sp.invariant_decode's output (checked against the reference) for the parent to
@@ -240,6 +273,21 @@ def expect_error(fn, exc, *needles):
         assert not missing, f"error text lacks {missing}: {text}"
         return None
     raise AssertionError(f"expected {exc.__name__}, nothing was raised")
+
+
+# Collectives of the bad-input cases time out after this long (their own group) and so
+# does the agreement: a rank that raised locally while its peers went on into a
+# collective fails the case in seconds, instead of after the 120 s of the main group.
+BAD_INPUT_TIMEOUT_S = 10
+
+
+def expect_shard_error(fn, *needles):
+    """fn must raise ShardError naming every needle, well before a peer could time out."""
+    import wsattn.sp as sp
+    t0 = time.monotonic()
+    expect_error(fn, sp.ShardError, *needles)
+    took = time.monotonic() - t0
+    assert took < BAD_INPUT_TIMEOUT_S / 2, f"ShardError came after {took:.1f} s"
 
 
 # --------------------------------------------------------------------------- batteries
@@ -305,6 +353,9 @@ def battery_main(rank, W):
                lambda: check_decode(rank, W, lens=[50], Hq=4, Hkv=4, D=16, page=8, seed=201,
                                     exchange="auto", **kw) and None)
 
+    _run_check(res, "decode-contiguous-exact-size-rank-without-keys",
+               lambda: _decode_no_key_rank(rank, W, Hq=8, Hkv=2, D=16, seed=202, **kw))
+
     def exchange_fallback():
         ex = sp.StateExchange.get(torch.distributed.group.WORLD, (4, 8, 17), torch.device("cpu"))
         assert ex.method == "allgather" and "needs CUDA" in (ex.fallback_reason or ""), ex.fallback_reason
@@ -348,43 +399,46 @@ def battery_bad_input(rank, W):
     from wsattn.sp.sharding import shard_kv_cache_blocks
     res = {}
     x = lambda *s: torch.randn(*s)  # noqa: E731
+    ref = dict(impl="reference")
 
     # shard sizes that disagree: rank 0 holds 2W more query tokens
     sq = 4 if rank else 4 + 2 * W
     _run_check(res, "bad-shard-sizes-disagree", lambda: expect_error(
-        lambda: sp.prefill(x(1, sq, 2, 16), x(1, 4, 2, 16), x(1, 4, 2, 16), causal=False),
+        lambda: sp.prefill(x(1, sq, 2, 16), x(1, 4, 2, 16), x(1, 4, 2, 16), causal=False, **ref),
         sp.ShardError, "q shard length", "rank 0: " + str(4 + 2 * W)))
     # a shard that cannot be split into zig-zag's two chunks, on every rank
     _run_check(res, "bad-zigzag-odd-shard", lambda: expect_error(
-        lambda: sp.prefill(x(1, 3, 2, 16), x(1, 3, 2, 16), x(1, 3, 2, 16)),
+        lambda: sp.prefill(x(1, 3, 2, 16), x(1, 3, 2, 16), x(1, 3, 2, 16), **ref),
         sp.ShardError, "zig-zag", str(2 * W)))
     # shards cut for a group twice as large (global length 4 * 4W): a group of the wrong size
     _run_check(res, "bad-prefill-group-size", lambda: expect_error(
         lambda: sp.prefill_overlapped(x(1, 4, 2, 16), x(1, 4, 2, 16), x(1, 4, 2, 16),
-                                      global_seqlen=8 * W),
+                                      global_seqlen=8 * W, **ref),
         sp.ShardError, f"process group has {W} ranks", "another group size"))
     # the symmetric-memory transport asked for on a CPU group
     _run_check(res, "bad-symm-transport-on-gloo", lambda: expect_error(
         lambda: sp.prefill_overlapped(x(1, 4, 2, 16), x(1, 4, 2, 16), x(1, 4, 2, 16),
-                                      transport="symm"),
+                                      transport="symm", **ref),
         ValueError, "transport='symm' unavailable"))
     # a tensor on the wrong device on the last rank only: every rank names that rank
     dev = "meta" if rank == W - 1 else "cpu"
     _run_check(res, "bad-device-one-rank", lambda: expect_error(
-        lambda: sp.prefill(torch.empty(1, 4, 2, 16, device=dev), x(1, 4, 2, 16), x(1, 4, 2, 16)),
+        lambda: sp.prefill(torch.empty(1, 4, 2, 16, device=dev), x(1, 4, 2, 16), x(1, 4, 2, 16),
+                           **ref),
         sp.ShardError, f"rank {W - 1}", "meta"))
     # decode shards with mismatched batch across ranks
     bq = 2 if rank else 3
     _run_check(res, "bad-decode-batch-disagrees", lambda: expect_error(
         lambda: sp.decode(x(bq, 4, 16), x(4, 8, 2, 16), x(4, 8, 2, 16),
-                          torch.ones(bq, dtype=torch.int32), torch.zeros(bq, 1, dtype=torch.int32)),
+                          torch.ones(bq, dtype=torch.int32), torch.zeros(bq, 1, dtype=torch.int32),
+                          **ref),
         sp.ShardError, "batch"))
 
     # a local length past the cache's capacity on rank 0 only
     lens = torch.tensor([9 if rank == 0 else 3], dtype=torch.int32)
     _run_check(res, "bad-decode-capacity-one-rank", lambda: expect_error(
         lambda: sp.decode(x(1, 4, 16), x(2, 4, 2, 16), x(2, 4, 2, 16), lens,
-                          torch.zeros(1, 2, dtype=torch.int32)),
+                          torch.zeros(1, 2, dtype=torch.int32), **ref),
         sp.ShardError, "rank 0", "capacity"))
 
     # invariant-decode shards built for 2W ranks, used on a group of W: wrong group size
@@ -392,9 +446,136 @@ def battery_bad_input(rank, W):
         k = x(1, 64, 2, 16)
         # 4W blocks, so that the shards cut for 2W ranks (2 slots) differ from W's (4)
         kp, vp, table, blens = shard_kv_cache_blocks(k, k, [64], 2 * W, rank, 4 * W, 8, 4)
-        sp.invariant_decode(x(1, 4, 16), kp, vp, blens, table, 8)
+        sp.invariant_decode(x(1, 4, 16), kp, vp, blens, table, 8, **ref)
     _run_check(res, "bad-invariant-group-size", lambda: expect_error(
         wrong_group, sp.ShardError, "group of size", "another number of ranks"))
+    res.update(_bad_input_one_rank(rank, W))
+    return res
+
+
+def _bad_input_one_rank(rank, W, device="cpu"):
+    """What the single-GPU API refuses, on ONE rank only: every rank must raise the same
+    ShardError naming that rank and the problem. These used to raise a plain ValueError
+    on the bad rank alone, its peers blocked in the next collective until the process
+    group's timeout. The bad rank moves from case to case, so rank 0 and the others
+    both take the bad side."""
+    import wsattn.sp as sp
+    from wsattn.sp.sharding import shard_kv_cache_blocks
+    from wsattn.target import interpreting
+    res = {}
+    # a group of its own whose collectives give up after seconds: see BAD_INPUT_TIMEOUT_S
+    group = dist.new_group(list(range(W)), timeout=timedelta(seconds=BAD_INPUT_TIMEOUT_S))
+    dist.all_reduce(torch.ones(1, device=device), group=group)  # connect before the clock runs
+    kw = dict(group=group, timeout_s=BAD_INPUT_TIMEOUT_S)
+    kw_ref = dict(kw, impl="reference")
+    x = lambda *s, dtype=torch.float32: torch.randn(*s, dtype=dtype, device=device)  # noqa: E731
+    B, Hq, Hkv, D, page = 2, 4, 2, 16, 4
+    cases = []
+
+    def case(name, bad_fn, good_fn, *needles):
+        cases.append((name, bad_fn, good_fn, needles))
+
+    # ---- decode (paged unless said otherwise; reference kernels)
+    lens = torch.tensor([5, 3], dtype=torch.int32, device=device)
+    table = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32, device=device)
+
+    def dec(q=None, k=None, v=None, seqlens=None, bt=None, paged=True, **extra):
+        q = x(B, Hq, D) if q is None else q
+        k = x(4, page, Hkv, D) if k is None else k
+        v = torch.randn_like(k) if v is None else v
+        return lambda: sp.decode(q, k, v, lens if seqlens is None else seqlens,
+                                 (table if bt is None else bt) if paged else None,
+                                 **{"exchange": "allgather", **kw_ref, **extra})
+    case("decode-contiguous-cache-batch", dec(k=x(B + 1, 8, Hkv, D), paged=False),
+         dec(k=x(B, 8, Hkv, D), paged=False), "contiguous k_cache must be [B=2")
+    case("decode-v-pages-unlike-k", dec(k=x(4, page, Hkv, D), v=x(5, page, Hkv, D)),
+         dec(), "k_cache and v_cache must have the same shape")
+    case("decode-q-last-dim-stride", dec(q=x(B, Hq, 2 * D)[..., ::2]), dec(),
+         "q must have a contiguous last dimension")
+    case("decode-q-dtype-unlike-cache", dec(q=x(B, Hq, D, dtype=torch.float16)), dec(),
+         "dtype")
+    case("decode-dtype-unlike-peers",
+         dec(q=x(B, Hq, D, dtype=torch.float64), k=x(4, page, Hkv, D, dtype=torch.float64)),
+         dec(), "dtype must be the same on every rank")
+    case("decode-block-table-int64", dec(bt=table.long()), dec(), "block_table must be int32")
+    case("decode-seqlens-int64", dec(seqlens=lens.long()), dec(), "seqlens must be int32")
+    case("decode-head-dim-unlike-q", dec(k=x(4, page, Hkv, 2 * D)), dec(),
+         f"k_cache head dim must be D={D}")
+    case("decode-num-splits-zero", dec(num_splits=0), dec(), "num_splits")
+    case("decode-sm-scale-negative", dec(sm_scale=-1.0), dec(), "sm_scale")
+    case("decode-exchange-unknown", dec(exchange="bogus"), dec(), "exchange must be one of")
+    case("decode-impl-unknown", dec(impl="fast"), dec(), "impl must be one of")
+
+    # ---- invariant decode (W-independent shards: one block per rank's slot)
+    def inv(bt_dtype=torch.int32, n_blocks=None, **extra):
+        k = torch.randn(1, 8 * W, Hkv, D, generator=_gen(5)).to(device)
+        kp, vp, bt, blens = shard_kv_cache_blocks(k, k, [8 * W], W, rank, W, 8, page)
+        return lambda: sp.invariant_decode(x(1, Hq, D), kp, vp, blens, bt.to(bt_dtype),
+                                           W if n_blocks is None else n_blocks,
+                                           **{**kw_ref, **extra})
+    case("invariant-block-table-int64", inv(bt_dtype=torch.int64), inv(),
+         "block_table must be int32")
+    case("invariant-n-blocks-float", inv(n_blocks=float(W)), inv(),
+         "n_blocks must be a positive int")
+    case("invariant-sm-scale-nan", inv(sm_scale=float("nan")), inv(), "sm_scale")
+
+    # ---- fixed-length prefill, both paths
+    S = 4
+
+    def pre(q=None, k=None, v=None, overlapped=False, **extra):
+        q = x(1, S, Hq, D) if q is None else q
+        k = x(1, S, Hkv, D) if k is None else k
+        v = torch.randn_like(k) if v is None else v
+        fn = sp.prefill_overlapped if overlapped else sp.prefill
+        return lambda: fn(q, k, v, **{**kw_ref, **extra})
+    for ov, tag in ((False, "gather"), (True, "overlap")):
+        case(f"prefill-{tag}-causal-not-bool", pre(overlapped=ov, causal=1), pre(overlapped=ov),
+             "causal must be a bool")
+        case(f"prefill-{tag}-q-last-dim-stride", pre(q=x(1, S, Hq, 2 * D)[..., ::2], overlapped=ov),
+             pre(overlapped=ov), "q must have a contiguous last dimension")
+        case(f"prefill-{tag}-head-dim-unlike-q", pre(k=x(1, S, Hkv, 2 * D), overlapped=ov),
+             pre(overlapped=ov), f"D={D}")
+    case("prefill-dtype-unlike-k", pre(q=x(1, S, Hq, D, dtype=torch.float16)), pre(),
+         "share one dtype")
+    case("prefill-dtype-unlike-peers",
+         pre(q=x(1, S, Hq, D, dtype=torch.float64), k=x(1, S, Hkv, D, dtype=torch.float64)),
+         pre(), "dtype must be the same on every rank")
+    case("prefill-zigzag-not-bool", pre(zigzag="yes"), pre(), "zigzag must be a bool")
+    case("prefill-overlap-transport-unknown", pre(overlapped=True, transport="nvlink"),
+         pre(overlapped=True), "transport must be one of")
+    if interpreting():  # the kernels take head dims 64/128/256 only: the API's own refusal
+        case("prefill-triton-head-dim-16", pre(impl="triton"),
+             pre(q=x(1, S, Hq, 64), k=x(1, S, Hkv, 64), impl="triton"),
+             "head dim (q.shape[-1]) must be one of")
+
+    # ---- varlen prefill (two sequences of 2 local tokens each: zig-zag's two chunks)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+
+    def var(q=None, k=None, cu_q=None, cu_k=None, **extra):
+        q = x(4, Hq, D) if q is None else q
+        k = x(4, Hkv, D) if k is None else k
+        return lambda: sp.prefill_varlen(q, k, torch.randn_like(k),
+                                         cu if cu_q is None else cu_q,
+                                         cu if cu_k is None else cu_k, **{**kw_ref, **extra})
+    case("varlen-cu-seqlens-list", var(cu_q=[0, 2, 4]), var(),
+         "cu_seqlens_q must be a 1-D int32 tensor", "got list")
+    case("varlen-head-dim-unlike-q", var(k=x(4, Hkv, 2 * D)), var(), f"D={D}")
+    case("varlen-q-last-dim-stride", var(q=x(4, Hq, 2 * D)[..., ::2]), var(),
+         "q must have a contiguous last dimension")
+    case("varlen-causal-not-bool", var(causal="no"), var(), "causal must be a bool")
+    past_end = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
+    case("varlen-cu-seqlens-past-the-end", var(cu_k=past_end), var(),
+         "cu_seqlens_k[-1] must equal the number of packed tokens")
+    case("varlen-max-seqlen-short", var(max_seqlen_q=1, max_seqlen_k=2 * W), var(),
+         "max_seqlen_q=1 is shorter than the longest global sequence")
+    case("varlen-max-seqlen-float", var(max_seqlen_q=2.0 * W, max_seqlen_k=2 * W), var(),
+         "max_seqlen_q must be a non-negative int")
+
+    for i, (name, bad_fn, good_fn, needles) in enumerate(cases):
+        bad_rank = i % W
+        fn = bad_fn if rank == bad_rank else good_fn
+        _run_check(res, f"bad-one-rank-{name}", lambda: expect_shard_error(
+            fn, f"rank {bad_rank}", *needles))
     return res
 
 
@@ -441,6 +622,8 @@ def battery_interpreter_decode(rank, W):
     kw = dict(impl="triton", dtype=torch.float16, device="cpu")
     _run_check(res, "triton-decode-B3-H4-HKV2-empty-shards", lambda: check_decode(
         rank, W, lens=[21, 1, 9], Hq=4, Hkv=2, D=64, page=16, seed=320, **kw) and None)
+    _run_check(res, "triton-decode-contiguous-exact-size-rank-without-keys",
+               lambda: _decode_no_key_rank(rank, W, Hq=4, Hkv=2, D=64, seed=321, **kw))
     return res
 
 
@@ -514,6 +697,8 @@ def battery_nccl(rank, W):
         _run_check(res, f"nccl-decode-{ex}-B16-H32-HKV8-D128-empty-shards", lambda: check_decode(
             rank, W, lens=[1, 5000, 70000, 3] + [4096] * 12, Hq=32, Hkv=8, D=128, page=64,
             seed=420, exchange=ex, **kw) and None)
+    _run_check(res, "nccl-decode-contiguous-exact-size-rank-without-keys",
+               lambda: _decode_no_key_rank(rank, W, Hq=32, Hkv=8, D=128, seed=421, **kw))
     _run_check(res, "nccl-exchange-symm-equals-allgather-bitwise-500-steps",
                lambda: check_exchange_steps(rank, W, steps=500))
     _run_check(res, "nccl-symm-pull-buffers-shared-by-capacity",
@@ -623,6 +808,7 @@ def battery_bad_input_nccl(rank, W):
         lambda: sp.prefill(torch.randn(1, 4, 2, 64, device=other), torch.randn(1, 4, 2, 64, device=dev),
                            torch.randn(1, 4, 2, 64, device=dev)),
         sp.ShardError, f"rank {W - 1}", "NCCL"))
+    res.update({f"nccl-{name}": v for name, v in _bad_input_one_rank(rank, W, dev).items()})
     return res
 
 

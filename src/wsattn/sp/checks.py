@@ -7,6 +7,11 @@ of any error it found locally, into one small fixed-size int64 tensor; one all-g
 of those tensors (with a host timeout) gives every rank the same picture, and every
 rank raises the same error before the main collective starts.
 
+The local checks must therefore refuse, before the agreement, everything that would
+raise later on this rank: each entry point runs the single-GPU API's ``check_*`` twin of
+the call it will make (``api.check_attention``, ``check_attention_varlen``,
+``check_decode``) on this rank's shard, plus the sp rules, inside :func:`local_error`.
+
 The exchange reads its result on the host, so it is skipped (``check=False`` on the
 entry points) when the forward is captured in a CUDA graph.
 """
@@ -24,6 +29,10 @@ from .comm import all_gather_flat, backend_of
 N_FIELDS = 48
 MSG_BYTES = 240
 DEFAULT_TIMEOUT_S = float(os.environ.get("WSATTN_SP_TIMEOUT", "120"))
+
+
+# dtypes as agreement fields (0: any other)
+DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 class ShardError(ValueError):
@@ -104,12 +113,30 @@ def agree(op: str, group, rank: int, world_size: int, fields: dict[str, int],
 
 
 def local_error(fn) -> str | None:
-    """Run a local check; its ValueError/TypeError text, or None when it passes."""
+    """Run a local check; its error text, or None when it passes.
+
+    Any exception becomes text, not only ValueError/TypeError: whatever escaped here
+    would leave this rank's peers blocked in the agreement until the timeout."""
     try:
         fn()
     except (ValueError, TypeError) as e:
         return str(e)
+    except Exception as e:  # noqa: BLE001 - reported on every rank by agree()
+        return f"{type(e).__name__}: {e}"
     return None
+
+
+def flag(name: str, value) -> None:
+    """A Python bool: 0/1 or "False" would pass a truth test on one rank and be agreed on
+    (int) differently, or not at all, on another."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} "
+                        f"{value!r}")
+
+
+def code(value, choices) -> int:
+    """value's index in choices for the agreement fields, -1 when it is none of them."""
+    return choices.index(value) if isinstance(value, str) and value in choices else -1
 
 
 def check_device(name: str, t: torch.Tensor, group) -> None:

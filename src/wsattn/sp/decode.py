@@ -18,8 +18,9 @@ Two exchanges (:class:`StateExchange`):
 
 A rank whose shard of a sequence is empty (seqlens[b] == 0) contributes (0, -inf): the
 kernel still runs on that row with the length clamped to 1 and the first page pointed at
-page 0 (so it reads a valid page), and the result is replaced on the device. No host
-sync with check=False, so a decode step can be captured in a CUDA graph.
+page 0 (so it reads a valid page), and the result is replaced on the device; a rank
+whose shard has room for no key at all (L_max = 0) runs no kernel. No host sync with
+check=False, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 import wsattn
 
-from ..api import check_decode_values
+from .. import api
 from . import checks
 from .comm import all_gather_flat, backend_of, rank_and_size, resolve_group
 
@@ -70,7 +71,7 @@ class StateExchange:
 
     _cache: dict = {}
 
-    def __init__(self, group, shape, device, method="auto"):
+    def __init__(self, group, shape, device, method="auto", timeout_s=None):
         if method not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {method!r}")
         self.group = group
@@ -98,7 +99,7 @@ class StateExchange:
                 reason = f"symm_mem.empty failed: {type(e).__name__}: {e}"
         # Every rank must take the same branch: rendezvous is a collective.
         per_rank = checks.agree("decode_exchange_setup", group, self.rank, self.world_size,
-                                {"symm ok": int(reason is None)})
+                                {"symm ok": int(reason is None)}, timeout_s=timeout_s)
         if not all(f["symm ok"] for f in per_rank):
             reason = reason or "another rank cannot use symmetric memory"
         handles = None
@@ -139,10 +140,12 @@ class StateExchange:
                                device=self.device)
 
     @classmethod
-    def get(cls, group, shape, device, method="auto") -> "StateExchange":
+    def get(cls, group, shape, device, method="auto", timeout_s=None) -> "StateExchange":
+        """The cached exchange for (group, shape, device, method); timeout_s bounds the
+        wait for peers when it is built (see checks.agree)."""
         key = (id(group), tuple(shape), str(device), method)
         if key not in cls._cache:
-            cls._cache[key] = cls(group, shape, device, method)
+            cls._cache[key] = cls(group, shape, device, method, timeout_s)
         return cls._cache[key]
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor, seqlens: torch.Tensor,
@@ -190,7 +193,14 @@ def partial_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, impl, nu
 
     Returns (out, lse, empty [rows] bool). Empty rows run with length 1 over page 0 (a
     valid read whose result is discarded), so the kernel's seqlens >= 1 rule holds with
-    no host read."""
+    no host read. A shard with room for no key at all (a contiguous cache of L_max = 0,
+    or a block table of no page: seqlens must then be all 0) runs no kernel: every row
+    is (0, -inf), decided from shapes alone, so still no host read."""
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    if capacity == 0:
+        out = q.new_zeros(q.shape)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        return out, lse, torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
     empty = seqlens == 0
     safe_lens = torch.clamp(seqlens, min=1)
     if block_table is not None:
@@ -201,31 +211,56 @@ def partial_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, impl, nu
     return out, lse, empty
 
 
+def _exchange_request(exchange, impl):
+    """The exchange every rank must take the same way ("reference" takes "allgather":
+    the fused exchange is a Triton kernel)."""
+    if not isinstance(exchange, str) or exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    return "allgather" if impl == "reference" and exchange == "auto" else exchange
+
+
 def validate_decode(op, q, k_cache, v_cache, seqlens, block_table, group, rank, W, check,
-                    timeout_s, extra=None, error=None):
-    """Local checks (or the caller's error), then the cross-rank agreement."""
+                    timeout_s, extra=None, error=None, sm_scale=None, impl="auto",
+                    num_splits=None, more=None):
+    """Local checks (or the caller's error), then the cross-rank agreement.
+
+    With check=True the local checks are everything :func:`wsattn.decode` would refuse
+    for the call :func:`partial_decode` makes on this shard (``api.check_decode``), plus
+    the sp rules, all before the agreement: an error on one rank reaches every rank as
+    the same ShardError instead of leaving the peers blocked in the exchange. ``more``
+    (a callable) adds the caller's own checks at the end."""
     def local():
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
             raise ValueError(f"q must be [B, Hq, D] (one new token per sequence), got "
                              f"{getattr(q, 'shape', type(q).__name__)}")
         for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens)):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{n} must be a tensor")
+                raise TypeError(f"{n} must be a tensor, got {type(t).__name__}")
             checks.check_device(n, t, group)
         if block_table is not None:
+            if not isinstance(block_table, torch.Tensor):
+                raise TypeError(f"block_table must be a tensor or None, got "
+                                f"{type(block_table).__name__}")
             checks.check_device("block_table", block_table, group)
-            if k_cache.shape[0] == 0:
-                raise ValueError("a paged k_cache shard needs at least one page (page 0 is "
-                                 "read for sequences whose shard is empty)")
         if seqlens.dtype != torch.int32 or seqlens.shape != (q.shape[0],):
             raise ValueError(f"seqlens must be int32 [B={q.shape[0]}] (this rank's shard "
                              f"lengths, 0 allowed), got {seqlens.dtype} {tuple(seqlens.shape)}")
         if not check:
             return
-        # What api.decode would reject, checked here so that it fails on every rank
-        # (before the exchange) rather than on one rank after its peers have moved on.
+        # Everything api.decode would refuse, on the shapes partial_decode passes it (the
+        # same as the caller's). Its value check wants seqlens >= 1: this rank's lengths
+        # may be 0, so values are checked below against [0, capacity] instead, which is
+        # what the clamped call then satisfies.
+        api.check_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale,
+                         num_splits=num_splits, impl=impl, validate=False)
         capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-        check_decode_values(seqlens, block_table, k_cache.shape[0], k_cache.shape[1], 0, capacity)
+        if block_table is not None and capacity and k_cache.shape[0] == 0:
+            raise ValueError("a paged k_cache shard needs at least one page (page 0 is "
+                             "read for sequences whose shard is empty)")
+        api.check_decode_values(seqlens, block_table, k_cache.shape[0], k_cache.shape[1], 0,
+                                capacity)
+        if more is not None:
+            more()
 
     err = error or checks.local_error(local)
     if not check:
@@ -235,7 +270,8 @@ def validate_decode(op, q, k_cache, v_cache, seqlens, block_table, group, rank, 
     ok = err is None
     fields = {"batch": q.shape[0] if ok else -1, "query heads": q.shape[1] if ok else -1,
               "head dim": q.shape[2] if ok else -1,
-              "kv heads": k_cache.shape[2] if ok and k_cache.dim() == 4 else -1,
+              "kv heads": k_cache.shape[2] if ok else -1,
+              "dtype": checks.DTYPE_CODE.get(q.dtype, 0) if ok else -1,
               "paged": int(block_table is not None), "world size": W}
     fields.update(extra or {})
     checks.agree(op, group, rank, W, fields, err, same=tuple(fields), timeout_s=timeout_s)
@@ -249,13 +285,17 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
     Args:
         q: [B, Hq, D], the same on every rank.
         k_cache, v_cache: this rank's shard, paged [num_pages, page_size, Hkv, D] with
-            block_table int32 [B, max_pages], or contiguous [B, L_max, Hkv, D].
+            block_table int32 [B, max_pages], or contiguous [B, L_max, Hkv, D] (L_max = 0
+            allowed: a rank that holds no key runs no kernel and contributes nothing).
         seqlens: int32 [B], how many of each sequence's keys this rank holds (0 allowed:
             that rank contributes nothing to that sequence). Which positions a rank holds
             does not matter: one new token attends to all earlier keys.
         exchange: "auto" (symmetric memory where available, else all-gather),
             "allgather" or "symm".
-        check: cross-rank checks first (host reads; turn off for CUDA-graph capture).
+        check: first run every check :func:`wsattn.decode` would make on this rank's
+            shard, plus the sp ones, then agree across ranks: bad input on any rank
+            raises the same ShardError on every rank (host reads; turn off for CUDA-graph
+            capture).
 
     Returns:
         out [B, Hq, D] in q's dtype (the same on every rank), or (out, lse fp32 [B, Hq]).
@@ -265,13 +305,22 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
     """
     group = resolve_group(group)
     rank, W = rank_and_size(group)
+    request = _safe_request(exchange, impl)  # None when invalid: refused by the check
     validate_decode("decode", q, k_cache, v_cache, seqlens, block_table, group, rank, W, check,
-                    timeout_s)
+                    timeout_s, sm_scale=sm_scale, impl=impl, num_splits=num_splits,
+                    more=lambda: _exchange_request(exchange, impl),
+                    extra={"exchange": checks.code(request, EXCHANGES)})
     out, lse, _ = partial_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, impl,
                                  num_splits, check)
     B, Hq, D = q.shape
-    if impl == "reference" and exchange == "auto":
-        exchange = "allgather"  # the fused exchange is a Triton kernel
-    ex = StateExchange.get(group, (B, Hq, D + 1), q.device, exchange)
+    ex = StateExchange.get(group, (B, Hq, D + 1), q.device, request or exchange,
+                           timeout_s=timeout_s)
     out, lse = ex.merge(out, lse, seqlens, impl)
     return (out, lse) if return_lse else out
+
+
+def _safe_request(exchange, impl):
+    try:
+        return _exchange_request(exchange, impl)
+    except ValueError:
+        return None

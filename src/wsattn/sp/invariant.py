@@ -27,8 +27,13 @@ a split-KV kernel with a fixed split count); the tests check it bitwise.
 
 from __future__ import annotations
 
+import numbers
+
+import torch
+
 import wsattn
 
+from . import checks
 from .comm import all_gather_flat, rank_and_size, resolve_group
 from .decode import pack_state, partial_decode, validate_decode
 
@@ -55,31 +60,41 @@ def invariant_decode(q, k_cache, v_cache, block_lens, block_table, n_blocks: int
     """
     group = resolve_group(group)
     rank, W = rank_and_size(group)
-    nb_loc = -(-n_blocks // W)
-    bad_slots = None
-    if q.dim() != 3:  # reported through the agreement below, like every other error
-        bad_slots = f"q must be [B, Hq, D], got {tuple(q.shape)}"
-        B = Hq = D = 0
-    else:
+    rows = {}
+
+    def flatten():  # any error here is reported through the agreement, like every other
+        if isinstance(n_blocks, bool) or not isinstance(n_blocks, numbers.Integral) \
+                or n_blocks < 1:
+            raise ValueError(f"n_blocks must be a positive int, got {n_blocks!r}")
+        for n, t in (("q", q), ("block_lens", block_lens), ("block_table", block_table)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{n} must be a tensor, got {type(t).__name__}")
+        if q.dim() != 3:
+            raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
         B, Hq, D = q.shape
-    if bad_slots is not None:
-        pass
-    elif block_lens.dim() != 2 or block_lens.shape[0] != B or block_table.dim() != 3 \
-            or block_table.shape[:2] != block_lens.shape:
-        bad_slots = (f"block_lens must be [B={B}, slots] and block_table [B, slots, pages per "
-                     f"block], got {tuple(block_lens.shape)} and {tuple(block_table.shape)}")
-    elif block_lens.shape[1] != nb_loc:
-        bad_slots = (f"block_lens holds {block_lens.shape[1]} block slots per sequence, but "
-                     f"{n_blocks} blocks over a group of size {W} need ceil({n_blocks}/{W}) = "
-                     f"{nb_loc}: the shards were built for another number of ranks")
-    if bad_slots is None:
-        flat_lens = block_lens.reshape(-1)
-        flat_table = block_table.reshape(-1, block_table.shape[-1])
-        q_rows = q[:, None].expand(B, nb_loc, Hq, D).reshape(-1, Hq, D)
-    else:
-        flat_lens, flat_table, q_rows = None, None, q
-    validate_decode("invariant_decode", q_rows, k_cache, v_cache, flat_lens, flat_table, group,
-                    rank, W, check, timeout_s, extra={"n_blocks": n_blocks}, error=bad_slots)
+        nb_loc = -(-int(n_blocks) // W)
+        if block_lens.dim() != 2 or block_lens.shape[0] != B or block_table.dim() != 3 \
+                or block_table.shape[:2] != block_lens.shape:
+            raise ValueError(f"block_lens must be [B={B}, slots] and block_table [B, slots, "
+                             f"pages per block], got {tuple(block_lens.shape)} and "
+                             f"{tuple(block_table.shape)}")
+        if block_lens.shape[1] != nb_loc:
+            raise ValueError(f"block_lens holds {block_lens.shape[1]} block slots per sequence, "
+                             f"but {n_blocks} blocks over a group of size {W} need "
+                             f"ceil({n_blocks}/{W}) = {nb_loc}: the shards were built for "
+                             "another number of ranks")
+        # one decode row per (sequence, slot): what the kernel call below takes
+        rows.update(nb_loc=nb_loc, lens=block_lens.reshape(-1),
+                    table=block_table.reshape(-1, block_table.shape[-1]),
+                    q=q[:, None].expand(B, nb_loc, Hq, D).reshape(-1, Hq, D))
+
+    bad = checks.local_error(flatten)
+    validate_decode("invariant_decode", rows.get("q", q), k_cache, v_cache, rows.get("lens"),
+                    rows.get("table"), group, rank, W, check, timeout_s,
+                    extra={"n_blocks": int(n_blocks) if bad is None else -1}, error=bad,
+                    sm_scale=sm_scale, impl=impl, num_splits=1)
+    B, Hq, D = q.shape
+    nb_loc, flat_lens, flat_table, q_rows = rows["nb_loc"], rows["lens"], rows["table"], rows["q"]
     out, lse, empty = partial_decode(q_rows, k_cache, v_cache, flat_lens, flat_table, sm_scale,
                                      impl, 1, check)
     state = pack_state(out, lse, empty).view(B, nb_loc, Hq, D + 1)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 import wsattn
 
+from . import checks
 from .comm import rank_and_size, resolve_group
 from .prefill import _kernel_impl, prefill, validate_fixed
 from .sharding import local_chunks
@@ -212,20 +213,18 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
     if W == 1:
         return prefill(q, k, v, causal, sm_scale, group=group, zigzag=zigzag, impl=impl,
                        check=check, timeout_s=timeout_s, global_seqlen=global_seqlen)
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    resolved = []
+
+    def transport_check():  # every rank must take the same transport: both are collective
+        resolved.append(_resolve_transport(transport, group, q.device))
+
     validate_fixed("prefill_overlapped", q, k, v, causal, zigzag, group, rank, W, check, timeout_s,
-                   global_seqlen)
+                   global_seqlen, sm_scale, impl,
+                   extra={"transport": checks.code(transport, TRANSPORTS)}, more=transport_check)
+    transport = resolved[0] if resolved else _resolve_transport(transport, group, q.device)
     Sq_loc, Sk_loc = q.shape[1], k.shape[1]
     send = torch.stack([k, v])  # [2, B, Sk/W, Hkv, D]: one message per step
-    from .decode import symm_unavailable_reason
-    # the same on every rank: backend and device type were agreed on
-    reason = symm_unavailable_reason(group, q.device)
-    if transport == "auto":
-        transport = "p2p" if reason else "symm"
     if transport == "symm":
-        if reason:
-            raise ValueError(f"wsattn.sp.prefill_overlapped: transport='symm' unavailable: {reason}")
         steps = SymmPull.get(group, send.shape, send.dtype, send.device).post(send)
     else:
         steps = post_exchange(send, rank, W, group)
@@ -272,6 +271,19 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
     if n == 1:
         return outs[0], lses[0].contiguous()
     return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def _resolve_transport(transport, group, device) -> str:
+    """"p2p" or "symm" for the requested transport, or ValueError."""
+    if not isinstance(transport, str) or transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    from .decode import symm_unavailable_reason
+    reason = symm_unavailable_reason(group, device)
+    if transport == "auto":
+        return "p2p" if reason else "symm"
+    if transport == "symm" and reason:
+        raise ValueError(f"transport='symm' unavailable: {reason}")
+    return transport
 
 
 def _peer_part(rank: int, src: int, zigzag: bool, causal: bool, cq: int, ck: int):

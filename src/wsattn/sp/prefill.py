@@ -20,28 +20,37 @@ values), so the forward can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import numbers
+import zlib
+
 import torch
 
 import wsattn
 
+from .. import api
 from . import checks
 from .comm import all_gather_flat, rank_and_size, resolve_group
 from .sharding import local_chunks, reorder_gathered, varlen_global_index
 
 __all__ = ["prefill", "prefill_varlen"]
 
-_DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-
 
 def validate_fixed(op, q, k, v, causal, zigzag, group, rank, W, check, timeout_s,
-                   global_seqlen=None):
-    """Local checks, then (check=True) the cross-rank agreement; same error on every rank."""
+                   global_seqlen=None, sm_scale=None, impl="auto", extra=None, more=None):
+    """Local checks, then (check=True) the cross-rank agreement; same error on every rank.
+
+    With check=True the local checks include everything :func:`wsattn.attention` would
+    refuse for this rank's shard (``api.check_attention``), so an error on one rank is
+    agreed on instead of leaving the peers blocked in the K/V exchange. ``more`` (a
+    callable) adds the caller's own checks at the end, ``extra`` its agreed fields."""
     def local():
         for n, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{n} must be a 4-D tensor [B, S_local, heads, D], got "
                                  f"{getattr(t, 'shape', type(t).__name__)}")
             checks.check_device(n, t, group)
+        checks.flag("causal", causal)
+        checks.flag("zigzag", zigzag)
         if k.shape != v.shape:
             raise ValueError(f"k and v shards must have the same shape, got {tuple(k.shape)} "
                              f"and {tuple(v.shape)}")
@@ -68,6 +77,13 @@ def validate_fixed(op, q, k, v, causal, zigzag, group, rank, W, check, timeout_s
             raise ValueError(f"the process group has {W} ranks, but a q shard of {q.shape[1]} "
                              f"tokens is 1/{global_seqlen / q.shape[1]:g} of the global "
                              f"{global_seqlen}: the shards were cut for another group size")
+        if check:
+            # Everything wsattn.attention would refuse for this shard (dtype, head dim,
+            # strides, sm_scale, impl): the calls below take its chunks and the gathered
+            # (contiguous) K/V, which pass exactly when the shard does.
+            api.check_attention(q, k, v, causal, sm_scale, impl=impl)
+            if more is not None:
+                more()
 
     err = checks.local_error(local)
     if not check:
@@ -77,8 +93,10 @@ def validate_fixed(op, q, k, v, causal, zigzag, group, rank, W, check, timeout_s
     shape = lambda t, i: t.shape[i] if err is None else -1  # noqa: E731 (shapes may be invalid)
     fields = {"batch": shape(q, 0), "q shard length": shape(q, 1), "k shard length": shape(k, 1),
               "query heads": shape(q, 2), "kv heads": shape(k, 2), "head dim": shape(q, 3),
-              "dtype": _DTYPE_CODE.get(getattr(q, "dtype", None), 0) if err is None else -1,
-              "causal": int(causal), "zigzag": int(zigzag), "world size": W}
+              "dtype": checks.DTYPE_CODE.get(q.dtype, 0) if err is None else -1,
+              "causal": int(causal) if err is None else -1,
+              "zigzag": int(zigzag) if err is None else -1, "world size": W}
+    fields.update(extra or {})
     checks.agree(op, group, rank, W, fields, err, same=tuple(fields), timeout_s=timeout_s)
 
 
@@ -117,7 +135,7 @@ def prefill(q, k, v, causal: bool = True, sm_scale: float | None = None, *, grou
     group = resolve_group(group)
     rank, W = rank_and_size(group)
     validate_fixed("prefill", q, k, v, causal, zigzag, group, rank, W, check, timeout_s,
-                   global_seqlen)
+                   global_seqlen, sm_scale, impl)
     B, Sq_loc, Hq, D = q.shape
     Sk_loc = k.shape[1]
     kv = all_gather_flat(torch.stack([k, v]), W, group)  # [W, 2, B, Sk/W, Hkv, D]
@@ -142,7 +160,12 @@ def prefill(q, k, v, causal: bool = True, sm_scale: float | None = None, *, grou
 
 # --------------------------------------------------------------------------- varlen
 
-def _validate_varlen(q, k, v, cu_q, cu_k, causal, zigzag, group, rank, W, check, timeout_s):
+def _validate_varlen(q, k, v, cu_q, cu_k, causal, zigzag, group, rank, W, check, timeout_s,
+                     max_q=None, max_k=None, sm_scale=None, impl="auto"):
+    """Local checks, then (check=True) the cross-rank agreement. With check=True the local
+    checks include everything :func:`wsattn.attention_varlen` would refuse for this
+    rank's packed shard (``api.check_attention_varlen``, offsets read on the host).
+    Returns the local sequence lengths (lq, lk) when they were read."""
     n_loc = 2 if zigzag else 1
     lq = lk = None
 
@@ -150,13 +173,24 @@ def _validate_varlen(q, k, v, cu_q, cu_k, causal, zigzag, group, rank, W, check,
         nonlocal lq, lk
         for n, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                raise ValueError(f"{n} must be a 3-D tensor [T_local, heads, D]")
+                raise ValueError(f"{n} must be a 3-D tensor [T_local, heads, D], got "
+                                 f"{getattr(t, 'shape', type(t).__name__)}")
             checks.check_device(n, t, group)
         for n, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
-                raise ValueError(f"{n} must be a 1-D int32 tensor [B + 1] of local offsets")
+                got = (f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"{n} must be a 1-D int32 tensor [B + 1] of local offsets, "
+                                 f"got {got}")
             if t.device != q.device:
                 raise ValueError(f"{n} is on {t.device}, q on {q.device}")
+        checks.flag("causal", causal)
+        checks.flag("zigzag", zigzag)
+        for n, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+            if m is not None and (isinstance(m, bool) or not isinstance(m, numbers.Integral)
+                                  or m < 0):
+                raise TypeError(f"{n} must be a non-negative int or None (the longest GLOBAL "
+                                f"sequence), got {type(m).__name__} {m!r}")
         if k.shape != v.shape:
             raise ValueError(f"k and v shards must have the same shape, got {tuple(k.shape)} "
                              f"and {tuple(v.shape)}")
@@ -169,34 +203,38 @@ def _validate_varlen(q, k, v, cu_q, cu_k, causal, zigzag, group, rank, W, check,
             raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (B + 1)")
         if not check:
             return
+        # Everything wsattn.attention_varlen would refuse for this shard (dtype, head dim,
+        # strides, offsets, sm_scale, impl). The max lengths are global (W x local), so
+        # they are checked below instead.
+        api.check_attention_varlen(q, k, v, cu_q, cu_k, None, None, causal, sm_scale,
+                                   impl=impl, validate=True)
         a, b = cu_q.tolist(), cu_k.tolist()
         lq = [y - x for x, y in zip(a, a[1:])]
         lk = [y - x for x, y in zip(b, b[1:])]
-        if a[-1] != q.shape[0] or b[-1] != k.shape[0]:
-            raise ValueError(f"cu_seqlens must end at the packed token counts ({q.shape[0]}, "
-                             f"{k.shape[0]}), got {a[-1]}, {b[-1]}")
         for i, (x, y) in enumerate(zip(lq, lk)):
             if x % n_loc or y % n_loc:
                 raise ValueError(f"sequence {i}'s shard holds {x} query / {y} key tokens; zig-zag "
                                  f"needs even counts: pad each sequence to a multiple of 2 * "
                                  f"world_size = {2 * W} or pass zigzag=False")
-            if causal and x > y:
-                raise ValueError(f"causal attention needs q_len <= kv_len; sequence {i} has "
-                                 f"{x} > {y} tokens in its shard")
+        for n, m, lens in (("max_seqlen_q", max_q, lq), ("max_seqlen_k", max_k, lk)):
+            if m is not None and m < W * max(lens, default=0):
+                raise ValueError(f"{n}={m} is shorter than the longest global sequence "
+                                 f"({W} x {max(lens)} local tokens)")
 
     err = checks.local_error(local)
     if not check:
         if err:
             raise ValueError(f"wsattn.sp.prefill_varlen: {err}")
         return
-    import zlib
     ok = err is None
     fields = {"packed q tokens": q.shape[0] if ok else -1, "packed k tokens": k.shape[0] if ok else -1,
               "batch": cu_q.numel() - 1 if ok else -1,
               "cu_seqlens_q checksum": zlib.crc32(str(lq).encode()) if ok else -1,
               "cu_seqlens_k checksum": zlib.crc32(str(lk).encode()) if ok else -1,
               "query heads": q.shape[1] if ok else -1, "kv heads": k.shape[1] if ok else -1,
-              "head dim": q.shape[2] if ok else -1, "causal": int(causal), "zigzag": int(zigzag)}
+              "head dim": q.shape[2] if ok else -1,
+              "dtype": checks.DTYPE_CODE.get(q.dtype, 0) if ok else -1,
+              "causal": int(causal) if ok else -1, "zigzag": int(zigzag) if ok else -1}
     checks.agree("prefill_varlen", group, rank, W, fields, err, same=tuple(fields),
                  timeout_s=timeout_s)
     return lq, lk
@@ -226,7 +264,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | None
     group = resolve_group(group)
     rank, W = rank_and_size(group)
     lens = _validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, zigzag, group, rank, W,
-                            check, timeout_s)
+                            check, timeout_s, max_seqlen_q, max_seqlen_k, sm_scale, impl)
     if max_seqlen_q is None or max_seqlen_k is None:
         lq, lk = lens if lens else (None, None)
         if lq is None:

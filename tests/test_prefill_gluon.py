@@ -348,13 +348,19 @@ def test_sm90_schedule_variants_numerics(case, variant):
 
 
 def test_auto_prefers_triton_only_where_it_measured_faster():
-    """Short causal or D=64 queries go to Triton under impl="auto"; the rest to Gluon."""
-    from wsattn.kernels.prefill_gluon import auto_prefers
-    q = lambda S, D: torch.empty(1, S, 2, D)  # noqa: E731
-    assert not auto_prefers(q(1024, 128), causal=True) and auto_prefers(q(1025, 128), True)
-    assert auto_prefers(q(1024, 128), causal=False)
-    assert not auto_prefers(q(1024, 64), False) and auto_prefers(q(4096, 64), False)
-    assert auto_prefers(q(4096, 64), True)
+    """Short causal or D=64 queries go to Triton under impl="auto" on sm_90; the rest to
+    Gluon (the policy lives in wsattn.dispatch, the one place impl="auto" is resolved)."""
+    from wsattn.dispatch import Call, ranking
+    dev = torch.device("cuda", 0)
+
+    def first(S, D, causal):
+        return ranking(Call("prefill", dev, torch.bfloat16, D, causal, S, S))[0]
+
+    assert first(1024, 128, True) == "triton" and first(1025, 128, True) == "gluon"
+    assert first(1024, 128, False) == "gluon"
+    assert first(1024, 64, False) == "triton" and first(4096, 64, False) == "gluon"
+    assert first(4096, 64, True) == "gluon"
+    assert ranking(Call("prefill_varlen", dev, torch.bfloat16, 128)) == ("triton",)
 
 
 @pytest.mark.sm90

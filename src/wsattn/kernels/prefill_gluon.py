@@ -232,19 +232,6 @@ def _cc(device) -> int | None:
     return target_of(device).cc if device.type == "cuda" else None
 
 
-# impl="auto" takes the Triton kernel instead where it measured faster on H200
-# (notes/prefill_gluon.md; TFLOP/s Gluon vs Triton at N = 1024: D=64 355 vs 376, D=64
-# causal 192 vs 271, D=128 causal 314 vs 354; D=128 non-causal 523 vs 409 stays Gluon;
-# from N = 4096 on Gluon leads or ties everywhere):
-# (head dim, causal) -> the longest query length that still goes to Triton.
-AUTO_TRITON_UP_TO = {(64, False): 1024, (64, True): 1024, (128, True): 1024}
-
-
-def auto_prefers(q, causal) -> bool:
-    """For impl="auto" on sm_90: is the Gluon kernel the faster choice for this call?"""
-    return q.shape[1] > AUTO_TRITON_UP_TO.get((q.shape[-1], bool(causal)), 0)
-
-
 def device_supported(device) -> bool:
     """True where the Gluon kernel runs: CUDA devices of compute capability 9.0."""
     return VERIFIED_ON_GPU and _cc(device) == GLUON_CC

@@ -235,8 +235,7 @@ def check_decode_exact_contiguous(rank, W, *, lens, Hq, Hkv, D, impl, dtype, dev
 
 
 def _decode_no_key_rank(rank, W, **kw):
-    """A rank holding no key (L_max = 0) used to fail with 'seqlens[0]=1', a length the
-    caller never passed: it must contribute (0, -inf) and the merge ignore it."""
+    """A rank with no key (L_max = 0) failed naming seqlens[0]=1, a length never passed."""
     # lens [1, W-1]: rank 0 holds nothing of either sequence, the others one key each
     L_loc = check_decode_exact_contiguous(rank, W, lens=[1, max(W - 1, 1)], **kw)
     assert (L_loc == 0) == (rank == 0), f"rank {rank} holds L_local = {L_loc}"
@@ -463,11 +462,7 @@ def _bad_input_one_rank(rank, W, device="cpu"):
     from wsattn.sp.sharding import shard_kv_cache_blocks
     from wsattn.target import interpreting
     res = {}
-    # a group of its own whose collectives give up after seconds: see BAD_INPUT_TIMEOUT_S
-    group = dist.new_group(list(range(W)), timeout=timedelta(seconds=BAD_INPUT_TIMEOUT_S))
-    dist.all_reduce(torch.ones(1, device=device), group=group)  # connect before the clock runs
-    kw = dict(group=group, timeout_s=BAD_INPUT_TIMEOUT_S)
-    kw_ref = dict(kw, impl="reference")
+    kw_ref = dict(impl="reference", timeout_s=BAD_INPUT_TIMEOUT_S)
     x = lambda *s, dtype=torch.float32: torch.randn(*s, dtype=dtype, device=device)  # noqa: E731
     B, Hq, Hkv, D, page = 2, 4, 2, 16, 4
     cases = []
@@ -483,9 +478,9 @@ def _bad_input_one_rank(rank, W, device="cpu"):
         q = x(B, Hq, D) if q is None else q
         k = x(4, page, Hkv, D) if k is None else k
         v = torch.randn_like(k) if v is None else v
-        return lambda: sp.decode(q, k, v, lens if seqlens is None else seqlens,
-                                 (table if bt is None else bt) if paged else None,
-                                 **{"exchange": "allgather", **kw_ref, **extra})
+        return lambda group: sp.decode(q, k, v, lens if seqlens is None else seqlens,
+                                       (table if bt is None else bt) if paged else None,
+                                       group=group, **{"exchange": "allgather", **kw_ref, **extra})
     case("decode-contiguous-cache-batch", dec(k=x(B + 1, 8, Hkv, D), paged=False),
          dec(k=x(B, 8, Hkv, D), paged=False), "contiguous k_cache must be [B=2")
     case("decode-v-pages-unlike-k", dec(k=x(4, page, Hkv, D), v=x(5, page, Hkv, D)),
@@ -510,9 +505,9 @@ def _bad_input_one_rank(rank, W, device="cpu"):
     def inv(bt_dtype=torch.int32, n_blocks=None, **extra):
         k = torch.randn(1, 8 * W, Hkv, D, generator=_gen(5)).to(device)
         kp, vp, bt, blens = shard_kv_cache_blocks(k, k, [8 * W], W, rank, W, 8, page)
-        return lambda: sp.invariant_decode(x(1, Hq, D), kp, vp, blens, bt.to(bt_dtype),
-                                           W if n_blocks is None else n_blocks,
-                                           **{**kw_ref, **extra})
+        return lambda group: sp.invariant_decode(x(1, Hq, D), kp, vp, blens, bt.to(bt_dtype),
+                                                 W if n_blocks is None else n_blocks,
+                                                 group=group, **{**kw_ref, **extra})
     case("invariant-block-table-int64", inv(bt_dtype=torch.int64), inv(),
          "block_table must be int32")
     case("invariant-n-blocks-float", inv(n_blocks=float(W)), inv(),
@@ -527,7 +522,7 @@ def _bad_input_one_rank(rank, W, device="cpu"):
         k = x(1, S, Hkv, D) if k is None else k
         v = torch.randn_like(k) if v is None else v
         fn = sp.prefill_overlapped if overlapped else sp.prefill
-        return lambda: fn(q, k, v, **{**kw_ref, **extra})
+        return lambda group: fn(q, k, v, group=group, **{**kw_ref, **extra})
     for ov, tag in ((False, "gather"), (True, "overlap")):
         case(f"prefill-{tag}-causal-not-bool", pre(overlapped=ov, causal=1), pre(overlapped=ov),
              "causal must be a bool")
@@ -554,9 +549,10 @@ def _bad_input_one_rank(rank, W, device="cpu"):
     def var(q=None, k=None, cu_q=None, cu_k=None, **extra):
         q = x(4, Hq, D) if q is None else q
         k = x(4, Hkv, D) if k is None else k
-        return lambda: sp.prefill_varlen(q, k, torch.randn_like(k),
-                                         cu if cu_q is None else cu_q,
-                                         cu if cu_k is None else cu_k, **{**kw_ref, **extra})
+        return lambda group: sp.prefill_varlen(q, k, torch.randn_like(k),
+                                               cu if cu_q is None else cu_q,
+                                               cu if cu_k is None else cu_k, group=group,
+                                               **{**kw_ref, **extra})
     case("varlen-cu-seqlens-list", var(cu_q=[0, 2, 4]), var(),
          "cu_seqlens_q must be a 1-D int32 tensor", "got list")
     case("varlen-head-dim-unlike-q", var(k=x(4, Hkv, 2 * D)), var(), f"D={D}")
@@ -571,11 +567,23 @@ def _bad_input_one_rank(rank, W, device="cpu"):
     case("varlen-max-seqlen-float", var(max_seqlen_q=2.0 * W, max_seqlen_k=2 * W), var(),
          "max_seqlen_q must be a non-negative int")
 
+    def short_group():
+        """A group whose collectives give up after BAD_INPUT_TIMEOUT_S, connected."""
+        dist.barrier()  # the main group waits long: a peer that timed out in a case joins it
+        group = dist.new_group(list(range(W)), timeout=timedelta(seconds=BAD_INPUT_TIMEOUT_S))
+        dist.all_reduce(torch.ones(1, device=device), group=group)
+        return group
+
+    # gloo: a fresh group per case (cheap), so a case that leaves a collective unmatched
+    # fails alone, by name, and the next starts clean; NCCL: one (a communicator each
+    # would cost seconds and memory)
+    shared = short_group() if torch.device(device).type == "cuda" else None
     for i, (name, bad_fn, good_fn, needles) in enumerate(cases):
         bad_rank = i % W
         fn = bad_fn if rank == bad_rank else good_fn
+        group = shared or short_group()
         _run_check(res, f"bad-one-rank-{name}", lambda: expect_shard_error(
-            fn, f"rank {bad_rank}", *needles))
+            lambda: fn(group), f"rank {bad_rank}", *needles))
     return res
 
 

@@ -398,3 +398,106 @@ def test_run_sanitizer_waives_through_the_wrapped_child(tmp_path, monkeypatch):
     r = sanitizer.run_sanitizer(demo.steady_spec(), ("racecheck",), timeout=120, exe=str(exe),
                                 device="cpu", ws_dispatch=WS, probe=lambda: _probe(bar1=0))
     assert not r["ok"] and r["failed_tools"] == ["racecheck"] and "waivers" not in r
+
+
+# --------------------------------------------------------------------------- the kernel-shaped probe variants
+
+from wsattn.evidence import sanitizer_probe  # noqa: E402
+
+
+def _mode(n, at=(), ran=True, name="0"):
+    return {"returncode": 86 if n else 0, "hazards": n, "race_errors": n, "warnings": 0,
+            "kinds": sorted({h["kind"] for h in at}) if at else (["RAW"] if n else []), "ran": ran,
+            "stdout": f"mode {name}: no error", "at": list(at)}
+
+
+def _at(byte, off=0x400, kind="RAW", read=None):
+    return {"addr": off + byte, "kind": kind, "level": "Error",
+            "read_warps": [byte + 4 if read is None else read], "write_warps": [3]}
+
+
+def _probe_v(**hazardous):
+    """bar0 clean, none racing on all 8 bytes at +0x400, the named variants with one RAW each."""
+    modes = {k: _mode(0) for k in sanitizer_probe.VARIANTS}
+    modes["none"] = _mode(8, [_at(b) for b in range(8)])
+    for k, at in hazardous.items():
+        modes[k.replace("__", "+")] = _mode(len(at), at)
+    return {"modes": modes}
+
+
+def test_shared_offset_is_learned_from_the_positive_control_only():
+    assert sanitizer_probe.shared_offset(_probe_v()) == 0x400
+    p = _probe_v()
+    p["modes"]["none"]["at"][3]["addr"] += 1  # disagreeing hazards: nothing learned
+    assert sanitizer_probe.shared_offset(p) is None
+    assert sanitizer_probe.shared_offset(SUPPORTING) is None and sanitizer_probe.shared_offset(None) is None
+
+
+def test_a_variant_supports_only_with_features_the_kernel_has_and_on_its_own_bytes():
+    sw = sanitizer_probe.supports_waiver
+    p = _probe_v(ws__setmaxnreg=[_at(5)])
+    assert not sw(p)[0] and sw(p, {"setmaxnreg"})[0] and "(ws+setmaxnreg)" in sw(p, {"setmaxnreg"})[1]
+    assert not sw(_probe_v(ws_all=[_at(5)]), {"setmaxnreg", "brx"})[0]
+    assert sw(_probe_v(ws_all=[_at(5)]), set(sanitizer_probe.FEATURES))[0]
+    assert sw(_probe_v(ws=[_at(5)]))[0]  # no feature: supports any kernel
+    # a hazard off the probe's bytes, read by the wrong warp, or WAR: no support
+    assert not sw(_probe_v(ws=[_at(9)]))[0]
+    assert not sw(_probe_v(ws=[_at(5, read=6)]))[0]
+    assert not sw(_probe_v(ws=[_at(5, kind="WAR")]))[0]
+    p = _probe_v(ws=[_at(5)])
+    p["modes"]["bar0"] = _mode(1, [_at(5)])
+    assert not sw(p)[0]
+
+
+def test_kernel_features_from_the_ptx():
+    ptx = WS_PTX + "\tsetmaxnreg.dec.sync.aligned.u32 \t240;\n\tbar.sync \t0, 128;\n\tbar.sync \t2, 128;\n\tbrx.idx %r95, $L_brx_0;\n"
+    assert sanitizer.dispatch_bytes(ptx, 229728, 12, 4)["features"] == sorted(sanitizer_probe.FEATURES)
+    assert WS["features"] == ["exit", "loop"]
+    assert sanitizer.dispatch_bytes(WS_PTX.replace("barrier.sync \t1;", "barrier.sync 1, 384;"),
+                                    229728, 12, 4)["features"] == ["exit", "loop"]
+
+
+def test_the_waiver_uses_the_measured_offset():
+    log = RACECHECK_RAW.replace("0x3815d", "0x3855d")
+    # without a measured offset the racecheck address is outside the kernel's bytes
+    assert "outside the dispatch bytes" in _race(log)["not_waived"]
+    r = _race(log, _probe_v(ws__exit=[_at(5)]))
+    assert r["ok"] and r["waived"] == 1 and "racecheck shared offset 0x400" in r["waiver"]
+    # the offset moves the range, it does not widen it
+    r = _race(RACECHECK_RAW, _probe_v(ws__exit=[_at(5)]))
+    assert not r["ok"] and "[0x38558, 0x38560) (kernel offsets + 0x400)" in r["not_waived"]
+    # only variants with features the kernel has (WS: loop, exit) count
+    r = _race(log, _probe_v(ws__setmaxnreg=[_at(5)]))
+    assert not r["ok"] and r["not_waived"].startswith("probe:")
+
+
+def test_probe_mode_result_reads_a_racecheck_log():
+    x = sanitizer_probe.mode_result("ws+brx", RACECHECK_RAW, 86, "mode ws+brx: no error; state at shared 0x400;")
+    assert x["ran"] and x["hazards"] == 1 and x["features"] == ["brx"]
+    assert x["at"] == [{"addr": 0x3815d, "kind": "RAW", "level": "Error", "read_warps": [9], "write_warps": [0]}]
+
+
+def test_probe_source_has_every_variant_and_compiles_for_sm_90a(tmp_path):
+    import shutil
+    import subprocess
+    src = sanitizer_probe.source()
+    for name in sanitizer_probe.WS_VARIANTS:
+        assert f'{{"{name}", ws<' in src
+    assert sanitizer_probe.build_command("nvcc", "a.cu", "a")[1] == "-gencode=arch=compute_90a,code=sm_90a"
+    nvcc = sanitizer_probe.find_nvcc()
+    if nvcc is None or shutil.which("ptxas", path=os.path.dirname(nvcc)) is None:
+        pytest.skip("no nvcc here")
+    (tmp_path / "d.cu").write_text(src)
+    cmd = sanitizer_probe.build_command(nvcc, str(tmp_path / "d.cu"), str(tmp_path / "d"))
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    ptx = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-ptx", "-o", "-",
+                          str(tmp_path / "d.cu")], check=True, capture_output=True, text=True).stdout
+    import re
+    bodies = dict(re.findall(r"\.entry _Z2wsILi(\d+)E.*?\n(.*?)\n}\n", ptx, re.S))
+    for name in sanitizer_probe.WS_VARIANTS:
+        body, feats = bodies[str(sanitizer_probe._flags(name))], sanitizer_probe.variant_features(name)
+        assert ("setmaxnreg" in body) == ("setmaxnreg" in feats), name
+        assert ("bar.sync 0, 128" in body) == ("bar0_128" in feats), name
+        assert ("bar.sync 2, 128" in body) == ("bar2_128" in feats), name
+        assert ("brx.idx" in body) == ("brx" in feats), name
+        assert body.count("st.shared.v2.b32") == 2 and "barrier.sync 1" in body, name

@@ -18,7 +18,9 @@ a racecheck RAW hazard on the dispatch bytes the lowering keeps at the end of sh
 memory (one byte per worker warp, written by the default warps, read by that worker, each
 pair ordered by a whole-CTA ``barrier.sync 1``), with a value the dispatch stores there,
 is waived only when the barrier control (``sanitizer_probe``) run on this machine shows
-racecheck flags a barrier-1-ordered handoff and not the same one under ``bar.sync 0``.
+racecheck flags a barrier-1-ordered handoff, with no feature the kernel lacks, and not the
+same one under ``bar.sync 0``. Addresses are compared after the shared offset the probe
+measured (racecheck's addresses sit past the kernel's offsets by it).
 Every other hazard, and every other tool's error, fails. See :func:`waive`.
 
 Sizes: sanitizers slow kernels 10-100x and instrument every module loaded, so each kernel
@@ -237,16 +239,39 @@ def dispatch_bytes(ptx: str, shared: int, num_warps: int, default_warps: int) ->
         return {"error": f"other instructions touch the dispatch bytes: {others[0]}"}
     return {"lo": lo, "hi": hi, "read_base": read_base, "workers": workers,
             "default_warps": default_warps,
-            "values": {str(a): sorted(v) for a, v in values.items()}}
+            "values": {str(a): sorted(v) for a, v in values.items()},
+            "features": kernel_features(ptx, lo, hi)}
 
 
-def _dispatch_hazard(h: dict, ws: dict) -> str | None:
-    """Why hazard ``h`` is not the dispatch handoff, or None when it is."""
+def kernel_features(ptx: str, lo: int, hi: int) -> list:
+    """Which of the barrier probe's features (``sanitizer_probe.FEATURES``) the kernel has:
+    a probe variant with no more than these may stand in for it (``supports_waiver``).
+    The dispatch loop and its exit are counted only when the bytes are stored more than
+    once (a second round, which is the exit code)."""
+    f = set()
+    if "setmaxnreg." in ptx:
+        f.add("setmaxnreg")
+    if re.search(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+0,\s*\d+", ptx):
+        f.add("bar0_128")
+    if re.search(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+(?:[2-9]|1\d),\s*\d+", ptx):
+        f.add("bar2_128")
+    if "brx.idx" in ptx:
+        f.add("brx")
+    stores = [m for m in _WS_STORE.findall(ptx) if lo <= int(m[2]) < hi]
+    if len(stores) > 1:
+        f.update(("loop", "exit"))
+    return sorted(f)
+
+
+def _dispatch_hazard(h: dict, ws: dict, offset: int = 0) -> str | None:
+    """Why hazard ``h`` is not the dispatch handoff, or None when it is. ``offset``: what
+    racecheck adds to the kernel's shared offsets on this machine (learned by the probe)."""
     if h["kind"] != "RAW":
         return f"{h['kind']} hazard"
-    lo, hi = ws["lo"], ws["hi"]
+    lo, hi = ws["lo"] + offset, ws["hi"] + offset
     if not lo <= h["addr"] < hi:
-        return f"address {h['addr']:#x} outside the dispatch bytes [{lo:#x}, {hi:#x})"
+        return f"address {h['addr']:#x} outside the dispatch bytes [{lo:#x}, {hi:#x})" + (
+            f" (kernel offsets + {offset:#x})" if offset else "")
     writes = [a for a in h["accesses"] if a[0] == "Write"]
     reads = [a for a in h["accesses"] if a[0] == "Read"]
     if len(writes) != 1 or len(reads) != 1:
@@ -256,9 +281,9 @@ def _dispatch_hazard(h: dict, ws: dict) -> str | None:
         return "a thread index outside a 1-D block"
     if wx // 32 >= ws["default_warps"]:
         return f"written by warp {wx // 32}, not the default group"
-    if rx // 32 != h["addr"] - ws["read_base"]:
+    if rx // 32 != h["addr"] - offset - ws["read_base"]:
         return f"read by warp {rx // 32}, not the worker whose byte {h['addr']:#x} is"
-    allowed = ws["values"].get(str(h["addr"]), [])
+    allowed = ws["values"].get(str(h["addr"] - offset), [])
     if not h["values"] or any(v not in allowed for v in h["values"]):
         return f"value(s) {h['values']} not among the dispatch codes {allowed} stored there"
     return None
@@ -271,7 +296,7 @@ def waive(r: dict, ws: dict | None, probe=None) -> dict:
     must pair the code offsets of those hazards, the counts must add up, the child must have
     finished, and ``probe()`` (the barrier control's result) must support it. Anything
     else leaves ``r`` failing, with ``not_waived`` saying why."""
-    from .sanitizer_probe import supports_waiver
+    from .sanitizer_probe import shared_offset, supports_waiver
     if r.get("tool") != "racecheck" or r.get("ok") or "hazards" not in r:
         return r
 
@@ -288,16 +313,23 @@ def waive(r: dict, ws: dict | None, probe=None) -> dict:
     if not errs or len(errs) != r["race_errors"] or r["errors"] != r["race_errors"]:
         return no(f"{len(errs)} hazard(s) read from the log for {r['race_errors']} racecheck errors "
                   f"and {r['errors']} in all")
+    # the checks that need no address first, so the probe runs only when one could pass
     for h in errs:
-        why = _dispatch_hazard(h, ws)
-        if why:
-            return no(f"hazard at {h['addr']:#x}: {why}")
+        if h["kind"] != "RAW":
+            return no(f"hazard at {h['addr']:#x}: {h['kind']} hazard")
     pairs = {tuple(sorted((a[0], a[4]) for a in h["accesses"])) for h in errs}
     for race in r.get("races", []):
         if race["level"] == "Error" and tuple(sorted(race["accesses"])) not in pairs:
             return no(f"a race report between {race['accesses']} is not the dispatch handoff")
     p = probe() if callable(probe) else probe
-    ok, line = supports_waiver(p)
+    # racecheck's shared addresses sit past the kernel's offsets by what the probe measured
+    # (its own bytes as racecheck reports them); unmeasured, none is assumed
+    offset = shared_offset(p) or 0
+    for h in errs:
+        why = _dispatch_hazard(h, ws, offset)
+        if why:
+            return no(f"hazard at {h['addr']:#x}: {why}")
+    ok, line = supports_waiver(p, frozenset(ws.get("features", ())))
     r["probe"] = line
     if not ok:
         return no(line)

@@ -36,7 +36,8 @@ from .dispatch import IMPLS, Call
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_HEAD_DIMS = (64, 128, 256)
-MAX_NUM_SPLITS = 256  # splits per sequence; the workspace and the combine grow with it
+MAX_NUM_SPLITS = 128  # = decode_triton.MAX_SPLITS: the combine unrolls its split loop, and
+                      # compiling it for far more splits took minutes
 LSE_LAYOUTS = ("outputs", "heads_first")
 
 
@@ -466,7 +467,7 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
         seqlens: int32 [B], keys per sequence including the T new ones (T <= seqlens[b]).
         block_table: int32 [B, max_pages], page indices of each sequence (paged cache).
            Index tensors may be views with any strides (one small copy makes them dense).
-        num_splits: split-KV count per sequence in [1, 256] (default: chosen from B, the
+        num_splits: split-KV count per sequence in [1, 128] (default: chosen from B, the
            cache capacity and the SM count so that B=1 with a long context fills the GPU);
            splits past the keys a sequence has are empty and cost little.
         validate: read seqlens and block_table on the host and check their values: True,

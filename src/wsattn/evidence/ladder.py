@@ -102,6 +102,27 @@ def climb(spec, target: str, config: Config | None = None, cache: dict | None = 
                         spec.description)
 
 
+def _other_builds_dispatch(spec, cc, cs, default_warps) -> list:
+    """dispatch_bytes of the builds the sanitizer's shapes run besides the compiled one (a
+    library kernel's compile_spec takes head_dim=); a build that cannot be compiled here
+    gives an entry with "error", so its hazards are never waived."""
+    from . import sanitizer
+    have = (cs.get("constexprs") or {}).get("HEAD_DIM") or (cs.get("constexprs") or {}).get("D")
+    dims = sorted({sh.get("D") for sh in sanitizer.sanitizer_shapes(spec)} - {None, have})
+    out = []
+    for D in dims:
+        try:
+            cs2 = spec.compile_spec(cc, head_dim=D)
+            comp2 = compile_kernel(cs2["fn"], cs2["signature"], dict(cs2.get("constexprs") or {}),
+                                   dict(cs2.get("options") or {}), cc, cs2.get("attrs"))
+            out.append(sanitizer.dispatch_bytes(comp2.stages.get("ptx") or "",
+                                                comp2.metadata.get("shared"),
+                                                comp2.metadata.get("num_warps"), default_warps))
+        except Exception as e:  # noqa: BLE001 - any failure only withholds the waiver
+            out.append({"error": f"head_dim={D} build: {type(e).__name__}: {e}"})
+    return out
+
+
 def _climb(spec, target, config, cache, gates, extra):
     # gate 0: the target
     try:
@@ -202,10 +223,13 @@ def _climb(spec, target, config, cache, gates, extra):
     from . import sanitizer
     ws = None
     if comp.language == "gluon" and s.ws_formed:
-        # the only kernels whose dispatch-byte hazard may be waived (notes/sanitizer.md)
+        # the only kernels whose dispatch-byte hazard may be waived (notes/sanitizer.md);
+        # the sanitizer's shapes may run other builds (another head dim), each with its own
+        # dispatch bytes
         default = next((p.warps for p in s.partitions if p.name == "default"), None)
-        ws = sanitizer.dispatch_bytes(ptx or "", comp.metadata.get("shared"),
-                                      comp.metadata.get("num_warps"), default)
+        ws = [sanitizer.dispatch_bytes(ptx or "", comp.metadata.get("shared"),
+                                       comp.metadata.get("num_warps"), default)]
+        ws += _other_builds_dispatch(spec, cc, cs, default)
     r = sanitizer.run_sanitizer(spec, tuple(config.sanitizer_tools), config.sanitizer_timeout,
                                 config.seed, ws_dispatch=ws, probe=lambda: _probe(cache))
     if ws is not None:

@@ -265,11 +265,11 @@ NAMES = tuple(e[0] for e in ENTRIES)
 
 
 def _compile_spec_of(module, func, kwargs, only_ccs):
-    def compile_spec(cc):
+    def compile_spec(cc, **overrides):  # overrides: another build, e.g. head_dim=64
         if only_ccs and cc not in only_ccs:
             raise UnsupportedTarget(f"no code path for sm_{cc}: this kernel targets "
                                     f"{', '.join(f'sm_{c}' for c in only_ccs)} only")
-        return getattr(importlib.import_module(module), func)(cc, **kwargs)
+        return getattr(importlib.import_module(module), func)(cc, **{**kwargs, **overrides})
     return compile_spec
 
 

@@ -202,8 +202,9 @@ WAIVER_NOTE = "notes/sanitizer.md"
 def dispatch_bytes(ptx: str, shared: int, num_warps: int, default_warps: int) -> dict:
     """Where a ``gl.warp_specialize`` kernel keeps its per-worker-warp dispatch codes, from
     the compiled kernel (Triton 3.6 lowering, notes/sanitizer.md): one byte per worker warp
-    at the very end of shared memory, ``[shared - workers, shared)``, workers = every warp
-    past the default group; worker warp w reads byte ``read_base + w``; the default group
+    ``[lo, lo + workers)`` (at or near the end of shared memory), workers = every warp past
+    the default group; worker warp w reads byte ``read_base + w``, lo = read_base + the
+    default group's warps (read from the worker's ``ld.shared.b8``); the default group
     writes them with immediate stores. Returns ``{"lo", "hi", "read_base", "workers",
     "default_warps", "values": {addr: [codes stored there]}}``, or ``{"error"}`` when the
     PTX does not show exactly that (then nothing can be waived)."""
@@ -211,10 +212,16 @@ def dispatch_bytes(ptx: str, shared: int, num_warps: int, default_warps: int) ->
         return {"error": f"no worker warps or no metadata (shared {shared}, num_warps {num_warps}, "
                          f"default warps {default_warps})"}
     workers = num_warps - default_warps
-    lo, hi = shared - workers, shared
-    read_base = lo - default_warps
-    if read_base not in {int(x) for x in _WS_READ.findall(ptx)}:
-        return {"error": f"no worker ld.shared.b8 at +{read_base} + warp in the PTX"}
+    # where the worker warps read their byte (``ld.shared.b8 [base + warp]``): at the end of
+    # shared memory in some builds, before padding in others (D=64 keeps 36 bytes after it)
+    bases = {int(x) for x in _WS_READ.findall(ptx)}
+    bases = {b for b in bases if b + default_warps + workers <= shared}
+    if len(bases) != 1:
+        return {"error": f"not one worker ld.shared.b8 [base + warp] in the PTX (found "
+                         f"{sorted(bases) or 'none'})"}
+    read_base = bases.pop()
+    lo = read_base + default_warps
+    hi = lo + workers
     values = {a: set() for a in range(lo, hi)}
     for vec, bits, at, vals in _WS_STORE.findall(ptx):
         width, n, at = int(bits) // 8, int(vec or 1), int(at)
@@ -289,13 +296,15 @@ def _dispatch_hazard(h: dict, ws: dict, offset: int = 0) -> str | None:
     return None
 
 
-def waive(r: dict, ws: dict | None, probe=None) -> dict:
+def waive(r: dict, ws, probe=None) -> dict:
     """Apply the one waiver to a failing racecheck result ``r`` in place (see the module
-    docstring): every Error hazard must be the dispatch handoff of ``ws``
-    (:func:`dispatch_bytes`, only given for a gl.warp_specialize kernel), every race report
-    must pair the code offsets of those hazards, the counts must add up, the child must have
-    finished, and ``probe()`` (the barrier control's result) must support it. Anything
-    else leaves ``r`` failing, with ``not_waived`` saying why."""
+    docstring): every Error hazard must be the dispatch handoff of one of the kernel's
+    builds that the shapes ran (``ws``: a :func:`dispatch_bytes` result or a list of them,
+    one per build; only given for a gl.warp_specialize kernel), every pair a race report
+    names must pair the code offsets of such a hazard, the counts must add up (racecheck
+    counts each "Race reported" line as an error too), the child must have finished, and
+    ``probe()`` (the barrier control's result) must support it. Anything else leaves ``r``
+    failing, with ``not_waived`` saying why."""
     from .sanitizer_probe import shared_offset, supports_waiver
     if r.get("tool") != "racecheck" or r.get("ok") or "hazards" not in r:
         return r
@@ -304,39 +313,52 @@ def waive(r: dict, ws: dict | None, probe=None) -> dict:
         r["not_waived"] = why
         return r
 
-    if not ws or ws.get("error"):
+    builds = ws if isinstance(ws, list) else [ws] if ws else []
+    bad = [w.get("error") for w in builds if w.get("error")]
+    builds = [w for w in builds if not w.get("error")]
+    if not builds:
         return no("not a gl.warp_specialize kernel with known dispatch bytes"
-                  + (f" ({ws['error']})" if ws and ws.get("error") else ""))
+                  + (f" ({bad[0]})" if bad else ""))
     if r.get("child_ok") is False:
         return no("the child did not finish its launches")
     errs = [h for h in r.get("findings", []) if h["level"] == "Error"]
-    if not errs or len(errs) != r["race_errors"] or r["errors"] != r["race_errors"]:
-        return no(f"{len(errs)} hazard(s) read from the log for {r['race_errors']} racecheck errors "
-                  f"and {r['errors']} in all")
+    race_errs = [x for x in r.get("races", []) if x["level"] == "Error"]
+    if not errs or len(errs) + len(race_errs) != r["race_errors"] or r["errors"] != r["race_errors"]:
+        return no(f"{len(errs)} hazard(s) and {len(race_errs)} race report(s) read from the log for "
+                  f"{r['race_errors']} racecheck errors and {r['errors']} in all")
     # the checks that need no address first, so the probe runs only when one could pass
     for h in errs:
         if h["kind"] != "RAW":
             return no(f"hazard at {h['addr']:#x}: {h['kind']} hazard")
     pairs = {tuple(sorted((a[0], a[4]) for a in h["accesses"])) for h in errs}
-    for race in r.get("races", []):
-        if race["level"] == "Error" and tuple(sorted(race["accesses"])) not in pairs:
-            return no(f"a race report between {race['accesses']} is not the dispatch handoff")
+    for race in race_errs:
+        first, rest = race["accesses"][0], race["accesses"][1:]
+        for other in rest or [None]:
+            if other is None or tuple(sorted((first, other))) not in pairs:
+                return no(f"a race report between {first} and {other} is not the dispatch handoff")
     p = probe() if callable(probe) else probe
     # racecheck's shared addresses sit past the kernel's offsets by what the probe measured
     # (its own bytes as racecheck reports them); unmeasured, none is assumed
     offset = shared_offset(p) or 0
+    used = []
     for h in errs:
-        why = _dispatch_hazard(h, ws, offset)
-        if why:
-            return no(f"hazard at {h['addr']:#x}: {why}")
-    ok, line = supports_waiver(p, frozenset(ws.get("features", ())))
+        whys = [_dispatch_hazard(h, w, offset) for w in builds]
+        if all(whys):
+            return no(f"hazard at {h['addr']:#x}: {whys[0]}")
+        w = builds[whys.index(None)]
+        if w not in used:
+            used.append(w)
+    # the control must share no feature the kernel builds that ran lack
+    features = frozenset.intersection(*(frozenset(w.get("features", ())) for w in used))
+    ok, line = supports_waiver(p, features)
     r["probe"] = line
     if not ok:
         return no(line)
     n = len(errs)
+    spans = ", ".join(f"[{w['lo']:#x}, {w['hi']:#x})" for w in used)
     r["waived"] = n
     r["waiver"] = (f"racecheck: {n} hazard{'' if n == 1 else 's'} waived: warp-specialize dispatch bytes "
-                   f"[{ws['lo']:#x}, {ws['hi']:#x}), ordered by barrier.sync 1 ({WAIVER_NOTE}); {line}")
+                   f"{spans}, ordered by barrier.sync 1 ({WAIVER_NOTE}); {line}")
     r["ok"] = True
     r.pop("error", None)
     return r

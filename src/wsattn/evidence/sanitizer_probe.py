@@ -294,6 +294,8 @@ def mode_result(arg: str, text: str, rc, stdout: str) -> dict:
     return {"returncode": rc, "stdout": stdout, "hazards": r.get("hazards"),
             "race_errors": r.get("race_errors"), "warnings": r.get("warnings"),
             "kinds": sorted({h["kind"] for h in found}),
+            # racecheck counts each "Race reported" summary line as a hazard too
+            "race_reports": len(r.get("races", [])),
             # each hazard's address and the warps on either side, for the offset and the
             # check that a variant's hazards are on its own dispatch bytes
             "at": [{"addr": h["addr"], "kind": h["kind"], "level": h["level"],
@@ -325,7 +327,9 @@ def shared_offset(probe: dict | None) -> int | None:
 def _on_state(x: dict, offset: int | None) -> bool:
     """Every hazard of variant ``x`` is a RAW Error on the probe's dispatch bytes, read by the
     worker warp whose byte it is and written by a default warp."""
-    if offset is None or not x.get("at") or len(x["at"]) != x.get("hazards"):
+    # every hazard racecheck counted must be read: the hazards plus its race-report lines
+    if offset is None or not x.get("at") or "race_reports" not in x \
+            or len(x["at"]) + x["race_reports"] != x.get("hazards"):
         return False
     for h in x["at"]:
         byte = h["addr"] - offset

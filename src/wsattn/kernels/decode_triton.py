@@ -322,6 +322,11 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
                                     page_size=page_size if paged else 0)
     elif num_splits:
         settings = replace(settings, num_splits=num_splits)
+    # a split past the cache's last key tile would be empty: the same result (an empty part
+    # leaves the merge bit-identical), fewer programs and fewer kernel builds
+    tiles = max(1, cdiv(capacity, settings.BLOCK_N))
+    if settings.num_splits > tiles:
+        settings = replace(settings, num_splits=tiles)
     splits = settings.num_splits
 
     out = empty((B, T, HQ, D), q.dtype, q.device)

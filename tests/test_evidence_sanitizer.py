@@ -34,7 +34,10 @@ MEMCHECK_OOB = """\
 ========= ERROR SUMMARY: 1 error
 """
 
-# --racecheck-report all: each hazard, then the analysis lines, then the summary
+# --racecheck-report all: each hazard, then the analysis lines, then the summary. As on the
+# H200 (tests/data/racecheck_gluon_h200.log): the race report names the Read access first and
+# one "and Write access" line per write site, and racecheck counts the report line as an
+# error too, so 1 hazard + 1 race report = "2 hazards displayed (2 errors, ...)".
 RACECHECK_RAW = """\
 ========= COMPUTE-SANITIZER
 ========= Error: Potential RAW hazard detected at __shared__ 0x3815d in block (0,0,0) :
@@ -44,10 +47,10 @@ RACECHECK_RAW = """\
 =========     Saved host backtrace up to driver entry point at kernel launch time
 =========         Host Frame: launch [0x16a3] in __triton_launcher.cpython-311-x86_64-linux-gnu.so
 =========
-========= Error: Race reported between Write access at attn_fwd_kernel+0xf3e0 in prefill_gluon_parts.py:615
-=========     and Read access at attn_fwd_kernel+0x180 in prefill_gluon_parts.py:615 [2 hazards]
+========= Error: Race reported between Read access at attn_fwd_kernel+0x180 in prefill_gluon_parts.py:615
+=========     and Write access at attn_fwd_kernel+0xf3e0 in prefill_gluon_parts.py:615 [1 hazards]
 =========
-========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)
 """
 
 RACECHECK_CLEAN = """\
@@ -94,13 +97,16 @@ def test_memcheck_error_names_the_tool_and_quotes_the_first_lines():
 
 def test_racecheck_hazard_fails_with_addresses_threads_and_value():
     r = sanitizer.parse("racecheck", RACECHECK_RAW, sanitizer.ERROR_EXITCODE)
-    assert not r["ok"] and r["errors"] == 1 and r["hazards"] == 1
+    # racecheck's counts: the hazard and its race-report line
+    assert not r["ok"] and r["errors"] == 2 and r["hazards"] == 2
+    assert len(r["findings"]) == 1 and r["races"] == [
+        {"level": "Error", "accesses": [("Read", "attn_fwd_kernel+0x180"), ("Write", "attn_fwd_kernel+0xf3e0")]}]
     assert r["first"] == [
         "Error: Potential RAW hazard detected at __shared__ 0x3815d in block (0,0,0) :",
         "Write Thread (31,0,0) at attn_fwd_kernel+0xf3e0 in prefill_gluon_parts.py:615",
         "Read Thread (288,0,0) at attn_fwd_kernel+0x180 in prefill_gluon_parts.py:615",
         "Current Value : 2"]
-    assert r["error"].startswith("racecheck: 1 error, 1 hazards (1 errors, 0 warnings): Error: Potential RAW")
+    assert r["error"].startswith("racecheck: 2 errors, 2 hazards (2 errors, 0 warnings): Error: Potential RAW")
 
 
 def test_racecheck_warnings_alone_do_not_fail():
@@ -172,10 +178,10 @@ def test_a_hazard_stops_the_climb_before_profile(monkeypatch):
         "shapes": ["M17 fp16"], "dtype": "fp16", "error": bad["error"], "failed_tools": ["racecheck"]})
     r = ladder.climb(demo.matmul_ws_4w(), "sm_90", ladder.Config())
     assert r.highest_gate == 5 and r.gates[-1].status == "FAIL"
-    assert "FAILS sanitizer: racecheck: 1 error" in r.verdict and "__shared__ 0x3815d" in r.verdict
+    assert "FAILS sanitizer: racecheck: 2 errors" in r.verdict and "__shared__ 0x3815d" in r.verdict
     assert "faster" not in r.verdict
     text = report.to_markdown([r], os.devnull)
-    assert "  - racecheck: 1 errors, 1 hazards (1 errors, 0 warnings)" in text
+    assert "  - racecheck: 2 errors, 2 hazards (2 errors, 0 warnings)" in text
     assert "  - memcheck: 0 errors" in text
 
 
@@ -298,10 +304,19 @@ def _race(log, probe=SUPPORTING, ws=WS, child_ok=True):
 def test_dispatch_bytes_and_codes_from_the_kernel():
     assert (WS["lo"], WS["hi"], WS["read_base"], WS["workers"]) == (0x38158, 0x38160, 0x38154, 8)
     assert WS["values"][str(0x3815d)] == [2, 4] and WS["values"][str(0x3815e)] == [1, 4]
-    # a store from a register, or a read the PTX does not have: no dispatch bytes, no waiver
+    # bytes found from the worker's read, not from the end of shared memory: padding after
+    # them (the D=64 build keeps 36 bytes) leaves them where the read says
+    padded = sanitizer.dispatch_bytes(WS_PTX, 229728 + 36, 12, 4)
+    assert (padded["lo"], padded["hi"], padded["values"]) == (WS["lo"], WS["hi"], WS["values"])
+    # a store from a register, no worker read, a read whose bytes would run past the end of
+    # shared memory, two reads, or no worker warps: no dispatch bytes, no waiver
     assert "error" in sanitizer.dispatch_bytes(WS_PTX.replace("{0, 50397698}", "{%r1, %r2}"), 229728, 12, 4)
-    assert "error" in sanitizer.dispatch_bytes(WS_PTX, 229732, 12, 4)
+    assert "error" in sanitizer.dispatch_bytes(WS_PTX.replace("ld.shared.b8", "ld.shared.b16"), 229728, 12, 4)
+    assert "error" in sanitizer.dispatch_bytes(WS_PTX, 229727, 12, 4)
+    assert "error" in sanitizer.dispatch_bytes(WS_PTX + "\tld.shared.b8 \t%r7, [%r8+229700];\n", 229728, 12, 4)
     assert "error" in sanitizer.dispatch_bytes(WS_PTX, 229728, 4, 4)
+    # the read names the bytes: a store that does not line up with them is refused
+    assert "error" in sanitizer.dispatch_bytes(WS_PTX.replace("+229716]", "+229712]"), 229728, 12, 4)
 
 
 def test_dispatch_hazard_with_a_supporting_probe_is_waived_and_said_so():
@@ -310,14 +325,14 @@ def test_dispatch_hazard_with_a_supporting_probe_is_waived_and_said_so():
     assert r["waiver"].startswith("racecheck: 1 hazard waived: warp-specialize dispatch bytes "
                                   "[0x38158, 0x38160), ordered by barrier.sync 1 (notes/sanitizer.md); "
                                   "probe: bar0 0 hazard(s), bar1 1 hazard(s) RAW")
-    assert r["errors"] == 1 and r["hazards"] == 1  # the counts stay what racecheck said
+    assert r["errors"] == 2 and r["hazards"] == 2  # the counts stay what racecheck said
 
 
 def test_same_hazard_without_a_supporting_probe_fails():
     for probe in (_probe(bar1=0), _probe(bar0=1), _probe(ran=False), _probe(kinds1=("WAR",)),
                   {"error": "nvcc not found"}, None):
         r = _race(RACECHECK_RAW, probe)
-        assert not r["ok"] and "waived" not in r and "racecheck: 1 error" in r["error"], probe
+        assert not r["ok"] and "waived" not in r and "racecheck: 2 errors" in r["error"], probe
         assert r["not_waived"].startswith("probe:"), r["not_waived"]
 
 
@@ -344,23 +359,63 @@ def test_war_waw_or_other_values_fail():
 def test_no_waiver_off_a_warp_specialize_kernel_or_with_anything_else_in_the_log():
     assert not _race(RACECHECK_RAW, ws=None)["ok"]
     assert not _race(RACECHECK_RAW, child_ok=False)["ok"]
-    # a second hazard elsewhere, or a summary counting more than the log shows
+    # a second hazard elsewhere (with its own race report, as racecheck prints it), or a
+    # summary counting more than the log shows
     two = RACECHECK_RAW.replace("========= Error: Race reported", """\
 ========= Error: Potential RAW hazard detected at __shared__ 0x100 in block (0,0,0) :
 =========     Write Thread (0,0,0) at attn_fwd_kernel+0x900 in prefill_gluon_parts.py:300
 =========     Read Thread (300,0,0) at attn_fwd_kernel+0x980 in prefill_gluon_parts.py:310
 =========     Current Value : 0
 =========
-========= Error: Race reported""").replace("1 hazard displayed (1 error", "2 hazards displayed (2 errors")
+========= Error: Race reported""").replace("2 hazards displayed (2 errors", "4 hazards displayed (4 errors")
+    two = two.replace("========= RACECHECK SUMMARY", """\
+========= Error: Race reported between Read access at attn_fwd_kernel+0x980 in prefill_gluon_parts.py:310
+=========     and Write access at attn_fwd_kernel+0x900 in prefill_gluon_parts.py:300 [1 hazards]
+=========
+========= RACECHECK SUMMARY""")
+    assert sanitizer.parse("racecheck", two, 86)["errors"] == 4
     r = _race(two)
     assert not r["ok"] and "0x100" in r["not_waived"]
-    assert not _race(RACECHECK_RAW.replace("(1 error, 0 warnings)", "(3 errors, 0 warnings)"))["ok"]
-    # a race report between other code offsets
-    assert not _race(RACECHECK_RAW.replace("and Read access at attn_fwd_kernel+0x180",
-                                           "and Read access at attn_fwd_kernel+0x200"))["ok"]
+    r = _race(RACECHECK_RAW.replace("(2 errors, 0 warnings)", "(3 errors, 0 warnings)"))
+    assert not r["ok"] and "read from the log for 3 racecheck errors" in r["not_waived"]
+    # the old miscount (the race report line not counted) does not add up either
+    r = _race(RACECHECK_RAW.replace("2 hazards displayed (2 errors", "1 hazard displayed (1 error"))
+    assert not r["ok"] and "read from the log for 1 racecheck errors" in r["not_waived"]
+    # a race report between other code offsets: its read, or one of its writes
+    r = _race(RACECHECK_RAW.replace("Race reported between Read access at attn_fwd_kernel+0x180",
+                                    "Race reported between Read access at attn_fwd_kernel+0x200"))
+    assert not r["ok"] and "race report" in r["not_waived"]
+    r = _race(RACECHECK_RAW.replace("[1 hazards]\n", "[1 hazards]\n=========     and Write access at "
+                                    "attn_fwd_kernel+0x1bdf0 in prefill_gluon_parts.py:615 [1 hazards]\n"))
+    assert not r["ok"] and "attn_fwd_kernel+0x1bdf0" in r["not_waived"]
     # other tools are never waived
     r = sanitizer.parse("memcheck", MEMCHECK_OOB, sanitizer.ERROR_EXITCODE)
     assert not sanitizer.waive(r, WS, lambda: SUPPORTING)["ok"]
+
+
+# the first write and the exit write of the dispatch both racing one worker read, in one race
+# report with two "and Write access" lines (the H200 log's shape)
+RACECHECK_TWO_WRITES = RACECHECK_RAW.replace("========= Error: Race reported", """\
+========= Error: Potential RAW hazard detected at __shared__ 0x3815e in block (1,0,0) :
+=========     Write Thread (127,0,0) at attn_fwd_kernel+0x1bdf0 in prefill_gluon_parts.py:640
+=========     Read Thread (320,0,0) at attn_fwd_kernel+0x180 in prefill_gluon_parts.py:615
+=========     Current Value : 4
+=========
+========= Error: Race reported""").replace("[1 hazards]\n", """[1 hazards]
+=========     and Write access at attn_fwd_kernel+0x1bdf0 in prefill_gluon_parts.py:640 [1 hazards]
+""").replace("2 hazards displayed (2 errors", "3 hazards displayed (3 errors")
+
+
+def test_a_race_report_with_several_write_sites_pairs_each_with_a_hazard():
+    r = sanitizer.parse("racecheck", RACECHECK_TWO_WRITES, 86)
+    assert r["errors"] == 3 and len(r["findings"]) == 2 and len(r["races"]) == 1
+    assert [a[0] for a in r["races"][0]["accesses"]] == ["Read", "Write", "Write"]
+    r = _race(RACECHECK_TWO_WRITES)
+    assert r["ok"] and r["waived"] == 2 and r["waiver"].startswith("racecheck: 2 hazards waived")
+    # one of the two writes with no hazard of its own pair: not waived
+    r = _race(RACECHECK_TWO_WRITES.replace("and Write access at attn_fwd_kernel+0x1bdf0",
+                                           "and Write access at attn_fwd_kernel+0x1be00"))
+    assert not r["ok"] and "attn_fwd_kernel+0x1be00" in r["not_waived"]
 
 
 def test_the_probe_runs_only_when_a_hazard_could_be_waived():
@@ -405,10 +460,14 @@ def test_run_sanitizer_waives_through_the_wrapped_child(tmp_path, monkeypatch):
 from wsattn.evidence import sanitizer_probe  # noqa: E402
 
 
-def _mode(n, at=(), ran=True, name="0"):
+def _mode(at=(), races=None, ran=True, name="0"):
+    """A probe variant as mode_result records it: racecheck's hazard count is the hazards
+    read (``at``) plus its race-report lines (one per racing read site; 1 unless given)."""
+    races = (1 if at else 0) if races is None else races
+    n = len(at) + races
     return {"returncode": 86 if n else 0, "hazards": n, "race_errors": n, "warnings": 0,
-            "kinds": sorted({h["kind"] for h in at}) if at else (["RAW"] if n else []), "ran": ran,
-            "stdout": f"mode {name}: no error", "at": list(at)}
+            "kinds": sorted({h["kind"] for h in at}), "ran": ran,
+            "stdout": f"mode {name}: no error", "at": list(at), "race_reports": races}
 
 
 def _at(byte, off=0x400, kind="RAW", read=None):
@@ -418,10 +477,10 @@ def _at(byte, off=0x400, kind="RAW", read=None):
 
 def _probe_v(**hazardous):
     """bar0 clean, none racing on all 8 bytes at +0x400, the named variants with one RAW each."""
-    modes = {k: _mode(0) for k in sanitizer_probe.VARIANTS}
-    modes["none"] = _mode(8, [_at(b) for b in range(8)])
+    modes = {k: _mode() for k in sanitizer_probe.VARIANTS}
+    modes["none"] = _mode([_at(b) for b in range(8)])
     for k, at in hazardous.items():
-        modes[k.replace("__", "+")] = _mode(len(at), at)
+        modes[k.replace("__", "+")] = _mode(at)
     return {"modes": modes}
 
 
@@ -445,7 +504,15 @@ def test_a_variant_supports_only_with_features_the_kernel_has_and_on_its_own_byt
     assert not sw(_probe_v(ws=[_at(5, read=6)]))[0]
     assert not sw(_probe_v(ws=[_at(5, kind="WAR")]))[0]
     p = _probe_v(ws=[_at(5)])
-    p["modes"]["bar0"] = _mode(1, [_at(5)])
+    p["modes"]["bar0"] = _mode([_at(5)])
+    assert not sw(p)[0]
+    # every hazard racecheck counted must be read: a count the hazards and race reports do
+    # not add up to, or a record without its race-report count, is no support
+    p = _probe_v(ws=[_at(5)])
+    p["modes"]["ws"]["hazards"] += 1
+    assert not sw(p)[0]
+    p = _probe_v(ws=[_at(5)])
+    del p["modes"]["ws"]["race_reports"]
     assert not sw(p)[0]
 
 
@@ -473,7 +540,7 @@ def test_the_waiver_uses_the_measured_offset():
 
 def test_probe_mode_result_reads_a_racecheck_log():
     x = sanitizer_probe.mode_result("ws+brx", RACECHECK_RAW, 86, "mode ws+brx: no error; state at shared 0x400;")
-    assert x["ran"] and x["hazards"] == 1 and x["features"] == ["brx"]
+    assert x["ran"] and x["hazards"] == 2 and x["race_reports"] == 1 and x["features"] == ["brx"]
     assert x["at"] == [{"addr": 0x3815d, "kind": "RAW", "level": "Error", "read_warps": [9], "write_warps": [0]}]
 
 
@@ -501,3 +568,103 @@ def test_probe_source_has_every_variant_and_compiles_for_sm_90a(tmp_path):
         assert ("bar.sync 2, 128" in body) == ("bar2_128" in feats), name
         assert ("brx.idx" in body) == ("brx" in feats), name
         assert body.count("st.shared.v2.b32") == 2 and "barrier.sync 1" in body, name
+
+
+# --------------------------------------------------------------------------- real data from the H200
+
+DATA = Path(__file__).resolve().parent / "data"
+# the simple controls run with their MODES index as the program's argument
+_PROBE_ARGS = {m: str(i) for i, m in enumerate(sanitizer_probe.MODES)}
+
+
+def _h200_probe(clean=()):
+    """The H200 probe result built from its racecheck logs (tests/data/probe_h200, host
+    backtrace frames trimmed) through mode_result; the variants in ``clean`` read the
+    clean ``ws`` log instead of their own."""
+    import json
+    runs = json.loads((DATA / "probe_h200" / "runs.json").read_text())
+    modes = {}
+    for mode, run in runs.items():
+        log = DATA / "probe_h200" / f"racecheck_{'ws' if mode in clean else mode}.log"
+        arg = _PROBE_ARGS.get(mode, mode)
+        stdout = run["stdout"].replace("mode ws:", f"mode {arg}:") if mode in clean else run["stdout"]
+        modes[mode] = sanitizer_probe.mode_result(arg, log.read_text(), run["returncode"], stdout)
+    return {"modes": modes}
+
+
+@pytest.fixture(scope="module")
+def gluon_builds():
+    """dispatch_bytes of the Gluon prefill builds the sanitizer shapes run on sm_90
+    (D=128 and D=64, bf16, non-causal), compiled here on the CPU."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from wsattn.kernels import prefill_gluon as pg
+    out = {}
+    for d in (128, 64):
+        spec = pg.compile_spec(90, d, "bf16", False)
+        k = triton.compile(GluonASTSource(spec["fn"], spec["signature"], spec["constexprs"]),
+                           target=GPUTarget("cuda", 90, 32), options=spec["options"])
+        out[d] = sanitizer.dispatch_bytes(k.asm["ptx"], k.metadata.shared, k.metadata.num_warps, 4)
+        assert "error" not in out[d], (d, out[d])
+    return out
+
+
+def _h200_race():
+    r = sanitizer.parse("racecheck", (DATA / "racecheck_gluon_h200.log").read_text(), sanitizer.ERROR_EXITCODE)
+    r["child_ok"] = True
+    return r
+
+
+def test_h200_racecheck_log_parses_to_50_hazards_and_2_race_reports():
+    r = _h200_race()
+    assert not r["ok"] and r["errors"] == 52 and (r["hazards"], r["race_errors"], r["warnings"]) == (52, 52, 0)
+    assert len(r["findings"]) == 50 and len(r["races"]) == 2
+    assert all(h["level"] == "Error" and h["kind"] == "RAW" for h in r["findings"])
+    # one read site and several write sites per report (2 and 4 of them)
+    assert [[a[0] for a in x["accesses"]] for x in r["races"]] == [
+        ["Read", "Write", "Write"], ["Read", "Write", "Write", "Write", "Write"]]
+
+
+def test_h200_probe_logs_give_the_offset_and_support_for_every_kernel_feature():
+    p = _h200_probe()
+    assert sanitizer_probe.shared_offset(p) == 0x400
+    m = p["modes"]
+    assert [k for k in sanitizer_probe.VARIANTS if m[k]["hazards"]] == ["none", "ws+bar0_128", "ws_all"]
+    assert (m["ws+bar0_128"]["hazards"], m["ws+bar0_128"]["race_reports"], len(m["ws+bar0_128"]["at"])) == (21, 2, 19)
+    ok, line = sanitizer_probe.supports_waiver(p, frozenset(sanitizer_probe.FEATURES))
+    assert ok and "(ws+bar0_128, ws_all)" in line, line
+
+
+def test_h200_gluon_report_is_waived_with_both_builds_and_the_h200_probe(gluon_builds):
+    assert (gluon_builds[128]["lo"], gluon_builds[128]["hi"]) == (0x38158, 0x38160)
+    # D=64: the bytes sit before padding, not at the end of shared memory
+    assert (gluon_builds[64]["lo"], gluon_builds[64]["hi"]) == (0x26178, 0x26184)
+    r = sanitizer.waive(_h200_race(), [gluon_builds[128], gluon_builds[64]], _h200_probe())
+    assert r["ok"] and r["waived"] == 50 and "error" not in r, r.get("not_waived")
+    assert r["waiver"].startswith("racecheck: 50 hazards waived: warp-specialize dispatch bytes "
+                                  "[0x38158, 0x38160), [0x26178, 0x26184), ordered by barrier.sync 1")
+    assert "racecheck shared offset 0x400" in r["waiver"] and "(ws+bar0_128, ws_all)" in r["waiver"]
+    assert r["errors"] == 52  # the counts stay what racecheck said
+
+
+def test_h200_gluon_report_fails_with_the_d128_build_alone(gluon_builds):
+    r = sanitizer.waive(_h200_race(), [gluon_builds[128]], _h200_probe())
+    assert not r["ok"] and "waived" not in r
+    assert "outside the dispatch bytes [0x38558, 0x38560) (kernel offsets + 0x400)" in r["not_waived"], r["not_waived"]
+    # the address named is one of the D=64 build's bytes (+ the offset)
+    addr = int(r["not_waived"].split("hazard at ")[1].split(":")[0], 16)
+    assert 0x26178 + 0x400 <= addr < 0x26184 + 0x400
+
+
+def test_h200_gluon_report_fails_without_the_probe_variants_that_flag_it(gluon_builds):
+    builds = [gluon_builds[128], gluon_builds[64]]
+    p = _h200_probe(clean=("ws+bar0_128", "ws_all"))
+    assert p["modes"]["ws_all"]["ran"] and p["modes"]["ws_all"]["hazards"] == 0
+    r = sanitizer.waive(_h200_race(), builds, p)
+    assert not r["ok"] and "waived" not in r
+    assert r["not_waived"].startswith("probe:") and "nothing waived" in r["not_waived"], r["not_waived"]
+    # only one of them gone: the other still supports it
+    assert sanitizer.waive(_h200_race(), builds, _h200_probe(clean=("ws+bar0_128",)))["ok"]

@@ -385,8 +385,10 @@ def supports_waiver(probe: dict | None, features=frozenset()) -> tuple[bool, str
 
     who = [k for k in VARIANTS if k not in ("bar0", "none") and supports(k)]
     if who:
-        return True, line + (f"; racecheck flags the barrier.sync 1 handoff ({', '.join(who)}) and not "
-                             "bar.sync 0: false positive on this machine")
+        feats = sorted(frozenset.intersection(*(frozenset(variant_features(k)) for k in who)))
+        return True, line + (f"; racecheck flags the barrier.sync 1 handoff, which it orders alone, once "
+                             f"the control has {'+'.join(feats) or 'no extra feature'} "
+                             f"({', '.join(who)}): a false positive on this machine")
     return False, line + "; does not show a barrier-1 false positive: nothing waived"
 
 

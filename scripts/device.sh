@@ -39,6 +39,11 @@
 # minutes, so e.g. "tests host bench" is one call and "ladder" another. Nsight Compute
 # reads the hardware counters on the Firecracker kinds (nvidia-h200-x2 and larger), not on
 # the single-GPU kind; it runs with --clock-control none (clocks as in the benchmarks).
+#
+# Beside it, two A/B tools for kernel work (same environment, run by hand):
+#   scripts/device_gluon.py         Gluon prefill settings variants: numerics, stress, timing
+#                                   side by side with cuDNN and the Triton kernel
+#   scripts/device_prefill_sweep.py the Triton prefill's launch-settings sweep
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

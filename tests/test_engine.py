@@ -3,6 +3,8 @@ input, and the `wsattn generate` command line (CPU, fp32, tiny random models).""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,15 @@ from wsattn.models.config import ModelConfig
 TINY = dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, intermediate_size=256, vocab_size=256,
             max_position_embeddings=512)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: one intra-op thread is 10-50x faster than oversubscribing 2 cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _cfg(**over):
@@ -104,3 +115,249 @@ def test_release_unknown_or_repeated():
     cache.release([a])
     with pytest.raises(ValueError, match="not an admitted sequence"):
         cache.release([a])
+
+
+# --------------------------------------------------------------------------- generate
+
+N_NEW = 32
+PROMPT_LENS = (11, 5)
+
+
+def _hf_model(family, tie=False):
+    import transformers
+
+    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2}[family])
+    common = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, intermediate_size=256, vocab_size=256,
+                  max_position_embeddings=256, tie_word_embeddings=tie)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    else:
+        cfg, cls = transformers.Qwen3Config(**common, head_dim=64), transformers.Qwen3ForCausalLM
+    cfg._attn_implementation = "sdpa"
+    model = cls(cfg).eval()
+    with torch.no_grad():  # random norm weights, so a fold that dropped them would show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _prompts(seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g) for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module", params=["llama", "llama-tied", "qwen2", "qwen3"])
+def family(request, tmp_path_factory):
+    """(model object, saved folder, transformers' greedy tokens and logits per prompt)."""
+    name = request.param.split("-")[0]
+    model = _hf_model(name, tie=request.param.endswith("tied"))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    hf = []
+    with torch.no_grad():
+        for p in _prompts():
+            out = model.generate(p[None], max_new_tokens=N_NEW, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0, eos_token_id=None)
+            hf.append((out.sequences[0], torch.stack(out.logits, 1)[0]))
+    return model, str(path), hf
+
+
+@pytest.mark.parametrize("source", ["folder", "object"])
+def test_greedy_matches_transformers(family, source):
+    """Batch 2 of different prompt lengths: the tokens of transformers' greedy generate,
+    and the logits of every step within fp32 tolerance."""
+    from wsattn.engine.generate import generate
+    from wsattn.testing import rel_err
+
+    model, path, hf = family
+    tokens, logits = generate(model if source == "object" else path, _prompts(), N_NEW,
+                              return_logits=True, device="cpu", dtype=torch.float32)
+    assert logits.shape == (2, N_NEW, 256) and logits.dtype == torch.float32
+    for b, (hf_tokens, hf_logits) in enumerate(hf):
+        assert torch.equal(tokens[b], hf_tokens), f"sequence {b}"
+        for i in range(N_NEW):
+            err = rel_err(logits[b, i], hf_logits[i])
+            assert err < 1e-4, f"sequence {b}, step {i}: logits rel err {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from wsattn.engine.generate import Engine
+
+    path = tmp_path_factory.mktemp("engine-llama")
+    _hf_model("llama").save_pretrained(path)
+    return Engine(str(path), device="cpu", num_pages=16, page_size=8, buckets=(1, 2, 4))
+
+
+def test_chunked_prefill_matches_whole(engine):
+    """Prompts longer than prefill_chunk (several chunks, the last one partial) give the
+    same tokens and logits as one prefill call."""
+    whole_t, whole_l = engine.run(_prompts(), 6, return_logits=True)
+    engine.prefill_chunk = 4
+    try:
+        part_t, part_l = engine.run(_prompts(), 6, return_logits=True)
+    finally:
+        engine.prefill_chunk = 512
+    assert all(torch.equal(a, b) for a, b in zip(whole_t, part_t))
+    assert torch.allclose(whole_l, part_l, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_input_and_zero_new_tokens(engine):
+    ids = torch.stack([_prompts()[0][:5], _prompts()[1]])
+    out = engine.run(ids, 3)
+    assert out.shape == (2, 8) and torch.equal(out[:, :5], ids)
+    out, logits = engine.run(ids, 0, return_logits=True)
+    assert torch.equal(out, ids) and logits.shape == (2, 0, 256)
+    assert engine.cache.live == [] and engine.cache.free_pages == 16
+
+
+def test_eos_stops_like_transformers(engine):
+    """A sequence that emits eos is padded with eos after it; generation stops when all
+    sequences are done (transformers' behaviour with pad = eos)."""
+    free = engine.run(_prompts(), 12)
+    eos = int(free[0][PROMPT_LENS[0] + 3])        # sequence 0's 4th new token
+    out = engine.run(_prompts(), 12, eos_token_id=eos)
+    for b, (f, o) in enumerate(zip(free, out)):
+        gen = f[PROMPT_LENS[b]:]
+        hits = (gen == eos).nonzero()
+        stop = int(hits[0]) + 1 if len(hits) else len(gen)
+        assert torch.equal(o[PROMPT_LENS[b]:PROMPT_LENS[b] + stop], gen[:stop])
+        assert torch.all(o[PROMPT_LENS[b] + stop:] == eos)
+    assert len(out[0]) - PROMPT_LENS[0] <= 12
+
+
+def test_sampling_seeded(engine):
+    kw = dict(temperature=1.5, top_k=50, top_p=0.95)
+    a = engine.run(_prompts(), 16, seed=1, **kw)
+    b = engine.run(_prompts(), 16, seed=1, **kw)
+    c = engine.run(_prompts(), 16, seed=2, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+    greedy = engine.run(_prompts(), 16)
+    top1 = engine.run(_prompts(), 16, temperature=1.0, top_k=1, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(greedy, top1))
+
+
+def test_sample_filters():
+    from wsattn.engine.generate import sample
+
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]]).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample(logits, 0.0), torch.ones(2000, dtype=torch.int64))
+    assert set(sample(logits, 1.0, top_k=2, generator=g).tolist()) == {1, 2}
+    # p(1) ~ 0.47, p(2) ~ 0.43: top_p 0.5 keeps both, 0.4 keeps only the first
+    assert set(sample(logits, 1.0, top_p=0.5, generator=g).tolist()) == {1, 2}
+    assert set(sample(logits, 1.0, top_p=0.4, generator=g).tolist()) == {1}
+    assert set(sample(logits, 1.0, generator=g).tolist()) == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda e: e.run([torch.tensor([1, 256])], 4), r"input_ids\[0\] holds token id 256"),
+    (lambda e: e.run([torch.tensor([3]), torch.tensor([-1, 2])], 4), r"input_ids\[1\] holds token id -1"),
+    (lambda e: e.run([torch.tensor([3]), torch.tensor([], dtype=torch.int64)], 4), "empty prompt"),
+    (lambda e: e.run(torch.zeros(2, 0, dtype=torch.int64), 4), "empty prompt"),
+    (lambda e: e.run([[1.0, 2.0]], 4), "integer token ids"),
+    (lambda e: e.run([[1, 2]], -1), "max_new_tokens must be an int >= 0"),
+    (lambda e: e.run([[1, 2]] * 5, 4), "above the largest batch bucket"),
+    (lambda e: e.run([[1] * 250], 7), "past the 256 positions"),
+    (lambda e: e.run([[1] * 60, [2] * 60, [3] * 20], 10), "not enough free KV pages"),
+    (lambda e: e.run([[1, 2]], 4, temperature=-1.0), "temperature"),
+    (lambda e: e.run([[1, 2]], 4, top_k=0), "top_k"),
+    (lambda e: e.run([[1, 2]], 4, top_p=1.5), "top_p"),
+    (lambda e: e.run([[1, 2]], 4, eos_token_id=999), "eos_token_id"),
+], ids=["id-too-big", "id-negative", "empty-prompt", "empty-tensor", "float-ids",
+        "negative-new", "batch", "max-positions", "pages", "temperature", "top-k", "top-p",
+        "eos"])
+def test_bad_input_raises_before_any_work(engine, monkeypatch, call, match):
+    """Each bad request raises ValueError naming the argument before any step runs, and
+    leaves the cache unwritten and every page free."""
+    def no_work(*a, **k):
+        raise AssertionError("a step ran on bad input")
+
+    monkeypatch.setattr(engine.step, "prefill", no_work)
+    monkeypatch.setattr(engine.step, "decode", no_work)
+    before = engine.cache.k.clone(), engine.cache.v.clone()
+    with pytest.raises(ValueError, match=match):
+        call(engine)
+    assert engine.cache.live == [] and engine.cache.free_pages == 16
+    assert torch.equal(engine.cache.k, before[0]) and torch.equal(engine.cache.v, before[1])
+
+
+def test_pages_released_when_a_step_raises(engine, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(engine.step, "decode", broken)
+    with pytest.raises(RuntimeError, match="step failed"):
+        engine.run(_prompts(), 4)
+    assert engine.cache.live == [] and engine.cache.free_pages == 16
+
+
+def test_generate_checks_before_loading(tmp_path):
+    """Arguments that need no model are refused before the checkpoint is opened."""
+    from wsattn.engine.generate import generate
+
+    missing = str(tmp_path / "nothing-here")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(missing, [[1]], -2)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        generate(missing, [[1]], 2, impl="fast")
+    with pytest.raises(ValueError, match="not a folder with a config.json"):
+        generate(missing, [[1]], 2)
+
+
+def test_kernels_step_not_built_yet(engine):
+    """step='kernels' says the GPU runner is missing instead of running something else."""
+    from wsattn.engine.generate import Engine, generate
+
+    with pytest.raises(ValueError, match="not built yet"):
+        Engine("unused-path", step="kernels")
+    with pytest.raises(ValueError, match="not built yet"):
+        generate("unused-path", [[1]], 2, impl="kernels")
+
+
+def test_top_level_generate_is_lazy(engine):
+    import subprocess
+    import sys
+
+    code = ("import sys, wsattn; assert 'wsattn.engine.generate' not in sys.modules; "
+            "assert 'generate' in wsattn.__all__ and callable(wsattn.generate)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------- CLI
+
+def test_cli_generate(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    _hf_model("qwen2").save_pretrained(tmp_path / "m")
+    out_json = tmp_path / "row.json"
+    cmd = [sys.executable, "-m", "wsattn.cli", "generate", "--model", str(tmp_path / "m"),
+           "--batch", "2", "--prompt-len", "9", "--new-tokens", "5", "--device", "cpu",
+           "--seed", "3", "--json", str(out_json)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "ms/token" in res.stdout and "tokens/s" in res.stdout
+    row = json.loads(out_json.read_text())
+    assert row["batch"] == 2 and row["decode_steps"] == 4 and row["family"] == "qwen2"
+    assert row["prefill_ms"] > 0 and row["decode_ms_per_token"] > 0 and row["step"] == "reference"
+
+
+
+def test_cli_not_a_model_folder(tmp_path, capsys):
+    from wsattn.cli import main
+
+    code = main(["generate", "--model", str(tmp_path), "--batch", "1", "--prompt-len", "4",
+                 "--new-tokens", "2", "--device", "cpu"])
+    assert code == 2 and "is not a model folder" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS = (
     "wsattn.bench.cli",      # wsattn bench
     "wsattn.evidence.cli",   # wsattn ladder, wsattn targets
+    "wsattn.engine.cli",     # wsattn generate
 )
 
 

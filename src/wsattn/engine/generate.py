@@ -1,0 +1,508 @@
+"""Text generation over a paged KV cache: :class:`Engine` and :func:`generate`.
+
+An :class:`Engine` holds a model's FlashNorm-folded weights
+(:func:`wsattn.models.weights.load` then :func:`wsattn.models.flashnorm.fold`), a
+:class:`~wsattn.engine.kv_cache.PagedKVCache` and a *step function*; one request runs as
+
+1. checks of everything the caller passed (token ids in the vocabulary, non-empty
+   prompts, ``max_new_tokens >= 0``, the batch within the largest bucket, prompt + new
+   tokens within the model's positions and the cache): a ``ValueError`` naming the
+   argument, raised before any forward runs and before the cache changes;
+2. admission: each sequence gets the pages for prompt + ``max_new_tokens`` tokens;
+3. prefill: the prompts in chunks of at most ``prefill_chunk`` tokens per sequence, all
+   sequences of the batch packed into one varlen call per chunk; the logits at each
+   prompt's last token give the first new token;
+4. decode: one call of the step function per new token, for the whole batch;
+5. sampling on the logits' device: greedy (``temperature == 0``: argmax, ties to the
+   lowest id, as transformers), or temperature / top-k / top-p with a seeded
+   ``torch.Generator`` (same seed, same tokens);
+6. release of the pages, also when a step raises.
+
+The step function (the :class:`Step` interface below) is where the forward runs:
+
+* ``step="reference"`` (today's only implementation): :mod:`wsattn.models.reference`,
+  plain PyTorch, any device and dtype; prefill and decode read and write the paged cache.
+* ``step="kernels"``: the GPU runner (fused decode kernels, one CUDA graph per batch
+  bucket, PDL; prefill through :func:`wsattn.attention_varlen`). It lives in
+  ``wsattn.engine.runner``, which is not written yet: asking for it raises a
+  ``ValueError`` saying so rather than running something else under its name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Protocol, Sequence
+
+import torch
+
+from .kv_cache import PagedKVCache
+
+__all__ = ["Engine", "Step", "generate", "sample", "BUCKETS"]
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes the GPU runner captures a graph for
+STEPS = ("reference", "kernels")
+IMPLS = ("auto",) + STEPS
+
+
+class Step(Protocol):
+    """What the engine calls to run the model; a GPU runner plugs in by providing this.
+
+    Both methods write the K/V of the tokens they are given into ``cache`` (pages and
+    block table as :class:`~wsattn.engine.kv_cache.PagedKVCache` lays them out) and return
+    float32 logits; neither touches the allocator (the engine advances lengths).
+    """
+
+    def prefill(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, start: torch.Tensor,
+                block_table: torch.Tensor) -> torch.Tensor:
+        """tokens: int64 [T], B sequences' next chunks packed; cu_seqlens: int32 [B + 1]
+        (chunk b is tokens[cu[b]:cu[b+1]], every chunk non-empty); start: int32 [B], the
+        tokens each sequence already has in the cache (the chunk's first position);
+        block_table: int32 [B, max_pages]. Returns float32 [B, vocab], the logits at
+        each chunk's last token."""
+
+    def decode(self, tokens: torch.Tensor, seqlens: torch.Tensor,
+               block_table: torch.Tensor) -> torch.Tensor:
+        """tokens: int64 [B], one new token per sequence; seqlens: int32 [B], cache length
+        *including* the new token (its position is seqlens - 1); block_table: int32
+        [B, max_pages]. Returns float32 [B, vocab]. B is at most the largest bucket; a
+        runner pads B up to its bucket itself."""
+
+
+class ReferenceStep:
+    """The step through :mod:`wsattn.models.reference` (plain PyTorch, any device/dtype),
+    computing in ``compute_dtype`` (default: float32 for 16-bit weights, else theirs).
+
+    A prefill chunk at the start of a prompt runs through ``reference.prefill``; a later
+    chunk (a prompt longer than ``prefill_chunk``) runs token by token through
+    ``reference.decode_step``, since the reference prefill starts at position 0. Same
+    function, slower: chunking is for the kernel path's memory, not the reference's.
+    """
+
+    name = "reference"
+
+    def __init__(self, cfg, weights, cache: PagedKVCache, compute_dtype=None):
+        self.cfg, self.weights, self.cache = cfg, weights, cache
+        self._ref = importlib.import_module("wsattn.models.reference")
+        if compute_dtype is None:
+            half = weights.dtype in (torch.float16, torch.bfloat16)
+            compute_dtype = torch.float32 if half else weights.dtype
+        self.compute_dtype = compute_dtype
+
+    def _kv(self, block_table):
+        return self._ref.KVCache(self.cache.k, self.cache.v, block_table)
+
+    def prefill(self, tokens, cu_seqlens, start, block_table):
+        cu, start_h = cu_seqlens.tolist(), start.tolist()
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+        B, dev = len(lens), tokens.device
+        out = [None] * B
+        fresh = [b for b in range(B) if start_h[b] == 0]
+        if fresh:
+            S = max(lens[b] for b in fresh)
+            ids = torch.zeros(len(fresh), S, dtype=torch.int64, device=dev)
+            for j, b in enumerate(fresh):
+                ids[j, :lens[b]] = tokens[cu[b]:cu[b + 1]]
+            lengths = torch.tensor([lens[b] for b in fresh], device=dev)
+            logits = self._ref.prefill(self.cfg, self.weights, ids, lengths,
+                                       self._kv(block_table[fresh]),
+                                       compute_dtype=self.compute_dtype)
+            for j, b in enumerate(fresh):
+                out[b] = logits[j]
+        later = [b for b in range(B) if start_h[b] > 0]
+        for t in range(max((lens[b] for b in later), default=0)):
+            rows = [b for b in later if t < lens[b]]
+            tok = torch.stack([tokens[cu[b] + t] for b in rows])
+            pos = torch.tensor([start_h[b] + t for b in rows], device=dev)
+            logits = self._ref.decode_step(self.cfg, self.weights, tok, pos,
+                                           self._kv(block_table[rows]),
+                                           compute_dtype=self.compute_dtype)
+            for j, b in enumerate(rows):
+                out[b] = logits[j]
+        return torch.stack(out).float()
+
+    def decode(self, tokens, seqlens, block_table):
+        return self._ref.decode_step(self.cfg, self.weights, tokens, seqlens.long() - 1,
+                                     self._kv(block_table),
+                                     compute_dtype=self.compute_dtype).float()
+
+
+def _make_step(name, cfg, weights, cache):
+    if name == "reference":
+        return ReferenceStep(cfg, weights, cache)
+    # name == "kernels"
+    try:
+        runner = importlib.import_module("wsattn.engine.runner")
+    except ModuleNotFoundError as e:
+        if e.name == "wsattn.engine.runner":
+            raise ValueError(
+                "step='kernels' needs the GPU runner (wsattn.engine.runner: fused decode "
+                "kernels, one CUDA graph per batch bucket, PDL), which is not built yet; "
+                "use step='reference'") from None
+        raise
+    return runner.KernelStep(cfg, weights, cache)
+
+
+# --------------------------------------------------------------------------- sampling
+
+def _check_sampling(temperature, top_k, top_p):
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+           top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next tokens from logits, on the logits' device (no host synchronisation).
+
+    logits: float [B, vocab]. temperature 0: argmax (lowest id on ties; top_k/top_p
+    ignored). Otherwise softmax(logits / temperature) restricted to the top_k most likely
+    tokens, then to the smallest set whose probability reaches top_p (the most likely
+    token always stays), sampled with ``generator`` (on the logits' device). Returns
+    int64 [B].
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / temperature
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        # drop a token when the ones before it already reach top_p
+        drop = (cum - sorted_scores.softmax(dim=-1)) >= top_p
+        drop[..., 0] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# --------------------------------------------------------------------------- engine
+
+def _prompts(input_ids, vocab: int) -> tuple[list[torch.Tensor], bool]:
+    """input_ids -> (list of int64 1-D CPU tensors, whether the input was one 2-D tensor)."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, S] or a list of sequences, got shape "
+                             f"{tuple(input_ids.shape)}")
+        rows, as_tensor = list(input_ids), True
+    elif isinstance(input_ids, Sequence) and not isinstance(input_ids, (str, bytes)):
+        rows, as_tensor = list(input_ids), False
+    else:
+        raise ValueError(f"input_ids must be a tensor [B, S] or a list of token sequences, got "
+                         f"{type(input_ids).__name__}")
+    if not rows:
+        raise ValueError("input_ids holds no sequences")
+    out = []
+    for i, r in enumerate(rows):
+        t = r if isinstance(r, torch.Tensor) else torch.as_tensor(r)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"input_ids[{i}] must hold integer token ids, got {t.dtype}")
+        t = t.reshape(-1).to("cpu", torch.int64)
+        if t.numel() == 0:
+            raise ValueError(f"input_ids[{i}] is an empty prompt")
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"input_ids[{i}] holds token id {lo if lo < 0 else hi}, outside the "
+                             f"vocabulary [0, {vocab})")
+        out.append(t)
+    return out, as_tensor
+
+
+class Engine:
+    """A loaded model, its paged KV cache and its step function.
+
+    Args:
+        model_or_path: a transformers ``*ForCausalLM`` object or a local checkpoint folder
+            (see :func:`wsattn.models.weights.load`).
+        dtype: weights, activations and cache dtype (default: the checkpoint's).
+        device: default ``"cuda"`` if available, else ``"cpu"``.
+        step: ``"reference"`` or ``"kernels"`` (see the module docstring; ``"kernels"``
+            raises ValueError until ``wsattn.engine.runner`` exists).
+        page_size: tokens per KV page.
+        buckets: increasing batch sizes; the largest is the most sequences per request.
+        num_pages: KV pages in the pool; None: grown to fit each request (the pool is
+            reallocated only between requests, when nothing is live).
+        max_seq_len: most tokens per sequence (prompt + new); default: the model's
+            max positions.
+        prefill_chunk: most prompt tokens per sequence in one prefill call.
+    """
+
+    def __init__(self, model_or_path, *, dtype=None, device=None, step: str = "reference",
+                 page_size: int = 16, buckets=BUCKETS, num_pages: int | None = None,
+                 max_seq_len: int | None = None, prefill_chunk: int = 512):
+        from ..models import flashnorm
+        from ..models.weights import load
+
+        if step not in STEPS:
+            raise ValueError(f"step must be one of {STEPS}, got {step!r}")
+        buckets = tuple(buckets)
+        if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                              for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"buckets must be increasing positive ints, got {buckets!r}")
+        for name, value in (("page_size", page_size), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
+            raise ValueError(f"num_pages must be None or a positive int, got {num_pages!r}")
+        if step == "kernels" and _runner_missing():  # fail before loading any weights
+            _make_step(step, None, None, None)
+        device = torch.device(device if device is not None else
+                              ("cuda" if torch.cuda.is_available() else "cpu"))
+        cfg, weights = load(model_or_path, dtype=dtype, device=device)
+        self.cfg, self.weights = cfg, flashnorm.fold(weights)
+        self.device, self.dtype = device, self.weights.dtype
+        self.step_name, self.page_size, self.buckets = step, page_size, buckets
+        self.prefill_chunk = prefill_chunk
+        self.max_seq_len = cfg.max_positions if max_seq_len is None else int(max_seq_len)
+        if not 1 <= self.max_seq_len <= cfg.max_positions:
+            raise ValueError(f"max_seq_len must be in [1, {cfg.max_positions}] (the model's "
+                             f"max positions), got {max_seq_len!r}")
+        self._fixed_pool = num_pages is not None
+        self.cache = self.step = None
+        if num_pages is not None:
+            self._new_pool(num_pages)
+
+    def _new_pool(self, num_pages):
+        self.cache = PagedKVCache(self.cfg, num_pages, self.page_size, self.dtype, self.device,
+                                  max_batch=self.buckets[-1], max_seq_len=self.max_seq_len)
+        self.step = _make_step(self.step_name, self.cfg, self.weights, self.cache)
+
+    def check(self, prompts: list[torch.Tensor], max_new_tokens: int) -> None:
+        """Everything :meth:`run` checks before any work (prompts as :meth:`run` takes
+        them); raises ValueError naming the argument."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if len(prompts) > self.buckets[-1]:
+            raise ValueError(f"input_ids: a batch of {len(prompts)} is above the largest "
+                             f"batch bucket ({self.buckets[-1]})")
+        for i, p in enumerate(prompts):
+            if p.numel() + max_new_tokens > self.max_seq_len:
+                raise ValueError(
+                    f"input_ids[{i}]: prompt of {p.numel()} + max_new_tokens {max_new_tokens} "
+                    f"is past the {self.max_seq_len} positions a sequence may hold "
+                    f"(the model's max positions: {self.cfg.max_positions})")
+        if self.cache is not None:
+            if self._fixed_pool or self.cache.live:
+                self.cache.check_admit([p.numel() + max_new_tokens for p in prompts])
+
+    @torch.inference_mode()
+    def run(self, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
+            top_k: int | None = None, top_p: float | None = None,
+            eos_token_id: int | Sequence[int] | None = None, return_logits: bool = False,
+            seed: int | None = None, timings: dict | None = None):
+        """Generate; arguments and result as :func:`generate`.
+
+        timings: a dict to fill with ``prefill_s`` (prompt prefill, incl. sampling the
+        first token), ``decode_s`` (every later step) and ``decode_steps``; measured with
+        CUDA events on a GPU (one synchronisation at the end), ``time.perf_counter``
+        elsewhere. None: nothing is measured and nothing synchronises.
+        """
+        prompts, as_tensor = _prompts(input_ids, self.cfg.vocab)
+        _check_sampling(temperature, top_k, top_p)
+        eos = _eos(eos_token_id, self.cfg.vocab)
+        if not isinstance(return_logits, bool):
+            raise ValueError(f"return_logits must be a bool, got {return_logits!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be None or an int, got {seed!r}")
+        self.check(prompts, max_new_tokens)
+        B = len(prompts)
+        if max_new_tokens == 0:
+            logits = torch.empty(B, 0, self.cfg.vocab, dtype=torch.float32, device=self.device)
+            return _result(prompts, [], as_tensor, logits if return_logits else None)
+
+        caps = [p.numel() + max_new_tokens for p in prompts]
+        if not self._fixed_pool and (self.cache is None or not self.cache.live):
+            need = sum(-(-c // self.page_size) for c in caps)
+            if self.cache is None or self.cache.num_pages < need:
+                self._new_pool(need)
+        ids = self.cache.admit(caps)
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed if seed is not None else torch.seed())
+        try:
+            new, logits = self._loop(ids, prompts, max_new_tokens, temperature, top_k, top_p,
+                                     eos, gen, return_logits, _Clock(self.device, timings))
+        finally:
+            self.cache.release(ids)
+        return _result(prompts, new, as_tensor, logits)
+
+    def _loop(self, ids, prompts, max_new_tokens, temperature, top_k, top_p, eos, gen,
+              return_logits, clock):
+        cache, dev = self.cache, self.device
+        clock.mark()
+        block_table = cache.block_table(ids)
+        last = self._prefill(ids, prompts, block_table)
+        new, all_logits = [], []
+        done = torch.zeros(len(ids), dtype=torch.bool, device=dev)
+        eos_t = None if eos is None else torch.tensor(eos, dtype=torch.int64, device=dev)
+        for i in range(max_new_tokens):
+            if return_logits:
+                all_logits.append(last)
+            tok = sample(last, temperature, top_k, top_p, gen)
+            if eos_t is not None:
+                tok = torch.where(done, eos_t[0], tok)  # finished rows repeat eos as padding
+                done |= torch.isin(tok, eos_t)
+            new.append(tok)
+            if i == 0:
+                clock.mark()
+            if i + 1 == max_new_tokens or (eos_t is not None and bool(done.all())):
+                break
+            cache.advance(ids, [1] * len(ids))
+            last = self.step.decode(tok, cache.seqlens(ids), block_table)
+        clock.mark()
+        clock.report(len(new) - 1)
+        logits = torch.stack(all_logits, dim=1) if return_logits else None
+        return new, logits
+
+    def _prefill(self, ids, prompts, block_table):
+        """Run the prompts through the step in chunks; return float32 [B, vocab], the
+        logits at each prompt's last token."""
+        B, C = len(ids), self.prefill_chunk
+        last = [None] * B
+        done_tokens = [0] * B
+        while True:
+            rows = [b for b in range(B) if done_tokens[b] < prompts[b].numel()]
+            if not rows:
+                break
+            chunks = [prompts[b][done_tokens[b]:done_tokens[b] + C] for b in rows]
+            lens = [c.numel() for c in chunks]
+            cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            sub = [ids[b] for b in rows]
+            logits = self.step.prefill(torch.cat(chunks).to(self.device), cu.to(self.device),
+                                       self.cache.seqlens(sub), block_table[rows])
+            self.cache.advance(sub, lens)
+            for j, b in enumerate(rows):
+                done_tokens[b] += lens[j]
+                if done_tokens[b] == prompts[b].numel():
+                    last[b] = logits[j]
+        return torch.stack(last)
+
+
+class _Clock:
+    """Marks at the start, after the first token, at the end; does nothing without a dict."""
+
+    def __init__(self, device, out: dict | None):
+        self.out, self.cuda = out, device.type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.out is None:
+            return
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def report(self, decode_steps):
+        if self.out is None:
+            return
+        if self.cuda:
+            self.marks[-1].synchronize()
+            spans = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            spans = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        self.out.update(prefill_s=spans[0], decode_s=spans[1], decode_steps=decode_steps)
+
+
+def _runner_missing() -> bool:
+    try:
+        importlib.import_module("wsattn.engine.runner")
+    except ModuleNotFoundError as e:
+        if e.name == "wsattn.engine.runner":
+            return True
+        raise
+    return False
+
+
+def _eos(eos_token_id, vocab):
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not ids or any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < vocab
+                      for e in ids):
+        raise ValueError(f"eos_token_id must be None, or an id (or list of ids) in "
+                         f"[0, {vocab}), got {eos_token_id!r}")
+    return ids
+
+
+def _result(prompts, new, as_tensor, logits):
+    new_t = (torch.stack(new, dim=1).cpu() if new
+             else torch.empty(len(prompts), 0, dtype=torch.int64))
+    if as_tensor:
+        tokens = torch.cat([torch.stack(prompts), new_t], dim=1)
+    else:
+        tokens = [torch.cat([p, n]) for p, n in zip(prompts, new_t)]
+    return tokens if logits is None else (tokens, logits)
+
+
+def _resolve_impl(impl, device):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    on_cuda = torch.device(device).type == "cuda"
+    return "kernels" if on_cuda and not _runner_missing() else "reference"
+
+
+def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | Sequence[int] | None = None, return_logits: bool = False,
+             page_size: int = 16, buckets=BUCKETS, dtype=None, device=None,
+             impl: str = "auto", seed: int | None = None, prefill_chunk: int = 512):
+    """Generate tokens after each prompt with a paged KV cache.
+
+    Args:
+        model_or_path: a transformers ``*ForCausalLM`` object (Llama 3.x, Qwen2/2.5,
+            Qwen3 dense) or a local folder with ``config.json`` + ``*.safetensors``.
+        input_ids: int tensor [B, S] (every prompt S tokens), or a list of B 1-D int
+            tensors / lists (prompts of any lengths >= 1). Ids in [0, vocab).
+        max_new_tokens: new tokens per sequence (>= 0).
+        temperature: 0 for greedy (argmax); > 0 samples from softmax(logits / temperature)
+            after top_k (keep the k most likely) and top_p (keep the smallest set
+            reaching probability top_p).
+        eos_token_id: an id or list of ids; a sequence that samples one keeps it and is
+            padded with the first eos id after it; generation stops when all are done.
+        return_logits: also return the logits each new token was chosen from.
+        page_size, buckets, prefill_chunk: see :class:`Engine`; at most ``buckets[-1]``
+            sequences.
+        dtype, device: model dtype (default: the checkpoint's) and device (default CUDA
+            if available, else CPU).
+        impl: ``"reference"`` (plain PyTorch step), ``"kernels"`` (the GPU runner; raises
+            ValueError until it exists), or ``"auto"``: kernels on CUDA when the runner
+            exists, else the reference.
+        seed: seeds the sampler's ``torch.Generator``; same seed, same tokens.
+
+    Returns:
+        tokens: int64 on the CPU, [B, S + n] for a tensor input, or a list of [S_b + n]
+        tensors for a list input; n = max_new_tokens unless every sequence hit eos first.
+        With return_logits, (tokens, logits) with logits float32 [B, n, vocab] on the
+        device; logits[:, i] is what token S + i was chosen from.
+
+    >>> tokens = generate("path/to/Llama-3.2-1B", torch.tensor([[128000, 791]]),
+    ...                   32)  # doctest: +SKIP
+    """
+    # what can be checked without the model is checked before loading it
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    _check_sampling(temperature, top_k, top_p)
+    step = _resolve_impl(impl, device if device is not None else
+                         ("cuda" if torch.cuda.is_available() else "cpu"))
+    engine = Engine(model_or_path, dtype=dtype, device=device, step=step, page_size=page_size,
+                    buckets=buckets, prefill_chunk=prefill_chunk)
+    return engine.run(input_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                      top_p=top_p, eos_token_id=eos_token_id, return_logits=return_logits,
+                      seed=seed)

@@ -361,3 +361,22 @@ def test_cli_not_a_model_folder(tmp_path, capsys):
     code = main(["generate", "--model", str(tmp_path), "--batch", "1", "--prompt-len", "4",
                  "--new-tokens", "2", "--device", "cpu"])
     assert code == 2 and "is not a model folder" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+def test_cuda_reference_step_matches_cpu(tmp_path):
+    """The reference step on CUDA (fp32) picks the CPU's greedy tokens, and seeded
+    sampling with a CUDA generator is reproducible."""
+    from wsattn.engine.generate import generate
+
+    _hf_model("qwen3").save_pretrained(tmp_path)
+    cpu = generate(str(tmp_path), _prompts(), 16, device="cpu", dtype=torch.float32)
+    gpu = generate(str(tmp_path), _prompts(), 16, device="cuda", dtype=torch.float32,
+                   impl="reference")
+    assert all(torch.equal(a, b) for a, b in zip(cpu, gpu))
+    kw = dict(device="cuda", dtype=torch.float32, impl="reference", temperature=1.0, top_p=0.9)
+    a = generate(str(tmp_path), _prompts(), 16, seed=5, **kw)
+    b = generate(str(tmp_path), _prompts(), 16, seed=5, **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -48,9 +48,19 @@ IMPLS = ("auto",) + STEPS
 class Step(Protocol):
     """What the engine calls to run the model; a GPU runner plugs in by providing this.
 
+    Construction: ``Step(cfg, weights, cache)`` with the ModelConfig, the folded
+    :class:`~wsattn.models.weights.Weights` (``norms_folded=True``) and the
+    :class:`~wsattn.engine.kv_cache.PagedKVCache`; ``wsattn.engine.runner`` must export
+    it as ``KernelStep``. The engine builds a new step whenever it reallocates the pool
+    (only between requests), so a runner may capture its CUDA graphs against
+    ``cache.k`` / ``cache.v`` and its own static buffers once, in the constructor or
+    lazily per bucket.
+
     Both methods write the K/V of the tokens they are given into ``cache`` (pages and
     block table as :class:`~wsattn.engine.kv_cache.PagedKVCache` lays them out) and return
-    float32 logits; neither touches the allocator (the engine advances lengths).
+    float32 logits; neither touches the allocator (the engine advances lengths). Index
+    tensors arrive on the cache's device, built from host-side lengths (no host read of
+    device values is needed).
     """
 
     def prefill(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, start: torch.Tensor,
@@ -329,7 +339,10 @@ class Engine:
         gen = None
         if temperature > 0:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed if seed is not None else torch.seed())
+            if seed is None:
+                gen.seed()  # a fresh random seed for this generator only, not torch's global one
+            else:
+                gen.manual_seed(seed)
         try:
             new, logits = self._loop(ids, prompts, max_new_tokens, temperature, top_k, top_p,
                                      eos, gen, return_logits, _Clock(self.device, timings))

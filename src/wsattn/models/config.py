@@ -1,0 +1,258 @@
+"""The model shape the decode step runs: one frozen dataclass, built from a Hugging Face
+config, that refuses at construction whatever the step does not implement.
+
+Supported families (all decoder-only, pre-norm, RMSNorm, SiLU-gated MLP, GQA, RoPE):
+
+* ``llama``: Llama 3.x (``LlamaForCausalLM``), rope ``default`` or ``llama3``; tied
+  embeddings allowed (Llama-3.2-1B/3B).
+* ``qwen2``: Qwen2/2.5 (``Qwen2ForCausalLM``): bias on the q, k and v projections only.
+* ``qwen3``: Qwen3 dense (``Qwen3ForCausalLM``): per-head RMSNorm ``q_norm``/``k_norm``
+  on the head dimension, before RoPE.
+
+Anything else is an :class:`UnsupportedModelError` (a ``ValueError``) naming the feature:
+a sliding window some layer actually uses, a head dim other than 64/128/256, a rope type
+other than default/llama3 (or a partial rotary factor), a bias on the o projection or
+the MLP, an activation other than SiLU, mixture-of-experts, an unknown model type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ModelConfig", "RopeConfig", "UnsupportedModelError", "HEAD_DIMS", "FAMILIES"]
+
+HEAD_DIMS = (64, 128, 256)  # what the attention kernels are built for
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# transformers' defaults for keys a config.json may leave out (the model classes'
+# dataclass defaults); the shape keys have no default here: a config without them is
+# refused rather than silently given a 7B shape.
+_DEFAULTS = {
+    "llama": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=2048),
+    "qwen2": dict(head_dim=None, num_key_value_heads=32, max_position_embeddings=32768),
+    "qwen3": dict(head_dim=128, num_key_value_heads=32, max_position_embeddings=32768),
+}
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "vocab_size")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64}
+
+
+class UnsupportedModelError(ValueError):
+    """A model configuration the decode step does not implement; the message names the
+    feature and the config key that asks for it."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, as transformers reads them from ``rope_parameters``
+    (or the older ``rope_theta`` + ``rope_scaling``).
+
+    type: ``"default"`` or ``"llama3"``; the last four fields are only used by
+    ``llama3`` (``None`` for ``default``).
+    """
+
+    type: str = "default"
+    theta: float = 10000.0
+    factor: float | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_positions: int | None = None
+
+    def __post_init__(self):
+        if self.type not in ("default", "llama3"):
+            raise UnsupportedModelError(
+                f"rope type {self.type!r} is not supported (only 'default' and 'llama3')")
+        if self.type == "llama3":
+            missing = [f.name for f in dataclasses.fields(self)[2:] if getattr(self, f.name) is None]
+            if missing:
+                raise ValueError(f"llama3 rope needs {missing}")
+            if self.high_freq_factor == self.low_freq_factor:
+                raise ValueError("llama3 rope: high_freq_factor must differ from low_freq_factor")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a supported decoder model (see the module docstring for the families).
+
+    hidden: model width; layers: decoder layers; heads / kv_heads: query and key-value
+    heads (GQA: heads % kv_heads == 0); head_dim: D, one of 64, 128, 256 (may differ
+    from hidden // heads); ffn: MLP intermediate size; vocab: embedding rows;
+    rms_eps: RMSNorm epsilon; rope: :class:`RopeConfig`; tie_embeddings: the LM head is
+    the embedding matrix; qkv_bias: q/k/v projections carry a bias (Qwen2); qk_norm:
+    per-head RMSNorm on q and k before RoPE (Qwen3); max_positions: the model's
+    ``max_position_embeddings``; dtype: the checkpoint's torch dtype, or None if unstated.
+    """
+
+    family: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    rms_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    max_positions: int = 2048
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise UnsupportedModelError(
+                f"model family {self.family!r} is not supported (one of {tuple(FAMILIES)})")
+        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab",
+                     "max_positions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.head_dim not in HEAD_DIMS:
+            raise UnsupportedModelError(
+                f"head_dim {self.head_dim} is not supported (the kernels take {HEAD_DIMS})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if not self.rms_eps > 0:
+            raise ValueError(f"rms_eps must be > 0, got {self.rms_eps!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES.values():
+            raise UnsupportedModelError(f"dtype {self.dtype} is not supported ({tuple(_DTYPES)})")
+
+    @property
+    def q_size(self) -> int:
+        """Rows of q in wqkv: heads * head_dim."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Rows of k (and of v) in wqkv: kv_heads * head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg) -> "ModelConfig":
+        """Build from a transformers ``PretrainedConfig`` or the dict of a ``config.json``.
+
+        Raises :class:`UnsupportedModelError` naming the feature for anything the step
+        does not implement, ``ValueError`` for a malformed config.
+
+        >>> ModelConfig.from_hf({"model_type": "llama", "hidden_size": 128,
+        ...     "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        ...     "intermediate_size": 256, "vocab_size": 512}).head_dim
+        64
+        """
+        d = _as_dict(cfg)
+        model_type = d.get("model_type")
+        _refuse_moe(d)
+        if model_type not in FAMILIES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported (one of {tuple(FAMILIES)})")
+        arch = d.get("architectures") or []
+        if arch and arch != [FAMILIES[model_type]]:
+            raise UnsupportedModelError(
+                f"architectures {arch} is not supported for model_type {model_type!r} "
+                f"(expected [{FAMILIES[model_type]!r}])")
+        missing = [k for k in _REQUIRED if d.get(k) is None]
+        if missing:
+            raise ValueError(f"config lacks {missing}")
+        d = {**_DEFAULTS[model_type], **{k: v for k, v in d.items() if v is not None}}
+
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
+        if d.get("mlp_bias", False):
+            raise UnsupportedModelError("mlp_bias=True (a bias on the MLP projections) is not supported")
+        if d.get("attention_bias", False):
+            # Llama and Qwen3 put attention_bias on o_proj as well as on q/k/v
+            raise UnsupportedModelError(
+                "attention_bias=True (a bias on o_proj) is not supported; only Qwen2's "
+                "q/k/v bias is")
+        _refuse_sliding_window(d)
+
+        heads = d["num_attention_heads"]
+        return cls(
+            family=model_type,
+            hidden=d["hidden_size"],
+            layers=d["num_hidden_layers"],
+            heads=heads,
+            kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            ffn=d["intermediate_size"],
+            vocab=d["vocab_size"],
+            rms_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope=_rope(d),
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            max_positions=d["max_position_embeddings"],
+            dtype=_dtype(d.get("dtype", d.get("torch_dtype"))),
+        )
+
+
+def _as_dict(cfg) -> dict:
+    if isinstance(cfg, dict):
+        return dict(cfg)
+    if hasattr(cfg, "to_dict"):  # a transformers PretrainedConfig
+        return cfg.to_dict()
+    raise TypeError(f"cfg must be a transformers PretrainedConfig or a dict, got {type(cfg).__name__}")
+
+
+def _refuse_moe(d):
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if d.get(key):
+            raise UnsupportedModelError(f"mixture-of-experts ({key}={d[key]}) is not supported")
+
+
+def _refuse_sliding_window(d):
+    """Refuse a sliding window only where a layer uses it, as transformers decides: from
+    ``layer_types`` when given, else layers >= ``max_window_layers`` when
+    ``use_sliding_window`` is set (Qwen2/3 ship ``sliding_window`` with it off)."""
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        on = d.get("use_sliding_window", False) and d.get("sliding_window") is not None
+        first = d.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if on and i >= first else "full_attention"
+                       for i in range(d["num_hidden_layers"])]
+    sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+    if sliding:
+        kinds = sorted({layer_types[i] for i in sliding})
+        raise UnsupportedModelError(
+            f"sliding-window attention ({kinds} in layers {sliding}; use_sliding_window="
+            f"{d.get('use_sliding_window')}, sliding_window={d.get('sliding_window')}) is "
+            f"not supported")
+
+
+def _rope(d) -> RopeConfig:
+    params = d.get("rope_parameters")
+    if params is None:  # config.json written before transformers 5
+        params = {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta", 10000.0)}
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedModelError("per-layer-type rope parameters are not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(
+            f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    if rope_type not in ("default", "llama3"):
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return RopeConfig("default", theta)
+    return RopeConfig("llama3", theta, float(params["factor"]), float(params["low_freq_factor"]),
+                      float(params["high_freq_factor"]),
+                      int(params.get("original_max_position_embeddings")
+                          or d["max_position_embeddings"]))
+
+
+def _dtype(value):
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and value not in _DTYPES.values():
+            raise UnsupportedModelError(f"dtype {value} is not supported ({tuple(_DTYPES)})")
+        return value
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise UnsupportedModelError(f"dtype {value!r} is not supported ({tuple(_DTYPES)})")
+    return _DTYPES[name]

@@ -1,0 +1,364 @@
+"""The decode step's skinny-GEMM kernel (wsattn.kernels.gemv).
+
+Numerics run through the Triton interpreter in a fresh child process (TRITON_INTERPRET=1
+set before Triton is imported, outputs NaN-poisoned) against a float64 torch reference,
+in fp32 and fp16, M in {1, 3, 8, 64} (FMA and tl.dot paths), shapes that are not
+multiples of the tiles, every switch and the combinations a layer uses. Split-K is
+checked against the reference and for bit-identical reruns. sm_90 builds are compiled
+on the CPU: PDL puts griddepcontrol.wait / launch_dependents in the PTX with the first
+W tile's loads issued before the wait, and no default build at the Llama shapes spills.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import assert_close
+
+REFERENCE = r'''
+def reference(x, w, eps=None, res=None, silu=False):
+    """float64: RMSNorm folded into w (FlashNorm), then silu(gate) * up, then + res."""
+    x64, w64 = x.double(), w.double()
+    y = x64 @ w64.T
+    if eps is not None:
+        y = y * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    if silu:
+        F = w.shape[0] // 2
+        y = torch.nn.functional.silu(y[:, :F]) * y[:, F:]
+    if res is not None:
+        y = y + res.double()
+    return y
+'''
+exec(REFERENCE)  # the same reference in this process (GPU tests) and in the child
+
+CHILD = REFERENCE + textwrap.dedent(r'''
+    import json, sys
+    import torch
+    from wsattn.kernels import gemv as G
+    from wsattn.testing import rel_err
+
+    torch.manual_seed(0)
+    case, arg = sys.argv[1], json.loads(sys.argv[2])
+    res = {}
+    SWITCHES = {"plain": (None, False, False), "norm": (1e-5, False, False),
+                "residual": (None, True, False), "silu": (None, False, True),
+                "norm_silu": (1e-5, False, True)}
+
+    def inputs(M, N, K, dt, silu, resid):
+        x = torch.randn(M, K, dtype=dt)
+        w = (torch.randn(2 * N if silu else N, K) / K ** 0.5).to(dt)
+        r = torch.randn(M, N, dtype=dt) if resid else None
+        return x, w, r
+
+    if case == "sweep":
+        dt = getattr(torch, arg["dtype"])
+        M = arg["M"]
+        for N, K in ((80, 96), (513, 200)):
+            for name, (eps, resid, silu) in SWITCHES.items():
+                x, w, r = inputs(M, N, K, dt, silu, resid)
+                y = G.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu)
+                assert y.shape == (M, N) and y.dtype == dt
+                res[f"N{N}-K{K}-{name}"] = rel_err(y, reference(x, w, eps, r, silu))
+
+    elif case == "split_k":
+        dt = torch.float16
+        for M in (1, 8):
+            for name in ("plain", "residual", "norm_silu"):
+                eps, resid, silu = SWITCHES[name]
+                x, w, r = inputs(M, 80, 200, dt, silu, resid)
+                # 200 / 32 = 7 K tiles in 3 splits of 3, 3, 1; FMA path for M <= 4
+                s = G.GemvSettings(BLOCK_N=64, BLOCK_K=32, split_k=3, use_dot=M > 4,
+                                   num_warps=4, num_stages=1)
+                y1 = G.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=s)
+                y2 = G.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=s)
+                key = f"M{M}-{name}"
+                res[key] = rel_err(y1, reference(x, w, eps, r, silu))
+                res[key + "-rerun_identical"] = bool(torch.equal(y1, y2))
+
+    elif case == "in_place":
+        # the residual stream updated in place, one pass and split-K; strided x rows
+        dt = torch.float16
+        for split in (1, 2):
+            for M in (3, 8):
+                xs = torch.randn(M, 2 * 200, dtype=dt)
+                x = xs[:, :200]  # rows 400 elements apart
+                w = (torch.randn(96, 200) / 15).to(dt)
+                r = torch.randn(M, 96, dtype=dt)
+                ref = reference(x, w, 1e-6, r)
+                s = G.GemvSettings(BLOCK_N=32, BLOCK_K=32, split_k=split, use_dot=M > 4,
+                                   num_warps=4, num_stages=1)
+                y = G.gemv(x, w, norm_eps=1e-6, residual=r, out=r, settings=s)
+                res[f"split{split}-M{M}"] = rel_err(r, ref)
+                res[f"split{split}-M{M}-same"] = y.data_ptr() == r.data_ptr()
+
+    elif case == "bf16":
+        dt = torch.bfloat16
+        for M in (1, 8):
+            x, w, r = inputs(M, 80, 96, dt, True, False)
+            y = G.gemv(x, w, norm_eps=1e-5, silu_mul=True)
+            res[f"M{M}"] = rel_err(y, reference(x, w, 1e-5, None, True))
+            res[f"M{M}-dtype"] = str(y.dtype)
+
+    elif case == "pdl":
+        x = torch.randn(2, 64, dtype=torch.float16)
+        w = torch.randn(32, 64, dtype=torch.float16)
+        try:
+            G.gemv(x, w, pdl=True)
+            res["error"] = None
+        except ValueError as e:
+            res["error"] = str(e)
+        res["off"] = rel_err(G.gemv(x, w, pdl=False), reference(x, w))
+        res["auto"] = rel_err(G.gemv(x, w), reference(x, w))
+    print("RESULT " + json.dumps(res))
+''')
+
+
+def _child(case: str, **arg) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", WSATTN_POISON="1")
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", CHILD, case, json.dumps(arg)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"child {case} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+TOL = {"float32": 2e-5, "float16": 4e-3}  # fp32 accumulates exactly here: no tf32 on CPU
+
+
+@pytest.mark.parametrize("M", [1, 3, 8, 64], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_interpreter_sweep(dtype, M):
+    r = _child("sweep", dtype=dtype, M=M)
+    assert len(r) == 10, r
+    bad = {k: v for k, v in r.items() if not v <= TOL[dtype]}
+    assert not bad, f"relative error above {TOL[dtype]}: {bad}"
+
+
+def test_split_k_matches_reference_and_reruns_bit_identical():
+    r = _child("split_k")
+    assert len(r) == 12, r
+    for key, value in r.items():
+        if key.endswith("rerun_identical"):
+            assert value is True, key
+        else:
+            assert value <= TOL["float16"], (key, value)
+
+
+def test_residual_in_place():
+    r = _child("in_place")
+    for key, value in r.items():
+        if key.endswith("same"):
+            assert value is True, key
+        else:
+            assert value <= TOL["float16"], (key, value)
+
+
+def test_bf16_runs_in_fp32_under_the_interpreter():
+    """The interpreter's bf16 tl.dot multiplies raw bits: bf16 on the CPU runs in fp32."""
+    r = _child("bf16")
+    assert r["M1-dtype"] == r["M8-dtype"] == "torch.bfloat16", r
+    assert r["M1"] <= 2e-2 and r["M8"] <= 2e-2, r
+
+
+def test_pdl_refused_off_sm90_and_off_by_default_in_the_interpreter():
+    r = _child("pdl")
+    assert r["error"] and "pdl=True needs a CUDA GPU of sm_90" in r["error"], r
+    assert r["off"] <= TOL["float16"] and r["auto"] <= TOL["float16"], r
+
+
+# --------------------------------------------------------------------------- validation
+
+def _g():
+    from wsattn.kernels import gemv
+    return gemv
+
+
+@pytest.mark.parametrize("case, error, match", [
+    (dict(x=torch.randn(3, 8, 4)), ValueError, r"x must be \[M, K\]"),
+    (dict(w=torch.randn(16, 8, 1)), ValueError, r"w must be \[N, K\]"),
+    (dict(x=torch.randn(65, 8)), ValueError, "M=65 rows"),
+    (dict(w=torch.randn(16, 9)), ValueError, r"w must be \[N, K=8\]"),
+    (dict(x=torch.randn(2, 8).double(), w=torch.randn(16, 8).double()), TypeError, "x dtype"),
+    (dict(w=torch.randn(16, 8).half()), TypeError, "w dtype must match x"),
+    (dict(x=torch.randn(8, 2).t()), ValueError, "contiguous last dimension"),
+    (dict(w=torch.randn(15, 8), silu_mul=True), ValueError, "even row count"),
+    (dict(silu_mul=1), TypeError, "silu_mul must be a bool"),
+    (dict(norm_eps=True), TypeError, "norm_eps"),
+    (dict(norm_eps=0.0), ValueError, "norm_eps must be > 0"),
+    (dict(residual=torch.randn(2, 15)), ValueError, r"residual must be \[M, N\] = \[2, 16\]"),
+    (dict(residual=torch.randn(2, 16), silu_mul=True), ValueError, r"residual must be \[M, F\]"),
+    (dict(out=torch.randn(2, 16).half()), TypeError, "out dtype"),
+    (dict(out=torch.randn(16, 2).t()), ValueError, "out needs a contiguous last dimension"),
+    (dict(pdl=1), TypeError, "pdl must be None or a bool"),
+    (dict(settings={"BLOCK_N": 16}), TypeError, "settings must be None or a GemvSettings"),
+    (dict(x=torch.randn(5, 8), settings="fma"), ValueError, "use_dot=False takes M <= 4"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_input_refused_by_name(case, error, match):
+    g = _g()
+    args = dict(x=torch.randn(2, 8), w=torch.randn(16, 8))
+    args.update(case)
+    if args.get("settings") == "fma":
+        args["settings"] = g.GemvSettings(16, 32, 1, False, 4, 1)
+    x, w = args.pop("x"), args.pop("w")
+    with pytest.raises(error, match=match):
+        g.gemv(x, w, **args)
+
+
+def test_out_must_not_overlap_inputs():
+    g = _g()
+    buf = torch.randn(4, 16)
+    x = buf[:2, :8]
+    w = torch.randn(16, 8)
+    with pytest.raises(ValueError, match="out must not overlap x"):
+        g.gemv(x, w, out=buf[:2])
+    r = torch.randn(3, 16)
+    with pytest.raises(ValueError, match="partly overlap"):
+        g.gemv(torch.randn(2, 8), w, residual=r[:2], out=r[1:3])
+
+
+def test_settings_refuse_bad_values():
+    g = _g()
+    with pytest.raises(ValueError, match="power of two"):
+        g.GemvSettings(24, 64, 1, True, 4, 2)
+    with pytest.raises(ValueError, match="tl.dot's minimum"):
+        g.GemvSettings(8, 64, 1, True, 4, 2)
+    with pytest.raises(ValueError, match="split_k must be <= 16"):
+        g.GemvSettings(16, 64, 32, True, 4, 2)
+
+
+def test_default_settings_table():
+    """Where the defaults split K and pick the FMA path (sm_90, 132 SMs, bf16)."""
+    g = _g()
+    from wsattn.target import Target
+    t = Target("cuda", 90, 132)
+
+    def s(M, N, K, silu=False):
+        return g.default_settings(t, M=M, N=N, K=K, dtype=torch.bfloat16, silu_mul=silu)
+
+    assert not s(1, 2048, 2048).use_dot and s(8, 2048, 2048).use_dot
+    assert s(1, 512, 2048).split_k > 1  # k/v projections: 32 column blocks only
+    assert s(1, 3072, 2048).split_k == 1 and s(1, 128256, 2048).split_k == 1
+    assert s(64, 2048, 2048).BLOCK_N >= 64  # BLOCK_N >= M: x re-reads <= W bytes
+    for M in (1, 4, 8, 64):
+        st = s(M, 8192, 2048, True)
+        assert 2 <= st.num_stages <= g.MAX_STAGES
+
+
+# --------------------------------------------------------------------------- compile-only
+
+LLAMA_SHAPES = {  # name: (N out, K, flags) per layer kind; silu counts F
+    "1B": {"qkv": (3072, 2048, {}), "o": (2048, 2048, {"residual": True}),
+           "gate_up": (8192, 2048, {"silu_mul": True, "norm": True}),
+           "down": (2048, 8192, {"residual": True}), "lm_head": (128256, 2048, {"norm": True})},
+    "8B": {"qkv": (6144, 4096, {}), "o": (4096, 4096, {"residual": True}),
+           "gate_up": (14336, 4096, {"silu_mul": True, "norm": True}),
+           "down": (4096, 14336, {"residual": True}), "lm_head": (128256, 4096, {"norm": True})},
+}
+
+
+def _compile(kernel="gemv", **kw):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    spec = _g().compile_spec(90, kernel=kernel, **kw)
+    src = ASTSource(spec["fn"], spec["signature"], spec["constexprs"], spec["attrs"])
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+
+
+def _ptxas_usage(kernel):
+    from test_prefill_compile import _ptxas_usage as usage
+    return usage(kernel)
+
+
+@pytest.mark.parametrize("kw", [dict(M=1), dict(M=8), dict(M=1, silu_mul=True, norm=True),
+                                dict(M=64, residual=True)],
+                         ids=["M1-fma", "M8-dot", "M1-silu-norm", "M64-residual"])
+def test_sm90_pdl_wait_after_the_first_weight_loads(kw):
+    k = _compile(N=3072, K=2048, pdl=True, **kw)
+    ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    assert k.metadata.launch_pdl
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") > wait
+    before = re.findall(r"\b(ld\.global\.v4|cp\.async)\S*", ptx[:wait])
+    assert before and all(op == "ld.global.v4" for op in before), before  # 16-byte W loads
+    # TTGIR: the loads before the wait are exactly the first W tile(s) (gate, and up)
+    tw = ttgir.index("griddepcontrol.wait")
+    names = re.findall(r"(%\w+) = tt\.load", ttgir[:tw])
+    assert [n.split("_")[0] for n in names] == (["%wg", "%wu"] if kw.get("silu_mul") else ["%wg"])
+    after = ttgir[tw:]
+    assert re.search(r"%x\w* = tt\.load|async_copy_global_to_local", after)  # x only after
+
+
+def test_sm90_pdl_off_has_no_griddepcontrol():
+    for kw in (dict(M=1), dict(M=8, norm=True)):
+        ptx = _compile(N=3072, K=2048, pdl=False, **kw).asm["ptx"]
+        assert "griddepcontrol" not in ptx
+    fin = _compile(kernel="finish", M=1, N=512, K=2048, pdl=True).asm["ptx"]
+    assert "griddepcontrol.wait" in fin
+    assert "griddepcontrol" not in _compile(kernel="finish", M=1, N=512, K=2048).asm["ptx"]
+
+
+@pytest.mark.parametrize("M", [1, 8, 64], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("model", ["1B", "8B"])
+def test_sm90_default_builds_do_not_spill(model, M, record_property):
+    rows = []
+    for name, (N, K, flags) in LLAMA_SHAPES[model].items():
+        spec = _g().compile_spec(90, M=M, N=N, K=K, pdl=True, **flags)
+        k = _compile(M=M, N=N, K=K, pdl=True, **flags)
+        regs, stores, loads = _ptxas_usage(k)
+        c = spec["constexprs"]
+        row = (f"{model} M{M} {name}: BLOCK_N {c['BLOCK_N']} BLOCK_K {c['BLOCK_K']} split "
+               f"{c['SPLIT_K']} {'dot' if c['USE_DOT'] else 'fma'} stages {c['STAGES']}: "
+               f"{regs} regs, spills {stores}/{loads}, shared {k.metadata.shared}")
+        rows.append(row)
+        record_property(f"{model}.M{M}.{name}.registers", regs)
+        record_property(f"{model}.M{M}.{name}.spill_bytes", stores + loads)
+        assert stores + loads == 0, row
+        assert k.metadata.shared <= 232448, row
+        if c["USE_DOT"] is False or c["BLOCK_N"] >= 16:
+            assert "ld.global.v4" in k.asm["ptx"] or "cp.async.cg.shared.global" in k.asm["ptx"]
+        if c["SPLIT_K"] > 1:
+            fk = _compile(kernel="finish", M=M, N=N, K=K, pdl=True, **flags)
+            assert sum(_ptxas_usage(fk)[1:]) == 0, f"{row}: the split-K finish spills"
+    print("\n".join(rows))
+
+
+# --------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 8, 64], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("switch", ["plain", "norm", "residual", "silu", "norm_silu", "split"])
+def test_gpu_bf16_against_reference_and_reruns(switch, M):
+    g = _g()
+    torch.manual_seed(0)
+    dt, dev = torch.bfloat16, "cuda"
+    N, K = 2048 + 80, 2048 + 64
+    silu = "silu" in switch
+    eps = 1e-5 if "norm" in switch else None
+    x = torch.randn(M, K, dtype=dt, device=dev)
+    w = (torch.randn(2 * N if silu else N, K, device=dev) / K ** 0.5).to(dt)
+    r = torch.randn(M, N, dtype=dt, device=dev) if switch == "residual" else None
+    settings = None
+    if switch == "split":
+        base = g.default_settings(g.target_of(x.device), M=M, N=N, K=K, dtype=dt)
+        settings = g.GemvSettings(base.BLOCK_N, base.BLOCK_K, 4, base.use_dot,
+                                  base.num_warps, base.num_stages)
+    ref = reference(x, w, eps, r, silu)
+    y1 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings)
+    y2 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings)
+    y3 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings, pdl=False)
+    torch.cuda.synchronize()
+    assert_close(y1, ref, dt)
+    assert torch.equal(y1, y2), "rerun differs"
+    assert torch.equal(y1, y3), "PDL on and off differ"

@@ -1,0 +1,640 @@
+"""A decode step's attention input in one launch: QKV projection, FlashNorm scale, bias,
+QK-norm, rotary embedding, q written out and k/v appended to the (paged) KV cache.
+
+For M rows x (one new token each; several rows may belong to one sequence):
+
+    qkv = x @ Wqkv^T                        Wqkv [(Hq + 2 Hkv) * D, K]: q heads, k heads, v heads
+    qkv *= 1 / rms(x)                       NORM: the input RMSNorm folded into Wqkv (FlashNorm)
+    qkv += bqkv                             BIAS (Qwen2)
+    q, k = rmsnorm_D(q) * q_norm, ...       QK_NORM (Qwen3), over each head's D values
+    q, k = rope(q, pos), rope(k, pos)       transformers' convention: rotate_half over (i, i + D/2)
+    q_out[m] = q;  cache[slot(m)] = k, v    slot: position pos[m] of sequence b(m)
+
+Program decomposition: program (h, s, mb) owns head h of the Hq + 2 Hkv output heads
+(D rows of Wqkv), the s-th of SPLIT_K slices of K and the mb-th block of BLOCK_M rows.
+A head is computed as two halves, rows [0, D/2) and [D/2, D), in two accumulators, so
+rotate_half pairs (i, i + D/2) sit in the same registers of the same program and the
+per-head norm sees the whole head. Each Wqkv element is read once per row block (once
+in all for M <= 64), 16 bytes at a time along K.
+
+With SPLIT_K > 1 (to fill the GPU when Hq + 2 Hkv heads are fewer than the SMs) each
+program stores its partial [BLOCK_M, D] sums and x's partial sum of squares in an fp32
+workspace and bumps a per-(head, row block) counter; the last of the SPLIT_K programs to
+arrive adds the partials in the fixed order s = 0..SPLIT_K-1 (so the result does not
+depend on arrival order: replays are bitwise equal), runs the epilogue and resets the
+counter to 0 for the next launch. The workspace and counters are per device (see
+``_workspace``): concurrent launches on different streams of one device must not overlap.
+
+PDL (sm_90+): the first Wqkv tile is loaded before ``gdc_wait`` (weights do not depend
+on the previous kernel; x and positions do), and dependents are released right after the
+wait, since their own ``gdc_wait`` waits for this grid to finish anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..target import Target, UnsupportedTargetError, interpreting, target_of
+from ._alloc import empty
+from ._intmath import cdiv, next_pow2
+
+
+@triton.jit
+def _fence_acq_rel():
+    # every thread's partial stores ordered before the counter bump (and the last
+    # program's loads after it), as the CUDA threadFenceReduction pattern does
+    tl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live, stride_xm, k0, w_lo_t, w_hi_t,
+          BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+    kk = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_live[:, None],
+                other=0.0)  # [BLOCK_M, BLOCK_K]
+    # "swap AB": the weight tile is the MMA's wide M operand, x^T its narrow N side
+    xt = tl.trans(x)  # [BLOCK_K, BLOCK_M]
+    acc_lo = tl.dot(w_lo_t, xt, acc_lo)  # [D/2, BLOCK_M]
+    acc_hi = tl.dot(w_hi_t, xt, acc_hi)
+    if NORM:  # FlashNorm: x's sum of squares accumulates as x streams
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, 1)  # [BLOCK_M]
+    return acc_lo, acc_hi, ss
+
+
+@triton.jit
+def _epilogue(h, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
+              b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
+              q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
+              stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
+              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+              NORM: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+              PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr):
+    HALF: tl.constexpr = D // 2
+    j = tl.arange(0, HALF)  # [D/2] column of each half
+    if NORM:
+        r = 1.0 / tl.sqrt(ss / K + norm_eps)  # [BLOCK_M]
+        acc_lo = acc_lo * r[:, None]
+        acc_hi = acc_hi * r[:, None]
+    if BIAS:
+        acc_lo += tl.load(b_ptr + h * D + j).to(tl.float32)[None, :]
+        acc_hi += tl.load(b_ptr + h * D + HALF + j).to(tl.float32)[None, :]
+    pos = tl.load(pos_ptr + rows, mask=row_live, other=0)  # [BLOCK_M] int32
+    if h < HQ + HKV:  # a q or k head: QK-norm, then RoPE
+        if QK_NORM:
+            if h < HQ:
+                g_lo = tl.load(qn_ptr + j).to(tl.float32)
+                g_hi = tl.load(qn_ptr + HALF + j).to(tl.float32)
+            else:
+                g_lo = tl.load(kn_ptr + j).to(tl.float32)
+                g_hi = tl.load(kn_ptr + HALF + j).to(tl.float32)
+            hss = tl.sum(acc_lo * acc_lo, 1) + tl.sum(acc_hi * acc_hi, 1)  # [BLOCK_M]
+            hr = 1.0 / tl.sqrt(hss / D + qk_eps)
+            acc_lo = acc_lo * hr[:, None] * g_lo[None, :]
+            acc_hi = acc_hi * hr[:, None] * g_hi[None, :]
+        # the angle as transformers forms it: an fp32 product of position and frequency
+        ang = pos.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + j)[None, :]  # [BLOCK_M, D/2]
+        c = tl.cos(ang)
+        sn = tl.sin(ang)
+        lo = acc_lo * c - acc_hi * sn
+        hi = acc_hi * c + acc_lo * sn
+    else:
+        lo = acc_lo
+        hi = acc_hi
+    if h < HQ:
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm + h * stride_qh
+        tl.store(q_rows + j[None, :], lo.to(q_ptr.dtype.element_ty), mask=row_live[:, None])
+        tl.store(q_rows + HALF + j[None, :], hi.to(q_ptr.dtype.element_ty),
+                 mask=row_live[:, None])
+    else:
+        if SEQ_INDEX:
+            b = tl.load(seq_ptr + rows, mask=row_live, other=0)  # [BLOCK_M]
+        else:
+            b = rows
+        if PAGED:
+            page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + pos // PAGE_SIZE,
+                           mask=row_live, other=0).to(tl.int64)  # [BLOCK_M]
+            off = (pos % PAGE_SIZE).to(tl.int64)
+        else:
+            page = b.to(tl.int64)
+            off = pos.to(tl.int64)
+        if h < HQ + HKV:
+            dst = kc_ptr + page * stride_kb + off * stride_kl + (h - HQ) * stride_kh  # [BLOCK_M]
+        else:
+            dst = vc_ptr + page * stride_vb + off * stride_vl + (h - HQ - HKV) * stride_vh
+        tl.store(dst[:, None] + j[None, :], lo.to(kc_ptr.dtype.element_ty),
+                 mask=row_live[:, None])
+        tl.store(dst[:, None] + HALF + j[None, :], hi.to(kc_ptr.dtype.element_ty),
+                 mask=row_live[:, None])
+
+
+@triton.jit
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
+                     q_ptr, kc_ptr, vc_ptr, bt_ptr, ws_ptr, ss_ws_ptr, count_ptr,
+                     M, K, SPLIT_TILES, norm_eps, qk_eps,
+                     stride_xm, stride_wn, stride_qm, stride_qh,
+                     stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+                     stride_btb,
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                     NORM: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+                     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr,
+                     PDL: tl.constexpr, FENCE: tl.constexpr, STAGES: tl.constexpr):
+    # SPLIT_TILES: BLOCK_K tiles of K per split (so every split starts BLOCK_K-aligned and
+    # the compiler can prove 16-byte alignment); the last split may be shorter or empty. stride_kb / stride_vb step a page (paged) or a sequence (contiguous).
+    HALF: tl.constexpr = D // 2
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    mb = tl.program_id(2)
+    j = tl.arange(0, HALF)  # [D/2]
+    kk = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_live = rows < M
+    # row bases only: a [D/2, BLOCK_K] tile of 64-bit pointers held across the loop would
+    # cost 128 registers a thread at 4 warps
+    w_lo = w_ptr + (h * D + j).to(tl.int64)[:, None] * stride_wn  # [D/2, 1]
+    w_hi = w_lo + HALF * stride_wn
+    k_lo = s * SPLIT_TILES * BLOCK_K
+    k_hi = tl.minimum(k_lo + SPLIT_TILES * BLOCK_K, K)
+
+    acc_lo = tl.zeros([HALF, BLOCK_M], dtype=tl.float32)  # transposed while streaming
+    acc_hi = tl.zeros([HALF, BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # The first tile is peeled off the loop so that, with PDL, its weight loads are in
+    # flight before the wait: weights do not depend on the previous kernel, x does.
+    first = k_lo < k_hi  # an empty last split reads nothing
+    w_lo_t = tl.load(w_lo + (k_lo + kk)[None, :], mask=first, other=0.0)  # [D/2, BLOCK_K]
+    w_hi_t = tl.load(w_hi + (k_lo + kk)[None, :], mask=first, other=0.0)
+    if PDL:
+        # From here on this grid reads the previous kernel's outputs (x, positions) and
+        # writes. Dependents may launch at once: their own gdc_wait waits for this whole
+        # grid, so they only start loading their weights early.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc_lo, acc_hi, ss = _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live & first, stride_xm,
+                               k_lo, w_lo_t, w_hi_t, BLOCK_K, NORM)
+    # tl.range with num_stages: Triton 3.6 does not pipeline this loop unless asked (the
+    # weight tiles went through registers, no cp.async in the sm_90 PTX, and spilled)
+    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
+        w_lo_t = tl.load(w_lo + (k0 + kk)[None, :])  # [D/2, BLOCK_K]
+        w_hi_t = tl.load(w_hi + (k0 + kk)[None, :])
+        acc_lo, acc_hi, ss = _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live, stride_xm,
+                                   k0, w_lo_t, w_hi_t, BLOCK_K, NORM)
+    acc_lo = tl.trans(acc_lo)  # [BLOCK_M, D/2]
+    acc_hi = tl.trans(acc_hi)
+
+    if SPLIT_K == 1:
+        _epilogue(h, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
+                  b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
+                  q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
+                  stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
+                  HQ, HKV, D, NORM, BIAS, QK_NORM, PAGED, PAGE_SIZE, SEQ_INDEX)
+    else:
+        r = tl.arange(0, BLOCK_M)
+        tile = h * tl.num_programs(2) + mb  # this (head, row block)'s counter
+        ws_tile = ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * D)  # [SPLIT_K, BLOCK_M, D]
+        ss_tile = ss_ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M)  # [SPLIT_K, BLOCK_M]
+        part = ws_tile + s * (BLOCK_M * D) + r[:, None] * D + j[None, :]  # [BLOCK_M, D/2]
+        tl.store(part, acc_lo)
+        tl.store(part + HALF, acc_hi)
+        if NORM:
+            tl.store(ss_tile + s * BLOCK_M + r, ss)
+        if FENCE:
+            _fence_acq_rel()
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last of this tile's splits: reduce, finish
+            if FENCE:
+                _fence_acq_rel()
+            acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+            acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for t in tl.static_range(SPLIT_K):  # fixed order: bitwise-reproducible
+                part = ws_tile + t * (BLOCK_M * D) + r[:, None] * D + j[None, :]
+                acc_lo += tl.load(part, cache_modifier=".cg")
+                acc_hi += tl.load(part + HALF, cache_modifier=".cg")
+                if NORM:
+                    ss += tl.load(ss_tile + t * BLOCK_M + r, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+            _epilogue(h, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
+                      b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
+                      q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
+                      stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+                      stride_btb, HQ, HKV, D, NORM, BIAS, QK_NORM, PAGED, PAGE_SIZE, SEQ_INDEX)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class QkvRopeSettings:
+    """Launch settings: BLOCK_K (K per tile, a power of two dividing K), split_k (slices of
+    K per head, >= 1; 1 means no workspace and no counters), num_warps, num_stages."""
+    BLOCK_K: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+MAX_BLOCK_M = 64  # rows per program; more rows take more row blocks (Wqkv read per block)
+MAX_SPLIT_K = 16
+MIN_SPLIT_TILES = 4  # K tiles per split at least, so the pipeline's prologue stays small
+PROGRAMS_PER_SM = 2
+
+
+def _block_m(m: int, head_dim: int) -> int:
+    # at D = 256, 64 rows of the two fp32 half-head accumulators spilled on sm_90: 32 rows
+    return max(16, min(MAX_BLOCK_M if head_dim <= 128 else 32, next_pow2(m)))
+
+
+def _largest_pow2_dividing(n: int, cap: int) -> int:
+    b = 16
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+@functools.lru_cache(maxsize=1024)
+def default_settings(target: Target, *, rows: int, hidden: int, heads: int, head_dim: int,
+                     dtype: torch.dtype) -> QkvRopeSettings:
+    """Settings from (target, shape, dtype): rows = M, hidden = K, heads = Hq + 2 Hkv."""
+    if target.backend == "interpreter":
+        # small tiles, so that tiny test shapes still cross several tiles
+        return QkvRopeSettings(BLOCK_K=_largest_pow2_dividing(hidden, 32), split_k=1,
+                               num_warps=4, num_stages=1)
+    elem = torch.empty((), dtype=dtype).element_size()
+    # A stage holds the two [D/2, BLOCK_K] weight halves, 16 KB: 4 stages + the x tiles
+    # are 90-115 KB of shared memory (two programs an SM on sm_90), and 8 warps keep the
+    # M = 64 build at 210 registers without spills (4 warps with 32 KB stages spilled).
+    block_k = _largest_pow2_dividing(hidden, max(16, (16 * 1024) // (head_dim * elem)))
+    block_m = _block_m(rows, head_dim)
+    programs = heads * cdiv(rows, block_m)
+    tiles = hidden // block_k
+    split = cdiv(PROGRAMS_PER_SM * target.num_sms, programs)
+    split = max(1, min(split, MAX_SPLIT_K, tiles // MIN_SPLIT_TILES))
+    warps = 8
+    stages = 4 if target.cc >= 90 else 3
+    return QkvRopeSettings(BLOCK_K=block_k, split_k=split, num_warps=warps, num_stages=stages)
+
+
+# --------------------------------------------------------------------------- host helpers
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
+                  *, device=None) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, fp32 [head_dim / 2], computed with
+    transformers' float32 arithmetic (``_compute_default_rope_parameters`` /
+    ``_compute_llama3_parameters`` in ``transformers.modeling_rope_utils``), bit for bit.
+
+    scaling: None or {"rope_type": "default"} for plain RoPE; Llama-3 frequency scaling as
+    {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"} (a config's ``rope_parameters``; "type" is accepted
+    for "rope_type"). Any other rope type is refused by name.
+
+    Example:
+        >>> inv = rope_inv_freq(128, 500000.0, {"rope_type": "llama3", "factor": 8.0,
+        ...     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        ...     "original_max_position_embeddings": 8192})
+        >>> inv.shape, inv.dtype
+        (torch.Size([64]), torch.float32)
+    """
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
+    if not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"theta must be a positive number, got {theta!r}")
+    rope_type = "default"
+    if scaling is not None:
+        if not isinstance(scaling, dict):
+            raise ValueError(f"scaling must be a dict or None, got {type(scaling).__name__}")
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"scaling: rope type {rope_type!r} is not supported (only 'default' "
+                         "and 'llama3')")
+    dim = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float)
+                                / dim))
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+        missing = [k for k in keys if k not in scaling]
+        if missing:
+            raise ValueError(f"scaling: llama3 rope needs {', '.join(missing)}")
+        factor = scaling["factor"]
+        low_freq_factor = scaling["low_freq_factor"]
+        high_freq_factor = scaling["high_freq_factor"]
+        old_context_len = scaling["original_max_position_embeddings"]
+        if high_freq_factor == low_freq_factor:
+            raise ValueError("scaling: high_freq_factor must differ from low_freq_factor")
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth_factor = ((old_context_len / wavelen - low_freq_factor)
+                         / (high_freq_factor - low_freq_factor))
+        smoothed_inv_freq = ((1 - smooth_factor) * inv_freq_llama / factor
+                             + smooth_factor * inv_freq_llama)
+        is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+    return inv_freq.to(device) if device is not None else inv_freq
+
+
+# Split-K workspace and counters, per device, grown on demand. The counters start at 0
+# and every launch leaves them at 0 (the last program of a tile resets its counter), so a
+# CUDA graph can replay launches; warm up at the largest shape before capturing, so that
+# no allocation happens during capture.
+_WORKSPACES: dict = {}
+
+
+def _workspace(device, floats: int, ss_floats: int, counters: int):
+    key = (device.type, device.index)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[0].numel() < floats or ws[1].numel() < ss_floats \
+            or ws[2].numel() < counters:
+        old = ws or (torch.empty(0), torch.empty(0), torch.empty(0))
+        ws = (torch.empty(max(floats, old[0].numel()), dtype=torch.float32, device=device),
+              torch.empty(max(ss_floats, old[1].numel(), 1), dtype=torch.float32, device=device),
+              torch.zeros(max(counters, old[2].numel()), dtype=torch.int32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+# --------------------------------------------------------------------------- launcher
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = (64, 128, 256)
+
+
+def _tensor(name, t, ndim, dtypes=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} must have dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (where x is)")
+    if t.requires_grad:
+        raise ValueError(f"{name} requires grad; this kernel has no backward")
+
+
+def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions, k_cache,
+           v_cache, block_table, seq_index, q_out, pdl):
+    """Validates everything host metadata can show; returns (Hq, Hkv, D)."""
+    _tensor("x", x, 2, _DTYPES)
+    dev, dt = x.device, x.dtype
+    M, K = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("x must have a contiguous last dimension")
+    if K % 16:
+        raise ValueError(f"x: hidden size {K} must be a multiple of 16")
+    _tensor("k_cache", k_cache, 4, (dt,), dev)
+    _tensor("v_cache", v_cache, 4, (dt,), dev)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape "
+                         f"{tuple(k_cache.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(3) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    HKV, D = k_cache.shape[2], k_cache.shape[3]
+    if D not in HEAD_DIMS:
+        raise ValueError(f"k_cache: head dim {D} is not supported (one of {HEAD_DIMS})")
+    if HKV < 1:
+        raise ValueError("k_cache: needs at least one KV head")
+    _tensor("wqkv", wqkv, 2, (dt,), dev)
+    if wqkv.stride(1) != 1:
+        raise ValueError("wqkv must have a contiguous last dimension")
+    N = wqkv.shape[0]
+    if wqkv.shape[1] != K:
+        raise ValueError(f"wqkv must be [(Hq + 2*Hkv)*D, K] with K = {K} (x's hidden size), "
+                         f"got {tuple(wqkv.shape)}")
+    if N % D or N // D <= 2 * HKV or (N // D - 2 * HKV) % HKV:
+        raise ValueError(f"wqkv: {N} rows are not (Hq + 2*Hkv)*D with D = {D}, Hkv = {HKV} "
+                         "(from k_cache) and Hq a positive multiple of Hkv")
+    HQ = N // D - 2 * HKV
+    if bqkv is not None:
+        _tensor("bqkv", bqkv, 1, _DTYPES, dev)
+        if bqkv.shape[0] != N or bqkv.stride(0) != 1:
+            raise ValueError(f"bqkv must be a contiguous [{N}] (wqkv's rows), got "
+                             f"{tuple(bqkv.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm must be given together (QK-norm) or not at all")
+    if q_norm is not None:
+        for name, g in (("q_norm", q_norm), ("k_norm", k_norm)):
+            _tensor(name, g, 1, _DTYPES, dev)
+            if g.shape[0] != D or g.stride(0) != 1:
+                raise ValueError(f"{name} must be a contiguous [{D}] (head dim), got "
+                                 f"{tuple(g.shape)}")
+        if not isinstance(qk_eps, (int, float)) or isinstance(qk_eps, bool) or not qk_eps >= 0:
+            raise ValueError(f"qk_eps must be a non-negative float with q_norm/k_norm, got "
+                             f"{qk_eps!r}")
+    elif qk_eps is not None:
+        raise ValueError("qk_eps given without q_norm/k_norm")
+    if norm_eps is not None and (not isinstance(norm_eps, (int, float))
+                                 or isinstance(norm_eps, bool) or not norm_eps >= 0):
+        raise ValueError(f"norm_eps must be None or a non-negative float, got {norm_eps!r}")
+    _tensor("inv_freq", inv_freq, 1, (torch.float32,), dev)
+    if inv_freq.shape[0] != D // 2 or inv_freq.stride(0) != 1:
+        raise ValueError(f"inv_freq must be a contiguous fp32 [{D // 2}] (head dim / 2), got "
+                         f"{tuple(inv_freq.shape)}")
+    _tensor("positions", positions, 1, (torch.int32,), dev)
+    if positions.shape[0] != M or positions.stride(0) != 1:
+        raise ValueError(f"positions must be a contiguous int32 [{M}] (x's rows), got "
+                         f"{tuple(positions.shape)}")
+    if seq_index is not None:
+        _tensor("seq_index", seq_index, 1, (torch.int32,), dev)
+        if seq_index.shape[0] != M or seq_index.stride(0) != 1:
+            raise ValueError(f"seq_index must be a contiguous int32 [{M}] (x's rows), got "
+                             f"{tuple(seq_index.shape)}")
+    if block_table is not None:
+        _tensor("block_table", block_table, 2, (torch.int32,), dev)
+        if block_table.stride(1) != 1:
+            raise ValueError("block_table must have a contiguous last dimension")
+        batch, capacity = block_table.shape[0], block_table.shape[1] * k_cache.shape[1]
+    else:
+        batch, capacity = k_cache.shape[0], k_cache.shape[1]
+    if seq_index is None and M > batch:
+        raise ValueError(f"x has {M} rows, one per sequence without seq_index, but the cache "
+                         f"holds {batch} sequences ({'block_table' if block_table is not None else 'k_cache'})")
+    if q_out is not None:
+        _tensor("q_out", q_out, 3, (dt,), dev)
+        if tuple(q_out.shape) != (M, HQ, D) or q_out.stride(2) != 1:
+            raise ValueError(f"q_out must be [{M}, {HQ}, {D}] with a contiguous last dimension, "
+                             f"got {tuple(q_out.shape)}")
+    if pdl not in (None, True, False):
+        raise ValueError(f"pdl must be None, True or False, got {pdl!r}")
+    if dev.type == "cpu":  # index values cost no synchronisation here: check them
+        if M and (positions.min() < 0 or positions.max() >= capacity):
+            raise ValueError(f"positions must lie in [0, {capacity}) (the cache's capacity), "
+                             f"got [{int(positions.min())}, {int(positions.max())}]")
+        if seq_index is not None and M and (seq_index.min() < 0 or seq_index.max() >= batch):
+            raise ValueError(f"seq_index must lie in [0, {batch}) (sequences in the cache)")
+        if block_table is not None and block_table.numel() and (
+                block_table.min() < 0 or block_table.max() >= k_cache.shape[0]):
+            raise ValueError(f"block_table entries must lie in [0, {k_cache.shape[0]}) "
+                             "(k_cache's pages)")
+    return HQ, HKV, D
+
+
+def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=None,
+                    qk_eps=None, inv_freq, positions, k_cache, v_cache, block_table=None,
+                    seq_index=None, q_out=None, pdl=None, settings=None):
+    """Projects M rows to q, k, v, applies FlashNorm / bias / QK-norm / RoPE, writes q and
+    appends k, v to the KV cache, in one kernel launch.
+
+    Args:
+        x: [M, K] fp16 / bf16 / fp32, last dimension contiguous; one new token per row.
+        wqkv: [(Hq + 2*Hkv) * D, K] in x's dtype: the rows of the q heads, then k, then v.
+            With norm_eps, the input RMSNorm's weight must already be folded in
+            (W' = W diag(g)).
+        bqkv: optional [(Hq + 2*Hkv) * D] bias (Qwen2), added after the norm scale.
+        q_norm, k_norm: optional [D] RMSNorm weights applied to each q / k head before
+            RoPE (Qwen3), with qk_eps.
+        norm_eps: None (x used as is) or the input RMSNorm's eps: the output is scaled by
+            1 / sqrt(mean(x^2) + eps) per row (FlashNorm).
+        inv_freq: fp32 [D / 2], from rope_inv_freq (Llama-3 scaling included); RoPE as in
+            transformers: rotate_half over (i, i + D/2), cos/sin of cat(freqs, freqs), the
+            angle the fp32 product position * inv_freq.
+        positions: int32 [M], each row's position in its sequence (the cache slot written).
+        k_cache, v_cache: paged [num_pages, page_size, Hkv, D] with block_table, or
+            contiguous [B, L, Hkv, D] without; x's dtype; last dimension contiguous.
+        block_table: int32 [B, max_pages]; row m writes page block_table[b, pos // page_size],
+            offset pos % page_size.
+        seq_index: int32 [M], the sequence b of each row (several tokens of a sequence);
+            None: row m is sequence m.
+        q_out: optional [M, Hq, D] output (x's dtype); allocated when None.
+        pdl: programmatic dependent launch; None: on for CUDA sm_90+, off elsewhere.
+        settings: a QkvRopeSettings to override default_settings.
+
+    Returns:
+        q_out [M, Hq, D]. k_cache / v_cache are written in place at the rows' slots only;
+        attention can run right after with seqlens = positions + 1 (wsattn.decode).
+
+    Index values (positions, seq_index, block_table) are checked on CPU tensors only (no
+    host synchronisation on CUDA): out-of-range values there are the caller's contract.
+
+    Example (TRITON_INTERPRET=1 on CPU, or CUDA tensors):
+        >>> x = torch.randn(2, 64, dtype=torch.float16)
+        >>> w = torch.randn((4 + 2 * 2) * 64, 64, dtype=torch.float16) / 8
+        >>> kc = torch.zeros(8, 16, 2, 64, dtype=torch.float16); vc = torch.zeros_like(kc)
+        >>> bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+        >>> q = qkv_rope_append(x, w, norm_eps=1e-5, inv_freq=rope_inv_freq(64, 10000.0),
+        ...                     positions=torch.tensor([5, 16], dtype=torch.int32),
+        ...                     k_cache=kc, v_cache=vc, block_table=bt)
+    """
+    HQ, HKV, D = _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
+                        k_cache, v_cache, block_table, seq_index, q_out, pdl)
+    M, K = x.shape
+    heads = HQ + 2 * HKV
+    target = target_of(x.device)
+    if target.backend == "interpreter":
+        from .._triton_compat import patch_interpreter
+        patch_interpreter()
+    if pdl is None:
+        pdl = target.backend == "cuda" and target.cc >= 90
+    elif pdl and not (target.backend == "cuda" and target.cc >= 90):
+        raise UnsupportedTargetError(f"pdl=True needs CUDA sm_90 or later, got {target.name}")
+    if settings is None:
+        settings = default_settings(target, rows=M, hidden=K, heads=heads, head_dim=D,
+                                    dtype=x.dtype)
+    elif not isinstance(settings, QkvRopeSettings):
+        raise ValueError(f"settings must be a QkvRopeSettings, got {type(settings).__name__}")
+    elif K % settings.BLOCK_K or settings.split_k < 1:
+        raise ValueError(f"settings: BLOCK_K {settings.BLOCK_K} must divide K = {K} and "
+                         f"split_k {settings.split_k} be >= 1")
+    if q_out is None:
+        q_out = empty((M, HQ, D), x.dtype, x.device)
+    if M == 0:
+        return q_out
+    block_m = _block_m(M, D)
+    mblocks = cdiv(M, block_m)
+    split = settings.split_k
+    tiles = K // settings.BLOCK_K
+    split_tiles = cdiv(tiles, split)
+    if split > 1:
+        ws, ss_ws, count = _workspace(x.device, heads * mblocks * split * block_m * D,
+                                      heads * mblocks * split * block_m, heads * mblocks)
+    else:  # unused (the SPLIT_K == 1 branch compiles away)
+        ws = ss_ws = inv_freq
+        count = positions
+    paged = block_table is not None
+    dummy = inv_freq  # for pointers a switched-off variant never reads
+    _qkv_rope_kernel[(heads, split, mblocks)](
+        x, wqkv, bqkv if bqkv is not None else dummy,
+        q_norm if q_norm is not None else dummy, k_norm if k_norm is not None else dummy,
+        inv_freq, positions, seq_index if seq_index is not None else positions,
+        q_out, k_cache, v_cache, block_table if paged else positions, ws, ss_ws, count,
+        M, K, split_tiles, float(norm_eps or 0.0), float(qk_eps or 0.0),
+        x.stride(0), wqkv.stride(0), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        HQ=HQ, HKV=HKV, D=D, BLOCK_M=block_m, BLOCK_K=settings.BLOCK_K, SPLIT_K=split,
+        NORM=norm_eps is not None, BIAS=bqkv is not None, QK_NORM=q_norm is not None,
+        PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+        SEQ_INDEX=seq_index is not None, PDL=bool(pdl),
+        FENCE=split > 1 and target.backend == "cuda", STAGES=settings.num_stages,
+        num_warps=settings.num_warps, num_stages=settings.num_stages,
+        **({"launch_pdl": True} if pdl else {}))
+    return q_out
+
+
+# --------------------------------------------------------------------------- compile specs
+
+_TL = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int = 1,
+                 hidden: int = 4096, q_heads: int = 32, kv_heads: int = 8, norm: bool = True,
+                 bias: bool = False, qk_norm: bool = False, paged: bool = True,
+                 page_size: int = 16, seq_index: bool = False, pdl: bool = False,
+                 settings: QkvRopeSettings | None = None, num_sms: int = 132) -> dict:
+    """What ``triton.compile`` needs to build the kernel for compute capability cc, by
+    default at the Llama-3.1-8B shape (K 4096, Hq 32, Hkv 8, D 128), one row, paged.
+
+    Returns {"fn", "signature", "constexprs", "attrs", "options"} as
+    decode_triton.compile_spec does; use ``triton.compile(ASTSource(s["fn"],
+    s["signature"], constexprs=s["constexprs"], attrs=s["attrs"]),
+    target=GPUTarget("cuda", cc, 32), options=s["options"])``.
+    """
+    t = _TL[dtype]
+    heads = q_heads + 2 * kv_heads
+    if settings is None:
+        settings = default_settings(Target("cuda", cc, num_sms), rows=rows, hidden=hidden,
+                                    heads=heads, head_dim=head_dim, dtype=_TORCH[dtype])
+    sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "b_ptr": f"*{t}", "qn_ptr": f"*{t}",
+           "kn_ptr": f"*{t}", "inv_freq_ptr": "*fp32", "pos_ptr": "*i32", "seq_ptr": "*i32",
+           "q_ptr": f"*{t}", "kc_ptr": f"*{t}", "vc_ptr": f"*{t}", "bt_ptr": "*i32",
+           "ws_ptr": "*fp32", "ss_ws_ptr": "*fp32", "count_ptr": "*i32",
+           "M": "i32", "K": "i32", "SPLIT_TILES": "i32", "norm_eps": "fp32", "qk_eps": "fp32"}
+    for name in ("stride_xm", "stride_wn", "stride_qm", "stride_qh", "stride_kb", "stride_kl",
+                 "stride_kh", "stride_vb", "stride_vl", "stride_vh", "stride_btb"):
+        sig[name] = "i32"
+    const = {"HQ": q_heads, "HKV": kv_heads, "D": head_dim, "BLOCK_M": _block_m(rows, head_dim),
+             "BLOCK_K": settings.BLOCK_K, "SPLIT_K": settings.split_k, "NORM": norm,
+             "BIAS": bias, "QK_NORM": qk_norm, "PAGED": paged,
+             "PAGE_SIZE": page_size if paged else 1, "SEQ_INDEX": seq_index, "PDL": pdl,
+             "FENCE": settings.split_k > 1, "STAGES": settings.num_stages}
+    sig.update({name: "constexpr" for name in const})
+    attrs = {(_qkv_rope_kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n in _ALIGNED}
+    return {"fn": _qkv_rope_kernel, "signature": sig, "constexprs": const, "attrs": attrs,
+            "options": {"num_warps": settings.num_warps, "num_stages": settings.num_stages,
+                        "launch_pdl": pdl}}
+
+
+# What a real launch sees as 16-divisible: every tensor pointer and the strides of the
+# [.., D] / [.., K] tensors (K % 16 == 0 is required; D is 64/128/256). M, SPLIT_TILES and
+# stride_btb are left unknown.
+_ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "qn_ptr", "kn_ptr", "inv_freq_ptr", "pos_ptr",
+            "seq_ptr", "q_ptr", "kc_ptr", "vc_ptr", "bt_ptr", "ws_ptr", "ss_ws_ptr",
+            "count_ptr", "K", "stride_xm", "stride_wn", "stride_qm", "stride_qh", "stride_kb",
+            "stride_kl", "stride_kh", "stride_vb", "stride_vl", "stride_vh")

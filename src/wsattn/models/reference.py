@@ -19,14 +19,15 @@ With folded weights (``weights.norms_folded``, see :mod:`wsattn.models.flashnorm
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+
 import torch.nn.functional as F
 
 from .. import reference as attn_ref
 from .config import ModelConfig
+from ..rope import rope_inv_freq as _rope_inv_freq
 from .weights import Weights
 
 __all__ = ["KVCache", "prefill", "decode_step", "rope_inv_freq", "rope_cos_sin", "apply_rope",
@@ -110,25 +111,15 @@ def _norm_project(x, w, norm_weight, eps, folded):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """The inverse frequencies [D/2], float32, computed as transformers computes them
-    (``compute_default_rope_parameters`` / ``_compute_llama3_parameters``), so they are
-    bitwise equal to a transformers model's ``rotary_emb.inv_freq``."""
-    rope, dim = cfg.rope, cfg.head_dim
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
-    if rope.type == "default":
-        return inv_freq
-    # llama3: long wavelengths are divided by factor, short ones kept, the band between
-    # interpolated smoothly
-    factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
-    old_context_len = rope.original_max_positions
-    low_freq_wavelen = old_context_len / low
-    high_freq_wavelen = old_context_len / high
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = (old_context_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
+    """The inverse frequencies [D/2], float32, as transformers computes them (bitwise equal
+    to a transformers model's ``rotary_emb.inv_freq``); the one implementation lives in
+    :mod:`wsattn.rope`, which the fused QKV kernel's host side uses too."""
+    rope = cfg.rope
+    scaling = None if rope.type == "default" else {
+        "rope_type": rope.type, "factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
+        "high_freq_factor": rope.high_freq_factor,
+        "original_max_position_embeddings": rope.original_max_positions}
+    return _rope_inv_freq(cfg.head_dim, rope.theta, scaling)
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype=torch.float64):

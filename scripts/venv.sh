@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import wsattn, torch, triton, pytest, xdist, pytest_timeout" 2>/dev/null; then
+if ! .venv/bin/python -c "import wsattn, torch, triton, pytest, xdist, pytest_timeout, transformers, safetensors" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   # numpy < 2.4: Triton 3.6's interpreter breaks on loops with a run-time bound under
   # numpy 2.4 (triton-lang/triton#9171, fixed after 3.6.0).

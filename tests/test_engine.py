@@ -314,14 +314,21 @@ def test_generate_checks_before_loading(tmp_path):
         generate(missing, [[1]], 2)
 
 
-def test_kernels_step_not_built_yet(engine):
-    """step='kernels' says the GPU runner is missing instead of running something else."""
-    from wsattn.engine.generate import Engine, generate
+def test_kernels_step_refused_on_plain_cpu(monkeypatch):
+    """step='kernels' on the CPU without the Triton interpreter is refused by name when the
+    step is built, before any forward runs or a sequence is admitted, instead of running
+    something else under its name; impl='auto' on the CPU picks the reference step."""
+    from wsattn.engine.generate import Engine, _resolve_impl
 
-    with pytest.raises(ValueError, match="not built yet"):
-        Engine("unused-path", step="kernels")
-    with pytest.raises(ValueError, match="not built yet"):
-        generate("unused-path", [[1]], 2, impl="kernels")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kernels = Engine(_hf_model("llama"), device="cpu", step="kernels")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        kernels.run(_prompts(), 2)
+    assert kernels.cache is None or kernels.cache.live == []
+    assert _resolve_impl("auto", "cpu") == "reference"
+    assert _resolve_impl("auto", "cuda", torch.bfloat16) == "kernels"
+    assert _resolve_impl("auto", "cuda", torch.float32) == "reference"
+    assert _resolve_impl("auto", "cuda") == "kernels"  # decided again from the checkpoint
 
 
 def test_top_level_generate_is_lazy(engine):

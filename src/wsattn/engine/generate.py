@@ -20,12 +20,12 @@ An :class:`Engine` holds a model's FlashNorm-folded weights
 
 The step function (the :class:`Step` interface below) is where the forward runs:
 
-* ``step="reference"`` (today's only implementation): :mod:`wsattn.models.reference`,
-  plain PyTorch, any device and dtype; prefill and decode read and write the paged cache.
-* ``step="kernels"``: the GPU runner (fused decode kernels, one CUDA graph per batch
-  bucket, PDL; prefill through :func:`wsattn.attention_varlen`). It lives in
-  ``wsattn.engine.runner``, which is not written yet: asking for it raises a
-  ``ValueError`` saying so rather than running something else under its name.
+* ``step="reference"``: :mod:`wsattn.models.reference`, plain PyTorch, any device and
+  dtype; prefill and decode read and write the paged cache.
+* ``step="kernels"``: :class:`wsattn.engine.runner.KernelStep`, the fused decode kernels
+  (one CUDA graph per batch bucket, PDL; prefill through cuBLAS and
+  :func:`wsattn.attention_varlen`), on CUDA (fp16/bf16) or the CPU through the Triton
+  interpreter (``TRITON_INTERPRET=1``, fp32/fp16); anything else it refuses by name.
 """
 
 from __future__ import annotations
@@ -137,20 +137,12 @@ class ReferenceStep:
                                      compute_dtype=self.compute_dtype).float()
 
 
-def _make_step(name, cfg, weights, cache):
+def _make_step(name, cfg, weights, cache, buckets=BUCKETS):
     if name == "reference":
         return ReferenceStep(cfg, weights, cache)
     # name == "kernels"
-    try:
-        runner = importlib.import_module("wsattn.engine.runner")
-    except ModuleNotFoundError as e:
-        if e.name == "wsattn.engine.runner":
-            raise ValueError(
-                "step='kernels' needs the GPU runner (wsattn.engine.runner: fused decode "
-                "kernels, one CUDA graph per batch bucket, PDL), which is not built yet; "
-                "use step='reference'") from None
-        raise
-    return runner.KernelStep(cfg, weights, cache)
+    runner = importlib.import_module("wsattn.engine.runner")
+    return runner.KernelStep(cfg, weights, cache, buckets=buckets)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -236,7 +228,7 @@ class Engine:
         dtype: weights, activations and cache dtype (default: the checkpoint's).
         device: default ``"cuda"`` if available, else ``"cpu"``.
         step: ``"reference"`` or ``"kernels"`` (see the module docstring; ``"kernels"``
-            raises ValueError until ``wsattn.engine.runner`` exists).
+            refuses by name a device/dtype it does not run, when the step is built).
         page_size: tokens per KV page.
         buckets: increasing batch sizes; the largest is the most sequences per request.
         num_pages: KV pages in the pool; None: grown to fit each request (the pool is
@@ -263,8 +255,6 @@ class Engine:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
             raise ValueError(f"num_pages must be None or a positive int, got {num_pages!r}")
-        if step == "kernels" and _runner_missing():  # fail before loading any weights
-            _make_step(step, None, None, None)
         device = torch.device(device if device is not None else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         cfg, weights = load(model_or_path, dtype=dtype, device=device)
@@ -284,7 +274,8 @@ class Engine:
     def _new_pool(self, num_pages):
         self.cache = PagedKVCache(self.cfg, num_pages, self.page_size, self.dtype, self.device,
                                   max_batch=self.buckets[-1], max_seq_len=self.max_seq_len)
-        self.step = _make_step(self.step_name, self.cfg, self.weights, self.cache)
+        self.step = _make_step(self.step_name, self.cfg, self.weights, self.cache,
+                               self.buckets)
 
     def check(self, prompts: list[torch.Tensor], max_new_tokens: int) -> None:
         """Everything :meth:`run` checks before any work (prompts as :meth:`run` takes
@@ -430,16 +421,6 @@ class _Clock:
         self.out.update(prefill_s=spans[0], decode_s=spans[1], decode_steps=decode_steps)
 
 
-def _runner_missing() -> bool:
-    try:
-        importlib.import_module("wsattn.engine.runner")
-    except ModuleNotFoundError as e:
-        if e.name == "wsattn.engine.runner":
-            return True
-        raise
-    return False
-
-
 def _eos(eos_token_id, vocab):
     if eos_token_id is None:
         return None
@@ -461,13 +442,18 @@ def _result(prompts, new, as_tensor, logits):
     return tokens if logits is None else (tokens, logits)
 
 
-def _resolve_impl(impl, device):
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what "auto" runs the kernels for on CUDA
+
+
+def _resolve_impl(impl, device, dtype=None):
+    """The step for ``impl``: "auto" is the kernels on CUDA for a 16-bit model (``dtype``
+    None: decided again once the checkpoint's dtype is known), else the reference."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
     on_cuda = torch.device(device).type == "cuda"
-    return "kernels" if on_cuda and not _runner_missing() else "reference"
+    return "kernels" if on_cuda and (dtype is None or dtype in KERNEL_DTYPES) else "reference"
 
 
 def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
@@ -493,9 +479,9 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
             sequences.
         dtype, device: model dtype (default: the checkpoint's) and device (default CUDA
             if available, else CPU).
-        impl: ``"reference"`` (plain PyTorch step), ``"kernels"`` (the GPU runner; raises
-            ValueError until it exists), or ``"auto"``: kernels on CUDA when the runner
-            exists, else the reference.
+        impl: ``"reference"`` (plain PyTorch step), ``"kernels"`` (the fused-kernel
+            runner, :mod:`wsattn.engine.runner`), or ``"auto"``: kernels on CUDA for a
+            float16/bfloat16 model, else the reference.
         seed: seeds the sampler's ``torch.Generator``; same seed, same tokens.
 
     Returns:
@@ -513,9 +499,11 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     _check_sampling(temperature, top_k, top_p)
     step = _resolve_impl(impl, device if device is not None else
-                         ("cuda" if torch.cuda.is_available() else "cpu"))
+                         ("cuda" if torch.cuda.is_available() else "cpu"), dtype)
     engine = Engine(model_or_path, dtype=dtype, device=device, step=step, page_size=page_size,
                     buckets=buckets, prefill_chunk=prefill_chunk)
+    # the step is built at the first request: "auto" can still follow the checkpoint's dtype
+    engine.step_name = _resolve_impl(impl, engine.device, engine.dtype)
     return engine.run(input_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, eos_token_id=eos_token_id, return_logits=return_logits,
                       seed=seed)

@@ -1,0 +1,492 @@
+"""The kernel step: a model's decode step as fused Triton launches, one CUDA graph per
+batch bucket, PDL between the launches; prefill of packed chunks through cuBLAS and
+:func:`wsattn.attention_varlen`.
+
+:class:`KernelStep` implements the engine's :class:`~wsattn.engine.generate.Step`
+contract over FlashNorm-folded weights (:mod:`wsattn.models.flashnorm`). The kernels live
+in :mod:`wsattn.kernels`; this module only wires them.
+
+Decode, one token per sequence, on a static batch of ``bucket`` rows (h is the residual
+stream [bucket, hidden] in the model dtype; every norm is FlashNorm, the norm weight
+folded into the next projection and only ``1/rms`` applied in the kernel)::
+
+    h = embed[tokens]                                    torch index_select (into a static buffer)
+    positions = seqlens - 1                              torch sub (once a step)
+    per layer (5 library calls; 5 Triton launches, 6 when decode splits the keys):
+        q = qkv_rope_append(h, wqkv, norm_eps, bqkv, q/k_norm, rope, -> k/v pages)   1 launch
+        a = wsattn.decode(q, k_pages[l], v_pages[l], seqlens, block_table)     1 (+1 combine)
+        h = gemv(a, wo, residual=h, out=h)                                     1 (+1 split-K finish)
+        act = gemv(h, w_gate_up, norm_eps, silu_mul=True)                      1 (+1)
+        h = gemv(act, w_down, residual=h, out=h)                               1 (+1)
+    logits = gemv(h, lm_head, norm_eps)                  (+ one cast to fp32 for 16-bit models)
+
+The split-K finishes launch only where the GEMV settings split K (on the GPU, at shapes
+whose column blocks do not fill the SMs; never in the interpreter) and the combine only
+where decode splits the keys; :attr:`KernelStep.launches` counts the library calls.
+
+Batch buckets: a batch of B rows runs at the smallest bucket >= B. The rows past B repeat
+row 0 (its token, its length, its block-table row): they compute what row 0 computes and
+write row 0's k/v, the same bytes to the same cache slot, so the cache stays as an
+unpadded step leaves it without a spare page in the pool; their logits are dropped.
+
+CUDA graphs (GPU, ``graphs=True`` by default there): the first decode at a bucket runs the
+step eagerly once (compiles the kernels, sizes the workspaces), then captures it into a
+graph over static buffers (tokens, seqlens, block table of the cache's full width, the
+residual stream, q, the MLP activation, logits); every later decode at that bucket copies
+its inputs into those buffers and replays. Before the first capture the fused QKV
+kernel's split-K workspace (shared per device, grown on demand) is sized for every
+bucket, so no capture allocates it and no replay reads a freed one.
+
+Prefill (never captured): projections and the MLP as torch matmuls (M is large, cuBLAS
+is at its best), the same FlashNorm / QK-norm / RoPE arithmetic as the kernels in fp32,
+k/v scattered into the pages through the block table, then attention of each chunk:
+``wsattn.attention_varlen`` on the chunk itself when every sequence starts at 0, else
+over each sequence's cached prefix + chunk gathered into packed rows (causal, bottom-right
+aligned, so the chunk's token i sees keys 0..start+i).
+
+Where it runs: CUDA (fp16/bf16; graphs and PDL on sm_90+) or the CPU through the Triton
+interpreter (``TRITON_INTERPRET=1``; fp32 or fp16; eager, no graphs, no PDL).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.nn.functional as F
+
+from .. import api
+from ..kernels.gemv import MAX_M as GEMV_MAX_M, gemv
+from ..kernels.qkv_rope import qkv_rope_append
+from ..models.config import HEAD_DIMS, ModelConfig
+from ..models.weights import Weights
+from ..rope import rope_inv_freq
+from ..target import interpreting
+from .generate import BUCKETS
+
+__all__ = ["KernelStep"]
+
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+# the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
+INTERPRETER_DTYPES = (torch.float32, torch.float16)
+
+
+class _Buffers:
+    """A bucket's static tensors: what its CUDA graph reads and writes."""
+
+    def __init__(self, cfg, bucket, max_pages, dtype, device):
+        i32, dev = torch.int32, device
+        self.bucket = bucket
+        self.tokens = torch.zeros(bucket, dtype=torch.int64, device=dev)
+        self.seqlens = torch.ones(bucket, dtype=i32, device=dev)
+        self.positions = torch.zeros(bucket, dtype=i32, device=dev)
+        self.block_table = torch.zeros(bucket, max_pages, dtype=i32, device=dev)
+        self.h = torch.zeros(bucket, cfg.hidden, dtype=dtype, device=dev)
+        self.q = torch.zeros(bucket, cfg.heads, cfg.head_dim, dtype=dtype, device=dev)
+        self.act = torch.zeros(bucket, cfg.ffn, dtype=dtype, device=dev)
+        self.logits = torch.zeros(bucket, cfg.vocab, dtype=torch.float32, device=dev)
+        # the LM head GEMV writes the model dtype; 16-bit models cast into logits after it
+        self.logits_model = (self.logits if dtype == torch.float32 else
+                             torch.zeros(bucket, cfg.vocab, dtype=dtype, device=dev))
+
+
+class KernelStep:
+    """The engine's step through the fused kernels (see the module docstring).
+
+    Args:
+        cfg: the :class:`~wsattn.models.config.ModelConfig`.
+        weights: folded :class:`~wsattn.models.weights.Weights` (``norms_folded=True``),
+            fp16/bf16 on CUDA, fp32/fp16 on the CPU (Triton interpreter).
+        cache: the :class:`~wsattn.engine.kv_cache.PagedKVCache` (k/v [layers, num_pages,
+            page_size, Hkv, D], the weights' dtype and device). Graphs are captured
+            against its tensors: build a new step when the pool is reallocated.
+        buckets: increasing batch sizes, each <= 64 (the GEMV kernels' row limit); the
+            largest must hold ``cache.max_batch`` when the cache sets one.
+        graphs: capture one CUDA graph per bucket (None: on for CUDA; CPU: off, True
+            refused).
+        pdl: programmatic dependent launch for every kernel that takes it (None: on for
+            CUDA sm_90+; True elsewhere refused).
+
+    Attributes:
+        launches: ``collections.Counter`` of library calls by name ("embed", "positions",
+            "qkv_rope", "decode", "gemv_o", "gemv_gate_up", "gemv_down", "gemv_lm_head",
+            "logits_cast"), counted when a step runs eagerly (warm-up and capture
+            included, replays not).
+
+    Raises ValueError naming the argument for anything it does not run: a device other
+    than CUDA or the interpreter, a dtype the kernels do not take there, a head dim other
+    than 64/128/256, a hidden size not a multiple of 16, unfolded weights, shapes that do
+    not match cfg.
+    """
+
+    name = "kernels"
+
+    def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None):
+        self._check(cfg, weights, cache)
+        self.cfg, self.weights, self.cache = cfg, weights, cache
+        self.device, self.dtype = weights.embed.device, weights.dtype
+        on_cuda = self.device.type == "cuda"
+        buckets = tuple(buckets)
+        if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                              for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"buckets must be increasing positive ints, got {buckets!r}")
+        if buckets[-1] > GEMV_MAX_M:
+            raise ValueError(f"buckets: {buckets[-1]} rows is above the {GEMV_MAX_M} the GEMV "
+                             "kernels take")
+        max_batch = getattr(cache, "max_batch", None)
+        if max_batch is not None and max_batch > buckets[-1]:
+            raise ValueError(f"buckets: the largest ({buckets[-1]}) is below the cache's "
+                             f"max_batch ({max_batch})")
+        self.buckets = buckets
+        if graphs not in (None, True, False):
+            raise ValueError(f"graphs must be None, True or False, got {graphs!r}")
+        if graphs and not on_cuda:
+            raise ValueError("graphs=True needs CUDA tensors (the interpreter has no graphs)")
+        self.graphs = on_cuda if graphs is None else graphs
+        if pdl not in (None, True, False):
+            raise ValueError(f"pdl must be None, True or False, got {pdl!r}")
+        has_pdl = on_cuda and torch.cuda.get_device_capability(self.device)[0] >= 9
+        if pdl and not has_pdl:
+            raise ValueError(f"pdl=True needs a CUDA GPU of sm_90 or later; the weights are "
+                             f"on {self.device}")
+        self.pdl = has_pdl if pdl is None else pdl
+
+        rope = cfg.rope
+        scaling = None if rope.type == "default" else {
+            "rope_type": rope.type, "factor": rope.factor,
+            "low_freq_factor": rope.low_freq_factor, "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_positions}
+        self.inv_freq = rope_inv_freq(cfg.head_dim, rope.theta, scaling, device=self.device)
+        self.eps = float(cfg.rms_eps)
+        self.max_pages = cache.k.shape[1] if getattr(cache, "max_pages", None) is None \
+            else int(cache.max_pages)
+        self.page_size = cache.k.shape[2]
+        self.launches: collections.Counter = collections.Counter()
+        self._buffers: dict[int, _Buffers] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._workspaces_reserved = False
+
+    # ------------------------------------------------------------------ validation
+    @staticmethod
+    def _check(cfg, weights, cache):
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+        if not isinstance(weights, Weights):
+            raise ValueError(f"weights must be wsattn.models.Weights, got "
+                             f"{type(weights).__name__}")
+        if not weights.norms_folded:
+            raise ValueError("weights must be FlashNorm-folded (wsattn.models.flashnorm.fold): "
+                             "the kernels apply only 1/rms, the norm weights must live in "
+                             "wqkv, w_gate_up and lm_head")
+        dev, dt = weights.embed.device, weights.dtype
+        if dev.type == "cuda":
+            if dt not in CUDA_DTYPES:
+                raise ValueError(f"weights dtype {dt} is not taken by the kernels on CUDA "
+                                 f"(float16, bfloat16)")
+        elif dev.type == "cpu":
+            if not interpreting():
+                raise ValueError("step='kernels' on the CPU needs the Triton interpreter "
+                                 "(TRITON_INTERPRET=1 before triton is imported); use "
+                                 "step='reference' or CUDA tensors")
+            if dt not in INTERPRETER_DTYPES:
+                raise ValueError(f"weights dtype {dt} is not run by the kernels in the Triton "
+                                 "interpreter (float32, float16; its bf16 dot is wrong)")
+        else:
+            raise ValueError(f"weights are on {dev}; the kernel step runs on CUDA or the CPU "
+                             "interpreter")
+        if cfg.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {cfg.head_dim} is not supported (the kernels take "
+                             f"{HEAD_DIMS})")
+        if cfg.hidden % 16:
+            raise ValueError(f"hidden size {cfg.hidden} must be a multiple of 16 (the fused "
+                             "QKV kernel's K tiles)")
+        if len(weights.layers) != cfg.layers or tuple(weights.embed.shape) != (cfg.vocab,
+                                                                            cfg.hidden):
+            raise ValueError(f"weights ({len(weights.layers)} layers, embed "
+                             f"{list(weights.embed.shape)}) do not match cfg ({cfg.layers} "
+                             f"layers, vocab {cfg.vocab}, hidden {cfg.hidden})")
+        rows = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+        for name, t, shape in (("lm_head", weights.lm_head, (cfg.vocab, cfg.hidden)),):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"weights.{name} must be {list(shape)}, got {list(t.shape)}")
+        for i, layer in enumerate(weights.layers):
+            for name, shape in (("wqkv", (rows, cfg.hidden)), ("wo", (cfg.hidden, cfg.q_size)),
+                                ("w_gate_up", (2 * cfg.ffn, cfg.hidden)),
+                                ("w_down", (cfg.hidden, cfg.ffn))):
+                t = getattr(layer, name)
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"weights.layers[{i}].{name} must be {list(shape)}, got "
+                                     f"{list(t.shape)}")
+            if (layer.bqkv is not None) != cfg.qkv_bias:
+                raise ValueError(f"weights.layers[{i}].bqkv is "
+                                 f"{'missing' if cfg.qkv_bias else 'present'} but cfg.qkv_bias="
+                                 f"{cfg.qkv_bias}")
+            if (layer.q_norm is not None) != cfg.qk_norm or \
+                    (layer.k_norm is not None) != cfg.qk_norm:
+                raise ValueError(f"weights.layers[{i}].q_norm/k_norm do not match "
+                                 f"cfg.qk_norm={cfg.qk_norm}")
+        bad = [n for n, t in weights.tensors() if t.dtype != dt or t.device != dev
+               or not t.is_contiguous()]
+        if bad:
+            raise ValueError(f"weights {bad[:4]} must be contiguous {dt} on {dev} like embed")
+        k, v = getattr(cache, "k", None), getattr(cache, "v", None)
+        want = (cfg.layers, cfg.kv_heads, cfg.head_dim)
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 5 \
+                or (k.shape[0], k.shape[3], k.shape[4]) != want or v.shape != k.shape:
+            raise ValueError(f"cache k/v must be [layers={cfg.layers}, num_pages, page_size, "
+                             f"Hkv={cfg.kv_heads}, D={cfg.head_dim}] tensors, got "
+                             f"{getattr(k, 'shape', k)} and {getattr(v, 'shape', v)}")
+        if k.dtype != dt or v.dtype != dt or k.device != dev or v.device != dev:
+            raise ValueError(f"cache k/v must be {dt} on {dev} (the weights'), got {k.dtype} "
+                             f"on {k.device}")
+        if not (k.is_contiguous() and v.is_contiguous()):
+            raise ValueError("cache k/v must be contiguous")
+
+    def _check_index(self, name, t, shape, dtype):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != len(shape) \
+                or any(s is not None and a != s for a, s in zip(t.shape, shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must be {dtype} {want}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} "
+                             f"{list(getattr(t, 'shape', []))}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device}, the step on {self.device}")
+
+    # ------------------------------------------------------------------ decode
+    def _count(self, name):
+        self.launches[name] += 1
+
+    def _forward(self, buf: _Buffers):
+        """The decode step over a bucket's static buffers (what a graph captures)."""
+        cfg, w, cache, eps, pdl = self.cfg, self.weights, self.cache, self.eps, self.pdl
+        h, n = buf.h, buf.bucket
+        torch.index_select(w.embed, 0, buf.tokens, out=h)
+        self._count("embed")
+        torch.sub(buf.seqlens, 1, out=buf.positions)
+        self._count("positions")
+        for i, layer in enumerate(w.layers):
+            k_pages, v_pages = cache.k[i], cache.v[i]
+            qkv_rope_append(h, layer.wqkv, bqkv=layer.bqkv, q_norm=layer.q_norm,
+                            k_norm=layer.k_norm, norm_eps=eps,
+                            qk_eps=eps if cfg.qk_norm else None, inv_freq=self.inv_freq,
+                            positions=buf.positions, k_cache=k_pages, v_cache=v_pages,
+                            block_table=buf.block_table, q_out=buf.q, pdl=pdl)
+            self._count("qkv_rope")
+            attn = api.decode(buf.q, k_pages, v_pages, buf.seqlens, buf.block_table,
+                              impl="triton", validate=False)  # [n, Hq, D]
+            self._count("decode")
+            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl)
+            self._count("gemv_o")
+            gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, pdl=pdl)
+            self._count("gemv_gate_up")
+            gemv(buf.act, layer.w_down, residual=h, out=h, pdl=pdl)
+            self._count("gemv_down")
+        gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, pdl=pdl)
+        self._count("gemv_lm_head")
+        if buf.logits_model is not buf.logits:
+            buf.logits.copy_(buf.logits_model)
+            self._count("logits_cast")
+
+    def _bucket(self, B):
+        for b in self.buckets:
+            if b >= B:
+                return b
+        raise ValueError(f"a batch of {B} is above the largest bucket ({self.buckets[-1]})")
+
+    def _reserve_workspaces(self):
+        """Size the fused QKV kernel's per-device split-K workspace for every bucket before
+        the first capture: a capture must not allocate it, and growing it later would free
+        the buffer earlier graphs replay against. Runs on a one-page scratch cache."""
+        if self._workspaces_reserved:
+            return
+        cfg, dev, dt = self.cfg, self.device, self.dtype
+        kc = torch.zeros(1, self.page_size, cfg.kv_heads, cfg.head_dim, dtype=dt, device=dev)
+        vc = torch.zeros_like(kc)
+        layer = self.weights.layers[0]
+        for b in self.buckets:
+            x = torch.zeros(b, cfg.hidden, dtype=dt, device=dev)
+            qkv_rope_append(x, layer.wqkv, bqkv=layer.bqkv, q_norm=layer.q_norm,
+                            k_norm=layer.k_norm, norm_eps=self.eps,
+                            qk_eps=self.eps if cfg.qk_norm else None, inv_freq=self.inv_freq,
+                            positions=torch.zeros(b, dtype=torch.int32, device=dev),
+                            k_cache=kc, v_cache=vc,
+                            block_table=torch.zeros(b, 1, dtype=torch.int32, device=dev),
+                            pdl=self.pdl)
+        self._workspaces_reserved = True
+
+    def _capture(self, bucket, buf):
+        self._reserve_workspaces()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(buf)  # warm-up: compiles, fills autotuning caches, allocates
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward(buf)
+        self._graphs[bucket] = graph
+        return graph
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, seqlens: torch.Tensor,
+               block_table: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence (the :class:`~wsattn.engine.generate.Step` contract).
+
+        tokens: int64 [B]; seqlens: int32 [B], cache length including the new token;
+        block_table: int32 [B, max_pages'] with max_pages' <= the cache's max_pages; all on
+        the step's device, B <= the largest bucket. Index values are never read on the
+        host. Returns float32 [B, vocab] (a new tensor, not the graph's buffer)."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+            raise ValueError(f"tokens must be int64 [B], got "
+                             f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
+                             f"{list(getattr(tokens, 'shape', []))}")
+        B = tokens.shape[0]
+        self._check_index("tokens", tokens, (B,), torch.int64)
+        self._check_index("seqlens", seqlens, (B,), torch.int32)
+        self._check_index("block_table", block_table, (B, None), torch.int32)
+        width = block_table.shape[1]
+        if width > self.max_pages:
+            raise ValueError(f"block_table is {width} pages wide; the cache's sequences hold "
+                             f"at most {self.max_pages}")
+        if B == 0:
+            return torch.empty(0, self.cfg.vocab, dtype=torch.float32, device=self.device)
+        bucket = self._bucket(B)
+        buf = self._buffers.get(bucket)
+        if buf is None:
+            buf = self._buffers[bucket] = _Buffers(self.cfg, bucket, self.max_pages,
+                                                   self.dtype, self.device)
+        buf.tokens[:B].copy_(tokens)
+        buf.seqlens[:B].copy_(seqlens)
+        buf.block_table[:B, :width].copy_(block_table)
+        if width < self.max_pages:
+            buf.block_table[:B, width:].zero_()
+        if B < bucket:  # padding rows repeat row 0 (see the module docstring)
+            buf.tokens[B:].copy_(buf.tokens[:1].expand(bucket - B))
+            buf.seqlens[B:].copy_(buf.seqlens[:1].expand(bucket - B))
+            buf.block_table[B:].copy_(buf.block_table[:1].expand(bucket - B, -1))
+        if self.graphs:
+            graph = self._graphs.get(bucket)
+            if graph is None:
+                graph = self._capture(bucket, buf)
+            graph.replay()
+        else:
+            self._forward(buf)
+        return buf.logits[:B].clone()
+
+    # ------------------------------------------------------------------ prefill
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, start: torch.Tensor,
+                block_table: torch.Tensor, *, lengths=None, starts=None) -> torch.Tensor:
+        """B sequences' next chunks, packed (the :class:`~wsattn.engine.generate.Step`
+        contract): tokens int64 [T]; cu_seqlens int32 [B + 1] (chunk b is
+        tokens[cu[b]:cu[b+1]], non-empty); start int32 [B], the tokens each sequence has
+        in the cache; block_table int32 [B, max_pages']. Writes the chunks' k/v at
+        positions start[b]..start[b]+len_b-1 and returns float32 [B, vocab], the logits at
+        each chunk's last token.
+
+        lengths, starts: optional host-side lists of the chunk lengths and the starts (what
+        cu_seqlens and start hold), which the caller built them from. Given, no device
+        value is read on the host; omitted, cu_seqlens and start are read once (one
+        synchronisation per chunk; prefill is never captured). They decide the attention
+        path and size the gathered prefix."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+            raise ValueError(f"tokens must be int64 [T], got "
+                             f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
+                             f"{list(getattr(tokens, 'shape', []))}")
+        T = tokens.shape[0]
+        self._check_index("tokens", tokens, (T,), torch.int64)
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+                or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must be int32 [B + 1] with B >= 1, got "
+                             f"{list(getattr(cu_seqlens, 'shape', []))}")
+        B = cu_seqlens.shape[0] - 1
+        self._check_index("cu_seqlens", cu_seqlens, (B + 1,), torch.int32)
+        self._check_index("start", start, (B,), torch.int32)
+        self._check_index("block_table", block_table, (B, None), torch.int32)
+        if (lengths is None) != (starts is None):
+            raise ValueError("lengths and starts must be given together (host-side lists) or "
+                             "not at all")
+        if lengths is None:
+            cu = cu_seqlens.tolist()
+            lengths = [b - a for a, b in zip(cu, cu[1:])]
+            starts = start.tolist()
+        lengths, starts = [int(n) for n in lengths], [int(s) for s in starts]
+        if len(lengths) != B or len(starts) != B:
+            raise ValueError(f"lengths and starts must hold B={B} values, got {len(lengths)} "
+                             f"and {len(starts)}")
+        if min(lengths) < 1 or sum(lengths) != T:
+            raise ValueError(f"the chunk lengths {lengths} must be >= 1 and sum to T={T}")
+        cap = block_table.shape[1] * self.page_size
+        if min(starts) < 0 or max(s + n for s, n in zip(starts, lengths)) > cap:
+            raise ValueError(f"start + chunk length must lie in [1, {cap}] (the block table's "
+                             f"capacity), got starts {starts}, lengths {lengths}")
+        return self._prefill(tokens, cu_seqlens, block_table, lengths, starts)
+
+    def _prefill(self, tokens, cu_seqlens, block_table, lengths, starts):
+        cfg, w, dev, dt = self.cfg, self.weights, self.device, self.dtype
+        B, T, P = len(lengths), tokens.shape[0], self.page_size
+        # per token: its sequence and position (host lists -> one upload, no read back)
+        seq_h = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths))
+        pos_h = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+        seq, pos = seq_h.to(dev), pos_h.to(dev)
+        page = block_table[seq, torch.div(pos, P, rounding_mode="floor")].long()
+        slot = pos % P
+        angles = pos.float()[:, None] * self.inv_freq  # fp32, as transformers and the kernel
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]  # [T, 1, D]
+        fresh = all(s == 0 for s in starts)
+        max_q = max(lengths)
+        if not fresh:  # each sequence's whole prefix + chunk, gathered in packed rows
+            kv_lens = [s + n for s, n in zip(starts, lengths)]
+            kseq_h = torch.repeat_interleave(torch.arange(B), torch.tensor(kv_lens))
+            kpos_h = torch.cat([torch.arange(n) for n in kv_lens])
+            kseq, kpos = kseq_h.to(dev), kpos_h.to(dev)
+            kpage = block_table[kseq, torch.div(kpos, P, rounding_mode="floor")].long()
+            kslot = kpos % P
+            cu_k = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            cu_k, max_k = cu_k.to(dev), max(kv_lens)
+
+        x = w.embed[tokens]  # [T, hidden], the residual stream in the model dtype
+        for i, layer in enumerate(w.layers):
+            qkv = (x @ layer.wqkv.T).float() * _inv_rms(x, self.eps)
+            if layer.bqkv is not None:
+                qkv = qkv + layer.bqkv.float()
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.view(T, cfg.heads, cfg.head_dim)
+            k = k.view(T, cfg.kv_heads, cfg.head_dim)
+            v = v.reshape(T, cfg.kv_heads, cfg.head_dim).to(dt)
+            if layer.q_norm is not None:
+                q = q * _inv_rms(q, self.eps) * layer.q_norm.float()
+                k = k * _inv_rms(k, self.eps) * layer.k_norm.float()
+            q, k = _rope(q, cos, sin).to(dt), _rope(k, cos, sin).to(dt)
+            self.cache.k[i][page, slot] = k
+            self.cache.v[i][page, slot] = v
+            if fresh:
+                attn = api.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_q, max_q,
+                                            causal=True, impl="triton", validate=False)
+            else:
+                kk = self.cache.k[i][kpage, kslot]
+                vv = self.cache.v[i][kpage, kslot]
+                attn = api.attention_varlen(q, kk, vv, cu_seqlens, cu_k, max_q, max_k,
+                                            causal=True, impl="triton", validate=False)
+            x = (x.float() + (attn.reshape(T, cfg.q_size) @ layer.wo.T).float()).to(dt)
+            gate, up = ((x @ layer.w_gate_up.T).float() * _inv_rms(x, self.eps)).chunk(2, -1)
+            act = (F.silu(gate) * up).to(dt)
+            x = (x.float() + (act @ layer.w_down.T).float()).to(dt)
+        last = x[cu_seqlens[1:].long() - 1]  # [B, hidden]
+        return (last @ w.lm_head.T).float() * _inv_rms(last, self.eps)
+
+
+def _inv_rms(x, eps):
+    """1 / sqrt(mean(x^2) + eps) over the last dim in fp32, keepdim: the FlashNorm scale."""
+    xf = x.float()
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rope(x, cos, sin):
+    """transformers' rotate_half RoPE: x [T, H, D] fp32, cos/sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

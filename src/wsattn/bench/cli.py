@@ -1,6 +1,6 @@
 """`wsattn bench`: ceilings, wsattn kernels and peers measured in one run on this GPU.
 
-    wsattn bench [prefill|decode|all|sp] [--quick] [--dtype bf16] [--impl ...]
+    wsattn bench [prefill|decode|all|sp|step|gemv] [--quick] [--dtype bf16] [--impl ...]
                  [--json PATH] [--plot PATH | --no-plot]
 
 Each output is checked against the float64 reference (on a slice) before it is timed; a
@@ -9,7 +9,9 @@ with --json PATH (a directory there gets the conventional name
 bench_<gpu>_<date>_<commit>.json), a PNG plot with --plot PATH, or beside the JSON unless
 --no-plot. Exit status: 0, 1 if a wsattn kernel failed its check or raised, 2 without a
 CUDA GPU. `wsattn bench sp` runs the sequence-parallel benchmark (wsattn.sp.bench) under
-torchrun, one process per GPU.
+torchrun, one process per GPU. `wsattn bench gemv` times every GEMV of a decode step at
+model shapes against cuBLAS and the copy ceiling (wsattn.bench.gemv); `wsattn bench step`
+a whole decode step against transformers and the memory floor (wsattn.bench.step).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import importlib
 import sys
 from pathlib import Path
 
-WHAT = ("prefill", "decode", "all", "sp")
+WHAT = ("prefill", "decode", "all", "sp", "step", "gemv")
 SP_MODULE = "wsattn.sp.bench"  # provides main(args) -> int, optionally add_arguments(parser)
 
 
@@ -61,6 +63,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms)")
     p.add_argument("--rep-ms", type=float, default=100.0,
                    help="time spent in timed samples per measurement (ms, 20 samples)")
+    from . import gemv as gemv_mod, step as step_mod
+    model_group = p.add_argument_group("step and gemv (decode-step model shapes)")
+    gemv_mod.add_arguments(model_group)
+    step_mod.add_arguments(model_group)
     sp, _ = _sp_module()
     if sp is not None and hasattr(sp, "add_arguments"):
         sp.add_arguments(p.add_argument_group("sp (sequence parallelism)"))
@@ -98,6 +104,9 @@ def run(args) -> int:
         print("wsattn bench: TRITON_INTERPRET=1 is set, which would time the CPU interpreter; "
               "unset it", file=sys.stderr)
         return 2
+    if args.what in ("step", "gemv"):
+        module = importlib.import_module(f"wsattn.bench.{args.what}")
+        return int(module.main(args) or 0)
     return _bench(args, torch)
 
 

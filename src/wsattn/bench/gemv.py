@@ -1,0 +1,384 @@
+"""`wsattn bench gemv`: every GEMV of a decode step at real model shapes, wsattn's fused
+kernel against cuBLAS, in TB/s of weights read and as a fraction of the copy ceiling.
+
+Per model (Llama-3.2-1B, Llama-3.1-8B, Qwen3-8B; shapes from :mod:`wsattn.bench.step`'s
+configs through :class:`~wsattn.models.ModelConfig`), per M in {1, 8, 64}, bf16:
+
+* ``qkv``: [M, hidden] x [q + 2 kv, hidden]^T with FlashNorm (``norm_eps``); in the step
+  this projection runs in ``qkv_rope.py`` (RoPE and the cache append fused), here through
+  the plain GEMV for its weight-streaming rate;
+* ``o``: [M, q] x [hidden, q]^T + residual;
+* ``gate_up``: [M, hidden] x [2 ffn, hidden]^T, FlashNorm, SiLU(gate) * up;
+* ``down``: [M, ffn] x [hidden, ffn]^T + residual;
+* ``lm_head``: [M, hidden] x [vocab, hidden]^T with FlashNorm.
+
+Implementations: ``wsattn`` (:func:`wsattn.kernels.gemv.gemv` with its epilogue, PDL
+on: back-to-back launches overlap as in a step), ``wsattn-nopdl`` (the kernel on its own)
+and ``cublas`` (``torch.nn.functional.linear``, no epilogue). Each output is checked
+against a float64 reference before it is timed. The weights are held in several copies
+and each call reads the next one, so the copies together exceed the 50 MB L2 several
+times over and a replay reads HBM, not L2 (``copies`` and ``calls`` are in the row).
+TB/s counts the bytes of W only; ``frac_copy`` divides by the copy ceiling of the same
+run; ``target_met`` says whether a wsattn row reaches 90 % of it (reported, never
+asserted).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .cases import DTYPES, tbps
+
+M_VALUES = (1, 8, 64)
+KERNELS = ("qkv", "o", "gate_up", "down", "lm_head")
+IMPLS = ("wsattn", "wsattn-nopdl", "cublas")
+TARGET_FRAC = 0.90  # of the copy ceiling, per GEMV on its own (the issue's target)
+L2_BYTES = 50 << 20  # H200
+FRESH_BYTES = 4 * L2_BYTES  # the weight copies a rotation cycles through, at least
+
+ROW_FIELDS = ("op", "impl", "case", "model", "kernel", "dtype", "M", "N", "K", "NOUT",
+              "epilogue", "w_bytes", "copies", "status", "reason", "note", "rel_err", "tol",
+              "check_passed", "median_ms", "q20_ms", "q80_ms", "reps", "calls", "timing",
+              "tbps", "frac_copy", "target_frac", "target_met", "ratio_cublas")
+
+
+@dataclass(frozen=True)
+class GemvCase:
+    """One GEMV of a decode step: x [M, K] @ W [N, K]^T, then the epilogue."""
+    model: str
+    kernel: str  # one of KERNELS
+    M: int
+    N: int  # rows of W (2 F with silu_mul)
+    K: int
+    norm: bool  # FlashNorm: 1/rms(x) applied in the epilogue
+    residual: bool
+    silu_mul: bool
+    dtype: str = "bf16"
+    fresh_bytes: int = FRESH_BYTES  # the weight copies together span at least this
+    op: str = "gemv"
+
+    @property
+    def nout(self) -> int:
+        return self.N // 2 if self.silu_mul else self.N
+
+    @property
+    def epilogue(self) -> str:
+        parts = [p for p, on in (("norm", self.norm), ("silu_mul", self.silu_mul),
+                                 ("residual", self.residual)) if on]
+        return "+".join(parts) or "none"
+
+    @property
+    def id(self) -> str:
+        return f"gemv-{self.model}-{self.kernel}-M{self.M}-N{self.N}-K{self.K}-{self.dtype}"
+
+    def w_bytes(self) -> int:
+        return self.N * self.K * DTYPES[self.dtype].itemsize
+
+    def copies(self) -> int:
+        """Weight copies to cycle through so that they span at least ``fresh_bytes``."""
+        return max(1, math.ceil(self.fresh_bytes / self.w_bytes()))
+
+
+def model_gemvs(model: str, cfg, M: int, dtype: str = "bf16") -> list[GemvCase]:
+    """The five GEMVs of one decode step of ``cfg`` (a ModelConfig) at M rows."""
+    h, q, kv, f = cfg.hidden, cfg.q_size, cfg.kv_size, cfg.ffn
+    spec = {"qkv": (q + 2 * kv, h, True, False, False),
+            "o": (h, q, False, True, False),
+            "gate_up": (2 * f, h, True, False, True),
+            "down": (h, f, False, True, False),
+            "lm_head": (cfg.vocab, h, True, False, False)}
+    return [GemvCase(model, k, M, *spec[k], dtype) for k in KERNELS]
+
+
+def gemv_cases(models=None, m_values=M_VALUES, kernels=KERNELS, dtype="bf16") -> list[GemvCase]:
+    from .step import MODELS, model_config
+
+    models = list(MODELS) if models is None else list(models)
+    return [c for name in models for M in m_values
+            for c in model_gemvs(name, model_config(name), M, dtype) if c.kernel in kernels]
+
+
+# --------------------------------------------------------------------------- GPU work
+
+def reference(case: GemvCase, x, w, residual, eps: float) -> torch.Tensor:
+    """float64 epilogue(x @ w^T), on x's device: [M, NOUT]."""
+    x64, w64 = x.double(), w.double()
+    if case.norm:
+        x64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    y = x64 @ w64.t()
+    if case.silu_mul:
+        g, u = y[:, :case.nout], y[:, case.nout:]
+        y = torch.nn.functional.silu(g) * u
+    if case.residual:
+        y = y + residual.double()
+    return y
+
+
+def _inputs(case: GemvCase, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = DTYPES[case.dtype]
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dt)
+
+    x = randn(case.M, case.K)
+    w0 = randn(case.N, case.K, scale=case.K ** -0.5)
+    ws = [w0] + [w0.clone() for _ in range(case.copies() - 1)]  # distinct HBM pages
+    residual = randn(case.M, case.nout) if case.residual else None
+    return x, ws, residual
+
+
+def _calls(case, impl, x, ws, residual, eps, out):
+    """(first: the checked call on copy 0, fn: the timed call cycling through the copies)."""
+    import torch.nn.functional as F
+
+    from wsattn.kernels.gemv import gemv
+
+    if impl == "cublas":
+        def call(w):
+            return F.linear(x, w)
+    else:
+        pdl = impl == "wsattn"
+
+        def call(w):
+            # out separate from residual: an in-place update would grow the stream every replay
+            return gemv(x, w, norm_eps=eps if case.norm else None, residual=residual,
+                        silu_mul=case.silu_mul, out=out, pdl=pdl)
+    state = {"i": 0}
+
+    def fn():
+        # each captured call reads the next copy, so a replay of many calls streams HBM
+        w = ws[state["i"] % len(ws)]
+        state["i"] += 1
+        return call(w)
+
+    return (lambda: call(ws[0])), fn
+
+
+def _check(case, impl, y, x, w, residual, eps):
+    from wsattn.testing import TOL, rel_err
+
+    ref = reference(case, x, w, residual, eps)
+    if impl == "cublas":  # the peer computes the plain product; compare with that
+        ref = x.double() @ w.double().t()
+    return rel_err(y, ref), TOL[case.dtype]
+
+
+def make_row(stamp: dict, case: GemvCase, impl: str, status: str, *, reason=None, note=None,
+             rel_err=None, tol=None, timing=None, copy_tbps=None) -> dict:
+    """One row; every row has the keys of ROW_FIELDS (None where they do not apply)."""
+    row = dict(stamp)
+    row.update({k: None for k in ROW_FIELDS})
+    row.update(op=case.op, impl=impl, case=case.id, model=case.model, kernel=case.kernel,
+               dtype=case.dtype, M=case.M, N=case.N, K=case.K, NOUT=case.nout,
+               epilogue=case.epilogue if impl != "cublas" else "none",
+               w_bytes=case.w_bytes(), copies=case.copies(), status=status, reason=reason,
+               note=note, rel_err=rel_err, tol=tol,
+               check_passed=None if rel_err is None else rel_err <= tol,
+               target_frac=TARGET_FRAC)
+    if timing is not None:
+        row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
+                   reps=timing.reps, calls=timing.calls, timing=timing.method,
+                   tbps=tbps(case.w_bytes(), timing.median_ms))
+        if copy_tbps:
+            row["frac_copy"] = row["tbps"] / copy_tbps
+            if impl.startswith("wsattn"):
+                row["target_met"] = "met" if row["frac_copy"] >= TARGET_FRAC else "missed"
+    return row
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """ratio_cublas (time of cublas / time of this row) on the timed wsattn rows, in place."""
+    peer = {r["case"]: r for r in rows if r.get("impl") == "cublas" and r["status"] == "ok"}
+    for r in rows:
+        p = peer.get(r.get("case"))
+        if r.get("impl", "").startswith("wsattn") and r["status"] == "ok" and p:
+            r["ratio_cublas"] = p["median_ms"] / r["median_ms"]
+    return rows
+
+
+def run_case(case, impls, timer, stamp, device, copy_tbps, eps=1e-5) -> list[dict]:
+    """Rows of every implementation for one case: check against float64, then time."""
+    from .suite import _short
+
+    rows = []
+    try:
+        x, ws, residual = _inputs(case, device)
+    except Exception as e:  # out of memory on a smaller GPU, say
+        return [make_row(stamp, case, i, "error", reason="inputs: " + _short(e)) for i in impls]
+    dt = DTYPES[case.dtype]
+    for impl in impls:
+        out = torch.empty(case.M, case.nout, dtype=dt, device=device)
+        try:
+            first, fn = _calls(case, impl, x, ws, residual, eps, out)
+            y = first()
+            _sync(device)
+            err, tol = _check(case, impl, y, x, ws[0], residual, eps)
+        except Exception as e:  # a broken kernel must not stop the benchmark
+            rows.append(make_row(stamp, case, impl, "error", reason=_short(e)))
+            continue
+        if not err <= tol:
+            rows.append(make_row(stamp, case, impl, "failed", rel_err=err, tol=tol,
+                                 reason=f"relative error {err:.3e} > {tol:.1e}; not timed"))
+            continue
+        try:
+            timing = timer(fn)
+        except Exception as e:
+            rows.append(make_row(stamp, case, impl, "error", rel_err=err, tol=tol,
+                                 reason="while timing: " + _short(e)))
+            continue
+        rows.append(make_row(stamp, case, impl, "ok", rel_err=err, tol=tol, timing=timing,
+                             copy_tbps=copy_tbps))
+    del x, ws, residual
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'case':<44} {'impl':<13} {'W MB':>8} {'median us':>10} {'TB/s':>6} "
+            f"{'of copy':>8} {'x cuBLAS':>8} {'90 %':>6} {'rel err':>8}  status")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r["op"] == "ceiling":
+            lines.insert(0, f"ceiling {r['impl']}: {r['tbps'] or r['tflops']:.2f} "
+                            f"{'TB/s' if r['tbps'] else 'TFLOP/s'} ({r['case']})")
+            continue
+        f = (lambda v, s: "-" if v is None else format(v, s))
+        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        lines.append(f"{r['case']:<44} {r['impl']:<13} {r['w_bytes'] / 1e6:>8.1f} "
+                     f"{f(None if r['median_ms'] is None else r['median_ms'] * 1e3, '.1f'):>10} "
+                     f"{f(r['tbps'], '.2f'):>6} {f(r['frac_copy'], '.3f'):>8} "
+                     f"{f(r['ratio_cublas'], '.2f'):>8} {r['target_met'] or '-':>6} "
+                     f"{f(r['rel_err'], '.1e'):>8}  {status[:120]}")
+    return "\n".join(lines)
+
+
+def plot_rows(rows: list[dict], path):
+    """TB/s per GEMV and implementation, one panel per (model, M), the copy ceiling dashed."""
+    from .plot import MISSING
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, MISSING
+    ok = [r for r in rows if r["op"] == "gemv" and r["status"] == "ok"]
+    if not ok:
+        return None, "no timed rows to plot"
+    copy = next((r["tbps"] for r in rows if r["op"] == "ceiling" and r["impl"] == "copy"), None)
+    panels = sorted({(r["model"], r["M"]) for r in ok})
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in ok)]
+    cols = min(len(panels), 3)
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.4 * nrows), squeeze=False)
+    width = 0.8 / max(len(impls), 1)
+    for ax, (model, M) in zip(axes.flat, panels):
+        for j, impl in enumerate(impls):
+            ys = [next((r["tbps"] for r in ok if (r["model"], r["M"], r["kernel"], r["impl"])
+                        == (model, M, k, impl)), 0.0) for k in KERNELS]
+            ax.bar([i + j * width for i in range(len(KERNELS))], ys, width, label=impl)
+        if copy:
+            ax.axhline(copy, linestyle="--", color="grey", linewidth=1, label="copy ceiling")
+            ax.axhline(TARGET_FRAC * copy, linestyle=":", color="grey", linewidth=1,
+                       label="90 % of copy")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(KERNELS))], KERNELS, fontsize=8)
+        ax.set_title(f"{model} M={M}", fontsize=9)
+        ax.set_ylabel("TB/s of W")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    s = rows[0]
+    fig.suptitle(f"wsattn bench gemv - {s.get('gpu')} - {s.get('commit')} - {s.get('date')}",
+                 fontsize=9)
+    fig.tight_layout()
+    from pathlib import Path
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path, f"plot written to {path}"
+
+
+def main(args) -> int:
+    """Run the GEMV benchmark (a CUDA GPU is checked for by the caller)."""
+    from tqdm import tqdm
+
+    from . import ceilings as ceil_mod
+    from .env import stamp as make_stamp
+    from .report import ceiling_row
+    from .timing import cuda_timer
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    stamp = make_stamp(device)
+    timer = cuda_timer(args.warmup_ms, args.rep_ms, args.timing)
+    cases = gemv_cases(args.models, args.m, args.kernels, args.dtype)
+    impls = list(args.gemv_impl)
+    print(f"wsattn bench gemv on {stamp['gpu']}, torch {stamp['torch']}, triton "
+          f"{stamp['triton']}, commit {stamp['commit']}: {len(cases)} GEMVs x {impls}",
+          file=sys.stderr)
+    rows = []
+    try:
+        copy = ceil_mod.copy_bandwidth(timer, device)
+        rows.append(ceiling_row(stamp, copy))
+        copy_tbps = copy.value
+    except Exception as e:  # fractions stay empty
+        print(f"ceiling copy failed: {type(e).__name__}: {e}", file=sys.stderr)
+        copy_tbps = None
+    for case in tqdm(cases, desc="wsattn bench gemv", file=sys.stderr, dynamic_ncols=True):
+        rows += run_case(case, impls, timer, stamp, device, copy_tbps)
+    add_ratios(rows)
+    print(format_table(rows))
+    write(rows, stamp, args, plot_rows)
+    broken = [r for r in rows if r["impl"].startswith("wsattn") and r["status"] in ("failed", "error")]
+    for r in broken:
+        print(f"wsattn gemv {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
+    return 1 if broken else 0
+
+
+def write(rows, stamp, args, plot_fn) -> list:
+    """JSON where --json says (a directory: the conventional name), the plot where --plot
+    says or beside the JSON; nothing unasked."""
+    from pathlib import Path
+
+    from .env import json_name
+    from .report import write_json
+
+    written, path = [], None
+    if args.json:
+        path = Path(args.json)
+        path = write_json(rows, path / json_name(stamp).replace("bench_", f"bench_{args.what}_", 1)
+                          if path.is_dir() else path)
+        written.append(path)
+        print(f"\nJSON rows written to {path}")
+    plot_path = args.plot or (path.with_suffix(".png") if path else None)
+    if plot_path and not args.no_plot:
+        drawn, message = plot_fn(rows, plot_path)
+        written += [drawn] if drawn else []
+        print(message)
+    return written
+
+
+def add_arguments(group) -> None:
+    from .step import MODELS
+
+    group.add_argument("--models", nargs="+", choices=tuple(MODELS), default=None,
+                       metavar="MODEL", help=f"model shapes (default all: {' '.join(MODELS)})")
+    group.add_argument("--m", nargs="+", type=int, default=list(M_VALUES), metavar="M",
+                       help="gemv: rows per GEMV (default 1 8 64)")
+    group.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
+                       metavar="KERNEL", help=f"gemv: which GEMVs (default all: {' '.join(KERNELS)})")
+    group.add_argument("--gemv-impl", nargs="+", choices=IMPLS, default=list(IMPLS),
+                       metavar="IMPL", help=f"gemv: implementations (default all: {' '.join(IMPLS)})")

@@ -1,0 +1,596 @@
+"""`wsattn bench step`: a whole decode step (ms/token) of real model shapes against its
+memory floor, transformers next to wsattn's engine, with kernels per step and GPU idle
+time from a profiler trace.
+
+Models (random weights from configs written below from the public ``config.json``
+values, built with transformers' ``from_config`` in bf16 on the GPU; nothing is
+downloaded): Llama-3.2-1B, Llama-3.1-8B, Qwen3-8B. Cases: batch B and context (the
+prompt length, the keys each timed step reads); by default the issue's targets, or the
+grid of ``--batch`` x ``--ctx`` x ``--models``.
+
+Columns (``impl``):
+
+* ``hf-eager``: ``model.generate`` with its default dynamic cache (sdpa attention);
+* ``hf-compile``: ``generate(cache_implementation="static")``, which transformers
+  compiles with torch.compile;
+* ``wsattn-graph`` / ``wsattn-graph-pdl``: :class:`wsattn.engine.Engine` with
+  ``step="kernels"`` (fused kernels, one CUDA graph per step) and ``pdl=False`` / ``True``.
+  Checked first: the engine's logits over a few steps against transformers' teacher-forced
+  logits on its own tokens (relative error within the bf16 tolerance); a failed check is
+  recorded, not timed.
+
+Per-token time, for every column alike: ``(t(1 + n) - t(1)) / n`` with ``t(k)`` the wall
+time of generating k tokens after the prompt (median of a few runs), so prefill cancels
+and what remains is n decode steps with their sampling and host work. The floor is
+(weight bytes a step reads + KV bytes at the context) / the copy ceiling measured in the
+same run; ``frac_floor`` = floor / ms per token. Kernels per step and GPU busy time come
+from two torch.profiler traces, of ``t(1)`` and of ``t(1 + n)``: their difference over n is
+one step's share; idle per step = ms per token - GPU busy per step (the union of kernel and
+copy intervals, so kernels overlapped by PDL are not counted twice).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+IMPLS = ("hf-eager", "hf-compile", "wsattn-graph", "wsattn-graph-pdl")
+WSATTN_IMPLS = ("wsattn-graph", "wsattn-graph-pdl")
+BATCHES = (1, 8, 64)
+CONTEXTS = (1024, 4096, 32768)
+ELT = 2  # bf16
+
+# The public config.json values that shape the step (hidden, layers, heads, kv heads,
+# head_dim, ffn, vocab, rope, tied embeddings); everything else at transformers' defaults.
+_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+              num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+              max_position_embeddings=131072, rope_theta=500000.0, attention_bias=False,
+              mlp_bias=False, bos_token_id=128000, eos_token_id=128001, vocab_size=128256)
+MODELS = {
+    "llama-3.2-1b": {**_LLAMA, "hidden_size": 2048, "num_hidden_layers": 16, "head_dim": 64,
+                     "intermediate_size": 8192, "tie_word_embeddings": True,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 32.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}},
+    "llama-3.1-8b": {**_LLAMA, "hidden_size": 4096, "num_hidden_layers": 32, "head_dim": 128,
+                     "intermediate_size": 14336, "tie_word_embeddings": False,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}},
+    "qwen3-8b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_act="silu",
+                     hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                     vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                     rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False,
+                     use_sliding_window=False, sliding_window=None, max_window_layers=36,
+                     bos_token_id=151643, eos_token_id=151645),
+}
+
+# The issue's targets on an H200 (ms/token of the wsattn step); what the default run covers.
+TARGETS = {("llama-3.2-1b", 1, 4096): 0.70, ("llama-3.2-1b", 8, 4096): 0.80,
+           ("llama-3.2-1b", 64, 1024): 1.2, ("llama-3.1-8b", 1, 4096): 4.1,
+           ("llama-3.1-8b", 8, 4096): 4.4}
+PDL_TARGET = 1.05  # graph without PDL / with PDL at the 1B shape, B 1
+KERNELS_PER_LAYER_TARGET = 6
+
+ROW_FIELDS = ("op", "impl", "case", "model", "B", "ctx", "new_tokens", "dtype", "status",
+              "reason", "note", "rel_err", "tol", "check_passed", "check_steps",
+              "ms_per_token", "samples_ms", "tokens_per_s", "weight_bytes", "kv_bytes",
+              "floor_ms", "floor_weights_ms", "frac_floor", "copy_tbps", "target_ms",
+              "target_met", "ratio_hf_compile", "pdl_speedup", "kernels_per_step",
+              "kernels_per_layer", "copies_per_step", "kernel_us_per_step",
+              "busy_us_per_step", "idle_us_per_step", "profile_steps")
+
+
+def model_config(name: str):
+    """The :class:`~wsattn.models.ModelConfig` of a benchmark model (no transformers needed)."""
+    from wsattn.models import ModelConfig
+
+    return ModelConfig.from_hf(dict(MODELS[name]))
+
+
+def hf_config(name: str):
+    """The transformers config of a benchmark model."""
+    from transformers import CONFIG_MAPPING
+
+    d = dict(MODELS[name])
+    return CONFIG_MAPPING[d.pop("model_type")](**d)
+
+
+def weight_bytes(cfg, B: int = 1, elt: int = ELT) -> int:
+    """Bytes of weights one decode step reads: every layer's projections and norms, the
+    final norm, the whole LM head, and B rows of the embedding (tied or not)."""
+    h, q, kv = cfg.hidden, cfg.q_size, cfg.kv_size
+    layer = (h * (q + 2 * kv) + q * h + 3 * h * cfg.ffn + 2 * h
+             + (q + 2 * kv if cfg.qkv_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0))
+    return elt * (cfg.layers * layer + h + cfg.vocab * h + B * h)
+
+
+def kv_bytes(cfg, B: int, ctx: int, elt: int = ELT) -> int:
+    """Bytes of K and V a step reads at ``ctx`` cached tokens per sequence."""
+    return elt * B * ctx * cfg.layers * 2 * cfg.kv_heads * cfg.head_dim
+
+
+@dataclass(frozen=True)
+class StepCase:
+    model: str
+    B: int
+    ctx: int  # prompt tokens: the keys a timed step reads (n more at most)
+    dtype: str = "bf16"
+    op: str = "step"
+
+    @property
+    def id(self) -> str:
+        return f"step-{self.model}-B{self.B}-ctx{self.ctx}-{self.dtype}"
+
+    @property
+    def cfg(self):
+        return model_config(self.model)
+
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.cfg, self.B)
+
+    def kv_bytes(self) -> int:
+        return kv_bytes(self.cfg, self.B, self.ctx)
+
+    def floor_ms(self, copy_tbps: float, weights_only: bool = False) -> float:
+        nbytes = self.weight_bytes() + (0 if weights_only else self.kv_bytes())
+        return nbytes / (copy_tbps * 1e12) * 1e3
+
+    @property
+    def target_ms(self) -> float | None:
+        return TARGETS.get((self.model, self.B, self.ctx))
+
+
+def step_cases(models=None, batches=None, contexts=None) -> list[StepCase]:
+    """The issue's target cases (restricted to ``models``), or, when batches or contexts
+    are given, the grid models x batches x contexts (the others at their full sets)."""
+    models = list(MODELS) if models is None else list(models)
+    for m in models:
+        if m not in MODELS:
+            raise ValueError(f"model must be one of {tuple(MODELS)}, got {m!r}")
+    if batches is None and contexts is None:
+        return [StepCase(m, b, c) for (m, b, c) in TARGETS if m in models]
+    return [StepCase(m, b, c) for m in models for b in (batches or BATCHES)
+            for c in (contexts or CONTEXTS)]
+
+
+def memory_needed(case: StepCase, new_tokens: int) -> int:
+    """Bytes a case holds at once, roughly: transformers' weights and the engine's folded
+    copy, three caches (dynamic, static, paged) of ctx + new tokens, 4 GB of activations."""
+    cfg = case.cfg
+    return 2 * weight_bytes(cfg, 0) + 3 * kv_bytes(cfg, case.B, case.ctx + new_tokens + 2) \
+        + (4 << 30)
+
+
+# --------------------------------------------------------------------------- the trace
+
+GPU_CATS = {"kernel": "kernels", "gpu_memcpy": "copies", "gpu_memset": "copies"}
+
+
+def gpu_summary(trace) -> dict:
+    """Kernel and copy activity in a torch.profiler Chrome trace (the dict of
+    ``export_chrome_trace``'s JSON, or its event list): counts, summed kernel time, busy
+    time (the union of all kernel/copy intervals, so overlapping kernels count once) and
+    the span from the first start to the last end, in microseconds."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    counts = {"kernels": 0, "copies": 0}
+    kernel_us, spans = 0.0, []
+    for e in events:
+        what = GPU_CATS.get(e.get("cat"))
+        if what is None or e.get("ph", "X") != "X":
+            continue
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        counts[what] += 1
+        if what == "kernels":
+            kernel_us += dur
+        spans.append((ts, ts + dur))
+    busy, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    span = (max(b for _, b in spans) - min(a for a, _ in spans)) if spans else 0.0
+    return {**counts, "kernel_us": kernel_us, "busy_us": busy, "span_us": span}
+
+
+def per_step(long: dict, short: dict, steps: int, ms_per_token: float | None = None) -> dict:
+    """One step's share of the GPU work: the trace of t(1 + steps) minus that of t(1),
+    over ``steps``; idle = ms_per_token - busy (when the step time is given)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    d = {k: (long[k] - short[k]) / steps for k in ("kernels", "copies", "kernel_us", "busy_us")}
+    idle = None if ms_per_token is None else ms_per_token * 1e3 - d["busy_us"]
+    return {"kernels_per_step": d["kernels"], "copies_per_step": d["copies"],
+            "kernel_us_per_step": d["kernel_us"], "busy_us_per_step": d["busy_us"],
+            "idle_us_per_step": idle}
+
+
+def per_token_ms(t1: list[float], tn: list[float], n: int) -> float:
+    """(median t(1 + n) - median t(1)) / n, times in ms."""
+    return (statistics.median(tn) - statistics.median(t1)) / n
+
+
+# --------------------------------------------------------------------------- rows
+
+def make_row(stamp: dict, case: StepCase, impl: str, status: str, *, new_tokens=None,
+             reason=None, note=None, rel_err=None, tol=None, check_steps=None,
+             ms_per_token=None, samples_ms=None, copy_tbps=None, profile=None,
+             profile_steps=None) -> dict:
+    """One row; every row has the keys of ROW_FIELDS (None where they do not apply)."""
+    row = dict(stamp)
+    row.update({k: None for k in ROW_FIELDS})
+    row.update(op=case.op, impl=impl, case=case.id, model=case.model, B=case.B, ctx=case.ctx,
+               new_tokens=new_tokens, dtype=case.dtype, status=status, reason=reason,
+               note=note, rel_err=rel_err, tol=tol, check_steps=check_steps,
+               check_passed=None if rel_err is None else rel_err <= tol,
+               weight_bytes=case.weight_bytes(), kv_bytes=case.kv_bytes(),
+               target_ms=case.target_ms if impl in WSATTN_IMPLS else None,
+               copy_tbps=copy_tbps, samples_ms=samples_ms, profile_steps=profile_steps)
+    if copy_tbps:
+        row.update(floor_ms=case.floor_ms(copy_tbps),
+                   floor_weights_ms=case.floor_ms(copy_tbps, weights_only=True))
+    if ms_per_token is not None:
+        row.update(ms_per_token=ms_per_token, tokens_per_s=case.B * 1e3 / ms_per_token)
+        if row["floor_ms"]:
+            row["frac_floor"] = row["floor_ms"] / ms_per_token
+        if row["target_ms"] is not None:
+            row["target_met"] = "met" if ms_per_token <= row["target_ms"] else "missed"
+    if profile is not None:
+        row.update(profile)
+        if ms_per_token is not None:
+            row["idle_us_per_step"] = ms_per_token * 1e3 - profile["busy_us_per_step"]
+        row["kernels_per_layer"] = profile["kernels_per_step"] / case.cfg.layers
+    return row
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """ratio_hf_compile (its ms / this row's) on every timed row; pdl_speedup (graph ms /
+    graph + PDL ms) on the PDL row, in place."""
+    timed = {(r["case"], r["impl"]): r for r in rows
+             if r.get("op") == "step" and r.get("ms_per_token")}
+    for (case, impl), r in timed.items():
+        peer = timed.get((case, "hf-compile"))
+        if peer and peer is not r:
+            r["ratio_hf_compile"] = peer["ms_per_token"] / r["ms_per_token"]
+        nopdl = timed.get((case, "wsattn-graph"))
+        if impl == "wsattn-graph-pdl" and nopdl:
+            r["pdl_speedup"] = nopdl["ms_per_token"] / r["ms_per_token"]
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    f = (lambda v, s: "-" if v is None else format(v, s))
+    lines = [f"ceiling {r['impl']}: {r['tbps']:.2f} TB/s ({r['case']})"
+             for r in rows if r["op"] == "ceiling" and r.get("tbps")]
+    head = (f"{'case':<36} {'impl':<17} {'ms/tok':>7} {'floor':>6} {'of floor':>8} "
+            f"{'target':>7} {'x hf-cmp':>8} {'PDL x':>6} {'kern/step':>9} {'idle us':>8} "
+            f"{'rel err':>8}  status")
+    lines += ["", head, "-" * len(head)]
+    for r in (r for r in rows if r["op"] == "step"):
+        target = "-" if r["target_ms"] is None else f"{r['target_ms']:.2f}" + (
+            "" if r["target_met"] is None else (" ok" if r["target_met"] == "met" else " !"))
+        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        lines.append(f"{r['case']:<36} {r['impl']:<17} {f(r['ms_per_token'], '.3f'):>7} "
+                     f"{f(r['floor_ms'], '.3f'):>6} {f(r['frac_floor'], '.3f'):>8} "
+                     f"{target:>7} {f(r['ratio_hf_compile'], '.2f'):>8} "
+                     f"{f(r['pdl_speedup'], '.3f'):>6} {f(r['kernels_per_step'], '.1f'):>9} "
+                     f"{f(r['idle_us_per_step'], '.0f'):>8} {f(r['rel_err'], '.1e'):>8}  "
+                     f"{status[:120]}")
+    return "\n".join(lines)
+
+
+def plot_rows(rows: list[dict], path):
+    """ms/token per case and implementation (log scale), one panel per model; the floor
+    and the target as markers."""
+    from pathlib import Path
+
+    from .plot import MISSING
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, MISSING
+    ok = [r for r in rows if r["op"] == "step" and r.get("ms_per_token")]
+    if not ok:
+        return None, "no timed rows to plot"
+    models = [m for m in MODELS if any(r["model"] == m for r in ok)]
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in ok)]
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
+    width = 0.8 / len(impls)
+    for ax, model in zip(axes.flat, models):
+        cases = sorted({(r["B"], r["ctx"]) for r in ok if r["model"] == model})
+        for j, impl in enumerate(impls):
+            ys = [next((r["ms_per_token"] for r in ok if (r["model"], r["B"], r["ctx"],
+                        r["impl"]) == (model, b, c, impl)), float("nan")) for b, c in cases]
+            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=impl)
+        mid = [i + 0.4 - width / 2 for i in range(len(cases))]
+        floors = [next((r["floor_ms"] for r in ok if (r["model"], r["B"], r["ctx"]) ==
+                        (model, b, c) and r["floor_ms"]), float("nan")) for b, c in cases]
+        ax.scatter(mid, floors, marker="_", s=900, color="black", label="floor", zorder=3)
+        targets = [TARGETS.get((model, b, c), float("nan")) for b, c in cases]
+        ax.scatter(mid, targets, marker="x", color="red", label="target", zorder=3)
+        ax.set_xticks(mid, [f"B{b} ctx{c // 1024}k" for b, c in cases], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms / token")
+        ax.set_title(model, fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    s = rows[0]
+    fig.suptitle(f"wsattn bench step - {s.get('gpu')} - {s.get('commit')} - {s.get('date')}",
+                 fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path, f"plot written to {path}"
+
+
+# --------------------------------------------------------------------------- GPU work
+
+class NotAvailable(Exception):
+    """A column that cannot run here (the reason is the message)."""
+
+
+def build_model(name: str, device, dtype: str = "bf16"):
+    """transformers model of ``name`` with random weights, built on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .cases import DTYPES
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config(name), dtype=DTYPES[dtype])
+    return model.eval()
+
+
+def build_engine(model, case: StepCase, pdl: bool, max_seq_len: int, device):
+    """(wsattn's Engine on the kernel step with PDL on or off, a note or None).
+
+    ``Engine(..., pdl=)`` where the engine takes it; otherwise the engine gets a fixed
+    pool (never reallocated, so its step is never rebuilt) and its step is replaced by
+    ``KernelStep(cfg, weights, cache, buckets=, pdl=)``, the runner's documented
+    constructor. NotAvailable when the runner is missing, rather than timing something
+    else under its name."""
+    import importlib
+
+    from wsattn.engine.generate import Engine
+
+    try:
+        runner = importlib.import_module("wsattn.engine.runner")
+    except ModuleNotFoundError as e:
+        if e.name == "wsattn.engine.runner":
+            raise NotAvailable("wsattn.engine.runner (the GPU step: fused kernels, graphs, "
+                               "PDL) is not in this tree") from None
+        raise
+    from .cases import DTYPES
+
+    kw = dict(step="kernels", dtype=DTYPES[case.dtype], device=device, buckets=(case.B,),
+              max_seq_len=max_seq_len)
+    try:
+        return Engine(model, pdl=pdl, **kw), None
+    except TypeError as e:
+        if "pdl" not in str(e):
+            raise
+    page_size = 16
+    engine = Engine(model, page_size=page_size,
+                    num_pages=case.B * -(-max_seq_len // page_size), **kw)
+    engine.step = runner.KernelStep(engine.cfg, engine.weights, engine.cache,
+                                    buckets=engine.buckets, pdl=pdl)
+    return engine, "pdl set on KernelStep (Engine takes no pdl=)"
+
+
+def _sync(torch, device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wall_ms(torch, device, fn) -> float:
+    _sync(torch, device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(torch, device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _profile(torch, device, fn) -> dict:
+    """gpu_summary of a torch.profiler trace of fn (no GPU events on a CPU device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        _sync(torch, device)
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return gpu_summary(json.load(f))
+    finally:
+        os.unlink(path)
+
+
+def teacher_forced_check(model, engine, ids, steps: int, dtype: str = "bf16", tol=None):
+    """The engine's logits for ``steps`` new tokens vs transformers' on the engine's own
+    tokens (one forward over prompt + tokens), on the first and last sequence.
+    Returns (relative error, tolerance: ``tol``, else the dtype's from wsattn.testing)."""
+    import torch
+
+    from wsattn.testing import TOL, rel_err
+
+    tokens, logits = engine.run(ids, steps, return_logits=True)
+    S = ids.shape[1]
+    outs, refs = [], []
+    for b in sorted({0, ids.shape[0] - 1}):
+        with torch.inference_mode():
+            ref = model(input_ids=tokens[b:b + 1, :S + steps - 1].to(logits.device),
+                        logits_to_keep=steps).logits[0]
+        outs.append(logits[b].float())
+        refs.append(ref.float())
+    return rel_err(torch.stack(outs), torch.stack(refs)), TOL[dtype] if tol is None else tol
+
+
+def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> list[dict]:
+    """Rows of every column for one case; a column's failure is its row, never the run's."""
+    import torch
+
+    from .suite import _short
+
+    # the traced run is the timed one, t(1 + n): another length would give the static
+    # cache another shape, which torch.compile would compile (and cudagraph-warm) anew
+    n, checks = args.new_tokens, args.check_steps
+    g = torch.Generator().manual_seed(case.B * 7919 + case.ctx)
+    ids = torch.randint(0, case.cfg.vocab, (case.B, case.ctx), generator=g)
+    common = dict(new_tokens=n, copy_tbps=copy_tbps)
+    need = memory_needed(case, max(n, checks))
+    on_cuda = torch.device(device).type == "cuda"
+    total = torch.cuda.get_device_properties(device).total_memory if on_cuda else math.inf
+    if need > 0.9 * total:
+        why = (f"needs ~{need / 2**30:.0f} GiB (weights twice + three KV caches), the GPU has "
+               f"{total / 2**30:.0f}")
+        return [make_row(stamp, case, i, "not available", reason=why, **common) for i in impls]
+    rows = []
+    for impl in impls:
+        engine = None
+        try:
+            note = rel = tol = None
+            if impl.startswith("hf-"):
+                ids_dev = ids.to(device)
+                extra = {"cache_implementation": "static"} if impl == "hf-compile" else {}
+
+                def gen(tokens, extra=extra, ids_dev=ids_dev):
+                    with torch.inference_mode():
+                        return model.generate(ids_dev, attention_mask=torch.ones_like(ids_dev),
+                                              max_new_tokens=tokens, min_new_tokens=tokens,
+                                              do_sample=False, pad_token_id=0, **extra)
+            else:
+                engine, note = build_engine(model, case, impl.endswith("-pdl"),
+                                            case.ctx + max(n, checks) + 2, device)
+                rel, tol = teacher_forced_check(model, engine, ids, checks, case.dtype,
+                                                getattr(args, "check_tol", None))
+                if not rel <= tol:
+                    rows.append(make_row(stamp, case, impl, "failed", rel_err=rel, tol=tol,
+                                         check_steps=checks, note=note, **common,
+                                         reason=f"logits vs transformers teacher-forced: "
+                                                f"relative error {rel:.3e} > {tol:.1e}; not timed"))
+                    continue
+
+                def gen(tokens, engine=engine):
+                    return engine.run(ids, tokens)
+            for _ in range(2):  # warm-up: compilation, graph capture, allocator
+                gen(1 + n)
+            t1, tn = [], []
+            for _ in range(args.repeats):
+                t1.append(_wall_ms(torch, device, lambda: gen(1)))
+                tn.append(_wall_ms(torch, device, lambda: gen(1 + n)))
+            ms = per_token_ms(t1, tn, n)
+            prof = None
+            try:
+                prof = per_step(_profile(torch, device, lambda: gen(1 + n)),
+                                _profile(torch, device, lambda: gen(1)), n)
+            except Exception as e:  # the timing stands without the trace
+                note = "; ".join(filter(None, [note, "profile failed: " + _short(e)]))
+            rows.append(make_row(stamp, case, impl, "ok", rel_err=rel, tol=tol,
+                                 check_steps=checks if rel is not None else None,
+                                 ms_per_token=ms, samples_ms={"t1": t1, f"t{1 + n}": tn},
+                                 profile=prof, profile_steps=n, note=note, **common))
+        except NotAvailable as e:
+            rows.append(make_row(stamp, case, impl, "not available", reason=str(e)[:300], **common))
+        except Exception as e:  # a broken column must not stop the run
+            rows.append(make_row(stamp, case, impl, "error", reason=_short(e), **common))
+        finally:
+            del engine
+            gc.collect()
+            if on_cuda:
+                torch.cuda.empty_cache()
+    return rows
+
+
+def main(args) -> int:
+    """Run the step benchmark (a CUDA GPU is checked for by the caller)."""
+    import torch
+    from tqdm import tqdm
+
+    from . import ceilings as ceil_mod
+    from .env import stamp as make_stamp
+    from .gemv import write
+    from .report import ceiling_row
+    from .timing import cuda_timer
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    stamp = make_stamp(device)
+    cases = step_cases(args.models, args.batch, args.ctx)
+    impls = list(args.step_impl)
+    print(f"wsattn bench step on {stamp['gpu']}, torch {stamp['torch']}, commit "
+          f"{stamp['commit']}: {len(cases)} cases x {impls}", file=sys.stderr)
+    rows = []
+    try:
+        copy = ceil_mod.copy_bandwidth(cuda_timer(args.warmup_ms, args.rep_ms, args.timing), device)
+        rows.append(ceiling_row(stamp, copy))
+        copy_tbps = copy.value
+    except Exception as e:
+        print(f"ceiling copy failed: {type(e).__name__}: {e}", file=sys.stderr)
+        copy_tbps = None
+    import torch._dynamo
+    # every (model, B, context) recompiles transformers' static-cache step
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    with tqdm(total=len(cases) * len(impls), desc="wsattn bench step", file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        for name in [m for m in MODELS if any(c.model == m for c in cases)]:
+            try:
+                model = build_model(name, device)
+            except Exception as e:
+                from .suite import _short
+                for c in (c for c in cases if c.model == name):
+                    rows += [make_row(stamp, c, i, "error", reason="model: " + _short(e))
+                             for i in impls]
+                    bar.update(len(impls))
+                continue
+            for case in (c for c in cases if c.model == name):
+                bar.set_postfix_str(case.id, refresh=True)
+                rows += run_case(case, impls, model, stamp, device, copy_tbps, args)
+                bar.update(len(impls))
+            del model
+            torch._dynamo.reset()
+            gc.collect()
+            torch.cuda.empty_cache()
+    add_ratios(rows)
+    print(format_table(rows))
+    write(rows, stamp, args, plot_rows)
+    broken = [r for r in rows if r["impl"] in WSATTN_IMPLS and r["status"] in ("failed", "error")]
+    for r in broken:
+        print(f"wsattn {r['impl']} {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
+    return 1 if broken else 0
+
+
+def add_arguments(group) -> None:
+    """step's options (--models is gemv's, shared)."""
+    group.add_argument("--batch", nargs="+", type=int, default=None, metavar="B",
+                       help="step: batch sizes (with --ctx: the grid; default: the issue's "
+                            "target cases)")
+    group.add_argument("--ctx", nargs="+", type=int, default=None, metavar="N",
+                       help=f"step: context lengths (default with --batch: "
+                            f"{' '.join(map(str, CONTEXTS))})")
+    group.add_argument("--step-impl", nargs="+", choices=IMPLS, default=list(IMPLS),
+                       metavar="IMPL", help=f"step: columns (default all: {' '.join(IMPLS)})")
+    group.add_argument("--new-tokens", type=int, default=32,
+                       help="step: n in (t(1 + n) - t(1)) / n (default 32)")
+    group.add_argument("--repeats", type=int, default=3,
+                       help="step: runs of t(1) and t(1 + n) (medians; default 3)")
+    group.add_argument("--check-steps", type=int, default=4,
+                       help="step: new tokens whose logits are checked (default 4)")
+    group.add_argument("--check-tol", type=float, default=None,
+                       help="step: tolerance on the logits' relative error (default: the "
+                            "dtype's, wsattn.testing.TOL)")

@@ -1,0 +1,421 @@
+"""wsattn bench step / gemv on CPU: the missing-GPU exit, the cases and their byte counts and
+floors, the row schemas and ratios, the profiler-trace arithmetic on a synthetic trace, and
+both runners end to end on tiny shapes (GEMVs and the engine through the interpreter)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import wsattn.cli
+from wsattn.bench import gemv, step
+from wsattn.bench.timing import Timing
+
+STAMP = {"gpu": "none", "commit": "abc", "date": "2026-11-30T12:00:00Z", "torch": "x",
+         "triton": "y"}
+TIMING = Timing(median_ms=0.01, q20_ms=0.009, q80_ms=0.011, reps=20, method="graph", calls=7)
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+
+
+def _child(code: str, timeout=300) -> dict:
+    """Run code in a fresh interpreter with TRITON_INTERPRET=1 (Triton reads it at import);
+    the last 'RESULT {json}' line is the result."""
+    env = dict(os.environ, TRITON_INTERPRET="1", WSATTN_POISON="1")
+    env["PYTHONPATH"] = os.path.abspath(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, f"child failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+# --------------------------------------------------------------------------- command line
+
+@pytest.mark.parametrize("what", ["step", "gemv"])
+def test_without_gpu_exits_2_with_message(what, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert wsattn.cli.main(["bench", what]) == 2
+    assert "wsattn bench needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", ["step", "gemv"])
+def test_console_without_gpu_exits_2(what, tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "rows.json"
+    res = subprocess.run([sys.executable, "-m", "wsattn.cli", "bench", what, "--models",
+                          "llama-3.2-1b", "--json", str(out)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr, res.stderr
+    assert not out.exists()
+
+
+def test_help_lists_step_and_gemv_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        wsattn.cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("step", "gemv", "--models", "--batch", "--ctx", "--step-impl", "--gemv-impl",
+                 "--m", "--new-tokens", "--check-steps"):
+        assert word in text, word
+
+
+def test_options_parse():
+    args = wsattn.cli.build_parser().parse_args(
+        ["bench", "step", "--models", "llama-3.1-8b", "--batch", "1", "8", "--ctx", "4096",
+         "--step-impl", "wsattn-graph", "wsattn-graph-pdl", "--new-tokens", "16"])
+    assert (args.what, args.models, args.batch, args.ctx, args.new_tokens) == \
+        ("step", ["llama-3.1-8b"], [1, 8], [4096], 16)
+    assert args.step_impl == ["wsattn-graph", "wsattn-graph-pdl"]
+    args = wsattn.cli.build_parser().parse_args(["bench", "gemv", "--m", "1", "--kernels", "o"])
+    assert (args.m, args.kernels, args.gemv_impl) == ([1], ["o"], list(gemv.IMPLS))
+
+
+# --------------------------------------------------------------------------- cases, bytes, floors
+
+def test_model_configs_are_the_published_shapes():
+    c = step.model_config("llama-3.2-1b")
+    assert (c.hidden, c.layers, c.heads, c.kv_heads, c.head_dim, c.ffn, c.vocab) == \
+        (2048, 16, 32, 8, 64, 8192, 128256)
+    assert c.tie_embeddings and c.rope.type == "llama3" and c.rope.factor == 32.0
+    c = step.model_config("llama-3.1-8b")
+    assert (c.hidden, c.layers, c.heads, c.kv_heads, c.head_dim, c.ffn, c.vocab) == \
+        (4096, 32, 32, 8, 128, 14336, 128256)
+    assert not c.tie_embeddings and c.rope.factor == 8.0 and c.rope.theta == 500000.0
+    c = step.model_config("qwen3-8b")
+    assert (c.family, c.hidden, c.layers, c.heads, c.kv_heads, c.head_dim, c.ffn, c.vocab) == \
+        ("qwen3", 4096, 36, 32, 8, 128, 12288, 151936)
+    assert c.qk_norm and not c.tie_embeddings and c.rope.type == "default" \
+        and c.rope.theta == 1e6
+
+
+def test_weight_bytes_match_facts_and_the_models_parameters():
+    """1B: 2.47 GB (shared/FACTS.md); every model: 2 bytes x its parameters, less the
+    embedding where untied (a step reads B rows of it, not the matrix)."""
+    from transformers import AutoModelForCausalLM
+
+    assert abs(step.weight_bytes(step.model_config("llama-3.2-1b"), 1) / 2.47e9 - 1) < 0.01
+    for name in step.MODELS:
+        cfg = step.model_config(name)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(step.hf_config(name))
+        params = sum(p.numel() for p in model.parameters())
+        unread = 0 if cfg.tie_embeddings else cfg.vocab * cfg.hidden
+        assert step.weight_bytes(cfg, 0) == 2 * (params - unread), name
+        assert step.weight_bytes(cfg, 8) - step.weight_bytes(cfg, 0) == 2 * 8 * cfg.hidden
+
+
+def test_kv_bytes_and_floors():
+    cfg = step.model_config("llama-3.2-1b")
+    # 16 layers x (K, V) x 8 heads x 64 x 2 bytes = 32 KiB a token
+    assert step.kv_bytes(cfg, 1, 4096) == 4096 * 32768
+    assert step.kv_bytes(cfg, 8, 4096) == 8 * 4096 * 32768
+    assert step.kv_bytes(step.model_config("llama-3.1-8b"), 1, 1) == 131072
+    case = step.StepCase("llama-3.2-1b", 1, 4096)
+    assert case.floor_ms(4.3, weights_only=True) == pytest.approx(0.575, rel=0.01)  # FACTS
+    assert case.floor_ms(4.3) == pytest.approx((2.4716e9 + 134.2e6) / 4.3e12 * 1e3, rel=1e-3)
+    assert step.StepCase("llama-3.2-1b", 64, 1024).floor_ms(4.0) == pytest.approx(
+        (case.weight_bytes() + 63 * 2 * 2048 + 64 * 1024 * 32768) / 4e9, rel=1e-9)
+
+
+def test_default_cases_are_the_targets_and_the_grid_on_request():
+    cases = step.step_cases()
+    assert [(c.model, c.B, c.ctx) for c in cases] == list(step.TARGETS)
+    assert [c.target_ms for c in cases] == [0.70, 0.80, 1.2, 4.1, 4.4]
+    assert step.step_cases(["llama-3.1-8b"]) == [c for c in cases if c.model == "llama-3.1-8b"]
+    grid = step.step_cases(["qwen3-8b"], batches=[1, 8])
+    assert [(c.B, c.ctx) for c in grid] == [(b, n) for b in (1, 8) for n in step.CONTEXTS]
+    assert all(c.target_ms is None for c in grid)
+    assert len(step.step_cases(contexts=[1024])) == 3 * 3
+    with pytest.raises(ValueError, match="model must be one of"):
+        step.step_cases(["llama-3.2-3b"])
+    assert step.StepCase("qwen3-8b", 8, 32768).id == "step-qwen3-8b-B8-ctx32768-bf16"
+
+
+def test_memory_guard_arithmetic():
+    case = step.StepCase("llama-3.1-8b", 64, 32768)
+    cfg = case.cfg
+    need = step.memory_needed(case, 8)
+    assert need == 2 * step.weight_bytes(cfg, 0) + 3 * step.kv_bytes(cfg, 64, 32778) + (4 << 30)
+    assert need > 141e9  # reported as not available on one H200, not attempted
+    assert step.memory_needed(step.StepCase("llama-3.2-1b", 1, 4096), 40) < 20e9
+
+
+def test_gemv_cases_are_the_issue_shapes():
+    got = {(c.model, c.kernel): (c.N, c.K, c.nout, c.epilogue)
+           for c in gemv.gemv_cases(m_values=[1])}
+    assert got[("llama-3.2-1b", "qkv")] == (3072, 2048, 3072, "norm")
+    assert got[("llama-3.2-1b", "o")] == (2048, 2048, 2048, "residual")
+    assert got[("llama-3.2-1b", "gate_up")] == (16384, 2048, 8192, "norm+silu_mul")
+    assert got[("llama-3.2-1b", "down")] == (2048, 8192, 2048, "residual")
+    assert got[("llama-3.2-1b", "lm_head")] == (128256, 2048, 128256, "norm")
+    assert [got[("llama-3.1-8b", k)][:2] for k in gemv.KERNELS] == \
+        [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    assert [got[("qwen3-8b", k)][:2] for k in gemv.KERNELS] == \
+        [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]
+    assert len(gemv.gemv_cases()) == 3 * 3 * 5
+    assert {c.M for c in gemv.gemv_cases(["qwen3-8b"])} == {1, 8, 64}
+
+
+def test_gemv_bytes_and_weight_copies_span_l2():
+    cases = {c.kernel: c for c in gemv.gemv_cases(["llama-3.2-1b"], [1])}
+    # notes/decode_step.md: o 8.39 MB, gate+up 67.1 MB, down 33.6 MB, LM head 525 MB
+    assert cases["o"].w_bytes() == 2048 * 2048 * 2
+    assert cases["gate_up"].w_bytes() == pytest.approx(67.1e6, rel=1e-3)
+    assert cases["lm_head"].w_bytes() == pytest.approx(525.3e6, rel=1e-3)
+    for c in gemv.gemv_cases():
+        assert c.copies() * c.w_bytes() >= gemv.FRESH_BYTES >= 4 * gemv.L2_BYTES
+        assert (c.copies() - 1) * c.w_bytes() < gemv.FRESH_BYTES  # no more than needed
+    assert cases["o"].copies() == 25 and cases["lm_head"].copies() == 1
+
+
+# --------------------------------------------------------------------------- rows
+
+def _step_row(impl, ms, **kw):
+    return step.make_row(STAMP, step.StepCase("llama-3.2-1b", 1, 4096), impl, "ok",
+                         new_tokens=32, ms_per_token=ms, copy_tbps=4.0, **kw)
+
+
+def test_step_row_schema_and_fields():
+    prof = step.per_step({"kernels": 420, "copies": 12, "kernel_us": 2000.0, "busy_us": 1800.0},
+                         {"kernels": 20, "copies": 4, "kernel_us": 400.0, "busy_us": 300.0}, 4)
+    r = _step_row("wsattn-graph-pdl", 0.65, rel_err=3e-3, tol=2e-2, check_steps=4, profile=prof,
+                  profile_steps=4)
+    assert set(r) == set(STAMP) | set(step.ROW_FIELDS)
+    case = step.StepCase("llama-3.2-1b", 1, 4096)
+    assert r["floor_ms"] == pytest.approx(case.floor_ms(4.0))
+    assert r["frac_floor"] == pytest.approx(case.floor_ms(4.0) / 0.65)
+    assert r["target_ms"] == 0.70 and r["target_met"] == "met" and r["check_passed"] is True
+    assert r["tokens_per_s"] == pytest.approx(1e3 / 0.65)
+    assert (r["kernels_per_step"], r["copies_per_step"]) == (100, 2)
+    assert r["kernels_per_layer"] == 100 / 16
+    assert r["busy_us_per_step"] == 375 and r["idle_us_per_step"] == pytest.approx(650 - 375)
+    assert _step_row("wsattn-graph", 0.71)["target_met"] == "missed"
+    hf = _step_row("hf-compile", 4.2)
+    assert hf["target_ms"] is None and hf["target_met"] is None and hf["kernels_per_step"] is None
+    na = step.make_row(STAMP, case, "wsattn-graph", "not available", reason="no runner")
+    assert set(na) == set(r) and na["ms_per_token"] is None and na["frac_floor"] is None
+    json.dumps([r, na])
+
+
+def test_step_ratios():
+    rows = [_step_row("hf-compile", 4.2), _step_row("wsattn-graph", 0.8),
+            _step_row("wsattn-graph-pdl", 0.7), _step_row("hf-eager", 13.0)]
+    step.add_ratios(rows)
+    assert rows[0]["ratio_hf_compile"] is None
+    assert rows[1]["ratio_hf_compile"] == pytest.approx(4.2 / 0.8)
+    assert rows[2]["pdl_speedup"] == pytest.approx(0.8 / 0.7) and rows[1]["pdl_speedup"] is None
+    assert rows[3]["ratio_hf_compile"] == pytest.approx(4.2 / 13.0)
+    text = step.format_table(rows)
+    assert "wsattn-graph-pdl" in text and "1.143" in text
+
+
+def test_gemv_row_schema_target_and_ratio():
+    case = gemv.gemv_cases(["llama-3.2-1b"], [1], ["gate_up"])[0]
+    fast = gemv.make_row(STAMP, case, "wsattn", "ok", rel_err=1e-3, tol=2e-2, timing=TIMING,
+                         copy_tbps=case.w_bytes() / 1e7 / 0.95)  # 95 % of copy
+    slow = gemv.make_row(STAMP, case, "wsattn-nopdl", "ok", rel_err=1e-3, tol=2e-2,
+                         timing=TIMING, copy_tbps=case.w_bytes() / 1e7 / 0.85)
+    peer = gemv.make_row(STAMP, case, "cublas", "ok", rel_err=1e-3, tol=2e-2,
+                         timing=Timing(0.02, 0.02, 0.02, 20), copy_tbps=4.0)
+    assert set(fast) == set(STAMP) | set(gemv.ROW_FIELDS)
+    assert fast["tbps"] == pytest.approx(case.w_bytes() / 1e-5 / 1e12)
+    assert fast["frac_copy"] == pytest.approx(0.95) and fast["target_met"] == "met"
+    assert slow["target_met"] == "missed" and peer["target_met"] is None
+    assert (fast["copies"], fast["calls"], fast["epilogue"], peer["epilogue"]) == \
+        (case.copies(), 7, "norm+silu_mul", "none")
+    gemv.add_ratios([fast, slow, peer])
+    assert fast["ratio_cublas"] == pytest.approx(2.0) and peer["ratio_cublas"] is None
+    failed = gemv.make_row(STAMP, case, "wsattn", "failed", rel_err=0.5, tol=2e-2, reason="x")
+    assert failed["check_passed"] is False and failed["tbps"] is None
+    assert "gemv-llama-3.2-1b-gate_up-M1" in gemv.format_table([fast, peer, failed])
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_step_row("hf-compile", 4.2), _step_row("wsattn-graph-pdl", 0.7)]
+    path, msg = step.plot_rows(rows, tmp_path / "step.png")
+    assert path.stat().st_size > 0, msg
+    case = gemv.gemv_cases(["llama-3.2-1b"], [1], ["o"])[0]
+    rows = [gemv.make_row(STAMP, case, i, "ok", rel_err=0.0, tol=1.0, timing=TIMING,
+                          copy_tbps=4.0) for i in gemv.IMPLS]
+    path, msg = gemv.plot_rows(rows, tmp_path / "gemv.png")
+    assert path.stat().st_size > 0, msg
+    assert step.plot_rows([], tmp_path / "none.png")[0] is None
+
+
+def test_write_only_when_asked(tmp_path):
+    args = types.SimpleNamespace(json=None, plot=None, no_plot=False, what="step")
+    assert gemv.write([_step_row("hf-eager", 13.0)], STAMP, args, step.plot_rows) == []
+    args.json, args.no_plot = str(tmp_path), True
+    (path,) = gemv.write([_step_row("hf-eager", 13.0)], STAMP, args, step.plot_rows)
+    assert path.parent == tmp_path and path.name.startswith("bench_step_none_")
+    assert json.loads(path.read_text())[0]["impl"] == "hf-eager"
+
+
+# --------------------------------------------------------------------------- the trace
+
+def _k(ts, dur, cat="kernel", name="k"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+
+def test_trace_summary_on_a_synthetic_trace():
+    """Kernels and copies counted, CPU events and flow arrows ignored, overlapping kernels
+    (PDL) counted once in the busy time."""
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 5},
+        {"ph": "s", "cat": "ac2g", "name": "ac2g", "ts": 1, "id": 3},
+        _k(100, 10), _k(105, 10),            # overlap: busy 100..115
+        _k(120, 5, "gpu_memcpy"),            # a copy: busy 120..125
+        _k(130, 20), _k(135, 5),             # the second inside the first
+        _k(200, 10, "gpu_memset"),
+        {"ph": "f", "cat": "ac2g", "name": "ac2g", "ts": 100, "id": 3},
+    ]}
+    s = step.gpu_summary(trace)
+    assert (s["kernels"], s["copies"]) == (4, 2)
+    assert s["kernel_us"] == 45
+    assert s["busy_us"] == 15 + 5 + 20 + 10
+    assert s["span_us"] == 110
+    assert step.gpu_summary(trace["traceEvents"]) == s
+    assert step.gpu_summary({"traceEvents": []})["busy_us"] == 0
+
+
+def test_per_step_is_the_difference_of_two_traces():
+    """t(1 + k)'s trace minus t(1)'s over k: prefill and the first sampling cancel."""
+    prefill = [_k(i * 50, 40) for i in range(3)]
+    steps = [_k(1000 + s * 100 + j * 10, 8) for s in range(4) for j in range(5)]
+    short, long = step.gpu_summary(prefill), step.gpu_summary(prefill + steps)
+    d = step.per_step(long, short, 4, ms_per_token=0.1)
+    assert d["kernels_per_step"] == 5 and d["kernel_us_per_step"] == 40
+    assert d["busy_us_per_step"] == 40 and d["idle_us_per_step"] == pytest.approx(60)
+    with pytest.raises(ValueError):
+        step.per_step(long, short, 0)
+    assert step.per_token_ms([10.0, 11.0, 12.0], [42.0, 45.0, 43.0], 32) == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------- end to end, tiny
+
+GEMV_CHILD = r"""
+import json, torch
+torch.set_num_threads(1)
+from wsattn.bench import gemv
+class T:
+    def __init__(s): s.n = 0
+    def __call__(s, fn):
+        for _ in range(5): fn()
+        s.n += 1
+        from wsattn.bench.timing import Timing
+        return Timing(1.0, 0.9, 1.1, 20, "graph", 5)
+timer = T()
+cases = [gemv.GemvCase("tiny", k, m, n, kk, nm, res, silu, "fp32", fresh_bytes=3 * n * kk * 4)
+         for m in (1, 5) for k, n, kk, nm, res, silu in
+         (("gate_up", 96, 80, True, False, True), ("down", 40, 48, False, True, False),
+          ("lm_head", 200, 64, True, False, False))]
+rows = []
+for c in cases:
+    rows += gemv.run_case(c, ["wsattn-nopdl", "cublas"], timer, {"gpu": "none"}, "cpu", 4.0)
+import wsattn.kernels.gemv as kg
+real = kg.gemv
+kg.gemv = lambda x, w, **kw: real(x, w, **kw).mul_(1.1)   # a wrong kernel
+before = timer.n
+bad = gemv.run_case(cases[0], ["wsattn-nopdl"], timer, {"gpu": "none"}, "cpu", 4.0)
+print("RESULT " + json.dumps({"rows": rows, "bad": bad, "timed_bad": timer.n - before}))
+"""
+
+
+def test_gemv_runner_checks_then_times_on_the_interpreter():
+    """Each output is compared with the float64 reference first; a wrong one is not timed."""
+    r = _child(GEMV_CHILD)
+    assert len(r["rows"]) == 12
+    for row in r["rows"]:
+        assert row["status"] == "ok", row
+        assert row["rel_err"] <= 2e-3 and row["copies"] == 3 and row["calls"] == 5
+    (bad,) = r["bad"]
+    assert bad["status"] == "failed" and bad["median_ms"] is None and r["timed_bad"] == 0
+    assert "not timed" in bad["reason"]
+
+
+STEP_CHILD = r"""
+import json, sys, types, torch
+torch.set_num_threads(1)
+from wsattn.bench import step
+step.MODELS["tiny-llama"] = {**step.MODELS["llama-3.2-1b"], "hidden_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "head_dim": 64, "intermediate_size": 256, "vocab_size": 512, "bos_token_id": 1,
+    "eos_token_id": 2, "max_position_embeddings": 8192}
+model = step.build_model("tiny-llama", "cpu", "fp32")
+case = step.StepCase("tiny-llama", 2, 33, "fp32")
+args = types.SimpleNamespace(new_tokens=2, check_steps=2, repeats=1)
+rows = step.run_case(case, ["hf-eager", "wsattn-graph"], model, {"gpu": "none"}, "cpu", 4.0, args)
+step.teacher_forced_check = lambda *a, **k: (0.5, 0.02)
+failed = step.run_case(case, ["wsattn-graph"], model, {"gpu": "none"}, "cpu", 4.0, args)
+sys.modules["wsattn.engine.runner"] = None
+missing = step.run_case(case, ["wsattn-graph"], model, {"gpu": "none"}, "cpu", 4.0, args)
+print("RESULT " + json.dumps({"rows": rows, "failed": failed, "missing": missing}))
+"""
+
+
+def test_step_runner_end_to_end_on_a_tiny_llama():
+    """transformers eager and the engine's kernel step (interpreter) on a 2-layer Llama:
+    the engine's logits checked against transformers' teacher-forced ones, then timed; a
+    failed check is not timed; a missing runner is 'not available', not an error."""
+    r = _child(STEP_CHILD)
+    hf, ws = r["rows"]
+    assert hf["impl"] == "hf-eager" and hf["status"] == "ok" and hf["rel_err"] is None
+    assert ws["impl"] == "wsattn-graph" and ws["status"] == "ok", ws
+    assert ws["rel_err"] <= 2e-3 and ws["check_passed"] and ws["check_steps"] == 2
+    for row in (hf, ws):
+        assert row["ms_per_token"] > 0 and row["floor_ms"] > 0 and row["kernels_per_step"] == 0
+        assert set(row["samples_ms"]) == {"t1", "t3"}
+    (failed,) = r["failed"]
+    assert failed["status"] == "failed" and failed["ms_per_token"] is None
+    (missing,) = r["missing"]
+    assert missing["status"] == "not available" and "wsattn.engine.runner" in missing["reason"]
+    assert not math.isnan(hf["frac_floor"])
+
+
+# --------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+def test_gemv_runner_on_the_gpu():
+    """The 1B o projection at M 1 and 8: each implementation checked then timed in a graph."""
+    from wsattn.bench.timing import cuda_timer
+
+    timer = cuda_timer(5, 20, "graph")
+    for case in gemv.gemv_cases(["llama-3.2-1b"], [1, 8], ["o", "gate_up"]):
+        rows = gemv.run_case(case, list(gemv.IMPLS), timer, STAMP, "cuda", 4.0)
+        for r in rows:
+            assert r["status"] == "ok", r
+            assert r["timing"] == "graph" and r["tbps"] > 0 and r["rel_err"] <= r["tol"]
+
+
+@pytest.mark.gpu
+def test_step_runner_on_the_gpu():
+    """Every column on a 2-layer bf16 Llama: the engine's rows pass the teacher-forced check
+    and every column's trace shows kernels in each step."""
+    saved = dict(step.MODELS)
+    step.MODELS["tiny-llama"] = {**step.MODELS["llama-3.2-1b"], "hidden_size": 256,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "head_dim": 64,
+                                 "intermediate_size": 512, "vocab_size": 1024,
+                                 "bos_token_id": 1, "eos_token_id": 2}
+    try:
+        model = step.build_model("tiny-llama", "cuda")
+        case = step.StepCase("tiny-llama", 2, 100)
+        args = types.SimpleNamespace(new_tokens=4, check_steps=3, repeats=2)
+        rows = step.run_case(case, list(step.IMPLS), model, STAMP, "cuda", 4.0, args)
+    finally:
+        step.MODELS.clear()
+        step.MODELS.update(saved)
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["ms_per_token"] > 0 and r["kernels_per_step"] > 0, r
+        if r["impl"] in step.WSATTN_IMPLS:
+            assert r["check_passed"], r

@@ -22,7 +22,6 @@ CHILD = textwrap.dedent(r'''
     import transformers
     from triton.runtime import interpreter
     from wsattn.engine.generate import Engine
-    from wsattn.engine.runner import KernelStep
     from wsattn.testing import rel_err
 
     torch.manual_seed(0)
@@ -143,9 +142,9 @@ CHILD = textwrap.dedent(r'''
         res["equal"] = (torch.equal(out["read"][0], out["host"][0])
                         and torch.equal(out["read"][1], out["host"][1]))
         ref = Engine(m, step="reference", device="cpu", num_pages=8, page_size=8)
-        ref_l = ref.step.prefill(torch.cat([ps[0][:8], ps[1][:4]]),
-                                 torch.tensor([0, 8, 12], dtype=torch.int32),
-                                 torch.zeros(2, dtype=torch.int32), bt)
+        ref.step.prefill(torch.cat([ps[0][:8], ps[1][:4]]),  # the prefix, into ref's cache
+                         torch.tensor([0, 8, 12], dtype=torch.int32),
+                         torch.zeros(2, dtype=torch.int32), bt)
         ref_l = ref.step.prefill(torch.cat([ps[0][8:], ps[1][4:]]),
                                  torch.tensor([0, 5, 7], dtype=torch.int32),
                                  torch.tensor([8, 4], dtype=torch.int32), bt)
@@ -167,7 +166,9 @@ def _child(case: str, **arg) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-FP32_LOGITS = 1e-5  # relative, per step: fp32 kernels vs the fp32 reference step
+# relative, per step: the interpreter computes fp32 as fp32 (the shared table's fp32 2e-3
+# allows for tf32 on the GPU), so the kernel step stays within rounding of the reference
+FP32_LOGITS = 1e-5
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -389,14 +390,14 @@ def test_gpu_matches_reference_step():
     """bf16 kernels vs the reference step (fp32 compute over the same bf16 weights): the
     first steps' logits within bf16 tolerance."""
     from wsattn.engine.generate import Engine
-    from wsattn.testing import rel_err
+    from wsattn.testing import rel_err, tol
 
     e, model = _gpu_engine()
     ps = _gpu_prompts()
     _, kl = e.run(ps, 4, return_logits=True)
     ref = Engine(model, dtype=torch.bfloat16, device="cuda", step="reference")
     _, rl = ref.run(ps, 4, return_logits=True)
-    assert rel_err(kl[:, 0], rl[:, 0]) <= 2e-2
+    assert rel_err(kl[:, 0], rl[:, 0]) <= tol(torch.bfloat16)
 
 
 @pytest.mark.gpu

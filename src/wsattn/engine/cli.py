@@ -71,7 +71,7 @@ def run(args) -> int:
         return _fail("--device cuda asked for, but torch sees no CUDA GPU")
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     try:
-        step = _resolve_impl(args.impl, device)
+        step = _resolve_impl(args.impl, device, dtype)
         engine = Engine(path, dtype=dtype, device=device, step=step, page_size=args.page_size)
     except (ValueError, TypeError, OSError) as e:
         return _fail(f"cannot load {path!r}: {e}")

@@ -64,12 +64,13 @@ class Step(Protocol):
     """
 
     def prefill(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, start: torch.Tensor,
-                block_table: torch.Tensor) -> torch.Tensor:
+                block_table: torch.Tensor, *, lengths=None, starts=None) -> torch.Tensor:
         """tokens: int64 [T], B sequences' next chunks packed; cu_seqlens: int32 [B + 1]
         (chunk b is tokens[cu[b]:cu[b+1]], every chunk non-empty); start: int32 [B], the
         tokens each sequence already has in the cache (the chunk's first position);
-        block_table: int32 [B, max_pages]. Returns float32 [B, vocab], the logits at
-        each chunk's last token."""
+        block_table: int32 [B, max_pages]; lengths / starts: the same chunk lengths and
+        starts as host lists (the engine knows them), so a step never reads device values
+        on the host. Returns float32 [B, vocab], the logits at each chunk's last token."""
 
     def decode(self, tokens: torch.Tensor, seqlens: torch.Tensor,
                block_table: torch.Tensor) -> torch.Tensor:
@@ -102,9 +103,15 @@ class ReferenceStep:
     def _kv(self, block_table):
         return self._ref.KVCache(self.cache.k, self.cache.v, block_table)
 
-    def prefill(self, tokens, cu_seqlens, start, block_table):
-        cu, start_h = cu_seqlens.tolist(), start.tolist()
-        lens = [b - a for a, b in zip(cu, cu[1:])]
+    def prefill(self, tokens, cu_seqlens, start, block_table, *, lengths=None, starts=None):
+        if lengths is not None and starts is not None:
+            lens, start_h = list(lengths), list(starts)
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+        else:
+            cu, start_h = cu_seqlens.tolist(), start.tolist()
+            lens = [b - a for a, b in zip(cu, cu[1:])]
         B, dev = len(lens), tokens.device
         out = [None] * B
         fresh = [b for b in range(B) if start_h[b] == 0]
@@ -383,8 +390,10 @@ class Engine:
             lens = [c.numel() for c in chunks]
             cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             sub = [ids[b] for b in rows]
+            starts = [self.cache.length(s) for s in sub]
             logits = self.step.prefill(torch.cat(chunks).to(self.device), cu.to(self.device),
-                                       self.cache.seqlens(sub), block_table[rows])
+                                       self.cache.seqlens(sub), block_table[rows],
+                                       lengths=lens, starts=starts)
             self.cache.advance(sub, lens)
             for j, b in enumerate(rows):
                 done_tokens[b] += lens[j]

@@ -9,10 +9,29 @@ Supported families (all decoder-only, pre-norm, RMSNorm, SiLU-gated MLP, GQA, Ro
 * ``qwen3``: Qwen3 dense (``Qwen3ForCausalLM``): per-head RMSNorm ``q_norm``/``k_norm``
   on the head dimension, before RoPE.
 
+Mixture-of-experts families (the MLP of a MoE layer is a softmax router over ``experts``
+SiLU-gated expert MLPs of width ``moe_ffn``, ``top_k`` of them per token; the routing
+arithmetic is in :mod:`wsattn.models.moe`):
+
+* ``qwen3_moe``: Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3's per-head QK-norm;
+  ``norm_topk_prob`` renormalises the chosen probabilities; dense layers interleaved by
+  ``mlp_only_layers`` / ``decoder_sparse_step`` are supported (``moe_layers`` lists the
+  MoE ones, the others are dense MLPs of width ``intermediate_size``).
+* ``mixtral``: Mixtral (``MixtralForCausalLM``): always renormalised over the chosen;
+  no QK-norm. ``router_jitter_noise`` is accepted: transformers applies it only in
+  training mode, never in a forward the decode step mirrors.
+* ``olmoe``: OLMoE (``OlmoeForCausalLM``): ``norm_topk_prob`` as Qwen3-MoE; its q/k
+  RMSNorm spans the whole projection (``q_norm`` [Hq*D], ``k_norm`` [Hkv*D]), not each
+  head (``qk_norm_whole``), so head_dim must be hidden // heads.
+
 Anything else is an :class:`UnsupportedModelError` (a ``ValueError``) naming the feature:
 a sliding window some layer actually uses, a head dim other than 64/128/256, a rope type
 other than default/llama3 (or a partial rotary factor), a bias on the o projection or
-the MLP, an activation other than SiLU, mixture-of-experts, an unknown model type.
+the MLP, an activation other than SiLU, an unknown model type; for mixture-of-experts,
+shared experts (Qwen2-MoE), DeepSeek-style routing (grouped top-k, sigmoid scoring, a
+routed scaling factor, a router score bias), OLMoE's ``clip_qkv``, a MoE config that does
+not state its routing (``num_experts_per_tok``, the expert width), or experts on a dense
+family.
 """
 
 from __future__ import annotations
@@ -22,10 +41,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ModelConfig", "RopeConfig", "UnsupportedModelError", "HEAD_DIMS", "FAMILIES"]
+__all__ = ["ModelConfig", "RopeConfig", "UnsupportedModelError", "HEAD_DIMS", "FAMILIES",
+           "MOE_FAMILIES"]
 
 HEAD_DIMS = (64, 128, 256)  # what the attention kernels are built for
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+            "olmoe": "OlmoeForCausalLM"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
 
 # transformers' defaults for keys a config.json may leave out (the model classes'
 # dataclass defaults); the shape keys have no default here: a config without them is
@@ -34,6 +57,36 @@ _DEFAULTS = {
     "llama": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=2048),
     "qwen2": dict(head_dim=None, num_key_value_heads=32, max_position_embeddings=32768),
     "qwen3": dict(head_dim=128, num_key_value_heads=32, max_position_embeddings=32768),
+    "qwen3_moe": dict(head_dim=None, num_key_value_heads=4, max_position_embeddings=32768,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    "mixtral": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=4096 * 32,
+                    rope_theta=1000000.0),
+    "olmoe": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=4096,
+                  norm_topk_prob=False),
+}
+# what a MoE config must state itself: the routing is never guessed from a default
+_MOE_REQUIRED = {"qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size"),
+                 "mixtral": ("num_experts_per_tok",), "olmoe": ("num_experts_per_tok",)}
+# model types that are MoE in a way the step does not implement, and what that way is
+_MOE_REFUSED_TYPES = {
+    "qwen2_moe": "shared experts (Qwen2-MoE's shared_expert beside the routed ones)",
+    "deepseek_v2": "DeepSeek-style routing (grouped top-k, shared experts)",
+    "deepseek_v3": "DeepSeek-style routing (sigmoid scores with a correction bias, grouped "
+                   "top-k, shared experts)",
+}
+# config keys that ask for routing the step does not implement (refused when set to
+# anything but the neutral value given)
+_MOE_REFUSED_KEYS = {
+    "shared_expert_intermediate_size": (0, "shared experts"),
+    "n_shared_experts": (0, "shared experts"),
+    "num_shared_experts": (0, "shared experts"),
+    "n_group": (1, "DeepSeek-style grouped top-k routing"),
+    "topk_group": (1, "DeepSeek-style grouped top-k routing"),
+    "topk_method": ("greedy", "DeepSeek-style top-k method"),
+    "scoring_func": ("softmax", "a router scoring function other than softmax"),
+    "routed_scaling_factor": (1.0, "a routed scaling factor"),
+    "router_bias": (False, "a bias on the router"),
+    "moe_router_bias": (False, "a bias on the router"),
 }
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
              "vocab_size")
@@ -102,6 +155,12 @@ class ModelConfig:
     qk_norm: bool = False
     max_positions: int = 2048
     dtype: torch.dtype | None = None
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0
+    norm_topk: bool = False
+    moe_layers: tuple[int, ...] = ()
+    qk_norm_whole: bool = False
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -121,6 +180,36 @@ class ModelConfig:
             raise ValueError(f"rms_eps must be > 0, got {self.rms_eps!r}")
         if self.dtype is not None and self.dtype not in _DTYPES.values():
             raise UnsupportedModelError(f"dtype {self.dtype} is not supported ({tuple(_DTYPES)})")
+        if self.qk_norm and self.qk_norm_whole:
+            raise ValueError("qk_norm (per head) and qk_norm_whole (whole projection) exclude "
+                             "each other")
+        self._check_moe()
+
+    def _check_moe(self):
+        for name in ("experts", "top_k", "moe_ffn"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if not self.experts:
+            if self.top_k or self.moe_layers or self.moe_ffn:
+                raise ValueError(f"a dense config (experts=0) has top_k={self.top_k}, "
+                                 f"moe_ffn={self.moe_ffn}, moe_layers={self.moe_layers}")
+            return
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k (num_experts_per_tok) must lie in [1, num_experts="
+                             f"{self.experts}], got {self.top_k}")
+        if self.moe_ffn <= 0:
+            raise ValueError(f"moe_ffn (the expert intermediate size) must be > 0, got {self.moe_ffn}")
+        if list(self.moe_layers) != sorted(set(self.moe_layers)) or \
+                any(not 0 <= i < self.layers for i in self.moe_layers):
+            raise ValueError(f"moe_layers must be ascending distinct layer indices in "
+                             f"[0, {self.layers}), got {self.moe_layers}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Some layer's MLP is the mixture-of-experts block."""
+        return bool(self.moe_layers)
 
     @property
     def q_size(self) -> int:
@@ -146,7 +235,13 @@ class ModelConfig:
         """
         d = _as_dict(cfg)
         model_type = d.get("model_type")
-        _refuse_moe(d)
+        if model_type in _MOE_REFUSED_TYPES:
+            raise UnsupportedModelError(f"model_type {model_type!r}: "
+                                        f"{_MOE_REFUSED_TYPES[model_type]} is not supported")
+        if model_type in MOE_FAMILIES:
+            _refuse_moe_routing(d)
+        else:
+            _refuse_moe(d)
         if model_type not in FAMILIES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported (one of {tuple(FAMILIES)})")
@@ -170,25 +265,39 @@ class ModelConfig:
             raise UnsupportedModelError(
                 "attention_bias=True (a bias on o_proj) is not supported; only Qwen2's "
                 "q/k/v bias is")
-        _refuse_sliding_window(d)
+        if model_type in MOE_FAMILIES:
+            _refuse_moe_sliding_window(model_type, d)
+        else:
+            _refuse_sliding_window(d)
+        if d.get("clip_qkv") is not None:
+            raise UnsupportedModelError(f"clip_qkv={d['clip_qkv']} (clamping q, k, v) is not supported")
 
         heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        if model_type == "olmoe" and head_dim * heads != d["hidden_size"]:
+            # transformers sizes OLMoE's q_norm by hidden_size and applies it to q_proj's
+            # heads * head_dim outputs: only head_dim = hidden // heads is a working model
+            raise UnsupportedModelError(
+                f"olmoe with head_dim={head_dim} * num_attention_heads={heads} != hidden_size="
+                f"{d['hidden_size']} is not supported (its q_norm spans hidden_size)")
         return cls(
             family=model_type,
             hidden=d["hidden_size"],
             layers=d["num_hidden_layers"],
             heads=heads,
             kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=head_dim,
             ffn=d["intermediate_size"],
             vocab=d["vocab_size"],
             rms_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope=_rope(d),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm_whole=model_type == "olmoe",
             max_positions=d["max_position_embeddings"],
             dtype=_dtype(d.get("dtype", d.get("torch_dtype"))),
+            **_moe_fields(model_type, d),
         )
 
 
@@ -200,10 +309,69 @@ def _as_dict(cfg) -> dict:
     raise TypeError(f"cfg must be a transformers PretrainedConfig or a dict, got {type(cfg).__name__}")
 
 
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 def _refuse_moe(d):
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+    for key in _EXPERT_KEYS:
         if d.get(key):
-            raise UnsupportedModelError(f"mixture-of-experts ({key}={d[key]}) is not supported")
+            raise UnsupportedModelError(f"mixture-of-experts ({key}={d[key]}) is not supported "
+                                        f"for model_type {d.get('model_type')!r}")
+
+
+def _num_experts(d):
+    # Qwen3MoeConfig.to_dict() writes num_local_experts (its attribute_map points
+    # num_experts there) while published config.json files say num_experts
+    return d.get("num_experts") or d.get("num_local_experts")
+
+
+def _refuse_moe_routing(d):
+    model_type = d["model_type"]
+    for key, (neutral, feature) in _MOE_REFUSED_KEYS.items():
+        if d.get(key) not in (None, neutral):
+            raise UnsupportedModelError(f"mixture-of-experts with {feature} ({key}={d[key]!r}) "
+                                        "is not supported")
+    missing = [k for k in _MOE_REQUIRED[model_type] if d.get(k) is None]
+    if not _num_experts(d):
+        missing.insert(0, "num_experts")
+    if missing:
+        # a ValueError like any malformed config, typed as a refusal: transformers would
+        # fill these from its defaults (8 of 128 experts, width 768), a shape and a routing
+        # this config never stated
+        raise UnsupportedModelError(
+            f"mixture-of-experts config (model_type {model_type!r}) lacks {missing}: the "
+            "routing is not taken from transformers' defaults")
+
+
+def _moe_fields(model_type, d) -> dict:
+    if model_type not in MOE_FAMILIES:
+        return {}
+    layers, experts = d["num_hidden_layers"], _num_experts(d)
+    if model_type == "qwen3_moe":
+        step, dense = d["decoder_sparse_step"], set(d["mlp_only_layers"] or ())
+        if not isinstance(step, int) or step < 1:
+            raise ValueError(f"decoder_sparse_step must be an int >= 1, got {step!r}")
+        # transformers' Qwen3MoeDecoderLayer: MoE unless listed in mlp_only_layers or off
+        # the decoder_sparse_step grid
+        moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        moe_ffn = d["moe_intermediate_size"]
+    else:
+        moe_layers, moe_ffn = tuple(range(layers)), d["intermediate_size"]
+    return dict(experts=experts, top_k=d["num_experts_per_tok"], moe_ffn=moe_ffn,
+                norm_topk=True if model_type == "mixtral" else bool(d["norm_topk_prob"]),
+                moe_layers=moe_layers)
+
+
+def _refuse_moe_sliding_window(model_type, d):
+    """Qwen3-MoE slides every layer when use_sliding_window is set (no max_window_layers
+    there); Mixtral and OLMoE hand sliding_window to the attention whenever it is set."""
+    window = d.get("sliding_window")
+    on = window is not None and (model_type != "qwen3_moe" or d.get("use_sliding_window", False))
+    if on or any(t != "full_attention" for t in d.get("layer_types") or ()):
+        raise UnsupportedModelError(
+            f"sliding-window attention (sliding_window={window}, use_sliding_window="
+            f"{d.get('use_sliding_window')}, layer_types={d.get('layer_types')}) is not "
+            "supported")
 
 
 def _refuse_sliding_window(d):

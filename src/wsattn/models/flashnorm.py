@@ -13,6 +13,13 @@ scalar 1/rms(x) per row, can be applied in the projection's prologue (to x) or e
 * ``mlp_norm``   -> the columns of ``w_gate_up``
 * ``final_norm`` -> the columns of ``lm_head``; with tied embeddings the folded head is a
   new tensor and ``embed`` stays as it was (the embedding lookup is not followed by a norm).
+* a mixture-of-experts layer's ``mlp_norm`` -> the columns of ``router`` [E, hidden] *and*
+  of every expert's ``w_gate_up[e]`` [2F, hidden]. Both read the same normed input, so
+  both take g; the fold is exact (as a function) because rmsnorm(x) is x * s * g with
+  s = 1/rms(x) one scalar per token: router logits = (x @ (R diag g).T) * s and each
+  expert's [gate; up] = (x @ (W_e diag g).T) * s, the scalar applied in each product's
+  epilogue before anything nonlinear (the softmax, SiLU) sees it. ``w_down`` reads
+  silu(gate) * up, not the norm's output, and is not touched.
 
 Qwen3's per-head ``q_norm``/``k_norm`` are *not* folded: they sit between the projection
 and RoPE, and RoPE mixes channel i with channel i + D/2 (x_i cos - x_{i+D/2} sin), so a
@@ -33,19 +40,20 @@ __all__ = ["fold", "fold_columns"]
 
 
 def fold_columns(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """W diag(g): w [out, in] with each column j scaled by g [in]; computed in float32
-    (float64 for float64 weights) and rounded once to w's dtype. Returns a new tensor."""
+    """W diag(g): w [out, in] (or [E, out, in], each expert's matrix alike) with each
+    column j scaled by g [in]; computed in float32 (float64 for float64 weights) and
+    rounded once to w's dtype. Returns a new tensor."""
     acc = torch.float64 if w.dtype == torch.float64 else torch.float32
-    return (w.to(acc) * g.to(acc)[None, :]).to(w.dtype)
+    return (w.to(acc) * g.to(acc)).to(w.dtype)  # g broadcasts over the last (in) dim
 
 
 def fold(weights: Weights) -> Weights:
     """Fold every RMSNorm weight into the following projection (see the module docstring).
 
     weights: as :func:`wsattn.models.weights.load` returns them (``norms_folded`` False).
-    Returns new :class:`Weights` with ``norms_folded=True``: ``wqkv``, ``w_gate_up`` and
-    ``lm_head`` replaced by their folded copies (same shapes, dtype, device),
-    ``attn_norm``/``mlp_norm``/``final_norm`` set to None (they now live in the
+    Returns new :class:`Weights` with ``norms_folded=True``: ``wqkv``, ``w_gate_up``,
+    ``router`` (MoE layers) and ``lm_head`` replaced by their folded copies (same shapes,
+    dtype, device), ``attn_norm``/``mlp_norm``/``final_norm`` set to None (they now live in the
     projections; a consumer applies only 1/rms(x) with the model's ``rms_eps``); every
     other tensor is shared with the input, which is not modified.
 
@@ -63,6 +71,7 @@ def fold(weights: Weights) -> Weights:
             layer,
             wqkv=fold_columns(layer.wqkv, layer.attn_norm),
             w_gate_up=fold_columns(layer.w_gate_up, layer.mlp_norm),
+            router=None if layer.router is None else fold_columns(layer.router, layer.mlp_norm),
             attn_norm=None,
             mlp_norm=None,
         )

@@ -13,6 +13,11 @@ One decoder layer, as the step's kernels will split it::
     h = x + wo @ attention(rope(qk_norm(wqkv @ rmsnorm(x) + bqkv)), cache)
     x = h + w_down @ (silu(gate) * up),   [gate; up] = w_gate_up @ rmsnorm(h)
 
+In a mixture-of-experts layer (``layer.router`` set) the MLP line is
+:func:`wsattn.models.moe.moe_block` (route rmsnorm(h), sum the chosen experts' MLPs). QK-norm
+is per head (Qwen3, Qwen3-MoE) or over the whole q and k projections before the split
+into heads (OLMoE, ``cfg.qk_norm_whole``).
+
 With folded weights (``weights.norms_folded``, see :mod:`wsattn.models.flashnorm`)
 ``w @ rmsnorm(x)`` is computed as ``(w' @ x) / rms(x)``: the norm's weight lives in w'.
 """
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 
 from .. import reference as attn_ref
 from .config import ModelConfig
+from .moe import check_moe_layer, moe_block
 from ..rope import rope_inv_freq as _rope_inv_freq
 from .weights import Weights
 
@@ -146,16 +152,21 @@ def _qkv(cfg, layer, x, cos, sin, folded):
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv.to(x.dtype)
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    if cfg.qk_norm_whole:
+        q = rms_norm(q, layer.q_norm, cfg.rms_eps)
+        k = rms_norm(k, layer.k_norm, cfg.rms_eps)
     q = q.unflatten(-1, (cfg.heads, cfg.head_dim))
     k = k.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
     v = v.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
-    if layer.q_norm is not None:
+    if cfg.qk_norm:
         q = rms_norm(q, layer.q_norm, cfg.rms_eps)
         k = rms_norm(k, layer.k_norm, cfg.rms_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def _mlp(cfg, layer, h, folded):
+    if layer.router is not None:
+        return moe_block(cfg, layer, h)
     gate, up = _norm_project(h, layer.w_gate_up, layer.mlp_norm, cfg.rms_eps, folded).chunk(2, -1)
     return (F.silu(gate) * up) @ layer.w_down.to(h.dtype).T
 
@@ -246,6 +257,15 @@ def _check_weights(cfg, weights):
     if len(weights.layers) != cfg.layers or tuple(weights.embed.shape) != (cfg.vocab, cfg.hidden):
         raise ValueError(f"weights ({len(weights.layers)} layers, embed {list(weights.embed.shape)}) "
                          f"do not match cfg ({cfg.layers} layers, vocab {cfg.vocab}, hidden {cfg.hidden})")
+    moe = tuple(i for i, layer in enumerate(weights.layers) if layer.router is not None)
+    if moe != cfg.moe_layers:
+        raise ValueError(f"weights have a router in layers {list(moe)}, cfg.moe_layers is "
+                         f"{list(cfg.moe_layers)}")
+    for i in moe:
+        check_moe_layer(cfg, weights.layers[i], f"weights.layers[{i}]")
+    if (cfg.qk_norm or cfg.qk_norm_whole) and any(l.q_norm is None or l.k_norm is None
+                                                  for l in weights.layers):
+        raise ValueError("cfg asks for QK-norm but some layer has no q_norm/k_norm")
     norms = [weights.final_norm] + [n for l in weights.layers for n in (l.attn_norm, l.mlp_norm)]
     if any((n is None) != weights.norms_folded for n in norms):
         raise ValueError(f"weights.norms_folded={weights.norms_folded} but the norm weights are "

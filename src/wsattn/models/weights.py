@@ -12,8 +12,10 @@ embed              [vocab, hidden]                 token embeddings
 layers[i].wqkv     [(Hq + 2*Hkv) * D, hidden]      q rows, then k rows, then v rows (each head's
                                                    D rows contiguous, heads in order)
 layers[i].bqkv     [(Hq + 2*Hkv) * D] or None      q, k, v bias in the same order (Qwen2)
-layers[i].q_norm   [D] or None                     per-head RMSNorm weight on q (Qwen3)
-layers[i].k_norm   [D] or None                     per-head RMSNorm weight on k (Qwen3)
+layers[i].q_norm   [D] or None                     per-head RMSNorm weight on q (Qwen3,
+                   [Hq * D] (OLMoE)                Qwen3-MoE); OLMoE's spans the whole q
+layers[i].k_norm   [D] or None                     per-head RMSNorm weight on k, or
+                   [Hkv * D] (OLMoE)               OLMoE's over the whole k projection
 layers[i].wo       [hidden, Hq * D]                output projection
 layers[i].w_gate_up [2 * ffn, hidden]              gate rows, then up rows
 layers[i].w_down   [hidden, ffn]                   down projection
@@ -24,10 +26,33 @@ lm_head            [vocab, hidden]                 LM head; with tied embeddings
                                                    folded) the *same tensor object* as embed
 norms_folded       bool                            False as loaded; True after
                                                    :func:`wsattn.models.flashnorm.fold`
+layers[i].router   None, or [E, hidden] in a MoE   the router of a MoE layer (below), one row
+                   layer                           per expert: logits = rmsnorm(h) @ router.T
 =================  ==============================  ==============================================
 
+A mixture-of-experts layer (``i in cfg.moe_layers``; E = cfg.experts, F = cfg.moe_ffn)
+keeps the dense field names with an expert dimension in front, so a layer is MoE exactly
+when ``router`` is not None; ``mlp_norm`` is the same [hidden] RMSNorm as a dense layer's
+and both the router and every expert read its output:
+
+=================  ==============================  ==============================================
+layers[i].router   [E, hidden]                     router rows, expert e's in row e
+layers[i].w_gate_up [E, 2 * F, hidden]             expert e's gate rows (F), then its up rows
+                                                   (F): transformers' fused ``gate_up_proj``
+layers[i].w_down   [E, hidden, F]                  expert e's down projection (``down_proj``)
+=================  ==============================  ==============================================
+
+Checkpoints hold the experts in one of two layouts, both read by :func:`load`:
+transformers 5's fused parameters (what a model object's ``state_dict()`` holds:
+``mlp.gate.weight``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) or one
+tensor per expert, as published checkpoints (and transformers' ``save_pretrained``) write
+them: ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (Qwen3-MoE, OLMoE) or
+``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` with ``block_sparse_moe.gate.weight``
+(Mixtral: w1 gate, w3 up, w2 down).
+
 All tensors share one dtype (float16, bfloat16, float32 or float64) and one device, and
-are contiguous. wqkv and w_gate_up are new tensors; the others may share storage with the
+are contiguous. wqkv and w_gate_up are new tensors (except a MoE layer's w_gate_up read
+from transformers' fused parameter); the others may share storage with the
 model's parameters (nothing in wsattn writes into them).
 """
 
@@ -41,7 +66,7 @@ import torch
 
 from .config import ModelConfig
 
-__all__ = ["Weights", "LayerWeights", "load", "expected_tensors", "FLOAT_DTYPES"]
+__all__ = ["Weights", "LayerWeights", "load", "expected_tensors", "FLOAT_DTYPES", "EXPERT_LAYOUTS"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -59,6 +84,7 @@ class LayerWeights:
     w_down: torch.Tensor
     attn_norm: torch.Tensor | None
     mlp_norm: torch.Tensor | None
+    router: torch.Tensor | None = None
 
 
 @dataclass
@@ -88,10 +114,35 @@ class Weights:
             yield "lm_head", self.lm_head
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+EXPERT_LAYOUTS = ("fused", "per_expert")
+
+
+def _mlp_names(cfg: ModelConfig, i: int, expert_layout: str) -> dict[str, tuple[str, ...]]:
+    """Layer i's MLP: {Weights field: the checkpoint names it is built from, in order}."""
+    p = f"model.layers.{i}."
+    if i not in cfg.moe_layers:
+        return {"w_gate_up": (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "w_down": (p + "mlp.down_proj.weight",)}
+    if expert_layout == "fused":
+        return {"router": (p + "mlp.gate.weight",),
+                "w_gate_up": (p + "mlp.experts.gate_up_proj",),
+                "w_down": (p + "mlp.experts.down_proj",)}
+    m, (gate, up, down) = ((p + "block_sparse_moe.", ("w1", "w3", "w2")) if cfg.family == "mixtral"
+                           else (p + "mlp.", ("gate_proj", "up_proj", "down_proj")))
+    experts = range(cfg.experts)
+    return {"router": (m + "gate.weight",),
+            "w_gate_up": tuple(m + f"experts.{e}.{n}.weight" for e in experts for n in (gate, up)),
+            "w_down": tuple(m + f"experts.{e}.{down}.weight" for e in experts)}
+
+
+def expected_tensors(cfg: ModelConfig, expert_layout: str = "fused") -> dict[str, tuple[int, ...]]:
     """The Hugging Face tensor names a checkpoint of ``cfg`` must hold, with their shapes
-    (``lm_head.weight`` only when the embeddings are not tied)."""
+    (``lm_head.weight`` only when the embeddings are not tied); MoE layers' experts in
+    ``expert_layout`` ("fused" or "per_expert", see the module docstring)."""
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
     D, E = cfg.head_dim, cfg.hidden
+    F, X = cfg.moe_ffn, cfg.experts
     names = {"model.embed_tokens.weight": (cfg.vocab, E), "model.norm.weight": (E,)}
     if not cfg.tie_embeddings:
         names["lm_head.weight"] = (cfg.vocab, E)
@@ -102,9 +153,6 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (cfg.kv_size, E),
             p + "self_attn.v_proj.weight": (cfg.kv_size, E),
             p + "self_attn.o_proj.weight": (E, cfg.q_size),
-            p + "mlp.gate_proj.weight": (cfg.ffn, E),
-            p + "mlp.up_proj.weight": (cfg.ffn, E),
-            p + "mlp.down_proj.weight": (E, cfg.ffn),
             p + "input_layernorm.weight": (E,),
             p + "post_attention_layernorm.weight": (E,),
         })
@@ -114,7 +162,29 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                           p + "self_attn.v_proj.bias": (cfg.kv_size,)})
         if cfg.qk_norm:
             names.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
+        if cfg.qk_norm_whole:
+            names.update({p + "self_attn.q_norm.weight": (cfg.q_size,),
+                          p + "self_attn.k_norm.weight": (cfg.kv_size,)})
+        mlp = _mlp_names(cfg, i, expert_layout)
+        if "router" not in mlp:  # dense
+            (gate, up), (down,) = mlp["w_gate_up"], mlp["w_down"]
+            names.update({gate: (cfg.ffn, E), up: (cfg.ffn, E), down: (E, cfg.ffn)})
+        elif expert_layout == "fused":
+            names.update({mlp["router"][0]: (X, E), mlp["w_gate_up"][0]: (X, 2 * F, E),
+                          mlp["w_down"][0]: (X, E, F)})
+        else:
+            names[mlp["router"][0]] = (X, E)
+            names.update({n: (F, E) for n in mlp["w_gate_up"]})
+            names.update({n: (E, F) for n in mlp["w_down"]})
     return names
+
+
+def _expert_layout(cfg: ModelConfig, meta: dict) -> str:
+    """The layout of the checkpoint's experts: fused where any MoE layer holds transformers'
+    fused parameter, else one tensor per expert (a checkpoint mixing them is then reported
+    as missing the per-expert names)."""
+    fused = [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in cfg.moe_layers]
+    return "fused" if any(n in meta for n in fused) else "per_expert"
 
 
 # tensors a checkpoint may carry that the model does not use (old Llama checkpoints
@@ -139,7 +209,9 @@ def load(model_or_path, dtype: torch.dtype | None = None, device="cpu") -> tuple
     Before any tensor data is read, the checkpoint's names, shapes and dtypes are checked
     against the config: a missing tensor, an unexpected one (e.g. an o_proj bias the step
     would ignore), a wrong shape (names the tensor, expected vs got) raise ValueError; a
-    dtype it cannot take (int8, fp8, ...) raises TypeError naming the tensors.
+    dtype it cannot take (int8, fp8, ...) raises TypeError naming the tensors. A MoE
+    layer's experts may be stored fused or one tensor per expert (module docstring); a
+    missing expert tensor or one of the wrong shape is named like any other.
 
     >>> cfg, w = load("path/to/Llama-3.2-1B", dtype=torch.bfloat16)  # doctest: +SKIP
     >>> w.layers[0].wqkv.shape  # [(32 + 2*8) * 64, 2048]  # doctest: +SKIP
@@ -154,10 +226,12 @@ def load(model_or_path, dtype: torch.dtype | None = None, device="cpu") -> tuple
     else:
         raise TypeError("model_or_path must be a transformers model or a checkpoint folder path, "
                         f"got {type(model_or_path).__name__}")
-    _validate(cfg, source.meta())
+    meta = source.meta()
+    layout = _expert_layout(cfg, meta)
+    _validate(cfg, meta, layout)
     if dtype is None:
-        dtype = source.meta()["model.embed_tokens.weight"][1]
-    return cfg, _assemble(cfg, source, dtype, torch.device(device))
+        dtype = meta["model.embed_tokens.weight"][1]
+    return cfg, _assemble(cfg, source, dtype, torch.device(device), layout)
 
 
 class _StateDict:
@@ -245,13 +319,15 @@ def _few(names, n=8):
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def _validate(cfg: ModelConfig, meta: dict):
-    expected = expected_tensors(cfg)
+def _validate(cfg: ModelConfig, meta: dict, expert_layout: str = "fused"):
+    expected = expected_tensors(cfg, expert_layout)
     missing = [n for n in expected if n not in meta]
     if missing:
+        moe = (f", {cfg.experts} experts in layers {list(cfg.moe_layers)} stored {expert_layout}"
+               if cfg.is_moe else "")
         raise ValueError(f"checkpoint is missing tensor(s) {_few(missing)} (for a {cfg.family} "
                          f"config with {cfg.layers} layers, qkv_bias={cfg.qkv_bias}, "
-                         f"qk_norm={cfg.qk_norm}, tie_embeddings={cfg.tie_embeddings})")
+                         f"qk_norm={cfg.qk_norm}, tie_embeddings={cfg.tie_embeddings}{moe})")
     unexpected = [n for n in meta if n not in expected and not _ignorable(n, cfg)]
     if unexpected:
         raise ValueError(f"checkpoint holds tensor(s) this {cfg.family} config does not use: "
@@ -263,19 +339,32 @@ def _validate(cfg: ModelConfig, meta: dict):
                         f"float32, float64 only; no quantized weights): {_few(bad_dtype)}")
     for n, shape in expected.items():
         if meta[n][0] != shape:
+            moe = (f", experts={cfg.experts}, moe_ffn={cfg.moe_ffn}" if cfg.is_moe else "")
             raise ValueError(f"tensor {n}: expected shape {list(shape)} from the config "
                              f"(hidden={cfg.hidden}, heads={cfg.heads}, kv_heads={cfg.kv_heads}, "
-                             f"head_dim={cfg.head_dim}, ffn={cfg.ffn}, vocab={cfg.vocab}), "
+                             f"head_dim={cfg.head_dim}, ffn={cfg.ffn}, vocab={cfg.vocab}{moe}), "
                              f"got {list(meta[n][0])}")
 
 
-def _assemble(cfg: ModelConfig, source, dtype, device) -> Weights:
+def _assemble(cfg: ModelConfig, source, dtype, device, expert_layout="fused") -> Weights:
     def get(name):
         return source.get(name).to(device=device, dtype=dtype).contiguous()
 
     def cat(*names):
         return torch.cat([source.get(n).to(device=device, dtype=dtype) for n in names])
 
+    def mlp(i):
+        names = _mlp_names(cfg, i, expert_layout)
+        if "router" not in names:
+            return dict(w_gate_up=cat(*names["w_gate_up"]), w_down=get(names["w_down"][0]))
+        if expert_layout == "fused":
+            return {field: get(n) for field, (n,) in names.items()}
+        gate_up, down = names["w_gate_up"], names["w_down"]  # expert e: gate_up[2e:2e+2], down[e]
+        return dict(router=get(names["router"][0]),
+                    w_gate_up=torch.stack([cat(*gate_up[2 * e:2 * e + 2]) for e in range(cfg.experts)]),
+                    w_down=torch.stack([get(n) for n in down]))
+
+    qk_norm = cfg.qk_norm or cfg.qk_norm_whole
     layers = []
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
@@ -283,13 +372,12 @@ def _assemble(cfg: ModelConfig, source, dtype, device) -> Weights:
         layers.append(LayerWeights(
             wqkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
             bqkv=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if cfg.qkv_bias else None,
-            q_norm=get(a + "q_norm.weight") if cfg.qk_norm else None,
-            k_norm=get(a + "k_norm.weight") if cfg.qk_norm else None,
+            q_norm=get(a + "q_norm.weight") if qk_norm else None,
+            k_norm=get(a + "k_norm.weight") if qk_norm else None,
             wo=get(a + "o_proj.weight"),
-            w_gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            w_down=get(p + "mlp.down_proj.weight"),
             attn_norm=get(p + "input_layernorm.weight"),
             mlp_norm=get(p + "post_attention_layernorm.weight"),
+            **mlp(i),
         ))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_embeddings else get("lm_head.weight")

@@ -1,0 +1,134 @@
+"""The mixture-of-experts MLP block in plain PyTorch: routing exactly as transformers does
+it, then the chosen experts summed in a fixed order. What the MoE decode kernels are
+tested against; no kernel is imported.
+
+For a token's normed input x (``rmsnorm(h)`` with the layer's ``mlp_norm``)::
+
+    logits = x @ router.T                                  [E], in x's dtype
+    probs  = softmax(logits) in float32
+    w, e   = top_k(probs)                                  k largest, descending (torch.topk)
+    w      = w / sum(w)                                    if cfg.norm_topk
+    w      = float32(dtype(w))                             Qwen3-MoE, OLMoE (see below)
+    y      = sum over k = 0, 1, ..., top_k - 1, in that order, of
+             w[k] * down_e (silu(gate_e x) * up_e x),      [gate_e; up_e] = w_gate_up[e[k]]
+
+Dtypes, as transformers 5.17's ``*TopKRouter``: the logits are a linear in the model's
+dtype, the softmax runs in float32 (``softmax(..., dtype=torch.float)``;
+Mixtral's ``softmax(logits.float())`` is the same), top-k and the renormalisation run on
+the float32 probabilities; Qwen3-MoE and OLMoE then cast the weights to the logits'
+dtype (``router_top_value.to(router_logits.dtype)``), Mixtral keeps float32. :func:`route`
+returns float32 weights either way, rounded through the logits' dtype where transformers
+rounds (a no-op for float32/float64 logits).
+
+Ties (equal probabilities, e.g. two equal router rows): broken by ``torch.topk`` on the
+device at hand, exactly as transformers calls it. torch does not specify which index wins
+(on the CPU the later of two equal indices came first in a measured case); a kernel that
+picks the lower index agrees with this reference only where no exact tie occurs.
+
+NaN: a token whose logits hold a NaN has NaN probabilities; ``torch.topk`` ranks NaN above
+every number, so the token is routed to some experts with NaN weights and its output is
+NaN (propagated, not dropped, not raised: checking would read a device value on the host).
+Other tokens are unaffected.
+
+The sum order (ascending slot k, each slot's contribution added once to the token's
+accumulator) is the order the fused combine uses, so a kernel's fp32 sum can be compared
+with this one term for term. transformers adds per expert in ascending expert id instead
+(``index_add_`` in its expert loop); the two agree to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .weights import LayerWeights
+
+__all__ = ["route", "select", "moe_block", "check_moe_layer"]
+
+# transformers' Qwen3MoeTopKRouter and OlmoeTopKRouter cast the chosen weights to the
+# logits' dtype; MixtralTopKRouter returns them in float32
+_ROUNDS_WEIGHTS = ("qwen3_moe", "olmoe")
+
+
+def select(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing from router logits [T, E] (any float dtype): ``(weights [T, top_k] float32,
+    experts [T, top_k] int64)``, slot 0 the most probable expert (module docstring)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, cfg.top_k, dim=-1)
+    if cfg.norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if cfg.family in _ROUNDS_WEIGHTS:
+        weights = weights.to(logits.dtype).to(torch.float32)
+    return weights, experts
+
+
+def route(cfg: ModelConfig, x_normed: torch.Tensor, router: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of a MoE layer, as transformers computes it.
+
+    x_normed: [T, hidden], the layer's ``mlp_norm`` output (any float dtype; the logits
+    are computed in it); router: [E, hidden] (:class:`~wsattn.models.weights.LayerWeights`
+    ``router``, unfolded). Returns ``weights`` [T, top_k] float32 and ``experts``
+    [T, top_k] int64, slot 0 the largest probability.
+
+    >>> w, e = route(cfg, rms_norm(h, layer.mlp_norm, cfg.rms_eps), layer.router)  # doctest: +SKIP
+    >>> w.shape, e.dtype  # ([T, cfg.top_k], torch.int64)  # doctest: +SKIP
+    """
+    if not cfg.experts:
+        raise ValueError(f"cfg is dense ({cfg.family}, experts=0): no routing")
+    if x_normed.dim() != 2 or x_normed.shape[1] != cfg.hidden:
+        raise ValueError(f"x_normed must be [T, hidden={cfg.hidden}], got {list(x_normed.shape)}")
+    if tuple(router.shape) != (cfg.experts, cfg.hidden):
+        raise ValueError(f"router must be [experts={cfg.experts}, hidden={cfg.hidden}], got "
+                         f"{list(router.shape)}")
+    return select(cfg, F.linear(x_normed, router.to(x_normed.dtype)))
+
+
+def check_moe_layer(cfg: ModelConfig, layer: LayerWeights, where: str = "layer"):
+    """Raise ValueError naming the field if a MoE layer's tensors do not have the shapes
+    of ``weights.py``'s layout for ``cfg``."""
+    X, F_, H = cfg.experts, cfg.moe_ffn, cfg.hidden
+    for name, shape in (("router", (X, H)), ("w_gate_up", (X, 2 * F_, H)), ("w_down", (X, H, F_))):
+        t = getattr(layer, name)
+        if t is None or tuple(t.shape) != shape:
+            raise ValueError(f"{where}.{name} must be {list(shape)} (experts={X}, "
+                             f"moe_ffn={F_}, hidden={H}), got "
+                             f"{None if t is None else list(t.shape)}")
+
+
+def moe_block(cfg: ModelConfig, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """The MLP of a MoE layer: x [..., hidden], the residual stream after attention (the
+    block applies the layer's RMSNorm itself, or, with FlashNorm-folded weights
+    (``layer.mlp_norm`` None), only 1/rms(x) after the router's and each expert's gate/up
+    product). Returns y [..., hidden] in x's dtype, without the residual; the caller adds
+    it. Computes in x's dtype (the weights are cast to it); routing per :func:`select`;
+    experts summed in ascending slot order (module docstring).
+
+    >>> h = h + moe_block(cfg, weights.layers[i], h)  # doctest: +SKIP
+    """
+    from .reference import inv_rms, rms_norm  # reference imports this module at its top
+
+    check_moe_layer(cfg, layer)
+    if x.shape[-1] != cfg.hidden:
+        raise ValueError(f"x must be [..., hidden={cfg.hidden}], got {list(x.shape)}")
+    x2 = x.reshape(-1, cfg.hidden)
+    dtype = x2.dtype
+    if layer.mlp_norm is None:  # folded: g lives in the router's and experts' columns
+        xin, scale = x2, inv_rms(x2, cfg.rms_eps)  # [T, 1]
+        logits = F.linear(xin, layer.router.to(dtype)) * scale
+    else:
+        xin, scale = rms_norm(x2, layer.mlp_norm, cfg.rms_eps), None
+        logits = F.linear(xin, layer.router.to(dtype))
+    weights, experts = select(cfg, logits)  # [T, k] float32, int64
+    y = torch.zeros_like(x2)
+    for k in range(cfg.top_k):
+        for e in experts[:, k].unique().tolist():
+            rows = (experts[:, k] == e).nonzero().squeeze(1)
+            gate_up = F.linear(xin[rows], layer.w_gate_up[e].to(dtype))  # [n, 2F]
+            if scale is not None:
+                gate_up = gate_up * scale[rows]
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = F.linear(F.silu(gate) * up, layer.w_down[e].to(dtype))  # [n, hidden]
+            y[rows] += out * weights[rows, k, None].to(dtype)
+    return y.reshape(x.shape)

@@ -1,0 +1,821 @@
+"""Mixture-of-experts decode: routing, grouping by expert, grouped expert FFN, combine.
+
+For T = 1..64 tokens x [T, H], E experts of FFN width F, top-k routing:
+
+    route      logits = x @ router_w^T (fp32, FlashNorm scale optional), softmax or
+               sigmoid, top-k, optional renormalisation      -> weights [T, k], ids [T, k]
+    group      a counting sort of the T*k (token, slot) pairs by expert, each expert's
+               rows padded to a multiple of `block`           -> Grouping
+    gate_up    per touched expert: act = silu(x_e @ Wg_e^T) * (x_e @ Wu_e^T)
+    down       per pair: y[p] = weight[p] * (act[p] @ Wd_e^T), written by pair (fp32)
+    combine    out[t] = residual[t] + sum over slots j of y[t*k + j], in slot order
+
+Everything runs on the device with static shapes (no host read of a routing result), so
+a step with it can be captured in one CUDA graph: the grouping's sizes are upper bounds
+(rows_max = blocks_max * block), the number of blocks actually used is a device tensor,
+and programs of blocks past it exit at once.
+
+Decode reads each touched expert's weights once and does little arithmetic with them,
+so the grouped kernels are the dense GEMV (gemv.py) per expert: a program owns BLOCK_N
+weight rows of one expert and streams them once for the block's `block` rows of
+activations; FMA reduction for blocks of <= 4 rows, tl.dot with the weight tile as the
+MMA's M operand ("swap AB") for blocks of >= 16. Only touched experts' weights are read:
+a block belongs to exactly one expert, and experts with no pair own no block.
+
+Determinism: no float atomics anywhere. The grouping is a stable counting sort in one
+program (pairs of an expert in ascending token order), every output element is written
+by one program, and the combine adds a token's k pair results in slot order, so two
+runs on the same inputs are bit-identical.
+
+Tie and NaN rule of the router (torch.topk leaves the order of equal values unspecified:
+on the CPU it returned indices [2, 4, 1] for three equal probabilities): the chosen
+experts are those of ``torch.sort(scores, descending=True, stable=True)[:, :k]``: the
+higher score first, equal scores by lower expert index, NaN above every number. A NaN
+logit makes every softmax probability of its token NaN, so that token gets ids 0..k-1
+and NaN weights, and its MoE output is NaN: the NaN propagates, nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..target import Target, target_of
+from ._alloc import empty
+from ._intmath import cdiv, next_pow2
+
+
+# --------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _route_kernel(x_ptr, w_ptr, wts_ptr, ids_ptr, H, E, eps, stride_xt, stride_we,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_TK: tl.constexpr, NORM: tl.constexpr, RENORM: tl.constexpr,
+                  SIGMOID: tl.constexpr, PDL: tl.constexpr):
+    # grid (T,): one token a program; all E logits live in its registers (E <= 128)
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    e_live = e < E
+    hh = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    rows = w_ptr + e.to(tl.int64)[:, None] * stride_we  # [BLOCK_E, 1]
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # the router weight is never written during a step: its first tile may load before
+    # the PDL wait; x is the previous kernel's output and loads after it
+    w = tl.load(rows + hh[None, :], mask=e_live[:, None] & (hh < H)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the rule of gemv.py's _gemv_kernel
+    xv = tl.load(x_ptr + t * stride_xt + hh, mask=hh < H, other=0.0).to(tl.float32)
+    acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+    ss += xv * xv
+    for h0 in range(BLOCK_H, H, BLOCK_H):
+        h = h0 + hh
+        w = tl.load(rows + h[None, :], mask=e_live[:, None] & (h < H)[None, :], other=0.0)
+        xv = tl.load(x_ptr + t * stride_xt + h, mask=h < H, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+        ss += xv * xv  # unused without NORM: compiled away
+    logits = acc  # [BLOCK_E] fp32, never rounded to the model dtype
+    if NORM:
+        logits = logits * tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
+    if SIGMOID:
+        p = tl.sigmoid(logits)
+    else:
+        logits = tl.where(e_live, logits, float("-inf"))
+        ex = tl.exp(logits - tl.max(logits, axis=0))
+        p = ex / tl.sum(ex, axis=0)  # a NaN anywhere makes the sum, so every p, NaN
+    # selection key: NaN above every score (scores lie in [0, 1]), padding lanes below
+    key = tl.where(p != p, 2.0, p)
+    key = tl.where(e_live, key, -1.0)
+    kk = tl.arange(0, BLOCK_TK)  # [BLOCK_TK]
+    sel_w = tl.zeros([BLOCK_TK], dtype=tl.float32)
+    sel_i = tl.zeros([BLOCK_TK], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(key, axis=0)
+        idx = tl.min(tl.where(key == best, e, BLOCK_E), axis=0)  # the lower index of ties
+        pj = tl.sum(tl.where(e == idx, p, 0.0), axis=0)
+        sel_w = tl.where(kk == j, pj, sel_w)
+        sel_i = tl.where(kk == j, idx, sel_i)
+        key = tl.where(e == idx, -2.0, key)
+    if RENORM:
+        sel_w = sel_w / tl.sum(tl.where(kk < TOP_K, sel_w, 0.0), axis=0)
+    tl.store(wts_ptr + t * TOP_K + kk, sel_w, mask=kk < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + kk, sel_i, mask=kk < TOP_K)
+
+
+@triton.jit
+def _group_kernel(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
+                  P, E, ROWS, NB,
+                  BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
+    # grid (1,): P = T*k <= 64*k pairs, a few passes of [CHUNK, BLOCK_E] one-hot tiles.
+    # Every address is written by exactly one lane, so no barrier orders the passes.
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the ids come from the router kernel
+        tl.extra.cuda.gdc_launch_dependents()
+    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    e_live = e < E
+    c = tl.arange(0, CHUNK)  # [CHUNK]
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + c
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK - 1) // BLOCK * BLOCK  # [BLOCK_E]
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(offs_ptr + e, starts, mask=e_live)
+    tl.store(offs_ptr + E, total)
+    tl.store(counts_ptr + e, counts, mask=e_live)
+    tl.store(nact_ptr, total // BLOCK)
+    # pass 2: pair p goes to row starts[id] + (pairs of the same expert before p): stable
+    run = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + c
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
+        before = tl.cumsum(onehot, axis=0) - onehot + run[None, :]
+        row = tl.sum(onehot * (starts[None, :] + before), axis=1)  # [CHUNK]
+        tl.store(pairs_ptr + row, p, mask=p < P)
+        run += tl.sum(onehot, axis=0)
+    # pass 3: -1 into every row no pair took (padding of an expert, and rows past total)
+    for r0 in range(0, ROWS, CHUNK):
+        r = r0 + c
+        taken = (starts[None, :] <= r[:, None]) & (r[:, None] < (starts + counts)[None, :])
+        is_pair = tl.sum(taken.to(tl.int32), axis=1) > 0  # [CHUNK]
+        tl.store(pairs_ptr + r, tl.full([CHUNK], -1, tl.int32), mask=(r < ROWS) & ~is_pair)
+    # pass 4: the expert owning each block (-1 past the active blocks)
+    for b0 in range(0, NB, CHUNK):
+        b = b0 + c
+        r = b * BLOCK
+        inside = (starts[None, :] <= r[:, None]) & (r[:, None] < ends[None, :]) \
+            & e_live[None, :]  # [CHUNK, BLOCK_E]: at most one true a row
+        owner = tl.sum(tl.where(inside, e[None, :], 0), axis=1)
+        found = tl.sum(inside.to(tl.int32), axis=1) > 0
+        tl.store(eob_ptr + b, tl.where(found, owner, -1), mask=b < NB)
+
+
+@triton.jit
+def _accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, k, k_live,
+                BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
+                GATE_UP: tl.constexpr):
+    """Fold one K tile into the accumulators, as gemv.py's _accumulate, with the rows of
+    x gathered: xoff [BLOCK_M] int64 element offsets of the block's rows, m_live
+    [BLOCK_M] which of them hold a pair. acc_g / acc_u [BLOCK_N, BLOCK_M] fp32,
+    wg / wu [BLOCK_N, BLOCK_K], ss [BLOCK_M] sums of x^2 (NORM)."""
+    mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    if USE_DOT:
+        x = tl.load(x_ptr + xoff[:, None] + k[None, :],
+                    mask=m_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        xt = tl.trans(x)
+        acc_g = tl.dot(wg, xt, acc_g)
+        if GATE_UP:
+            acc_u = tl.dot(wu, xt, acc_u)
+        if NORM:
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+    else:
+        for m in tl.static_range(BLOCK_M):
+            # the row's offset and liveness as scalars: a <= 4-element reduction a tile
+            om = tl.sum(tl.where(mi == m, xoff, 0), axis=0)
+            lm = tl.sum(tl.where(mi == m, m_live.to(tl.int32), 0), axis=0) > 0
+            xm = tl.load(x_ptr + om + k, mask=k_live & lm, other=0.0).to(tl.float32)
+            col = (mi == m)[None, :]
+            g = tl.sum(wg.to(tl.float32) * xm[None, :], axis=1)  # [BLOCK_N]
+            acc_g += tl.where(col, g[:, None], 0.0)
+            if GATE_UP:
+                u = tl.sum(wu.to(tl.float32) * xm[None, :], axis=1)
+                acc_u += tl.where(col, u[:, None], 0.0)
+            if NORM:
+                ss += tl.where(mi == m, tl.sum(xm * xm, axis=0), 0.0)
+    return acc_g, acc_u, ss
+
+
+@triton.jit
+def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr,
+                    NOUT, K, eps, stride_xt, stride_we, stride_wn, stride_ot,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, GATE_UP: tl.constexpr,
+                    NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1):
+    # grid (blocks_max, cdiv(NOUT, BLOCK_N)). One block of BLOCK_M grouped rows (one
+    # expert), BLOCK_N output columns (weight rows of that expert).
+    # GATE_UP: x = the tokens' hidden states gathered through the pairs, W = [E, 2F, H],
+    #   out = act [rows, F] by grouped row: silu(gate) * up (FlashNorm scale with NORM).
+    # else (down): x = act by grouped row, W = [E, H, F], out = per-pair results
+    #   [T*k, H] fp32 by pair index, times the pair's routing weight.
+    b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if PDL:
+        # Unlike a dense GEMV, even the weights wait: which expert's rows to read is the
+        # grouping kernel's output. PDL still hides this grid's launch behind the last one.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if b >= tl.load(nact_ptr):
+        return  # a block past the active ones: static grid, nothing to do
+    ex = tl.load(eob_ptr + b).to(tl.int64)
+    mi = tl.arange(0, BLOCK_M)
+    r = b * BLOCK_M + mi  # [BLOCK_M] grouped rows
+    pair = tl.load(pairs_ptr + r)  # [BLOCK_M], -1 on padding rows
+    m_live = pair >= 0
+    if GATE_UP:
+        xoff = tl.where(m_live, pair // TOP_K, 0).to(tl.int64) * stride_xt
+    else:
+        xoff = r.to(tl.int64) * stride_xt
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_live = n < NOUT
+    wbase = w_ptr + ex * stride_we
+    g_rows = wbase + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    u_rows = wbase + (n + NOUT).to(tl.int64)[:, None] * stride_wn  # up rows (GATE_UP)
+    kk = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # STAGES asked of the loop itself so the FMA path's weight loads are pipelined too
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k = k0 + kk
+        k_live = k < K
+        wmask = n_live[:, None] & k_live[None, :]
+        wg = tl.load(g_rows + k[None, :], mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K]
+        wu = wg
+        if GATE_UP:
+            wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
+        acc_g, acc_u, ss = _accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, k,
+                                       k_live, BLOCK_M, USE_DOT, NORM, GATE_UP)
+    mask = n_live[:, None] & m_live[None, :]  # [BLOCK_N, BLOCK_M]
+    if GATE_UP:
+        gate = acc_g
+        up = acc_u
+        if NORM:
+            rstd = tl.rsqrt(ss / K + eps)[None, :]
+            gate = gate * rstd
+            up = up * rstd
+        y = gate * tl.sigmoid(gate) * up
+        tl.store(out_ptr + r.to(tl.int64)[None, :] * stride_ot + n[:, None],
+                 y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        wt = tl.load(wts_ptr + pair, mask=m_live, other=0.0)  # [BLOCK_M] fp32
+        y = acc_g * wt[None, :]
+        tl.store(out_ptr + pair.to(tl.int64)[None, :] * stride_ot + n[:, None], y, mask=mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, res_ptr, out_ptr, H, stride_yp, stride_rt, stride_ot,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, RESIDUAL: tl.constexpr,
+                    PDL: tl.constexpr):
+    # grid (T, cdiv(H, BLOCK_H)): out[t] = residual[t] + y[t*k] + ... + y[t*k + k-1],
+    # in that order, fp32, one rounding
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    live = h < H
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if RESIDUAL:
+        # read and written by the same program element for element: out may be residual
+        acc += tl.load(res_ptr + t * stride_rt + h, mask=live, other=0.0).to(tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * stride_yp + h, mask=live,
+                       other=0.0)
+    tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+# --------------------------------------------------------------------------- settings
+
+MAX_T = 64  # tokens a call takes; more is a prefill-sized grouped GEMM
+MAX_E = 256  # router logits of one token held in one program's registers
+FMA_BLOCKS = (1, 2, 4)  # grouping blocks served by the FMA reduction (no M padding)
+DOT_BLOCKS = (16, 32, 64)  # grouping blocks served by tl.dot (its minimum is 16)
+GROUP_CHUNK = 64  # pairs / rows a pass of the grouping kernel takes at once
+COMBINE_BLOCK_H = 1024
+ROW_BYTES = 256  # bytes of a weight row a dot tile covers (as gemv.py)
+FMA_TILE_ELEMS = 4096  # weight elements of an FMA tile (16-bit; half for fp32)
+STAGE_BUDGET = 96 * 1024
+MAX_STAGES = 6
+
+
+@dataclass(frozen=True)
+class MoeSettings:
+    """Launch settings of the grouped expert kernels (see default_settings).
+
+    block: rows of a grouping block = BLOCK_M of the grouped kernels; each expert's
+    pairs are padded to a multiple of it. 1, 2, 4 use the FMA path, 16, 32, 64 tl.dot.
+    BLOCK_N: weight rows (output columns) a program streams; BLOCK_K: K a tile.
+    num_warps / num_stages: as in triton.
+    """
+    block: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.block not in FMA_BLOCKS + DOT_BLOCKS:
+            raise ValueError(f"MoeSettings.block must be one of {FMA_BLOCKS + DOT_BLOCKS}, "
+                             f"got {self.block!r}")
+        for name in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoeSettings.{name} must be a positive int, got {value!r}")
+        for name in ("BLOCK_N", "BLOCK_K", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"MoeSettings.{name} must be a power of two, got {value}")
+        if self.use_dot and (self.BLOCK_N < 16 or self.BLOCK_K < 16):
+            raise ValueError("MoeSettings with a tl.dot block (>= 16) need BLOCK_N and "
+                             f"BLOCK_K >= 16, got {self.BLOCK_N}, {self.BLOCK_K}")
+
+    @property
+    def use_dot(self) -> bool:
+        return self.block >= 16
+
+
+def default_block(T: int, top_k: int, num_experts: int) -> int:
+    """Rows a grouping block: 1 for one token (its k experts are distinct, one row each);
+    4 while the pairs per expert stay about 2 or fewer (FMA, no padding to 16); the
+    tl.dot blocks above. Too small a block splits an expert over several blocks, whose
+    programs read its weights again (from L2 if they run together); too large pads."""
+    mean = T * top_k / num_experts
+    if T == 1:
+        return 1
+    if mean <= 2:
+        return 4
+    return 16 if mean <= 16 else 32
+
+
+@functools.lru_cache(maxsize=1024)
+def default_settings(target: Target, *, T: int, top_k: int, num_experts: int,
+                     dtype: torch.dtype, block: int | None = None) -> MoeSettings:
+    """Settings from (target, T, top_k, E, dtype), for default_block's block unless one
+    is given. The tiles follow gemv.py's memory-bound choices: 256 bytes of a weight row
+    a dot tile, 8 KB of 16-bit weight an FMA tile, as many pipeline stages as fit 96 KB
+    of shared memory."""
+    if block is None:
+        block = default_block(T, top_k, num_experts)
+    if target.backend == "interpreter":
+        # small tiles so that small test shapes cross several tiles and masks
+        return MoeSettings(block=block, BLOCK_N=32 if block >= 16 else 16,
+                           BLOCK_K=32, num_warps=4, num_stages=1)
+    elem = torch.empty((), dtype=dtype).element_size()
+    if block >= 16:
+        block_n = 64
+        block_k = ROW_BYTES // elem
+    else:
+        block_n = 32
+        block_k = FMA_TILE_ELEMS * 2 // elem // block_n
+    stage_bytes = (2 * block_n + block) * block_k * elem
+    stages = max(2, min(MAX_STAGES, STAGE_BUDGET // stage_bytes))
+    return MoeSettings(block=block, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+                       num_stages=stages)
+
+
+def blocks_max(T: int, top_k: int, num_experts: int, block: int) -> int:
+    """Upper bound on the grouping's blocks: sum over the A <= min(E, T*k) touched
+    experts of cdiv(count, block) <= (T*k + A*(block-1)) / block."""
+    pairs = T * top_k
+    return (pairs + min(num_experts, pairs) * (block - 1)) // block
+
+
+class Grouping(NamedTuple):
+    """The (token, slot) pairs of one step grouped by expert, all on the device.
+
+    sorted_pairs: int32 [rows_max], rows_max = blocks_max * block: grouped row r holds
+        pair p = t * top_k + j (token t's slot j), or -1 on a padding row. Expert e owns
+        rows [expert_offsets[e], expert_offsets[e+1]), its pairs first, ascending token.
+    expert_offsets: int32 [E + 1], padded start rows (expert_offsets[E] = rows used).
+    expert_of_block: int32 [blocks_max], the expert of block b (rows b*block..), -1 past
+        the active blocks.
+    num_active_blocks: int32 [1], expert_offsets[E] / block.
+    expert_counts: int32 [E], pairs per expert.
+    block, top_k, num_experts: the Python ints it was built with.
+    """
+    sorted_pairs: torch.Tensor
+    expert_offsets: torch.Tensor
+    expert_of_block: torch.Tensor
+    num_active_blocks: torch.Tensor
+    expert_counts: torch.Tensor
+    block: int
+    top_k: int
+    num_experts: int
+
+
+# --------------------------------------------------------------------------- launchers
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SCORINGS = ("softmax", "sigmoid")
+
+
+def _resolve_pdl(pdl, device):
+    if pdl is not None and not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be None or a bool, got {pdl!r}")
+    target = target_of(device)
+    has_pdl = target.backend == "cuda" and target.cc >= 90
+    if pdl and not has_pdl:
+        raise ValueError(f"pdl=True needs a CUDA GPU of sm_90 or later; this call runs on "
+                         f"{target.name}")
+    if target.backend == "interpreter":
+        from .._triton_compat import patch_interpreter
+        patch_interpreter()
+    return target, has_pdl if pdl is None else pdl
+
+
+def _check_x(x):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x dtype must be float16, bfloat16 or float32, got {x.dtype}")
+    T, H = x.shape
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"x has T={T} tokens; the MoE decode kernels take 1..{MAX_T}")
+    if H == 0 or x.stride(1) != 1:
+        raise ValueError(f"x needs H >= 1 and a contiguous last dimension, got shape "
+                         f"{tuple(x.shape)}, strides {x.stride()}")
+    return T, H
+
+
+def _check_norm_eps(norm_eps):
+    if norm_eps is None:
+        return
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
+        raise TypeError(f"norm_eps must be None or a float, got {norm_eps!r}")
+    if not norm_eps > 0:
+        raise ValueError(f"norm_eps must be > 0, got {norm_eps}")
+
+
+def _check_grouping(grouping, device):
+    if not isinstance(grouping, Grouping):
+        raise TypeError(f"grouping must be the Grouping that group() returns, got "
+                        f"{type(grouping).__name__}")
+    if grouping.sorted_pairs.device != device:
+        raise ValueError(f"grouping must be on {device}, got {grouping.sorted_pairs.device}")
+
+
+def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", pdl=None):
+    """Router: scores of the E experts per token, the top_k of them, their weights.
+
+    Args:
+        x: [T, H] hidden states, 1 <= T <= 64, float16 / bfloat16 / float32, last
+            dimension contiguous.
+        router_w: [E, H] router weight (nn.Linear layout), x's dtype, E <= 256. With
+            norm_eps, the RMSNorm weight folded into its columns (FlashNorm).
+        top_k: experts per token, 1 <= top_k <= E.
+        renormalize: divide the chosen weights by their sum (Qwen3 norm_topk_prob,
+            Mixtral always, OLMoE per its config).
+        norm_eps: None, or the RMSNorm epsilon: logits scaled by rsqrt(mean(x^2) + eps).
+        scoring: "softmax" over the E fp32 logits, or "sigmoid" per logit.
+        pdl: programmatic dependent launch (sm_90+); None = where available.
+
+    Returns:
+        (topk_weights float32 [T, top_k], topk_ids int32 [T, top_k]), highest score
+        first. Logits are accumulated and kept in fp32 (never rounded to x's dtype).
+        Ties and NaN: see the module docstring (stable descending sort; a NaN logit
+        gives its token ids 0..k-1 and NaN weights under softmax).
+
+    Example (TRITON_INTERPRET=1 on CPU, or CUDA tensors):
+        >>> x = torch.randn(3, 64); rw = torch.randn(8, 64)
+        >>> w, ids = route(x, rw, top_k=2, renormalize=True)   # [3, 2] each
+    """
+    T, H = _check_x(x)
+    if not isinstance(router_w, torch.Tensor) or router_w.dim() != 2:
+        raise ValueError("router_w must be a [E, H] torch.Tensor")
+    E = router_w.shape[0]
+    if router_w.shape[1] != H:
+        raise ValueError(f"router_w must be [E, H={H}], got {tuple(router_w.shape)}")
+    if router_w.dtype != x.dtype:
+        raise TypeError(f"router_w dtype must match x ({x.dtype}), got {router_w.dtype}")
+    if router_w.device != x.device:
+        raise ValueError(f"router_w must be on x's device {x.device}, got {router_w.device}")
+    if router_w.stride(1) != 1:
+        raise ValueError("router_w needs a contiguous last dimension")
+    if not 1 <= E <= MAX_E:
+        raise ValueError(f"router_w has E={E} experts; route takes 1..{MAX_E}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an int in 1..E={E}, got {top_k!r}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {renormalize!r}")
+    if scoring not in _SCORINGS:
+        raise ValueError(f"scoring must be one of {_SCORINGS}, got {scoring!r}")
+    _check_norm_eps(norm_eps)
+    target, pdl = _resolve_pdl(pdl, x.device)
+    if target.backend == "interpreter" and x.dtype == torch.bfloat16:
+        x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
+    wts = empty((T, top_k), torch.float32, x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    block_e = max(16, next_pow2(E))
+    block_h = max(16, min(next_pow2(H), 8192 // block_e))  # [E, H] tile <= 8K values
+    launch = {"launch_pdl": True} if pdl else {}
+    _route_kernel[(T,)](
+        x, router_w, wts, ids, H, E, float(norm_eps or 0.0), x.stride(0), router_w.stride(0),
+        TOP_K=top_k, BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_TK=next_pow2(top_k),
+        NORM=norm_eps is not None, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
+        PDL=pdl, num_warps=4, **launch)
+    return wts, ids
+
+
+def group(topk_ids, num_experts, block, *, pdl=None):
+    """Group the (token, slot) pairs by expert on the device (stable counting sort).
+
+    Args:
+        topk_ids: int32 [T, top_k] expert ids in [0, num_experts) (route's output),
+            contiguous, 1 <= T <= 64. Ids outside that range are not checked on the
+            device (that would need a host read): such a pair joins no expert.
+        num_experts: E >= top_k.
+        block: rows a block (MoeSettings.block): each expert's rows padded to a multiple.
+        pdl: as in route.
+
+    Returns:
+        a Grouping (static sizes: rows_max = blocks_max(T, k, E, block) * block).
+
+    Example:
+        >>> g = group(torch.tensor([[3, 0], [3, 1]], dtype=torch.int32), 4, 1)
+        >>> g.sorted_pairs    # expert 0: pair 1; expert 1: pair 3; expert 3: pairs 0, 2
+        tensor([1, 3, 0, 2], dtype=torch.int32)
+    """
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError("topk_ids must be a [T, top_k] torch.Tensor")
+    if topk_ids.dtype != torch.int32:
+        raise TypeError(f"topk_ids must be int32, got {topk_ids.dtype}")
+    if not topk_ids.is_contiguous():
+        raise ValueError("topk_ids must be contiguous")
+    T, k = topk_ids.shape
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"topk_ids has T={T} tokens; the MoE decode kernels take 1..{MAX_T}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
+            or not 1 <= num_experts <= MAX_E:
+        raise ValueError(f"num_experts must be an int in 1..{MAX_E}, got {num_experts!r}")
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"topk_ids has top_k={k} columns; needs 1..num_experts={num_experts}")
+    if block not in FMA_BLOCKS + DOT_BLOCKS:
+        raise ValueError(f"block must be one of {FMA_BLOCKS + DOT_BLOCKS}, got {block!r}")
+    _, pdl = _resolve_pdl(pdl, topk_ids.device)
+    dev, E = topk_ids.device, num_experts
+    nb = blocks_max(T, k, E, block)
+    rows = nb * block
+    pairs = torch.empty(rows, dtype=torch.int32, device=dev)
+    offs = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    eob = torch.empty(nb, dtype=torch.int32, device=dev)
+    nact = torch.empty(1, dtype=torch.int32, device=dev)
+    launch = {"launch_pdl": True} if pdl else {}
+    _group_kernel[(1,)](topk_ids, pairs, offs, counts, eob, nact, T * k, E, rows, nb,
+                        BLOCK=block, BLOCK_E=max(16, next_pow2(E)), CHUNK=GROUP_CHUNK,
+                        PDL=pdl, num_warps=4, **launch)
+    return Grouping(pairs, offs, eob, nact, counts, block, k, E)
+
+
+def _check_experts(name, w, x, E, rows, cols):
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise ValueError(f"{name} must be a [E, {rows}, {cols}] torch.Tensor")
+    if w.dtype != x.dtype:
+        raise TypeError(f"{name} dtype must match x ({x.dtype}), got {w.dtype}")
+    if w.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {w.device}")
+    if w.shape[0] != E:
+        raise ValueError(f"{name} has {w.shape[0]} experts, the grouping {E}")
+    if w.stride(2) != 1:
+        raise ValueError(f"{name} needs a contiguous last dimension")
+
+
+def _check_settings(settings, grouping):
+    if settings is None:
+        return
+    if not isinstance(settings, MoeSettings):
+        raise TypeError(f"settings must be None or a MoeSettings, got {type(settings).__name__}")
+    if settings.block != grouping.block:
+        raise ValueError(f"settings.block={settings.block} differs from the grouping's "
+                         f"block={grouping.block}")
+
+
+def _settings_for(settings, grouping, target, T, dtype):
+    if settings is None:
+        return default_settings(target, T=T, top_k=grouping.top_k,
+                                num_experts=grouping.num_experts, dtype=dtype,
+                                block=grouping.block)
+    return settings
+
+
+def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=None):
+    """act = silu(x_t @ Wg_e^T) * (x_t @ Wu_e^T) for every grouped (token t, expert e) row.
+
+    Args:
+        x: [T, H] hidden states (as route); the token of grouped row r is
+            grouping.sorted_pairs[r] // top_k.
+        w_gate_up: [E, 2F, H], x's dtype, last dim contiguous: expert e's gate rows
+            then its up rows (transformers' Qwen3-MoE / OLMoE gate_up_proj layout).
+            With norm_eps, the RMSNorm weight folded into its columns.
+        grouping: group()'s result for this step's ids.
+        norm_eps: None or the RMSNorm epsilon (FlashNorm scale per token, in fp32).
+        pdl, settings: as in route; settings.block must equal grouping.block.
+
+    Returns:
+        act [rows_max, F] in x's dtype, by grouped row; padding rows are not written.
+        Only touched experts' weights are read.
+    """
+    T, H = _check_x(x)
+    _check_grouping(grouping, x.device)
+    E = grouping.num_experts
+    _check_experts("w_gate_up", w_gate_up, x, E, "2F", f"H={H}")
+    if w_gate_up.shape[2] != H or w_gate_up.shape[1] % 2:
+        raise ValueError(f"w_gate_up must be [E, 2F, H={H}] with an even 2F, got "
+                         f"{tuple(w_gate_up.shape)}")
+    _check_norm_eps(norm_eps)
+    _check_settings(settings, grouping)
+    target, pdl = _resolve_pdl(pdl, x.device)
+    s = _settings_for(settings, grouping, target, T, x.dtype)
+    F = w_gate_up.shape[1] // 2
+    rows = grouping.sorted_pairs.shape[0]
+    act = empty((rows, F), x.dtype, x.device)
+    if target.backend == "interpreter" and x.dtype == torch.bfloat16:
+        # the interpreter's tl.dot multiplies bf16 as raw bits: fp32, rounded once
+        return act.copy_(moe_gate_up(x.float(), w_gate_up.float(), grouping,
+                                     norm_eps=norm_eps, pdl=pdl, settings=settings))
+    launch = {"launch_pdl": True} if pdl else {}
+    _grouped_kernel[(rows // s.block, cdiv(F, s.BLOCK_N))](
+        x, w_gate_up, grouping.sorted_pairs, grouping.expert_of_block,
+        grouping.num_active_blocks, act, act, F, H, float(norm_eps or 0.0),
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
+        USE_DOT=s.use_dot, GATE_UP=True, NORM=norm_eps is not None, PDL=pdl,
+        STAGES=s.num_stages, num_warps=s.num_warps, num_stages=s.num_stages, **launch)
+    return act
+
+
+def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=None,
+                     pdl=None, settings=None):
+    """out[t] = residual[t] + sum_j topk_weights[t, j] * (act[row(t, j)] @ Wd_e^T).
+
+    Args:
+        act: moe_gate_up's [rows_max, F] result, by grouped row.
+        w_down: [E, H, F], act's dtype, last dim contiguous (nn.Linear per expert).
+        grouping: the Grouping act was computed with.
+        topk_weights: float32 [T, top_k] (route's), contiguous.
+        out: None (allocate) or [T, H] in act's dtype, last dim contiguous; may be
+            residual itself (in-place update of the residual stream).
+        residual: None or [T, H] in act's dtype, last dim contiguous.
+        pdl, settings: as in moe_gate_up.
+
+    Returns:
+        out [T, H]. The down projection writes fp32 per-pair results [T*k, H] (each
+        element by one program); a second kernel adds a token's k results in slot order
+        onto the residual in fp32 and rounds once: deterministic, no atomics.
+    """
+    if not isinstance(act, torch.Tensor) or act.dim() != 2:
+        raise ValueError("act must be the [rows, F] tensor moe_gate_up returns")
+    if act.dtype not in _DTYPES:
+        raise TypeError(f"act dtype must be float16, bfloat16 or float32, got {act.dtype}")
+    _check_grouping(grouping, act.device)
+    rows, F = act.shape
+    if rows != grouping.sorted_pairs.shape[0] or act.stride(1) != 1:
+        raise ValueError(f"act must be [rows_max={grouping.sorted_pairs.shape[0]}, F] with a "
+                         f"contiguous last dimension, got {tuple(act.shape)}")
+    if not isinstance(topk_weights, torch.Tensor) or topk_weights.dim() != 2 \
+            or topk_weights.shape[1] != grouping.top_k:
+        raise ValueError(f"topk_weights must be [T, top_k={grouping.top_k}]")
+    if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
+        raise TypeError("topk_weights must be contiguous float32 (route's output)")
+    T = topk_weights.shape[0]
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"topk_weights has T={T} tokens; the MoE decode kernels take 1..{MAX_T}")
+    E = grouping.num_experts
+    _check_experts("w_down", w_down, act, E, "H", f"F={F}")
+    if w_down.shape[2] != F:
+        raise ValueError(f"w_down must be [E, H, F={F}], got {tuple(w_down.shape)}")
+    H = w_down.shape[1]
+    for name, t in (("residual", residual), ("out", out)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (T, H):
+            raise ValueError(f"{name} must be a [T, H] = [{T}, {H}] tensor")
+        if t.dtype != act.dtype:
+            raise TypeError(f"{name} dtype must match act ({act.dtype}), got {t.dtype}")
+        if t.device != act.device or t.stride(1) != 1:
+            raise ValueError(f"{name} must be on {act.device} with a contiguous last dimension")
+    _check_settings(settings, grouping)
+    target, pdl = _resolve_pdl(pdl, act.device)
+    s = _settings_for(settings, grouping, target, T, act.dtype)
+    if out is None:
+        out = empty((T, H), act.dtype, act.device)
+    if target.backend == "interpreter" and act.dtype == torch.bfloat16:
+        y = moe_down_combine(act.float(), w_down.float(), grouping, topk_weights,
+                             residual=None if residual is None else residual.float(),
+                             pdl=pdl, settings=settings)
+        return out.copy_(y)
+    y = empty((T * grouping.top_k, H), torch.float32, act.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    _grouped_kernel[(rows // s.block, cdiv(H, s.BLOCK_N))](
+        act, w_down, grouping.sorted_pairs, grouping.expert_of_block,
+        grouping.num_active_blocks, topk_weights, y, H, F, 0.0,
+        act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
+        USE_DOT=s.use_dot, GATE_UP=False, NORM=False, PDL=pdl, STAGES=s.num_stages,
+        num_warps=s.num_warps, num_stages=s.num_stages, **launch)
+    res = residual if residual is not None else out
+    _combine_kernel[(T, cdiv(H, COMBINE_BLOCK_H))](
+        y, res, out, H, y.stride(0), res.stride(0), out.stride(0), TOP_K=grouping.top_k,
+        BLOCK_H=COMBINE_BLOCK_H, RESIDUAL=residual is not None, PDL=pdl, num_warps=4,
+        **launch)
+    return out
+
+
+def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
+        scoring="softmax", residual=None, out=None, pdl=None, settings=None):
+    """The whole MoE block for a decode step: route -> group -> gate_up -> down+combine.
+
+    Shapes as in the four launchers: x [T, H], router_w [E, H], w_gate_up [E, 2F, H],
+    w_down [E, H, F]; returns out [T, H] in x's dtype (residual added when given).
+    Five launches, no host sync.
+
+    Example (TRITON_INTERPRET=1 on CPU, or CUDA tensors):
+        >>> x = torch.randn(2, 64); rw = torch.randn(8, 64)
+        >>> wgu = torch.randn(8, 2 * 32, 64) / 8; wd = torch.randn(8, 64, 32) / 6
+        >>> y = moe(x, rw, wgu, wd, top_k=2, renormalize=True)   # [2, 64]
+    """
+    wts, ids = route(x, router_w, top_k=top_k, renormalize=renormalize, norm_eps=norm_eps,
+                     scoring=scoring, pdl=pdl)
+    target = target_of(x.device)
+    E = router_w.shape[0]
+    block = settings.block if isinstance(settings, MoeSettings) else \
+        default_settings(target, T=x.shape[0], top_k=top_k, num_experts=E, dtype=x.dtype).block
+    g = group(ids, E, block, pdl=pdl)
+    act = moe_gate_up(x, w_gate_up, g, norm_eps=norm_eps, pdl=pdl, settings=settings)
+    return moe_down_combine(act, w_down, g, wts, out, residual=residual, pdl=pdl,
+                            settings=settings)
+
+
+# --------------------------------------------------------------------------- compile specs
+
+_TL = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 128,
+                 top_k: int = 8, F: int = 768, dtype: str = "bf16", pdl: bool = False,
+                 norm: bool = False, residual: bool = False, renormalize: bool = True,
+                 settings: MoeSettings | None = None, num_sms: int = 132) -> dict:
+    """What ``triton.compile`` needs to build one MoE kernel for compute capability cc.
+
+    kernel: "route", "group", "gate_up", "down" or "combine". Settings default to
+    default_settings on a GPU with num_sms SMs. Returns {"fn", "signature",
+    "constexprs", "attrs", "options"} as gemv.compile_spec does.
+    """
+    t = _TL[dtype]
+    if settings is None:
+        settings = default_settings(Target("cuda", cc, num_sms), T=T, top_k=top_k,
+                                    num_experts=E, dtype=_TORCH[dtype])
+    options = {"num_warps": 4}
+    if pdl:
+        options["launch_pdl"] = True
+    if kernel == "route":
+        block_e = max(16, next_pow2(E))
+        sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "wts_ptr": "*fp32", "ids_ptr": "*i32",
+               "H": "i32", "E": "i32", "eps": "fp32", "stride_xt": "i32", "stride_we": "i32"}
+        const = {"TOP_K": top_k, "BLOCK_E": block_e,
+                 "BLOCK_H": max(16, min(next_pow2(H), 8192 // block_e)),
+                 "BLOCK_TK": next_pow2(top_k), "NORM": norm, "RENORM": renormalize,
+                 "SIGMOID": False, "PDL": pdl}
+        fn, aligned = _route_kernel, ("x_ptr", "w_ptr", "wts_ptr", "ids_ptr", "H",
+                                      "stride_xt", "stride_we")
+    elif kernel == "group":
+        sig = {"ids_ptr": "*i32", "pairs_ptr": "*i32", "offs_ptr": "*i32", "counts_ptr": "*i32",
+               "eob_ptr": "*i32", "nact_ptr": "*i32", "P": "i32", "E": "i32", "ROWS": "i32",
+               "NB": "i32"}
+        const = {"BLOCK": settings.block, "BLOCK_E": max(16, next_pow2(E)),
+                 "CHUNK": GROUP_CHUNK, "PDL": pdl}
+        fn, aligned = _group_kernel, ("ids_ptr", "pairs_ptr", "offs_ptr", "counts_ptr",
+                                      "eob_ptr", "nact_ptr")
+    elif kernel in ("gate_up", "down"):
+        gate_up = kernel == "gate_up"
+        sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "pairs_ptr": "*i32", "eob_ptr": "*i32",
+               "nact_ptr": "*i32", "wts_ptr": "*fp32" if not gate_up else f"*{t}",
+               "out_ptr": f"*{t}" if gate_up else "*fp32", "NOUT": "i32", "K": "i32",
+               "eps": "fp32", "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32",
+               "stride_ot": "i32"}
+        const = {"TOP_K": top_k, "BLOCK_M": settings.block, "BLOCK_N": settings.BLOCK_N,
+                 "BLOCK_K": settings.BLOCK_K, "USE_DOT": settings.use_dot,
+                 "GATE_UP": gate_up, "NORM": norm and gate_up, "PDL": pdl,
+                 "STAGES": settings.num_stages}
+        options = {**options, "num_warps": settings.num_warps,
+                   "num_stages": settings.num_stages}
+        fn, aligned = _grouped_kernel, ("x_ptr", "w_ptr", "pairs_ptr", "eob_ptr", "nact_ptr",
+                                        "wts_ptr", "out_ptr", "NOUT", "K", "stride_xt",
+                                        "stride_we", "stride_wn", "stride_ot")
+    elif kernel == "combine":
+        sig = {"y_ptr": "*fp32", "res_ptr": f"*{t}", "out_ptr": f"*{t}", "H": "i32",
+               "stride_yp": "i32", "stride_rt": "i32", "stride_ot": "i32"}
+        const = {"TOP_K": top_k, "BLOCK_H": COMBINE_BLOCK_H, "RESIDUAL": residual, "PDL": pdl}
+        fn, aligned = _combine_kernel, ("y_ptr", "res_ptr", "out_ptr", "H", "stride_yp",
+                                        "stride_rt", "stride_ot")
+    else:
+        raise ValueError(f"kernel must be 'route', 'group', 'gate_up', 'down' or 'combine', "
+                         f"got {kernel!r}")
+    sig.update({name: "constexpr" for name in const})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return {"fn": fn, "signature": sig, "constexprs": const, "attrs": attrs, "options": options}

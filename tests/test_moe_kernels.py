@@ -1,0 +1,462 @@
+"""The MoE decode kernels (wsattn.kernels.moe): route, group, grouped gate/up, down+combine.
+
+Numerics run through the Triton interpreter in a fresh child process (TRITON_INTERPRET=1
+set before Triton is imported, outputs NaN-poisoned), fp32 and fp16, against a float64
+torch reference of the whole block (route -> per-token sum over the chosen experts of
+w_j * down(silu(gate) * up)), with routing compared to the reference's stable descending
+sort (ids equal, weights close). Grouping edge cases: experts without a token, one
+expert taking every token, T*k not a multiple of any block, T = 1, every block size.
+Reruns are bit-identical. The tie and NaN rules of the router are pinned. sm_90 builds
+compile on the CPU without spills at the Qwen3-30B-A3B shape (H 2048, E 128, k 8, F 768)
+for T 1/8/64, with griddepcontrol in the PTX exactly when PDL is on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+REFERENCE = r'''
+def reference_route(x, rw, k, renorm, eps=None, scoring="softmax"):
+    """float64 router: the module's rule is torch.sort(descending, stable)[:, :k]."""
+    x64 = x.double()
+    logits = x64 @ rw.double().T
+    if eps is not None:
+        logits = logits * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    p = torch.softmax(logits, -1) if scoring == "softmax" else torch.sigmoid(logits)
+    v, i = torch.sort(p, dim=-1, descending=True, stable=True)
+    v, i = v[:, :k], i[:, :k]
+    if renorm:
+        v = v / v.sum(-1, keepdim=True)
+    return v, i
+
+
+def reference_moe(x, rw, wgu, wd, k, renorm, eps=None, res=None, scoring="softmax"):
+    """float64 MoE block: sum over the chosen experts of w_j * down(silu(gate) * up)."""
+    v, i = reference_route(x, rw, k, renorm, eps, scoring)
+    x64 = x.double()
+    if eps is not None:
+        x64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    out = torch.zeros_like(x64) if res is None else res.double().clone()
+    F = wgu.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(k):
+            e = int(i[t, j])
+            h = wgu[e].double() @ x64[t]
+            out[t] += v[t, j] * (wd[e].double() @ (torch.nn.functional.silu(h[:F]) * h[F:]))
+    return out, v, i
+
+
+def reference_group(ids, E, block):
+    """Python counting sort: rows, padded offsets, counts, active blocks, expert of block."""
+    flat = ids.flatten().tolist()
+    rows, offs, counts = [], [0], []
+    for e in range(E):
+        ps = [p for p, x in enumerate(flat) if x == e]
+        pad = -(-len(ps) // block) * block
+        rows += ps + [-1] * (pad - len(ps))
+        offs.append(offs[-1] + pad)
+        counts.append(len(ps))
+    eob = [e for e in range(E) for _ in range((offs[e + 1] - offs[e]) // block)]
+    return rows, offs, counts, offs[-1] // block, eob
+'''
+exec(REFERENCE)  # the same references in this process (GPU tests) and in the child
+
+CHILD = REFERENCE + textwrap.dedent(r'''
+    import json, sys
+    import torch
+    from wsattn.kernels import moe as M
+    from wsattn.testing import rel_err
+
+    torch.manual_seed(0)
+    case, arg = sys.argv[1], json.loads(sys.argv[2])
+    res = {}
+
+    def weights(E, H, F, dt):
+        rw = (torch.randn(E, H) / H ** 0.5).to(dt)  # logits ~ N(0, 1): no fp32 saturation
+        wgu = (torch.randn(E, 2 * F, H) / H ** 0.5).to(dt)
+        wd = (torch.randn(E, H, F) / F ** 0.5).to(dt)
+        return rw, wgu, wd
+
+    if case == "block":
+        dt = getattr(torch, arg["dtype"])
+        # (T, E, k, H, F, renorm, norm, residual, scoring): every block size's path
+        # (T 1 -> 1, mean <= 2 -> 4, else 16 / 32), shapes off every tile
+        for T, E, k, H, F, renorm, norm, resid, scoring in (
+                (1, 8, 2, 64, 32, True, False, False, "softmax"),
+                (1, 16, 4, 96, 40, False, True, True, "softmax"),
+                (3, 16, 4, 80, 24, True, True, False, "softmax"),
+                (7, 12, 3, 72, 36, False, False, True, "sigmoid"),
+                (20, 8, 2, 64, 48, True, True, True, "softmax"),
+                (64, 16, 8, 48, 40, True, False, True, "softmax")):
+            key = f"T{T}-E{E}-k{k}-H{H}-F{F}-{'renorm' if renorm else 'raw'}" \
+                  f"{'-norm' if norm else ''}{'-res' if resid else ''}-{scoring}"
+            x = torch.randn(T, H).to(dt)
+            rw, wgu, wd = weights(E, H, F, dt)
+            r = torch.randn(T, H).to(dt) if resid else None
+            eps = 1e-5 if norm else None
+            ref, rv, ri = reference_moe(x, rw, wgu, wd, k, renorm, eps, r, scoring)
+            w, ids = M.route(x, rw, top_k=k, renormalize=renorm, norm_eps=eps, scoring=scoring)
+            kw = dict(top_k=k, renormalize=renorm, norm_eps=eps, scoring=scoring, residual=r)
+            y1 = M.moe(x, rw, wgu, wd, **kw)
+            y2 = M.moe(x, rw, wgu, wd, **kw)
+            res[key] = {"out": rel_err(y1, ref), "ids_equal": bool(torch.equal(ids.long(), ri)),
+                        "weights": rel_err(w, rv), "rerun_identical": bool(torch.equal(y1, y2)),
+                        "dtype": str(y1.dtype), "ids_dtype": str(ids.dtype),
+                        "block": M.default_block(T, k, E)}
+
+    elif case == "grouping":
+        # each row: (name, ids [T, k], E)
+        cases = [("T1", [[5, 2, 7]], 8),
+                 ("empty_experts", [[0, 3], [3, 0], [0, 3]], 16),
+                 ("one_expert_all_tokens_k1", [[2]] * 37, 4),
+                 ("one_expert_in_every_token", [[1, j % 5 + 2] for j in range(23)], 8),
+                 ("odd_pairs", torch.randint(0, 10, (13, 1)).tolist(), 10),
+                 ("full_64x8", torch.stack([torch.randperm(128)[:8] for _ in range(64)])
+                  .tolist(), 128)]
+        for name, ids, E in cases:
+            ids = torch.tensor(ids, dtype=torch.int32)
+            for block in (1, 2, 4, 16, 32):
+                g = M.group(ids, E, block)
+                rows, offs, counts, nact, eob = reference_group(ids, E, block)
+                nb = M.blocks_max(ids.shape[0], ids.shape[1], E, block)
+                sp = g.sorted_pairs.tolist()
+                res[f"{name}-b{block}"] = {
+                    "rows": sp[:len(rows)] == rows and all(v == -1 for v in sp[len(rows):]),
+                    "sizes": len(sp) == nb * block and g.expert_of_block.numel() == nb,
+                    "offsets": g.expert_offsets.tolist() == offs,
+                    "counts": g.expert_counts.tolist() == counts,
+                    "nact": g.num_active_blocks.tolist() == [nact],
+                    "eob": g.expert_of_block.tolist() == eob + [-1] * (nb - len(eob))}
+
+    elif case == "ties_nan":
+        H, E, k = 32, 8, 3
+        x = torch.randn(4, H)
+        rw = torch.randn(E, H) / 4
+        rw[2] = rw[5] = rw[6] = x[0] * 4  # experts 2, 5, 6: equal, clearly top for token 0
+        w, ids = M.route(x, rw, top_k=k, renormalize=False)
+        res["tie_ids_token0"] = ids[0].tolist()
+        _, ri = reference_route(x, rw, k, False)
+        res["ties_equal_reference"] = bool(torch.equal(ids.long(), ri))
+        # NaN in one token's hidden state: its logits are all NaN
+        xn = torch.randn(3, H)
+        xn[1, 4] = float("nan")
+        wgu = torch.randn(E, 2 * 16, H) / 6
+        wd = torch.randn(E, H, 16) / 4
+        w, ids = M.route(xn, rw, top_k=k, renormalize=True)
+        res["nan_ids"] = ids[1].tolist()
+        res["nan_weights_all_nan"] = bool(torch.isnan(w[1]).all())
+        res["others_finite"] = bool(torch.isfinite(w[[0, 2]]).all())
+        y = M.moe(xn, rw, wgu, wd, top_k=k, renormalize=True)
+        res["nan_row_out_all_nan"] = bool(torch.isnan(y[1]).all())
+        ref, _, _ = reference_moe(xn[[0, 2]], rw, wgu, wd, k, True)
+        res["other_rows"] = rel_err(y[[0, 2]], ref)
+        # sigmoid: only the NaN logit is NaN; it ranks first (NaN above every number)
+        rw2 = torch.randn(E, H)
+        xs = torch.randn(1, H)
+        rw2[4, 0] = float("nan")
+        w, ids = M.route(xs, rw2, top_k=k, renormalize=False, scoring="sigmoid")
+        _, ri = reference_route(xs, rw2, k, False, scoring="sigmoid")
+        res["sigmoid_nan_ids"] = ids[0].tolist()
+        res["sigmoid_nan_ref_ids"] = ri[0].tolist()
+        res["sigmoid_nan_first_weight_nan"] = bool(torch.isnan(w[0, 0]))
+
+    elif case == "bf16":
+        dt = torch.bfloat16
+        x = torch.randn(5, 64).to(dt)
+        rw, wgu, wd = weights(8, 64, 32, dt)
+        ref, _, _ = reference_moe(x, rw, wgu, wd, 2, True, 1e-5)
+        y = M.moe(x, rw, wgu, wd, top_k=2, renormalize=True, norm_eps=1e-5)
+        res["out"] = rel_err(y, ref)
+        res["dtype"] = str(y.dtype)
+
+    elif case == "pdl":
+        x = torch.randn(2, 32)
+        rw = torch.randn(4, 32)
+        try:
+            M.route(x, rw, top_k=2, renormalize=True, pdl=True)
+            res["error"] = None
+        except ValueError as e:
+            res["error"] = str(e)
+    print("RESULT " + json.dumps(res))
+''')
+
+
+def _child(case: str, **arg) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", WSATTN_POISON="1")
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", CHILD, case, json.dumps(arg)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"child {case} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+TOL = {"float32": 2e-5, "float16": 4e-3}  # fp32 accumulates exactly here: no tf32 on CPU
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_moe_block_against_float64_reference(dtype):
+    r = _child("block", dtype=dtype)
+    assert len(r) == 6, r
+    assert {v["block"] for v in r.values()} == {1, 4, 16, 32}, r  # every path ran
+    for key, v in r.items():
+        assert v["out"] <= TOL[dtype], (key, v)
+        assert v["ids_equal"] is True, (key, v)
+        assert v["weights"] <= (1e-5 if dtype == "float32" else 1e-3), (key, v)
+        assert v["rerun_identical"] is True, (key, v)
+        assert v["dtype"] == f"torch.{dtype}" and v["ids_dtype"] == "torch.int32", (key, v)
+
+
+def test_grouping_edge_cases_match_a_python_counting_sort():
+    r = _child("grouping")
+    assert len(r) == 30, r
+    bad = {k: v for k, v in r.items() if not all(v.values())}
+    assert not bad, bad
+
+
+def test_router_ties_lower_index_first_and_nan_propagates():
+    """torch.topk orders ties arbitrarily (CPU gave [2, 4, 1]); the router's rule is the
+    stable descending sort, and a NaN logit gives NaN weights, never a dropped token."""
+    r = _child("ties_nan")
+    assert r["tie_ids_token0"] == [2, 5, 6], r
+    assert r["ties_equal_reference"] is True, r
+    assert r["nan_ids"] == [0, 1, 2] and r["nan_weights_all_nan"] is True, r
+    assert r["others_finite"] is True and r["nan_row_out_all_nan"] is True, r
+    assert r["other_rows"] <= TOL["float32"], r
+    assert r["sigmoid_nan_ids"][0] == 4 and r["sigmoid_nan_ids"] == r["sigmoid_nan_ref_ids"], r
+    assert r["sigmoid_nan_first_weight_nan"] is True, r
+
+
+def test_bf16_runs_in_fp32_under_the_interpreter():
+    r = _child("bf16")
+    assert r["dtype"] == "torch.bfloat16" and r["out"] <= 2e-2, r
+
+
+def test_pdl_refused_off_sm90():
+    r = _child("pdl")
+    assert r["error"] and "pdl=True needs a CUDA GPU of sm_90" in r["error"], r
+
+
+# --------------------------------------------------------------------------- validation
+
+def _m():
+    from wsattn.kernels import moe
+    return moe
+
+
+def _args(T=2, E=4, k=2, H=16, F=8, dt=torch.float32):
+    return dict(x=torch.randn(T, H, dtype=dt), router_w=torch.randn(E, H, dtype=dt),
+                w_gate_up=torch.randn(E, 2 * F, H, dtype=dt), w_down=torch.randn(E, H, F, dtype=dt),
+                top_k=k, renormalize=True)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(top_k=5), ValueError, r"top_k must be an int in 1..E=4"),
+    (dict(top_k=0), ValueError, "top_k"),
+    (dict(x=torch.randn(65, 16)), ValueError, "T=65 tokens"),
+    (dict(x=torch.randn(2, 16, 1)), ValueError, r"x must be \[T, H\]"),
+    (dict(x=torch.randn(2, 16).double()), TypeError, "x dtype"),
+    (dict(router_w=torch.randn(4, 15)), ValueError, r"router_w must be \[E, H=16\]"),
+    (dict(router_w=torch.randn(4, 16).half()), TypeError, "router_w dtype"),
+    (dict(router_w=torch.randn(300, 16)), ValueError, "route takes 1..256"),
+    (dict(renormalize=1), TypeError, "renormalize must be a bool"),
+    (dict(scoring="softplus"), ValueError, "scoring must be one of"),
+    (dict(norm_eps=0.0), ValueError, "norm_eps must be > 0"),
+    (dict(pdl="yes"), TypeError, "pdl must be None or a bool"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_route_refuses_bad_input_by_name(change, error, match):
+    a = _args()
+    a.update(change)
+    with pytest.raises(error, match=match):
+        _m().route(a["x"], a["router_w"], top_k=a["top_k"], renormalize=a["renormalize"],
+                   **{k: a[k] for k in ("norm_eps", "scoring", "pdl") if k in a})
+
+
+@pytest.mark.parametrize("ids, E, block, error, match", [
+    (torch.zeros(2, 3, dtype=torch.int64), 4, 1, TypeError, "topk_ids must be int32"),
+    (torch.zeros(2, 5, dtype=torch.int32), 4, 1, ValueError, "top_k=5 columns"),
+    (torch.zeros(65, 2, dtype=torch.int32), 4, 1, ValueError, "T=65"),
+    (torch.zeros(2, 2, dtype=torch.int32), 4, 8, ValueError, "block must be one of"),
+    (torch.zeros(2, 2, dtype=torch.int32), 0, 1, ValueError, "num_experts"),
+    (torch.zeros(3, 2, dtype=torch.int32).t(), 4, 1, ValueError, "contiguous"),
+], ids=["int64", "k_gt_E", "T65", "block8", "E0", "strided"])
+def test_group_refuses_bad_input_by_name(ids, E, block, error, match):
+    with pytest.raises(error, match=match):
+        _m().group(ids, E, block)
+
+
+def _fake_grouping(E=4, k=2, T=2, block=1):
+    m = _m()
+    nb = m.blocks_max(T, k, E, block)
+    z = torch.zeros
+    return m.Grouping(z(nb * block, dtype=torch.int32), z(E + 1, dtype=torch.int32),
+                      z(nb, dtype=torch.int32), z(1, dtype=torch.int32),
+                      z(E, dtype=torch.int32), block, k, E)
+
+
+@pytest.mark.parametrize("what, change, error, match", [
+    ("gate_up", dict(w_gate_up=torch.randn(3, 16, 16)), ValueError, "w_gate_up has 3 experts"),
+    ("gate_up", dict(w_gate_up=torch.randn(4, 16, 15)), ValueError, r"w_gate_up must be \[E, 2F, H=16\]"),
+    ("gate_up", dict(w_gate_up=torch.randn(4, 15, 16)), ValueError, "even 2F"),
+    ("gate_up", dict(w_gate_up=torch.randn(4, 16, 16).half()), TypeError, "w_gate_up dtype"),
+    ("gate_up", dict(grouping=(1, 2)), TypeError, "grouping must be the Grouping"),
+    ("gate_up", dict(settings=2), TypeError, "settings must be None or a MoeSettings"),
+    ("gate_up", dict(block_settings=4), ValueError, "differs from the grouping's block=1"),
+    ("down", dict(w_down=torch.randn(4, 16, 7)), ValueError, r"w_down must be \[E, H, F=8\]"),
+    ("down", dict(w_down=torch.randn(5, 16, 8)), ValueError, "w_down has 5 experts"),
+    ("down", dict(topk_weights=torch.rand(2, 3)), ValueError, r"topk_weights must be \[T, top_k=2\]"),
+    ("down", dict(topk_weights=torch.rand(2, 2).double()), TypeError, "float32"),
+    ("down", dict(residual=torch.randn(2, 15)), ValueError, r"residual must be a \[T, H\]"),
+    ("down", dict(out=torch.randn(2, 16).half()), TypeError, "out dtype"),
+    ("down", dict(act=torch.randn(5, 8)), ValueError, "act must be"),
+])
+def test_grouped_launchers_refuse_bad_input_by_name(what, change, error, match):
+    m = _m()
+    a = _args()
+    g = _fake_grouping()
+    kw = dict(grouping=g, act=torch.randn(g.sorted_pairs.shape[0], 8),
+              topk_weights=torch.rand(2, 2), residual=None, out=None, settings=None)
+    a.update(kw)
+    if "block_settings" in change:
+        change = dict(settings=m.MoeSettings(block=change["block_settings"], BLOCK_N=16, BLOCK_K=16))
+    a.update(change)
+    with pytest.raises(error, match=match):
+        if what == "gate_up":
+            m.moe_gate_up(a["x"], a["w_gate_up"], a["grouping"], settings=a["settings"])
+        else:
+            m.moe_down_combine(a["act"], a["w_down"], a["grouping"], a["topk_weights"],
+                               a["out"], residual=a["residual"])
+
+
+def test_settings_refuse_bad_values():
+    m = _m()
+    with pytest.raises(ValueError, match="block must be one of"):
+        m.MoeSettings(block=8, BLOCK_N=32, BLOCK_K=32)
+    with pytest.raises(ValueError, match="power of two"):
+        m.MoeSettings(block=1, BLOCK_N=24, BLOCK_K=32)
+    with pytest.raises(ValueError, match="BLOCK_N and BLOCK_K >= 16"):
+        m.MoeSettings(block=16, BLOCK_N=8, BLOCK_K=32)
+
+
+def test_blocks_max_bounds_every_grouping():
+    """The static row count covers the worst case: every touched expert one pair past a
+    block boundary."""
+    m = _m()
+    for T, k, E, block in ((1, 8, 128, 1), (8, 8, 128, 4), (64, 8, 128, 16), (3, 2, 4, 32)):
+        pairs = T * k
+        worst = sum(-(-c // block) for c in [1] * min(E, pairs))  # one pair per expert
+        if pairs > E:  # the rest piled on so that as many experts as possible spill a block
+            worst = max(worst, sum(-(-c // block) for c in
+                                   [pairs // E + (i < pairs % E) for i in range(E)]))
+        assert m.blocks_max(T, k, E, block) >= worst
+
+
+# --------------------------------------------------------------------------- compile-only
+
+QWEN3_30B = dict(H=2048, E=128, top_k=8, F=768)
+KERNELS = {"route": dict(norm=True), "group": {}, "gate_up": dict(norm=True), "down": {},
+           "combine": dict(residual=True)}
+
+
+def _compile(kernel, **kw):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    spec = _m().compile_spec(90, kernel, **QWEN3_30B, **kw)
+    src = ASTSource(spec["fn"], spec["signature"], spec["constexprs"], spec["attrs"])
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+
+
+@pytest.mark.parametrize("T", [1, 8, 64], ids=lambda t: f"T{t}")
+def test_sm90_qwen3_30b_builds_do_not_spill_and_pdl_waits(T, record_property):
+    from test_prefill_compile import _ptxas_usage
+    rows = []
+    for kernel, flags in KERNELS.items():
+        k = _compile(kernel, T=T, pdl=True, **flags)
+        regs, stores, loads = _ptxas_usage(k)
+        row = f"T{T} {kernel}: {regs} regs, spills {stores}/{loads}, shared {k.metadata.shared}"
+        rows.append(row)
+        record_property(f"T{T}.{kernel}.registers", regs)
+        record_property(f"T{T}.{kernel}.spill_bytes", stores + loads)
+        assert stores + loads == 0, row
+        assert k.metadata.shared <= 232448, row
+        ptx = k.asm["ptx"]
+        assert ptx.count("griddepcontrol.wait") == 1, row
+        assert ptx.count("griddepcontrol.launch_dependents") == 1, row
+        assert k.metadata.launch_pdl, row
+    print("\n".join(rows))
+
+
+def test_sm90_router_loads_its_weight_before_the_pdl_wait():
+    ttgir = _compile("route", T=8, pdl=True, norm=True).asm["ttgir"]
+    tw = ttgir.index("griddepcontrol.wait")
+    names = re.findall(r"(%\w+) = tt\.load", ttgir[:tw])
+    assert [n.split("_")[0] for n in names] == ["%w"], names  # the router weight only
+    assert re.search(r"%xv\w* = tt\.load", ttgir[tw:])
+
+
+def test_sm90_pdl_off_has_no_griddepcontrol():
+    for kernel, flags in KERNELS.items():
+        assert "griddepcontrol" not in _compile(kernel, T=8, **flags).asm["ptx"], kernel
+
+
+def test_sm90_grouped_dot_path_uses_wgmma_at_64_tokens():
+    ptx = _compile("gate_up", T=64, norm=True).asm["ptx"]
+    assert "wgmma" in ptx or "mma.sync" in ptx
+
+
+# --------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64], ids=lambda t: f"T{t}")
+def test_gpu_bf16_qwen3_30b_shape_against_reference_and_reruns(T):
+    m = _m()
+    torch.manual_seed(0)
+    dt, dev = torch.bfloat16, "cuda"
+    H, E, k, F = 2048, 128, 8, 768
+    x = torch.randn(T, H, device=dev).to(dt)
+    rw = torch.randn(E, H, device=dev).to(dt)
+    wgu = (torch.randn(E, 2 * F, H, device=dev) / H ** 0.5).to(dt)
+    wd = (torch.randn(E, H, F, device=dev) / F ** 0.5).to(dt)
+    r = torch.randn(T, H, device=dev).to(dt)
+    ref, rv, ri = reference_moe(x.cpu(), rw.cpu(), wgu.cpu(), wd.cpu(), k, True, 1e-6, r.cpu())
+    w, ids = m.route(x, rw, top_k=k, renormalize=True, norm_eps=1e-6)
+    assert torch.equal(ids.long().cpu(), ri)
+    kw = dict(top_k=k, renormalize=True, norm_eps=1e-6, residual=r)
+    y1 = m.moe(x, rw, wgu, wd, **kw)
+    y2 = m.moe(x, rw, wgu, wd, **kw)
+    y3 = m.moe(x, rw, wgu, wd, pdl=False, **kw)
+    from wsattn.testing import assert_close
+    assert_close(y1, ref, dt)
+    assert torch.equal(y1, y2) and torch.equal(y1, y3)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_captures_in_a_cuda_graph():
+    m = _m()
+    torch.manual_seed(0)
+    dt, dev = torch.bfloat16, "cuda"
+    x = torch.randn(8, 256, device=dev).to(dt)
+    rw = torch.randn(16, 256, device=dev).to(dt)
+    wgu = (torch.randn(16, 2 * 128, 256, device=dev) / 16).to(dt)
+    wd = (torch.randn(16, 256, 128, device=dev) / 11).to(dt)
+    out = torch.empty_like(x)
+    kw = dict(top_k=4, renormalize=True, out=out)
+    eager = m.moe(x, rw, wgu, wd, **kw).clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        m.moe(x, rw, wgu, wd, **kw)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, m.moe(x, rw, wgu, wd, top_k=4, renormalize=True))
+    assert not torch.equal(out, eager)

@@ -387,3 +387,24 @@ def test_cuda_reference_step_matches_cpu(tmp_path):
     a = generate(str(tmp_path), _prompts(), 16, seed=5, **kw)
     b = generate(str(tmp_path), _prompts(), 16, seed=5, **kw)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_moe_models_run_on_the_reference_step_and_the_kernel_step_refuses_them():
+    """The fused step runs dense models only so far: a MoE model is refused by feature
+    (not by a shape check deep inside), and impl="auto" takes the reference step for it."""
+    import transformers
+
+    import wsattn
+    from wsattn.engine.generate import Engine
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=64, num_experts=4,
+        num_experts_per_tok=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        Engine(model, step="kernels").run(ids, 2)
+    out = wsattn.generate(model, ids, 4)
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, ref)

@@ -512,7 +512,10 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
     engine = Engine(model_or_path, dtype=dtype, device=device, step=step, page_size=page_size,
                     buckets=buckets, prefill_chunk=prefill_chunk)
     # the step is built at the first request: "auto" can still follow the checkpoint's dtype
+    # and family (the fused step runs dense models only so far)
     engine.step_name = _resolve_impl(impl, engine.device, engine.dtype)
+    if impl == "auto" and (engine.cfg.is_moe or engine.cfg.qk_norm_whole):
+        engine.step_name = "reference"
     return engine.run(input_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, eos_token_id=eos_token_id, return_logits=return_logits,
                       seed=seed)

@@ -122,6 +122,14 @@ class KernelStep:
     name = "kernels"
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None):
+        # what the fused step does not run yet, refused by feature before any shape check
+        if getattr(cfg, "is_moe", False):
+            raise ValueError(f"step='kernels' runs dense models only: {cfg.family} has "
+                             "mixture-of-experts layers (the MoE kernels are not wired into the "
+                             "step yet); use step='reference'")
+        if getattr(cfg, "qk_norm_whole", False):
+            raise ValueError(f"step='kernels' has no QK-norm over the whole projection "
+                             f"({cfg.family}); use step='reference'")
         self._check(cfg, weights, cache)
         self.cfg, self.weights, self.cache = cfg, weights, cache
         self.device, self.dtype = weights.embed.device, weights.dtype

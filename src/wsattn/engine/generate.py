@@ -474,7 +474,8 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
 
     Args:
         model_or_path: a transformers ``*ForCausalLM`` object (Llama 3.x, Qwen2/2.5,
-            Qwen3 dense) or a local folder with ``config.json`` + ``*.safetensors``.
+            Qwen3 dense; Qwen3-MoE, Mixtral and OLMoE on the reference step) or a local
+            folder with ``config.json`` + ``*.safetensors``.
         input_ids: int tensor [B, S] (every prompt S tokens), or a list of B 1-D int
             tensors / lists (prompts of any lengths >= 1). Ids in [0, vocab).
         max_new_tokens: new tokens per sequence (>= 0).

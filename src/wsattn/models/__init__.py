@@ -1,9 +1,10 @@
 """Real model families for the decode step: configuration, weights, FlashNorm folding and
 a plain-PyTorch reference forward.
 
-* :class:`ModelConfig` (``config.py``): the shape of a Llama 3.x, Qwen2/2.5 or Qwen3
-  dense model, from a transformers config or a ``config.json`` dict; anything else is
-  refused at construction with the feature named.
+* :class:`ModelConfig` (``config.py``): the shape of a Llama 3.x, Qwen2/2.5, Qwen3 dense,
+  Qwen3-MoE, Mixtral or OLMoE model, from a transformers config or a ``config.json`` dict;
+  anything else is refused at construction with the feature named.
+* ``moe.py``: the reference routing and MoE block, as transformers computes them.
 * :func:`load` (``weights.py``): a transformers model object or a local checkpoint
   folder (``config.json`` + ``*.safetensors``) -> ``(ModelConfig, Weights)``, validated
   before any tensor is read; the layout is documented in ``weights.py``.

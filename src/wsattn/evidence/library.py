@@ -248,6 +248,391 @@ def _merge_entry():
             run, "LSE merge of partial states, D=128 bf16", None)
 
 
+# --------------------------------------------------------------------------- decode step
+# The fused decode-step kernels (kernels/gemv.py, qkv_rope.py, moe.py), each run through
+# its launcher with pdl=None (on for CUDA sm_90+, as the engine launches them), against a
+# float64 reference written here from the math in the launchers' docstrings (no kernel
+# internals). compile_spec builds with PDL only where the target has it (sm_90+): the
+# griddepcontrol instructions are sm_90 PTX, and the build the ladder reads should be the
+# one the launcher would run there.
+
+class _ByTarget:
+    """A compile_spec argument that depends on the target: fn(cc) -> value."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+_PDL_BY_TARGET = _ByTarget(lambda cc: cc >= 90)
+
+
+def _rnd(gen, dt, device, *size, scale=1.0):
+    return (torch.randn(*size, generator=gen) * scale).to(dt).to(device)
+
+
+def _rms_scale64(x64, eps):
+    return torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# gemv: y [M, NOUT] = epilogue(x [M, K] @ w^T); N in a shape is NOUT (F with silu_mul)
+
+_GEMV_EPS = 1e-5
+_GEMV_VARIANTS = {  # (norm, silu_mul, residual)
+    "norm_silu": (True, True, False),   # gate/up: FlashNorm'd mlp_norm, SiLU(gate) * up
+    "residual": (False, False, True),   # o_proj / down_proj onto the residual stream
+}
+
+
+def _draw_gemv(rng, small):
+    return {"M": rng.choice([1, 3, 8] if small else [1, 3, 8, 17, 64]),
+            "N": rng.choice([80, 300] if small else [896, 2048, 5000]),
+            "K": rng.choice([96, 200] if small else [1000, 2048, 4096])}
+
+
+def _draw_gemv_splitk(rng, small):
+    # on the GPU: few output columns, long K, so that the default settings split K
+    # (checked by the runner; every pair here splits on a GPU of 46+ SMs)
+    return {"M": rng.choice([1, 3, 8] if small else [1, 3, 8, 17, 64]),
+            "N": rng.choice([80, 100] if small else [100, 512, 896]),
+            "K": rng.choice([200, 333] if small else [2100, 4096, 4864])}
+
+
+def _describe_gemv(s):
+    return f"M{s['M']}-N{s['N']}-K{s['K']}"
+
+
+def _build_gemv(variant):
+    norm, silu, residual = _GEMV_VARIANTS[variant]
+
+    def build(shape, dtype, device, gen):
+        M, N, K = shape["M"], shape["N"], shape["K"]
+        dt = _dtype(dtype)
+        inp = {"x": _rnd(gen, dt, device, M, K),
+               "w": _rnd(gen, dt, device, 2 * N if silu else N, K, scale=K ** -0.5),
+               "norm_eps": _GEMV_EPS if norm else None, "silu_mul": silu,
+               "residual": _rnd(gen, dt, device, M, N) if residual else None}
+        return inp
+    return build
+
+
+def _gemv_run(split):
+    def run(inp):
+        from ..kernels import gemv as G
+        from ..target import target_of
+        x = inp["x"]
+        M, K = x.shape
+        N = inp["w"].shape[0] // (2 if inp["silu_mul"] else 1)
+        settings = None
+        if split:
+            target = target_of(x.device)
+            if target.backend == "interpreter":
+                # the interpreter's defaults never split: 32-wide K tiles in 3 splits
+                settings = G.GemvSettings(BLOCK_N=32, BLOCK_K=32, split_k=3,
+                                          use_dot=M > G.FMA_MAX_M, num_warps=4, num_stages=1)
+            elif G.default_settings(target, M=M, N=N, K=K, dtype=x.dtype,
+                                    silu_mul=inp["silu_mul"]).split_k < 2:
+                raise ValueError(f"M{M}-N{N}-K{K} does not split K on {target.name} with "
+                                 f"{target.num_sms} SMs: this entry is the split-K path")
+        return G.gemv(x, inp["w"], norm_eps=inp["norm_eps"], residual=inp["residual"],
+                      silu_mul=inp["silu_mul"], settings=settings)
+    return run
+
+
+def _gemv_reference(inp):
+    x64, w64 = inp["x"].double(), inp["w"].double()
+    y = x64 @ w64.T
+    if inp["norm_eps"] is not None:
+        y = y * _rms_scale64(x64, inp["norm_eps"])
+    if inp["silu_mul"]:
+        F = w64.shape[0] // 2
+        y = torch.nn.functional.silu(y[:, :F]) * y[:, F:]
+    if inp["residual"] is not None:
+        y = y + inp["residual"].double()
+    return y
+
+
+def _gemv_torch(inp):
+    """The peer: cuBLAS through F.linear, then the same epilogue in eager torch."""
+    import torch.nn.functional as F
+    x = inp["x"]
+    y = F.linear(x, inp["w"])
+    if inp["norm_eps"] is not None:
+        y = y * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + inp["norm_eps"]).to(y.dtype)
+    if inp["silu_mul"]:
+        g, u = y.chunk(2, dim=-1)
+        y = F.silu(g) * u
+    if inp["residual"] is not None:
+        y = y + inp["residual"]
+    return y
+
+
+def _gemv_entry(name, variant, split=False):
+    norm, silu, residual = _GEMV_VARIANTS[variant]
+    if split:  # Qwen2.5-0.5B down_proj (hidden 896, FFN 4864): split in 2 on 132 SMs
+        at = {"M": 1, "N": 896, "K": 4864}
+        profile = ({"M": 1, "N": 896, "K": 4864}, {"M": 8, "N": 512, "K": 4096})
+        sanitizer = ({"M": 3, "N": 100, "K": 2100}, {"M": 17, "N": 100, "K": 1000})
+    elif silu:  # Llama-3.2-1B gate/up (hidden 2048, FFN 8192); 8B for the profile
+        at = {"M": 1, "N": 8192, "K": 2048}
+        profile = ({"M": 1, "N": 14336, "K": 4096}, {"M": 8, "N": 14336, "K": 4096})
+        sanitizer = ({"M": 3, "N": 77, "K": 200}, {"M": 9, "N": 40, "K": 136})
+    else:  # Llama-3.2-1B down_proj; 8B for the profile
+        at = {"M": 1, "N": 2048, "K": 8192}
+        profile = ({"M": 1, "N": 4096, "K": 14336}, {"M": 8, "N": 4096, "K": 14336})
+        sanitizer = ({"M": 3, "N": 77, "K": 200}, {"M": 9, "N": 40, "K": 136})
+    run = RunSpec(draw_shape=_draw_gemv_splitk if split else _draw_gemv,
+                  build=_build_gemv(variant), run=_gemv_run(split), reference=_gemv_reference,
+                  dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),
+                  baseline=_gemv_torch, baseline_name="torch F.linear (cuBLAS) + eager epilogue",
+                  profile_shapes=profile, sanitizer_shapes=sanitizer, describe=_describe_gemv)
+    kwargs = {**at, "dtype": "bf16", "norm": norm, "residual": residual, "silu_mul": silu,
+              "pdl": _PDL_BY_TARGET}
+    what = {"norm_silu": "FlashNorm + SiLU*up", "residual": "+ residual"}[variant]
+    desc = (f"Triton decode GEMV {what}, M=1 N={at['N']} K={at['K']} bf16"
+            + (", split-K (main kernel; the finish kernel runs in gates 3-7)" if split else ""))
+    return name, "wsattn.kernels.gemv", "compile_spec", kwargs, run, desc, None
+
+
+# qkv_rope: q [M, Hq, D] and k/v appended to a paged cache at each row's position
+
+_QKV_PAGE = 16
+_QKV_FAMILIES = {  # (bias, qk_norm); both with the FlashNorm'd input norm
+    "qwen3": (False, True),
+    "qwen2": (True, False),
+}
+
+
+def _draw_qkv(rng, small):
+    hkv = rng.choice([1, 2] if small else [1, 2, 4, 8])
+    return {"M": rng.choice([1, 3] if small else [1, 3, 8, 17, 64]),
+            "K": rng.choice([64, 96] if small else [512, 1040, 2048, 4096]),
+            "Hq": hkv * rng.choice([1, 2] if small else [1, 2, 4]), "Hkv": hkv,
+            "D": 64 if small else rng.choice([64, 128, 256]),
+            "L": rng.choice([1, 17, 40] if small else [1, 17, 300, 2000])}
+
+
+def _describe_qkv(s):
+    return f"M{s['M']}-K{s['K']}-H{s['Hq']}-HKV{s['Hkv']}-D{s['D']}-L{s['L']}-paged"
+
+
+def _build_qkv(family):
+    bias, qk_norm = _QKV_FAMILIES[family]
+
+    def build(shape, dtype, device, gen):
+        from ..rope import rope_inv_freq
+        dt = _dtype(dtype)
+        M, K, Hq, Hkv, D, L = (shape[k] for k in ("M", "K", "Hq", "Hkv", "D", "L"))
+        N = (Hq + 2 * Hkv) * D
+        per = math.ceil(L / _QKV_PAGE)
+        pages = M * per + 3  # spare pages no row writes
+        bt = torch.randperm(pages, generator=gen)[:M * per].to(torch.int32).view(M, per)
+        pos = torch.randint(0, L, (M,), generator=gen, dtype=torch.int32)
+        kc = torch.randn(pages, _QKV_PAGE, Hkv, D, generator=gen).to(dt)
+        vc = torch.randn(pages, _QKV_PAGE, Hkv, D, generator=gen).to(dt)
+        page, off = bt[torch.arange(M), pos.long() // _QKV_PAGE].long(), pos.long() % _QKV_PAGE
+        kc[page, off] = float("nan")  # the slots the kernel must write: poisoned
+        vc[page, off] = float("nan")
+        inp = {"x": _rnd(gen, dt, device, M, K), "wqkv": _rnd(gen, dt, device, N, K, scale=K ** -0.5),
+               "bqkv": _rnd(gen, dt, device, N, scale=0.5) if bias else None,
+               "q_norm": (1 + 0.3 * torch.randn(D, generator=gen)).to(dt).to(device) if qk_norm else None,
+               "k_norm": (1 + 0.3 * torch.randn(D, generator=gen)).to(dt).to(device) if qk_norm else None,
+               "qk_eps": 1e-6 if qk_norm else None, "norm_eps": 1e-6,
+               "inv_freq": rope_inv_freq(D, 1000000.0).to(device),
+               "positions": pos.to(device), "block_table": bt.to(device),
+               "k_cache": kc.to(device), "v_cache": vc.to(device),
+               "page": page.to(device), "off": off.to(device), "Hq": Hq}
+        # the cache before any launch: every element but the rows' slots must keep it
+        inp["k_before"], inp["v_before"] = inp["k_cache"].clone(), inp["v_cache"].clone()
+        keep = torch.ones(pages, _QKV_PAGE, dtype=torch.bool)
+        keep[page, off] = False
+        inp["keep"] = keep.to(device)
+        return inp
+    return build
+
+
+def _qkv_outputs(q, k_cache, v_cache, inp):
+    """(q, k written, v written, number of cache elements changed outside the slots)."""
+    page, off, keep = inp["page"], inp["off"], inp["keep"]
+    changed = sum(int((c.view(torch.int8) != b.view(torch.int8))[keep].sum())
+                  for c, b in ((k_cache, inp["k_before"]), (v_cache, inp["v_before"])))
+    return (q, k_cache[page, off], v_cache[page, off],
+            torch.tensor([float(changed)], dtype=torch.float64))
+
+
+def _qkv_run(inp):
+    from ..kernels.qkv_rope import qkv_rope_append
+    q = qkv_rope_append(inp["x"], inp["wqkv"], bqkv=inp["bqkv"], q_norm=inp["q_norm"],
+                        k_norm=inp["k_norm"], norm_eps=inp["norm_eps"], qk_eps=inp["qk_eps"],
+                        inv_freq=inp["inv_freq"], positions=inp["positions"],
+                        k_cache=inp["k_cache"], v_cache=inp["v_cache"],
+                        block_table=inp["block_table"])
+    return _qkv_outputs(q, inp["k_cache"], inp["v_cache"], inp)
+
+
+def _rope64(t, cos, sin):
+    half = t.shape[-1] // 2
+    rot = torch.cat((-t[..., half:], t[..., :half]), dim=-1)  # transformers' rotate_half
+    return t * cos + rot * sin
+
+
+def _qkv_reference(inp):
+    """float64: FlashNorm scale, bias, per-head RMSNorm (QK-norm), RoPE over (i, i + D/2)
+    with the fp32 angle position * inv_freq, as transformers computes q, k, v."""
+    x = inp["x"].double()
+    M, Hq = x.shape[0], inp["Hq"]
+    Hkv, D = inp["k_cache"].shape[2], inp["k_cache"].shape[3]
+    qkv = (x @ inp["wqkv"].double().T) * _rms_scale64(x, inp["norm_eps"])
+    if inp["bqkv"] is not None:
+        qkv = qkv + inp["bqkv"].double()
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.reshape(M, Hq, D), k.reshape(M, Hkv, D), v.reshape(M, Hkv, D)
+    if inp["q_norm"] is not None:
+        q = q * _rms_scale64(q, inp["qk_eps"]) * inp["q_norm"].double()
+        k = k * _rms_scale64(k, inp["qk_eps"]) * inp["k_norm"].double()
+    ang = (inp["positions"].float()[:, None] * inp["inv_freq"][None, :]).double()
+    emb = torch.cat((ang, ang), dim=-1)[:, None, :]  # [M, 1, D]
+    q, k = _rope64(q, emb.cos(), emb.sin()), _rope64(k, emb.cos(), emb.sin())
+    return q, k, v, torch.zeros(1, dtype=torch.float64)
+
+
+def _qkv_torch(inp):
+    """The peer: the same step in eager torch at the input dtype (F.linear, norms, RoPE,
+    an index_put into the paged cache)."""
+    import torch.nn.functional as F
+    x, dt = inp["x"], inp["x"].dtype
+    M, Hq = x.shape[0], inp["Hq"]
+    Hkv, D = inp["k_cache"].shape[2], inp["k_cache"].shape[3]
+    rs = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + inp["norm_eps"])
+    qkv = F.linear(x, inp["wqkv"]) * rs.to(dt)  # the bias adds after the norm scale
+    if inp["bqkv"] is not None:
+        qkv = qkv + inp["bqkv"]
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(M, Hq, D), k.view(M, Hkv, D), v.view(M, Hkv, D)
+    if inp["q_norm"] is not None:
+        q = F.rms_norm(q, (D,), inp["q_norm"], inp["qk_eps"])
+        k = F.rms_norm(k, (D,), inp["k_norm"], inp["qk_eps"])
+    ang = inp["positions"].float()[:, None] * inp["inv_freq"][None, :]
+    emb = torch.cat((ang, ang), dim=-1)[:, None, :]
+    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    q, k = _rope64(q, cos, sin), _rope64(k, cos, sin)
+    inp["k_cache"][inp["page"], inp["off"]] = k
+    inp["v_cache"][inp["page"], inp["off"]] = v
+    return q
+
+
+def _qkv_entry(name, family):
+    bias, qk_norm = _QKV_FAMILIES[family]
+    if family == "qwen3":  # Qwen3-8B: hidden 4096, 32 q heads, 8 kv heads, D 128
+        at = {"hidden": 4096, "q_heads": 32, "kv_heads": 8}
+        profile = ({"M": 1, "K": 4096, "Hq": 32, "Hkv": 8, "D": 128, "L": 4096},
+                   {"M": 8, "K": 4096, "Hq": 32, "Hkv": 8, "D": 128, "L": 4096})
+    else:  # Qwen2.5-7B: hidden 3584, 28 q heads, 4 kv heads, D 128
+        at = {"hidden": 3584, "q_heads": 28, "kv_heads": 4}
+        profile = ({"M": 1, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096},
+                   {"M": 8, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096})
+    run = RunSpec(draw_shape=_draw_qkv, build=_build_qkv(family), run=_qkv_run,
+                  reference=_qkv_reference, dtypes=("bf16", "fp16"),
+                  interpreter_dtypes=("fp16", "fp32"), baseline=_qkv_torch,
+                  baseline_name="torch eager (F.linear, norms, RoPE, index_put), input dtype",
+                  profile_shapes=profile,
+                  # K 512 / 1024 split K in 2 on the GPU (counters, fence, last-arriving sum)
+                  sanitizer_shapes=({"M": 3, "K": 512, "Hq": 4, "Hkv": 2, "D": 128, "L": 40},
+                                    {"M": 1, "K": 1024, "Hq": 2, "Hkv": 1, "D": 64, "L": 1}),
+                  describe=_describe_qkv)
+    kwargs = {"head_dim": 128, "dtype": "bf16", **at, "norm": True, "bias": bias,
+              "qk_norm": qk_norm, "paged": True, "page_size": _QKV_PAGE, "pdl": _PDL_BY_TARGET}
+    desc = (f"Triton fused QKV + {'QK-norm' if qk_norm else 'bias'} + RoPE + paged append "
+            f"({family}, K={at['hidden']} Hq={at['q_heads']} Hkv={at['kv_heads']} D=128 bf16)")
+    return name, "wsattn.kernels.qkv_rope", "compile_spec", kwargs, run, desc, None
+
+
+# moe: the whole block, route -> group -> gate_up -> down + combine, through moe()
+
+_MOE_E, _MOE_K, _MOE_EPS = 16, 4, 1e-6
+
+
+def _draw_moe(rng, small):
+    return {"T": rng.choice([1, 3, 8] if small else [1, 3, 8, 33, 64]),
+            "H": rng.choice([64, 96] if small else [1000, 2048]),
+            "F": rng.choice([24, 40] if small else [200, 768])}
+
+
+def _describe_moe(s):
+    return f"T{s['T']}-H{s['H']}-F{s['F']}-E{_MOE_E}-top{_MOE_K}"
+
+
+def _build_moe(shape, dtype, device, gen):
+    T, H, F = shape["T"], shape["H"], shape["F"]
+    dt = _dtype(dtype)
+    return {"x": _rnd(gen, dt, device, T, H),
+            "router_w": _rnd(gen, dt, device, _MOE_E, H, scale=H ** -0.5),
+            "w_gate_up": _rnd(gen, dt, device, _MOE_E, 2 * F, H, scale=H ** -0.5),
+            "w_down": _rnd(gen, dt, device, _MOE_E, H, F, scale=F ** -0.5),
+            "residual": _rnd(gen, dt, device, T, H)}
+
+
+def _moe_run(inp):
+    from ..kernels.moe import moe
+    return moe(inp["x"], inp["router_w"], inp["w_gate_up"], inp["w_down"], top_k=_MOE_K,
+               renormalize=True, norm_eps=_MOE_EPS, residual=inp["residual"])
+
+
+def _moe_reference(inp):
+    """float64 Qwen3-MoE block: RMSNorm (folded), softmax router, the top 4 by a stable
+    descending sort, renormalised; residual + sum of w_j * down(silu(gate) * up)."""
+    x = inp["x"].double()
+    xn = x * _rms_scale64(x, _MOE_EPS)
+    p = torch.softmax(xn @ inp["router_w"].double().T, dim=-1)
+    w, ids = torch.sort(p, dim=-1, descending=True, stable=True)
+    w, ids = w[:, :_MOE_K], ids[:, :_MOE_K]
+    w = w / w.sum(-1, keepdim=True)
+    out = inp["residual"].double().clone()
+    F = inp["w_down"].shape[2]
+    for e in range(_MOE_E):
+        t, j = (ids == e).nonzero(as_tuple=True)
+        if t.numel():
+            h = xn[t] @ inp["w_gate_up"][e].double().T
+            y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ inp["w_down"][e].double().T
+            out.index_add_(0, t, w[t, j, None] * y)
+    return out
+
+
+def _moe_torch(inp):
+    """The peer: transformers' eager Qwen3-MoE block at the input dtype (fp32 router
+    softmax, torch.topk, a loop over the touched experts; the host reads which ones)."""
+    import torch.nn.functional as F
+    x, dt = inp["x"], inp["x"].dtype
+    xn = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + _MOE_EPS)).to(dt)
+    p = torch.softmax(F.linear(xn, inp["router_w"]).float(), dim=-1)
+    w, ids = torch.topk(p, _MOE_K, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(dt)
+    out = inp["residual"].clone()
+    Fw = inp["w_down"].shape[2]
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        h = F.linear(xn[t], inp["w_gate_up"][e])
+        out.index_add_(0, t, w[t, j, None] * F.linear(F.silu(h[:, :Fw]) * h[:, Fw:],
+                                                      inp["w_down"][e]))
+    return out
+
+
+def _moe_entry():
+    run = RunSpec(draw_shape=_draw_moe, build=_build_moe, run=_moe_run, reference=_moe_reference,
+                  dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),
+                  baseline=_moe_torch, baseline_name="torch eager MoE block (transformers-style)",
+                  profile_shapes=({"T": 1, "H": 2048, "F": 768}, {"T": 8, "H": 2048, "F": 768}),
+                  # T 3: blocks of 4 (FMA path); T 33: blocks of 16 (tl.dot path)
+                  sanitizer_shapes=({"T": 3, "H": 136, "F": 40}, {"T": 33, "H": 64, "F": 48}),
+                  describe=_describe_moe)
+    # gates 0-2 read the grouped gate/up kernel (the weight stream); gates 3-7 run all five
+    kwargs = {"kernel": "gate_up", "T": 1, "H": 2048, "E": _MOE_E, "top_k": _MOE_K, "F": 768,
+              "dtype": "bf16", "norm": True, "residual": True, "renormalize": True,
+              "pdl": _PDL_BY_TARGET}
+    return ("moe", "wsattn.kernels.moe", "compile_spec", kwargs, run,
+            f"Triton MoE block (route, group, gate/up, down + combine), E={_MOE_E} top {_MOE_K}, "
+            "H=2048 F=768 bf16; gates 0-2 on the grouped gate/up kernel", None)
+
+
 # --------------------------------------------------------------------------- registry
 
 ENTRIES = (
@@ -260,6 +645,12 @@ ENTRIES = (
     _prefill_entry("prefill_gluon", "wsattn.kernels.prefill_gluon", impl="gluon", only_ccs=(90,)),
     _prefill_entry("prefill_gluon_causal", "wsattn.kernels.prefill_gluon", causal=True, impl="gluon",
                    only_ccs=(90,)),
+    _gemv_entry("gemv_norm_silu", "norm_silu"),
+    _gemv_entry("gemv_residual", "residual"),
+    _gemv_entry("gemv_splitk", "residual", split=True),
+    _qkv_entry("qkv_rope_qwen3", "qwen3"),
+    _qkv_entry("qkv_rope_qwen2", "qwen2"),
+    _moe_entry(),
 )
 NAMES = tuple(e[0] for e in ENTRIES)
 
@@ -269,7 +660,8 @@ def _compile_spec_of(module, func, kwargs, only_ccs):
         if only_ccs and cc not in only_ccs:
             raise UnsupportedTarget(f"no code path for sm_{cc}: this kernel targets "
                                     f"{', '.join(f'sm_{c}' for c in only_ccs)} only")
-        return getattr(importlib.import_module(module), func)(cc, **{**kwargs, **overrides})
+        args = {k: v.fn(cc) if isinstance(v, _ByTarget) else v for k, v in {**kwargs, **overrides}.items()}
+        return getattr(importlib.import_module(module), func)(cc, **args)
     return compile_spec
 
 

@@ -20,6 +20,37 @@ folded into the next projection and only ``1/rms`` applied in the kernel)::
         h = gemv(act, w_down, residual=h, out=h)                               1 (+1)
     logits = gemv(h, lm_head, norm_eps)                  (+ one cast to fp32 for 16-bit models)
 
+In a mixture-of-experts layer (``i in cfg.moe_layers``: Qwen3-MoE, Mixtral) the two MLP
+GEMVs are the MoE kernels of :mod:`wsattn.kernels.moe` (7 library calls, 8 Triton
+launches a layer, 9 when decode splits the keys)::
+
+        wts, ids = route(h, router, top_k, renormalize=norm_topk, norm_eps)   1 launch
+        g = group(ids, experts, block)                                        1
+        act = moe_gate_up(h, w_gate_up, g, norm_eps)                          1
+        h = moe_down_combine(act, w_down, g, wts, out=h, residual=h)          2 (down, combine)
+
+``block`` (rows a grouping block) is the kernels' default for the bucket's row count, a
+Python int fixed per bucket; every grouping tensor has a static upper-bound size
+(``blocks_max``) and the active block count stays on the device, so the step still
+captures in one graph. The launchers allocate their outputs (routing weights and ids,
+the grouping, act, the per-pair down rows); during capture those come from the graph's
+private pool at fixed addresses, as decode's output does. h is read by route and
+gate_up and written by the combine, which the stream (or PDL's wait) orders after them;
+the combine reads and writes each residual element in the same program.
+
+Router precision: the route kernel accumulates the logits in fp32 and never rounds them
+or the chosen weights to the model dtype. transformers computes the router logits in the
+model dtype (bf16 logits before the fp32 softmax) and Qwen3-MoE rounds the chosen
+weights back to it (Mixtral keeps them fp32), so in bf16 a near-tie can route
+differently from transformers and the weights differ by up to one bf16 rounding; in fp32
+the two agree (the CPU tests are fp32). Exact ties go to the lower expert index here
+(torch.topk's order is unspecified). Prefill routes the same way (fp32 logits, then
+:func:`wsattn.models.moe.select`), so a prompt's tokens and later decode steps follow one
+convention.
+
+OLMoE's QK-norm spans the whole q/k projection (``cfg.qk_norm_whole``), which the fused
+QKV kernel does not compute: refused by name at construction.
+
 The split-K finishes launch only where the GEMV settings split K (on the GPU, at shapes
 whose column blocks do not fill the SMs; never in the interpreter) and the combine only
 where decode splits the keys; :attr:`KernelStep.launches` counts the library calls.
@@ -42,7 +73,13 @@ is at its best), the same FlashNorm / QK-norm / RoPE arithmetic as the kernels i
 k/v scattered into the pages through the block table, then attention of each chunk:
 ``wsattn.attention_varlen`` on the chunk itself when every sequence starts at 0, else
 over each sequence's cached prefix + chunk gathered into packed rows (causal, bottom-right
-aligned, so the chunk's token i sees keys 0..start+i).
+aligned, so the chunk's token i sees keys 0..start+i). A MoE layer's MLP in prefill:
+fp32 router logits, the reference routing (:func:`wsattn.models.moe.select`), the pairs
+sorted by expert, one gate/up and one down matmul per touched expert in the model dtype,
+per-pair fp32 results times the routing weight added onto the residual in slot order (the
+decode kernels' arithmetic). Slicing the sorted pairs per expert reads the per-expert
+counts on the host: one synchronisation per MoE layer and chunk (the only device read of
+a prefill given host lengths).
 
 Where it runs: CUDA (fp16/bf16; graphs and PDL on sm_90+) or the CPU through the Triton
 interpreter (``TRITON_INTERPRET=1``; fp32 or fp16; eager, no graphs, no PDL).
@@ -57,7 +94,10 @@ import torch.nn.functional as F
 
 from .. import api
 from ..kernels.gemv import MAX_M as GEMV_MAX_M, gemv
+from ..kernels.moe import MAX_E as MOE_MAX_E, default_block, group, moe_down_combine, \
+    moe_gate_up, route
 from ..kernels.qkv_rope import qkv_rope_append
+from ..models import moe as moe_math
 from ..models.config import HEAD_DIMS, ModelConfig
 from ..models.weights import Weights
 from ..rope import rope_inv_freq
@@ -83,7 +123,11 @@ class _Buffers:
         self.block_table = torch.zeros(bucket, max_pages, dtype=i32, device=dev)
         self.h = torch.zeros(bucket, cfg.hidden, dtype=dtype, device=dev)
         self.q = torch.zeros(bucket, cfg.heads, cfg.head_dim, dtype=dtype, device=dev)
-        self.act = torch.zeros(bucket, cfg.ffn, dtype=dtype, device=dev)
+        dense = len(cfg.moe_layers) < cfg.layers
+        self.act = torch.zeros(bucket, cfg.ffn, dtype=dtype, device=dev) if dense else None
+        # rows a grouping block in MoE layers: fixed per bucket, so the grouping's static
+        # sizes (and a captured graph's launches) are too
+        self.moe_block = default_block(bucket, cfg.top_k, cfg.experts) if cfg.is_moe else None
         self.logits = torch.zeros(bucket, cfg.vocab, dtype=torch.float32, device=dev)
         # the LM head GEMV writes the model dtype; 16-bit models cast into logits after it
         self.logits_model = (self.logits if dtype == torch.float32 else
@@ -109,27 +153,33 @@ class KernelStep:
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
-            "qkv_rope", "decode", "gemv_o", "gemv_gate_up", "gemv_down", "gemv_lm_head",
+            "qkv_rope", "decode", "gemv_o", "gemv_gate_up", "gemv_down", "moe_route",
+            "moe_group", "moe_gate_up", "moe_down_combine", "gemv_lm_head",
             "logits_cast"), counted when a step runs eagerly (warm-up and capture
             included, replays not).
 
+    MoE layers (Qwen3-MoE, Mixtral; see the module docstring) take router [E, hidden],
+    w_gate_up [E, 2 * moe_ffn, hidden], w_down [E, hidden, moe_ffn], the router and
+    w_gate_up FlashNorm-folded, E <= 256.
+
     Raises ValueError naming the argument for anything it does not run: a device other
     than CUDA or the interpreter, a dtype the kernels do not take there, a head dim other
-    than 64/128/256, a hidden size not a multiple of 16, unfolded weights, shapes that do
-    not match cfg.
+    than 64/128/256, a hidden size not a multiple of 16, QK-norm over the whole
+    projection (OLMoE), more than 256 experts, unfolded weights, shapes that do not
+    match cfg.
     """
 
     name = "kernels"
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None):
-        # what the fused step does not run yet, refused by feature before any shape check
-        if getattr(cfg, "is_moe", False):
-            raise ValueError(f"step='kernels' runs dense models only: {cfg.family} has "
-                             "mixture-of-experts layers (the MoE kernels are not wired into the "
-                             "step yet); use step='reference'")
+        # what the fused step does not run, refused by feature before any shape check
         if getattr(cfg, "qk_norm_whole", False):
             raise ValueError(f"step='kernels' has no QK-norm over the whole projection "
-                             f"({cfg.family}); use step='reference'")
+                             f"({cfg.family}: the fused QKV kernel normalises per head); use "
+                             "step='reference'")
+        if getattr(cfg, "experts", 0) > MOE_MAX_E:
+            raise ValueError(f"step='kernels': {cfg.family} has {cfg.experts} experts; the MoE "
+                             f"router kernel takes at most {MOE_MAX_E}")
         self._check(cfg, weights, cache)
         self.cfg, self.weights, self.cache = cfg, weights, cache
         self.device, self.dtype = weights.embed.device, weights.dtype
@@ -218,10 +268,19 @@ class KernelStep:
         for name, t, shape in (("lm_head", weights.lm_head, (cfg.vocab, cfg.hidden)),):
             if tuple(t.shape) != shape:
                 raise ValueError(f"weights.{name} must be {list(shape)}, got {list(t.shape)}")
+        moe = tuple(i for i, layer in enumerate(weights.layers) if layer.router is not None)
+        if moe != cfg.moe_layers:
+            raise ValueError(f"weights have a router in layers {list(moe)}, cfg.moe_layers is "
+                             f"{list(cfg.moe_layers)}")
         for i, layer in enumerate(weights.layers):
-            for name, shape in (("wqkv", (rows, cfg.hidden)), ("wo", (cfg.hidden, cfg.q_size)),
-                                ("w_gate_up", (2 * cfg.ffn, cfg.hidden)),
-                                ("w_down", (cfg.hidden, cfg.ffn))):
+            if i in cfg.moe_layers:
+                X, F_, H = cfg.experts, cfg.moe_ffn, cfg.hidden
+                mlp = (("router", (X, H)), ("w_gate_up", (X, 2 * F_, H)),
+                       ("w_down", (X, H, F_)))
+            else:
+                mlp = (("w_gate_up", (2 * cfg.ffn, cfg.hidden)), ("w_down", (cfg.hidden, cfg.ffn)))
+            for name, shape in (("wqkv", (rows, cfg.hidden)),
+                                ("wo", (cfg.hidden, cfg.q_size))) + mlp:
                 t = getattr(layer, name)
                 if tuple(t.shape) != shape:
                     raise ValueError(f"weights.layers[{i}].{name} must be {list(shape)}, got "
@@ -286,6 +345,9 @@ class KernelStep:
             self._count("decode")
             gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl)
             self._count("gemv_o")
+            if layer.router is not None:
+                self._moe(layer, h, buf.moe_block)
+                continue
             gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, pdl=pdl)
             self._count("gemv_gate_up")
             gemv(buf.act, layer.w_down, residual=h, out=h, pdl=pdl)
@@ -295,6 +357,20 @@ class KernelStep:
         if buf.logits_model is not buf.logits:
             buf.logits.copy_(buf.logits_model)
             self._count("logits_cast")
+
+    def _moe(self, layer, h, block):
+        """A MoE layer's MLP on the residual stream h [bucket, hidden], in place."""
+        cfg, eps, pdl = self.cfg, self.eps, self.pdl
+        wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
+                         norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
+        self._count("moe_route")
+        grouping = group(ids, cfg.experts, block, pdl=pdl)
+        self._count("moe_group")
+        act = moe_gate_up(h, layer.w_gate_up, grouping, norm_eps=eps, pdl=pdl)
+        self._count("moe_gate_up")
+        # out may be the residual (moe.py: each element read and written by one program)
+        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl)
+        self._count("moe_down_combine")
 
     def _bucket(self, B):
         for b in self.buckets:
@@ -397,7 +473,8 @@ class KernelStep:
 
         lengths, starts: optional host-side lists of the chunk lengths and the starts (what
         cu_seqlens and start hold), which the caller built them from. Given, no device
-        value is read on the host; omitted, cu_seqlens and start are read once (one
+        value is read on the host except, in a MoE model, each MoE layer's per-expert
+        counts (module docstring); omitted, cu_seqlens and start are read once (one
         synchronisation per chunk; prefill is never captured). They decide the attention
         path and size the gathered prefix."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
@@ -481,11 +558,41 @@ class KernelStep:
                 attn = api.attention_varlen(q, kk, vv, cu_seqlens, cu_k, max_q, max_k,
                                             causal=True, impl="triton", validate=False)
             x = (x.float() + (attn.reshape(T, cfg.q_size) @ layer.wo.T).float()).to(dt)
+            if layer.router is not None:
+                x = self._moe_prefill(layer, x)
+                continue
             gate, up = ((x @ layer.w_gate_up.T).float() * _inv_rms(x, self.eps)).chunk(2, -1)
             act = (F.silu(gate) * up).to(dt)
             x = (x.float() + (act @ layer.w_down.T).float()).to(dt)
         last = x[cu_seqlens[1:].long() - 1]  # [B, hidden]
         return (last @ w.lm_head.T).float() * _inv_rms(last, self.eps)
+
+    def _moe_prefill(self, layer, x):
+        """A MoE layer's MLP over T packed tokens x [T, hidden] (model dtype), residual
+        included: the decode kernels' arithmetic with torch matmuls per touched expert."""
+        cfg, dt = self.cfg, self.dtype
+        T, k = x.shape[0], cfg.top_k
+        scale = _inv_rms(x, self.eps)  # [T, 1] fp32, the FlashNorm scale
+        logits = (x.float() @ layer.router.float().T) * scale  # fp32, as the route kernel
+        wts, ids = moe_math.select(cfg, logits)  # [T, k] fp32 (no rounding: fp32 logits), int64
+        pair_w = wts.reshape(-1)
+        order = torch.argsort(ids.reshape(-1), stable=True)  # pairs t*k+j grouped by expert
+        counts = torch.bincount(ids.reshape(-1), minlength=cfg.experts).tolist()  # host read
+        y = torch.zeros(T * k, cfg.hidden, dtype=torch.float32, device=x.device)
+        lo = 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[lo:lo + count]
+            lo += count
+            tok = torch.div(pairs, k, rounding_mode="floor")
+            gate, up = ((x[tok] @ layer.w_gate_up[e].T).float() * scale[tok]).chunk(2, -1)
+            act = (F.silu(gate) * up).to(dt)
+            y[pairs] = (act @ layer.w_down[e].T).float() * pair_w[pairs, None]
+        acc = x.float()
+        for yj in y.view(T, k, cfg.hidden).unbind(1):  # slot order, as the combine kernel
+            acc = acc + yj
+        return acc.to(dt)
 
 
 def _inv_rms(x, eps):

@@ -1,0 +1,379 @@
+"""The kernel step on mixture-of-experts models (Qwen3-MoE with an interleaved dense layer,
+Mixtral): greedy tokens and per-step logits against the reference step, whole and chunked
+prefill, the FMA (block 1, 4) and tl.dot (block 16) grouping paths, bucket padding,
+launches per MoE layer; OLMoE refused by name; impl="auto" on CUDA picks the kernel step
+for Qwen3-MoE / Mixtral. CPU cases run the kernels through the Triton interpreter in a
+fresh child process (TRITON_INTERPRET=1, fp32, tiny models: hidden 128, head_dim 64);
+the GPU cases (bf16, graph replay, PDL) carry the gpu marker.
+
+fp32 on purpose: the route kernel keeps the router logits and the chosen weights in
+fp32, the reference step (fp32 weights, fp32 compute) computes them in fp32 too, so the
+two route identically and agree to rounding; in bf16 transformers rounds the logits
+(and Qwen3-MoE the weights) to bf16 and the kernel does not (runner.py's docstring)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+CHILD = textwrap.dedent(r'''
+    import collections, json, sys
+    import torch
+    import transformers
+    from triton.runtime import interpreter
+    from wsattn.engine.generate import Engine
+    from wsattn.testing import rel_err
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    case, arg = sys.argv[1], json.loads(sys.argv[2])
+    res = {}
+
+    def model(family):
+        common = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=256, max_position_embeddings=256,
+                      num_experts_per_tok=2, eos_token_id=None, pad_token_id=None,
+                      bos_token_id=None)
+        if family == "qwen3_moe":  # 8 experts top-2, layer 1 a dense MLP of width 256
+            cfg = transformers.Qwen3MoeConfig(**common, head_dim=64, intermediate_size=256,
+                                              moe_intermediate_size=64, num_experts=8,
+                                              norm_topk_prob=True, mlp_only_layers=[1])
+        else:  # mixtral: 4 experts top-2, always renormalised, head_dim 128 / 2 = 64
+            cfg = transformers.MixtralConfig(**common, intermediate_size=128,
+                                             num_local_experts=4)
+        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "norm" in name:  # random norm weights: a dropped one shows
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith("gate.weight"):  # the router: decisive routing
+                    p.mul_(20.0)
+                elif "experts" in name:  # expert outputs big enough to move the logits
+                    p.mul_(5.0)
+                else:
+                    p.mul_(2.0)
+        return m
+
+    def prompts(lens, seed=7):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, 256, (n,), generator=g) for n in lens]
+
+    def run(m, step, ps, n, **kw):
+        e = Engine(m, step=step, device="cpu", **kw)
+        toks, logits = e.run(ps, n, return_logits=True)
+        return e, toks, logits
+
+    def err(a, b):  # worst per-step relative error of [B, n, vocab] logits
+        return max(rel_err(a[:, i], b[:, i]) for i in range(a.shape[1]))
+
+    if case == "family":
+        m = model(arg["family"])
+        for label, lens, n, kw in arg["runs"]:
+            ps = prompts(lens)
+            _, ref_t, ref_l = run(m, "reference", ps, n)
+            e, t, l = run(m, "kernels", ps, n, **kw)
+            res[label] = {"tokens": all(torch.equal(a, b) for a, b in zip(ref_t, t)),
+                          "err": err(l, ref_l), "nan": bool(l.isnan().any()),
+                          "blocks": {str(b): buf.moe_block for b, buf in e.step._buffers.items()}}
+
+    elif case == "padding":
+        m, ps, n = model("qwen3_moe"), prompts([9, 4, 6]), 6
+        pad, pad_t, pad_l = run(m, "kernels", ps, n, buckets=(4,), num_pages=8, page_size=8)
+        exact, t, l = run(m, "kernels", ps, n, buckets=(3,), num_pages=8, page_size=8)
+        res["tokens"] = all(torch.equal(a, b) for a, b in zip(pad_t, t))
+        res["err"] = err(pad_l, l)
+        res["cache_equal"] = (torch.equal(pad.cache.k, exact.cache.k)
+                              and torch.equal(pad.cache.v, exact.cache.v))
+        res["buckets"] = sorted(pad.step._buffers), sorted(exact.step._buffers)
+
+    elif case == "launches":
+        names = collections.Counter()
+        counting = [False]
+        orig = interpreter.InterpretedFunction.run
+
+        def counted(self, *a, **k):
+            if counting[0]:  # module too: decode and the MoE both have a _combine_kernel
+                names[self.fn.__module__.rsplit(".", 1)[-1] + "." + self.fn.__name__] += 1
+            return orig(self, *a, **k)
+
+        interpreter.InterpretedFunction.run = counted
+        m = model("qwen3_moe")
+        e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8)
+        step = e.step
+        decode = step.decode
+        steps = [0]
+
+        def decode_counted(*a, **k):
+            before = collections.Counter(step.launches)
+            counting[0] = True
+            try:
+                out = decode(*a, **k)
+            finally:
+                counting[0] = False
+            steps[0] += 1
+            res.setdefault("runner", []).append(dict(step.launches - before))
+            return out
+
+        step.decode = decode_counted
+        e.run(prompts([7, 3]), 3)
+        res["triton"] = dict(names)
+        res["steps"] = steps[0]
+        res["moe_layers"] = list(e.cfg.moe_layers)
+        res["layers"] = e.cfg.layers
+
+    print("RESULT " + json.dumps(res))
+''')
+
+
+def _child(case: str, **arg) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", WSATTN_POISON="1")
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", CHILD, case, json.dumps(arg)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"child {case} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+# relative, per step: fp32 in the interpreter is fp32, as tests/test_runner.py
+FP32_LOGITS = 1e-5
+
+# (label, prompt lengths, new tokens, Engine kwargs); the grouping block per bucket is
+# default_block(bucket, top_k=2, experts): 1 at one row, 4 while <= 2 pairs an expert,
+# 16 above (tl.dot)
+RUNS = {
+    "qwen3_moe": [("batch2", [11, 5], 12, {}), ("chunked", [11, 5], 10, {"prefill_chunk": 4}),
+                  ("batch1", [9], 8, {})],
+    "mixtral": [("batch2", [11, 5], 12, {}), ("batch6", [5, 9, 3, 7, 4, 6], 8, {})],
+}
+BLOCKS = {("qwen3_moe", "batch2"): {"2": 4}, ("qwen3_moe", "chunked"): {"2": 4},
+          ("qwen3_moe", "batch1"): {"1": 1}, ("mixtral", "batch2"): {"2": 4},
+          ("mixtral", "batch6"): {"8": 16}}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_kernels_match_reference_moe(family):
+    """Greedy tokens (8-12 new) equal to the reference step's and every step's logits
+    within fp32 tolerance: Qwen3-MoE (8 experts top-2 renormalised, QK-norm, layer 1 a
+    dense MLP) with one prefill chunk, chunks of 4 and a single sequence; Mixtral (4
+    experts top-2) at bucket 2 (FMA block 4) and bucket 8 (tl.dot block 16)."""
+    r = _child("family", family=family, runs=RUNS[family])
+    for label, *_ in RUNS[family]:
+        assert r[label]["tokens"] and not r[label]["nan"], (label, r)
+        assert r[label]["err"] <= FP32_LOGITS, (label, r)
+        assert r[label]["blocks"] == BLOCKS[family, label], (label, r)
+
+
+def test_moe_bucket_padding():
+    """A batch of 3 padded to bucket 4 (padding rows repeat row 0, so they route to row 0's
+    experts and join its blocks) gives the tokens, logits and KV cache of the batch of 3
+    at bucket 3."""
+    r = _child("padding")
+    assert r["buckets"] == [[4], [3]], r
+    assert r["tokens"], r
+    assert r["err"] <= FP32_LOGITS, r
+    assert r["cache_equal"], r
+
+
+def test_moe_launches_per_layer():
+    """A MoE layer is 7 library calls (qkv_rope, decode, gemv_o, moe_route, moe_group,
+    moe_gate_up, moe_down_combine) and 8 Triton launches in the interpreter (qkv_rope,
+    decode, gemv o, route, group, grouped gate/up, grouped down, combine; 9 where decode
+    splits the keys); the interleaved dense layer stays 5 calls / 5-6 launches."""
+    r = _child("launches")
+    steps, L, moe = r["steps"], r["layers"], r["moe_layers"]
+    assert steps == 2 and moe == [0] and L == 2, r
+    for counts in r["runner"]:
+        assert counts == {"embed": 1, "positions": 1, "qkv_rope": 2, "decode": 2, "gemv_o": 2,
+                          "moe_route": 1, "moe_group": 1, "moe_gate_up": 1,
+                          "moe_down_combine": 1, "gemv_gate_up": 1, "gemv_down": 1,
+                          "gemv_lm_head": 1}, r
+    tri = dict(r["triton"])
+    # decode's combine launches only where it splits the keys (not at these short lengths
+    # with the current split rule): 0 or once a layer
+    split = tri.pop("decode_triton._combine_kernel", 0)
+    assert split in (0, L * steps), r
+    assert tri == {"qkv_rope._qkv_rope_kernel": L * steps,
+                   "decode_triton._decode_kernel": L * steps,
+                   "gemv._gemv_kernel": (1 + 3 + 1) * steps,  # o, o + gate/up + down, lm_head
+                   "moe._route_kernel": steps, "moe._group_kernel": steps,
+                   "moe._grouped_kernel": 2 * steps, "moe._combine_kernel": steps}, r
+    moe_layer = 1 + 1 + 1 + 1 + 1 + 2 + 1  # qkv, decode, o, route, group, gate/up, down, combine
+    dense_layer = 1 + 1 + 3
+    assert sum(tri.values()) == (moe_layer + dense_layer + 1) * steps, r  # + the LM head
+
+
+# --------------------------------------------------------------------------- refusals, auto
+
+def _hf(name):
+    import transformers
+
+    base = dict(vocab_size=128, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=2, num_experts_per_tok=2,
+                max_position_embeddings=64)
+    if name == "olmoe":
+        return transformers.OlmoeConfig(**base, num_experts=8)
+    if name == "mixtral":
+        return transformers.MixtralConfig(**base, num_local_experts=4)
+    return transformers.Qwen3MoeConfig(**base, head_dim=64, moe_intermediate_size=32,
+                                       num_experts=8)
+
+
+def test_olmoe_refused_by_name(monkeypatch):
+    """OLMoE's QK-norm over the whole q/k projection is not in the fused QKV kernel: the
+    kernel step refuses it by that feature, before any shape check."""
+    import transformers
+
+    from wsattn.engine.generate import Engine
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_hf("olmoe")).eval()
+    with pytest.raises(ValueError, match=r"QK-norm over the whole projection \(olmoe"):
+        Engine(model, step="kernels", device="cpu", num_pages=4)
+
+
+def test_moe_weights_checked_by_name(monkeypatch):
+    """A MoE layer's expert tensors of the wrong shape, or a router where cfg has a dense
+    layer, are refused at construction with the field named."""
+    import dataclasses
+
+    import transformers
+
+    from wsattn.engine.kv_cache import PagedKVCache
+    from wsattn.engine.runner import KernelStep
+    from wsattn.models import flashnorm
+    from wsattn.models.weights import load
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    cfg, w = load(transformers.AutoModelForCausalLM.from_config(_hf("qwen3_moe")).eval())
+    w = flashnorm.fold(w)
+    cache = PagedKVCache(cfg, num_pages=4, page_size=8, dtype=torch.float32, device="cpu",
+                         max_batch=4)
+    KernelStep(cfg, w, cache, buckets=(1, 2, 4))  # the unchanged weights are taken
+    layer = w.layers[0]
+    bad = dataclasses.replace(layer, w_down=layer.w_down[:, :, :16].contiguous())
+    with pytest.raises(ValueError, match=r"layers\[0\]\.w_down must be \[8, 128, 32\]"):
+        KernelStep(cfg, dataclasses.replace(w, layers=[bad]), cache, buckets=(1, 2, 4))
+    dense_cfg = dataclasses.replace(cfg, moe_layers=(), experts=0, top_k=0, moe_ffn=0)
+    with pytest.raises(ValueError, match=r"router in layers \[0\], cfg.moe_layers is \[\]"):
+        KernelStep(dense_cfg, w, cache, buckets=(1, 2, 4))
+
+
+@pytest.mark.parametrize("name, step", [("qwen3_moe", "kernels"), ("mixtral", "kernels"),
+                                        ("olmoe", "reference")])
+def test_auto_on_cuda_picks_kernels_for_moe(name, step):
+    """impl="auto" resolves to the kernel step on CUDA for a bf16 Qwen3-MoE / Mixtral and
+    keeps OLMoE on the reference step (decided from the config, no GPU needed)."""
+    from wsattn.engine.generate import _resolve_impl
+    from wsattn.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(_hf(name))
+    assert _resolve_impl("auto", "cuda", torch.bfloat16, cfg) == step
+    assert _resolve_impl("auto", "cpu", torch.bfloat16, cfg) == "reference"
+    assert _resolve_impl("auto", "cuda", torch.float32, cfg) == "reference"
+
+
+# --------------------------------------------------------------------------- GPU
+
+def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None):
+    """A bf16 MoE model (hidden 512, D 64, 8/2 heads, 4 layers; Qwen3-MoE 16 experts top-4
+    with layer 2 dense, or Mixtral 8 experts top-2) on CUDA."""
+    import transformers
+
+    from wsattn.engine.generate import Engine
+    from wsattn.engine.runner import KernelStep
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=4096, max_position_embeddings=2048)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=64, intermediate_size=1024,
+                                          moe_intermediate_size=256, num_experts=16,
+                                          num_experts_per_tok=4, norm_topk_prob=True,
+                                          mlp_only_layers=[2])
+    else:
+        cfg = transformers.MixtralConfig(**common, intermediate_size=512, num_local_experts=8,
+                                         num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=512,
+               page_size=16, buckets=(1, 2, 4, 8, 16))
+    e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl)
+    return e, model
+
+
+def _gpu_prompts(n=3):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 4096, (37 + 13 * i,), generator=g) for i in range(n)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("batch", [1, 3, 12])  # blocks 1, 4 and 16 (tl.dot)
+def test_gpu_moe_graph_replay_equals_eager(family, batch):
+    """CUDA-graph replay gives bitwise the tokens and logits of the eager step."""
+    ps = _gpu_prompts(batch)
+    graph_t, graph_l = _gpu_engine(family, graphs=True)[0].run(ps, 24, return_logits=True)
+    eager_t, eager_l = _gpu_engine(family, graphs=False)[0].run(ps, 24, return_logits=True)
+    assert all(torch.equal(a, b) for a, b in zip(graph_t, eager_t))
+    assert torch.equal(graph_l, eager_l)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_gpu_moe_pdl_on_equals_off(family):
+    """PDL changes when programs start, not what they compute: bitwise equal logits."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    ps = _gpu_prompts()
+    on_t, on_l = _gpu_engine(family, pdl=True)[0].run(ps, 24, return_logits=True)
+    off_t, off_l = _gpu_engine(family, pdl=False)[0].run(ps, 24, return_logits=True)
+    assert all(torch.equal(a, b) for a, b in zip(on_t, off_t))
+    assert torch.equal(on_l, off_l)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_gpu_moe_matches_reference_step(family):
+    """bf16 kernels vs the reference step (fp32 compute over the same bf16 weights): the
+    first step's logits (prefill) and the next (one decode step) within bf16 tolerance."""
+    from wsattn.engine.generate import Engine
+    from wsattn.testing import rel_err, tol
+
+    e, model = _gpu_engine(family)
+    ps = _gpu_prompts()
+    kt, kl = e.run(ps, 2, return_logits=True)
+    ref = Engine(model, dtype=torch.bfloat16, device="cuda", step="reference")
+    rt, rl = ref.run(ps, 2, return_logits=True)
+    assert rel_err(kl[:, 0], rl[:, 0]) <= tol(torch.bfloat16)
+    if all(torch.equal(a, b) for a, b in zip(kt, rt)):  # same first token: same step input
+        assert rel_err(kl[:, 1], rl[:, 1]) <= tol(torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_generate_auto_runs_kernels_for_moe():
+    """wsattn.generate(impl="auto") on CUDA builds the kernel step for a bf16 Qwen3-MoE."""
+    from wsattn.engine import generate as gen
+
+    _, model = _gpu_engine()
+    built = []
+    orig = gen._make_step
+
+    def spy(name, *a, **k):
+        built.append(name)
+        return orig(name, *a, **k)
+
+    gen._make_step = spy
+    try:
+        gen.generate(model, [p[:8] for p in _gpu_prompts(2)], 4, dtype=torch.bfloat16)
+    finally:
+        gen._make_step = orig
+    assert built == ["kernels"]

@@ -363,3 +363,106 @@ def test_empty_batch(kernel_device):
     seqlens = torch.zeros(0, dtype=torch.int32, device=kernel_device)
     out, lse = wsattn.decode(q, kc, kc, seqlens, return_lse=True, impl="triton")
     assert out.shape == (0, 4, D) and lse.shape == (0, 4)
+
+
+# --------------------------------------------------------------------------- PDL
+
+
+_PDL_SCRIPT = r"""
+import json, re, triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from wsattn.kernels import decode_triton
+BUILDS = {"contiguous": {}, "paged-16": dict(paged=True, page_size=16),
+          "paged-64": dict(paged=True, page_size=64), "combine": dict(kernel="combine")}
+LOAD = re.compile(r"\b(ld\.global|cp\.async|ld\.volatile|ld\.relaxed|ld\.acquire)")
+facts = {}
+for name, kw in BUILDS.items():
+    for pdl in (True, False):
+        s = decode_triton.compile_spec(90, pdl=pdl, **kw)
+        k = triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
+                                     attrs=s["attrs"]),
+                           target=GPUTarget("cuda", 90, 32), options=s["options"])
+        ptx = k.asm["ptx"]
+        find = lambda text: ptx.index(text) if text in ptx else -1
+        facts[f"{name}-{'on' if pdl else 'off'}"] = {
+            "griddepcontrol": ptx.count("griddepcontrol"),
+            "wait": ptx.count("griddepcontrol.wait"), "wait_at": find("griddepcontrol.wait"),
+            "launch": ptx.count("griddepcontrol.launch_dependents"),
+            "launch_at": find("griddepcontrol.launch_dependents"),
+            "first_load_at": min((m.start() for m in LOAD.finditer(ptx)), default=-1),
+            "launch_pdl": bool(k.metadata.launch_pdl)}
+print(json.dumps(facts))
+"""
+
+
+def test_sm90_pdl_waits_before_any_load_and_releases_dependents():
+    """PDL on: griddepcontrol.wait comes before the first global load (q, seqlens, the
+    block table, K/V; the combine's workspace), launch_dependents right after it, and the
+    kernel is marked for a PDL launch; contiguous, paged (pages shorter than a tile and
+    of whole tiles) and the combine. Off: neither instruction, no PDL launch."""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a compiler build
+    done = subprocess.run([sys.executable, "-c", _PDL_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(facts) == 8
+    for name, f in facts.items():
+        if name.endswith("-on"):
+            assert f["wait"] == 1 and f["launch"] == 1 and f["launch_pdl"], (name, f)
+            assert 0 <= f["wait_at"] < f["first_load_at"], f"{name}: a load before the wait"
+            assert f["wait_at"] < f["launch_at"], (name, f)
+        else:
+            assert f["griddepcontrol"] == 0 and not f["launch_pdl"], (name, f)
+            assert f["first_load_at"] >= 0, (name, f)
+
+
+def test_compile_spec_pdl_off_is_the_default_build():
+    """pdl=False adds no PDL constexpr and no launch option: the default build (and its
+    SASS) is the one the library had before the switch existed."""
+    from wsattn.kernels import decode_triton
+    for kw in ({}, dict(paged=True), dict(kernel="combine")):
+        s = decode_triton.compile_spec(90, **kw)
+        assert "PDL" not in s["constexprs"] and "launch_pdl" not in s["options"]
+        assert s == decode_triton.compile_spec(90, pdl=False, **kw)
+
+
+def test_decode_pdl_refused_off_sm90_before_any_kernel(kernel_device, monkeypatch):
+    """pdl=True needs griddepcontrol (CUDA sm_90+): refused by name elsewhere (the
+    interpreter here), before a launch; a non-bool refused too."""
+    from wsattn.kernels import decode_triton
+    from wsattn.target import UnsupportedTargetError
+    if kernel_device == "cuda" and torch.cuda.get_device_capability()[0] >= 9:
+        pytest.skip("this GPU takes PDL (test_decode_gpu.py covers it)")
+    q, k, v, seqlens, _ = _cache(2, 1, 4, 1, [20, 5], None, 20, torch.float16, kernel_device, 0)
+
+    def no_kernel(*a, **kw):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(decode_triton._decode_kernel, "run", no_kernel)
+    with pytest.raises(UnsupportedTargetError, match="pdl=True needs CUDA sm_90"):
+        decode_triton.decode(q, k, v, seqlens, None, 0.125, 2, pdl=True)
+    with pytest.raises(UnsupportedTargetError, match="pdl=True needs CUDA sm_90"):
+        wsattn.ops.decode(q, k, v, seqlens, None, 0.125, 2, pdl=True)
+    with pytest.raises(ValueError, match="pdl must be True or False"):
+        decode_triton.decode(q, k, v, seqlens, None, 0.125, 2, pdl=None)
+
+
+@pytest.mark.parametrize("page", [None, 7])
+def test_decode_pdl_off_equals_the_default_call(kernel_device, page):
+    """pdl=False through the launcher and through ops.decode is bit for bit the call
+    without the argument (split and unsplit)."""
+    from wsattn.kernels import decode_triton
+    q, k, v, seqlens, table = _cache(2, 1, 8, 2, [40, 9], page, 42, torch.float16,
+                                     kernel_device, 4)
+    for splits in (1, 3):
+        base = decode_triton.decode(q, k, v, seqlens, table, 0.125, splits)
+        for got in (decode_triton.decode(q, k, v, seqlens, table, 0.125, splits, pdl=False),
+                    wsattn.ops.decode(q, k, v, seqlens, table, 0.125, splits, pdl=False)):
+            assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
+        ref, ref_lse = reference.decode(q, k, v, seqlens, table, 0.125)
+        assert_close(base[0], ref, torch.float16)

@@ -380,6 +380,86 @@ def test_split_k_fills_the_gpu_by_default():
     assert "atom" in k.asm["ptx"] and "fence.acq_rel.gpu" in k.asm["ptx"]
 
 
+# --------------------------------------------------------------------------- workspace
+
+WS_CHILD = textwrap.dedent(r'''
+    import json
+    import torch
+    from wsattn.kernels import qkv_rope
+    from wsattn.kernels.qkv_rope import (QkvRopeSettings, QkvRopeWorkspace, qkv_rope_append,
+                                         qkv_rope_workspace, rope_inv_freq, workspace_size)
+    from wsattn.testing import rel_err, tol
+''') + HELPERS + textwrap.dedent(r'''
+    out = {}
+    fam = dict(norm=True, bias=True, qk_norm=True)
+    M, K, Hq, Hkv, D = 5, 64, 8, 2, 64
+    s = QkvRopeSettings(BLOCK_K=16, split_k=3, num_warps=4, num_stages=1)
+    inp = make_inputs(fam, M, K, Hq, Hkv, D, torch.float32, "cpu")
+    results = []
+    for use in ("cached", "explicit", "explicit-again"):
+        kc, vc, bt, _, _ = make_caches(M, Hkv, D, torch.float32, "cpu")
+        ws = None if use == "cached" else qkv_rope_workspace("cpu", 8, Hq, Hkv, D, s)
+        if use == "explicit-again":  # the same workspace, twice: counters left at 0
+            qkv_rope_append(**inp, k_cache=kc.clone(), v_cache=vc.clone(), block_table=bt,
+                            settings=s, workspace=ws)
+        q = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, settings=s,
+                            workspace=ws)
+        results.append((bits(q), bits(kc), bits(vc)))
+        if ws is not None:
+            out[use + "-counters-zero"] = bool((ws.counters == 0).all())
+    out["bitwise"] = all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
+    out["sizes"] = list(workspace_size(M, Hq, Hkv, D, s))
+    out["split1"] = list(workspace_size(M, Hq, Hkv, D, QkvRopeSettings(16, 1, 4, 1)))
+    d = qkv_rope_workspace("cpu", 64, 32, 8, 128, hidden=4096, dtype=torch.float16)
+    out["default_interp"] = [t.numel() for t in d]  # the interpreter's settings: no split
+
+    def refused(ws):
+        kc, vc, bt, _, _ = make_caches(M, Hkv, D, torch.float32, "cpu")
+        kc0 = kc.clone()
+        launched = []
+        orig = qkv_rope._qkv_rope_kernel.run
+        qkv_rope._qkv_rope_kernel.run = lambda *a, **k: launched.append(1)
+        try:
+            qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, settings=s,
+                            workspace=ws)
+        except ValueError as e:
+            return str(e), bool(launched), torch.equal(bits(kc), bits(kc0))
+        finally:
+            qkv_rope._qkv_rope_kernel.run = orig
+        return None, bool(launched), True
+
+    full = qkv_rope_workspace("cpu", M, Hq, Hkv, D, s)
+    out["too_small"] = refused(QkvRopeWorkspace(full.partials[:-1], full.ss, full.counters))
+    out["bad_dtype"] = refused(QkvRopeWorkspace(full.partials, full.ss, full.counters.long()))
+    out["bad_type"] = refused((full.partials, full.ss, full.counters))
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def test_explicit_workspace_is_bitwise_the_cached_one_and_checked():
+    """Split K through a caller's workspace gives the bits the cached per-device one gives,
+    and leaves its counters at 0 (reusable, graph-safe); a workspace too small for the
+    launch, of the wrong dtype or not a QkvRopeWorkspace is refused naming it before any
+    launch, the cache untouched."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", WS_CHILD], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, f"child failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    r = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert r["bitwise"] and r["explicit-counters-zero"] and r["explicit-again-counters-zero"], r
+    heads = 8 + 2 * 2
+    assert r["sizes"] == [heads * 3 * 16 * 64, heads * 3 * 16, heads], r  # one 16-row block
+    assert r["split1"] == [0, 0, 0] and r["default_interp"] == [1, 1, 1], r
+    msg, launched, untouched = r["too_small"]
+    assert msg and "workspace.partials holds" in msg and not launched and untouched, r
+    msg, launched, _ = r["bad_dtype"]
+    assert msg and "workspace.counters must be" in msg and not launched, r
+    msg, launched, _ = r["bad_type"]
+    assert msg and "workspace must be a QkvRopeWorkspace" in msg and not launched, r
+
+
 # --------------------------------------------------------------------------- CUDA
 
 
@@ -431,3 +511,29 @@ def test_gpu_split_k_is_deterministic_and_graph_safe(pdl):
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(q_out, q0) and torch.equal(kc, k0)
+
+
+@pytest.mark.gpu
+def test_gpu_explicit_workspace_matches_cached_and_replays():
+    """bf16 at the Llama-3.1-8B shape with split K: an owned workspace gives the cached
+    one's bits, eager and replayed from a CUDA graph captured with it."""
+    ns = _gpu_ns()
+    fam = FAMILIES["llama"]
+    inp = ns["make_inputs"](fam, 8, 4096, 32, 8, 128, torch.bfloat16, "cuda")
+    kc, vc, bt, _, _ = ns["make_caches"](8, 8, 128, torch.bfloat16, "cuda")
+    s = QkvRopeSettings(BLOCK_K=128, split_k=4, num_warps=4, num_stages=4)
+    ws = qkv_rope.qkv_rope_workspace("cuda", 64, 32, 8, 128, s)
+    q0 = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, settings=s)
+    k0 = kc.clone()
+    q1 = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, settings=s, workspace=ws)
+    assert torch.equal(q1, q0) and torch.equal(kc, k0)
+    q_out = torch.empty_like(q0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, settings=s, workspace=ws,
+                        q_out=q_out)
+    for _ in range(3):
+        q_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(q_out, q0) and torch.equal(kc, k0)

@@ -16,6 +16,13 @@ Split boundaries are computed in the kernel from seqlens[b] (each split gets a
 BLOCK_N-aligned share of the real length), and the number of splits is chosen on the
 host from the cache capacity, never from seqlens: no host read of device data, so the
 launch is CUDA-graph friendly.
+
+PDL (programmatic dependent launch, sm_90+; the PDL constexpr, off by default): both
+kernels wait (``gdc_wait``) before their first load, since everything they read is the
+previous kernel's (q and this token's K/V from the fused QKV kernel, the workspace from
+the decode kernel) or may be, and release their dependents right after the wait, so the
+next kernel (the O-projection GEMV) can take free SM slots and start loading its weights
+while the attention streams. See ``_decode_kernel`` for why this early release is safe.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..target import Target, target_of
+from ..target import Target, UnsupportedTargetError, target_of
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
 from .merge import merge_finish, merge_step
@@ -44,11 +51,25 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
                    stride_btb,
                    T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr = 0):
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr = 0,
+                   PDL: tl.constexpr = False):
     # stride_kb / stride_vb step a sequence (contiguous cache) or a page (paged cache).
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    if PDL:
+        # Every load below waits: q and this token's K/V are the fused QKV kernel's
+        # output. seqlens and the block table are host copies made before the step, but
+        # reading them after the wait too costs one dependent load's latency and keeps
+        # the rule simple: nothing this grid reads is read before the wait.
+        tl.extra.cuda.gdc_wait()
+        # Release the next kernel now. Safe because every kernel of the step reads only
+        # weights before its own gdc_wait and writes nothing there, and that wait returns
+        # only once this whole grid has completed and its writes are visible: the next
+        # kernel can neither see our output early nor overwrite an input we have yet to
+        # read. (The signal counts once every program has sent it or exited, so a
+        # multi-wave grid releases the next kernel in its last wave.)
+        tl.extra.cuda.gdc_launch_dependents()
 
     r = tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows: token t = r // GROUP, head h*GROUP + r % GROUP
     t = r // GROUP
@@ -132,10 +153,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
 
 @triton.jit
 def _combine_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, lse_ptr,
-                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+                    D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PDL: tl.constexpr = False):
     # one program: one row of [B*T*Hq] (its NUM_SPLITS partials are contiguous), BLOCK_D
     # columns. Small programs, many of them, the split loop unrolled so that every
     # split's load is in flight at once: with B = 1 there are only Hq rows to merge.
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the workspace is the decode kernel's output
+        tl.extra.cuda.gdc_launch_dependents()  # same rule as in _decode_kernel
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     zero = tl.arange(0, 1)  # [1] the helper's row axis
@@ -285,7 +310,8 @@ COMBINE_BLOCK_D = 32  # one warp, one fp32 a thread per split
 # --------------------------------------------------------------------------- launcher
 
 
-def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, settings=None):
+def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, settings=None,
+           *, pdl=False):
     """Decode attention of T new tokens per sequence against a KV cache (validated by api.py).
 
     Args:
@@ -299,6 +325,10 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         num_splits: splits per sequence, 0 = auto (from B, Hkv, the cache capacity and
             the SM count; seqlens are never read on the host).
         settings: a DecodeSettings to override default_settings (its num_splits wins).
+        pdl: programmatic dependent launch (CUDA sm_90+ only; False by default): both
+            launches go out with PDL and wait for the previous kernel inside, and release
+            the next kernel early. Every kernel launched after this one with PDL must read
+            only weights before its own griddepcontrol.wait (the engine's kernels do).
 
     Returns:
         (out [B, T, Hq, D] in q's dtype, lse [B, T, Hq] float32, natural log; a row that
@@ -309,6 +339,14 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         >>> kc = vc = torch.randn(2, 100, 2, 64, dtype=torch.float16)
         >>> out, lse = decode(q, kc, vc, torch.tensor([100, 37], dtype=torch.int32), None, 0.125, 0)
     """
+    if pdl not in (True, False):
+        raise ValueError(f"pdl must be True or False, got {pdl!r}")
+    if pdl:
+        target = target_of(q.device)
+        if target.backend != "cuda" or target.cc < 90:
+            # griddepcontrol is sm_90+ PTX, and the interpreter has no inline assembly
+            raise UnsupportedTargetError(f"pdl=True needs CUDA sm_90 or later, got "
+                                         f"{target.name}")
     B, T, HQ, D = q.shape
     HKV = k_cache.shape[2]
     group = HQ // HKV
@@ -339,6 +377,8 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     else:  # unused by the kernel (the NUM_SPLITS == 1 branch compiles away)
         ws_o, ws_lse = out, lse
     bt = block_table if paged else seqlens  # any int32 pointer when not paged
+    # PDL off passes nothing: the default launch (and build) stays as it was
+    launch = {"PDL": True, "launch_pdl": True} if pdl else {}
     _decode_kernel[(B, HKV, splits)](
         q, k_cache, v_cache, seqlens, bt, out, lse, ws_o, ws_lse,
         sm_scale * LOG2E, HQ,
@@ -349,11 +389,12 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         T=T, GROUP=group, D=D, BLOCK_M=_block_m(T, group), BLOCK_N=settings.BLOCK_N,
         NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=page_size,
         BT_CHUNK=bt_chunk(settings, capacity, page_size) if paged else 0,
-        num_warps=settings.num_warps, num_stages=settings.num_stages)
+        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, D)
         _combine_kernel[(B * T * HQ, D // block_d)](
-            ws_o, ws_lse, out, lse, D=D, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=1)
+            ws_o, ws_lse, out, lse, D=D, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=1,
+            **launch)
     return out, lse
 
 
@@ -365,10 +406,13 @@ _TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool = False,
                  settings: DecodeSettings | None = None, *, T: int = 1, group: int = 4,
-                 page_size: int = 16, num_sms: int = 132, kernel: str = "decode") -> dict:
+                 page_size: int = 16, num_sms: int = 132, kernel: str = "decode",
+                 pdl: bool = False) -> dict:
     """What ``triton.compile`` needs to build a decode kernel for compute capability cc.
 
     kernel="decode" gives the main split-KV kernel, kernel="combine" the split combine.
+    pdl=True builds the PDL variant (constexpr PDL, option launch_pdl); pdl=False leaves
+    both out, exactly the default build.
     Settings default to default_settings for a single-token B=1, Hkv=8, L=131072 call
     on a GPU with num_sms SMs (so NUM_SPLITS > 1 and the workspace path is compiled).
 
@@ -396,8 +440,13 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
                "D": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_D": "constexpr"}
         const = {"D": head_dim, "NUM_SPLITS": settings.num_splits,
                  "BLOCK_D": min(COMBINE_BLOCK_D, head_dim)}
+        options = {"num_warps": 1}
+        if pdl:
+            sig["PDL"] = "constexpr"
+            const["PDL"] = True
+            options["launch_pdl"] = True
         return {"fn": _combine_kernel, "signature": sig, "constexprs": const,
-                "attrs": _aligned(_combine_kernel, _COMBINE_ALIGNED), "options": {"num_warps": 1}}
+                "attrs": _aligned(_combine_kernel, _COMBINE_ALIGNED), "options": options}
     if kernel != "decode":
         raise ValueError(f"kernel must be 'decode' or 'combine', got {kernel!r}")
     sig = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "seqlens_ptr": "*i32",
@@ -410,10 +459,13 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
              "BLOCK_N": settings.BLOCK_N, "NUM_SPLITS": settings.num_splits, "PAGED": paged,
              "PAGE_SIZE": page_size if paged else 1,
              "BT_CHUNK": bt_chunk(settings, 131072, page_size) if paged else 0}
+    options = {"num_warps": settings.num_warps, "num_stages": settings.num_stages}
+    if pdl:
+        const["PDL"] = True
+        options["launch_pdl"] = True
     sig.update({name: "constexpr" for name in const})
     return {"fn": _decode_kernel, "signature": sig, "constexprs": const,
-            "attrs": _aligned(_decode_kernel, _DECODE_ALIGNED),
-            "options": {"num_warps": settings.num_warps, "num_stages": settings.num_stages}}
+            "attrs": _aligned(_decode_kernel, _DECODE_ALIGNED), "options": options}
 
 
 # What a real launch sees as 16-divisible (Triton specializes such arguments): every

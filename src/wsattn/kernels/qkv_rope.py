@@ -22,8 +22,11 @@ program stores its partial [BLOCK_M, D] sums and x's partial sum of squares in a
 workspace and bumps a per-(head, row block) counter; the last of the SPLIT_K programs to
 arrive adds the partials in the fixed order s = 0..SPLIT_K-1 (so the result does not
 depend on arrival order: replays are bitwise equal), runs the epilogue and resets the
-counter to 0 for the next launch. The workspace and counters are per device (see
-``_workspace``): concurrent launches on different streams of one device must not overlap.
+counter to 0 for the next launch. The workspace and counters are either the caller's
+(``workspace=``, a :class:`QkvRopeWorkspace` from :func:`qkv_rope_workspace`: what a
+CUDA graph captures should own its buffers) or cached per device and grown on demand
+(``_workspace``; concurrent launches on different streams of one device must not
+overlap, and a captured graph must not outlive a growth of it).
 
 PDL (sm_90+): the first Wqkv tile is loaded before ``gdc_wait`` (weights do not depend
 on the previous kernel; x and positions do), and dependents are released right after the
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -287,10 +291,86 @@ def default_settings(target: Target, *, rows: int, hidden: int, heads: int, head
 # --------------------------------------------------------------------------- host helpers
 
 
-# Split-K workspace and counters, per device, grown on demand. The counters start at 0
-# and every launch leaves them at 0 (the last program of a tile resets its counter), so a
-# CUDA graph can replay launches; warm up at the largest shape before capturing, so that
-# no allocation happens during capture.
+class QkvRopeWorkspace(NamedTuple):
+    """Split-K scratch of :func:`qkv_rope_append` (see :func:`qkv_rope_workspace`).
+
+    partials: fp32 [>= heads * row_blocks * split_k * BLOCK_M * D], each split's partial
+        sums; ss: fp32 [>= heads * row_blocks * split_k * BLOCK_M], x's partial sums of
+        squares; counters: int32 [>= heads * row_blocks], zero before the first launch
+        (every launch leaves them at 0: the last program of a tile resets its counter,
+        so CUDA-graph replays need no reset). All on the launch's device. Not to be
+        shared by launches that may run at the same time (other streams).
+    """
+    partials: torch.Tensor
+    ss: torch.Tensor
+    counters: torch.Tensor
+
+
+def workspace_size(rows: int, q_heads: int, kv_heads: int, head_dim: int,
+                   settings: QkvRopeSettings) -> tuple[int, int, int]:
+    """(partials, ss, counters) element counts one launch of ``rows`` rows with these
+    settings needs; (0, 0, 0) when settings.split_k is 1 (no workspace is read)."""
+    if settings.split_k <= 1 or rows <= 0:
+        return 0, 0, 0
+    block_m = _block_m(rows, head_dim)
+    tiles = (q_heads + 2 * kv_heads) * cdiv(rows, block_m)
+    return (tiles * settings.split_k * block_m * head_dim, tiles * settings.split_k * block_m,
+            tiles)
+
+
+def qkv_rope_workspace(device, rows: int, q_heads: int, kv_heads: int, head_dim: int,
+                       settings: QkvRopeSettings | None = None, *, hidden: int | None = None,
+                       dtype: torch.dtype | None = None) -> QkvRopeWorkspace:
+    """A workspace for every :func:`qkv_rope_append` call of 1..``rows`` rows on ``device``
+    at this shape (Hq = q_heads, Hkv = kv_heads, D = head_dim), with ``settings``, or,
+    when settings is None, with default_settings for K = ``hidden`` and x's ``dtype``
+    (both required then). The sizes are the largest :func:`workspace_size` over those
+    row counts (at least one element each, so the tensors are never empty); counters
+    are zeroed. Allocate it before a CUDA graph capture and pass it to every launch the
+    graph captures."""
+    device = torch.device(device)
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be a positive int, got {rows!r}")
+    if settings is None:
+        if hidden is None or dtype is None:
+            raise ValueError("qkv_rope_workspace: give settings, or hidden and dtype for the "
+                             "default settings")
+        target = target_of(device)
+        heads = q_heads + 2 * kv_heads
+        pick = lambda m: default_settings(target, rows=m, hidden=hidden, heads=heads,  # noqa: E731
+                                          head_dim=head_dim, dtype=dtype)
+    elif not isinstance(settings, QkvRopeSettings):
+        raise ValueError(f"settings must be a QkvRopeSettings, got {type(settings).__name__}")
+    else:
+        pick = lambda m: settings  # noqa: E731
+    need = [workspace_size(m, q_heads, kv_heads, head_dim, pick(m)) for m in range(1, rows + 1)]
+    floats, ss_floats, counters = (max(1, *col) for col in zip(*need))
+    return QkvRopeWorkspace(torch.empty(floats, dtype=torch.float32, device=device),
+                            torch.empty(ss_floats, dtype=torch.float32, device=device),
+                            torch.zeros(counters, dtype=torch.int32, device=device))
+
+
+def _check_workspace(ws, device, need):
+    if not isinstance(ws, QkvRopeWorkspace):
+        raise ValueError(f"workspace must be a QkvRopeWorkspace (qkv_rope_workspace), got "
+                         f"{type(ws).__name__}")
+    for name, t, dtype, n in zip(QkvRopeWorkspace._fields, ws, (torch.float32, torch.float32,
+                                                                torch.int32), need):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device \
+                or not t.is_contiguous():
+            raise ValueError(f"workspace.{name} must be a contiguous {dtype} tensor on "
+                             f"{device}, got {getattr(t, 'dtype', type(t).__name__)} on "
+                             f"{getattr(t, 'device', None)}")
+        if t.numel() < n:
+            raise ValueError(f"workspace.{name} holds {t.numel()} elements; this launch needs "
+                             f"{n} (workspace_size; size it with qkv_rope_workspace for the "
+                             "largest row count)")
+
+
+# Eager callers' split-K workspace and counters, per device, grown on demand. The
+# counters start at 0 and every launch leaves them at 0, so a CUDA graph can replay
+# launches; but growing it frees what a captured graph reads, so captured code should
+# pass its own workspace.
 _WORKSPACES: dict = {}
 
 
@@ -427,7 +507,7 @@ def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
 
 def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=None,
                     qk_eps=None, inv_freq, positions, k_cache, v_cache, block_table=None,
-                    seq_index=None, q_out=None, pdl=None, settings=None):
+                    seq_index=None, q_out=None, pdl=None, settings=None, workspace=None):
     """Projects M rows to q, k, v, applies FlashNorm / bias / QK-norm / RoPE, writes q and
     appends k, v to the KV cache, in one kernel launch.
 
@@ -454,6 +534,10 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
         q_out: optional [M, Hq, D] output (x's dtype); allocated when None.
         pdl: programmatic dependent launch; None: on for CUDA sm_90+, off elsewhere.
         settings: a QkvRopeSettings to override default_settings.
+        workspace: a :class:`QkvRopeWorkspace` (from :func:`qkv_rope_workspace`) for the
+            split-K partials and counters, checked to be large enough for this launch
+            (too small: ValueError naming it); None uses a per-device cached one, grown
+            on demand (eager use; code captured in a CUDA graph should own its workspace).
 
     Returns:
         q_out [M, Hq, D]. k_cache / v_cache are written in place at the rows' slots only;
@@ -491,6 +575,9 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
     elif K % settings.BLOCK_K or settings.split_k < 1:
         raise ValueError(f"settings: BLOCK_K {settings.BLOCK_K} must divide K = {K} and "
                          f"split_k {settings.split_k} be >= 1")
+    need = workspace_size(M, HQ, HKV, D, settings)
+    if workspace is not None:
+        _check_workspace(workspace, x.device, need)
     if q_out is None:
         q_out = empty((M, HQ, D), x.dtype, x.device)
     if M == 0:
@@ -501,8 +588,7 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
     tiles = K // settings.BLOCK_K
     split_tiles = cdiv(tiles, split)
     if split > 1:
-        ws, ss_ws, count = _workspace(x.device, heads * mblocks * split * block_m * D,
-                                      heads * mblocks * split * block_m, heads * mblocks)
+        ws, ss_ws, count = workspace if workspace is not None else _workspace(x.device, *need)
     else:  # unused (the SPLIT_K == 1 branch compiles away)
         ws = ss_ws = inv_freq
         count = positions

@@ -88,15 +88,16 @@ interpreter (``TRITON_INTERPRET=1``; fp32 or fp16; eager, no graphs, no PDL).
 from __future__ import annotations
 
 import collections
+import math
 
 import torch
 import torch.nn.functional as F
 
-from .. import api
+from .. import api, ops
 from ..kernels.gemv import MAX_M as GEMV_MAX_M, gemv
 from ..kernels.moe import MAX_E as MOE_MAX_E, default_block, group, moe_down_combine, \
     moe_gate_up, route
-from ..kernels.qkv_rope import qkv_rope_append
+from ..kernels.qkv_rope import qkv_rope_append, qkv_rope_workspace
 from ..models import moe as moe_math
 from ..models.config import HEAD_DIMS, ModelConfig
 from ..models.weights import Weights
@@ -224,6 +225,11 @@ class KernelStep:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._workspaces_reserved = False
+        # the fused QKV kernel's split-K scratch, owned by the step so that what a graph
+        # captures never moves: sized for every row count up to the largest bucket
+        self._qkv_workspace = qkv_rope_workspace(
+            self.device, buckets[-1], cfg.heads, cfg.kv_heads, cfg.head_dim,
+            hidden=cfg.hidden, dtype=self.dtype)
 
     # ------------------------------------------------------------------ validation
     @staticmethod
@@ -338,10 +344,13 @@ class KernelStep:
                             k_norm=layer.k_norm, norm_eps=eps,
                             qk_eps=eps if cfg.qk_norm else None, inv_freq=self.inv_freq,
                             positions=buf.positions, k_cache=k_pages, v_cache=v_pages,
-                            block_table=buf.block_table, q_out=buf.q, pdl=pdl)
+                            block_table=buf.block_table, q_out=buf.q, pdl=pdl,
+                            workspace=self._qkv_workspace)
             self._count("qkv_rope")
-            attn = api.decode(buf.q, k_pages, v_pages, buf.seqlens, buf.block_table,
-                              impl="triton", validate=False)  # [n, Hq, D]
+            # the launcher through ops (no host checks; PDL, which api.decode does not take)
+            attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
+                              buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
+                              pdl=pdl)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
             gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl)
             self._count("gemv_o")

@@ -387,29 +387,7 @@ class KernelStep:
                 return b
         raise ValueError(f"a batch of {B} is above the largest bucket ({self.buckets[-1]})")
 
-    def _reserve_workspaces(self):
-        """Size the fused QKV kernel's per-device split-K workspace for every bucket before
-        the first capture: a capture must not allocate it, and growing it later would free
-        the buffer earlier graphs replay against. Runs on a one-page scratch cache."""
-        if self._workspaces_reserved:
-            return
-        cfg, dev, dt = self.cfg, self.device, self.dtype
-        kc = torch.zeros(1, self.page_size, cfg.kv_heads, cfg.head_dim, dtype=dt, device=dev)
-        vc = torch.zeros_like(kc)
-        layer = self.weights.layers[0]
-        for b in self.buckets:
-            x = torch.zeros(b, cfg.hidden, dtype=dt, device=dev)
-            qkv_rope_append(x, layer.wqkv, bqkv=layer.bqkv, q_norm=layer.q_norm,
-                            k_norm=layer.k_norm, norm_eps=self.eps,
-                            qk_eps=self.eps if cfg.qk_norm else None, inv_freq=self.inv_freq,
-                            positions=torch.zeros(b, dtype=torch.int32, device=dev),
-                            k_cache=kc, v_cache=vc,
-                            block_table=torch.zeros(b, 1, dtype=torch.int32, device=dev),
-                            pdl=self.pdl)
-        self._workspaces_reserved = True
-
     def _capture(self, bucket, buf):
-        self._reserve_workspaces()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

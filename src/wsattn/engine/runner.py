@@ -224,7 +224,6 @@ class KernelStep:
         self._buffers: dict[int, _Buffers] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._workspaces_reserved = False
         # the fused QKV kernel's split-K scratch, owned by the step so that what a graph
         # captures never moves: sized for every row count up to the largest bucket
         self._qkv_workspace = qkv_rope_workspace(

@@ -46,6 +46,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs 2+ CUDA GPUs; this machine has {ngpu}"))
 
 
+SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "src"))
+
+
+def interpreter_child(code: str, *args: str, timeout: float = 600, env: dict | None = None) -> dict:
+    """Run ``code`` (with ``args`` as sys.argv[1:]) in a fresh Python with TRITON_INTERPRET=1
+    (Triton reads it when a kernel is decorated, i.e. at import, so only a new process gets
+    interpreter builds whatever this one imported) and WSATTN_POISON=1; return the JSON of
+    the last line it printed that starts with "RESULT ". A failing child fails the test with
+    its output."""
+    import json
+    import subprocess
+    import sys
+    full = dict(os.environ, TRITON_INTERPRET="1", WSATTN_POISON="1", **(env or {}))
+    full["PYTHONPATH"] = SRC + os.pathsep + full.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", code, *args], env=full, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, f"child {list(args)[:2]} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
 def interpreter_or_gpu_device():
     """Where a kernel test runs: the GPU if there is one, else the CPU via the interpreter."""
     if torch.cuda.is_available():

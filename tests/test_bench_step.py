@@ -18,22 +18,15 @@ import wsattn.cli
 from wsattn.bench import gemv, step
 from wsattn.bench.timing import Timing
 
+from conftest import interpreter_child
+
 STAMP = {"gpu": "none", "commit": "abc", "date": "2026-11-30T12:00:00Z", "torch": "x",
          "triton": "y"}
 TIMING = Timing(median_ms=0.01, q20_ms=0.009, q80_ms=0.011, reps=20, method="graph", calls=7)
-SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
 
 def _child(code: str, timeout=300) -> dict:
-    """Run code in a fresh interpreter with TRITON_INTERPRET=1 (Triton reads it at import);
-    the last 'RESULT {json}' line is the result."""
-    env = dict(os.environ, TRITON_INTERPRET="1", WSATTN_POISON="1")
-    env["PYTHONPATH"] = os.path.abspath(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=timeout)
-    assert p.returncode == 0, f"child failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interpreter_child(code, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- command line

@@ -12,16 +12,13 @@ W tile's loads issued before the wait, and no default build at the Llama shapes 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_close, interpreter_child
 
 REFERENCE = r'''
 def reference(x, w, eps=None, res=None, silu=False):
@@ -122,14 +119,7 @@ CHILD = REFERENCE + textwrap.dedent(r'''
 
 
 def _child(case: str, **arg) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", WSATTN_POISON="1")
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", CHILD, case, json.dumps(arg)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, f"child {case} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interpreter_child(CHILD, case, json.dumps(arg))
 
 
 TOL = {"float32": 2e-5, "float16": 4e-3}  # fp32 accumulates exactly here: no tf32 on CPU

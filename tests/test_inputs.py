@@ -6,8 +6,6 @@ library works as installed."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +15,8 @@ import torch
 
 import wsattn
 from wsattn import reference
+
+from conftest import interpreter_child
 
 CHILD = textwrap.dedent(r'''
     import json, sys
@@ -140,16 +140,7 @@ CHILD = textwrap.dedent(r'''
 
 
 def _child(case: str) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("WSATTN_POISON", None)
-    env["WSATTN_POISON"] = "1"  # kernel outputs start as NaN: an unwritten element fails
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", CHILD, case], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, f"child {case} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interpreter_child(CHILD, case)
 
 
 def test_strided_index_tensors():

@@ -8,10 +8,6 @@ kernels through the Triton interpreter (head dim 64)."""
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -22,6 +18,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 import wsattn  # noqa: E402
 import wsattn.integrations.transformers as wt  # noqa: E402
 from wsattn.testing import rel_err  # noqa: E402
+
+from conftest import interpreter_child
 
 VOCAB = 256
 # fp32 sdpa against the float64 reference rounded to fp32: only rounding apart
@@ -319,13 +317,7 @@ CHILD = textwrap.dedent(r'''
 def test_kernels_through_the_interpreter():
     """impl="auto" with TRITON_INTERPRET=1 runs the Triton prefill, varlen and decode
     kernels inside a Llama with head dim 64 (fp32): logits and greedy tokens as sdpa's."""
-    env = dict(os.environ, TRITON_INTERPRET="1", WSATTN_POISON="1", OMP_NUM_THREADS="1")
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, f"child failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    r = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    r = interpreter_child(CHILD, env={"OMP_NUM_THREADS": "1"})
     assert r["used"] == [["decode", "triton"], ["prefill", "triton"],
                          ["prefill_varlen", "triton"]], r
     for name in ("nopad", "leftpad"):

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import textwrap
 
@@ -22,6 +21,8 @@ import torch
 
 from wsattn.kernels import qkv_rope
 from wsattn.kernels.qkv_rope import QkvRopeSettings, qkv_rope_append, rope_inv_freq
+
+from conftest import interpreter_child
 
 FAMILIES = {  # what each supported family switches on
     "llama": dict(norm=True, bias=False, qk_norm=False),
@@ -163,14 +164,7 @@ CHILD = textwrap.dedent(r'''
 
 
 def _child(*args) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", WSATTN_POISON="1")  # q_out starts as NaN
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", CHILD, *args], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, f"child {args[:2]} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interpreter_child(CHILD, *args)  # q_out starts as NaN (WSATTN_POISON)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -441,13 +435,7 @@ def test_explicit_workspace_is_bitwise_the_cached_one_and_checked():
     and leaves its counters at 0 (reusable, graph-safe); a workspace too small for the
     launch, of the wrong dtype or not a QkvRopeWorkspace is refused naming it before any
     launch, the cache untouched."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", WS_CHILD], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, f"child failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    r = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    r = interpreter_child(WS_CHILD)
     assert r["bitwise"] and r["explicit-counters-zero"] and r["explicit-again-counters-zero"], r
     heads = 8 + 2 * 2
     assert r["sizes"] == [heads * 3 * 16 * 64, heads * 3 * 16, heads], r  # one 16-row block

@@ -14,13 +14,12 @@ two route identically and agree to rounding; in bf16 transformers rounds the log
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from conftest import interpreter_child
 
 CHILD = textwrap.dedent(r'''
     import collections, json, sys
@@ -132,14 +131,7 @@ CHILD = textwrap.dedent(r'''
 
 
 def _child(case: str, **arg) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", WSATTN_POISON="1")
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, "-c", CHILD, case, json.dumps(arg)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, f"child {case} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interpreter_child(CHILD, case, json.dumps(arg))
 
 
 # relative, per step: fp32 in the interpreter is fp32, as tests/test_runner.py

@@ -45,24 +45,27 @@ from ._intmath import cdiv, next_pow2
 
 
 @triton.jit
-def _accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, stride_xm, M, k, k_live,
-                BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
-                SILU_MUL: tl.constexpr):
-    """Fold one K tile into the accumulators.
+def accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm, M, k, k_live,
+               BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
+               GATE_UP: tl.constexpr, GATHER: tl.constexpr):
+    """Fold one K tile into the accumulators; written once for this module's GEMV and the
+    grouped MoE projections (moe.py), whose rows of x are gathered.
 
-    acc_g / acc_u [BLOCK_N, BLOCK_M] fp32 (gate / up; acc_u unused without SILU_MUL),
+    acc_g / acc_u [BLOCK_N, BLOCK_M] fp32 (gate / up; acc_u unused without GATE_UP),
     ss [BLOCK_M] fp32 running sum of x^2 per row, wg / wu [BLOCK_N, BLOCK_K] W tiles,
-    k [BLOCK_K] the tile's K indices, k_live [BLOCK_K] k inside this program's range.
+    k [BLOCK_K] the tile's K indices, k_live [BLOCK_K] k inside this program's range;
+    xoff [BLOCK_M] element offsets of the rows of x and m_live [BLOCK_M] which rows hold
+    data. Rows are m * stride_xm for m < M unless GATHER (then only xoff / m_live say).
     The sum of squares is accumulated here, next to the dot products, because it needs
     exactly the x tile the dot products already loaded: the norm costs no extra read.
     """
     mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     if USE_DOT:
-        x = tl.load(x_ptr + mi[:, None] * stride_xm + k[None, :],
-                    mask=(mi < M)[:, None] & k_live[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        x = tl.load(x_ptr + xoff[:, None] + k[None, :],
+                    mask=m_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         xt = tl.trans(x)  # [BLOCK_K, BLOCK_M]
         acc_g = tl.dot(wg, xt, acc_g)  # [BLOCK_N, BLOCK_M]
-        if SILU_MUL:
+        if GATE_UP:
             acc_u = tl.dot(wu, xt, acc_u)
         if NORM:
             xf = x.to(tl.float32)
@@ -71,12 +74,18 @@ def _accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, stride_xm, M, k, k_live,
         # M <= 4: one row at a time, each a [BLOCK_N, BLOCK_K] multiply reduced over K,
         # dropped into column m of the accumulator (no 3-D tile, no layout conversion)
         for m in tl.static_range(BLOCK_M):
-            xm = tl.load(x_ptr + m * stride_xm + k, mask=k_live & (m < M),
-                         other=0.0).to(tl.float32)  # [BLOCK_K]
+            if GATHER:
+                # the row's offset and liveness as scalars: a <= 4-element reduction a tile
+                om = tl.sum(tl.where(mi == m, xoff, 0), axis=0)
+                lm = tl.sum(tl.where(mi == m, m_live.to(tl.int32), 0), axis=0) > 0
+            else:
+                om = m * stride_xm
+                lm = m < M
+            xm = tl.load(x_ptr + om + k, mask=k_live & lm, other=0.0).to(tl.float32)  # [BLOCK_K]
             col = (mi == m)[None, :]  # [1, BLOCK_M]
             g = tl.sum(wg.to(tl.float32) * xm[None, :], axis=1)  # [BLOCK_N]
             acc_g += tl.where(col, g[:, None], 0.0)
-            if SILU_MUL:
+            if GATE_UP:
                 u = tl.sum(wu.to(tl.float32) * xm[None, :], axis=1)
                 acc_u += tl.where(col, u[:, None], 0.0)
             if NORM:
@@ -153,8 +162,10 @@ def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
         # programs stream. (The signal counts once every program of the grid has sent
         # it or exited, so a multi-wave grid releases the next kernel in its last wave.)
         tl.extra.cuda.gdc_launch_dependents()
-    acc_g, acc_u, ss = _accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, stride_xm, M, k, k_live,
-                                   BLOCK_M, USE_DOT, NORM, SILU_MUL)
+    xoff = mi * stride_xm  # [BLOCK_M] rows of x: contiguous here, gathered in moe.py
+    m_live = mi < M
+    acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm, M,
+                                  k, k_live, BLOCK_M, USE_DOT, NORM, SILU_MUL, False)
     # STAGES asked of the loop itself: Triton pipelines only loads that feed a tl.dot
     # unless told, and the FMA path has none (its loads stayed synchronous, sm_90 PTX)
     for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
@@ -165,8 +176,8 @@ def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
         wu = wg
         if SILU_MUL:
             wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
-        acc_g, acc_u, ss = _accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, stride_xm, M, k,
-                                       k_live, BLOCK_M, USE_DOT, NORM, SILU_MUL)
+        acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm,
+                                      M, k, k_live, BLOCK_M, USE_DOT, NORM, SILU_MUL, False)
 
     mask = n_live[:, None] & (mi < M)[None, :]  # [BLOCK_N, BLOCK_M]
     if SPLIT_K == 1:

@@ -48,6 +48,7 @@ import triton.language as tl
 from ..target import Target, target_of
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
+from .gemv import accumulate
 
 
 # --------------------------------------------------------------------------- kernels
@@ -162,42 +163,6 @@ def _group_kernel(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
 
 
 @triton.jit
-def _accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, k, k_live,
-                BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
-                GATE_UP: tl.constexpr):
-    """Fold one K tile into the accumulators, as gemv.py's _accumulate, with the rows of
-    x gathered: xoff [BLOCK_M] int64 element offsets of the block's rows, m_live
-    [BLOCK_M] which of them hold a pair. acc_g / acc_u [BLOCK_N, BLOCK_M] fp32,
-    wg / wu [BLOCK_N, BLOCK_K], ss [BLOCK_M] sums of x^2 (NORM)."""
-    mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    if USE_DOT:
-        x = tl.load(x_ptr + xoff[:, None] + k[None, :],
-                    mask=m_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        xt = tl.trans(x)
-        acc_g = tl.dot(wg, xt, acc_g)
-        if GATE_UP:
-            acc_u = tl.dot(wu, xt, acc_u)
-        if NORM:
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-    else:
-        for m in tl.static_range(BLOCK_M):
-            # the row's offset and liveness as scalars: a <= 4-element reduction a tile
-            om = tl.sum(tl.where(mi == m, xoff, 0), axis=0)
-            lm = tl.sum(tl.where(mi == m, m_live.to(tl.int32), 0), axis=0) > 0
-            xm = tl.load(x_ptr + om + k, mask=k_live & lm, other=0.0).to(tl.float32)
-            col = (mi == m)[None, :]
-            g = tl.sum(wg.to(tl.float32) * xm[None, :], axis=1)  # [BLOCK_N]
-            acc_g += tl.where(col, g[:, None], 0.0)
-            if GATE_UP:
-                u = tl.sum(wu.to(tl.float32) * xm[None, :], axis=1)
-                acc_u += tl.where(col, u[:, None], 0.0)
-            if NORM:
-                ss += tl.where(mi == m, tl.sum(xm * xm, axis=0), 0.0)
-    return acc_g, acc_u, ss
-
-
-@triton.jit
 def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr,
                     NOUT, K, eps, stride_xt, stride_we, stride_wn, stride_ot,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -245,8 +210,8 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
         wu = wg
         if GATE_UP:
             wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
-        acc_g, acc_u, ss = _accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, k,
-                                       k_live, BLOCK_M, USE_DOT, NORM, GATE_UP)
+        acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, 0, 0, k,
+                                      k_live, BLOCK_M, USE_DOT, NORM, GATE_UP, True)
     mask = n_live[:, None] & m_live[None, :]  # [BLOCK_N, BLOCK_M]
     if GATE_UP:
         gate = acc_g

@@ -267,12 +267,9 @@ def format_table(rows: list[dict]) -> str:
 
 def plot_rows(rows: list[dict], path):
     """TB/s per GEMV and implementation, one panel per (model, M), the copy ceiling dashed."""
-    from .plot import MISSING
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from .plot import MISSING, pyplot, save
+    plt = pyplot()
+    if plt is None:
         return None, MISSING
     ok = [r for r in rows if r["op"] == "gemv" and r["status"] == "ok"]
     if not ok:
@@ -298,18 +295,9 @@ def plot_rows(rows: list[dict], path):
         ax.set_ylabel("TB/s of W")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
     s = rows[0]
-    fig.suptitle(f"wsattn bench gemv - {s.get('gpu')} - {s.get('commit')} - {s.get('date')}",
-                 fontsize=9)
-    fig.tight_layout()
-    from pathlib import Path
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path, f"plot written to {path}"
+    return save(fig, axes, len(panels),
+                f"wsattn bench gemv - {s.get('gpu')} - {s.get('commit')} - {s.get('date')}", path)
 
 
 def main(args) -> int:

@@ -12,6 +12,32 @@ from pathlib import Path
 MISSING = "matplotlib is not installed; no plot drawn (pip install matplotlib, or the [plot] extra)"
 
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None where matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save(fig, axes, used: int, title: str, path) -> tuple[Path, str]:
+    """The end every bench figure shares: hide the panels past the first ``used``, title,
+    lay out, write the PNG (making its folder) and close the figure."""
+    import matplotlib.pyplot as plt
+    for ax in list(axes.flat)[used:]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path, f"plot written to {path}"
+
+
 def _panels(rows):
     panels = {}
     for r in rows:
@@ -29,11 +55,8 @@ def _panels(rows):
 
 def plot_rows(rows: list[dict], path) -> tuple[Path | None, str]:
     """Draw the plot; returns (path or None, message)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None, MISSING
     panels = _panels(rows)
     if not panels:
@@ -59,14 +82,6 @@ def plot_rows(rows: list[dict], path) -> tuple[Path | None, str]:
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[n:]:
-        ax.set_visible(False)
     stamp = rows[0]
-    fig.suptitle(f"wsattn bench - {stamp.get('gpu')} - torch {stamp.get('torch')} triton "
-                 f"{stamp.get('triton')} - {stamp.get('commit')} - {stamp.get('date')}", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path, f"plot written to {path}"
+    return save(fig, axes, n, f"wsattn bench - {stamp.get('gpu')} - torch {stamp.get('torch')} "
+                f"triton {stamp.get('triton')} - {stamp.get('commit')} - {stamp.get('date')}", path)

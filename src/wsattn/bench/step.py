@@ -291,14 +291,9 @@ def format_table(rows: list[dict]) -> str:
 def plot_rows(rows: list[dict], path):
     """ms/token per case and implementation (log scale), one panel per model; the floor
     and the target as markers."""
-    from pathlib import Path
-
-    from .plot import MISSING
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from .plot import MISSING, pyplot, save
+    plt = pyplot()
+    if plt is None:
         return None, MISSING
     ok = [r for r in rows if r["op"] == "step" and r.get("ms_per_token")]
     if not ok:
@@ -326,14 +321,8 @@ def plot_rows(rows: list[dict], path):
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
     s = rows[0]
-    fig.suptitle(f"wsattn bench step - {s.get('gpu')} - {s.get('commit')} - {s.get('date')}",
-                 fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path, f"plot written to {path}"
+    return save(fig, axes, len(models),
+                f"wsattn bench step - {s.get('gpu')} - {s.get('commit')} - {s.get('date')}", path)
 
 
 # --------------------------------------------------------------------------- GPU work

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..target import Target, UnsupportedTargetError, target_of
+from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
 from .merge import merge_finish, merge_step
@@ -400,8 +401,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
 
 # --------------------------------------------------------------------------- compile specs
 
-_TL = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool = False,
@@ -429,11 +428,11 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
     Use: ``triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
     attrs=s["attrs"]), target=GPUTarget("cuda", cc, 32), options=s["options"])``.
     """
-    t = _TL[dtype]
+    t = dtype_name(dtype)  # Triton's type string is the same name
     if settings is None:
         target = Target("cuda", cc, num_sms)
         settings = default_settings(target, batch=1, kv_heads=8, head_dim=head_dim,
-                                    capacity=131072, dtype=_TORCH[dtype], paged=paged,
+                                    capacity=131072, dtype=DTYPES[dtype], paged=paged,
                                     query_rows=T * group, page_size=page_size if paged else 0)
     if kernel == "combine":
         sig = {"ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "out_ptr": f"*{t}", "lse_ptr": "*fp32",

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ..target import Target, target_of
+from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
 
@@ -508,8 +509,6 @@ def _interpreter_ready():
 
 # --------------------------------------------------------------------------- compile specs
 
-_TL = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: str = "bf16",
@@ -528,10 +527,10 @@ def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: st
     Use: ``triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
     attrs=s["attrs"]), target=GPUTarget("cuda", cc, 32), options=s["options"])``.
     """
-    t = _TL[dtype]
+    t = dtype_name(dtype)  # Triton's type string is the same name
     if settings is None:
         settings = default_settings(Target("cuda", cc, num_sms), M=M, N=N, K=K,
-                                    dtype=_TORCH[dtype], silu_mul=silu_mul)
+                                    dtype=DTYPES[dtype], silu_mul=silu_mul)
     options = {"num_warps": settings.num_warps, "num_stages": settings.num_stages}
     if pdl:
         options["launch_pdl"] = True

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ..target import Target, target_of
+from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
 from .gemv import accumulate
@@ -717,8 +718,6 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
 
 # --------------------------------------------------------------------------- compile specs
 
-_TL = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 128,
@@ -731,10 +730,10 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
     default_settings on a GPU with num_sms SMs. Returns {"fn", "signature",
     "constexprs", "attrs", "options"} as gemv.compile_spec does.
     """
-    t = _TL[dtype]
+    t = dtype_name(dtype)  # Triton's type string is the same name
     if settings is None:
         settings = default_settings(Target("cuda", cc, num_sms), T=T, top_k=top_k,
-                                    num_experts=E, dtype=_TORCH[dtype])
+                                    num_experts=E, dtype=DTYPES[dtype])
     options = {"num_warps": 4}
     if pdl:
         options["launch_pdl"] = True

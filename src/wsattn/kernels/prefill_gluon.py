@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..target import target_of
+from ..testing import DTYPE_NAMES
 from . import _alloc
 from ._intmath import cdiv
 from .prefill_gluon_parts import ROWS_PER_WG as WG_M, attn_fwd_kernel
@@ -138,7 +139,6 @@ def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool) -> Glu
 
 # --------------------------------------------------------------------------- launcher
 
-_TORCH_TO_GL = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _gl_dtype(name):
@@ -189,7 +189,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     if B * Sq * Hq == 0:
         return out, lse
     q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
-    name = _TORCH_TO_GL[q.dtype]
+    name = DTYPE_NAMES[q.dtype]
     q_desc = _descriptor(q.view(B, Sq, Hq * D), [1, WG_M, D], name)
     o_desc = _descriptor(out.view(B, Sq, Hq * D), [1, WG_M, D], name)
     k_desc = _descriptor(k.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..target import Target, UnsupportedTargetError, target_of
+from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv
 
@@ -387,8 +388,6 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sm_scale, s: Pr
         CAUSAL=causal, VARLEN=varlen, USE_TMA=s.use_tma, HOST_DESC=host_desc, num_warps=s.num_warps, num_stages=s.num_stages)
 
 
-_TRITON_DTYPES = {"fp16": (torch.float16, "fp16"), "bf16": (torch.bfloat16, "bf16"),
-                  "fp32": (torch.float32, "fp32")}
 
 
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
@@ -421,7 +420,8 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", causal: bool
         >>> "wgmma" in k.asm["ptx"]
         True
     """
-    torch_dtype, ty = _TRITON_DTYPES[dtype]
+    ty = dtype_name(dtype)  # Triton's type string is the same name
+    torch_dtype = DTYPES[ty]
     s = settings or default_settings(Target("cuda", cc, 132), head_dim, torch_dtype, causal)
     fn = _kernel(False)
     ptr = "*" + ty

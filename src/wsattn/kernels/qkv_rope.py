@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ..rope import rope_inv_freq  # noqa: F401  (part of this module's API)
 from ..target import Target, UnsupportedTargetError, target_of
+from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
 
@@ -616,8 +617,6 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
 
 # --------------------------------------------------------------------------- compile specs
 
-_TL = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
-_TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int = 1,
@@ -633,11 +632,11 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
     s["signature"], constexprs=s["constexprs"], attrs=s["attrs"]),
     target=GPUTarget("cuda", cc, 32), options=s["options"])``.
     """
-    t = _TL[dtype]
+    t = dtype_name(dtype)  # Triton's type string is the same name
     heads = q_heads + 2 * kv_heads
     if settings is None:
         settings = default_settings(Target("cuda", cc, num_sms), rows=rows, hidden=hidden,
-                                    heads=heads, head_dim=head_dim, dtype=_TORCH[dtype])
+                                    heads=heads, head_dim=head_dim, dtype=DTYPES[dtype])
     sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "b_ptr": f"*{t}", "qn_ptr": f"*{t}",
            "kn_ptr": f"*{t}", "inv_freq_ptr": "*fp32", "pos_ptr": "*i32", "seq_ptr": "*i32",
            "q_ptr": f"*{t}", "kc_ptr": f"*{t}", "vc_ptr": f"*{t}", "bt_ptr": "*i32",

@@ -337,7 +337,13 @@ def test_gpu_bf16_llama_d64(pads):
     with torch.no_grad():
         a = ours(ids, attention_mask=mask).logits
         b = theirs(ids, attention_mask=mask).logits
-        assert rel_err(a, b) <= 2e-2
+        # Padding positions have no defined logits (their queries see no key; sdpa's CUDA
+        # backends and the math one differ there): compare the real tokens, and require
+        # ours to be finite everywhere.
+        real = mask.bool()
+        assert torch.isfinite(a).all()
+        assert rel_err(a[real], b[real]) <= 2e-2, (rel_err(a[real], b[real]),
+                                                   rel_err(a[~real], b[~real]) if pads[1] else 0)
         out = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                             pad_token_id=0)
     assert out.shape == (2, 48)

@@ -451,6 +451,12 @@ def test_explicit_workspace_is_bitwise_the_cached_one_and_checked():
 # --------------------------------------------------------------------------- CUDA
 
 
+def _same_bits(a, b):
+    """Bitwise equality: the caches hold NaN-poisoned slots, and NaN != NaN in torch.equal."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
 def _gpu_ns():
     ns = {"qkv_rope_append": qkv_rope_append, "rope_inv_freq": rope_inv_freq,
           "QkvRopeSettings": QkvRopeSettings}
@@ -489,7 +495,7 @@ def test_gpu_split_k_is_deterministic_and_graph_safe(pdl):
     for _ in range(3):
         qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, pdl=pdl, settings=s,
                         q_out=q_out)
-        assert torch.equal(q_out, q0) and torch.equal(kc, k0)
+        assert _same_bits(q_out, q0) and _same_bits(kc, k0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, pdl=pdl, settings=s,
@@ -498,7 +504,7 @@ def test_gpu_split_k_is_deterministic_and_graph_safe(pdl):
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(q_out, q0) and torch.equal(kc, k0)
+    assert _same_bits(q_out, q0) and _same_bits(kc, k0)
 
 
 @pytest.mark.gpu
@@ -514,7 +520,7 @@ def test_gpu_explicit_workspace_matches_cached_and_replays():
     q0 = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, settings=s)
     k0 = kc.clone()
     q1 = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, settings=s, workspace=ws)
-    assert torch.equal(q1, q0) and torch.equal(kc, k0)
+    assert _same_bits(q1, q0) and _same_bits(kc, k0)
     q_out = torch.empty_like(q0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -524,4 +530,4 @@ def test_gpu_explicit_workspace_matches_cached_and_replays():
         q_out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(q_out, q0) and torch.equal(kc, k0)
+        assert _same_bits(q_out, q0) and _same_bits(kc, k0)

@@ -21,6 +21,7 @@
 #   OUT            where results go (the device tool sets it; default ./device-out)
 #   WSATTN_COMMIT  the commit the rows are stamped with (the device copy has no .git)
 #   BENCH_ARGS     arguments of `wsattn bench` (default "all"; e.g. "decode --quick")
+#   TEST_PATHS     test files or folders of the tests part (default tests/)
 #   LADDER_ARGS    extra ladder arguments (default "--stress-launches 2000"; kernels by name)
 #   SP_ARGS        arguments of the SP bench (e.g. "--sp-what prefill --sp-seqlens 16384 65536")
 #   NCU_IMPLS      implementations to profile (default "gluon cudnn"), NCU_ARGS their shape
@@ -82,7 +83,7 @@ ngpus() { python3 -c 'import torch; print(torch.cuda.device_count())'; }
 
 part_tests() {
   run_part tests "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -rf \
-    --timeout "${TEST_TIMEOUT_S:-300}" -m "(gpu or sm90) and not multi_gpu" tests/ \
+    --timeout "${TEST_TIMEOUT_S:-300}" -m "(gpu or sm90) and not multi_gpu" ${TEST_PATHS:-tests/} \
     > "$OUT/gpu_tests.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT/gpu_tests.log"

@@ -238,6 +238,28 @@ def test_each_tool_wraps_the_child_process(tmp_path, monkeypatch):
     assert race["returncode"] == sanitizer.ERROR_EXITCODE and "0x3815d" in r["error"]
 
 
+def test_initcheck_child_gets_a_zero_filled_descriptor_scratch(monkeypatch):
+    """initcheck alone runs the child with zero-filled TMA-descriptor scratch (it does not
+    see tensormap.cp_fenceproxy writes), and the tool's result and report line say so."""
+    from wsattn.evidence import report, stress
+    seen = {}
+
+    def fake_child(task, args, timeout, env, prefix):
+        seen[prefix[prefix.index("--tool") + 1]] = args["zero_scratch"]
+        return {"ok": True, "returncode": 0, "launched": ["x"], "seconds": 0.1}
+
+    monkeypatch.setattr(stress, "run_child", fake_child)
+    monkeypatch.setattr(sanitizer, "parse", lambda tool, text, rc: {"tool": tool, "ok": True,
+                                                                    "errors": 0})
+    results = {t: sanitizer.run_tool(demo.steady_spec(), t, "cs", [{}], "float32", 10)
+               for t in sanitizer.TOOLS}
+    assert seen == {"memcheck": False, "racecheck": False, "synccheck": False, "initcheck": True}
+    assert results["initcheck"]["setup"] == sanitizer.ZERO_SCRATCH_NOTE
+    assert all("setup" not in r for t, r in results.items() if t != "initcheck")
+    lines = report.sanitizer_details({"tools": list(results.values())})
+    assert "zero-filled" in lines[-1] and not any("zero-filled" in x for x in lines[:-1])
+
+
 # --------------------------------------------------------------------------- the subcommands
 
 @pytest.mark.parametrize("cmd", ["targets", "ladder"])

@@ -64,6 +64,10 @@ def _sanitize(spec, args, status):
     run = spec.run
     gen = torch.Generator().manual_seed(args.get("seed", 0))
     dtype, launched = args["dtype"], []
+    if args.get("zero_scratch") and args["device"] == "cuda":
+        import triton  # see sanitizer.ZERO_SCRATCH_NOTE
+        triton.set_allocator(lambda size, alignment, stream:
+                             torch.zeros(size, dtype=torch.int8, device="cuda"))
     for shape in args["shapes"]:
         label = f"{run.describe(shape)} {dtype}"
         status(at=label)

@@ -185,6 +185,8 @@ def sanitizer_details(d: dict) -> list:
             line += f"; WAIVED: {t['waiver']}"
         elif t.get("not_waived") and t.get("hazards"):
             line += f"; not waived: {t['not_waived']}"
+        if t.get("setup"):
+            line += f" ({t['setup']})"
         out.append(line)
     return out
 

@@ -135,7 +135,7 @@ def test_memory_guard_arithmetic():
     case = step.StepCase("llama-3.1-8b", 64, 32768)
     cfg = case.cfg
     need = step.memory_needed(case, 8)
-    assert need == 2 * step.weight_bytes(cfg, 0) + 3 * step.kv_bytes(cfg, 64, 32778) + (4 << 30)
+    assert need == 4 * step.weight_bytes(cfg, 0) + 3 * step.kv_bytes(cfg, 64, 32778) + (4 << 30)
     assert need > 141e9  # reported as not available on one H200, not attempted
     assert step.memory_needed(step.StepCase("llama-3.2-1b", 1, 4096), 40) < 20e9
 
@@ -347,7 +347,7 @@ model = step.build_model("tiny-llama", "cpu", "fp32")
 case = step.StepCase("tiny-llama", 2, 33, "fp32")
 args = types.SimpleNamespace(new_tokens=2, check_steps=2, repeats=1)
 rows = step.run_case(case, ["hf-eager", "wsattn-graph"], model, {"gpu": "none"}, "cpu", 4.0, args)
-step.teacher_forced_check = lambda *a, **k: (0.5, 0.02)
+step.teacher_forced_check = lambda *a, **k: (0.5, 0.02, {})
 failed = step.run_case(case, ["wsattn-graph"], model, {"gpu": "none"}, "cpu", 4.0, args)
 sys.modules["wsattn.engine.runner"] = None
 missing = step.run_case(case, ["wsattn-graph"], model, {"gpu": "none"}, "cpu", 4.0, args)
@@ -412,3 +412,33 @@ def test_step_runner_on_the_gpu():
         assert r["ms_per_token"] > 0 and r["kernels_per_step"] > 0, r
         if r["impl"] in step.WSATTN_IMPLS:
             assert r["check_passed"], r
+
+
+def test_teacher_forced_check_measures_both_against_fp32():
+    """The engine and transformers' own low-precision forward are both measured against the
+    fp32 reference; the tolerance is the dtype's or twice transformers' own error."""
+    import types
+
+    import torch
+
+    from wsattn.testing import rel_err
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(2, 3, 50, generator=g)
+    hf_noise, our_noise = 0.03 * torch.randn(ref.shape, generator=g), torch.randn(ref.shape,
+                                                                                   generator=g)
+
+    def model_of(logits):
+        calls = iter(range(2))
+        return lambda input_ids, logits_to_keep: types.SimpleNamespace(
+            logits=logits[next(calls)][None, -logits_to_keep:])
+
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    for scale, passes in ((0.05, True), (0.07, False)):
+        engine = types.SimpleNamespace(run=lambda ids, steps, return_logits, s=scale: (
+            torch.zeros(2, 7, dtype=torch.long), ref + s * our_noise))
+        rel, tol, d = step.teacher_forced_check(model_of(ref + hf_noise), engine, ids, 3,
+                                                "bf16", ref_model=model_of(ref))
+        assert d["rel_err_hf"] == pytest.approx(rel_err(ref + hf_noise, ref))
+        assert tol == pytest.approx(max(2e-2, 2 * d["rel_err_hf"]))
+        assert rel == pytest.approx(rel_err(ref + scale * our_noise, ref))
+        assert (rel <= tol) == passes, (rel, tol)

@@ -15,9 +15,11 @@ Columns (``impl``):
   compiles with torch.compile;
 * ``wsattn-graph`` / ``wsattn-graph-pdl``: :class:`wsattn.engine.Engine` with
   ``step="kernels"`` (fused kernels, one CUDA graph per step) and ``pdl=False`` / ``True``.
-  Checked first: the engine's logits over a few steps against transformers' teacher-forced
-  logits on its own tokens (relative error within the bf16 tolerance); a failed check is
-  recorded, not timed.
+  Checked first: the engine's logits over a few steps, teacher-forced on its own tokens,
+  against the same weights computed in fp32 by transformers, next to transformers' own
+  bf16 error against that reference (``rel_err_hf``): within the bf16 tolerance or twice
+  transformers' own error (see :func:`teacher_forced_check`); a failed check is recorded,
+  not timed.
 
 Per-token time, for every column alike: ``(t(1 + n) - t(1)) / n`` with ``t(k)`` the wall
 time of generating k tokens after the prompt (median of a few runs), so prefill cancels
@@ -81,7 +83,8 @@ PDL_TARGET = 1.05  # graph without PDL / with PDL at the 1B shape, B 1
 KERNELS_PER_LAYER_TARGET = 6
 
 ROW_FIELDS = ("op", "impl", "case", "model", "B", "ctx", "new_tokens", "dtype", "status",
-              "reason", "note", "rel_err", "tol", "check_passed", "check_steps",
+              "reason", "note", "rel_err", "rel_err_hf", "rel_err_vs_hf", "tol",
+              "check_passed", "check_steps",
               "ms_per_token", "samples_ms", "tokens_per_s", "weight_bytes", "kv_bytes",
               "floor_ms", "floor_weights_ms", "frac_floor", "copy_tbps", "target_ms",
               "target_met", "ratio_hf_compile", "pdl_speedup", "kernels_per_step",
@@ -163,10 +166,10 @@ def step_cases(models=None, batches=None, contexts=None) -> list[StepCase]:
 
 
 def memory_needed(case: StepCase, new_tokens: int) -> int:
-    """Bytes a case holds at once, roughly: transformers' weights and the engine's folded
-    copy, three caches (dynamic, static, paged) of ctx + new tokens, 4 GB of activations."""
+    """Bytes a case holds at once, roughly: transformers' weights, the engine's folded copy
+    and the fp32 reference (twice the bytes), three caches (dynamic, static, paged) of ctx + new tokens, 4 GB of activations."""
     cfg = case.cfg
-    return 2 * weight_bytes(cfg, 0) + 3 * kv_bytes(cfg, case.B, case.ctx + new_tokens + 2) \
+    return 4 * weight_bytes(cfg, 0) + 3 * kv_bytes(cfg, case.B, case.ctx + new_tokens + 2) \
         + (4 << 30)
 
 
@@ -224,13 +227,14 @@ def per_token_ms(t1: list[float], tn: list[float], n: int) -> float:
 def make_row(stamp: dict, case: StepCase, impl: str, status: str, *, new_tokens=None,
              reason=None, note=None, rel_err=None, tol=None, check_steps=None,
              ms_per_token=None, samples_ms=None, copy_tbps=None, profile=None,
-             profile_steps=None) -> dict:
+             profile_steps=None, rel_err_hf=None, rel_err_vs_hf=None) -> dict:
     """One row; every row has the keys of ROW_FIELDS (None where they do not apply)."""
     row = dict(stamp)
     row.update({k: None for k in ROW_FIELDS})
     row.update(op=case.op, impl=impl, case=case.id, model=case.model, B=case.B, ctx=case.ctx,
                new_tokens=new_tokens, dtype=case.dtype, status=status, reason=reason,
                note=note, rel_err=rel_err, tol=tol, check_steps=check_steps,
+               rel_err_hf=rel_err_hf, rel_err_vs_hf=rel_err_vs_hf,
                check_passed=None if rel_err is None else rel_err <= tol,
                weight_bytes=case.weight_bytes(), kv_bytes=case.kv_bytes(),
                target_ms=case.target_ms if impl in WSATTN_IMPLS else None,
@@ -273,7 +277,7 @@ def format_table(rows: list[dict]) -> str:
              for r in rows if r["op"] == "ceiling" and r.get("tbps")]
     head = (f"{'case':<36} {'impl':<17} {'ms/tok':>7} {'floor':>6} {'of floor':>8} "
             f"{'target':>7} {'x hf-cmp':>8} {'PDL x':>6} {'kern/step':>9} {'idle us':>8} "
-            f"{'rel err':>8}  status")
+            f"{'rel err':>8} {'hf err':>8}  status")
     lines += ["", head, "-" * len(head)]
     for r in (r for r in rows if r["op"] == "step"):
         target = "-" if r["target_ms"] is None else f"{r['target_ms']:.2f}" + (
@@ -283,7 +287,8 @@ def format_table(rows: list[dict]) -> str:
                      f"{f(r['floor_ms'], '.3f'):>6} {f(r['frac_floor'], '.3f'):>8} "
                      f"{target:>7} {f(r['ratio_hf_compile'], '.2f'):>8} "
                      f"{f(r['pdl_speedup'], '.3f'):>6} {f(r['kernels_per_step'], '.1f'):>9} "
-                     f"{f(r['idle_us_per_step'], '.0f'):>8} {f(r['rel_err'], '.1e'):>8}  "
+                     f"{f(r['idle_us_per_step'], '.0f'):>8} {f(r['rel_err'], '.1e'):>8} "
+                     f"{f(r['rel_err_hf'], '.1e'):>8}  "
                      f"{status[:120]}")
     return "\n".join(lines)
 
@@ -411,24 +416,49 @@ def _profile(torch, device, fn) -> dict:
         os.unlink(path)
 
 
-def teacher_forced_check(model, engine, ids, steps: int, dtype: str = "bf16", tol=None):
-    """The engine's logits for ``steps`` new tokens vs transformers' on the engine's own
-    tokens (one forward over prompt + tokens), on the first and last sequence.
-    Returns (relative error, tolerance: ``tol``, else the dtype's from wsattn.testing)."""
+def teacher_forced_check(model, engine, ids, steps: int, dtype: str = "bf16", tol=None,
+                         ref_model=None):
+    """The engine's logits for ``steps`` new tokens, teacher-forced on the engine's own
+    tokens (one forward over prompt + tokens), on the first and last sequence, measured
+    against ``ref_model``: the same weights computed in fp32 (``model`` itself when it is
+    fp32). transformers' own forward in the model's dtype is measured against the same
+    reference, since random weights make logits flat and their relative error large for
+    any bf16 computation: the check passes when the engine is within ``tol`` (default the
+    dtype's, wsattn.testing.TOL) or within twice transformers' own error.
+
+    Returns (relative error vs fp32, the tolerance applied, {"rel_err_hf": transformers'
+    error vs fp32, "rel_err_vs_hf": the engine vs transformers})."""
     import torch
 
     from wsattn.testing import TOL, rel_err
 
+    ref_model = model if ref_model is None else ref_model
     tokens, logits = engine.run(ids, steps, return_logits=True)
     S = ids.shape[1]
-    outs, refs = [], []
+    outs, theirs, refs = [], [], []
     for b in sorted({0, ids.shape[0] - 1}):
+        seq = tokens[b:b + 1, :S + steps - 1].to(logits.device)
         with torch.inference_mode():
-            ref = model(input_ids=tokens[b:b + 1, :S + steps - 1].to(logits.device),
-                        logits_to_keep=steps).logits[0]
+            theirs.append(model(input_ids=seq, logits_to_keep=steps).logits[0].float())
+            refs.append(theirs[-1] if ref_model is model else
+                        ref_model(input_ids=seq, logits_to_keep=steps).logits[0].float())
         outs.append(logits[b].float())
-        refs.append(ref.float())
-    return rel_err(torch.stack(outs), torch.stack(refs)), TOL[dtype] if tol is None else tol
+    outs, theirs, refs = torch.stack(outs), torch.stack(theirs), torch.stack(refs)
+    hf = rel_err(theirs, refs)
+    base = TOL[dtype] if tol is None else tol
+    return rel_err(outs, refs), max(base, 2 * hf), {"rel_err_hf": hf,
+                                                    "rel_err_vs_hf": rel_err(outs, theirs)}
+
+
+def fp32_reference(model):
+    """The same weights as ``model`` in fp32 (``model`` itself when already fp32)."""
+    import copy
+
+    import torch
+
+    if next(model.parameters()).dtype == torch.float32:
+        return model
+    return copy.deepcopy(model).float().eval()
 
 
 def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> list[dict]:
@@ -450,7 +480,7 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
         why = (f"needs ~{need / 2**30:.0f} GiB (weights twice + three KV caches), the GPU has "
                f"{total / 2**30:.0f}")
         return [make_row(stamp, case, i, "not available", reason=why, **common) for i in impls]
-    rows = []
+    rows, ref = [], None
     for impl in impls:
         engine = None
         try:
@@ -467,8 +497,11 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
             else:
                 engine, note = build_engine(model, case, impl.endswith("-pdl"),
                                             case.ctx + max(n, checks) + 2, device)
-                rel, tol = teacher_forced_check(model, engine, ids, checks, case.dtype,
-                                                getattr(args, "check_tol", None))
+                if ref is None:
+                    ref = fp32_reference(model)
+                rel, tol, detail = teacher_forced_check(model, engine, ids, checks, case.dtype,
+                                                        getattr(args, "check_tol", None), ref)
+                common.update(detail)
                 if not rel <= tol:
                     rows.append(make_row(stamp, case, impl, "failed", rel_err=rel, tol=tol,
                                          check_steps=checks, note=note, **common,
@@ -501,6 +534,7 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
             rows.append(make_row(stamp, case, impl, "error", reason=_short(e), **common))
         finally:
             del engine
+            common.pop("rel_err_hf", None), common.pop("rel_err_vs_hf", None)
             gc.collect()
             if on_cuda:
                 torch.cuda.empty_cache()

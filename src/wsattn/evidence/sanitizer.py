@@ -43,8 +43,8 @@ ERROR_EXITCODE = 86
 
 # initcheck does not count the tensormap.cp_fenceproxy copy that puts a device-side TMA
 # descriptor into Triton's scratch as a write, so every TMA use of such a descriptor reads
-# "uninitialised" memory (measured on the H200: torch.empty scratch 1,536 reports at
-# make_tensor_descriptor, torch.zeros scratch none, same output bits). Under initcheck the
+# "uninitialised" memory (measured on the H200: torch.empty scratch 1,536 more reports, at
+# make_tensor_descriptor, than torch.zeros scratch, which has none in the kernel). Under initcheck the
 # child's scratch is zero-filled; the descriptor bytes themselves are the kernel's.
 ZERO_SCRATCH_NOTE = ("device-side TMA descriptor scratch zero-filled: initcheck does not see "
                      "tensormap.cp_fenceproxy writes (notes/sanitizer.md)")

@@ -287,6 +287,12 @@ def test_per_step_is_the_difference_of_two_traces():
     short, long = step.gpu_summary(prefill), step.gpu_summary(prefill + steps)
     d = step.per_step(long, short, 4, ms_per_token=0.1)
     assert d["kernels_per_step"] == 5 and d["kernel_us_per_step"] == 40
+    assert d["kernels_by_time"] == [{"name": "k", "per_step": 5, "us_per_step": 40}]
+    named = prefill + [_k(1000 + s * 100 + j * 10, 2 + j, name=f"k{j % 2}")
+                       for s in range(4) for j in range(5)]
+    by = step.per_step(step.gpu_summary(named), short, 4)["kernels_by_time"]
+    assert by == [{"name": "k0", "per_step": 3, "us_per_step": 2 + 4 + 6},
+                  {"name": "k1", "per_step": 2, "us_per_step": 3 + 5}]
     assert d["busy_us_per_step"] == 40 and d["idle_us_per_step"] == pytest.approx(60)
     with pytest.raises(ValueError):
         step.per_step(long, short, 0)
@@ -314,12 +320,17 @@ cases = [gemv.GemvCase("tiny", k, m, n, kk, nm, res, silu, "fp32", fresh_bytes=3
 rows = []
 for c in cases:
     rows += gemv.run_case(c, ["wsattn-nopdl", "cublas"], timer, {"gpu": "none"}, "cpu", 4.0)
+sweep = gemv.parse_settings(["16,32,2,0,4,2", "16,16,1,1,4,2"])
+swept = []
+for c in cases[:4]:
+    swept += gemv.run_case(c, list(sweep), timer, {"gpu": "none"}, "cpu", 4.0, settings=sweep)
 import wsattn.kernels.gemv as kg
 real = kg.gemv
 kg.gemv = lambda x, w, **kw: real(x, w, **kw).mul_(1.1)   # a wrong kernel
 before = timer.n
 bad = gemv.run_case(cases[0], ["wsattn-nopdl"], timer, {"gpu": "none"}, "cpu", 4.0)
-print("RESULT " + json.dumps({"rows": rows, "bad": bad, "timed_bad": timer.n - before}))
+print("RESULT " + json.dumps({"rows": rows, "bad": bad, "timed_bad": timer.n - before,
+                              "swept": swept}))
 """
 
 
@@ -333,6 +344,19 @@ def test_gemv_runner_checks_then_times_on_the_interpreter():
     (bad,) = r["bad"]
     assert bad["status"] == "failed" and bad["median_ms"] is None and r["timed_bad"] == 0
     assert "not timed" in bad["reason"]
+    assert [r["impl"] for r in r["swept"]] == ["wsattn[16,32,2,0,4,2]", "wsattn[16,16,1,1,4,2]"] * 4
+    assert all(row["status"] == "ok" and row["rel_err"] <= 2e-3 for row in r["swept"]), r["swept"]
+
+
+@pytest.mark.parametrize("spec, match", [("16,32,1,0,4", "six integers"),
+                                         ("16,32,1,2,4,2", "use_dot must be 0 or 1"),
+                                         ("24,32,1,0,4,2", "power of two"),
+                                         ("a,32,1,0,4,2", "six integers")])
+def test_gemv_settings_refused_by_name(spec, match):
+    from wsattn.bench import gemv
+    with pytest.raises(ValueError, match=match):
+        gemv.parse_settings([spec])
+    assert list(gemv.parse_settings(["32,128,2,1,8,3"])) == ["wsattn[32,128,2,1,8,3]"]
 
 
 STEP_CHILD = r"""

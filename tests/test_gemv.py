@@ -191,7 +191,7 @@ def _g():
     (dict(out=torch.randn(16, 2).t()), ValueError, "out needs a contiguous last dimension"),
     (dict(pdl=1), TypeError, "pdl must be None or a bool"),
     (dict(settings={"BLOCK_N": 16}), TypeError, "settings must be None or a GemvSettings"),
-    (dict(x=torch.randn(5, 8), settings="fma"), ValueError, "use_dot=False takes M <= 4"),
+    (dict(x=torch.randn(17, 8), settings="fma"), ValueError, "use_dot=False takes M <= 16"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_refused_by_name(case, error, match):
     g = _g()

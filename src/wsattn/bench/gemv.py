@@ -133,8 +133,9 @@ def _inputs(case: GemvCase, device, seed=0):
     return x, ws, residual
 
 
-def _calls(case, impl, x, ws, residual, eps, out):
-    """(first: the checked call on copy 0, fn: the timed call cycling through the copies)."""
+def _calls(case, impl, x, ws, residual, eps, out, settings=None):
+    """(first: the checked call on copy 0, fn: the timed call cycling through the copies);
+    ``settings`` (a GemvSettings) replaces the kernel's defaults."""
     import torch.nn.functional as F
 
     from wsattn.kernels.gemv import gemv
@@ -148,7 +149,7 @@ def _calls(case, impl, x, ws, residual, eps, out):
         def call(w):
             # out separate from residual: an in-place update would grow the stream every replay
             return gemv(x, w, norm_eps=eps if case.norm else None, residual=residual,
-                        silu_mul=case.silu_mul, out=out, pdl=pdl)
+                        silu_mul=case.silu_mul, out=out, pdl=pdl, settings=settings)
     state = {"i": 0}
 
     def fn():
@@ -158,6 +159,27 @@ def _calls(case, impl, x, ws, residual, eps, out):
         return call(w)
 
     return (lambda: call(ws[0])), fn
+
+
+SETTINGS_FIELDS = ("BLOCK_N", "BLOCK_K", "split_k", "use_dot", "num_warps", "num_stages")
+
+
+def parse_settings(specs) -> dict:
+    """``--gemv-settings`` values, each "BLOCK_N,BLOCK_K,split_k,use_dot,num_warps,num_stages"
+    (use_dot 0 or 1), as {implementation name: GemvSettings}: the sweep's extra columns."""
+    from wsattn.kernels.gemv import GemvSettings
+
+    out = {}
+    for spec in specs or ():
+        parts = spec.split(",")
+        if len(parts) != len(SETTINGS_FIELDS) or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"--gemv-settings {spec!r}: expected six integers "
+                             f"{','.join(SETTINGS_FIELDS)}, e.g. 32,128,1,0,4,4")
+        v = [int(p) for p in parts]
+        if v[3] not in (0, 1):
+            raise ValueError(f"--gemv-settings {spec!r}: use_dot must be 0 or 1, got {v[3]}")
+        out[f"wsattn[{spec}]"] = GemvSettings(*v[:3], bool(v[3]), *v[4:])
+    return out
 
 
 def _check(case, impl, y, x, w, residual, eps):
@@ -202,8 +224,12 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def run_case(case, impls, timer, stamp, device, copy_tbps, eps=1e-5) -> list[dict]:
-    """Rows of every implementation for one case: check against float64, then time."""
+def run_case(case, impls, timer, stamp, device, copy_tbps, eps=1e-5,
+             settings=None) -> list[dict]:
+    """Rows of every implementation for one case: check against float64, then time.
+    ``settings`` maps extra implementation names (see :func:`parse_settings`) to the
+    GemvSettings they run the kernel with (PDL off, as ``wsattn-nopdl``)."""
+    settings = settings or {}
     from .suite import _short
 
     rows = []
@@ -215,7 +241,7 @@ def run_case(case, impls, timer, stamp, device, copy_tbps, eps=1e-5) -> list[dic
     for impl in impls:
         out = torch.empty(case.M, case.nout, dtype=dt, device=device)
         try:
-            first, fn = _calls(case, impl, x, ws, residual, eps, out)
+            first, fn = _calls(case, impl, x, ws, residual, eps, out, settings.get(impl))
             y = first()
             _sync(device)
             err, tol = _check(case, impl, y, x, ws[0], residual, eps)
@@ -313,7 +339,12 @@ def main(args) -> int:
     stamp = make_stamp(device)
     timer = cuda_timer(args.warmup_ms, args.rep_ms, args.timing)
     cases = gemv_cases(args.models, args.m, args.kernels, args.dtype)
-    impls = list(args.gemv_impl)
+    try:
+        sweep = parse_settings(getattr(args, "gemv_settings", None))
+    except ValueError as e:
+        print(f"wsattn bench gemv: {e}", file=sys.stderr)
+        return 2
+    impls = list(args.gemv_impl) + list(sweep)
     print(f"wsattn bench gemv on {stamp['gpu']}, torch {stamp['torch']}, triton "
           f"{stamp['triton']}, commit {stamp['commit']}: {len(cases)} GEMVs x {impls}",
           file=sys.stderr)
@@ -326,7 +357,7 @@ def main(args) -> int:
         print(f"ceiling copy failed: {type(e).__name__}: {e}", file=sys.stderr)
         copy_tbps = None
     for case in tqdm(cases, desc="wsattn bench gemv", file=sys.stderr, dynamic_ncols=True):
-        rows += run_case(case, impls, timer, stamp, device, copy_tbps)
+        rows += run_case(case, impls, timer, stamp, device, copy_tbps, settings=sweep)
     add_ratios(rows)
     print(format_table(rows))
     write(rows, stamp, args, plot_rows)
@@ -370,3 +401,6 @@ def add_arguments(group) -> None:
                        metavar="KERNEL", help=f"gemv: which GEMVs (default all: {' '.join(KERNELS)})")
     group.add_argument("--gemv-impl", nargs="+", choices=IMPLS, default=list(IMPLS),
                        metavar="IMPL", help=f"gemv: implementations (default all: {' '.join(IMPLS)})")
+    group.add_argument("--gemv-settings", nargs="+", default=None, metavar="SPEC",
+                       help="gemv: extra columns, the kernel (PDL off) with these settings, "
+                            "each BLOCK_N,BLOCK_K,split_k,use_dot,num_warps,num_stages")

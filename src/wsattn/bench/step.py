@@ -89,7 +89,7 @@ ROW_FIELDS = ("op", "impl", "case", "model", "B", "ctx", "new_tokens", "dtype", 
               "floor_ms", "floor_weights_ms", "frac_floor", "copy_tbps", "target_ms",
               "target_met", "ratio_hf_compile", "pdl_speedup", "kernels_per_step",
               "kernels_per_layer", "copies_per_step", "kernel_us_per_step",
-              "busy_us_per_step", "idle_us_per_step", "profile_steps")
+              "busy_us_per_step", "idle_us_per_step", "kernels_by_time", "profile_steps")
 
 
 def model_config(name: str):
@@ -175,6 +175,8 @@ def memory_needed(case: StepCase, new_tokens: int) -> int:
 
 # --------------------------------------------------------------------------- the trace
 
+TOP_KERNELS = 12  # kernel names a row lists, by GPU time per step (durations: with PDL a
+#                   kernel's time includes its wait for the previous one)
 GPU_CATS = {"kernel": "kernels", "gpu_memcpy": "copies", "gpu_memset": "copies"}
 
 
@@ -185,7 +187,7 @@ def gpu_summary(trace) -> dict:
     the span from the first start to the last end, in microseconds."""
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
     counts = {"kernels": 0, "copies": 0}
-    kernel_us, spans = 0.0, []
+    kernel_us, spans, by_name = 0.0, [], {}
     for e in events:
         what = GPU_CATS.get(e.get("cat"))
         if what is None or e.get("ph", "X") != "X":
@@ -194,6 +196,8 @@ def gpu_summary(trace) -> dict:
         counts[what] += 1
         if what == "kernels":
             kernel_us += dur
+            n, us = by_name.get(e.get("name", "?"), (0, 0.0))
+            by_name[e.get("name", "?")] = (n + 1, us + dur)
         spans.append((ts, ts + dur))
     busy, end = 0.0, -math.inf
     for a, b in sorted(spans):
@@ -202,7 +206,8 @@ def gpu_summary(trace) -> dict:
         busy += b - max(a, end)
         end = b
     span = (max(b for _, b in spans) - min(a for a, _ in spans)) if spans else 0.0
-    return {**counts, "kernel_us": kernel_us, "busy_us": busy, "span_us": span}
+    return {**counts, "kernel_us": kernel_us, "busy_us": busy, "span_us": span,
+            "by_name": by_name}
 
 
 def per_step(long: dict, short: dict, steps: int, ms_per_token: float | None = None) -> dict:
@@ -212,9 +217,17 @@ def per_step(long: dict, short: dict, steps: int, ms_per_token: float | None = N
         raise ValueError(f"steps must be >= 1, got {steps}")
     d = {k: (long[k] - short[k]) / steps for k in ("kernels", "copies", "kernel_us", "busy_us")}
     idle = None if ms_per_token is None else ms_per_token * 1e3 - d["busy_us"]
+    names = []
+    lb, sb = long.get("by_name", {}), short.get("by_name", {})
+    for name, (n, us) in lb.items():
+        n0, us0 = sb.get(name, (0, 0.0))
+        if n > n0:
+            names.append({"name": name, "per_step": (n - n0) / steps,
+                          "us_per_step": (us - us0) / steps})
+    names.sort(key=lambda r: -r["us_per_step"])
     return {"kernels_per_step": d["kernels"], "copies_per_step": d["copies"],
             "kernel_us_per_step": d["kernel_us"], "busy_us_per_step": d["busy_us"],
-            "idle_us_per_step": idle}
+            "idle_us_per_step": idle, "kernels_by_time": names[:TOP_KERNELS]}
 
 
 def per_token_ms(t1: list[float], tn: list[float], n: int) -> float:
@@ -290,6 +303,10 @@ def format_table(rows: list[dict]) -> str:
                      f"{f(r['idle_us_per_step'], '.0f'):>8} {f(r['rel_err'], '.1e'):>8} "
                      f"{f(r['rel_err_hf'], '.1e'):>8}  "
                      f"{status[:120]}")
+    for r in (r for r in rows if r["op"] == "step" and r.get("kernels_by_time")):
+        lines.append(f"  {r['case']} {r['impl']} kernels by GPU time per step: " + "; ".join(
+            f"{k['name'][:40]} x{k['per_step']:.3g} {k['us_per_step']:.1f} us"
+            for k in r["kernels_by_time"][:6]))
     return "\n".join(lines)
 
 

@@ -268,6 +268,7 @@ class GemvSettings:
 
 MAX_M = 64  # rows one program's accumulator holds; more is a GEMM
 FMA_MAX_M = 4  # up to here the FMA reduction: tl.dot would pad M to 16 (4x the work)
+FMA_SETTINGS_MAX_M = 16  # the most rows explicit FMA settings take (the loop is unrolled per row)
 MAX_SPLIT_K = 16  # the finish kernel unrolls its splits
 MIN_SPLIT_TILES = 4  # K tiles per split at least, so the pipeline's prologue stays small
 SPLIT_BELOW = 0.75  # split K when the column blocks fill fewer SMs than this fraction
@@ -407,8 +408,8 @@ def _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings):
     if settings is not None:
         if not isinstance(settings, GemvSettings):
             raise TypeError(f"settings must be None or a GemvSettings, got {type(settings).__name__}")
-        if not settings.use_dot and M > FMA_MAX_M:
-            raise ValueError(f"settings.use_dot=False takes M <= {FMA_MAX_M}, got M={M}")
+        if not settings.use_dot and M > FMA_SETTINGS_MAX_M:
+            raise ValueError(f"settings.use_dot=False takes M <= {FMA_SETTINGS_MAX_M}, got M={M}")
     return M, N, K, nout
 
 

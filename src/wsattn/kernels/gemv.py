@@ -268,6 +268,8 @@ class GemvSettings:
 
 MAX_M = 64  # rows one program's accumulator holds; more is a GEMM
 FMA_MAX_M = 4  # up to here the FMA reduction: tl.dot would pad M to 16 (4x the work)
+DOT_WIDE_MAX_M = 32  # padded rows up to which the dot path takes DOT_WIDE_BLOCK_N columns
+DOT_WIDE_BLOCK_N = 64
 FMA_SETTINGS_MAX_M = 16  # the most rows explicit FMA settings take (the loop is unrolled per row)
 MAX_SPLIT_K = 16  # the finish kernel unrolls its splits
 MIN_SPLIT_TILES = 4  # K tiles per split at least, so the pipeline's prologue stays small
@@ -281,6 +283,16 @@ MAX_STAGES = 6
 def block_m(M: int, use_dot: bool) -> int:
     """Rows of the accumulator: M padded to a power of two (to >= 16 for tl.dot)."""
     return max(16, next_pow2(M)) if use_dot else next_pow2(M)
+
+
+def _split_k(programs: int, K: int, block_k: int, num_sms: int) -> int:
+    """K splits (a power of two, each >= MIN_SPLIT_TILES tiles, <= MAX_SPLIT_K) until the
+    programs fill SPLIT_BELOW of the SMs."""
+    split = 1
+    most = min(MAX_SPLIT_K, max(1, cdiv(K, block_k) // MIN_SPLIT_TILES))
+    while programs * split < SPLIT_BELOW * num_sms and split * 2 <= most:
+        split *= 2
+    return split
 
 
 @functools.lru_cache(maxsize=1024)
@@ -300,6 +312,15 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
         return GemvSettings(BLOCK_N=64, BLOCK_K=64, split_k=1, use_dot=use_dot,
                             num_warps=4, num_stages=1)
     elem = torch.empty((), dtype=dtype).element_size()
+    if use_dot and block_m(M, True) <= DOT_WIDE_MAX_M:
+        # 64 columns a program, K split until the programs fill the SMs. Narrow dot tiles
+        # (BLOCK_N 16, two programs an SM) ran at 0.17-0.40 of the copy ceiling on the
+        # H200 at M = 8; BLOCK_N 64 with this split rule, 3 stages, at 0.35-0.80
+        # (notes/decode_step.md, "GEMV settings at M = 8").
+        block_k = ROW_BYTES // elem
+        split = _split_k(cdiv(N, DOT_WIDE_BLOCK_N), K, block_k, target.num_sms)
+        return GemvSettings(BLOCK_N=DOT_WIDE_BLOCK_N, BLOCK_K=block_k, split_k=split,
+                            use_dot=True, num_warps=4, num_stages=3)
     if use_dot:
         # acc [BLOCK_N, BLOCK_M] fp32 at <= 64 registers a thread (128 threads)
         candidates = [bn for bn in (128, 64, 32, 16)
@@ -316,11 +337,7 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
             block_n = cand
             break
     block_k = block_ks[block_n]
-    programs = cdiv(N, block_n)
-    split = 1
-    most = min(MAX_SPLIT_K, max(1, cdiv(K, block_k) // MIN_SPLIT_TILES))
-    while programs * split < SPLIT_BELOW * target.num_sms and split * 2 <= most:
-        split *= 2
+    split = _split_k(cdiv(N, block_n), K, block_k, target.num_sms)
     # Bytes in flight: (stages - 1) tiles a program. As many stages as fit
     # STAGE_BUDGET of shared memory (two programs an SM on sm_90's 228 KB), 2..MAX_STAGES.
     stage_bytes = ((2 if silu_mul else 1) * block_n + block_m(M, use_dot)) * block_k * elem

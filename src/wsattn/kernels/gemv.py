@@ -304,7 +304,8 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
     programs per SM, but never below M (every program re-reads all of x from L2, so
     BLOCK_N >= M keeps that traffic at most the W traffic); where the blocks fill fewer
     than SPLIT_BELOW of the SMs, K is split (a power of two, each split >= MIN_SPLIT_TILES
-    tiles) until they fill them.
+    tiles) until they fill them. Except at M 5-32 on sm_90/100, where that rule would give
+    the dot path fewer than 64 columns: 64 columns, 3 stages, K split (measured).
     """
     use_dot = M > FMA_MAX_M
     if target.backend == "interpreter":
@@ -312,15 +313,6 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
         return GemvSettings(BLOCK_N=64, BLOCK_K=64, split_k=1, use_dot=use_dot,
                             num_warps=4, num_stages=1)
     elem = torch.empty((), dtype=dtype).element_size()
-    if use_dot and block_m(M, True) <= DOT_WIDE_MAX_M:
-        # 64 columns a program, K split until the programs fill the SMs. Narrow dot tiles
-        # (BLOCK_N 16, two programs an SM) ran at 0.17-0.40 of the copy ceiling on the
-        # H200 at M = 8; BLOCK_N 64 with this split rule, 3 stages, at 0.35-0.80
-        # (notes/decode_step.md, "GEMV settings at M = 8").
-        block_k = ROW_BYTES // elem
-        split = _split_k(cdiv(N, DOT_WIDE_BLOCK_N), K, block_k, target.num_sms)
-        return GemvSettings(BLOCK_N=DOT_WIDE_BLOCK_N, BLOCK_K=block_k, split_k=split,
-                            use_dot=True, num_warps=4, num_stages=3)
     if use_dot:
         # acc [BLOCK_N, BLOCK_M] fp32 at <= 64 registers a thread (128 threads)
         candidates = [bn for bn in (128, 64, 32, 16)
@@ -336,6 +328,18 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
         if cdiv(N, cand) >= 2 * target.num_sms:
             block_n = cand
             break
+    if (use_dot and block_n < DOT_WIDE_BLOCK_N and block_m(M, True) <= DOT_WIDE_MAX_M
+            and 90 <= target.cc < 120):
+        # 64 columns a program, K split until the programs fill the SMs. Narrow dot tiles
+        # (BLOCK_N 16, two programs an SM) ran at 0.17-0.40 of the copy ceiling on the
+        # H200 at M = 8; BLOCK_N 64 with this split rule, 3 stages, at 0.35-0.80
+        # (notes/decode_step.md, "GEMV settings at M = 8"). Wide shapes (the LM heads)
+        # keep the 128-column tiles they already read at the ceiling with. sm_90 and
+        # sm_100 only: 3 stages of 37 KB need their 228 KB (sm_80 and sm_120 keep the rule).
+        block_k = ROW_BYTES // elem
+        split = _split_k(cdiv(N, DOT_WIDE_BLOCK_N), K, block_k, target.num_sms)
+        return GemvSettings(BLOCK_N=DOT_WIDE_BLOCK_N, BLOCK_K=block_k, split_k=split,
+                            use_dot=True, num_warps=4, num_stages=3)
     block_k = block_ks[block_n]
     split = _split_k(cdiv(N, block_n), K, block_k, target.num_sms)
     # Bytes in flight: (stages - 1) tiles a program. As many stages as fit

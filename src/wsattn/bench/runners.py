@@ -1,4 +1,5 @@
-"""What gets measured: the wsattn kernels through the public API, and the peers present.
+"""What gets measured: the wsattn kernels through the public API, and the peers present
+(SDPA here; FlashAttention-4 and FlashInfer in :mod:`wsattn.bench.peers`).
 
 A runner turns (case, inputs) into a :class:`Prepared`: ``first()`` makes the call whose
 output is checked against the reference, ``fn`` the call that is timed, ``canon`` puts the
@@ -265,9 +266,12 @@ class SdpaRunner(Runner):
 
 
 def all_runners() -> list[Runner]:
+    # imported here because wsattn.bench.peers imports this module
+    from .peers import peer_runners
+
     return [WsattnRunner("triton"), WsattnRunner("gluon", ops=("prefill",)),
             SdpaRunner("sdpa-cudnn", "CUDNN_ATTENTION"),
-            SdpaRunner("sdpa-flash", "FLASH_ATTENTION")]
+            SdpaRunner("sdpa-flash", "FLASH_ATTENTION"), *peer_runners()]
 
 
 RUNNER_NAMES = tuple(r.name for r in all_runners())

@@ -101,7 +101,7 @@ def format_table(rows: list[dict]) -> str:
         if not sel:
             continue
         last = "x matmul" if op == "prefill" else "of copy"
-        head = (f"{'case':<48} {'impl':<11} {'median ms':>10} {'q20-q80 ms':>17} {unit:>8} "
+        head = (f"{'case':<48} {'impl':<20} {'median ms':>10} {'q20-q80 ms':>17} {unit:>8} "
                 f"{'x cuDNN':>8} {'x triton':>8} {last:>8} {'rel err':>8}  status")
         lines += ["", head, "-" * len(head)]
         for r in sel:
@@ -113,7 +113,7 @@ def format_table(rows: list[dict]) -> str:
                 status += f" (x contiguous {r['ratio_contiguous']:.3f})"
             if r.get("timing") not in (None, "graph"):
                 status += f" [timing: {r['timing']}]"
-            lines.append(f"{r['case']:<48} {r['impl']:<11} {_fmt(r['median_ms'], '.3f'):>10} "
+            lines.append(f"{r['case']:<48} {r['impl']:<20} {_fmt(r['median_ms'], '.3f'):>10} "
                          f"{spread:>17} {_fmt(thr, '.1f' if op == 'prefill' else '.2f'):>8} "
                          f"{_fmt(r['ratio_cudnn'], '.3f'):>8} {_fmt(r['ratio_triton'], '.3f'):>8} "
                          f"{_fmt(frac, '.3f'):>8} {_fmt(r['rel_err'], '.1e'):>8}  {status[:160]}")

@@ -1,6 +1,6 @@
 """`wsattn bench`: ceilings, wsattn kernels and peers measured in one run on this GPU.
 
-    wsattn bench [prefill|decode|all|sp|step|gemv] [--quick] [--dtype bf16] [--impl ...]
+    wsattn bench [prefill|decode|all|sp|step|gemv|moe] [--quick] [--dtype bf16] [--impl ...]
                  [--json PATH] [--plot PATH | --no-plot]
 
 Each output is checked against the float64 reference (on a slice) before it is timed; a
@@ -11,7 +11,9 @@ bench_<gpu>_<date>_<commit>.json), a PNG plot with --plot PATH, or beside the JS
 CUDA GPU. `wsattn bench sp` runs the sequence-parallel benchmark (wsattn.sp.bench) under
 torchrun, one process per GPU. `wsattn bench gemv` times every GEMV of a decode step at
 model shapes against cuBLAS and the copy ceiling (wsattn.bench.gemv); `wsattn bench step`
-a whole decode step against transformers and the memory floor (wsattn.bench.step).
+a whole decode step against transformers and the memory floor (wsattn.bench.step);
+`wsattn bench moe` one MoE layer (Qwen3-30B-A3B, Mixtral-8x7B, OLMoE shapes) against
+transformers' MoE block, torch._grouped_mm and the touched-weight floor (wsattn.bench.moe).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import importlib
 import sys
 from pathlib import Path
 
-WHAT = ("prefill", "decode", "all", "sp", "step", "gemv")
+WHAT = ("prefill", "decode", "all", "sp", "step", "gemv", "moe")
 SP_MODULE = "wsattn.sp.bench"  # provides main(args) -> int, optionally add_arguments(parser)
 
 
@@ -63,10 +65,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms)")
     p.add_argument("--rep-ms", type=float, default=100.0,
                    help="time spent in timed samples per measurement (ms, 20 samples)")
-    from . import gemv as gemv_mod, step as step_mod
+    from . import gemv as gemv_mod, moe as moe_mod, step as step_mod
     model_group = p.add_argument_group("step and gemv (decode-step model shapes)")
     gemv_mod.add_arguments(model_group)
     step_mod.add_arguments(model_group)
+    moe_mod.add_arguments(p.add_argument_group("moe (one MoE layer of a decode step)"))
     sp, _ = _sp_module()
     if sp is not None and hasattr(sp, "add_arguments"):
         sp.add_arguments(p.add_argument_group("sp (sequence parallelism)"))
@@ -104,7 +107,7 @@ def run(args) -> int:
         print("wsattn bench: TRITON_INTERPRET=1 is set, which would time the CPU interpreter; "
               "unset it", file=sys.stderr)
         return 2
-    if args.what in ("step", "gemv"):
+    if args.what in ("step", "gemv", "moe"):
         module = importlib.import_module(f"wsattn.bench.{args.what}")
         return int(module.main(args) or 0)
     return _bench(args, torch)

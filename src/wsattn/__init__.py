@@ -4,6 +4,7 @@ Public API (validated, dispatching by ``impl=``):
 
 * :func:`attention` - prefill over fixed-length batches ``[B, S, H, D]``
 * :func:`attention_varlen` - prefill over packed variable-length sequences
+* :func:`attention_paged` - chunked prefill of packed queries against a paged KV cache
 * :func:`decode` - split-KV decode over a contiguous or paged KV cache
 * :func:`merge_states` - merge partial (output, LSE) pairs
 * :func:`generate` - text generation with a paged KV cache (:mod:`wsattn.engine`)
@@ -11,9 +12,10 @@ Public API (validated, dispatching by ``impl=``):
 LSE convention everywhere: natural log, float32.
 """
 
-from .api import attention, attention_varlen, decode, merge_states
+from .api import attention, attention_paged, attention_varlen, decode, merge_states
 
-__all__ = ["attention", "attention_varlen", "decode", "merge_states", "generate"]
+__all__ = ["attention", "attention_varlen", "attention_paged", "decode", "merge_states",
+           "generate"]
 __version__ = "0.1.0"
 
 

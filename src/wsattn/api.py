@@ -499,6 +499,177 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
     return _finish(out, lse, q.dtype, return_lse)
 
 
+# --------------------------------------------------------------------------- paged prefill
+
+def check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, num_pages, page, total_q,
+                                 causal, max_seqlen_q=None):
+    """Value checks of :func:`attention_paged`'s index tensors, with two host reads
+    (cu_seqlens_q, then one stacked set of flags): cu_seqlens_q well formed, each
+    seqlens_k[b] within the block table's capacity (and >= the chunk's length when
+    causal), the pages a sequence uses in [0, num_pages), max_seqlen_q not short."""
+    cq = _cu_values("cu_seqlens_q", cu_seqlens_q, total_q)
+    lq = [b - a for a, b in zip(cq, cq[1:])]
+    if max_seqlen_q is not None and lq and max_seqlen_q < max(lq):
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} is shorter than the longest query "
+                         f"sequence ({max(lq)})")
+    if not lq:
+        return
+    capacity = block_table.shape[1] * page
+    lens_bad = (seqlens_k < 0) | (seqlens_k > capacity)
+    lq_t = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(seqlens_k.device)
+    short = (seqlens_k < lq_t) & causal
+    used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+            < (seqlens_k[:, None] + page - 1) // page)
+    pages_bad = used & ((block_table < 0) | (block_table >= num_pages))
+    flags = torch.stack([lens_bad.any(), short.any(), pages_bad.any()]).tolist()
+    if flags[0]:
+        b = int(lens_bad.nonzero()[0, 0])
+        raise ValueError(f"seqlens_k[{b}]={int(seqlens_k[b])} must lie in [0, {capacity}] (the "
+                         f"block table's capacity: block_table.shape[1]={block_table.shape[1]} "
+                         f"pages of page_size={page})")
+    if flags[1]:
+        b = int(short.nonzero()[0, 0])
+        raise ValueError(f"causal attention needs seqlens_k[b] >= the chunk's query length "
+                         f"(the chunk's own keys are in the cache); sequence {b} has "
+                         f"seqlens_k {int(seqlens_k[b])} < q_len {lq[b]}")
+    if flags[2]:
+        b, j = (int(x) for x in pages_bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}] holds page {int(block_table[b, j])}, outside "
+                         f"[0, {num_pages}) (num_pages of k_cache)")
+
+
+def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q,
+                causal, sm_scale, impl, validate):
+    _check_impl(impl)
+    _tensor("q", q, 3, "3-D [total_tokens, heads, head_dim]")
+    for n in ("k_cache", "v_cache"):
+        _tensor(n, k_cache if n == "k_cache" else v_cache, 4,
+                "4-D paged [num_pages, page_size, Hkv, D]")
+    for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_float(n, t)
+        _last_dim_contiguous(n, t)
+    _index_tensor("cu_seqlens_q", cu_seqlens_q, 1, "a 1-D int32 tensor [batch + 1]")
+    _index_tensor("seqlens_k", seqlens_k, 1, "a 1-D int32 tensor [batch]")
+    _index_tensor("block_table", block_table, 2, "a 2-D int32 tensor [batch, max_pages]")
+    _flag("causal", causal)
+    _validate_flag(validate)
+    _max_seqlen("max_seqlen_q", max_seqlen_q)
+    _same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache), "dtype")
+    _same(("q", "k_cache", "v_cache", "cu_seqlens_q", "seqlens_k", "block_table"),
+          (q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table), "device")
+    Tq, Hq, D = q.shape
+    _check_head_dim(D)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != D:
+        raise ValueError(f"k_cache must be [num_pages, page_size, Hkv, D={D}] to match q, got "
+                         f"{tuple(k_cache.shape)}")
+    if k_cache.shape[1] == 0:
+        raise ValueError(f"k_cache must have page_size (shape[1]) >= 1, got shape "
+                         f"{tuple(k_cache.shape)}")
+    _check_heads(Hq, k_cache.shape[2], "q", "k_cache")
+    if cu_seqlens_q.numel() < 1:
+        raise ValueError("cu_seqlens_q must hold batch + 1 offsets (at least [0]), got 0")
+    B = cu_seqlens_q.numel() - 1
+    if seqlens_k.shape[0] != B:
+        raise ValueError(f"seqlens_k must be [batch={B}] (cu_seqlens_q holds {B + 1} offsets), "
+                         f"got {tuple(seqlens_k.shape)}")
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table must be [batch={B}, max_pages], got "
+                         f"{tuple(block_table.shape)}")
+    if _values_checked(validate, cu_seqlens_q, seqlens_k, block_table):
+        check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, k_cache.shape[0],
+                                     k_cache.shape[1], Tq, causal, max_seqlen_q)
+    scale = _scale(sm_scale, D)
+    call = Call("prefill_paged", q.device, q.dtype, D, causal)
+    return scale, _resolve(impl, call)
+
+
+def check_attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
+                          max_seqlen_q=None, causal=False, sm_scale=None, *, impl="auto",
+                          validate=None) -> None:
+    """Every check :func:`attention_paged` runs, and nothing else (ValueError / TypeError)."""
+    _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q,
+                causal, sm_scale, impl, validate)
+
+
+def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
+                    max_seqlen_q: int | None = None, causal: bool = False,
+                    sm_scale: float | None = None, *, return_lse: bool = False,
+                    impl: str = "auto", validate: bool | None = None):
+    """Chunked prefill: packed chunks of new queries against a paged KV cache.
+
+    The chunk's own K/V must already be in the cache (appended by the caller), so every
+    key of sequence b sits at positions [0, seqlens_k[b]) of the cache, reached through
+    block_table[b]: key j is row j % page_size of page block_table[b, j // page_size]
+    (the layout :func:`decode` reads).
+
+    Args:
+        q: [Tq, Hq, D] packed queries, float16 / bfloat16 (float32 for the interpreter
+           and the reference), last dimension contiguous.
+        k_cache, v_cache: paged [num_pages, page_size, Hkv, D], q's dtype and device, any
+           page_size >= 1; Hq must be a multiple of Hkv (GQA).
+        cu_seqlens_q: int32 [batch + 1], starting at 0, non-decreasing, ending at Tq;
+           sequence b owns q rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (0 rows: nothing
+           computed for it).
+        seqlens_k: int32 [batch], keys of each sequence, the chunk's own included, at most
+           block_table.shape[1] * page_size.
+        block_table: int32 [batch, max_pages], page indices; only the entries covering
+           seqlens_k[b] keys are read. Index tensors may be views with any strides.
+        max_seqlen_q: the longest chunk, or an upper bound, or None (the grid is then
+           bounded by Tq and the batch size, no host read).
+        causal: bool; bottom-right aligned per sequence: query i of a chunk of Lq rows
+           sees keys j <= seqlens_k[b] - Lq + i (so seqlens_k[b] >= Lq is required).
+        sm_scale: softmax scale, default 1/sqrt(D).
+        return_lse: also return the LSE, natural log, float32, [Hq, Tq] (as
+           :func:`attention_varlen`; ``merge_states(..., lse_layout="heads_first")``).
+        impl: "auto", "triton" or "reference" (see the module docstring).
+        validate: read the index tensors on the host and check their values: True,
+           False, or None (the default: where free, i.e. CPU tensors, or with
+           WSATTN_VALIDATE=1). A default call on CUDA tensors never synchronises, so it
+           can be captured in a CUDA graph.
+
+    A query whose sequence has no key (seqlens_k[b] = 0, not causal) gets out 0 and
+    LSE -inf, the empty-part convention of :func:`merge_states` and of
+    :func:`attention_varlen`.
+
+    Returns:
+        out [Tq, Hq, D] in q's dtype, or (out, lse).
+
+    Example:
+        >>> q = torch.randn(5, 4, 64); kc = vc = torch.randn(3, 16, 2, 64)
+        >>> cu = torch.tensor([0, 5], dtype=torch.int32)
+        >>> lens = torch.tensor([40], dtype=torch.int32)
+        >>> bt = torch.tensor([[2, 0, 1]], dtype=torch.int32)
+        >>> out, lse = attention_paged(q, kc, vc, cu, lens, bt, causal=True, return_lse=True,
+        ...                            impl="reference")
+        >>> out.shape, lse.shape
+        (torch.Size([5, 4, 64]), torch.Size([4, 5]))
+    """
+    _flag("return_lse", return_lse)
+    scale, impl = _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
+                              max_seqlen_q, causal, sm_scale, impl, validate)
+    # the kernel reads index tensors with unit stride: strided views become small copies
+    cu_q, lens_k, table = (t.contiguous() for t in (cu_seqlens_q, seqlens_k, block_table))
+    if q.numel() == 0:
+        out = torch.empty_like(q)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    if impl == "reference":
+        out, lse = reference.attention_paged(q, k_cache, v_cache, cu_q, lens_k, table, causal,
+                                             scale)
+        return _finish(out, lse, q.dtype, return_lse)
+    from . import ops
+    from .kernels import prefill_paged
+    ops._interpreter_ready(q.device)  # the interpreter work-arounds, as for the other ops
+    max_q = None if max_seqlen_q is None else min(int(max_seqlen_q), q.shape[0])
+    qk, kc, vc = _run_kernels(impl, q.device, q, k_cache, v_cache)
+    out, lse = prefill_paged.prefill_paged(qk, kc, vc, cu_q, lens_k, table, max_q, causal,
+                                           scale)
+    return _finish(out, lse, q.dtype, return_lse)
+
+
 # --------------------------------------------------------------------------- merge
 
 def merge_states(outputs, lses, *, lse_layout: str = "outputs", impl: str = "auto"):

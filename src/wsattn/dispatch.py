@@ -7,7 +7,8 @@ first that supports the call wins. The API (:mod:`wsattn.api`), the custom ops a
 
 Backends:
   "gluon"     - the sm_90 warp-specialized Gluon prefill (fixed length, fp16/bf16, D 64/128).
-  "triton"    - the Triton kernels: prefill (fixed and varlen), split-KV decode, merge;
+  "triton"    - the Triton kernels: prefill (fixed, varlen and over a paged cache),
+                split-KV decode, merge;
                 any CUDA GPU, and CPU tensors through the interpreter (TRITON_INTERPRET=1).
   "reference" - plain PyTorch in float64, any device.
 """
@@ -21,7 +22,7 @@ import torch
 from .target import interpreting
 
 IMPLS = ("auto", "triton", "gluon", "reference")
-OPS = ("prefill", "prefill_varlen", "decode", "merge")
+OPS = ("prefill", "prefill_varlen", "prefill_paged", "decode", "merge")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class Call:
 
 def _gluon_supports(call: Call) -> str | None:
     if call.op != "prefill":
-        what = "varlen prefill" if call.op == "prefill_varlen" else call.op
+        what = {"prefill_varlen": "varlen prefill",
+                "prefill_paged": "paged prefill"}.get(call.op, call.op)
         return f"the Gluon kernel has no {what} path (fixed-length prefill only)"
     from .kernels import prefill_gluon
     if not prefill_gluon.device_supported(call.device):

@@ -25,6 +25,7 @@ __all__ = [
     "attention",
     "attention_varlen",
     "decode",
+    "attention_paged",
     "merge_states",
     "gather_paged_kv",
 ]
@@ -145,6 +146,34 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale=None,
         lses.append(l.transpose(0, 1))  # [T, Hq]
     out, lse = torch.stack(outs), torch.stack(lses)
     return (out[:, 0], lse[:, 0]) if single else (out, lse)
+
+
+def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, causal=False,
+                    sm_scale=None, *, compute_dtype=torch.float64):
+    """Reference chunked prefill over a paged KV cache.
+
+    q [Tq, Hq, D] packs the new queries (sequence b owns rows cu_seqlens_q[b]:
+    cu_seqlens_q[b+1]); k_cache/v_cache [num_pages, page_size, Hkv, D] hold every key of
+    sequence b, the chunk's own included, at positions [0, seqlens_k[b]) through
+    block_table [B, max_pages]. Causal is bottom-right aligned per sequence: query i of a
+    chunk of Lq rows sees keys j <= seqlens_k[b] - Lq + i. A query that sees no key
+    (seqlens_k[b] = 0) gets out 0 and LSE -inf. Returns (out [Tq, Hq, D], lse [Hq, Tq]).
+    """
+    scale = _scale(sm_scale, q.shape[-1])
+    cq, lens = cu_seqlens_q.tolist(), [int(x) for x in seqlens_k.tolist()]
+    out = torch.zeros(q.shape[:2] + (v_cache.shape[-1],), dtype=compute_dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=compute_dtype,
+                     device=q.device)
+    for b in range(len(cq) - 1):
+        if cq[b + 1] == cq[b]:
+            continue
+        # only this sequence's pages, converted after the gather (not the whole cache)
+        k = gather_paged_kv(k_cache, block_table[b:b + 1], lens[b])[0].to(compute_dtype)
+        v = gather_paged_kv(v_cache, block_table[b:b + 1], lens[b])[0].to(compute_dtype)
+        o, l = _attend(q[cq[b]:cq[b + 1]].to(compute_dtype), k, v, scale, causal)
+        out[cq[b]:cq[b + 1]] = o
+        lse[:, cq[b]:cq[b + 1]] = l
+    return out, lse
 
 
 def merge_states(outputs, lses, *, compute_dtype=torch.float64):

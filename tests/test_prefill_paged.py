@@ -1,0 +1,440 @@
+"""Chunked prefill against a paged KV cache: ``wsattn.attention_paged``.
+
+On the CPU the Triton kernel runs through the interpreter (the kernel module rebuilds its
+kernel as the kind a launch needs, so the ``interpret`` fixture can set TRITON_INTERPRET
+whatever was imported before, as in test_prefill_triton.py). Every cache is laid out to
+catch a wrong read: its pages are shuffled, the slots past each sequence's keys, the
+spare pages and the pages unused block-table entries point to all hold NaN, and outputs
+start as NaN (conftest). The GPU tests (``gpu`` marker) run the same shapes in bf16 and
+fp16, rerun bit for bit and replay a CUDA graph.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import wsattn
+from wsattn import dispatch, reference
+from wsattn._triton_compat import patch_interpreter
+from wsattn.kernels import prefill_paged
+from wsattn.kernels.prefill_paged import PagedPrefillSettings
+from wsattn.target import Target, UnsupportedTargetError
+
+from conftest import assert_close, assert_lse_close
+
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    patch_interpreter()
+
+
+def _cu(lens, device="cpu"):
+    return torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32, device=device)
+
+
+def paged_inputs(lq, lk, Hq, Hkv, D, page, dtype, device="cpu", seed=0):
+    """q [sum(lq), Hq, D] and a paged cache holding lk[b] keys for sequence b, plus the
+    same keys packed contiguously ([sum(lk), Hkv, D]) for attention_varlen.
+
+    Pages are handed out in a shuffled order; block-table entries past a sequence's last
+    page point to a NaN page, and the cache slots past lk[b] in its last page are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    B = len(lq)
+    per_seq = [-(-n // page) for n in lk]
+    width = max(per_seq + [0]) + 2  # spare entries past the longest sequence
+    num_pages = sum(per_seq) + 3  # spare pages, never referenced by a used entry
+    order = torch.randperm(num_pages, generator=g).tolist()
+    nan_page = order[-1]
+    k_cache = torch.full((num_pages, page, Hkv, D), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_pages, page, Hkv, D), float("nan"), dtype=dtype)
+    table = torch.full((B, width), nan_page, dtype=torch.int32)
+    k, v = rnd(sum(lk), Hkv, D), rnd(sum(lk), Hkv, D)
+    start, nxt = 0, 0
+    for b in range(B):
+        for j in range(per_seq[b]):
+            p = order[nxt]
+            nxt += 1
+            table[b, j] = p
+            n = min(page, lk[b] - j * page)
+            k_cache[p, :n] = k[start + j * page:start + j * page + n]
+            v_cache[p, :n] = v[start + j * page:start + j * page + n]
+        start += lk[b]
+    q = rnd(sum(lq), Hq, D)
+    dev = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    q, k_cache, v_cache, table, k, v = dev(q, k_cache, v_cache, table, k, v)
+    seqlens_k = torch.tensor(lk, dtype=torch.int32, device=device)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=_cu(lq, device),
+                seqlens_k=seqlens_k, block_table=table, k=k, v=v, cu_seqlens_k=_cu(lk, device))
+
+
+def _args(x):
+    return (x["q"], x["k_cache"], x["v_cache"], x["cu_seqlens_q"], x["seqlens_k"],
+            x["block_table"])
+
+
+# (chunk lengths lq, keys lk (the chunk's own included), Hq, Hkv, D, page, causal): chunk
+# lengths 1, 5, 17, 64, 65 and an empty chunk; key counts ending mid-page; GQA 7:1 and 4:1;
+# a sequence with no key at all (not causal: its queries give 0 and -inf).
+CASES = {
+    "lq1_5_0_17_65-lk1_37_9_50_100-H7-HKV1-D64-page16-causal":
+        ([1, 5, 0, 17, 65], [1, 37, 9, 50, 100], 7, 1, 64, 16, True),
+    "lq64_5_17_3-lk64_70_130_0-H8-HKV2-D64-page64-full":
+        ([64, 5, 17, 3], [64, 70, 130, 0], 8, 2, 64, 64, False),
+    "lq17_1_65-lk40_63_65-H8-HKV2-D128-page16-causal":
+        ([17, 1, 65], [40, 63, 65], 8, 2, 128, 16, True),
+    "lq5_17-lk5_81-H4-HKV1-D128-page64-full":
+        ([5, 17], [5, 81], 4, 1, 128, 64, False),
+}
+# each case in one interpreter dtype, the first in both (the interpreter's time grows with D)
+INTERP = [pytest.param(c, F16, id=f"{n}-fp16") for n, c in CASES.items()] + \
+         [pytest.param(CASES[n], F32, id=f"{n}-fp32") for n in list(CASES)[:2]]
+
+
+def _check(out, lse, x, case, dtype, scale=None):
+    lq, lk, Hq, Hkv, D, page, causal = case
+    ref, ref_lse = reference.attention_paged(*_args(x), causal, scale)
+    assert out.dtype == dtype and out.shape == (sum(lq), Hq, D)
+    assert lse.dtype == torch.float32 and lse.shape == (Hq, sum(lq))
+    assert_close(out, ref, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+    for b, (nq, nk) in enumerate(zip(lq, lk)):  # queries of a sequence without keys
+        if nk == 0 and nq:
+            rows = slice(sum(lq[:b]), sum(lq[:b + 1]))
+            assert torch.equal(out[rows].float().cpu(), torch.zeros_like(out[rows].float().cpu()))
+            assert torch.isneginf(lse[:, rows]).all()
+
+
+# --------------------------------------------------------------------------- interpreter
+
+@pytest.mark.parametrize("case,dtype", INTERP)
+def test_interpreter_matches_float64(interpret, case, dtype):
+    lq, lk, Hq, Hkv, D, page, causal = case
+    x = paged_inputs(lq, lk, Hq, Hkv, D, page, dtype, seed=sum(lq) + sum(lk))
+    out, lse = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True, impl="triton")
+    _check(out, lse, x, case, dtype)
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_reference_equals_varlen_reference_on_contiguous_keys(case):
+    """The paged reference reads exactly the keys attention_varlen's reference gets packed."""
+    lq, lk, Hq, Hkv, D, page, causal = case
+    x = paged_inputs(lq, lk, Hq, Hkv, D, page, F32, seed=3)
+    out, lse = reference.attention_paged(*_args(x), causal, 0.1)
+    ref, ref_lse = reference.attention_varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"],
+                                              x["cu_seqlens_k"], causal, 0.1)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_equals_varlen_kernel_on_contiguous_keys(interpret):
+    """Same keys, laid out paged or packed: the two kernels agree within tolerance."""
+    lq, lk = [1, 17, 65], [30, 17, 90]
+    x = paged_inputs(lq, lk, 8, 2, 64, 16, F16, seed=5)
+    out, lse = wsattn.attention_paged(*_args(x), causal=True, return_lse=True, impl="triton")
+    ref, ref_lse = wsattn.attention_varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"],
+                                           x["cu_seqlens_k"], causal=True, return_lse=True,
+                                           impl="triton")
+    assert_close(out, ref, F16)
+    assert_lse_close(lse, ref_lse, F16)
+
+
+# Both K/V load paths at pages of 16 (one page a tile at BLOCK_N 16, a gathered tile at 32),
+# and a 64-key page holding two 32-key tiles under 32-row query tiles.
+SETTINGS = [
+    pytest.param(PagedPrefillSettings(16, 16, 4, 1), 16, id="M16-N16-page16-onepage"),
+    pytest.param(PagedPrefillSettings(16, 64, 4, 1), 16, id="M16-N64-page16-gather"),
+    pytest.param(PagedPrefillSettings(32, 32, 4, 1), 64, id="M32-N32-page64-onepage"),
+]
+
+
+@pytest.mark.parametrize("settings,page", SETTINGS)
+def test_settings_variants_match_float64(interpret, settings, page):
+    case = ([5, 40, 0, 33], [21, 40, 3, 77], 4, 1, 64, page, True)
+    x = paged_inputs(*case[:6], F16, seed=11)
+    out, lse = prefill_paged.prefill_paged(*_args(x), None, True, 0.125, settings=settings)
+    _check(out, lse, x, case, F16, scale=0.125)
+
+
+def test_max_seqlen_q_and_strided_index_views_give_the_same_bits(interpret):
+    """A grid bounded by max_seqlen_q, and index tensors given as strided views, change
+    nothing: the same tiles run the same code."""
+    lq, lk = [3, 33, 1], [20, 40, 70]
+    x = paged_inputs(lq, lk, 4, 2, 64, 16, F16, seed=13)
+    base = wsattn.attention_paged(*_args(x), causal=True, impl="triton")
+    bounded = wsattn.attention_paged(*_args(x), max_seqlen_q=33, causal=True, impl="triton")
+    wide = torch.zeros(x["block_table"].shape[0], x["block_table"].shape[1] * 2,
+                       dtype=torch.int32)
+    wide[:, ::2] = x["block_table"]  # every other column: stride 2 along the pages
+    cu2 = torch.zeros(2 * len(x["cu_seqlens_q"]), dtype=torch.int32)
+    cu2[::2] = x["cu_seqlens_q"]
+    strided = wsattn.attention_paged(x["q"], x["k_cache"], x["v_cache"], cu2[::2],
+                                     x["seqlens_k"], wide[:, ::2], causal=True, impl="triton")
+    assert torch.equal(base, bounded) and torch.equal(base, strided)
+
+
+def test_sm_scale_is_applied(interpret):
+    case = ([5, 9], [16, 30], 2, 1, 64, 16, True)
+    x = paged_inputs(*case[:6], F32, seed=17)
+    out, lse = wsattn.attention_paged(*_args(x), causal=True, sm_scale=0.37, return_lse=True,
+                                      impl="triton")
+    _check(out, lse, x, case, F32, scale=0.37)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_empty_batch_and_empty_chunks(interpret, impl):
+    """An empty batch, or chunks that are all empty, give empty outputs (no kernel)."""
+    Hq, D = 4, 64
+    kc = torch.randn(2, 16, 2, D, dtype=F16)
+    for cu, lens, table in (
+            (torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+             torch.zeros(0, 3, dtype=torch.int32)),
+            (torch.zeros(3, dtype=torch.int32), torch.tensor([5, 0], dtype=torch.int32),
+             torch.zeros(2, 1, dtype=torch.int32))):
+        out, lse = wsattn.attention_paged(torch.zeros(0, Hq, D, dtype=F16), kc, kc, cu, lens,
+                                          table, causal=True, return_lse=True, impl=impl)
+        assert out.shape == (0, Hq, D) and lse.shape == (Hq, 0) and lse.dtype == torch.float32
+
+
+def test_reference_impl_takes_any_head_dim():
+    """The reference runs where the kernel does not (head dim 48)."""
+    case = ([3, 4], [10, 4], 2, 2, 48, 4, True)
+    x = paged_inputs(*case[:6], F32, seed=19)
+    out = wsattn.attention_paged(*_args(x), causal=True, impl="reference")
+    ref = reference.attention_varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"],
+                                     x["cu_seqlens_k"], True)[0]
+    assert_close(out, ref, F32)
+
+
+# --------------------------------------------------------------------------- validation
+
+def _good():
+    return paged_inputs([3, 5], [10, 5], 4, 2, 64, 4, F16, seed=23)
+
+
+def _bad_cases():
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    cases = {}
+
+    def case(name, exc, match, **changes):
+        cases[name] = (exc, match, changes)
+
+    case("q-2d", ValueError, r"q must be 3-D", q=lambda x: x["q"][0])
+    case("q-not-tensor", TypeError, r"q must be a torch.Tensor", q=lambda x: x["q"].numpy())
+    case("k_cache-3d", ValueError, r"k_cache must be 4-D paged",
+         k_cache=lambda x: x["k_cache"][0])
+    case("v_cache-dtype", TypeError, r"v_cache has dtype torch.float32",
+         v_cache=lambda x: x["v_cache"].float())
+    case("v_cache-shape", ValueError, r"k_cache and v_cache must have the same shape",
+         v_cache=lambda x: x["v_cache"][:-1])
+    case("k_cache-head-dim", ValueError, r"k_cache must be \[num_pages, page_size, Hkv, D=64\]",
+         k_cache=lambda x: x["k_cache"][..., :32], v_cache=lambda x: x["v_cache"][..., :32])
+    case("page-size-0", ValueError, r"page_size \(shape\[1\]\) >= 1",
+         k_cache=lambda x: x["k_cache"][:, :0], v_cache=lambda x: x["v_cache"][:, :0])
+    case("gqa", ValueError, r"query heads \(q: 4\) must be a positive multiple of the number "
+         r"of KV heads \(k_cache: 3\)",
+         k_cache=lambda x: torch.zeros(9, 4, 3, 64, dtype=F16),
+         v_cache=lambda x: torch.zeros(9, 4, 3, 64, dtype=F16))
+    case("q-last-dim", ValueError, r"q must have a contiguous last dimension",
+         q=lambda x: x["q"].transpose(-1, -2).contiguous().transpose(-1, -2))
+    case("k_cache-not-float", TypeError, r"k_cache must be a floating-point tensor",
+         k_cache=lambda x: x["k_cache"].to(torch.int16))
+    case("cu-int64", TypeError, r"cu_seqlens_q must be int32",
+         cu_seqlens_q=lambda x: x["cu_seqlens_q"].long())
+    case("cu-empty", ValueError, r"cu_seqlens_q must hold batch \+ 1 offsets",
+         cu_seqlens_q=lambda x: i32())
+    case("cu-last", ValueError, r"cu_seqlens_q\[-1\] must equal the number of packed tokens \(8\)",
+         cu_seqlens_q=lambda x: i32(0, 3, 7))
+    case("cu-decreasing", ValueError, r"cu_seqlens_q must be non-decreasing",
+         cu_seqlens_q=lambda x: i32(0, 9, 8))
+    case("seqlens_k-int64", TypeError, r"seqlens_k must be int32",
+         seqlens_k=lambda x: x["seqlens_k"].long())
+    case("seqlens_k-batch", ValueError, r"seqlens_k must be \[batch=2\]",
+         seqlens_k=lambda x: i32(10, 5, 1))
+    case("block_table-1d", ValueError, r"block_table must be a 2-D int32 tensor",
+         block_table=lambda x: x["block_table"][0])
+    case("block_table-batch", ValueError, r"block_table must be \[batch=2, max_pages\]",
+         block_table=lambda x: x["block_table"][:1])
+    case("block_table-width", ValueError, r"seqlens_k\[0\]=10 must lie in \[0, 8\] \(the block "
+         r"table's capacity: block_table.shape\[1\]=2 pages of page_size=4\)",
+         block_table=lambda x: x["block_table"][:, :2].contiguous())
+    case("seqlens_k-negative", ValueError, r"seqlens_k\[1\]=-1 must lie in",
+         seqlens_k=lambda x: i32(10, -1), causal=False)
+    case("causal-short", ValueError, r"sequence 1 has seqlens_k 4 < q_len 5",
+         seqlens_k=lambda x: i32(10, 4))
+    case("page-out-of-range", ValueError, r"block_table\[0\] holds page 99, outside \[0, 8\) \(num_pages of k_cache\)",
+         block_table=lambda x: x["block_table"].index_fill(1, torch.tensor([0]), 99))
+    case("max_seqlen_q-short", ValueError, r"max_seqlen_q=4 is shorter than the longest query "
+         r"sequence \(5\)", max_seqlen_q=4)
+    case("max_seqlen_q-type", TypeError, r"max_seqlen_q must be a non-negative int",
+         max_seqlen_q=2.5)
+    case("causal-type", TypeError, r"causal must be a bool", causal=1)
+    case("validate-type", TypeError, r"validate must be True, False or None", validate="yes")
+    case("return_lse-type", TypeError, r"return_lse must be a bool", return_lse="no")
+    case("sm_scale", ValueError, r"sm_scale must be a positive finite number", sm_scale=-1.0)
+    case("impl", ValueError, r"impl must be one of", impl="cuda")
+    case("impl-gluon", ValueError, r"no paged prefill path", impl="gluon")
+    case("kernel-head-dim", ValueError, r"head dim .* one of \(64, 128, 256\) for impl='triton'",
+         q=lambda x: x["q"][..., :48], k_cache=lambda x: x["k_cache"][..., :48].contiguous(),
+         v_cache=lambda x: x["v_cache"][..., :48].contiguous())
+    case("kernel-dtype", TypeError, r"q dtype must be one of float16, bfloat16, float32",
+         q=lambda x: x["q"].double(), k_cache=lambda x: x["k_cache"].double(),
+         v_cache=lambda x: x["v_cache"].double())
+    return cases
+
+
+BAD = _bad_cases()
+POSITIONAL = ("q", "k_cache", "v_cache", "cu_seqlens_q", "seqlens_k", "block_table")
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_is_refused_by_name_before_any_kernel(interpret, monkeypatch, name):
+    exc, match, changes = BAD[name]
+    launched = []
+
+    def launch(q, *args, **kw):
+        launched.append(q)
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+    monkeypatch.setattr(prefill_paged, "prefill_paged", launch)
+    x = _good()
+    args = [changes[n](x) if n in changes else x[n] for n in POSITIONAL]
+    kw = dict(causal=True, impl="triton")
+    kw.update({k: v for k, v in changes.items() if k not in POSITIONAL})
+    with pytest.raises(exc, match=match):
+        wsattn.attention_paged(*args, **kw)
+    if "return_lse" not in kw:  # the twin runs the same checks (it returns no LSE)
+        with pytest.raises(exc, match=match):
+            wsattn.api.check_attention_paged(*args, **kw)
+    assert not launched
+    wsattn.attention_paged(*_args(x), causal=True, impl="triton")  # the hook does catch a launch
+    assert len(launched) == 1
+
+
+def test_validate_false_reads_no_values():
+    """validate=False leaves index values to the caller (what a default CUDA call does);
+    validate=None on CPU tensors checks them."""
+    x = _good()
+    table = x["block_table"].index_fill(1, torch.tensor([0]), 99)
+    args = (x["q"], x["k_cache"], x["v_cache"], x["cu_seqlens_q"], x["seqlens_k"], table)
+    wsattn.api.check_attention_paged(*args, causal=True, impl="reference", validate=False)
+    with pytest.raises(ValueError, match=r"block_table\[0\] holds page 99"):
+        wsattn.api.check_attention_paged(*args, causal=True, impl="reference")
+
+
+def test_dispatch_resolves_paged_prefill(monkeypatch):
+    call = dispatch.Call("prefill_paged", torch.device("cpu"), F16, 64, True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert dispatch.resolve("auto", call) == "reference"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.resolve("auto", call) == "triton"
+    assert "paged prefill" in dispatch.reason("gluon", call)
+    assert "attention_paged" in wsattn.__all__ and wsattn.attention_paged is wsattn.api.attention_paged
+
+
+# --------------------------------------------------------------------------- settings, compile
+
+def test_default_settings_per_target():
+    h200 = Target("cuda", 90, 132)
+    assert prefill_paged.default_settings(h200, 128, BF16) == PagedPrefillSettings(128, 64, 8, 3)
+    assert prefill_paged.default_settings(h200, 64, F16) == PagedPrefillSettings(128, 64, 8, 3)
+    assert prefill_paged.default_settings(h200, 128, F32).BLOCK_N == 32
+    assert prefill_paged.default_settings(Target("cuda", 80, 108), 128, F16).BLOCK_N == 32
+    assert prefill_paged.default_settings(Target("interpreter", 0), 64, F16).BLOCK_M == 16
+    with pytest.raises(UnsupportedTargetError, match="sm_75"):
+        prefill_paged.default_settings(Target("cuda", 75, 40), 128, F16)
+
+
+def test_grid_bound_covers_every_tile():
+    """The launch's tile count bound is never below the real count, for any split of Tq."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        B, bm = int(rng.integers(1, 9)), int(rng.choice([16, 64, 128]))
+        lens = rng.integers(0, 300, B)
+        tiles = int(sum(-(-int(n) // bm) for n in lens))
+        cu = _cu(lens.tolist())
+        assert prefill_paged._tile_offsets(cu, bm).tolist()[-1] == tiles
+        assert prefill_paged.num_tiles_bound(int(lens.sum()), B, bm, None) >= tiles
+        assert prefill_paged.num_tiles_bound(int(lens.sum()), B, bm, int(lens.max())) >= tiles
+
+
+def _compile(head_dim, page):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    spec = prefill_paged.compile_spec(90, head_dim, "bf16", causal=True, page_size=page)
+    src = ASTSource(spec["fn"], spec["signature"], spec["constexprs"], spec["attrs"])
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"]), spec
+
+
+@pytest.mark.parametrize("page", [16, 64], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+def test_sm90_default_build_does_not_spill(head_dim, page, record_property):
+    from test_prefill_compile import SMEM_LIMIT, _ptxas_usage
+    kernel, spec = _compile(head_dim, page)
+    regs, stores, loads = _ptxas_usage(kernel)
+    row = (f"sm90 D{head_dim} page{page} bf16 causal {spec['settings']}: {regs} registers, "
+           f"spills {stores}/{loads}, shared {kernel.metadata.shared}")
+    print(row)
+    record_property(f"sm90-D{head_dim}-page{page}.registers", regs)
+    record_property(f"sm90-D{head_dim}-page{page}.spill_bytes", stores + loads)
+    assert stores + loads == 0, row
+    assert kernel.metadata.shared <= SMEM_LIMIT[90], row
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx, row
+    assert "cp.async.bulk.tensor" not in ptx, "pointer loads only (no TMA)"
+
+
+# --------------------------------------------------------------------------- GPU
+
+GPU_CASES = [pytest.param(c, id=n) for n, c in CASES.items()] + [
+    pytest.param(([1, 300, 17, 0, 129], [4000, 300, 1000, 5, 129], 32, 8, 128, 16, True),
+                 id="long-lq1_300_17_0_129-H32-HKV8-D128-page16-causal"),
+    pytest.param(([128, 64], [1000, 64], 16, 16, 64, 64, True),
+                 id="lq128_64-H16-HKV16-D64-page64-causal"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_matches_float64_and_reruns_bitwise(case, dtype):
+    lq, lk, Hq, Hkv, D, page, causal = case
+    x = paged_inputs(lq, lk, Hq, Hkv, D, page, dtype, device="cuda", seed=29)
+    out, lse = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True)
+    _check(out, lse, x, case, dtype)
+    again, lse2 = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True)
+    assert torch.equal(out, again) and torch.equal(lse, lse2)
+    ref = wsattn.attention_varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"],
+                                  causal=causal)
+    assert_close(out, ref, dtype, what="paged vs varlen kernel")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_equals_eager():
+    """A default call (validate=None) reads no index value on the host, so it captures;
+    replays with new q values and new key counts equal eager calls bit for bit."""
+    lq, lk = [17, 1, 64], [100, 33, 64]
+    x = paged_inputs(lq, lk, 16, 2, 128, 16, BF16, device="cuda", seed=31)
+    args = _args(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compile) outside the capture
+        wsattn.attention_paged(*args, causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = wsattn.attention_paged(*args, causal=True)
+    for seed in range(2):
+        x["q"].copy_(torch.randn_like(x["q"], dtype=torch.float32).to(BF16))
+        if seed:  # fewer keys for the second sequence: the kernel reads seqlens_k on the device
+            x["seqlens_k"][1] = 20
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = wsattn.attention_paged(*args, causal=True)
+        assert torch.equal(static_out, eager)
+        ref = reference.attention_paged(*args, True)[0]
+        assert_close(static_out, ref, BF16)

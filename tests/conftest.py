@@ -11,18 +11,20 @@ from wsattn.testing import DTYPES, assert_lse_close, rel_err  # noqa: F401  (the
 from wsattn.testing import LSE_TOL as _LSE_TOL, TOL as _TOL
 from wsattn.testing import assert_close as _assert_close
 
-# Import every kernel module now, in the environment pytest was started with. Triton reads
-# TRITON_INTERPRET inside @triton.jit, at import: a module first imported inside a test
-# that monkeypatches TRITON_INTERPRET=1 would hold interpreter functions for the rest of
-# the process, and the sm_90 compile-only tests that run later in that worker would fail
-# on them (seen under pytest -n 2, depending on which worker got which test).
-if os.environ.get("TRITON_INTERPRET") != "1":
-    import wsattn.kernels.decode_triton  # noqa: E402,F401
-    import wsattn.kernels.gemv  # noqa: E402,F401
-    import wsattn.kernels.merge  # noqa: E402,F401
-    import wsattn.kernels.moe  # noqa: E402,F401
-    import wsattn.kernels.prefill_paged  # noqa: E402,F401
-    import wsattn.kernels.qkv_rope  # noqa: E402,F401
+
+def pytest_configure(config):
+    """Import every kernel module at start-up, in the environment pytest was started with.
+    Triton reads TRITON_INTERPRET inside @triton.jit, at import: a module first imported
+    inside a test that monkeypatches TRITON_INTERPRET=1 would hold interpreter functions
+    for the rest of the process, and the sm_90 compile-only tests that run later in that
+    worker would fail on them (seen under pytest -n 2). A hook, not module-level code:
+    the sp tests' spawned ranks import this file too and set TRITON_INTERPRET after."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    import importlib
+    for name in ("decode_triton", "gemv", "merge", "moe", "prefill_paged", "qkv_rope"):
+        importlib.import_module(f"wsattn.kernels.{name}")
+
 
 # keyed by torch dtype for the tests' convenience; the values live in wsattn.testing
 TOL = {DTYPES[k]: v for k, v in _TOL.items()}

@@ -331,7 +331,7 @@ def test_call_refusals(monkeypatch):
 
 # --------------------------------------------------------------------------- GPU
 
-def _gpu_engine(graphs=None, pdl=None, layers=4, max_pos=2048):
+def _gpu_engine(graphs=None, pdl=None, layers=4, max_pos=2048, num_pages=512):
     """A bf16 Llama-shaped model (D 64, GQA 4:1, tied embeddings off) on CUDA."""
     import transformers
 
@@ -344,7 +344,7 @@ def _gpu_engine(graphs=None, pdl=None, layers=4, max_pos=2048):
                                    intermediate_size=1536, vocab_size=4096,
                                    max_position_embeddings=max_pos)
     model = transformers.LlamaForCausalLM(cfg).eval()
-    e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=512,
+    e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=num_pages,
                page_size=16, buckets=(1, 2, 4, 8))
     e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl)
     return e, model

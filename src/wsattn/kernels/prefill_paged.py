@@ -22,7 +22,6 @@ Reads top to bottom: jit kernels, settings, launcher, ``prefill_paged``.
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +31,7 @@ import triton.language as tl
 from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
+from ._rebuild import rebuild
 from ._intmath import cdiv
 
 LOG2E = 1.4426950408889634
@@ -193,26 +193,9 @@ _KERNELS: dict = {}
 
 def _kernel(interpret: bool):
     """``_prefill_paged_fwd`` built for the interpreter or for the compiler, whatever the
-    process: Triton reads TRITON_INTERPRET when ``@triton.jit`` runs, so the kernels are
-    rebuilt from their raw functions as the kind asked for (the same scheme, and the same
-    reasons, as ``prefill_triton._kernel``; the kernels avoid Triton's standard-library jit
-    helpers for this). The interpreter reduces with numpy only for Triton's own combine
-    functions, so its build gets those."""
+    process (why and how: ``_rebuild``)."""
     if interpret not in _KERNELS:
-        from triton.runtime.interpreter import InterpretedFunction
-        wrap = InterpretedFunction if interpret else triton.runtime.JITFunction
-        ns = dict(globals())
-        for name in _JIT_NAMES:
-            raw = globals()[name].fn
-            fn = types.FunctionType(raw.__code__, ns, raw.__name__, raw.__defaults__,
-                                    raw.__closure__)
-            fn.__annotations__ = dict(raw.__annotations__)  # keeps tl.constexpr parameters
-            fn.__kwdefaults__ = raw.__kwdefaults__
-            ns[name] = wrap(fn)
-        if interpret:
-            ns["_max_combine"] = tl.standard._elementwise_max
-            ns["_sum_combine"] = tl.standard._sum_combine
-        _KERNELS[interpret] = ns["_prefill_paged_fwd"]
+        _KERNELS[interpret] = rebuild(globals(), _JIT_NAMES, "_prefill_paged_fwd", interpret)
     return _KERNELS[interpret]
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ import triton.language as tl
 from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
+from ._rebuild import rebuild
 from ._intmath import cdiv
 
 LN2 = math.log(2.0)
@@ -218,35 +218,10 @@ _KERNELS: dict = {}
 
 
 def _kernel(interpret: bool):
-    """``_attn_fwd`` built for the interpreter or for the compiler, whatever the process.
-
-    Triton 3.6 reads TRITON_INTERPRET inside ``@triton.jit``, i.e. at import time, for
-    this module and for Triton's own standard library (``tl.max``, ``tl.zeros``, ...). So
-    the kernels avoid the standard library's jit helpers (``tl.reduce`` with the two
-    combine functions above, ``tl.full``) and are rebuilt here from the raw functions, in
-    a copy of the module namespace, as the kind asked for. Then a test can set the
-    variable with monkeypatch at any time, and ``compile_spec`` works in an interpreting
-    process. The interpreter reduces with numpy only for Triton's own combine functions
-    (recognised by identity; anything else runs a Python call per element), so its build
-    gets those.
-    """
+    """``_attn_fwd`` built for the interpreter or for the compiler, whatever the process
+    (why and how: ``_rebuild``)."""
     if interpret not in _KERNELS:
-        from triton.runtime.interpreter import InterpretedFunction
-        wrap = InterpretedFunction if interpret else triton.runtime.JITFunction
-        ns = dict(globals())
-        for name in _JIT_NAMES:
-            raw = globals()[name].fn
-            fn = types.FunctionType(raw.__code__, ns, raw.__name__, raw.__defaults__,
-                                    raw.__closure__)
-            # FunctionType copies no annotations: without them every tl.constexpr
-            # parameter would compile as a run-time value (both VARLEN branches built)
-            fn.__annotations__ = dict(raw.__annotations__)
-            fn.__kwdefaults__ = raw.__kwdefaults__
-            ns[name] = wrap(fn)
-        if interpret:
-            ns["_max_combine"] = tl.standard._elementwise_max
-            ns["_sum_combine"] = tl.standard._sum_combine
-        _KERNELS[interpret] = ns["_attn_fwd"]
+        _KERNELS[interpret] = rebuild(globals(), _JIT_NAMES, "_attn_fwd", interpret)
     return _KERNELS[interpret]
 
 

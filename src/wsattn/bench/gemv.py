@@ -4,9 +4,19 @@ kernel against cuBLAS, in TB/s of weights read and as a fraction of the copy cei
 Per model (Llama-3.2-1B, Llama-3.1-8B, Qwen3-8B; shapes from :mod:`wsattn.bench.step`'s
 configs through :class:`~wsattn.models.ModelConfig`), per M in {1, 8, 64}, bf16:
 
-* ``qkv``: [M, hidden] x [q + 2 kv, hidden]^T with FlashNorm (``norm_eps``); in the step
-  this projection runs in ``qkv_rope.py`` (RoPE and the cache append fused), here through
-  the plain GEMV for its weight-streaming rate;
+* ``qkv``: [M, hidden] x [q + 2 kv, hidden]^T with FlashNorm (``norm_eps``), through the
+  plain GEMV for its weight-streaming rate; in the step this projection runs fused, which
+  is benchmarked as ``qkv_rope``;
+* ``qkv_rope``: the fused kernel the step runs (:func:`wsattn.kernels.qkv_rope.qkv_rope_append`)
+  on the same FlashNorm-folded weights: projection, 1/rms(x), the model's bias (Qwen2) and
+  per-head QK-norm (Qwen3), RoPE with the model's frequencies (Llama-3 scaling included), q
+  written out and k/v appended at position ``QKV_CTX - 1`` to a paged cache (page size 16)
+  of M sequences, through a step-owned split-K workspace, as the runner calls it. Checked
+  on q and the appended k/v slots against float64. Its ``cublas`` peer is the same
+  product alone (``F.linear``, no norm, RoPE or append: the row's note says so). TB/s
+  counts the same W bytes as ``qkv`` (their copies rotate as below; the cache slots
+  written are the same every call); ``--qkv-settings`` adds columns of its launch
+  settings (:class:`~wsattn.kernels.qkv_rope.QkvRopeSettings`);
 * ``o``: [M, q] x [hidden, q]^T + residual;
 * ``gate_up``: [M, hidden] x [2 ffn, hidden]^T, FlashNorm, SiLU(gate) * up;
 * ``down``: [M, ffn] x [hidden, ffn]^T + residual;
@@ -35,7 +45,11 @@ import torch
 from .cases import DTYPES, tbps
 
 M_VALUES = (1, 8, 64)
-KERNELS = ("qkv", "o", "gate_up", "down", "lm_head")
+KERNELS = ("qkv", "o", "gate_up", "down", "lm_head")  # the plain GEMVs
+FUSED = ("qkv_rope",)  # the step's fused QKV + RoPE + append, on the qkv weights
+ALL_KERNELS = KERNELS + FUSED  # what the command line runs by default
+QKV_CTX = 4096  # tokens per sequence: the append writes position QKV_CTX - 1
+PAGE_SIZE = 16  # the engine's page
 IMPLS = ("wsattn", "wsattn-nopdl", "cublas")
 TARGET_FRAC = 0.90  # of the copy ceiling, per GEMV on its own (the issue's target)
 L2_BYTES = 50 << 20  # H200
@@ -84,15 +98,59 @@ class GemvCase:
         return max(1, math.ceil(self.fresh_bytes / self.w_bytes()))
 
 
+@dataclass(frozen=True, kw_only=True)
+class QkvRopeCase(GemvCase):
+    """The step's fused QKV launch: x [M, K] @ Wqkv [N, K]^T with N = (heads + 2 kv_heads)
+    * head_dim, then FlashNorm, bias, QK-norm, RoPE, q out and k/v appended to a paged
+    cache of M sequences at position ``ctx - 1``. ``eps`` is the model's RMSNorm eps
+    (FlashNorm and QK-norm alike, as the runner passes them); ``rope`` a RopeConfig."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope: object  # wsattn.models.config.RopeConfig
+    eps: float
+    bias: bool = False
+    qk_norm: bool = False
+    ctx: int = QKV_CTX
+    page_size: int = PAGE_SIZE
+
+    def __post_init__(self):
+        if self.N != (self.heads + 2 * self.kv_heads) * self.head_dim:
+            raise ValueError(f"N = {self.N} must be (heads + 2 kv_heads) * head_dim = "
+                             f"{(self.heads + 2 * self.kv_heads) * self.head_dim}")
+        if not self.norm or self.residual or self.silu_mul:
+            raise ValueError("a qkv_rope case has FlashNorm and no residual or silu_mul")
+
+    @property
+    def epilogue(self) -> str:
+        parts = [p for p, on in (("norm", self.norm), ("bias", self.bias),
+                                 ("qk_norm", self.qk_norm)) if on]
+        return "+".join(parts + ["rope", "append"])
+
+
+def qkv_rope_case(model: str, cfg, M: int, dtype: str = "bf16", **kw) -> QkvRopeCase:
+    """The fused QKV case of ``cfg`` (a ModelConfig) at M rows (``kw``: ctx, page_size,
+    fresh_bytes)."""
+    return QkvRopeCase(model, "qkv_rope", M, cfg.q_size + 2 * cfg.kv_size, cfg.hidden, True,
+                       False, False, dtype, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                       head_dim=cfg.head_dim, rope=cfg.rope, eps=float(cfg.rms_eps),
+                       bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, **kw)
+
+
 def model_gemvs(model: str, cfg, M: int, dtype: str = "bf16") -> list[GemvCase]:
-    """The five GEMVs of one decode step of ``cfg`` (a ModelConfig) at M rows."""
+    """The five GEMVs of one decode step of ``cfg`` (a ModelConfig) at M rows, with the
+    fused QKV case after the plain one (not for a whole-projection QK-norm, which the
+    fused kernel does not compute)."""
     h, q, kv, f = cfg.hidden, cfg.q_size, cfg.kv_size, cfg.ffn
     spec = {"qkv": (q + 2 * kv, h, True, False, False),
             "o": (h, q, False, True, False),
             "gate_up": (2 * f, h, True, False, True),
             "down": (h, f, False, True, False),
             "lm_head": (cfg.vocab, h, True, False, False)}
-    return [GemvCase(model, k, M, *spec[k], dtype) for k in KERNELS]
+    cases = [GemvCase(model, k, M, *spec[k], dtype) for k in KERNELS]
+    if not cfg.qk_norm_whole:
+        cases.insert(1, qkv_rope_case(model, cfg, M, dtype))
+    return cases
 
 
 def gemv_cases(models=None, m_values=M_VALUES, kernels=KERNELS, dtype="bf16") -> list[GemvCase]:
@@ -161,6 +219,145 @@ def _calls(case, impl, x, ws, residual, eps, out, settings=None):
     return (lambda: call(ws[0])), fn
 
 
+def qkv_rope_reference(case: QkvRopeCase, x, w, bqkv, q_norm, k_norm, inv_freq, positions):
+    """float64 (q [M, Hq, D], k [M, Hkv, D], v [M, Hkv, D]) of the fused kernel's contract,
+    on x's device: (x @ w^T) / rms(x) with w FlashNorm-folded, + bias, per-head RMSNorm of
+    q and k, RoPE as transformers applies it."""
+    from wsattn.models.reference import apply_rope, inv_rms, rms_norm
+
+    H, HKV, D = case.heads, case.kv_heads, case.head_dim
+    x64 = x.double()
+    qkv = (x64 @ w.double().t()) * inv_rms(x64, case.eps)
+    if bqkv is not None:
+        qkv = qkv + bqkv.double()
+    q, k, v = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
+    q, k, v = q.unflatten(-1, (H, D)), k.unflatten(-1, (HKV, D)), v.unflatten(-1, (HKV, D))
+    if q_norm is not None:
+        q = rms_norm(q, q_norm.double(), case.eps)
+        k = rms_norm(k, k_norm.double(), case.eps)
+    # the angle is an fp32 product, as transformers and the kernel form it (at position
+    # 4095 a float64 product differs by up to ~1e-4 rad); cos/sin of it in float64
+    ang = (positions.float()[:, None] * inv_freq.float()[None, :]).double()  # [M, D/2]
+    emb = torch.cat((ang, ang), dim=-1)
+    return apply_rope(q, emb.cos(), emb.sin()), apply_rope(k, emb.cos(), emb.sin()), v
+
+
+def _inv_freq(case: QkvRopeCase, device):
+    from wsattn.rope import rope_inv_freq
+
+    r = case.rope
+    scaling = None if r.type == "default" else {
+        "rope_type": r.type, "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+        "high_freq_factor": r.high_freq_factor,
+        "original_max_position_embeddings": r.original_max_positions}
+    return rope_inv_freq(case.head_dim, r.theta, scaling, device=device)
+
+
+def _qkv_inputs(case: QkvRopeCase, device, seed=0) -> dict:
+    """Random inputs of a fused case: x, the folded weight copies, bias / QK-norm weights
+    where the model has them, the model's frequencies, and a paged cache of M sequences
+    (pages in shuffled order) appended at position ctx - 1 of each."""
+    from wsattn.models.flashnorm import fold_columns
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = DTYPES[case.dtype]
+
+    def randn(*shape, scale=1.0, dtype=dt):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    M, D = case.M, case.head_dim
+    attn_norm = 1 + 0.1 * randn(case.K, dtype=torch.float32)
+    w0 = fold_columns(randn(case.N, case.K, scale=case.K ** -0.5), attn_norm)
+    pages = -(-case.ctx // case.page_size)
+    order = torch.randperm(M * pages, generator=torch.Generator().manual_seed(seed))
+    inp = dict(x=randn(M, case.K), ws=[w0] + [w0.clone() for _ in range(case.copies() - 1)],
+               bqkv=randn(case.N, scale=0.5) if case.bias else None,
+               q_norm=(1 + 0.3 * randn(D)) if case.qk_norm else None,
+               k_norm=(1 + 0.3 * randn(D)) if case.qk_norm else None,
+               inv_freq=_inv_freq(case, device),
+               positions=torch.full((M,), case.ctx - 1, dtype=torch.int32, device=device),
+               block_table=order.to(torch.int32).view(M, pages).to(device),
+               k_cache=torch.zeros(M * pages, case.page_size, case.kv_heads, D, dtype=dt,
+                                   device=device))
+    inp["v_cache"] = torch.zeros_like(inp["k_cache"])
+    return inp
+
+
+def _qkv_slots(case: QkvRopeCase, inp):
+    """(page, offset) [M] of each row's appended k/v."""
+    pos = inp["positions"].long()
+    rows = torch.arange(case.M, device=pos.device)
+    return inp["block_table"][rows, pos // case.page_size].long(), pos % case.page_size
+
+
+def _qkv_calls(case: QkvRopeCase, impl, inp, settings=None):
+    """(first, fn, check, note) of a fused case: ``first`` the checked call on copy 0 (q or
+    the product; the appended slots are set to NaN before it, so each implementation must
+    write them itself), ``fn`` the timed call cycling through the weight copies (the same
+    cache slots each time), ``check(y) -> (rel_err, tol, detail)``."""
+    import torch.nn.functional as F
+
+    from wsattn.kernels import qkv_rope as kq
+    from wsattn.target import target_of
+    from wsattn.testing import TOL, rel_err
+
+    x, ws = inp["x"], inp["ws"]
+    page, off = _qkv_slots(case, inp)
+    if impl == "cublas":
+        def call(w):
+            return F.linear(x, w)
+
+        def check(y):
+            return rel_err(y, x.double() @ ws[0].double().t()), TOL[case.dtype], None
+
+        note = "F.linear of x and Wqkv only: no FlashNorm, bias, QK-norm, RoPE or cache append"
+        first = lambda: call(ws[0])  # noqa: E731
+    else:
+        if settings is None:
+            s = kq.default_settings(target_of(x.device), rows=case.M, hidden=case.K,
+                                    heads=case.heads + 2 * case.kv_heads,
+                                    head_dim=case.head_dim, dtype=x.dtype)
+            note = f"default settings {_qkv_spec(s)}"
+        else:
+            note = None
+        # the step owns its workspace (what a graph captures must not move): so does the bench
+        workspace = kq.qkv_rope_workspace(x.device, case.M, case.heads, case.kv_heads,
+                                          case.head_dim, settings, hidden=case.K,
+                                          dtype=x.dtype)
+        q_out = torch.full((case.M, case.heads, case.head_dim), float("nan"), dtype=x.dtype,
+                           device=x.device)
+        pdl = impl == "wsattn"
+
+        def call(w):
+            return kq.qkv_rope_append(
+                x, w, bqkv=inp["bqkv"], q_norm=inp["q_norm"], k_norm=inp["k_norm"],
+                norm_eps=case.eps, qk_eps=case.eps if case.qk_norm else None,
+                inv_freq=inp["inv_freq"], positions=inp["positions"], k_cache=inp["k_cache"],
+                v_cache=inp["v_cache"], block_table=inp["block_table"], q_out=q_out, pdl=pdl,
+                settings=settings, workspace=workspace)
+
+        def first():
+            inp["k_cache"][page, off] = float("nan")
+            inp["v_cache"][page, off] = float("nan")
+            return call(ws[0])
+
+        def check(y):
+            q, k, v = qkv_rope_reference(case, x, ws[0], inp["bqkv"], inp["q_norm"],
+                                         inp["k_norm"], inp["inv_freq"], inp["positions"])
+            errs = (rel_err(y, q), rel_err(inp["k_cache"][page, off], k),
+                    rel_err(inp["v_cache"][page, off], v))
+            return max(errs), TOL[case.dtype], "rel_err q/k/v " + "/".join(
+                f"{e:.1e}" for e in errs)
+    state = {"i": 0}
+
+    def fn():
+        w = ws[state["i"] % len(ws)]
+        state["i"] += 1
+        return call(w)
+
+    return first, fn, check, note
+
+
 SETTINGS_FIELDS = ("BLOCK_N", "BLOCK_K", "split_k", "use_dot", "num_warps", "num_stages")
 
 
@@ -180,6 +377,55 @@ def parse_settings(specs) -> dict:
             raise ValueError(f"--gemv-settings {spec!r}: use_dot must be 0 or 1, got {v[3]}")
         out[f"wsattn[{spec}]"] = GemvSettings(*v[:3], bool(v[3]), *v[4:])
     return out
+
+
+QKV_SETTINGS_FIELDS = ("BLOCK_K", "split_k", "num_warps", "num_stages")  # QkvRopeSettings'
+
+
+def _qkv_spec(s) -> str:
+    return ",".join(str(getattr(s, f)) for f in QKV_SETTINGS_FIELDS)
+
+
+def parse_qkv_settings(specs) -> dict:
+    """``--qkv-settings`` values, each "BLOCK_K,split_k,num_warps,num_stages", as
+    {"wsattn[qkv:SPEC]": QkvRopeSettings}: extra columns of the qkv_rope cases only (PDL
+    off). BLOCK_K must also divide the model's hidden size; a column where it does not, or
+    whose build does not fit the GPU, is an error row, not a stopped run."""
+    import dataclasses
+
+    from wsattn.kernels.qkv_rope import QkvRopeSettings
+
+    assert tuple(f.name for f in dataclasses.fields(QkvRopeSettings)) == QKV_SETTINGS_FIELDS
+    out = {}
+    for spec in specs or ():
+        parts = spec.split(",")
+        if len(parts) != len(QKV_SETTINGS_FIELDS) or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"--qkv-settings {spec!r}: expected four integers "
+                             f"{','.join(QKV_SETTINGS_FIELDS)}, e.g. 128,4,8,4")
+        block_k, split_k, warps, stages = (int(p) for p in parts)
+        if block_k < 16 or block_k & (block_k - 1):
+            raise ValueError(f"--qkv-settings {spec!r}: BLOCK_K must be a power of two >= 16 "
+                             f"(tl.dot's K side), got {block_k}")
+        if split_k < 1:
+            raise ValueError(f"--qkv-settings {spec!r}: split_k must be >= 1, got {split_k}")
+        if warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"--qkv-settings {spec!r}: num_warps must be 1, 2, 4, 8 or 16, "
+                             f"got {warps}")
+        if stages < 1:
+            raise ValueError(f"--qkv-settings {spec!r}: num_stages must be >= 1, got {stages}")
+        s = QkvRopeSettings(block_k, split_k, warps, stages)
+        out[f"wsattn[qkv:{_qkv_spec(s)}]"] = s
+    return out
+
+
+def _applies(case, settings) -> bool:
+    """A sweep column runs on the cases its settings are for: QkvRopeSettings on the fused
+    case, GemvSettings on the plain GEMVs; the default columns run everywhere."""
+    if settings is None:
+        return True
+    from wsattn.kernels.qkv_rope import QkvRopeSettings
+
+    return isinstance(settings, QkvRopeSettings) == isinstance(case, QkvRopeCase)
 
 
 def _check(case, impl, y, x, w, residual, eps):
@@ -227,40 +473,54 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 def run_case(case, impls, timer, stamp, device, copy_tbps, eps=1e-5,
              settings=None) -> list[dict]:
     """Rows of every implementation for one case: check against float64, then time.
-    ``settings`` maps extra implementation names (see :func:`parse_settings`) to the
-    GemvSettings they run the kernel with (PDL off, as ``wsattn-nopdl``)."""
+    ``settings`` maps extra implementation names (see :func:`parse_settings` and
+    :func:`parse_qkv_settings`) to the GemvSettings / QkvRopeSettings they run the kernel
+    with (PDL off, as ``wsattn-nopdl``); a column runs only on the cases its settings are
+    for (no row elsewhere). ``eps`` is the plain GEMVs' FlashNorm eps; a fused case uses
+    its model's."""
     settings = settings or {}
     from .suite import _short
 
+    fused = isinstance(case, QkvRopeCase)
+    impls = [i for i in impls if _applies(case, settings.get(i))]
     rows = []
     try:
-        x, ws, residual = _inputs(case, device)
+        data = _qkv_inputs(case, device) if fused else _inputs(case, device)
     except Exception as e:  # out of memory on a smaller GPU, say
         return [make_row(stamp, case, i, "error", reason="inputs: " + _short(e)) for i in impls]
     dt = DTYPES[case.dtype]
     for impl in impls:
-        out = torch.empty(case.M, case.nout, dtype=dt, device=device)
+        note = None
         try:
-            first, fn = _calls(case, impl, x, ws, residual, eps, out, settings.get(impl))
+            if fused:
+                first, fn, check, note = _qkv_calls(case, impl, data, settings.get(impl))
+            else:
+                x, ws, residual = data
+                out = torch.empty(case.M, case.nout, dtype=dt, device=device)
+                first, fn = _calls(case, impl, x, ws, residual, eps, out, settings.get(impl))
+
+                def check(y, x=x, w=ws[0], residual=residual, impl=impl):
+                    return (*_check(case, impl, y, x, w, residual, eps), None)
             y = first()
             _sync(device)
-            err, tol = _check(case, impl, y, x, ws[0], residual, eps)
+            err, tol, detail = check(y)
         except Exception as e:  # a broken kernel must not stop the benchmark
-            rows.append(make_row(stamp, case, impl, "error", reason=_short(e)))
+            rows.append(make_row(stamp, case, impl, "error", reason=_short(e), note=note))
             continue
+        note = "; ".join(p for p in (note, detail) if p) or None
         if not err <= tol:
-            rows.append(make_row(stamp, case, impl, "failed", rel_err=err, tol=tol,
+            rows.append(make_row(stamp, case, impl, "failed", rel_err=err, tol=tol, note=note,
                                  reason=f"relative error {err:.3e} > {tol:.1e}; not timed"))
             continue
         try:
             timing = timer(fn)
         except Exception as e:
-            rows.append(make_row(stamp, case, impl, "error", rel_err=err, tol=tol,
+            rows.append(make_row(stamp, case, impl, "error", rel_err=err, tol=tol, note=note,
                                  reason="while timing: " + _short(e)))
             continue
         rows.append(make_row(stamp, case, impl, "ok", rel_err=err, tol=tol, timing=timing,
-                             copy_tbps=copy_tbps))
-    del x, ws, residual
+                             copy_tbps=copy_tbps, note=note))
+    del data
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
@@ -306,17 +566,18 @@ def plot_rows(rows: list[dict], path):
     cols = min(len(panels), 3)
     nrows = -(-len(panels) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.4 * nrows), squeeze=False)
+    kernels = KERNELS + tuple(k for k in FUSED if any(r["kernel"] == k for r in ok))
     width = 0.8 / max(len(impls), 1)
     for ax, (model, M) in zip(axes.flat, panels):
         for j, impl in enumerate(impls):
             ys = [next((r["tbps"] for r in ok if (r["model"], r["M"], r["kernel"], r["impl"])
-                        == (model, M, k, impl)), 0.0) for k in KERNELS]
-            ax.bar([i + j * width for i in range(len(KERNELS))], ys, width, label=impl)
+                        == (model, M, k, impl)), 0.0) for k in kernels]
+            ax.bar([i + j * width for i in range(len(kernels))], ys, width, label=impl)
         if copy:
             ax.axhline(copy, linestyle="--", color="grey", linewidth=1, label="copy ceiling")
             ax.axhline(TARGET_FRAC * copy, linestyle=":", color="grey", linewidth=1,
                        label="90 % of copy")
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(KERNELS))], KERNELS, fontsize=8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(kernels))], kernels, fontsize=8)
         ax.set_title(f"{model} M={M}", fontsize=9)
         ax.set_ylabel("TB/s of W")
         ax.grid(True, axis="y", alpha=0.3)
@@ -335,15 +596,16 @@ def main(args) -> int:
     from .report import ceiling_row
     from .timing import cuda_timer
 
+    try:  # before the GPU is touched: a mistyped spec costs nothing
+        sweep = parse_settings(getattr(args, "gemv_settings", None))
+        sweep.update(parse_qkv_settings(getattr(args, "qkv_settings", None)))
+    except ValueError as e:
+        print(f"wsattn bench gemv: {e}", file=sys.stderr)
+        return 2
     device = torch.device("cuda", torch.cuda.current_device())
     stamp = make_stamp(device)
     timer = cuda_timer(args.warmup_ms, args.rep_ms, args.timing)
     cases = gemv_cases(args.models, args.m, args.kernels, args.dtype)
-    try:
-        sweep = parse_settings(getattr(args, "gemv_settings", None))
-    except ValueError as e:
-        print(f"wsattn bench gemv: {e}", file=sys.stderr)
-        return 2
     impls = list(args.gemv_impl) + list(sweep)
     print(f"wsattn bench gemv on {stamp['gpu']}, torch {stamp['torch']}, triton "
           f"{stamp['triton']}, commit {stamp['commit']}: {len(cases)} GEMVs x {impls}",
@@ -397,10 +659,15 @@ def add_arguments(group) -> None:
                        metavar="MODEL", help=f"model shapes (default all: {' '.join(MODELS)})")
     group.add_argument("--m", nargs="+", type=int, default=list(M_VALUES), metavar="M",
                        help="gemv: rows per GEMV (default 1 8 64)")
-    group.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
-                       metavar="KERNEL", help=f"gemv: which GEMVs (default all: {' '.join(KERNELS)})")
+    group.add_argument("--kernels", nargs="+", choices=ALL_KERNELS, default=list(ALL_KERNELS),
+                       metavar="KERNEL", help=f"gemv: which GEMVs (default all: "
+                                              f"{' '.join(ALL_KERNELS)}; qkv_rope is the fused "
+                                              "QKV + RoPE + cache append the step runs)")
     group.add_argument("--gemv-impl", nargs="+", choices=IMPLS, default=list(IMPLS),
                        metavar="IMPL", help=f"gemv: implementations (default all: {' '.join(IMPLS)})")
     group.add_argument("--gemv-settings", nargs="+", default=None, metavar="SPEC",
                        help="gemv: extra columns, the kernel (PDL off) with these settings, "
                             "each BLOCK_N,BLOCK_K,split_k,use_dot,num_warps,num_stages")
+    group.add_argument("--qkv-settings", nargs="+", default=None, metavar="SPEC",
+                       help="gemv: extra columns for the qkv_rope cases, the fused kernel (PDL "
+                            "off) with these settings, each BLOCK_K,split_k,num_warps,num_stages")

@@ -2,7 +2,10 @@
 
 Prefill: 16k tokens per batch (B = 16384 / N), hidden 2048 (H = 2048 / D), D in 128 and
 64, N from 1k to 16k, causal and not. Decode: one query token, Hq 32, Hkv 8, D 128, a
-full cache of L keys per sequence, contiguous or paged (page 16 or 64).
+full cache of L keys per sequence, contiguous or paged (page 16 or 64). Decode at the
+decode step's shapes (``wsattn bench decode --step-shapes``): the attention heads of
+Llama-3.2-1B and Llama-3.1-8B at the contexts and batches the step benchmark runs,
+contiguous and paged with the engine's page of 16.
 """
 
 from __future__ import annotations
@@ -108,3 +111,20 @@ def decode_cases(quick: bool = False, dtype: str = "bf16") -> list[DecodeCase]:
     sizes = ((64, 8192),) if quick else ((64, 8192), (8, 65536), (1, 131072))
     pages = (None, 16) if quick else (None, 16, 64)
     return [DecodeCase(b, l, 32, 8, 128, p, dtype) for b, l in sizes for p in pages]
+
+
+# The decode step's attention (wsattn.bench.step): (Hq, Hkv, D) per model, (B, L) from a
+# single chat turn to a long document, and the engine's page size. These caches are 2-270 MB,
+# where the default cases' are 0.5-2 GB: the split rule was tuned on the latter.
+STEP_HEADS = {"llama-3.2-1b": (32, 8, 64), "llama-3.1-8b": (32, 8, 128)}
+STEP_SIZES = ((1, 1024), (1, 4096), (8, 4096), (64, 1024), (1, 32768))
+STEP_QUICK_SIZES = ((1, 4096), (8, 4096))
+STEP_PAGE_SIZE = 16
+
+
+def step_decode_cases(quick: bool = False, dtype: str = "bf16") -> list[DecodeCase]:
+    """Every (model heads, (B, L), layout) of the decode step, contiguous and paged 16."""
+    sizes = STEP_QUICK_SIZES if quick else STEP_SIZES
+    return [DecodeCase(b, l, hq, hkv, d, p, dtype)
+            for hq, hkv, d in STEP_HEADS.values() for b, l in sizes
+            for p in (None, STEP_PAGE_SIZE)]

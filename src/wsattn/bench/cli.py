@@ -1,6 +1,7 @@
 """`wsattn bench`: ceilings, wsattn kernels and peers measured in one run on this GPU.
 
     wsattn bench [prefill|decode|all|sp|step|gemv|moe] [--quick] [--dtype bf16] [--impl ...]
+                 [--step-shapes] [--decode-settings SPEC ...]
                  [--json PATH] [--plot PATH | --no-plot]
 
 Each output is checked against the float64 reference (on a slice) before it is timed; a
@@ -14,6 +15,14 @@ model shapes against cuBLAS and the copy ceiling (wsattn.bench.gemv); `wsattn be
 a whole decode step against transformers and the memory floor (wsattn.bench.step);
 `wsattn bench moe` one MoE layer (Qwen3-30B-A3B, Mixtral-8x7B, OLMoE shapes) against
 transformers' MoE block, torch._grouped_mm and the touched-weight floor (wsattn.bench.moe).
+
+`wsattn bench decode --step-shapes` runs the decode step's attention shapes instead of the
+long contexts (Llama-3.2-1B and Llama-3.1-8B heads, B 1-64, L 1k-32k, contiguous and
+page 16); `--decode-settings SPEC ...` adds a column `triton[SPEC]` per SPEC =
+BLOCK_N,num_warps,num_stages,num_splits[,bt_preload]: the Triton decode kernel launched
+with exactly those settings, checked then timed like `triton`, whose rows note the
+settings the defaults chose. A decode case whose K/V fits in L2 several times over is
+timed over copies of its inputs, so that it reads HBM as the decode step does.
 """
 
 from __future__ import annotations
@@ -65,6 +74,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms)")
     p.add_argument("--rep-ms", type=float, default=100.0,
                    help="time spent in timed samples per measurement (ms, 20 samples)")
+    decode_group = p.add_argument_group("decode (the attention kernel alone)")
+    decode_group.add_argument("--step-shapes", action="store_true",
+                              help="decode: the decode step's shapes (Llama-3.2-1B and "
+                                   "Llama-3.1-8B heads; (B, L) in (1, 1k), (1, 4k), (8, 4k), "
+                                   "(64, 1k), (1, 32k); contiguous and page 16) instead of "
+                                   "the long-context cases")
+    decode_group.add_argument("--decode-settings", nargs="+", type=_settings_arg, default=None,
+                              metavar="SPEC",
+                              help="decode: extra columns triton[SPEC], the Triton decode "
+                                   "kernel with these settings; SPEC = BLOCK_N,num_warps,"
+                                   "num_stages,num_splits[,bt_preload] (bt_preload 0/1, "
+                                   "default 0), e.g. 64,4,4,16")
     from . import gemv as gemv_mod, moe as moe_mod, step as step_mod
     model_group = p.add_argument_group("step and gemv (decode-step model shapes)")
     gemv_mod.add_arguments(model_group)
@@ -75,6 +96,33 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         sp.add_arguments(p.add_argument_group("sp (sequence parallelism)"))
     p.set_defaults(func=run)
     return p
+
+
+def _settings_arg(spec: str):
+    """argparse type of --decode-settings: a bad SPEC exits 2 naming the option."""
+    from .runners import parse_decode_settings
+
+    try:
+        return parse_decode_settings(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def decode_args_error(args) -> str | None:
+    """Why --step-shapes / --decode-settings cannot run with the rest of args, or None."""
+    from .runners import format_decode_settings
+
+    what = getattr(args, "what", "all")
+    if getattr(args, "step_shapes", False) and what != "decode":
+        return f"--step-shapes applies to `wsattn bench decode`, not `{what}`"
+    settings = getattr(args, "decode_settings", None) or []
+    if settings and what not in ("decode", "all"):
+        return f"--decode-settings applies to `wsattn bench decode` (or all), not `{what}`"
+    specs = [format_decode_settings(s) for s in settings]
+    twice = sorted({s for s in specs if specs.count(s) > 1})
+    if twice:
+        return f"--decode-settings: {', '.join(twice)} given more than once"
+    return None
 
 
 NO_GPU = ("wsattn bench needs a CUDA GPU, and this machine has none visible to torch "
@@ -88,6 +136,10 @@ NO_GPUS_SP = ("wsattn bench sp needs CUDA GPUs (one process per GPU: torchrun --
 def run(args) -> int:
     import torch
 
+    why = decode_args_error(args)
+    if why:
+        print(f"wsattn bench: {why}", file=sys.stderr)
+        return 2
     if args.what == "sp":
         if not torch.cuda.is_available():
             print(NO_GPUS_SP.format(torch=torch.__version__, cuda=torch.version.cuda),
@@ -117,10 +169,10 @@ def _bench(args, torch) -> int:
     from tqdm import tqdm
 
     from . import ceilings as ceil_mod
-    from .cases import decode_cases, prefill_cases
+    from .cases import decode_cases, prefill_cases, step_decode_cases
     from .env import stamp as make_stamp
     from .report import add_ratios, ceiling_row, format_table
-    from .runners import all_runners
+    from .runners import DecodeSettingsRunner, Rotated, all_runners
     from .suite import run_cases
     from .timing import cuda_timer
 
@@ -131,8 +183,12 @@ def _bench(args, torch) -> int:
     if args.what in ("prefill", "all"):
         cases += prefill_cases(args.quick, args.dtype)
     if args.what in ("decode", "all"):
-        cases += decode_cases(args.quick, args.dtype)
+        pick = step_decode_cases if args.step_shapes else decode_cases
+        cases += pick(args.quick, args.dtype)
     runners = [r for r in all_runners() if r.name in args.impl]
+    runners += [DecodeSettingsRunner(s) for s in args.decode_settings or ()]
+    # a no-op on every default case (their caches exceed L2 many times over)
+    runners = [Rotated(r) for r in runners]
     total = 2 + sum(r.applies(c) for c in cases for r in runners)
     print(f"wsattn bench on {stamp['gpu']} ({stamp['cc']}, driver {stamp['driver']}), torch "
           f"{stamp['torch']}, triton {stamp['triton']}, cuDNN {stamp['cudnn']}, commit "
@@ -152,8 +208,11 @@ def _bench(args, torch) -> int:
     add_ratios(rows, ceilings)
     print(format_table(rows))
     write_outputs(rows, stamp, args)
+    # an explicit setting may not fit the GPU (an 'error' row, part of a sweep), but a
+    # wrong answer from one is a kernel bug like any other
     broken = [r for r in rows
-              if r["impl"] in ("triton", "gluon") and r["status"] in ("failed", "error")]
+              if (r["impl"] in ("triton", "gluon") and r["status"] in ("failed", "error"))
+              or (r["impl"].startswith("triton[") and r["status"] == "failed")]
     for r in broken:
         print(f"wsattn {r['impl']} {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
     return 1 if broken else 0

@@ -7,15 +7,20 @@ output in wsattn's layout. Availability is learnt by calling: a wsattn impl that
 the call raises ValueError (the Gluon kernel on a GPU it does not serve), an SDPA backend
 that cannot take the shape raises RuntimeError; both become :class:`NotAvailable`.
 
-Only the public API is used (``wsattn.attention``, ``wsattn.decode``, ``wsattn.reference``),
-so the benchmark runs whatever state the kernels are in.
+The wsattn runners use the public API (``wsattn.attention``, ``wsattn.decode``,
+``wsattn.reference``), so the benchmark runs whatever state the kernels are in; only the
+``triton[SPEC]`` columns (``--decode-settings``) call the decode launcher itself, since the
+API takes num_splits alone and a sweep needs every launch setting.
+
+:class:`Rotated` times a decode case whose K/V fits in L2 over copies of its inputs, as
+the decode step reads each layer's cache from HBM.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -24,6 +29,7 @@ import wsattn
 from wsattn import reference
 
 from .cases import DTYPES
+from .gemv import FRESH_BYTES
 
 from wsattn.testing import TOL  # the one table the tests use too
 
@@ -189,11 +195,199 @@ class WsattnRunner(Runner):
 
         def checked_first():
             try:
-                return first()
+                out = first()
             except ValueError as e:
                 raise NotAvailable(str(e)) from e
+            if case.op == "decode" and impl == "triton":  # the target is known to work now
+                prepared.note = settings_note(case, inp)
+            return out
 
-        return Prepared(checked_first, call)
+        prepared = Prepared(checked_first, call)
+        return prepared
+
+
+# --------------------------------------------------------------------------- decode settings
+
+SETTINGS_FIELDS = ("BLOCK_N", "num_warps", "num_stages", "num_splits", "bt_preload")
+SETTINGS_SPEC = ",".join(SETTINGS_FIELDS[:4]) + "[,bt_preload]"
+SETTINGS_RANGES = {"BLOCK_N": "a power of two in [16, 256]",
+                   "num_warps": "a power of two in [1, 16]",
+                   "num_stages": "in [1, 8]", "num_splits": "in [1, {max_splits}]",
+                   "bt_preload": "0 or 1"}
+
+
+def parse_decode_settings(spec: str):
+    """'BLOCK_N,num_warps,num_stages,num_splits[,bt_preload]' -> DecodeSettings, or a
+    ValueError naming the field and what it takes (BLOCK_N >= 16 because both tl.dot
+    operands need 16 rows; bt_preload 0 or 1, default 0)."""
+    from wsattn.kernels.decode_triton import MAX_SPLITS, DecodeSettings
+
+    parts = [p.strip() for p in str(spec).split(",")]
+    if len(parts) not in (4, 5):
+        raise ValueError(f"{spec!r} must be {SETTINGS_SPEC} (4 or 5 integers), got "
+                         f"{len(parts)} field(s)")
+    values = {}
+    for name, text in zip(SETTINGS_FIELDS, parts):
+        try:
+            values[name] = int(text)
+        except ValueError:
+            raise ValueError(f"{spec!r}: {name} must be an integer, got {text!r}") from None
+    values.setdefault("bt_preload", 0)
+    pow2 = lambda x, hi: 1 <= x <= hi and x & (x - 1) == 0  # noqa: E731
+    ok = {"BLOCK_N": values["BLOCK_N"] >= 16 and pow2(values["BLOCK_N"], 256),
+          "num_warps": pow2(values["num_warps"], 16),
+          "num_stages": 1 <= values["num_stages"] <= 8,
+          "num_splits": 1 <= values["num_splits"] <= MAX_SPLITS,
+          "bt_preload": values["bt_preload"] in (0, 1)}
+    for name in SETTINGS_FIELDS:
+        if not ok[name]:
+            raise ValueError(f"{spec!r}: {name} must be "
+                             f"{SETTINGS_RANGES[name].format(max_splits=MAX_SPLITS)}, got "
+                             f"{values[name]}")
+    values["bt_preload"] = bool(values["bt_preload"])
+    return DecodeSettings(**values)
+
+
+def format_decode_settings(settings) -> str:
+    """The spec parse_decode_settings reads back (bt_preload written only when on)."""
+    fields = [settings.BLOCK_N, settings.num_warps, settings.num_stages, settings.num_splits]
+    return ",".join(str(x) for x in fields + ([1] if settings.bt_preload else []))
+
+
+def launched_settings(case, inp, settings=None):
+    """(settings, BT_CHUNK) the decode launcher runs ``inp`` with, resolved as
+    decode_triton.decode does: default_settings where settings is None, num_splits cut to
+    the cache's key tiles."""
+    from wsattn.kernels import decode_triton as dt
+    from wsattn.target import target_of
+
+    paged = inp.block_table is not None
+    page = inp.k_cache.shape[1] if paged else 0
+    capacity = inp.block_table.shape[1] * page if paged else inp.k_cache.shape[1]
+    if settings is None:
+        settings = dt.default_settings(
+            target_of(inp.q.device), batch=case.B, kv_heads=case.HKV, head_dim=case.D,
+            capacity=capacity, dtype=inp.q.dtype, paged=paged, query_rows=case.HQ // case.HKV,
+            page_size=page)
+    tiles = max(1, -(-capacity // settings.BLOCK_N))
+    settings = replace(settings, num_splits=min(settings.num_splits, tiles))
+    return settings, (dt.bt_chunk(settings, capacity, page) if paged else 0)
+
+
+def settings_note(case, inp, asked=None) -> str:
+    """What the launch ran with, as a spec for --decode-settings, and where the launcher
+    changed or ignored what was asked."""
+    settings, chunk = launched_settings(case, inp, asked)
+    note = f"launched {format_decode_settings(settings)}"
+    if asked is not None and settings.num_splits != asked.num_splits:
+        note += f" (num_splits cut to the cache's {settings.num_splits} key tiles)"
+    if settings.bt_preload and not chunk:
+        note += " (bt_preload inactive: contiguous cache, pages of whole tiles, or the " \
+                "split's table is too long)"
+    return note
+
+
+class DecodeSettingsRunner(Runner):
+    """The Triton decode kernel with explicit DecodeSettings, through its launcher (the
+    public API takes num_splits only), after the checks wsattn.decode(validate=True) runs.
+    Column ``triton[SPEC]``."""
+
+    ops = ("decode",)
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.name = f"triton[{format_decode_settings(settings)}]"
+
+    def prepare(self, case, inp):
+        from wsattn import api, ops
+        from wsattn.kernels import decode_triton
+
+        q4, kc, vc = api._run_kernels("triton", inp.q.device, inp.q.unsqueeze(1),
+                                      inp.k_cache, inp.v_cache)
+
+        def call():
+            out, _ = decode_triton.decode(q4, kc, vc, inp.seqlens, inp.block_table, inp.scale,
+                                          0, self.settings)
+            return out
+
+        def first():
+            try:
+                api.check_decode(inp.q, inp.k_cache, inp.v_cache, inp.seqlens, inp.block_table,
+                                 inp.scale, impl="triton", validate=True)
+            except ValueError as e:
+                raise NotAvailable(str(e)) from e
+            ops._interpreter_ready(inp.q.device)
+            out = call()
+            prepared.note = settings_note(case, inp, self.settings)
+            return out
+
+        prepared = Prepared(first, call, lambda out: out[:, 0].to(inp.q.dtype))
+        return prepared
+
+
+# --------------------------------------------------------------------------- L2 rotation
+
+MAX_COPIES = 128
+
+
+def rotation_copies(case, fresh_bytes: int = FRESH_BYTES) -> int:
+    """Input copies a decode case is timed over so that they span at least fresh_bytes
+    (1: the case alone does, as every default case's 0.5-2 GB cache)."""
+    if case.op != "decode":
+        return 1
+    return max(1, min(MAX_COPIES, math.ceil(fresh_bytes / case.bytes_moved())))
+
+
+def input_copies(inp: Inputs, n: int) -> list[Inputs]:
+    """inp and n - 1 clones of its tensors (distinct HBM pages), made once per case and
+    shared by the runners."""
+    clones = inp.peer.setdefault("l2_copies", [])
+    while len(clones) < n - 1:
+        clones.append(Inputs(inp.case, {k: t.clone() if isinstance(t, torch.Tensor) else t
+                                        for k, t in inp.tensors.items()}, inp.scale))
+    return [inp] + clones[:n - 1]
+
+
+class Rotated(Runner):
+    """``inner``, timed with each call on the next copy of the inputs.
+
+    The decode step reads each layer's K/V once, after the layer's weights have pushed it
+    out of L2; timing one 2-130 MB cache call after call would read it from the 50 MB L2.
+    So a decode case smaller than fresh_bytes is prepared on input_copies and the timed
+    call cycles through them (the check runs on copy 0, the suite's inputs); a case that
+    spans fresh_bytes alone runs as ``inner`` does."""
+
+    def __init__(self, inner: Runner, fresh_bytes: int = FRESH_BYTES):
+        self.inner, self.fresh_bytes = inner, fresh_bytes
+        self.name, self.ops = inner.name, inner.ops
+
+    def applies(self, case) -> bool:
+        return self.inner.applies(case)
+
+    def prepare(self, case, inp):
+        n = rotation_copies(case, self.fresh_bytes)
+        if n == 1:
+            return self.inner.prepare(case, inp)
+        prepared = [self.inner.prepare(case, c) for c in input_copies(inp, n)]
+        state = {"i": 0}
+
+        def fn():
+            # each captured call reads the next copy, so a graph replay streams HBM
+            p = prepared[state["i"] % n]
+            state["i"] += 1
+            return p.fn()
+
+        head = prepared[0]
+
+        def first():
+            out = head.first()
+            # the inner note may be set by its first call
+            rotated.note = "; ".join(x for x in (head.note, f"timed over {n} input copies "
+                                                             f"(past L2)") if x)
+            return out
+
+        rotated = Prepared(first, fn, head.canon)
+        return rotated
 
 
 class SdpaRunner(Runner):

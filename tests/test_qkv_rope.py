@@ -159,6 +159,15 @@ CHILD = textwrap.dedent(r'''
     out["seq_index-T3-M6"] = run_case(fam, 6, 64, 8, 2, 64, dt, "cpu", settings=s,
                                       seq_index=True)
     out["default-settings-M5"] = run_case(fam, 5, 96, 4, 2, 64, dt, "cpu")
+    # the FMA path (use_dot=False): one row block of M <= 8 rows, one pass and split K
+    for D, Hq, Hkv, M, split in ((64, 8, 2, 1, 1), (64, 4, 2, 3, 2), (128, 4, 2, 8, 3)):
+        s = QkvRopeSettings(BLOCK_K=16, split_k=split, num_warps=4, num_stages=1,
+                            use_dot=False)
+        out[f"fma-D{D}-Hq{Hq}-Hkv{Hkv}-M{M}-split{split}"] = run_case(
+            fam, M, 64 if D == 64 else 128, Hq, Hkv, D, dt, "cpu", settings=s)
+    s = QkvRopeSettings(BLOCK_K=32, split_k=2, num_warps=4, num_stages=1, use_dot=False)
+    out["fma-seq_index-T3-M6"] = run_case(fam, 6, 64, 8, 2, 64, dt, "cpu", settings=s,
+                                          seq_index=True)
     print("RESULT " + json.dumps(out))
 ''')
 
@@ -174,7 +183,7 @@ def test_interpreter_against_float64(dtype, family):
     slots other than the rows' own keep their bits (NaN pages too); q_out fully written
     (it starts as NaN); the paged append equals the contiguous one bit for bit."""
     res = _child(dtype, family, json.dumps(FAMILIES[family]))
-    assert len(res) == 14
+    assert len(res) == 18
     bad = {}
     for case, r in res.items():
         errs = {k: r[k] for k in ("q", "k", "v") if not r[k] <= r["tol"]}
@@ -302,6 +311,22 @@ def test_bad_input_names_the_argument(case):
     assert torch.equal(args["k_cache"], kc_before)
 
 
+def test_fma_settings_refused_by_name(monkeypatch):
+    """use_dot=False takes one row block of at most FMA_MAX_ROWS rows, and a bool
+    (refused before any launch; the interpreter is the target so the settings are read)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a = _good()
+    s = QkvRopeSettings(BLOCK_K=16, split_k=1, num_warps=4, num_stages=1, use_dot=False)
+    many = dict(a, x=torch.randn(9, 64, dtype=torch.float16),
+                positions=torch.zeros(9, dtype=torch.int32),
+                block_table=torch.zeros(9, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="use_dot=False takes at most 8 rows"):
+        qkv_rope_append(**many, settings=s)
+    bad = QkvRopeSettings(BLOCK_K=16, split_k=1, num_warps=4, num_stages=1, use_dot=0)
+    with pytest.raises(ValueError, match="settings.use_dot must be a bool"):
+        qkv_rope_append(**a, settings=bad)
+
+
 def test_good_input_passes_validation():
     a = _good()
     assert qkv_rope._check(a["x"], a["wqkv"], None, None, None, 1e-5, None, a["inv_freq"],
@@ -358,6 +383,25 @@ def test_sm90_pdl_waits_before_reading_activations():
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     # the first weight tile's loads come before the wait
     assert ptx.index("ld.global.v4") < ptx.index("griddepcontrol.wait")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("shape", ["1B", "8B"])
+def test_sm90_fma_builds_compile_without_spills(shape, rows):
+    """The FMA path (use_dot=False) at the 1B (K 2048, D 64) and 8B (K 4096, D 128)
+    shapes, one pass and split K: no MMA, no spills, weights in 16-byte loads."""
+    kw = dict(head_dim=64, hidden=2048) if shape == "1B" else dict(head_dim=128, hidden=4096)
+    # 8 warps: at 4 the [D/2, BLOCK_K] products of both halves spill at M 4-8 (ptxas -v on
+    # the CPU: 255 registers); BLOCK_K 256 spills at the 8B shape
+    for bk in ((64, 128) if shape == "1B" else (64,)):
+        st = QkvRopeSettings(BLOCK_K=bk, split_k=4, num_warps=8, num_stages=4,
+                             use_dot=False)
+        s, k = _compile(rows=rows, settings=st, **kw)
+        regs, spills = _ptxas_spills(k)
+        ptx = k.asm["ptx"]
+        assert spills == 0, f"{shape} M{rows} {st}: {spills} spill bytes ({regs} registers)"
+        assert "mma" not in ptx and "ld.global.v4" in ptx or "cp.async" in ptx, st
+        assert s["constexprs"]["BLOCK_M"] == max(1, 1 << (rows - 1).bit_length())
 
 
 def test_sm90_d64_and_d256_build():
@@ -473,6 +517,20 @@ def test_gpu_bf16_against_float64(family, M):
     ns = _gpu_ns()
     m = min(M, 8)  # POSITIONS has 8 rows; larger M repeats the pattern through seeds
     r = ns["run_case"](FAMILIES[family], m, 4096, 32, 8, 128, torch.bfloat16, "cuda", seed=M)
+    assert all(r[k] <= r["tol"] for k in ("q", "k", "v")), r
+    assert r["untouched"] and r["paged_eq_contig"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 8])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_fma_path_against_float64(family, M):
+    """use_dot=False (the per-row FMA reduction) at the 1B shape (K 2048, Hq 32, Hkv 8,
+    D 64), split K, bf16: within tolerance of float64, caches untouched elsewhere."""
+    ns = _gpu_ns()
+    s = QkvRopeSettings(BLOCK_K=64, split_k=4, num_warps=8, num_stages=4, use_dot=False)
+    r = ns["run_case"](FAMILIES[family], min(M, 8), 2048, 32, 8, 64, torch.bfloat16, "cuda",
+                       settings=s, seed=M)
     assert all(r[k] <= r["tol"] for k in ("q", "k", "v")), r
     assert r["untouched"] and r["paged_eq_contig"], r
 

@@ -379,15 +379,18 @@ def parse_settings(specs) -> dict:
     return out
 
 
-QKV_SETTINGS_FIELDS = ("BLOCK_K", "split_k", "num_warps", "num_stages")  # QkvRopeSettings'
+QKV_SETTINGS_FIELDS = ("BLOCK_K", "split_k", "num_warps", "num_stages", "use_dot")  # QkvRopeSettings'
 
 
 def _qkv_spec(s) -> str:
-    return ",".join(str(getattr(s, f)) for f in QKV_SETTINGS_FIELDS)
+    """The spec that builds s: four integers, and ",0" for the FMA path (use_dot=False)."""
+    return ",".join(str(getattr(s, f)) for f in QKV_SETTINGS_FIELDS[:4]) + (
+        "" if s.use_dot else ",0")
 
 
 def parse_qkv_settings(specs) -> dict:
-    """``--qkv-settings`` values, each "BLOCK_K,split_k,num_warps,num_stages", as
+    """``--qkv-settings`` values, each "BLOCK_K,split_k,num_warps,num_stages[,use_dot]"
+    (use_dot 1, the default, or 0: the FMA path, at most 8 rows), as
     {"wsattn[qkv:SPEC]": QkvRopeSettings}: extra columns of the qkv_rope cases only (PDL
     off). BLOCK_K must also divide the model's hidden size; a column where it does not, or
     whose build does not fit the GPU, is an error row, not a stopped run."""
@@ -399,10 +402,14 @@ def parse_qkv_settings(specs) -> dict:
     out = {}
     for spec in specs or ():
         parts = spec.split(",")
-        if len(parts) != len(QKV_SETTINGS_FIELDS) or not all(p.strip().isdigit() for p in parts):
+        if len(parts) not in (4, 5) or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"--qkv-settings {spec!r}: expected four integers "
-                             f"{','.join(QKV_SETTINGS_FIELDS)}, e.g. 128,4,8,4")
-        block_k, split_k, warps, stages = (int(p) for p in parts)
+                             f"{','.join(QKV_SETTINGS_FIELDS[:4])} and optionally use_dot "
+                             f"(0 or 1), e.g. 128,4,8,4 or 64,4,8,4,0")
+        block_k, split_k, warps, stages = (int(p) for p in parts[:4])
+        use_dot = int(parts[4]) if len(parts) == 5 else 1
+        if use_dot not in (0, 1):
+            raise ValueError(f"--qkv-settings {spec!r}: use_dot must be 0 or 1, got {use_dot}")
         if block_k < 16 or block_k & (block_k - 1):
             raise ValueError(f"--qkv-settings {spec!r}: BLOCK_K must be a power of two >= 16 "
                              f"(tl.dot's K side), got {block_k}")
@@ -413,7 +420,7 @@ def parse_qkv_settings(specs) -> dict:
                              f"got {warps}")
         if stages < 1:
             raise ValueError(f"--qkv-settings {spec!r}: num_stages must be >= 1, got {stages}")
-        s = QkvRopeSettings(block_k, split_k, warps, stages)
+        s = QkvRopeSettings(block_k, split_k, warps, stages, bool(use_dot))
         out[f"wsattn[qkv:{_qkv_spec(s)}]"] = s
     return out
 

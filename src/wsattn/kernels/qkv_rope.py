@@ -48,6 +48,7 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
+from .gemv import accumulate
 
 
 @triton.jit
@@ -59,18 +60,26 @@ def _fence_acq_rel():
 
 
 @triton.jit
-def _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live, stride_xm, k0, w_lo_t, w_hi_t,
-          BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+def _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live, stride_xm, M, k0, k_hi, w_lo_t, w_hi_t,
+          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+          USE_DOT: tl.constexpr):
     kk = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_live[:, None],
-                other=0.0)  # [BLOCK_M, BLOCK_K]
-    # "swap AB": the weight tile is the MMA's wide M operand, x^T its narrow N side
-    xt = tl.trans(x)  # [BLOCK_K, BLOCK_M]
-    acc_lo = tl.dot(w_lo_t, xt, acc_lo)  # [D/2, BLOCK_M]
-    acc_hi = tl.dot(w_hi_t, xt, acc_hi)
-    if NORM:  # FlashNorm: x's sum of squares accumulates as x streams
-        xf = x.to(tl.float32)
-        ss += tl.sum(xf * xf, 1)  # [BLOCK_M]
+    if USE_DOT:
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_live[:, None],
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        # "swap AB": the weight tile is the MMA's wide M operand, x^T its narrow N side
+        xt = tl.trans(x)  # [BLOCK_K, BLOCK_M]
+        acc_lo = tl.dot(w_lo_t, xt, acc_lo)  # [D/2, BLOCK_M]
+        acc_hi = tl.dot(w_hi_t, xt, acc_hi)
+        if NORM:  # FlashNorm: x's sum of squares accumulates as x streams
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)  # [BLOCK_M]
+    else:
+        # a few rows in one row block from row 0 (the launcher's rule): the GEMV's per-row
+        # FMA reduction, the two halves as its gate and up tiles; no padding of M to 16
+        acc_lo, acc_hi, ss = accumulate(acc_lo, acc_hi, ss, w_lo_t, w_hi_t, x_ptr,
+                                        rows * stride_xm, row_live, stride_xm, M, kk,
+                                        kk < k_hi, BLOCK_M, False, NORM, True, False)
     return acc_lo, acc_hi, ss
 
 
@@ -151,7 +160,8 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                      NORM: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr,
                      PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr,
-                     PDL: tl.constexpr, FENCE: tl.constexpr, STAGES: tl.constexpr):
+                     PDL: tl.constexpr, FENCE: tl.constexpr, STAGES: tl.constexpr,
+                     USE_DOT: tl.constexpr = True):
     # SPLIT_TILES: BLOCK_K tiles of K per split (so every split starts BLOCK_K-aligned and
     # the compiler can prove 16-byte alignment); the last split may be shorter or empty. stride_kb / stride_vb step a page (paged) or a sequence (contiguous).
     HALF: tl.constexpr = D // 2
@@ -183,15 +193,15 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr,
         # grid, so they only start loading their weights early.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc_lo, acc_hi, ss = _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live & first, stride_xm,
-                               k_lo, w_lo_t, w_hi_t, BLOCK_K, NORM)
+    acc_lo, acc_hi, ss = _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live & first, stride_xm, M,
+                               k_lo, k_hi, w_lo_t, w_hi_t, BLOCK_M, BLOCK_K, NORM, USE_DOT)
     # tl.range with num_stages: Triton 3.6 does not pipeline this loop unless asked (the
     # weight tiles went through registers, no cp.async in the sm_90 PTX, and spilled)
     for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
         w_lo_t = tl.load(w_lo + (k0 + kk)[None, :])  # [D/2, BLOCK_K]
         w_hi_t = tl.load(w_hi + (k0 + kk)[None, :])
-        acc_lo, acc_hi, ss = _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live, stride_xm,
-                                   k0, w_lo_t, w_hi_t, BLOCK_K, NORM)
+        acc_lo, acc_hi, ss = _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live, stride_xm, M,
+                                   k0, k_hi, w_lo_t, w_hi_t, BLOCK_M, BLOCK_K, NORM, USE_DOT)
     acc_lo = tl.trans(acc_lo)  # [BLOCK_M, D/2]
     acc_hi = tl.trans(acc_hi)
 
@@ -241,11 +251,14 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr,
 @dataclass(frozen=True)
 class QkvRopeSettings:
     """Launch settings: BLOCK_K (K per tile, a power of two dividing K), split_k (slices of
-    K per head, >= 1; 1 means no workspace and no counters), num_warps, num_stages."""
+    K per head, >= 1; 1 means no workspace and no counters), num_warps, num_stages;
+    use_dot: tl.dot with the rows padded to 16 (the default), else the GEMV's per-row FMA
+    reduction over one block of the M <= FMA_MAX_ROWS rows (no padding)."""
     BLOCK_K: int
     split_k: int
     num_warps: int
     num_stages: int
+    use_dot: bool = True
 
 
 MAX_BLOCK_M = 64  # rows per program; more rows take more row blocks (Wqkv read per block)
@@ -254,7 +267,12 @@ MIN_SPLIT_TILES = 4  # K tiles per split at least, so the pipeline's prologue st
 PROGRAMS_PER_SM = 2
 
 
-def _block_m(m: int, head_dim: int) -> int:
+FMA_MAX_ROWS = 8  # the FMA path's single row block (its loop is unrolled per row)
+
+
+def _block_m(m: int, head_dim: int, use_dot: bool = True) -> int:
+    if not use_dot:
+        return next_pow2(max(m, 1))
     # at D = 256, 64 rows of the two fp32 half-head accumulators spilled on sm_90: 32 rows
     return max(16, min(MAX_BLOCK_M if head_dim <= 128 else 32, next_pow2(m)))
 
@@ -313,7 +331,7 @@ def workspace_size(rows: int, q_heads: int, kv_heads: int, head_dim: int,
     settings needs; (0, 0, 0) when settings.split_k is 1 (no workspace is read)."""
     if settings.split_k <= 1 or rows <= 0:
         return 0, 0, 0
-    block_m = _block_m(rows, head_dim)
+    block_m = _block_m(rows, head_dim, settings.use_dot)
     tiles = (q_heads + 2 * kv_heads) * cdiv(rows, block_m)
     return (tiles * settings.split_k * block_m * head_dim, tiles * settings.split_k * block_m,
             tiles)
@@ -576,6 +594,11 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
     elif K % settings.BLOCK_K or settings.split_k < 1:
         raise ValueError(f"settings: BLOCK_K {settings.BLOCK_K} must divide K = {K} and "
                          f"split_k {settings.split_k} be >= 1")
+    elif not isinstance(settings.use_dot, bool):
+        raise ValueError(f"settings.use_dot must be a bool, got {settings.use_dot!r}")
+    elif not settings.use_dot and M > FMA_MAX_ROWS:
+        raise ValueError(f"settings.use_dot=False takes at most {FMA_MAX_ROWS} rows (one "
+                         f"row block), got x with {M}")
     need = workspace_size(M, HQ, HKV, D, settings)
     if workspace is not None:
         _check_workspace(workspace, x.device, need)
@@ -583,7 +606,7 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
         q_out = empty((M, HQ, D), x.dtype, x.device)
     if M == 0:
         return q_out
-    block_m = _block_m(M, D)
+    block_m = _block_m(M, D, settings.use_dot)
     mblocks = cdiv(M, block_m)
     split = settings.split_k
     tiles = K // settings.BLOCK_K
@@ -610,7 +633,7 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
         PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
         SEQ_INDEX=seq_index is not None, PDL=bool(pdl),
         FENCE=split > 1 and target.backend == "cuda", STAGES=settings.num_stages,
-        num_warps=settings.num_warps, num_stages=settings.num_stages,
+        USE_DOT=settings.use_dot, num_warps=settings.num_warps, num_stages=settings.num_stages,
         **({"launch_pdl": True} if pdl else {}))
     return q_out
 
@@ -645,11 +668,13 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
     for name in ("stride_xm", "stride_wn", "stride_qm", "stride_qh", "stride_kb", "stride_kl",
                  "stride_kh", "stride_vb", "stride_vl", "stride_vh", "stride_btb"):
         sig[name] = "i32"
-    const = {"HQ": q_heads, "HKV": kv_heads, "D": head_dim, "BLOCK_M": _block_m(rows, head_dim),
+    const = {"HQ": q_heads, "HKV": kv_heads, "D": head_dim,
+             "BLOCK_M": _block_m(rows, head_dim, settings.use_dot),
              "BLOCK_K": settings.BLOCK_K, "SPLIT_K": settings.split_k, "NORM": norm,
              "BIAS": bias, "QK_NORM": qk_norm, "PAGED": paged,
              "PAGE_SIZE": page_size if paged else 1, "SEQ_INDEX": seq_index, "PDL": pdl,
-             "FENCE": settings.split_k > 1, "STAGES": settings.num_stages}
+             "FENCE": settings.split_k > 1, "STAGES": settings.num_stages,
+             "USE_DOT": settings.use_dot}
     sig.update({name: "constexpr" for name in const})
     attrs = {(_qkv_rope_kernel.arg_names.index(n),): [["tt.divisibility", 16]]
              for n in _ALIGNED}

@@ -32,22 +32,13 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._rebuild import rebuild
+from ._softmax import _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
 from ._intmath import cdiv
 
 LOG2E = 1.4426950408889634
 
 
 # --------------------------------------------------------------------------- jit kernels
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _sum_combine(a, b):
-    return a + b
-
 
 @triton.jit
 def _kv_rows(bt_row, start_n, offs_n, seqlen_k, stride_kp, stride_ks,
@@ -87,24 +78,8 @@ def _paged_inner(acc, l_i, m_i, q, k_head, v_head, bt_row, lo, hi, offs_m, seqle
         else:
             k = tl.load(k_head + k_rows[:, None] + offs_d[None, :])  # [BLOCK_N, D]
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
-        if MASK:
-            visible = offs_n[None, :] < seqlen_k
-            if CAUSAL:  # bottom-right aligned: row i sees keys j <= i + diag
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
-            # a row with no visible key so far keeps m = -inf; subtracting 0 instead
-            # makes its exp2 terms 0 rather than exp2(-inf - -inf) = NaN
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s - m_sub[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine) * qk_scale)
-            m_sub = m_new
-            s = s * qk_scale - m_sub[:, None]
-        p = tl.math.exp2(s)  # [BLOCK_M, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_M] rescale of what came before
-        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
-        acc = acc * alpha[:, None]
+        p, m_new, l_i, acc = _softmax_step(s, m_i, l_i, acc, offs_m, offs_n, seqlen_k, diag,
+                                           qk_scale, MASK, CAUSAL)
         if MASK:
             v = tl.load(v_head + v_rows[:, None] + offs_d[None, :],
                         mask=offs_n[:, None] < seqlen_k, other=0.0)  # [BLOCK_N, D]
@@ -187,7 +162,7 @@ def _prefill_paged_fwd(Q, K, V, O, LSE, CU_Q, TILE_CU, SEQLENS_K, BT, B, sm_scal
     tl.store(O + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None])
 
 
-_JIT_NAMES = ("_max_combine", "_sum_combine", "_kv_rows", "_paged_inner", "_prefill_paged_fwd")
+_JIT_NAMES = ("_max_combine", "_sum_combine", "_softmax_step", "_kv_rows", "_paged_inner", "_prefill_paged_fwd")
 _KERNELS: dict = {}
 
 

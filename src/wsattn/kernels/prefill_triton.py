@@ -29,6 +29,7 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._rebuild import rebuild
+from ._softmax import _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
 from ._intmath import cdiv
 
 LN2 = math.log(2.0)
@@ -36,16 +37,6 @@ LOG2E = 1.0 / LN2
 
 
 # --------------------------------------------------------------------------- jit kernels
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _sum_combine(a, b):
-    return a + b
-
 
 @triton.jit
 def _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
@@ -75,24 +66,8 @@ def _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
         else:
             k = tl.load(k_src + offs_n[:, None] * stride_ks + offs_d[None, :])
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
-        if MASK:
-            visible = offs_n[None, :] < seqlen_k
-            if CAUSAL:  # bottom-right aligned: row i sees keys j <= i + Sk - Sq
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
-            # a row with no visible key so far keeps m = -inf; subtracting 0 instead
-            # makes its exp2 terms 0 rather than exp2(-inf - -inf) = NaN
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s - m_sub[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine) * qk_scale)
-            m_sub = m_new
-            s = s * qk_scale - m_sub[:, None]
-        p = tl.math.exp2(s)  # [BLOCK_M, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_sub)  # [BLOCK_M] rescale of what came before
-        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
-        acc = acc * alpha[:, None]
+        p, m_new, l_i, acc = _softmax_step(s, m_i, l_i, acc, offs_m, offs_n, seqlen_k, diag,
+                                           qk_scale, MASK, CAUSAL)
         if HOST_DESC:
             v = v_src.load([kv_b, start_n, kv_col]).reshape(BLOCK_N, D)
         elif USE_TMA:
@@ -213,7 +188,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
 
 # --------------------------------------------------------------------------- launcher
 
-_JIT_NAMES = ("_max_combine", "_sum_combine", "_attn_inner", "_attn_fwd")
+_JIT_NAMES = ("_max_combine", "_sum_combine", "_softmax_step", "_attn_inner", "_attn_fwd")
 _KERNELS: dict = {}
 
 

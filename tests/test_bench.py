@@ -440,3 +440,23 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
         if r["status"] == "ok" and r["op"] == "decode":
             assert r["check_passed"] and r["tbps"] > 0 and r["frac_copy"] > 0
     assert "TB/s" in capsys.readouterr().out
+
+
+def test_copy_ceiling_rows_for_the_decode_step_benchmarks(monkeypatch, capsys):
+    """One row and its TB/s when the copy ceiling is measured; no row, None and a message
+    when it fails (the benchmark's rows are still measured, without fractions)."""
+    from wsattn.bench import ceilings
+    from wsattn.bench.timing import Timing
+    stamp = {"gpu": "none", "commit": "x"}
+    t = Timing(0.5, 0.49, 0.51, 20, "graph", 10)
+    monkeypatch.setattr(ceilings, "copy_bandwidth",
+                        lambda timer, device: ceilings.Ceiling("copy", "1 GiB copy", t, 4.25, "TB/s"))
+    rows, tbps = ceilings.copy_ceiling_rows(None, "cpu", stamp)
+    assert tbps == 4.25 and len(rows) == 1 and rows[0]["op"] == "ceiling"
+    assert rows[0]["impl"] == "copy" and rows[0]["tbps"] == 4.25 and rows[0]["gpu"] == "none"
+
+    def boom(timer, device):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(ceilings, "copy_bandwidth", boom)
+    assert ceilings.copy_ceiling_rows(None, "cpu", stamp) == ([], None)
+    assert "ceiling copy failed: RuntimeError: out of memory" in capsys.readouterr().err

@@ -46,3 +46,18 @@ def matmul_rate(timer, device, n: int = 8192, dtype=torch.bfloat16) -> Ceiling:
 
 def measure(timer, device) -> dict[str, Ceiling]:
     return {c.name: c for c in (copy_bandwidth(timer, device), matmul_rate(timer, device))}
+
+
+def copy_ceiling_rows(timer, device, stamp) -> tuple[list[dict], float | None]:
+    """([the copy ceiling's row], its TB/s) for the decode-step benchmarks, measured in the
+    same run as their rows; ([], None) with a message on stderr when it fails, so the
+    rows are still measured, without their fractions of the ceiling."""
+    import sys
+
+    from .report import ceiling_row
+    try:
+        copy = copy_bandwidth(timer, device)
+    except Exception as e:  # fractions stay empty
+        print(f"ceiling copy failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return [], None
+    return [ceiling_row(stamp, copy)], copy.value

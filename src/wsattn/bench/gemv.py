@@ -600,7 +600,6 @@ def main(args) -> int:
 
     from . import ceilings as ceil_mod
     from .env import stamp as make_stamp
-    from .report import ceiling_row
     from .timing import cuda_timer
 
     try:  # before the GPU is touched: a mistyped spec costs nothing
@@ -617,14 +616,7 @@ def main(args) -> int:
     print(f"wsattn bench gemv on {stamp['gpu']}, torch {stamp['torch']}, triton "
           f"{stamp['triton']}, commit {stamp['commit']}: {len(cases)} GEMVs x {impls}",
           file=sys.stderr)
-    rows = []
-    try:
-        copy = ceil_mod.copy_bandwidth(timer, device)
-        rows.append(ceiling_row(stamp, copy))
-        copy_tbps = copy.value
-    except Exception as e:  # fractions stay empty
-        print(f"ceiling copy failed: {type(e).__name__}: {e}", file=sys.stderr)
-        copy_tbps = None
+    rows, copy_tbps = ceil_mod.copy_ceiling_rows(timer, device, stamp)
     for case in tqdm(cases, desc="wsattn bench gemv", file=sys.stderr, dynamic_ncols=True):
         rows += run_case(case, impls, timer, stamp, device, copy_tbps, settings=sweep)
     add_ratios(rows)

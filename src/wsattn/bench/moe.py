@@ -540,7 +540,6 @@ def main(args) -> int:
 
     from . import ceilings as ceil_mod
     from .env import stamp as make_stamp
-    from .report import ceiling_row
     from .timing import cuda_timer
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -555,14 +554,7 @@ def main(args) -> int:
     print(f"wsattn bench moe on {stamp['gpu']}, torch {stamp['torch']}, triton "
           f"{stamp['triton']}, commit {stamp['commit']}: {len(cases)} cases x {impls}",
           file=sys.stderr)
-    rows = []
-    try:
-        copy = ceil_mod.copy_bandwidth(timer, device)
-        rows.append(ceiling_row(stamp, copy))
-        copy_tbps = copy.value
-    except Exception as e:  # fractions stay empty
-        print(f"ceiling copy failed: {type(e).__name__}: {e}", file=sys.stderr)
-        copy_tbps = None
+    rows, copy_tbps = ceil_mod.copy_ceiling_rows(timer, device, stamp)
     for case in tqdm(cases, desc="wsattn bench moe", file=sys.stderr, dynamic_ncols=True):
         rows += run_case(case, impls, timer, stamp, device, copy_tbps)
     add_ratios(rows)

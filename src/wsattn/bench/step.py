@@ -566,7 +566,6 @@ def main(args) -> int:
     from . import ceilings as ceil_mod
     from .env import stamp as make_stamp
     from .gemv import write
-    from .report import ceiling_row
     from .timing import cuda_timer
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -575,14 +574,7 @@ def main(args) -> int:
     impls = list(args.step_impl)
     print(f"wsattn bench step on {stamp['gpu']}, torch {stamp['torch']}, commit "
           f"{stamp['commit']}: {len(cases)} cases x {impls}", file=sys.stderr)
-    rows = []
-    try:
-        copy = ceil_mod.copy_bandwidth(cuda_timer(args.warmup_ms, args.rep_ms, args.timing), device)
-        rows.append(ceiling_row(stamp, copy))
-        copy_tbps = copy.value
-    except Exception as e:
-        print(f"ceiling copy failed: {type(e).__name__}: {e}", file=sys.stderr)
-        copy_tbps = None
+    rows, copy_tbps = ceil_mod.copy_ceiling_rows(cuda_timer(args.warmup_ms, args.rep_ms, args.timing), device, stamp)
     import torch._dynamo
     # every (model, B, context) recompiles transformers' static-cache step
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

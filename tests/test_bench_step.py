@@ -299,6 +299,29 @@ def test_per_step_is_the_difference_of_two_traces():
     assert step.per_token_ms([10.0, 11.0, 12.0], [42.0, 45.0, 43.0], 32) == pytest.approx(1.0)
 
 
+def test_gaps_between_kernel_pairs():
+    """Idle time and overlap between consecutive kernels, by name pair, per step: a gap
+    after a kernel counts from the end of everything before; an early start (PDL) is
+    overlap, not idle; the prefill trace's pairs cancel."""
+    prefill = [_k(0, 10, name="p"), _k(20, 10, name="p")]
+    steps = []
+    for s in range(2):
+        t = 1000 + 100 * s
+        steps += [_k(t, 10, name="a"), _k(t + 14, 10, name="b"),  # 4 us idle a -> b
+                  _k(t + 20, 10, name="c")]                          # 4 us overlap b -> c
+    d = step.per_step(step.gpu_summary(prefill + steps), step.gpu_summary(prefill), 2)
+    pairs = {(p["after"], p["next"]): p for p in d["gaps_by_pair"]}
+    assert pairs[("a", "b")]["idle_us_per_step"] == 4 and pairs[("a", "b")]["per_step"] == 1
+    assert pairs[("a", "b")]["overlap_us_per_step"] == 0
+    assert pairs[("b", "c")]["overlap_us_per_step"] == 4
+    assert pairs[("b", "c")]["idle_us_per_step"] == 0
+    assert ("p", "p") not in pairs  # in both traces: cancels
+    # c of step 0 -> a of step 1: 1130 -> 1100 + 0: idle 1100 - 1030 = 70 us, once in 2 steps
+    assert pairs[("c", "a")]["idle_us_per_step"] == 35 and pairs[("c", "a")]["per_step"] == 0.5
+    idles = [p["idle_us_per_step"] for p in d["gaps_by_pair"]]
+    assert idles == sorted(idles, reverse=True)  # the largest idle first
+
+
 # --------------------------------------------------------------------------- end to end, tiny
 
 GEMV_CHILD = r"""

@@ -89,7 +89,8 @@ ROW_FIELDS = ("op", "impl", "case", "model", "B", "ctx", "new_tokens", "dtype", 
               "floor_ms", "floor_weights_ms", "frac_floor", "copy_tbps", "target_ms",
               "target_met", "ratio_hf_compile", "pdl_speedup", "kernels_per_step",
               "kernels_per_layer", "copies_per_step", "kernel_us_per_step",
-              "busy_us_per_step", "idle_us_per_step", "kernels_by_time", "profile_steps")
+              "busy_us_per_step", "idle_us_per_step", "kernels_by_time", "gaps_by_pair",
+              "profile_steps")
 
 
 def model_config(name: str):
@@ -175,8 +176,8 @@ def memory_needed(case: StepCase, new_tokens: int) -> int:
 
 # --------------------------------------------------------------------------- the trace
 
-TOP_KERNELS = 12  # kernel names a row lists, by GPU time per step (durations: with PDL a
-#                   kernel's time includes its wait for the previous one)
+TOP_KERNELS = 12  # kernel names (and name pairs) a row lists, by GPU time (idle time) a
+#                   step (durations: with PDL a kernel's time includes its wait)
 GPU_CATS = {"kernel": "kernels", "gpu_memcpy": "copies", "gpu_memset": "copies"}
 
 
@@ -207,7 +208,23 @@ def gpu_summary(trace) -> dict:
         end = b
     span = (max(b for _, b in spans) - min(a for a, _ in spans)) if spans else 0.0
     return {**counts, "kernel_us": kernel_us, "busy_us": busy, "span_us": span,
-            "by_name": by_name}
+            "by_name": by_name, "gaps": _gaps(events)}
+
+
+def _gaps(events) -> dict:
+    """Per (kernel, next kernel) name pair, in start order: (count, idle us, overlap us).
+    Idle: from the end of everything before to the next kernel's start, when positive;
+    overlap: how long the next kernel ran alongside the one before it (PDL's early
+    starts, which include its wait in griddepcontrol.wait)."""
+    ks = sorted((float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "?")) for e in events
+                if e.get("cat") == "kernel" and e.get("ph", "X") == "X")
+    out, end = {}, -math.inf
+    for (ts0, dur0, name0), (ts1, _, name1) in zip(ks, ks[1:]):
+        end = max(end, ts0 + dur0)
+        n, idle, over = out.get((name0, name1), (0, 0.0, 0.0))
+        out[(name0, name1)] = (n + 1, idle + max(0.0, ts1 - end),
+                               over + max(0.0, min(end, ts0 + dur0) - ts1))
+    return out
 
 
 def per_step(long: dict, short: dict, steps: int, ms_per_token: float | None = None) -> dict:
@@ -225,9 +242,19 @@ def per_step(long: dict, short: dict, steps: int, ms_per_token: float | None = N
             names.append({"name": name, "per_step": (n - n0) / steps,
                           "us_per_step": (us - us0) / steps})
     names.sort(key=lambda r: -r["us_per_step"])
+    pairs = []
+    lg, sg = long.get("gaps", {}), short.get("gaps", {})
+    for (a, b), (n, idle_us, over_us) in lg.items():
+        n0, i0, o0 = sg.get((a, b), (0, 0.0, 0.0))
+        if n > n0:
+            pairs.append({"after": a, "next": b, "per_step": (n - n0) / steps,
+                          "idle_us_per_step": (idle_us - i0) / steps,
+                          "overlap_us_per_step": (over_us - o0) / steps})
+    pairs.sort(key=lambda r: -r["idle_us_per_step"])
     return {"kernels_per_step": d["kernels"], "copies_per_step": d["copies"],
             "kernel_us_per_step": d["kernel_us"], "busy_us_per_step": d["busy_us"],
-            "idle_us_per_step": idle, "kernels_by_time": names[:TOP_KERNELS]}
+            "idle_us_per_step": idle, "kernels_by_time": names[:TOP_KERNELS],
+            "gaps_by_pair": pairs[:TOP_KERNELS]}
 
 
 def per_token_ms(t1: list[float], tn: list[float], n: int) -> float:
@@ -307,6 +334,10 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"  {r['case']} {r['impl']} kernels by GPU time per step: " + "; ".join(
             f"{k['name'][:40]} x{k['per_step']:.3g} {k['us_per_step']:.1f} us"
             for k in r["kernels_by_time"][:6]))
+        if r.get("gaps_by_pair"):
+            lines.append(f"  {r['case']} {r['impl']} idle between kernels per step: " + "; ".join(
+                f"{g['after'][:24]} -> {g['next'][:24]} {g['idle_us_per_step']:.1f} us "
+                f"(overlap {g['overlap_us_per_step']:.1f})" for g in r["gaps_by_pair"][:4]))
     return "\n".join(lines)
 
 

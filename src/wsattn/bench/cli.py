@@ -1,6 +1,6 @@
 """`wsattn bench`: ceilings, wsattn kernels and peers measured in one run on this GPU.
 
-    wsattn bench [prefill|decode|all|sp|step|gemv|moe] [--quick] [--dtype bf16] [--impl ...]
+    wsattn bench [prefill|decode|all|sp|step|gemv|moe|chunked] [--quick] [--dtype bf16] [--impl ...]
                  [--step-shapes] [--decode-settings SPEC ...]
                  [--json PATH] [--plot PATH | --no-plot]
 
@@ -14,7 +14,10 @@ torchrun, one process per GPU. `wsattn bench gemv` times every GEMV of a decode 
 model shapes against cuBLAS and the copy ceiling (wsattn.bench.gemv); `wsattn bench step`
 a whole decode step against transformers and the memory floor (wsattn.bench.step);
 `wsattn bench moe` one MoE layer (Qwen3-30B-A3B, Mixtral-8x7B, OLMoE shapes) against
-transformers' MoE block, torch._grouped_mm and the touched-weight floor (wsattn.bench.moe).
+transformers' MoE block, torch._grouped_mm and the touched-weight floor (wsattn.bench.moe);
+`wsattn bench chunked` chunked prefill (a chunk of 2048 queries over a paged prefix of
+0-32k, pages 16 and 64) against the same attention with contiguous keys and the matmul
+ceiling (wsattn.bench.chunked).
 
 `wsattn bench decode --step-shapes` runs the decode step's attention shapes instead of the
 long contexts (Llama-3.2-1B and Llama-3.1-8B heads, B 1-64, L 1k-32k, contiguous and
@@ -32,7 +35,7 @@ import importlib
 import sys
 from pathlib import Path
 
-WHAT = ("prefill", "decode", "all", "sp", "step", "gemv", "moe")
+WHAT = ("prefill", "decode", "all", "sp", "step", "gemv", "moe", "chunked")
 SP_MODULE = "wsattn.sp.bench"  # provides main(args) -> int, optionally add_arguments(parser)
 
 
@@ -86,11 +89,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                    "kernel with these settings; SPEC = BLOCK_N,num_warps,"
                                    "num_stages,num_splits[,bt_preload] (bt_preload 0/1, "
                                    "default 0), e.g. 64,4,4,16")
-    from . import gemv as gemv_mod, moe as moe_mod, step as step_mod
+    from . import chunked as chunked_mod, gemv as gemv_mod, moe as moe_mod, step as step_mod
     model_group = p.add_argument_group("step and gemv (decode-step model shapes)")
     gemv_mod.add_arguments(model_group)
     step_mod.add_arguments(model_group)
     moe_mod.add_arguments(p.add_argument_group("moe (one MoE layer of a decode step)"))
+    chunked_mod.add_arguments(p.add_argument_group(
+        "chunked (chunked prefill over a paged prefix)"))
     sp, _ = _sp_module()
     if sp is not None and hasattr(sp, "add_arguments"):
         sp.add_arguments(p.add_argument_group("sp (sequence parallelism)"))
@@ -159,7 +164,7 @@ def run(args) -> int:
         print("wsattn bench: TRITON_INTERPRET=1 is set, which would time the CPU interpreter; "
               "unset it", file=sys.stderr)
         return 2
-    if args.what in ("step", "gemv", "moe"):
+    if args.what in ("step", "gemv", "moe", "chunked"):
         module = importlib.import_module(f"wsattn.bench.{args.what}")
         return int(module.main(args) or 0)
     return _bench(args, torch)

@@ -1,0 +1,491 @@
+"""`wsattn bench chunked`: chunked prefill, one chunk of new queries per sequence against
+keys already in a paged KV cache, against the same attention with the keys contiguous
+(issue 16: >= 0.95x the contiguous attention, chunk 2048, prefix 0-32k, page 16 and 64).
+
+Shapes: bf16, Hq 32, Hkv 8, D 128 and 64, one chunk of 2048 queries per sequence, B = 8
+sequences (16k chunk tokens a batch; ``--chunked-batch``), a prefix of P in {0, 2k, 8k,
+32k} keys before the chunk. Each sequence has P + 2048 keys, the chunk's own K/V
+included (appended before the call, as a serving engine does). Causal, bottom-right
+aligned: query i of a chunk sees the prefix and chunk keys 0..i.
+
+Columns (``impl``):
+
+* ``triton-paged``: :func:`wsattn.attention_paged` (``impl="triton"``) over a cache of
+  pages of 16 or of 64 tokens, one row per page size (the case id names it). Each
+  sequence's pages are a random permutation of the cache's pages (seeded per case), so
+  the kernel reads scattered pages as it would in a serving engine, not consecutive ones.
+* ``triton-contiguous``: :func:`wsattn.attention_varlen` (``impl="triton"``) on the same
+  queries and the same keys stored contiguously, packed with ``cu_seqlens_k``: the
+  issue's reference point.
+* ``gluon-contiguous``: :func:`wsattn.attention_varlen` with ``impl="gluon"``; "not
+  available" with the dispatcher's reason while the Gluon kernel has no varlen path.
+
+FlashInfer's paged prefill is not a column yet (the ``peers`` module runs its ragged
+prefill and paged decode only).
+
+Every column's output is checked before it is timed: the first and the last sequence of
+the batch against a float64 reference computed from the contiguous keys (so a page
+table built wrong fails too), within ``wsattn.testing.TOL``; the checked call's outputs
+are NaN-poisoned (the API takes no ``out``; ``WSATTN_POISON`` fills the kernel's own
+allocation), so an element never written fails. A failed check is recorded, not timed.
+
+Per row: FLOPs = 4 x D x Hq x the (query, key) pairs each chunk attends, where query i of
+a chunk sees P + i + 1 keys (the causal triangle only over the chunk's diagonal block);
+TFLOP/s of the median time; ``frac_matmul`` = that over the bf16 matmul ceiling measured
+in the same run; on paged rows ``ratio_contiguous`` = the contiguous column's time / the
+paged row's time for the same shape, and the issue's target (0.95) as met / missed,
+never asserted. Time is a CUDA-graph replay (``wsattn.bench.timing.cuda_timer``); the
+calls give ``max_seqlen_q`` and pass no ``validate``, so no host read happens in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .cases import DTYPES, tflops
+from .gemv import write
+
+PREFIXES = (0, 2048, 8192, 32768)
+PAGES = (16, 64)
+DIMS = (128, 64)
+CHUNK = 2048
+BATCH = 8  # chunks of 2048: 16k chunk tokens a batch, as the prefill benchmark
+HQ, HKV = 32, 8
+IMPLS = ("triton-paged", "triton-contiguous", "gluon-contiguous")
+WSATTN_IMPLS = ("triton-paged", "triton-contiguous")  # a failure of these exits 1
+TARGET_RATIO = 0.95  # the issue's: paged time >= 0.95x as fast as contiguous
+
+ROW_FIELDS = ("op", "impl", "case", "layout", "page_size", "dtype", "causal", "B", "chunk",
+              "prefix", "Sk", "Hq", "Hkv", "D", "flops", "status", "reason", "note",
+              "rel_err", "tol", "check_passed", "check_slice", "median_ms", "q20_ms",
+              "q80_ms", "reps", "calls", "timing", "tflops", "matmul_tflops", "frac_matmul",
+              "ratio_contiguous", "target_ratio", "target_met")
+
+
+@dataclass(frozen=True)
+class ChunkedCase:
+    """B sequences, each a chunk of ``chunk`` new queries after ``prefix`` cached keys;
+    ``page`` is the cache's page size, or None for contiguous keys."""
+    prefix: int
+    D: int
+    page: int | None
+    B: int = BATCH
+    chunk: int = CHUNK
+    Hq: int = HQ
+    Hkv: int = HKV
+    dtype: str = "bf16"
+    op: str = "chunked"
+
+    @property
+    def layout(self) -> str:
+        return "contiguous" if self.page is None else f"page{self.page}"
+
+    @property
+    def id(self) -> str:
+        return (f"chunked-B{self.B}-C{self.chunk}-P{self.prefix}-H{self.Hq}-HKV{self.Hkv}-"
+                f"D{self.D}-{self.layout}-{self.dtype}")
+
+    @property
+    def shape(self) -> tuple:
+        """What the paged and contiguous cases of one comparison share."""
+        return (self.prefix, self.D, self.B, self.chunk, self.Hq, self.Hkv, self.dtype)
+
+    @property
+    def seqlen_k(self) -> int:
+        return self.prefix + self.chunk
+
+    def pairs(self) -> int:
+        """(query, key) pairs one sequence attends: query i sees prefix + i + 1 keys."""
+        c = self.chunk
+        return c * self.prefix + c * (c + 1) // 2
+
+    def flops(self) -> int:
+        """4 x D x Hq per pair (QK^T and PV, 2 FLOPs a multiply-add), over the batch."""
+        return 4 * self.D * self.Hq * self.B * self.pairs()
+
+
+def chunked_cases(prefixes=PREFIXES, pages=PAGES, dims=DIMS, batch: int = BATCH,
+                  chunk: int = CHUNK, dtype: str = "bf16", hq: int = HQ,
+                  hkv: int = HKV) -> list[ChunkedCase]:
+    """Per (D, prefix): the contiguous case, then one paged case per page size."""
+    for name, values, low in (("prefix", prefixes, 0), ("page", pages, 1), ("dim", dims, 1)):
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    for name, v in (("batch", batch), ("chunk", chunk)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return [ChunkedCase(p, d, page, batch, chunk, hq, hkv, dtype)
+            for d in dims for p in prefixes for page in (None, *pages)]
+
+
+def case_impls(case: ChunkedCase, impls) -> list[str]:
+    """The columns a case runs: triton-paged on paged cases, the contiguous ones on the
+    contiguous case."""
+    if case.page is None:
+        return [i for i in impls if i.endswith("-contiguous")]
+    return [i for i in impls if i.endswith("-paged")]
+
+
+# --------------------------------------------------------------------------- rows
+
+def make_row(stamp: dict, case: ChunkedCase, impl: str, status: str, *, reason=None,
+             note=None, rel_err=None, tol=None, check_slice=None, timing=None,
+             matmul_tflops=None) -> dict:
+    """One row; every row has the keys of ROW_FIELDS (None where they do not apply)."""
+    row = dict(stamp)
+    row.update({k: None for k in ROW_FIELDS})
+    row.update(op=case.op, impl=impl, case=case.id, layout=case.layout, page_size=case.page,
+               dtype=case.dtype, causal=True, B=case.B, chunk=case.chunk, prefix=case.prefix,
+               Sk=case.seqlen_k, Hq=case.Hq, Hkv=case.Hkv, D=case.D, flops=case.flops(),
+               status=status, reason=reason, note=note, rel_err=rel_err, tol=tol,
+               check_passed=None if rel_err is None else rel_err <= tol,
+               check_slice=check_slice, matmul_tflops=matmul_tflops,
+               target_ratio=TARGET_RATIO if case.page is not None else None)
+    if timing is not None:
+        row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
+                   reps=timing.reps, calls=timing.calls, timing=timing.method,
+                   tflops=tflops(case.flops(), timing.median_ms))
+        if matmul_tflops:
+            row["frac_matmul"] = row["tflops"] / matmul_tflops
+    return row
+
+
+def _shape_key(row) -> tuple:
+    return tuple(row[k] for k in ("prefix", "D", "B", "chunk", "Hq", "Hkv", "dtype"))
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """ratio_contiguous (triton-contiguous's time / this row's, same shape) and the
+    target's met / missed on the timed paged rows, in place."""
+    base = {_shape_key(r): r for r in rows if r.get("op") == "chunked"
+            and r["impl"] == "triton-contiguous" and r["status"] == "ok"}
+    for r in rows:
+        if r.get("op") != "chunked" or r["page_size"] is None or r["status"] != "ok":
+            continue
+        ref = base.get(_shape_key(r))
+        if ref is not None:
+            r["ratio_contiguous"] = ref["median_ms"] / r["median_ms"]
+            r["target_met"] = "met" if r["ratio_contiguous"] >= TARGET_RATIO else "missed"
+    return rows
+
+
+# --------------------------------------------------------------------------- GPU work
+
+class NotAvailable(Exception):
+    """A column that cannot run here (the reason is the message)."""
+
+
+@dataclass
+class Inputs:
+    """One shape's tensors: q [B*chunk, Hq, D] packed; k, v [B*Sk, Hkv, D] contiguous;
+    cu_q, cu_k int32 [B+1]; seqlens_k int32 [B]; scale."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    seqlens_k: torch.Tensor
+    scale: float
+
+
+def make_inputs(case: ChunkedCase, device) -> Inputs:
+    """Random queries and keys of the case's shape (seeded by the shape, so the paged and
+    contiguous cases of one comparison see the same numbers)."""
+    dt = DTYPES[case.dtype]
+    seed = zlib.crc32(repr(case.shape).encode())
+    g = torch.Generator(device=device).manual_seed(seed)
+    Sk, B = case.seqlen_k, case.B
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device).to(dt)
+
+    q = randn(B * case.chunk, case.Hq, case.D)
+    k = randn(B * Sk, case.Hkv, case.D)
+    v = randn(B * Sk, case.Hkv, case.D)
+    ar = torch.arange(B + 1, dtype=torch.int32, device=device)
+    return Inputs(q, k, v, ar * case.chunk, ar * Sk,
+                  torch.full((B,), Sk, dtype=torch.int32, device=device),
+                  case.D ** -0.5)
+
+
+def paged_cache(case: ChunkedCase, inp: Inputs):
+    """(k_cache, v_cache [num_pages, page, Hkv, D], block_table int32 [B, pages_per_seq])
+    holding inp.k / inp.v: each sequence's pages scattered through the cache by a random
+    permutation (seeded per case); rows past a sequence's keys in its last page are
+    zero and never read."""
+    page, B, Sk = case.page, case.B, case.seqlen_k
+    per_seq = -(-Sk // page)
+    num_pages = B * per_seq
+    device = inp.k.device
+    g = torch.Generator(device="cpu").manual_seed(zlib.crc32(case.id.encode()))
+    table = torch.randperm(num_pages, generator=g).view(B, per_seq).to(torch.int32)
+    table = table.to(device)
+    kc = torch.zeros(num_pages, page, case.Hkv, case.D, dtype=inp.k.dtype, device=device)
+    vc = torch.zeros_like(kc)
+    pad = per_seq * page - Sk
+    for src, dst in ((inp.k, kc), (inp.v, vc)):
+        seq = src.view(B, Sk, case.Hkv, case.D)
+        if pad:
+            seq = torch.nn.functional.pad(seq, (0, 0, 0, 0, 0, pad))
+        dst[table.reshape(-1).long()] = seq.reshape(num_pages, page, case.Hkv, case.D)
+    return kc, vc, table
+
+
+def check_sequences(case: ChunkedCase) -> list[int]:
+    """The sequences checked against float64: the first and the last."""
+    return sorted({0, case.B - 1})
+
+
+def reference_rows(case: ChunkedCase, inp: Inputs) -> torch.Tensor:
+    """float64 outputs of the checked sequences, stacked in their order
+    [len(check_sequences) * chunk, Hq, D], from the contiguous keys."""
+    from wsattn import reference
+
+    C, Sk = case.chunk, case.seqlen_k
+    one = torch.tensor([0, C], dtype=torch.int32)
+    onek = torch.tensor([0, Sk], dtype=torch.int32)
+    outs = []
+    for b in check_sequences(case):
+        out, _ = reference.attention_varlen(inp.q[b * C:(b + 1) * C], inp.k[b * Sk:(b + 1) * Sk],
+                                            inp.v[b * Sk:(b + 1) * Sk], one.to(inp.q.device),
+                                            onek.to(inp.q.device), True, inp.scale)
+        outs.append(out)
+    return torch.cat(outs)
+
+
+def checked_rows(case: ChunkedCase, out: torch.Tensor) -> torch.Tensor:
+    C = case.chunk
+    return torch.cat([out[b * C:(b + 1) * C] for b in check_sequences(case)])
+
+
+def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
+    """The column's call, or NotAvailable."""
+    import wsattn
+    from wsattn import dispatch
+
+    if impl == "triton-paged":
+        kc, vc, table = cache
+
+        def call():
+            return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
+                                          max_seqlen_q=case.chunk, causal=True,
+                                          sm_scale=inp.scale, impl="triton")
+        return call
+    if impl in ("triton-contiguous", "gluon-contiguous"):
+        backend = impl.split("-")[0]
+        why = dispatch.reason(backend, dispatch.Call("prefill_varlen", inp.q.device,
+                                                     inp.q.dtype, case.D, True))
+        if why is not None:
+            raise NotAvailable(why)
+
+        def call():
+            return wsattn.attention_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k,
+                                           max_seqlen_q=case.chunk, max_seqlen_k=case.seqlen_k,
+                                           causal=True, sm_scale=inp.scale, impl=backend)
+        return call
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Kernel outputs NaN-filled before the kernel writes them (the checked call only)."""
+    old = os.environ.get("WSATTN_POISON")
+    os.environ["WSATTN_POISON"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("WSATTN_POISON", None)
+        else:
+            os.environ["WSATTN_POISON"] = old
+
+
+def run_shape(cases: list[ChunkedCase], impls, timer, stamp, device,
+              matmul_tflops=None) -> list[dict]:
+    """Rows of every column of the cases of one shape (same inputs, different layouts):
+    check against float64, then time. A column's failure is its row, never the run's."""
+    from wsattn.testing import TOL, rel_err
+
+    from .suite import _short
+
+    assert len({c.shape for c in cases}) == 1, "run_shape takes the cases of one shape"
+    todo = [(c, i) for c in cases for i in case_impls(c, impls)]
+    try:
+        inp = make_inputs(cases[0], device)
+        ref = reference_rows(cases[0], inp)
+    except Exception as e:  # out of memory on a smaller GPU, say
+        return [make_row(stamp, c, i, "error", reason="inputs: " + _short(e)) for c, i in todo]
+    where = f"sequences {check_sequences(cases[0])} of {cases[0].B}"
+    tol, rows = TOL[cases[0].dtype], []
+    common = dict(matmul_tflops=matmul_tflops, check_slice=where)
+    for case in cases:
+        cache = None
+        for impl in case_impls(case, impls):
+            try:
+                if case.page is not None and cache is None:
+                    cache = paged_cache(case, inp)
+                fn = _call(case, impl, inp, cache)
+                with poisoned():
+                    out = fn()
+                _sync(device)
+                err = rel_err(checked_rows(case, out), ref)
+                del out
+            except NotAvailable as e:
+                rows.append(make_row(stamp, case, impl, "not available", reason=str(e)[:300],
+                                     **common))
+                continue
+            except Exception as e:  # a broken column must not stop the benchmark
+                rows.append(make_row(stamp, case, impl, "error", reason=_short(e), **common))
+                continue
+            if not err <= tol:
+                rows.append(make_row(stamp, case, impl, "failed", rel_err=err, tol=tol,
+                                     reason=f"relative error {err:.3e} > {tol:.1e}; not timed",
+                                     **common))
+                continue
+            try:
+                timing = timer(fn)
+            except Exception as e:
+                rows.append(make_row(stamp, case, impl, "error", rel_err=err, tol=tol,
+                                     reason="while timing: " + _short(e), **common))
+                continue
+            rows.append(make_row(stamp, case, impl, "ok", rel_err=err, tol=tol, timing=timing,
+                                 **common))
+        del cache
+    del inp, ref
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def group_by_shape(cases: list[ChunkedCase]) -> list[list[ChunkedCase]]:
+    groups: dict[tuple, list[ChunkedCase]] = {}
+    for c in cases:
+        groups.setdefault(c.shape, []).append(c)
+    return list(groups.values())
+
+
+# --------------------------------------------------------------------------- report
+
+def format_table(rows: list[dict]) -> str:
+    f = (lambda v, s: "-" if v is None else format(v, s))
+    lines = [f"ceiling {r['impl']}: {r['tflops']:.1f} TFLOP/s ({r['case']})"
+             for r in rows if r["op"] == "ceiling" and r.get("tflops")]
+    head = (f"{'case':<46} {'impl':<18} {'ms':>8} {'TFLOP/s':>8} {'of mm':>6} "
+            f"{'x contig':>8} {'target':>11} {'rel err':>8}  status")
+    lines += ["", head, "-" * len(head)]
+    for r in (r for r in rows if r["op"] == "chunked"):
+        target = "-" if r["target_ratio"] is None else f"{r['target_ratio']:.2f}" + (
+            "" if r["target_met"] is None else f" {r['target_met']}")
+        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        lines.append(
+            f"{r['case']:<46} {r['impl']:<18} {f(r['median_ms'], '.3f'):>8} "
+            f"{f(r['tflops'], '.1f'):>8} {f(r['frac_matmul'], '.3f'):>6} "
+            f"{f(r['ratio_contiguous'], '.3f'):>8} {target:>11} {f(r['rel_err'], '.1e'):>8}  "
+            f"{status[:120]}")
+    return "\n".join(lines)
+
+
+def plot_rows(rows: list[dict], path):
+    """TFLOP/s against the prefix length per column and layout, one panel per head dim;
+    the matmul ceiling dashed."""
+    from .plot import MISSING, pyplot, save
+    plt = pyplot()
+    if plt is None:
+        return None, MISSING
+    ok = [r for r in rows if r["op"] == "chunked" and r["status"] == "ok" and r["tflops"]]
+    if not ok:
+        return None, "no timed rows to plot"
+    dims = sorted({r["D"] for r in ok}, reverse=True)
+    lines = sorted({(r["impl"], r["layout"]) for r in ok})
+    fig, axes = plt.subplots(1, len(dims), figsize=(5.5 * len(dims), 3.8), squeeze=False)
+    for ax, D in zip(axes.flat, dims):
+        for impl, layout in lines:
+            pts = sorted((r["prefix"], r["tflops"]) for r in ok
+                         if (r["D"], r["impl"], r["layout"]) == (D, impl, layout))
+            if pts:
+                label = impl if impl.endswith("-contiguous") else f"{impl} {layout}"
+                ax.plot(*zip(*pts), marker="o", label=label)
+        mm = next((r["matmul_tflops"] for r in ok if r["matmul_tflops"]), None)
+        if mm:
+            ax.axhline(mm, linestyle="--", color="grey", linewidth=1, label="matmul ceiling")
+        ax.set_xscale("symlog", base=2, linthresh=1024)
+        ax.set_xlabel("prefix (keys before the chunk)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"D{D}, chunk {ok[0]['chunk']}, B {ok[0]['B']}, causal", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    s = rows[0]
+    return save(fig, axes, len(dims),
+                f"wsattn bench chunked - {s.get('gpu')} - {s.get('commit')} - {s.get('date')}",
+                path)
+
+
+def main(args) -> int:
+    """Run the chunked-prefill benchmark (a CUDA GPU is checked for by the caller)."""
+    from tqdm import tqdm
+
+    from . import ceilings as ceil_mod
+    from .env import stamp as make_stamp
+    from .report import ceiling_row
+    from .timing import cuda_timer
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    stamp = make_stamp(device)
+    timer = cuda_timer(args.warmup_ms, args.rep_ms, args.timing)
+    try:
+        cases = chunked_cases(args.chunked_prefix, args.chunked_pages, args.chunked_dims,
+                              args.chunked_batch, dtype=args.dtype)
+    except ValueError as e:
+        print(f"wsattn bench chunked: {e}", file=sys.stderr)
+        return 2
+    impls = list(args.chunked_impl)
+    groups = group_by_shape(cases)
+    print(f"wsattn bench chunked on {stamp['gpu']}, torch {stamp['torch']}, triton "
+          f"{stamp['triton']}, commit {stamp['commit']}: {len(groups)} shapes x {impls}",
+          file=sys.stderr)
+    rows, mm = [], None
+    try:
+        ceiling = ceil_mod.matmul_rate(timer, device)
+        rows.append(ceiling_row(stamp, ceiling))
+        mm = ceiling.value
+    except Exception as e:  # fractions of the ceiling stay empty
+        print(f"ceiling matmul failed: {type(e).__name__}: {e}", file=sys.stderr)
+    for group in tqdm(groups, desc="wsattn bench chunked", file=sys.stderr, dynamic_ncols=True):
+        rows += run_shape(group, impls, timer, stamp, device, mm)
+    add_ratios(rows)
+    print(format_table(rows))
+    write(rows, stamp, args, plot_rows)
+    broken = [r for r in rows if r["impl"] in WSATTN_IMPLS and r["status"] in ("failed", "error")]
+    for r in broken:
+        print(f"wsattn {r['impl']} {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
+    return 1 if broken else 0
+
+
+def add_arguments(group) -> None:
+    group.add_argument("--chunked-prefix", nargs="+", type=int, default=list(PREFIXES),
+                       metavar="P", help="chunked: keys before the chunk (default "
+                                         f"{' '.join(map(str, PREFIXES))})")
+    group.add_argument("--chunked-pages", nargs="+", type=int, default=list(PAGES),
+                       metavar="PAGE", help="chunked: page sizes of the paged rows (default "
+                                            f"{' '.join(map(str, PAGES))})")
+    group.add_argument("--chunked-dims", nargs="+", type=int, default=list(DIMS), metavar="D",
+                       help=f"chunked: head dims (default {' '.join(map(str, DIMS))})")
+    group.add_argument("--chunked-impl", nargs="+", choices=IMPLS, default=list(IMPLS),
+                       metavar="IMPL", help=f"chunked: columns (default all: {' '.join(IMPLS)})")
+    group.add_argument("--chunked-batch", type=int, default=BATCH, metavar="B",
+                       help=f"chunked: sequences, one chunk of {CHUNK} queries each (default "
+                            f"{BATCH}: {BATCH * CHUNK // 1024}k chunk tokens)")

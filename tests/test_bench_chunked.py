@@ -1,0 +1,290 @@
+"""wsattn bench chunked on CPU: the missing-GPU exit, the case list and ids, the FLOP count
+on a hand example, the shuffled page table holding the contiguous keys, the row schema
+and the ratio / target logic, the outputs written only when asked, the plot, and the
+runner end to end on a tiny shape through the interpreter (check, then time; a wrong
+kernel fails and is not timed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import wsattn.cli
+from wsattn.bench import chunked, gemv
+from wsattn.bench.timing import Timing
+
+from conftest import interpreter_child
+
+STAMP = {"gpu": "none", "commit": "abc", "date": "2026-11-30T12:00:00Z", "torch": "x",
+         "triton": "y"}
+
+
+def _timing(ms):
+    return Timing(median_ms=ms, q20_ms=ms * 0.9, q80_ms=ms * 1.1, reps=20, method="graph",
+                  calls=7)
+
+
+# --------------------------------------------------------------------------- command line
+
+def test_without_gpu_exits_2_with_message(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert wsattn.cli.main(["bench", "chunked"]) == 2
+    assert "wsattn bench needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_console_without_gpu_exits_2(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "rows.json"
+    res = subprocess.run([sys.executable, "-m", "wsattn.cli", "bench", "chunked",
+                          "--chunked-prefix", "0", "--json", str(out), "--plot",
+                          str(tmp_path / "p.png")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr, res.stderr
+    assert not out.exists() and not (tmp_path / "p.png").exists()
+
+
+def test_options_and_help(capsys):
+    parser = wsattn.cli.build_parser()
+    args = parser.parse_args(["bench", "chunked", "--chunked-prefix", "0", "8192",
+                              "--chunked-pages", "64", "--chunked-dims", "64",
+                              "--chunked-impl", "triton-paged", "--chunked-batch", "4"])
+    assert (args.what, args.chunked_prefix, args.chunked_pages, args.chunked_dims,
+            args.chunked_impl, args.chunked_batch) == \
+        ("chunked", [0, 8192], [64], [64], ["triton-paged"], 4)
+    args = parser.parse_args(["bench", "chunked"])
+    assert (args.chunked_prefix, args.chunked_pages, args.chunked_dims, args.chunked_impl,
+            args.chunked_batch) == ([0, 2048, 8192, 32768], [16, 64], [128, 64],
+                                    list(chunked.IMPLS), 8)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "chunked", "--chunked-impl", "flashinfer"])
+    with pytest.raises(SystemExit) as e:
+        wsattn.cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("chunked", "--chunked-prefix", "--chunked-pages", "--chunked-dims",
+                 "--chunked-impl", "--chunked-batch", "wsattn.bench.chunked"):
+        assert word in text, word
+
+
+# --------------------------------------------------------------------------- cases
+
+def test_cases_and_ids():
+    cases = chunked.chunked_cases()
+    assert len(cases) == 2 * 4 * 3
+    assert [(c.D, c.prefix, c.page) for c in cases[:6]] == \
+        [(128, 0, None), (128, 0, 16), (128, 0, 64), (128, 2048, None), (128, 2048, 16),
+         (128, 2048, 64)]
+    assert {(c.B, c.chunk, c.Hq, c.Hkv, c.dtype) for c in cases} == {(8, 2048, 32, 8, "bf16")}
+    assert cases[-1].id == "chunked-B8-C2048-P32768-H32-HKV8-D64-page64-bf16"
+    assert cases[0].id == "chunked-B8-C2048-P0-H32-HKV8-D128-contiguous-bf16"
+    assert len({c.id for c in cases}) == len(cases)
+    assert [len(g) for g in chunked.group_by_shape(cases)] == [3] * 8
+    assert cases[-1].seqlen_k == 32768 + 2048
+    assert chunked.case_impls(cases[0], chunked.IMPLS) == ["triton-contiguous",
+                                                           "gluon-contiguous"]
+    assert chunked.case_impls(cases[1], chunked.IMPLS) == ["triton-paged"]
+    assert chunked.chunked_cases([5], [16], [64], batch=2)[1].id == \
+        "chunked-B2-C2048-P5-H32-HKV8-D64-page16-bf16"
+    for bad, match in ((dict(prefixes=[-1]), "prefix must be"), (dict(pages=[0]), "page must"),
+                       (dict(batch=0), "batch must"), (dict(dims=[True]), "dim must")):
+        with pytest.raises(ValueError, match=match):
+            chunked.chunked_cases(**bad)
+
+
+def test_flops_on_a_hand_example():
+    # chunk 3 after a prefix of 2: the queries see 3, 4 and 5 keys
+    c = chunked.ChunkedCase(prefix=2, D=1, page=16, B=1, chunk=3, Hq=1, Hkv=1)
+    assert c.pairs() == 3 + 4 + 5 == 12
+    assert c.flops() == 4 * 12
+    c = chunked.ChunkedCase(prefix=2, D=64, page=None, B=5, chunk=3, Hq=4, Hkv=2)
+    assert c.flops() == 4 * 64 * 4 * 5 * 12
+    big = chunked.ChunkedCase(prefix=8192, D=128, page=16)
+    assert big.pairs() == 2048 * 8192 + 2048 * 2049 // 2
+    assert big.flops() == 4 * 128 * 32 * 8 * big.pairs()
+    # no prefix: the causal triangle of the chunk alone
+    assert chunked.ChunkedCase(0, 128, 64).pairs() == 2048 * 2049 // 2
+
+
+def test_paged_cache_scatters_pages_and_holds_the_keys():
+    case = chunked.ChunkedCase(prefix=20, D=8, page=16, B=3, chunk=5, Hq=4, Hkv=2,
+                               dtype="fp32")
+    inp = chunked.make_inputs(case, "cpu")
+    kc, vc, table = chunked.paged_cache(case, inp)
+    per_seq = -(-25 // 16)
+    assert tuple(kc.shape) == (3 * per_seq, 16, 2, 8) and tuple(table.shape) == (3, per_seq)
+    assert sorted(table.reshape(-1).tolist()) == list(range(3 * per_seq))
+    assert table.reshape(-1).tolist() != list(range(3 * per_seq))  # shuffled
+    from wsattn.reference import gather_paged_kv
+    for b in range(3):
+        torch.testing.assert_close(gather_paged_kv(kc, table[b:b + 1], 25)[0],
+                                   inp.k[b * 25:(b + 1) * 25], rtol=0, atol=0)
+        torch.testing.assert_close(gather_paged_kv(vc, table[b:b + 1], 25)[0],
+                                   inp.v[b * 25:(b + 1) * 25], rtol=0, atol=0)
+    # the paged and the contiguous case of one shape see the same numbers
+    other = chunked.make_inputs(chunked.ChunkedCase(20, 8, None, 3, 5, 4, 2, "fp32"), "cpu")
+    assert torch.equal(other.q, inp.q) and torch.equal(other.k, inp.k)
+    assert inp.cu_q.tolist() == [0, 5, 10, 15] and inp.cu_k.tolist() == [0, 25, 50, 75]
+    assert inp.seqlens_k.tolist() == [25, 25, 25]
+
+
+# --------------------------------------------------------------------------- rows
+
+def _row(prefix, page, impl, ms, status="ok", D=128):
+    case = chunked.ChunkedCase(prefix, D, page)
+    return chunked.make_row(STAMP, case, impl, status, rel_err=1e-3, tol=2e-2,
+                            timing=_timing(ms) if status == "ok" else None,
+                            matmul_tflops=800.0, check_slice="sequences [0, 7] of 8")
+
+
+def test_row_schema_and_throughput():
+    r = _row(8192, 16, "triton-paged", 2.0)
+    assert set(r) == set(STAMP) | set(chunked.ROW_FIELDS)
+    case = chunked.ChunkedCase(8192, 128, 16)
+    assert (r["layout"], r["page_size"], r["prefix"], r["Sk"], r["chunk"], r["B"]) == \
+        ("page16", 16, 8192, 10240, 2048, 8)
+    assert r["flops"] == case.flops()
+    assert r["tflops"] == pytest.approx(case.flops() / 2e-3 / 1e12)
+    assert r["frac_matmul"] == pytest.approx(r["tflops"] / 800.0)
+    assert (r["target_ratio"], r["target_met"], r["check_passed"]) == (0.95, None, True)
+    c = _row(8192, None, "triton-contiguous", 1.0)
+    assert c["layout"] == "contiguous" and c["target_ratio"] is None
+    failed = chunked.make_row(STAMP, case, "triton-paged", "failed", rel_err=0.5, tol=2e-2,
+                              reason="relative error; not timed")
+    assert failed["check_passed"] is False and failed["median_ms"] is None
+    assert failed["tflops"] is None
+    na = chunked.make_row(STAMP, chunked.ChunkedCase(0, 128, None), "gluon-contiguous",
+                          "not available", reason="no varlen path")
+    assert set(na) == set(r)
+    json.dumps([r, c, failed, na])
+
+
+def test_ratio_and_target():
+    rows = [_row(8192, None, "triton-contiguous", 1.0),
+            _row(8192, 16, "triton-paged", 1.0 / 0.96),
+            _row(8192, 64, "triton-paged", 1.0 / 0.90),
+            _row(2048, 16, "triton-paged", 0.5),               # no contiguous row
+            _row(8192, 16, "triton-paged", 1.0, D=64),         # other D: no partner
+            _row(32768, None, "triton-contiguous", 1.0, status="failed"),
+            _row(32768, 16, "triton-paged", 1.0),              # partner failed
+            _row(8192, None, "gluon-contiguous", 0.5)]
+    chunked.add_ratios(rows)
+    assert rows[1]["ratio_contiguous"] == pytest.approx(0.96) and rows[1]["target_met"] == "met"
+    assert rows[2]["ratio_contiguous"] == pytest.approx(0.90)
+    assert rows[2]["target_met"] == "missed"
+    for r in (rows[0], rows[3], rows[4], rows[6], rows[7]):
+        assert r["ratio_contiguous"] is None and r["target_met"] is None
+    text = chunked.format_table(rows)
+    assert "chunked-B8-C2048-P8192-H32-HKV8-D128-page64-bf16" in text
+    assert "0.95 met" in text and "0.95 missed" in text
+
+
+def test_plot_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_row(p, page, impl, 1.0 + p / 8192, D=D) for D in (128, 64)
+            for p in (0, 2048, 8192, 32768)
+            for page, impl in ((None, "triton-contiguous"), (16, "triton-paged"),
+                               (64, "triton-paged"))]
+    path, msg = chunked.plot_rows(rows, tmp_path / "chunked.png")
+    assert path.stat().st_size > 0, msg
+    assert chunked.plot_rows([], tmp_path / "none.png")[0] is None
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_write_only_when_asked(tmp_path):
+    rows = [_row(0, 16, "triton-paged", 1.0)]
+    args = types.SimpleNamespace(json=None, plot=None, no_plot=False, what="chunked")
+    assert gemv.write(rows, STAMP, args, chunked.plot_rows) == []
+    assert list(tmp_path.iterdir()) == []
+    args.json, args.no_plot = str(tmp_path), True
+    (path,) = gemv.write(rows, STAMP, args, chunked.plot_rows)
+    assert path.parent == tmp_path and path.name.startswith("bench_chunked_none_")
+    assert json.loads(path.read_text())[0]["impl"] == "triton-paged"
+    assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
+
+
+# --------------------------------------------------------------------------- end to end, tiny
+
+CHUNKED_CHILD = r"""
+import json, torch
+torch.set_num_threads(1)
+import wsattn
+from wsattn.bench import chunked
+from wsattn.bench.timing import Timing
+class T:
+    def __init__(s): s.n = 0
+    def __call__(s, fn):
+        fn()
+        s.n += 1
+        return Timing(1.0, 0.9, 1.1, 20, "graph", 3)
+timer = T()
+rows = []
+for prefix, chunk in ((0, 5), (20, 17)):
+    cases = chunked.chunked_cases([prefix], [16], [64], batch=3, chunk=chunk, dtype="fp32",
+                                  hq=4, hkv=2)
+    rows += chunked.run_shape(cases, list(chunked.IMPLS), timer, {"gpu": "none"}, "cpu", 100.0)
+chunked.add_ratios(rows)
+real = wsattn.attention_paged
+wsattn.attention_paged = lambda *a, **kw: real(*a, **kw).mul_(1.1)   # a wrong kernel
+before = timer.n
+bad = chunked.run_shape(chunked.chunked_cases([20], [16], [64], batch=2, chunk=7,
+                                              dtype="fp32", hq=4, hkv=2),
+                        ["triton-paged"], timer, {"gpu": "none"}, "cpu", 100.0)
+print("RESULT " + json.dumps({"rows": rows, "bad": bad, "timed_bad": timer.n - before,
+                              "timed": before}))
+"""
+
+
+def test_runner_checks_then_times_on_the_interpreter():
+    """triton-paged (page 16, shuffled pages) and triton-contiguous on a tiny fp32 shape
+    through the interpreter: each output within tolerance of float64, then timed;
+    gluon-contiguous is 'not available' with the dispatcher's reason; a wrong kernel fails
+    and is not timed."""
+    r = interpreter_child(CHUNKED_CHILD, timeout=300)
+    rows = {(row["prefix"], row["impl"]): row for row in r["rows"]}
+    assert len(r["rows"]) == 2 * 3
+    for prefix in (0, 20):
+        for impl in ("triton-paged", "triton-contiguous"):
+            row = rows[(prefix, impl)]
+            assert row["status"] == "ok", row
+            assert row["rel_err"] <= 2e-3 and row["check_passed"] and row["median_ms"] == 1.0
+            assert row["frac_matmul"] == pytest.approx(row["tflops"] / 100.0)
+            assert row["check_slice"] == "sequences [0, 2] of 3"
+        paged = rows[(prefix, "triton-paged")]
+        assert paged["page_size"] == 16 and paged["ratio_contiguous"] == pytest.approx(1.0)
+        assert paged["target_met"] == "met"
+        gluon = rows[(prefix, "gluon-contiguous")]
+        assert gluon["status"] == "not available" and "varlen" in gluon["reason"]
+    assert rows[(20, "triton-paged")]["flops"] == 4 * 64 * 4 * 3 * (17 * 20 + 17 * 18 // 2)
+    assert r["timed"] == 4
+    (bad,) = r["bad"]
+    assert bad["status"] == "failed" and bad["median_ms"] is None and r["timed_bad"] == 0
+    assert "not timed" in bad["reason"] and bad["rel_err"] > 2e-3
+
+
+# --------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+def test_runner_on_the_gpu():
+    """A small bf16 shape (B 2, chunk 256, prefix 1000: the prefix ends mid-page) through the
+    real runner: triton-paged (page 16 and 64) and triton-contiguous checked against float64
+    and timed from a CUDA graph."""
+    from wsattn.bench.timing import cuda_timer
+
+    timer = cuda_timer(5, 20, "graph")
+    cases = chunked.chunked_cases([1000], [16, 64], [128], batch=2, chunk=256)
+    rows = chunked.run_shape(cases, list(chunked.IMPLS), timer, STAMP, "cuda", 800.0)
+    chunked.add_ratios(rows)
+    by = {(r["impl"], r["page_size"]): r for r in rows}
+    for key in (("triton-contiguous", None), ("triton-paged", 16), ("triton-paged", 64)):
+        r = by[key]
+        assert r["status"] == "ok", r
+        assert r["timing"] == "graph" and r["rel_err"] <= r["tol"] and r["tflops"] > 0
+    for page in (16, 64):
+        assert by[("triton-paged", page)]["target_met"] in ("met", "missed")
+    assert by[("gluon-contiguous", None)]["status"] in ("ok", "not available")

@@ -88,7 +88,7 @@ def test_cases_and_ids():
     assert cases[-1].seqlen_k == 32768 + 2048
     assert chunked.case_impls(cases[0], chunked.IMPLS) == ["triton-contiguous",
                                                            "gluon-contiguous"]
-    assert chunked.case_impls(cases[1], chunked.IMPLS) == ["triton-paged"]
+    assert chunked.case_impls(cases[1], chunked.IMPLS) == ["triton-paged", "flashinfer-paged"]
     assert chunked.chunked_cases([5], [16], [64], batch=2)[1].id == \
         "chunked-B2-C2048-P5-H32-HKV8-D64-page16-bf16"
     for bad, match in ((dict(prefixes=[-1]), "prefix must be"), (dict(pages=[0]), "page must"),
@@ -131,6 +131,13 @@ def test_paged_cache_scatters_pages_and_holds_the_keys():
     assert torch.equal(other.q, inp.q) and torch.equal(other.k, inp.k)
     assert inp.cu_q.tolist() == [0, 5, 10, 15] and inp.cu_k.tolist() == [0, 25, 50, 75]
     assert inp.seqlens_k.tolist() == [25, 25, 25]
+    plan = chunked.flashinfer_plan(case, inp, table)
+    assert plan["paged_kv_indptr"].tolist() == [0, 2, 4, 6]
+    assert plan["paged_kv_indices"].tolist() == table.reshape(-1).tolist()
+    assert plan["paged_kv_last_page_len"].tolist() == [25 - 16] * 3
+    assert plan["qo_indptr"].tolist() == [0, 5, 10, 15]
+    assert (plan["num_qo_heads"], plan["num_kv_heads"], plan["head_dim_qk"],
+            plan["page_size"], plan["causal"]) == (4, 2, 8, 16, True)
 
 
 # --------------------------------------------------------------------------- rows
@@ -243,11 +250,11 @@ print("RESULT " + json.dumps({"rows": rows, "bad": bad, "timed_bad": timer.n - b
 def test_runner_checks_then_times_on_the_interpreter():
     """triton-paged (page 16, shuffled pages) and triton-contiguous on a tiny fp32 shape
     through the interpreter: each output within tolerance of float64, then timed;
-    gluon-contiguous is 'not available' with the dispatcher's reason; a wrong kernel fails
-    and is not timed."""
+    gluon-contiguous is 'not available' with the dispatcher's reason, flashinfer-paged with
+    the import error; a wrong kernel fails and is not timed."""
     r = interpreter_child(CHUNKED_CHILD, timeout=300)
     rows = {(row["prefix"], row["impl"]): row for row in r["rows"]}
-    assert len(r["rows"]) == 2 * 3
+    assert len(r["rows"]) == 2 * 4
     for prefix in (0, 20):
         for impl in ("triton-paged", "triton-contiguous"):
             row = rows[(prefix, impl)]
@@ -260,6 +267,8 @@ def test_runner_checks_then_times_on_the_interpreter():
         assert paged["target_met"] == "met"
         gluon = rows[(prefix, "gluon-contiguous")]
         assert gluon["status"] == "not available" and "varlen" in gluon["reason"]
+        fi = rows[(prefix, "flashinfer-paged")]  # not installed on the CPU machines
+        assert fi["status"] == "not available" and "flashinfer" in fi["reason"]
     assert rows[(20, "triton-paged")]["flops"] == 4 * 64 * 4 * 3 * (17 * 20 + 17 * 18 // 2)
     assert r["timed"] == 4
     (bad,) = r["bad"]
@@ -288,3 +297,5 @@ def test_runner_on_the_gpu():
     for page in (16, 64):
         assert by[("triton-paged", page)]["target_met"] in ("met", "missed")
     assert by[("gluon-contiguous", None)]["status"] in ("ok", "not available")
+    for page in (16, 64):  # the peer wheel may be absent, but a wrong answer is not allowed
+        assert by[("flashinfer-paged", page)]["status"] in ("ok", "not available")

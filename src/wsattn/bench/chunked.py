@@ -19,9 +19,10 @@ Columns (``impl``):
   issue's reference point.
 * ``gluon-contiguous``: :func:`wsattn.attention_varlen` with ``impl="gluon"``; "not
   available" with the dispatcher's reason while the Gluon kernel has no varlen path.
-
-FlashInfer's paged prefill is not a column yet (the ``peers`` module runs its ragged
-prefill and paged decode only).
+* ``flashinfer-paged``: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (backend
+  "auto", NHD layout, causal: bottom-right aligned as ours) on the same paged cache and
+  page table, planned outside the timing; "not available" where flashinfer does not
+  import or its wheel lacks the module (JIT off, as in :mod:`wsattn.bench.peers`).
 
 Every column's output is checked before it is timed: the first and the last sequence of
 the batch against a float64 reference computed from the contiguous keys (so a page
@@ -51,6 +52,7 @@ import torch
 
 from .cases import DTYPES, tflops
 from .gemv import write
+from .runners import NotAvailable
 
 PREFIXES = (0, 2048, 8192, 32768)
 PAGES = (16, 64)
@@ -58,7 +60,7 @@ DIMS = (128, 64)
 CHUNK = 2048
 BATCH = 8  # chunks of 2048: 16k chunk tokens a batch, as the prefill benchmark
 HQ, HKV = 32, 8
-IMPLS = ("triton-paged", "triton-contiguous", "gluon-contiguous")
+IMPLS = ("triton-paged", "triton-contiguous", "gluon-contiguous", "flashinfer-paged")
 WSATTN_IMPLS = ("triton-paged", "triton-contiguous")  # a failure of these exits 1
 TARGET_RATIO = 0.95  # the issue's: paged time >= 0.95x as fast as contiguous
 
@@ -179,10 +181,6 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 # --------------------------------------------------------------------------- GPU work
 
-class NotAvailable(Exception):
-    """A column that cannot run here (the reason is the message)."""
-
-
 @dataclass
 class Inputs:
     """One shape's tensors: q [B*chunk, Hq, D] packed; k, v [B*Sk, Hkv, D] contiguous;
@@ -266,8 +264,42 @@ def checked_rows(case: ChunkedCase, out: torch.Tensor) -> torch.Tensor:
     return torch.cat([out[b * C:(b + 1) * C] for b in check_sequences(case)])
 
 
+def flashinfer_plan(case: ChunkedCase, inp: Inputs, table) -> dict:
+    """Arguments of BatchPrefillWithPagedKVCacheWrapper.plan for the case's page table:
+    sequence b owns pages table[b], its last page holding Sk - (pages - 1) * page keys."""
+    B, per_seq = table.shape
+    device = inp.q.device
+    indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * per_seq
+    last = torch.full((B,), case.seqlen_k - (per_seq - 1) * case.page, dtype=torch.int32,
+                      device=device)
+    dtype = DTYPES[case.dtype]
+    return dict(qo_indptr=inp.cu_q, paged_kv_indptr=indptr,
+                paged_kv_indices=table.reshape(-1).contiguous(), paged_kv_last_page_len=last,
+                num_qo_heads=case.Hq, num_kv_heads=case.Hkv, head_dim_qk=case.D,
+                page_size=case.page, causal=True, sm_scale=inp.scale, q_data_type=dtype,
+                kv_data_type=dtype)
+
+
+def _flashinfer(case: ChunkedCase, inp: Inputs, cache):
+    from .peers import FLASHINFER_MODULE, WORKSPACE_BYTES, _flashinfer_call, import_peer
+
+    fi = import_peer(FLASHINFER_MODULE)
+    kc, vc, table = cache
+    what = "batch paged prefill"
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=inp.q.device)
+    wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    _flashinfer_call(what, wrapper.plan, **flashinfer_plan(case, inp, table))
+    out = torch.full_like(inp.q, float("nan"))  # fails the check wherever it is not written
+
+    def call():
+        return wrapper.run(inp.q, (kc, vc), out=out)
+
+    return (lambda: _flashinfer_call(what, call)), call, \
+        f"flashinfer {getattr(fi, '__version__', '?')}"
+
+
 def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
-    """The column's call, or NotAvailable."""
+    """(first: the checked call, fn: the timed call, note), or NotAvailable."""
     import wsattn
     from wsattn import dispatch
 
@@ -278,7 +310,9 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
             return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
                                           max_seqlen_q=case.chunk, causal=True,
                                           sm_scale=inp.scale, impl="triton")
-        return call
+        return call, call, None
+    if impl == "flashinfer-paged":
+        return _flashinfer(case, inp, cache)
     if impl in ("triton-contiguous", "gluon-contiguous"):
         backend = impl.split("-")[0]
         why = dispatch.reason(backend, dispatch.Call("prefill_varlen", inp.q.device,
@@ -290,7 +324,7 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
             return wsattn.attention_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k,
                                            max_seqlen_q=case.chunk, max_seqlen_k=case.seqlen_k,
                                            causal=True, sm_scale=inp.scale, impl=backend)
-        return call
+        return call, call, None
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
@@ -332,9 +366,9 @@ def run_shape(cases: list[ChunkedCase], impls, timer, stamp, device,
             try:
                 if case.page is not None and cache is None:
                     cache = paged_cache(case, inp)
-                fn = _call(case, impl, inp, cache)
+                first, fn, note = _call(case, impl, inp, cache)
                 with poisoned():
-                    out = fn()
+                    out = first()
                 _sync(device)
                 err = rel_err(checked_rows(case, out), ref)
                 del out
@@ -343,21 +377,23 @@ def run_shape(cases: list[ChunkedCase], impls, timer, stamp, device,
                                      **common))
                 continue
             except Exception as e:  # a broken column must not stop the benchmark
-                rows.append(make_row(stamp, case, impl, "error", reason=_short(e), **common))
+                rows.append(make_row(stamp, case, impl, "error", reason=_short(e),
+                                     **common))
                 continue
             if not err <= tol:
                 rows.append(make_row(stamp, case, impl, "failed", rel_err=err, tol=tol,
                                      reason=f"relative error {err:.3e} > {tol:.1e}; not timed",
-                                     **common))
+                                     note=note, **common))
                 continue
             try:
                 timing = timer(fn)
             except Exception as e:
                 rows.append(make_row(stamp, case, impl, "error", rel_err=err, tol=tol,
-                                     reason="while timing: " + _short(e), **common))
+                                     note=note, reason="while timing: " + _short(e),
+                                     **common))
                 continue
             rows.append(make_row(stamp, case, impl, "ok", rel_err=err, tol=tol, timing=timing,
-                                 **common))
+                                 note=note, **common))
         del cache
     del inp, ref
     gc.collect()

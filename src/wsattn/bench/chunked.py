@@ -42,7 +42,6 @@ calls give ``max_seqlen_q`` and pass no ``validate``, so no host read happens in
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 import zlib
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from .cases import DTYPES, tflops
+from .timing import _sync, release
 from .gemv import write
 from .runners import NotAvailable
 
@@ -396,15 +396,8 @@ def run_shape(cases: list[ChunkedCase], impls, timer, stamp, device,
                                  note=note, **common))
         del cache
     del inp, ref
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
     return rows
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def group_by_shape(cases: list[ChunkedCase]) -> list[list[ChunkedCase]]:

@@ -35,7 +35,6 @@ asserted).
 
 from __future__ import annotations
 
-import gc
 import math
 import sys
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .cases import DTYPES, tbps
+from .timing import _sync, release
 
 M_VALUES = (1, 8, 64)
 KERNELS = ("qkv", "o", "gate_up", "down", "lm_head")  # the plain GEMVs
@@ -528,15 +528,8 @@ def run_case(case, impls, timer, stamp, device, copy_tbps, eps=1e-5,
         rows.append(make_row(stamp, case, impl, "ok", rel_err=err, tol=tol, timing=timing,
                              copy_tbps=copy_tbps, note=note))
     del data
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
     return rows
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -48,7 +48,6 @@ half); the step benchmark (:mod:`wsattn.bench.step`) is where whole models are t
 
 from __future__ import annotations
 
-import gc
 import math
 import sys
 import zlib
@@ -57,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from .cases import DTYPES, tbps
+from .timing import _sync, release
 from .gemv import FRESH_BYTES, write
 
 BATCHES = (1, 8, 32, 64)
@@ -465,15 +465,8 @@ def run_case(case: MoeCase, impls, timer, stamp, device, copy_tbps) -> list[dict
         rows.append(make_row(stamp, case, impl, "ok", rel_err=err, tol=tol, timing=timing,
                              note=note, tokens_rerouted=moved, **common))
     del x, copies, plan, refs
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
     return rows
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------- report

@@ -7,12 +7,9 @@ cannot run here is recorded as 'not available: <reason>'; any other exception be
 
 from __future__ import annotations
 
-import gc
-
-import torch
-
 from .report import make_row
 from .runners import NotAvailable, check_output, make_inputs
+from .timing import _sync, release
 
 
 def _short(exc: BaseException) -> str:
@@ -20,9 +17,6 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_one(case, runner, inputs, timer, stamp, device) -> dict:
@@ -70,7 +64,5 @@ def run_cases(cases, runners, timer, stamp, device, progress=None) -> list[dict]
             if progress is not None:
                 progress.update(1)
         del inputs
-        gc.collect()
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     return rows

@@ -118,3 +118,20 @@ def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph"
         return summarize(times, used, calls)
 
     return timer
+
+
+def _sync(device):
+    import torch
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device):
+    """Free what a finished case held: Python garbage, then the CUDA caching allocator's
+    unused blocks (so the next case's sizes do not stack on this one's)."""
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()

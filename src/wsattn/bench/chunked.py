@@ -1,6 +1,6 @@
 """`wsattn bench chunked`: chunked prefill, one chunk of new queries per sequence against
 keys already in a paged KV cache, against the same attention with the keys contiguous
-(issue 16: >= 0.95x the contiguous attention, chunk 2048, prefix 0-32k, page 16 and 64).
+(the target: >= 0.95x the contiguous attention, chunk 2048, prefix 0-32k, page 16 and 64).
 
 Shapes: bf16, Hq 32, Hkv 8, D 128 and 64, one chunk of 2048 queries per sequence, B = 8
 sequences (16k chunk tokens a batch; ``--chunked-batch``), a prefix of P in {0, 2k, 8k,

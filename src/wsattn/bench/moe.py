@@ -42,8 +42,8 @@ each timed call reads the next copy (``copies`` in the row). Time is a CUDA-grap
 (``wsattn.bench.timing.cuda_timer``); a column that cannot be captured (transformers'
 eager expert loop reads the routing on the host) is timed eagerly and ``timing`` says so.
 
-Out of scope here: end-to-end decode ms/token of the MoE models (issue item 3's second
-half); the step benchmark (:mod:`wsattn.bench.step`) is where whole models are timed.
+Out of scope here: end-to-end decode ms/token of the MoE models; the step benchmark
+(:mod:`wsattn.bench.step`) is where whole models are timed.
 """
 
 from __future__ import annotations

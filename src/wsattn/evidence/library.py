@@ -132,6 +132,90 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
     return name, module, "compile_spec", kwargs, run, desc, only_ccs
 
 
+# --------------------------------------------------------------------------- paged prefill
+
+def _draw_paged(rng, small):
+    hkv = rng.choice([1, 2])
+    group = rng.choice([1, 4] if small else [1, 4, 7])
+    n = rng.choice([1, 2, 3])
+    chunks = [rng.choice([1, 5, 17] if small else [1, 17, 64, 65, 300]) for _ in range(n)]
+    prefix = [rng.choice([0, 3, 23] if small else [0, 15, 100, 1000]) for _ in range(n)]
+    return {"Lq": chunks, "P": prefix, "Hq": hkv * group, "Hkv": hkv,
+            "D": 64 if small else 128, "page": rng.choice([16, 64])}
+
+
+def _describe_paged(s):
+    return (f"Lq{'+'.join(map(str, s['Lq']))}-P{'+'.join(map(str, s['P']))}-H{s['Hq']}"
+            f"-HKV{s['Hkv']}-D{s['D']}-page{s['page']}")
+
+
+def _build_paged(shape, dtype, device, gen):
+    """Packed chunk queries; every sequence's keys (prefix + its chunk) in a paged cache
+    whose pages are shuffled, unused slots NaN (a wrong page or slot read shows); the
+    same keys contiguous for the baseline."""
+    dt = _dtype(dtype)
+    s = shape
+    rnd = lambda *sz: torch.randn(*sz, generator=gen).to(dt)  # noqa: E731
+    lens_k = [p + c for p, c in zip(s["P"], s["Lq"])]
+    page, per = s["page"], max(1, math.ceil(max(lens_k) / s["page"]))
+    B = len(lens_k)
+    k_cat, v_cat = rnd(sum(lens_k), s["Hkv"], s["D"]), rnd(sum(lens_k), s["Hkv"], s["D"])
+    kc = torch.full((B * per + 1, page, s["Hkv"], s["D"]), float("nan"), dtype=dt)
+    vc = kc.clone()
+    bt = torch.randperm(B * per + 1, generator=gen)[:B * per].to(torch.int32).reshape(B, per)
+    start = 0
+    for b, L in enumerate(lens_k):
+        for j in range(L):
+            kc[bt[b, j // page], j % page] = k_cat[start + j]
+            vc[bt[b, j // page], j % page] = v_cat[start + j]
+        start += L
+    cq = torch.tensor([0] + list(_cumsum(s["Lq"])), dtype=torch.int32)
+    ck = torch.tensor([0] + list(_cumsum(lens_k)), dtype=torch.int32)
+    to = lambda t: t.to(device)  # noqa: E731
+    return {"q": to(rnd(sum(s["Lq"]), s["Hq"], s["D"])), "kc": to(kc), "vc": to(vc),
+            "cu_q": to(cq), "lens_k": to(torch.tensor(lens_k, dtype=torch.int32)),
+            "bt": to(bt), "k": to(k_cat), "v": to(v_cat), "cu_k": to(ck),
+            "max_q": max(s["Lq"]), "max_k": max(lens_k)}
+
+
+def _paged_run(inp):
+    import wsattn
+    return wsattn.attention_paged(inp["q"], inp["kc"], inp["vc"], inp["cu_q"], inp["lens_k"],
+                                  inp["bt"], inp["max_q"], causal=True, return_lse=True,
+                                  impl="triton")
+
+
+def _paged_reference(inp):
+    from .. import reference
+    return reference.attention_paged(inp["q"], inp["kc"], inp["vc"], inp["cu_q"],
+                                     inp["lens_k"], inp["bt"], causal=True)
+
+
+def _paged_contiguous(inp):
+    """The same attention with the keys contiguous (the Triton varlen kernel): the
+    chunked-prefill target is >= 0.95x of it."""
+    import wsattn
+    return wsattn.attention_varlen(inp["q"], inp["k"], inp["v"], inp["cu_q"], inp["cu_k"],
+                                   inp["max_q"], inp["max_k"], causal=True, impl="triton")
+
+
+def _paged_entry():
+    run = RunSpec(draw_shape=_draw_paged, build=_build_paged, run=_paged_run,
+                  reference=_paged_reference, dtypes=("bf16", "fp16"),
+                  baseline=_paged_contiguous,
+                  baseline_name="wsattn varlen prefill over the same keys, contiguous",
+                  profile_shapes=({"Lq": [2048] * 8, "P": [8192] * 8, "Hq": 32, "Hkv": 8,
+                                   "D": 128, "page": 16},),
+                  sanitizer_shapes=({"Lq": [17, 1], "P": [23, 0], "Hq": 4, "Hkv": 2, "D": 128,
+                                     "page": 16},
+                                    {"Lq": [65], "P": [3], "Hq": 2, "Hkv": 1, "D": 64,
+                                     "page": 64}),
+                  describe=_describe_paged)
+    return ("prefill_paged", "wsattn.kernels.prefill_paged", "compile_spec",
+            {"head_dim": 128, "dtype": "bf16", "causal": True, "page_size": 16}, run,
+            "Triton chunked prefill over a paged cache, D=128 bf16, causal", None)
+
+
 # --------------------------------------------------------------------------- decode
 
 def _draw_decode(paged, head_dim):
@@ -639,6 +723,7 @@ ENTRIES = (
     _prefill_entry("prefill_triton", "wsattn.kernels.prefill_triton"),
     _prefill_entry("prefill_triton_causal", "wsattn.kernels.prefill_triton", causal=True),
     _prefill_entry("prefill_triton_varlen", "wsattn.kernels.prefill_triton", varlen=True),
+    _paged_entry(),
     _decode_entry("decode_triton", paged=False),
     _decode_entry("decode_triton_paged", paged=True),
     _merge_entry(),

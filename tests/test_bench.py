@@ -460,3 +460,17 @@ def test_copy_ceiling_rows_for_the_decode_step_benchmarks(monkeypatch, capsys):
     monkeypatch.setattr(ceilings, "copy_bandwidth", boom)
     assert ceilings.copy_ceiling_rows(None, "cpu", stamp) == ([], None)
     assert "ceiling copy failed: RuntimeError: out of memory" in capsys.readouterr().err
+
+
+def test_exit_status_names_our_broken_columns(capsys):
+    """1 and a line per failed or raising column of ours; peers' failures and ok rows do
+    not count."""
+    from wsattn.bench.report import exit_status
+    rows = [{"impl": "wsattn-graph", "status": "ok", "case": "a", "reason": None},
+            {"impl": "wsattn-graph", "status": "failed", "case": "b", "reason": "rel err"},
+            {"impl": "hf-eager", "status": "error", "case": "c", "reason": "oom"}]
+    assert exit_status(rows, lambda i: i.startswith("wsattn")) == 1
+    assert capsys.readouterr().err == "wsattn wsattn-graph failed on b: rel err\n"
+    assert exit_status(rows, lambda i: i.startswith("wsattn"), "gemv") == 1
+    assert capsys.readouterr().err == "wsattn gemv failed on b: rel err\n"
+    assert exit_status(rows[:1] + rows[2:], lambda i: i.startswith("wsattn")) == 0

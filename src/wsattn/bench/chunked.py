@@ -468,6 +468,7 @@ def main(args) -> int:
     from tqdm import tqdm
 
     from . import ceilings as ceil_mod
+    from .report import exit_status
     from .env import stamp as make_stamp
     from .report import ceiling_row
     from .timing import cuda_timer
@@ -498,10 +499,7 @@ def main(args) -> int:
     add_ratios(rows)
     print(format_table(rows))
     write(rows, stamp, args, plot_rows)
-    broken = [r for r in rows if r["impl"] in WSATTN_IMPLS and r["status"] in ("failed", "error")]
-    for r in broken:
-        print(f"wsattn {r['impl']} {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
-    return 1 if broken else 0
+    return exit_status(rows, WSATTN_IMPLS.__contains__)
 
 
 def add_arguments(group) -> None:

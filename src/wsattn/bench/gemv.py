@@ -592,6 +592,7 @@ def main(args) -> int:
     from tqdm import tqdm
 
     from . import ceilings as ceil_mod
+    from .report import exit_status
     from .env import stamp as make_stamp
     from .timing import cuda_timer
 
@@ -615,10 +616,7 @@ def main(args) -> int:
     add_ratios(rows)
     print(format_table(rows))
     write(rows, stamp, args, plot_rows)
-    broken = [r for r in rows if r["impl"].startswith("wsattn") and r["status"] in ("failed", "error")]
-    for r in broken:
-        print(f"wsattn gemv {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
-    return 1 if broken else 0
+    return exit_status(rows, lambda impl: impl.startswith("wsattn"), "gemv")
 
 
 def write(rows, stamp, args, plot_fn) -> list:

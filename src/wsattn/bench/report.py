@@ -131,3 +131,15 @@ def write_json(rows: list[dict], path) -> Path:
             r["rel_err"] = str(r["rel_err"])
     path.write_text(json.dumps(clean, indent=1) + "\n")
     return path
+
+
+def exit_status(rows: list[dict], ours, what: str | None = None) -> int:
+    """A decode-step benchmark's exit status: 1 when one of our columns (``ours(impl)``)
+    failed its check or raised, each such row named on stderr ("wsattn <what or impl>
+    <status> on <case>: <reason>"), else 0."""
+    import sys
+    broken = [r for r in rows if ours(r["impl"]) and r["status"] in ("failed", "error")]
+    for r in broken:
+        print(f"wsattn {what or r['impl']} {r['status']} on {r['case']}: {r['reason']}",
+              file=sys.stderr)
+    return 1 if broken else 0

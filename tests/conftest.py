@@ -100,3 +100,13 @@ def _interpreter_work_arounds():
     must not import triton before they set TRITON_INTERPRET."""
     from wsattn._triton_compat import patch_interpreter
     patch_interpreter()
+
+
+def rewrite_checkpoint(folder, edit):
+    """Load a checkpoint folder's model.safetensors, let ``edit`` change the tensor dict in
+    place, and save it back (the bad-checkpoint tests)."""
+    import safetensors.torch as safetensors_torch
+    path = folder / "model.safetensors"
+    tensors = safetensors_torch.load_file(path)
+    edit(tensors)
+    safetensors_torch.save_file(tensors, path, metadata={"format": "pt"})

@@ -12,13 +12,14 @@ import types
 import pytest
 import torch
 
-import safetensors.torch as safetensors_torch
 import transformers  # the `test` extra pins it
 
 from wsattn.models import (KVCache, ModelConfig, UnsupportedModelError, Weights, decode_step,
                            fold, load, prefill)
 from wsattn.models.reference import inv_rms, rms_norm, rope_inv_freq
 from wsattn.testing import rel_err
+
+from conftest import rewrite_checkpoint
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
@@ -252,16 +253,9 @@ def test_load_converts_dtype(saved):
                        tiny_model("qwen2").model.layers[1].mlp.down_proj.weight.bfloat16())
 
 
-def _rewrite(folder, edit):
-    path = folder / "model.safetensors"
-    tensors = safetensors_torch.load_file(path)
-    edit(tensors)
-    safetensors_torch.save_file(tensors, path, metadata={"format": "pt"})
-
-
 def test_load_missing_tensor(saved):
     folder = saved("qwen3")
-    _rewrite(folder, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    rewrite_checkpoint(folder, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
     with pytest.raises(ValueError, match=r"missing tensor\(s\) model\.layers\.1\.self_attn\.k_norm\.weight"):
         load(folder)
 
@@ -273,7 +267,7 @@ def test_load_dtype_it_cannot_take(saved, dtype):
 
     def quantize(t):
         t[name] = t[name].to(dtype)
-    _rewrite(folder, quantize)
+    rewrite_checkpoint(folder, quantize)
     with pytest.raises(TypeError, match=rf"{name} \({dtype}\)"):
         load(folder)
 
@@ -307,7 +301,7 @@ def test_load_config_weights_mismatch_family(saved):
 
 def test_load_unexpected_o_proj_bias(saved):
     folder = saved("llama-untied")
-    _rewrite(folder, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}))
+    rewrite_checkpoint(folder, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}))
     with pytest.raises(ValueError, match=r"o_proj\.bias"):
         load(folder)
 

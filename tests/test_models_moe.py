@@ -21,6 +21,8 @@ from wsattn.models.moe import moe_block, route
 from wsattn.models.reference import inv_rms, rms_norm
 from wsattn.testing import rel_err
 
+from conftest import rewrite_checkpoint
+
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=128,
             num_experts_per_tok=2, eos_token_id=None, pad_token_id=None, bos_token_id=None)
@@ -344,23 +346,16 @@ def test_load_object_per_expert_and_fused_folders_agree(name, saved, tmp_path):
                                                               sd[p + "up_proj.weight"]]))
 
 
-def _rewrite(folder, edit):
-    path = folder / "model.safetensors"
-    tensors = safetensors_torch.load_file(path)
-    edit(tensors)
-    safetensors_torch.save_file(tensors, path, metadata={"format": "pt"})
-
-
 def test_load_missing_expert_tensor(saved):
     folder = saved("qwen3_moe-unnormed")
-    _rewrite(folder, lambda t: t.pop("model.layers.1.mlp.experts.5.up_proj.weight"))
+    rewrite_checkpoint(folder, lambda t: t.pop("model.layers.1.mlp.experts.5.up_proj.weight"))
     with pytest.raises(ValueError, match=r"missing tensor\(s\) model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight"):
         load(folder)
 
 
 def test_load_missing_router_mixtral(saved):
     folder = saved("mixtral")
-    _rewrite(folder, lambda t: t.pop("model.layers.0.block_sparse_moe.gate.weight"))
+    rewrite_checkpoint(folder, lambda t: t.pop("model.layers.0.block_sparse_moe.gate.weight"))
     with pytest.raises(ValueError, match=r"missing tensor\(s\) model\.layers\.0\.block_sparse_moe\.gate\.weight"):
         load(folder)
 
@@ -368,7 +363,7 @@ def test_load_missing_router_mixtral(saved):
 def test_load_expert_of_mismatched_shape(saved, tmp_path):
     folder = saved("olmoe")
     name = "model.layers.0.mlp.experts.2.down_proj.weight"
-    _rewrite(folder, lambda t: t.update({name: t[name][:, :-1].contiguous()}))
+    rewrite_checkpoint(folder, lambda t: t.update({name: t[name][:, :-1].contiguous()}))
     with pytest.raises(ValueError, match=rf"{name}: expected shape \[128, 64\].*moe_ffn=64.*got \[128, 63\]"):
         load(folder)
     model = tiny_model("olmoe")

@@ -1,7 +1,7 @@
 """`wsattn bench`: ceilings, wsattn kernels and peers measured in one run on this GPU.
 
-    wsattn bench [prefill|decode|all|sp|step|gemv|moe|chunked] [--quick] [--dtype bf16] [--impl ...]
-                 [--step-shapes] [--decode-settings SPEC ...]
+    wsattn bench [prefill|decode|all|sp|step|gemv|moe|chunked|varlen] [--quick] [--dtype bf16]
+                 [--impl ...] [--step-shapes] [--decode-settings SPEC ...]
                  [--json PATH] [--plot PATH | --no-plot]
 
 Each output is checked against the float64 reference (on a slice) before it is timed; a
@@ -17,7 +17,9 @@ a whole decode step against transformers and the memory floor (wsattn.bench.step
 transformers' MoE block, torch._grouped_mm and the touched-weight floor (wsattn.bench.moe);
 `wsattn bench chunked` chunked prefill (a chunk of 2048 queries over a paged prefix of
 0-32k, pages 16 and 64) against the same attention with contiguous keys and the matmul
-ceiling (wsattn.bench.chunked).
+ceiling (wsattn.bench.chunked); `wsattn bench varlen` packed variable-length prefill (16k
+tokens of lengths drawn from 64-8192, fixed seed) against equal-length batches of the same
+work and torch's FlashAttention-2 varlen (wsattn.bench.varlen).
 
 `wsattn bench decode --step-shapes` runs the decode step's attention shapes instead of the
 long contexts (Llama-3.2-1B and Llama-3.1-8B heads, B 1-64, L 1k-32k, contiguous and
@@ -35,7 +37,7 @@ import importlib
 import sys
 from pathlib import Path
 
-WHAT = ("prefill", "decode", "all", "sp", "step", "gemv", "moe", "chunked")
+WHAT = ("prefill", "decode", "all", "sp", "step", "gemv", "moe", "chunked", "varlen")
 SP_MODULE = "wsattn.sp.bench"  # provides main(args) -> int, optionally add_arguments(parser)
 
 
@@ -90,12 +92,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                    "num_stages,num_splits[,bt_preload] (bt_preload 0/1, "
                                    "default 0), e.g. 64,4,4,16")
     from . import chunked as chunked_mod, gemv as gemv_mod, moe as moe_mod, step as step_mod
+    from . import varlen as varlen_mod
     model_group = p.add_argument_group("step and gemv (decode-step model shapes)")
     gemv_mod.add_arguments(model_group)
     step_mod.add_arguments(model_group)
     moe_mod.add_arguments(p.add_argument_group("moe (one MoE layer of a decode step)"))
     chunked_mod.add_arguments(p.add_argument_group(
         "chunked (chunked prefill over a paged prefix)"))
+    varlen_mod.add_arguments(p.add_argument_group(
+        "varlen (packed variable-length prefill against equal-length batches)"))
     sp, _ = _sp_module()
     if sp is not None and hasattr(sp, "add_arguments"):
         sp.add_arguments(p.add_argument_group("sp (sequence parallelism)"))
@@ -145,6 +150,12 @@ def run(args) -> int:
     if why:
         print(f"wsattn bench: {why}", file=sys.stderr)
         return 2
+    if args.what == "varlen":  # bad options are named before any GPU is looked for
+        from .varlen import args_error
+        why = args_error(args)
+        if why:
+            print(f"wsattn bench varlen: {why}", file=sys.stderr)
+            return 2
     if args.what == "sp":
         if not torch.cuda.is_available():
             print(NO_GPUS_SP.format(torch=torch.__version__, cuda=torch.version.cuda),
@@ -164,7 +175,7 @@ def run(args) -> int:
         print("wsattn bench: TRITON_INTERPRET=1 is set, which would time the CPU interpreter; "
               "unset it", file=sys.stderr)
         return 2
-    if args.what in ("step", "gemv", "moe", "chunked"):
+    if args.what in ("step", "gemv", "moe", "chunked", "varlen"):
         module = importlib.import_module(f"wsattn.bench.{args.what}")
         return int(module.main(args) or 0)
     return _bench(args, torch)

@@ -318,6 +318,45 @@ def test_write_only_when_asked(tmp_path):
     assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
 
 
+def test_main_prints_writes_and_exits(monkeypatch, tmp_path, capsys):
+    """main() end to end with the GPU work faked: every case of the options run, the table
+    printed, JSON and plot written where asked, exit status 1 only for a broken wsattn
+    column."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    seen = []
+
+    def fake_run_case(case, impls, timer, stamp, device, matmul_tflops=None):
+        seen.append((case.id, tuple(impls), str(device)))
+        return [varlen.make_row(stamp, case, i, layout, "ok", rel_err=1e-3, tol=2e-2,
+                                timing=_timing(1.0)) for i in impls for layout in varlen.LAYOUTS]
+
+    monkeypatch.setattr(varlen, "run_case", fake_run_case)
+    parser = wsattn.cli.build_parser()
+    args = parser.parse_args(["bench", "varlen", "--varlen-heads", "gqa", "--varlen-impl",
+                              "wsattn", "torch-fa2", "--json", str(tmp_path)])
+    assert varlen.main(args) == 0
+    out = capsys.readouterr().out
+    assert [s[0] for s in seen] == [c.id for c in varlen.cases_from_args(args)]
+    assert all(s[1:] == (("wsattn", "torch-fa2"), "cuda:0") for s in seen)
+    assert "x equal" in out and "x fa2" in out and "1.4 missed" in out
+    (js,) = tmp_path.glob("bench_varlen_*.json")
+    rows = json.loads(js.read_text())
+    assert len(rows) == 4 * 2 * 2 and {r["impl"] for r in rows} == {"wsattn", "torch-fa2"}
+    assert all(r["ratio_torch_fa2"] == pytest.approx(1.0) for r in rows if r["impl"] == "wsattn")
+    assert js.with_suffix(".png").stat().st_size > 0
+
+    def broken(case, impls, timer, stamp, device, matmul_tflops=None):
+        return [varlen.make_row(stamp, case, "wsattn-triton", "varlen", "failed", rel_err=1.0,
+                                tol=2e-2, reason="relative error; not timed")]
+
+    monkeypatch.setattr(varlen, "run_case", broken)
+    args = parser.parse_args(["bench", "varlen", "--varlen-dims", "64", "--varlen-heads", "mha",
+                              "--varlen-masks", "full"])
+    assert varlen.main(args) == 1
+    assert "wsattn wsattn-triton failed on varlen-" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- peers, faked
 
 TINY = varlen.draw_pack(total=160, seed=3, lo=16, hi=48)

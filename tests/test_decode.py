@@ -251,7 +251,14 @@ def test_auto_splits_fill_the_gpu_without_reading_seqlens():
                             dtype=torch.bfloat16)
     assert wide.num_splits == 1
     assert auto_splits(8, 8, 65536, 64, 132) > 1
-    assert auto_splits(1, 8, 256, 64, 132) == 1  # too short to split usefully
+    # few programs (B * Hkv <= SMs / 4): about one program per SM, down to one tile a
+    # split (latency-bound launches), never more splits than tiles
+    assert auto_splits(1, 8, 256, 64, 132) == 4
+    assert auto_splits(1, 8, 1024, 128, 132) == 8
+    assert auto_splits(1, 8, 4096, 128, 132) == 16
+    assert auto_splits(1, 8, 4096 + 64, 128, 132) == 17  # 2 tiles a split, not 3
+    assert auto_splits(8, 8, 4096, 128, 132) == 4  # 64 programs: the wave rule as before
+    assert auto_splits(1, 8, 32768, 64, 132) == 64  # long: the wave rule asks for more
     # the last wave of resident programs (2 per SM) is at least 3/4 full, or the whole
     # launch fits in one wave: B=8 takes 8 splits (512 = 264 + 248), not 9 (264 + 264 + 48)
     from wsattn.kernels.decode_triton import MIN_LAST_WAVE, RESIDENT_PER_SM

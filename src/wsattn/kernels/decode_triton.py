@@ -212,6 +212,7 @@ STAGE_BYTES = 32 * 1024  # K + V bytes per pipeline stage
 # with 4 (one wave), 0.95x with 16.
 RESIDENT_PER_SM = 2
 MIN_LAST_WAVE = 0.75
+FEW_PROGRAMS = 4  # see auto_splits: B * Hkv at most a quarter of the SMs
 
 
 def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms: int) -> int:
@@ -224,21 +225,33 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
     programs = max(1, batch * kv_heads)  # an empty batch launches nothing; any count will do
     if programs >= 2 * num_sms:
         return 1  # two waves of whole sequences: splitting would only add the combine
+    tiles = cdiv(capacity, block_n)
+    used = lambda n: cdiv(tiles, cdiv(tiles, n))  # noqa: E731
+    # Few programs (B * Hkv <= num_sms / FEW_PROGRAMS): the launch is latency-bound, not
+    # bandwidth-bound, so one program per SM however few tiles each gets beats long
+    # splits. H200, Hkv 8 paged 16: B=1 L=4096 D64 16.0 -> 9.2 us with 16 splits of 2
+    # tiles instead of 4 of 8; L=1024 13.8 -> 6.2 us with 8 splits of one tile instead of
+    # 1 (notes/decode_triton.md). Long contexts keep the wave rule below where it asks for
+    # more splits (B=1 L=32768 D64: 32 splits 25.7 us, 16 splits 29).
+    # Tiles per split rounded down, so a capacity just past a multiple (4096 keys + a
+    # few new tokens) gives 17 splits of 2 tiles, not 11 of 3: at most 2 programs an SM.
+    floor = 1
+    if programs * FEW_PROGRAMS <= num_sms:
+        floor = min(cdiv(tiles, max(1, tiles // (num_sms // programs))), MAX_SPLITS)
     want = cdiv(WAVES * num_sms, programs)
     most = max(1, capacity // (MIN_SPLIT_TILES * block_n))
     splits = max(1, min(want, most, MAX_SPLITS))
-    # the kernel gives each split cdiv(tiles, splits) tiles; drop the splits a full-length
-    # sequence would leave empty (131072 keys, 66 wanted: 32 tiles each fill only 64)
-    tiles = cdiv(capacity, block_n)
-    used = lambda n: cdiv(tiles, cdiv(tiles, n))  # noqa: E731
+    # the kernel gives each split cdiv(tiles, splits) tiles; `used` drops the splits a
+    # full-length sequence would leave empty (131072 keys, 66 wanted: 32 tiles each fill
+    # only 64)
     # then the largest count at most that whose last wave of resident programs is full
     # enough (B=8, Hkv=8 on 132 SMs: 9 -> 8 splits, 512 programs = 264 + 248)
     slots = RESIDENT_PER_SM * num_sms
     for n in range(splits, 0, -1):
         last = (programs * used(n)) % slots
         if last == 0 or last >= MIN_LAST_WAVE * slots or programs * used(n) < slots:
-            return used(n)
-    return used(splits)
+            return max(used(n), floor)
+    return max(used(splits), floor)
 
 
 # Pure in its arguments and asked on every decode step: cached (it was ~15 us of host time).

@@ -293,18 +293,23 @@ def default_settings(target: Target, *, rows: int, hidden: int, heads: int, head
         return QkvRopeSettings(BLOCK_K=_largest_pow2_dividing(hidden, 32), split_k=1,
                                num_warps=4, num_stages=1)
     elem = torch.empty((), dtype=dtype).element_size()
+    # One row: the FMA reduction (no padding of M to the MMA's 16). H200, Llama-3.2-1B
+    # qkv (K 2048, 48 heads of 64) at BLOCK_K 128, split 4: 16.7 -> 9.9 us. At 8 rows it
+    # ran 36 us against 17 with tl.dot (notes/decode_step.md), so only M = 1 takes it.
+    fma = rows == 1 and target.cc >= 90
     # A stage holds the two [D/2, BLOCK_K] weight halves, 16 KB: 4 stages + the x tiles
     # are 90-115 KB of shared memory (two programs an SM on sm_90), and 8 warps keep the
     # M = 64 build at 210 registers without spills (4 warps with 32 KB stages spilled).
     block_k = _largest_pow2_dividing(hidden, max(16, (16 * 1024) // (head_dim * elem)))
-    block_m = _block_m(rows, head_dim)
+    block_m = _block_m(rows, head_dim, use_dot=not fma)
     programs = heads * cdiv(rows, block_m)
     tiles = hidden // block_k
     split = cdiv(PROGRAMS_PER_SM * target.num_sms, programs)
     split = max(1, min(split, MAX_SPLIT_K, tiles // MIN_SPLIT_TILES))
     warps = 8
     stages = 4 if target.cc >= 90 else 3
-    return QkvRopeSettings(BLOCK_K=block_k, split_k=split, num_warps=warps, num_stages=stages)
+    return QkvRopeSettings(BLOCK_K=block_k, split_k=split, num_warps=warps, num_stages=stages,
+                           use_dot=not fma)
 
 
 # --------------------------------------------------------------------------- host helpers

@@ -1,14 +1,15 @@
-"""The Gluon sm_90 prefill kernel (issue 4).
+"""The Gluon sm_90 prefill kernel, fixed-length and varlen (one kernel, VARLEN a constexpr).
 
 CPU: compile for sm_90 with no GPU and check the structure the kernel is built for
-(three partitions, their warps and registers, setmaxnreg, wgmma, TMA, no spills), plus
-the qualification rules api.py relies on. sm90: numerics through the public API against
-the float64 reference, NaN-poisoned outputs.
+(three partitions, their warps and registers, setmaxnreg, wgmma, TMA, no spills) in both
+builds, the launchers' grids and arguments, and the qualification rules api.py relies on.
+sm90: numerics through the public API against the float64 reference, NaN-poisoned outputs.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 
 import pytest
@@ -23,14 +24,14 @@ pytest.importorskip("triton.experimental.gluon")
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(head_dim: int, causal: bool, **overrides):
+def _compile(head_dim: int, causal: bool, varlen: bool = False, **overrides):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     settings = pg.settings_for(head_dim, causal, **overrides)
     spec = pg.compile_spec(cc=90, head_dim=head_dim, dtype="bf16", causal=causal,
-                           settings=settings)
+                           settings=settings, varlen=varlen)
     src = GluonASTSource(spec["fn"], spec["signature"], spec["constexprs"])
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
 
@@ -43,8 +44,10 @@ COMPILE_CASES = [pytest.param(d, c, id=f"D{d}-{'causal' if c else 'full'}")
 def test_sm90_structure(head_dim, causal):
     """Producer warp + the default settings' 4-warp consumer warpgroups (two at head dim
     128, three at 64), registers handed over, wgmma, TMA."""
-    k = _compile(head_dim, causal)
-    s = pg.settings_for(head_dim, causal)
+    _assert_ws_structure(_compile(head_dim, causal), pg.settings_for(head_dim, causal), head_dim)
+
+
+def _assert_ws_structure(k, s, head_dim):
     n = s.CONSUMERS
     assert n == (3 if head_dim == 64 else 2)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
@@ -70,14 +73,44 @@ def test_sm90_structure(head_dim, causal):
     assert k.metadata.shared <= 232448  # fits the sm_90 227 KB per block
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
-def test_sm90_no_spills(head_dim, causal):
+def test_sm90_no_spills(head_dim, causal, varlen):
     """ptxas must keep S, both P register sets and O in registers: spills in the loop (2-stage
     ring, D=128) once cost 40%. One register parked across the kernel entry is tolerated."""
-    sass = sass_listing(_compile(head_dim, causal).asm["cubin"])
+    sass = sass_listing(_compile(head_dim, causal, varlen).asm["cubin"])
     assert "HGMMA" in sass and "UTMALDG" in sass
     spills = re.findall(r"\b(LDL|STL)(?:\.\w+)*\b", sass)
     assert len(spills) <= 2, f"{len(spills)} local-memory (spill) instructions in SASS"
+
+
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_varlen_structure(head_dim, causal):
+    """The VARLEN build forms the same partitions, registers and GEMMs as the fixed one,
+    spills nothing (ptxas -v), reads cu_seqlens, leaves surplus programs before any
+    barrier or partition exists, and keeps both O paths: TMA for boxes inside a sequence,
+    a masked register store for the box that runs past its end."""
+    k = _compile(head_dim, causal, True)
+    _assert_ws_structure(k, pg.settings_for(head_dim, causal), head_dim)
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+    assert _ptxas_spill_bytes(ptx) == [0, 0]
+    # The early exit: a return, then the barriers and the partitions.
+    exit_at = ttgir.index("tt.return")
+    assert exit_at < ttgir.index("ttng.init_barrier") < ttgir.index("ttg.warp_specialize(")
+    assert re.search(r"ld\.global(\.\w+)*\.b32", ptx), "cu_seqlens are read in the kernel"
+    assert re.search(r"st\.global(\.\w+)*\.b16", ptx), "no masked register store of O"
+    assert "cp.async.bulk.tensor" in ptx and "ttng.async_tma_copy_local_to_global" in ttgir
+
+
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_fixed_build_has_no_varlen_code(head_dim, causal):
+    """VARLEN=False compiles the varlen code away: no cu_seqlens loads, no early exit, no
+    element-wise O store (the fixed build's only global stores are the LSE's 32-bit ones)."""
+    k = _compile(head_dim, causal)
+    ptx = k.asm["ptx"]
+    assert not re.search(r"ld\.global", ptx)
+    assert not re.search(r"st\.global(\.\w+)*\.b16", ptx)
+    assert k.asm["ttgir"].count("tt.return") == 1
 
 
 def test_settings_are_frozen_and_overridable():
@@ -185,6 +218,153 @@ def test_launcher_grid_follows_block_m(monkeypatch, consumers, block_m):
                                                                        s.CONSUMER_REGS)
 
 
+class _Recorder:
+    """Stands in for attn_fwd_kernel: records (grid, args, constexprs), runs nothing."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append((grid, args, kw))
+
+
+def _pack(q_lens, kv_lens, Hq, Hkv, D, dtype, device="cpu", seed=0):
+    """Packed q [Tq, Hq, D], k, v [Tk, Hkv, D] and int32 cu_seqlens on device."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(sum(q_lens), Hq, D, dtype=dtype, device=device, generator=g)
+    k, v = (torch.randn(sum(kv_lens), Hkv, D, dtype=dtype, device=device, generator=g)
+            for _ in range(2))
+    cu = [torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=device)
+          for lens in (q_lens, kv_lens)]
+    return q, k, v, cu[0], cu[1]
+
+
+@pytest.mark.parametrize("max_q", [None, 300, 10 ** 6], ids=["omitted", "given", "above-Tq"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
+def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
+    """prefill_varlen launches the VARLEN build over cdiv(max_q, BLOCK_M) row blocks per
+    (sequence, head), max_q Tq when omitted and at most Tq; descriptors span the whole
+    pack as [1, T, H * D]; the kernel gets the cu_seqlens, o's base, Tq and max_q (recorded
+    on CPU tensors with the kernel replaced; nothing runs)."""
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    q, k, v, cu_q, cu_k = _pack([0, 300, 17, 5], [4, 310, 17, 9], 14, 2, head_dim,
+                                torch.bfloat16)
+    s = pg.settings_for(head_dim, True)
+    out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, True, 0.125)
+    (grid, args, kw), = rec.launches
+    bound = 322 if max_q is None else min(max_q, 322)
+    assert grid == (-(-bound // s.BLOCK_M) * 4 * 14, )
+    q_desc, k_desc, v_desc, o_desc, lse_arg, Sq, Sk, Hq, _, o_ptr, cu_q_arg, cu_k_arg, Tq, mq = args
+    assert (Sq, Sk, Hq, Tq, mq) == (0, 0, 14, 322, bound)  # Sq, Sk: fixed length only
+    assert list(q_desc.shape) == list(o_desc.shape) == [1, 322, 14 * head_dim]
+    assert list(k_desc.shape) == list(v_desc.shape) == [1, 340, 2 * head_dim]
+    assert list(q_desc.block_shape) == [1, 64, head_dim]
+    assert list(k_desc.block_shape) == [1, s.BLOCK_N, head_dim]
+    assert o_ptr is out and lse_arg is lse and cu_q_arg is cu_q and cu_k_arg is cu_k
+    assert out.shape == (322, 14, head_dim) and lse.shape == (14, 322)
+    assert lse.dtype == torch.float32
+    assert kw["VARLEN"] is True and kw["GROUP"] == 7 and kw["CAUSAL"] is True
+    assert (kw["BLOCK_M"], kw["CONSUMERS"]) == (s.BLOCK_M, s.CONSUMERS)
+
+
+def test_varlen_launcher_copies_what_tma_cannot_describe(monkeypatch):
+    """A q whose heads are not packed next to D (a transposed view) is copied before its
+    [1, T, H * D] descriptor is made, not described wrongly."""
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
+    q_t = q.transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, D] view of [H, T, D]
+    assert not pg._tma_ready(q_t.unsqueeze(0))
+    pg.prefill_varlen(q_t, k, v, cu_q, cu_k, None, None, False, 0.125)
+    (_, args, _), = rec.launches
+    assert list(args[0].shape) == [1, 12, 4 * 64] and args[0].base.is_contiguous()
+    assert torch.equal(args[0].base.view(12, 4, 64), q)
+
+
+def test_varlen_no_work_launches_nothing(monkeypatch):
+    """No queries, no sequences or max_seqlen_q 0: nothing to launch; no keys anywhere
+    (Tk = 0, no TMA descriptor can span it): out 0 and lse -inf, as the reference gives,
+    without a kernel."""
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    q, k, v, cu_q, cu_k = _pack([3, 0, 2], [0, 0, 0], 4, 2, 128, torch.bfloat16)
+    out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, False, 0.125)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse, torch.full((4, 5), float("-inf")))
+    from wsattn import reference
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, False)
+    assert torch.equal(out.double(), ref) and torch.equal(lse.double(), ref_lse)
+    q0, k0, v0, cu_q0, cu_k0 = _pack([0, 0], [3, 4], 4, 2, 64, torch.float16)
+    out0, lse0 = pg.prefill_varlen(q0, k0, v0, cu_q0, cu_k0, None, None, True, 0.125)
+    assert out0.shape == (0, 4, 64) and lse0.shape == (4, 0)
+    q1, k1, v1, cu_q1, cu_k1 = _pack([3], [4], 4, 2, 64, torch.float16)
+    pg.prefill_varlen(q1, k1, v1, cu_q1, cu_k1, 0, None, True, 0.125)
+    pg.prefill_varlen(q1, k1, v1, cu_q1[:1], cu_k1[:1], None, None, True, 0.125)
+    assert rec.launches == []
+
+
+def test_varlen_dispatch_accepts_gluon_and_auto_keeps_triton():
+    """impl="gluon" qualifies varlen prefill on sm_90 (no kv_len check: rows with no key get
+    0 and -inf); the paged prefill stays refused; impl="auto" still ranks only Triton for
+    varlen, whose ranking changes once the Gluon varlen path is measured."""
+    from wsattn import dispatch
+    dev = torch.device("cuda", 0)
+    call = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pg, "_cc", lambda device: 90)  # an sm_90 device, without one
+        assert dispatch.reason("gluon", call) is None
+        assert dispatch.reason("gluon", dispatch.Call("prefill_varlen", dev, torch.float16,
+                                                      64)) is None
+        assert "head dim 64 or 128" in dispatch.reason(
+            "gluon", dispatch.Call("prefill_varlen", dev, torch.bfloat16, 256))
+        assert "float16 or bfloat16" in dispatch.reason(
+            "gluon", dispatch.Call("prefill_varlen", dev, torch.float32, 128))
+        assert "paged prefill" in dispatch.reason(
+            "gluon", dispatch.Call("prefill_paged", dev, torch.bfloat16, 128))
+        assert "kv_len > 0" in dispatch.reason(
+            "gluon", dispatch.Call("prefill", dev, torch.bfloat16, 128, False, 4, 0))
+        assert dispatch.resolve("gluon", call) == "gluon"
+        assert dispatch.ranking(call) == ("triton", )
+        assert dispatch.resolve("auto", call) == "triton"
+
+
+def test_ladder_varlen_entry_builds_and_runs_the_varlen_launcher(monkeypatch):
+    """`prefill_gluon_varlen` on the evidence ladder: gates 0-2 on sm_90 with no GPU (the
+    VARLEN build, warp-specialized), and its run hands packed inputs to prefill_varlen
+    through the API, not to the fixed-length launcher (recorded; nothing runs)."""
+    from wsattn.evidence import ladder, library
+    spec = library.get("prefill_gluon_varlen")
+    assert not spec.unavailable, spec.unavailable
+    assert spec.compile_spec(90)["constexprs"]["VARLEN"] is True
+    r = ladder.climb(spec, "sm_90", ladder.Config(max_gate=2))
+    assert r.highest_gate == 2, r.verdict
+    calls = []
+    monkeypatch.setattr(pg, "device_supported", lambda device: True)
+    monkeypatch.setattr(pg, "prefill", lambda *a, **kw: calls.append("fixed"))
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, settings=None):
+        calls.append(("varlen", q.shape, cu_q.tolist(), max_q, causal))
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+    monkeypatch.setattr(pg, "prefill_varlen", varlen)
+    import random
+    inp = spec.run.build({"Sq": [17, 1], "Sk": [40, 1], "Hq": 4, "Hkv": 2, "D": 64}, "bf16",
+                         "cpu", torch.Generator().manual_seed(0))
+    out, lse = spec.run.run(inp)
+    assert calls == [("varlen", (18, 4, 64), [0, 17, 18], 18, False)]
+    assert out.shape == (18, 4, 64) and lse.shape == (4, 18)
+    assert spec.run.draw_shape(random.Random(0), False)["D"] == 128
+
+
+def test_api_refuses_gluon_varlen_off_sm90(monkeypatch):
+    """With the interpreter on, CPU tensors get past the device check to check_device."""
+    import wsattn
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v, cu_q, cu_k = _pack([3, 5], [3, 5], 2, 1, 64, torch.float16)
+    with pytest.raises(ValueError, match=r"sm_90 \(Hopper\) only, not on CPU tensors"):
+        wsattn.attention_varlen(q, k, v, cu_q, cu_k, impl="gluon")
+
+
 def test_api_qualifies_the_same_calls():
     """CONSUMERS is a settings option only: the default settings build for every head dim
     and the qualification rules accept the same fp16/bf16 D=64/128 calls as before."""
@@ -214,7 +394,9 @@ def test_tma_views_need_packed_heads_and_alignment():
 def test_unsupported_reason():
     q, k, v = _qkv(1, 4, 4, 2, 1, 64, torch.float16)
     assert pg.unsupported_reason(q, k, v, False, varlen=False) is None
-    assert "fixed-length" in pg.unsupported_reason(q, k, v, False, varlen=True)
+    tq, tk, tv = (t[0] for t in (q, k, v))  # packed [T, H, D]
+    assert pg.unsupported_reason(tq, tk, tv, True, varlen=True) is None
+    assert pg.unsupported_reason(tq, tk[:0], tv[:0], False, varlen=True) is None  # no keys: 0, -inf
     fp32 = (q.float(), k.float(), v.float())
     assert "float16 or bfloat16" in pg.unsupported_reason(*fp32, False, varlen=False)
     q2, k2, v2 = _qkv(1, 4, 4, 2, 1, 256, torch.float16)
@@ -372,3 +554,112 @@ def test_sm90_auto_picks_gluon_and_reruns_bit_identical():
     assert torch.equal(first, gl_out)
     for _ in range(200):
         assert torch.equal(wsattn.attention(q, k, v, causal=True, impl="gluon"), first)
+
+
+# --------------------------------------------------------------------------- varlen, sm_90 GPU
+
+VARLEN_PACKS = {  # name: (q lens, kv lens), kv >= q everywhere but "no-keys"
+    "1": ([1], [1]),
+    "63-64-65": ([63, 64, 65], [63, 100, 65]),
+    "1000": ([1000], [1000]),
+    "8191": ([8191], [8191]),
+    # empty sequences (no queries; no queries and no keys) among odd lengths, every
+    # boundary inside a 64-row box and a BLOCK_N-key tile
+    "mix": ([0, 65, 0, 1, 1000, 63, 0, 64, 129, 193, 17],
+            [0, 65, 17, 1, 1100, 63, 0, 64, 300, 193, 2000]),
+    # non-causal only: queries that see no key (kv_len 0) get out 0 and lse -inf
+    "no-keys": ([65, 30, 64, 1], [65, 0, 100, 0]),
+}
+VARLEN_GPU_CASES = [pytest.param(p, d, c, id=f"{p}-D{d}-{'causal' if c else 'full'}")
+                    for p in VARLEN_PACKS for d in (64, 128) for c in (False, True)
+                    if not (c and p == "no-keys")]
+VARLEN_HQ, VARLEN_HKV = 14, 2  # GQA 7:1, two KV heads so KV head offsets are exercised
+
+
+def _assert_varlen_close(out, lse, ref, ref_lse, cu_q, dtype):
+    """Whole pack, then each sequence on its own and its first and last 64 rows (where a
+    box straddles a boundary): one wrong row in a long pack would hide in the norm."""
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "unwritten rows"
+    assert_close(out, ref, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+    bounds = cu_q.tolist()
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for lo, hi in {(a, b), (a, min(b, a + 64)), (max(a, b - 64), b)}:
+            if lo == hi:
+                continue
+            assert_close(out[lo:hi], ref[lo:hi], dtype, f"out rows {lo}:{hi} (sequence {i})")
+            assert_lse_close(lse[:, lo:hi], ref_lse[:, lo:hi], dtype,
+                             f"lse rows {lo}:{hi} (sequence {i})")
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pack, head_dim, causal", VARLEN_GPU_CASES)
+def test_sm90_varlen_numerics(pack, head_dim, causal, dtype):
+    """Packed sequences through the public API (impl="gluon") against the float64 reference,
+    per sequence and at every boundary; max_seqlen given and omitted give the same bits;
+    bit-identical reruns."""
+    import wsattn
+    from wsattn import reference
+    q_lens, kv_lens = VARLEN_PACKS[pack]
+    q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, dtype, "cuda",
+                                seed=len(q_lens) + head_dim)
+    out, lse = wsattn.attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens),
+                                       causal=causal, return_lse=True, impl="gluon")
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal)
+    assert out.shape == q.shape and lse.shape == (VARLEN_HQ, q.shape[0])
+    _assert_varlen_close(out, lse, ref, ref_lse, cu_q, dtype)
+    omitted = wsattn.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True,
+                                      impl="gluon")
+    assert torch.equal(omitted[0], out) and torch.equal(omitted[1], lse)
+    for _ in range(3):
+        again, again_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal,
+                                             head_dim ** -0.5)
+        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
+def test_sm90_varlen_writes_only_its_rows(head_dim, causal):
+    """Each sequence of the mixed pack launched alone (cu_seqlens[i:i + 2] over the whole
+    pack): every O and LSE row outside it, the rows right after its end included, keeps
+    the NaN poison, so no straddling box wrote into the next sequence; its own rows are
+    bit-identical to the whole pack's launch."""
+    q_lens, kv_lens = VARLEN_PACKS["mix"]
+    q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, torch.bfloat16,
+                                "cuda", seed=3)
+    scale = head_dim ** -0.5
+    full, full_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale)
+    bounds = cu_q.tolist()
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        out, lse = pg.prefill_varlen(q, k, v, cu_q[i:i + 2], cu_k[i:i + 2], None, None, causal,
+                                     scale)
+        mine = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
+        mine[a:b] = True
+        assert torch.isnan(out[~mine]).all(), f"sequence {i} wrote rows outside {a}:{b}"
+        assert torch.isnan(lse[:, ~mine]).all(), f"sequence {i} wrote LSE outside {a}:{b}"
+        assert torch.equal(out[a:b], full[a:b]) and torch.equal(lse[:, a:b], full_lse[:, a:b])
+
+
+VARLEN_SCHEDULE_CASES = [  # variant, head dim, causal: the switches off their defaults
+    # (ping-pong is the default at D64 non-causal, so test_sm90_varlen_numerics covers it)
+    ("all-tiles", 64, True), ("all-tiles", 128, False), ("two-consumers", 64, True)]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("variant, head_dim, causal", VARLEN_SCHEDULE_CASES,
+                         ids=[f"{v}-D{d}-{'causal' if c else 'full'}"
+                              for v, d, c in VARLEN_SCHEDULE_CASES])
+def test_sm90_varlen_schedule_variants(variant, head_dim, causal):
+    """The tile and turn switches with varlen: producer and consumers agree on every tile
+    count (a warpgroup past its sequence's end, sequences with no work), same numerics."""
+    from wsattn import reference
+    q_lens, kv_lens = VARLEN_PACKS["mix"]
+    q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, torch.float16,
+                                "cuda", seed=5)
+    s = pg.settings_for(head_dim, causal, **SCHEDULE_VARIANTS[variant])
+    out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, head_dim ** -0.5,
+                                 settings=s)
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal)
+    _assert_varlen_close(out, lse, ref, ref_lse, cu_q, torch.float16)

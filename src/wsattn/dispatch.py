@@ -6,7 +6,8 @@ first that supports the call wins. The API (:mod:`wsattn.api`), the custom ops a
 :mod:`wsattn.sp` all ask :func:`resolve`.
 
 Backends:
-  "gluon"     - the sm_90 warp-specialized Gluon prefill (fixed length, fp16/bf16, D 64/128).
+  "gluon"     - the sm_90 warp-specialized Gluon prefill (fixed length and varlen, fp16/bf16,
+                D 64/128); impl="auto" ranks it for fixed length only (varlen unmeasured).
   "triton"    - the Triton kernels: prefill (fixed, varlen and over a paged cache),
                 split-KV decode, merge;
                 any CUDA GPU, and CPU tensors through the interpreter (TRITON_INTERPRET=1).
@@ -40,10 +41,9 @@ class Call:
 # --------------------------------------------------------------------------- backends
 
 def _gluon_supports(call: Call) -> str | None:
-    if call.op != "prefill":
-        what = {"prefill_varlen": "varlen prefill",
-                "prefill_paged": "paged prefill"}.get(call.op, call.op)
-        return f"the Gluon kernel has no {what} path (fixed-length prefill only)"
+    if call.op not in ("prefill", "prefill_varlen"):
+        what = {"prefill_paged": "paged prefill"}.get(call.op, call.op)
+        return f"the Gluon kernel has no {what} path (fixed-length and varlen prefill only)"
     from .kernels import prefill_gluon
     if not prefill_gluon.device_supported(call.device):
         try:
@@ -55,7 +55,7 @@ def _gluon_supports(call: Call) -> str | None:
         return f"the Gluon kernel takes float16 or bfloat16, got {call.dtype}"
     if call.head_dim not in prefill_gluon.GLUON_HEAD_DIMS:
         return f"the Gluon kernel takes head dim 64 or 128, got {call.head_dim}"
-    if call.seqlen_k == 0:
+    if call.op == "prefill" and call.seqlen_k == 0:  # varlen: rows with no key get 0, -inf
         return "the Gluon kernel needs at least one key (kv_len > 0)"
     return None
 

@@ -44,6 +44,9 @@ def _prefill_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     _interpreter_ready(q.device)
     if impl == "gluon":
         from .kernels import prefill_gluon
+        if cu_seqlens_q is not None:
+            return prefill_gluon.prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k, causal, sm_scale)
         return prefill_gluon.prefill(q, k, v, causal, sm_scale)
     from .kernels import prefill_triton
     return prefill_triton.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

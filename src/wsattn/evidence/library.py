@@ -72,7 +72,7 @@ def _cumsum(xs):
 def _prefill_runner(causal, impl):
     def run(inp):
         import wsattn
-        if impl == "gluon":
+        if impl == "gluon" and "cu_q" not in inp:  # varlen goes through the API below
             # Straight to the kernel: the API refuses impl="gluon" until the kernel has passed
             # its GPU numerics, which is the evidence this ladder gathers. Shapes drawn here
             # are valid for it (fixed length, D 64/128, fp16/bf16, GQA).
@@ -729,6 +729,8 @@ ENTRIES = (
     _merge_entry(),
     _prefill_entry("prefill_gluon", "wsattn.kernels.prefill_gluon", impl="gluon", only_ccs=(90,)),
     _prefill_entry("prefill_gluon_causal", "wsattn.kernels.prefill_gluon", causal=True, impl="gluon",
+                   only_ccs=(90,)),
+    _prefill_entry("prefill_gluon_varlen", "wsattn.kernels.prefill_gluon", varlen=True, impl="gluon",
                    only_ccs=(90,)),
     _gemv_entry("gemv_norm_silu", "norm_silu"),
     _gemv_entry("gemv_residual", "residual"),

@@ -1,12 +1,13 @@
-"""sm_90 warp-specialized prefill attention in Gluon.
+"""sm_90 warp-specialized prefill attention in Gluon, fixed-length and varlen.
 
 FlashAttention-3's structure written with Triton 3.6's Gluon pieces: a 1-warp TMA
 producer that gives up registers, two (at head dim 64 optionally three:
 GluonSettings.CONSUMERS) consumer warpgroups of 64 query rows each running QK^T and PV as
 async wgmma, the next QK^T issued before the current softmax, and optional ping-pong
 between the consumer warpgroups. The partitions live in
-prefill_gluon_parts.py; this module holds the launch settings, the launcher and the
-qualification checks that api.py calls.
+prefill_gluon_parts.py; this module holds the launch settings, the launchers (prefill,
+prefill_varlen: one kernel, VARLEN a constexpr) and the qualification checks that api.py
+calls.
 """
 
 from __future__ import annotations
@@ -196,7 +197,63 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     v_desc = _descriptor(v.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
     num_tiles = cdiv(Sq, s.BLOCK_M) * B * Hq  # one CTA per tile
     attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
-                                   sm_scale * math.log2(math.e), num_warps=4,
+                                   sm_scale * math.log2(math.e), None, None, None, None, None,
+                                   num_warps=4, **_constexprs(D, Hq // Hkv, causal, s))
+    return out, lse
+
+
+def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   causal: bool, sm_scale: float, settings: GluonSettings | None = None):
+    """Varlen prefill forward on sm_90: sequences packed along the token axis (inputs
+    validated by api.py; nothing here reads a device value on the host).
+
+    Args:
+        q: [Tq, Hq, D] fp16/bf16; k, v: [Tk, Hkv, D], Hq % Hkv == 0, D in (64, 128).
+        cu_seqlens_q, cu_seqlens_k: int32 [batch + 1] on q's device, unit stride; sequence
+            i owns q rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] and the k/v rows likewise.
+            Empty sequences are fine; a sequence with queries and no keys gets out 0 and
+            lse -inf.
+        max_seqlen_q: the longest query sequence or an upper bound (None: Tq); the grid has
+            cdiv(max_seqlen_q, BLOCK_M) row blocks a (sequence, head) and the ones past
+            their sequence's end exit at once. max_seqlen_k: unused (the key tiles come
+            from each sequence's own length), taken for the launchers' common signature.
+        causal: bottom-right aligned per sequence (query i sees keys j <= i + kv_len -
+            q_len; needs q_len <= kv_len).
+        sm_scale: softmax scale.
+
+    Returns:
+        (out [Tq, Hq, D] like q, lse fp32 [Hq, Tq], natural log).
+
+    Example (an sm_90 GPU):
+        >>> q = torch.randn(80, 8, 128, dtype=torch.bfloat16, device="cuda")
+        >>> k = v = torch.randn(90, 2, 128, dtype=torch.bfloat16, device="cuda")
+        >>> cu_q = torch.tensor([0, 17, 80], dtype=torch.int32, device="cuda")
+        >>> cu_k = torch.tensor([0, 17, 90], dtype=torch.int32, device="cuda")
+        >>> out, lse = prefill_varlen(q, k, v, cu_q, cu_k, 63, 73, True, 128 ** -0.5)
+        >>> out.shape, lse.shape
+        (torch.Size([80, 8, 128]), torch.Size([8, 80]))
+    """
+    Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[0], k.shape[1]
+    s = _resolve(settings, D, causal)
+    out = _alloc.empty((Tq, Hq, D), q.dtype, q.device)
+    lse = _alloc.empty((Hq, Tq), torch.float32, q.device)
+    n_seq = cu_seqlens_q.numel() - 1
+    max_q = Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq)
+    if Tq * Hq == 0 or n_seq <= 0 or max_q == 0:
+        return out, lse
+    if Tk == 0:  # every sequence has no keys (no TMA descriptor spans zero rows)
+        return out.zero_(), lse.fill_(float("-inf"))
+    q, k, v = (t if _tma_ready(t.unsqueeze(0)) else t.contiguous() for t in (q, k, v))
+    name = DTYPE_NAMES[q.dtype]
+    q_desc = _descriptor(q.view(1, Tq, Hq * D), [1, WG_M, D], name)
+    o_desc = _descriptor(out.view(1, Tq, Hq * D), [1, WG_M, D], name)
+    k_desc = _descriptor(k.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
+    v_desc = _descriptor(v.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
+    num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq  # one CTA per tile; surplus ones exit
+    attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
+                                   sm_scale * math.log2(math.e), out, cu_seqlens_q,
+                                   cu_seqlens_k, Tq, max_q, num_warps=4, VARLEN=True,
                                    **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
@@ -210,18 +267,23 @@ def _tma_ready(t) -> bool:
 
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
-                 settings: GluonSettings | None = None) -> dict:
+                 settings: GluonSettings | None = None, varlen: bool = False) -> dict:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
-    options=options)``."""
+    options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
+    arguments), else the fixed-length one (they are None constexprs)."""
     s = _resolve(settings, head_dim, causal)
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
     kv_block = [1, s.BLOCK_N, head_dim]
     kv = f"tensordesc<{dtype}[1,{s.BLOCK_N},{head_dim}],{_layout(kv_block, dtype)!r}>"
+    packed = {"o_ptr": f"*{dtype}", "cu_q": "*i32", "cu_k": "*i32", "Tq": "i32", "max_q": "i32"}
     signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",
-                 "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32"}
-    return {"fn": attn_fwd_kernel, "signature": signature,
-            "constexprs": _constexprs(head_dim, 1, causal, s),
+                 "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32",
+                 **(packed if varlen else dict.fromkeys(packed, "constexpr"))}
+    constexprs = {**_constexprs(head_dim, 1, causal, s), "VARLEN": bool(varlen)}
+    if not varlen:
+        constexprs.update(dict.fromkeys(packed))
+    return {"fn": attn_fwd_kernel, "signature": signature, "constexprs": constexprs,
             "options": {"num_warps": 4}}
 
 
@@ -251,13 +313,13 @@ def check_device(device) -> None:
 
 
 def unsupported_reason(q, k, v, causal, varlen) -> str | None:
-    """None when the Gluon kernel qualifies for this call, else a short reason."""
-    if varlen:
-        return "the Gluon kernel takes fixed-length batches only"
+    """None when the Gluon kernel qualifies for this call, else a short reason. Fixed
+    length: q [B, Sq, Hq, D]; varlen: q [Tq, Hq, D] (prefill_varlen), where a sequence
+    with no keys is fine (its rows get out 0, lse -inf)."""
     if q.dtype not in GLUON_DTYPES:
         return f"the Gluon kernel takes float16 or bfloat16, got {q.dtype}"
     if q.shape[-1] not in GLUON_HEAD_DIMS:
         return f"the Gluon kernel takes head dim 64 or 128, got {q.shape[-1]}"
-    if q.dim() != 4 or k.shape[1] == 0:
+    if not varlen and (q.dim() != 4 or k.shape[1] == 0):
         return "the Gluon kernel needs at least one key (kv_len > 0)"
     return None

@@ -11,6 +11,13 @@ All consumers walk the same K/V tiles, so each ring slot is freed (kv_empty, cou
 CONSUMERS) once every consumer has finished its PV on it. Three consumers (192 rows, as
 FlashAttention-3 does for head dim 64) give the tensor cores a third warpgroup's GEMMs to
 run while the other two do softmax; registers allow it at D = 64 only.
+
+VARLEN (constexpr) packs sequences along the token axis: the descriptors are [1, T, H * D]
+and a tile's coordinates start at its sequence's offset (cu_seqlens, read in the kernel).
+TMA zero fill then only happens at the end of the whole pack, so a box that runs past its
+sequence reads the next one's rows: those keys are masked like keys past Sk (the tile that
+straddles the end always takes the masked path), and the O rows of a box that straddles
+the end leave by a masked register store, never by a TMA store into the next sequence.
 """
 
 from __future__ import annotations
@@ -80,6 +87,43 @@ def _tile_coords(t, n_m, Hq, CAUSAL: gl.constexpr):
     else:
         start_m = m_idx
     return start_m, bh // Hq, bh % Hq
+
+
+@gluon.jit
+def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+    """The one schedule every partition reads: program pid -> (start_m, off_b, off_h, q0,
+    k0, q_len, kv_len). off_b is the descriptors' leading coordinate, q0 / k0 the row of
+    the sequence's first query / key in them, q_len / kv_len its lengths. Fixed length:
+    (b, 0, 0, Sq, Sk). VARLEN: one [1, T, H * D] pack, so off_b = 0 and the rows come from
+    cu_q / cu_k; the grid covers the longest sequence (see attn_fwd_kernel)."""
+    start_m, b, off_h = _tile_coords(pid, n_m, Hq, CAUSAL)
+    if VARLEN:
+        q0 = gl.load(cu_q + b)
+        q_len = gl.load(cu_q + b + 1) - q0
+        k0 = gl.load(cu_k + b)
+        kv_len = gl.load(cu_k + b + 1) - k0
+        off_b = 0
+    else:
+        q0 = 0
+        k0 = 0
+        q_len = Sq
+        kv_len = Sk
+        off_b = b
+    return start_m, off_b, off_h, q0, k0, q_len, kv_len
+
+
+@gluon.jit
+def _store_rows(o_ptr, out, row0, n_rows, row_stride, col0, layout: gl.constexpr,
+                D: gl.constexpr):
+    """out [WG_M, D] (registers, layout) to rows [row0, row0 + n_rows) of o, columns
+    [col0, col0 + D): a row-masked store for a box that runs past its sequence's end, whose
+    last rows belong to the next sequence (a TMA store would overwrite them)."""
+    r = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))  # [WG_M]
+    c = gl.arange(0, D, layout=gl.SliceLayout(0, layout))  # [D]
+    base = o_ptr + (row0.to(gl.int64) * row_stride + col0)  # the box's first element
+    offs = gl.expand_dims(r * row_stride, 1) + gl.expand_dims(c, 0)  # [WG_M, D]
+    keep = gl.expand_dims(r < n_rows, 1) & gl.expand_dims(c < D, 0)  # [WG_M, D]
+    gl.store(base + offs, out, mask=keep)
 
 
 @gluon.jit
@@ -191,14 +235,16 @@ def _consume_tiles(j_lo, j_hi, q, k_smem, v_smem, k_ready, v_ready, kv_empty, tu
 
 
 @gluon.jit
-def _compute_q_tile(n_mine_full, n_mine, off_b, off_h, m_row0, rows, q, q_smem, k2, v2,
-                    q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc,
-                    lse_ptr, Sq, Sk, Hq, qk_scale, s_layout: gl.constexpr,
+def _compute_q_tile(n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows, q, q_smem, k2, v2,
+                    q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc, o_ptr,
+                    lse_ptr, lse_stride, Sq, Sk, Hq, qk_scale, s_layout: gl.constexpr,
                     o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    PINGPONG: gl.constexpr, UNROLL: gl.constexpr):
+                    PINGPONG: gl.constexpr, UNROLL: gl.constexpr, VARLEN: gl.constexpr):
     """This warpgroup's tiles [0, n_mine) (n_mine >= 1; tiles [0, n_mine_full) unmasked),
-    O and LSE stored, Q released."""
+    O and LSE stored, Q released. Sq, Sk are this sequence's lengths; rows count from its
+    first query (row q0 of the descriptors); lse_stride is the LSE's row length (the
+    kernel's Sq)."""
     dtype: gl.constexpr = q_smem.dtype
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # Prologue: S(0) and its softmax (always masked: one tile, maybe the diagonal).
@@ -232,26 +278,62 @@ def _compute_q_tile(n_mine_full, n_mine, off_b, off_h, m_row0, rows, q, q_smem, 
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(s_last))
 
-    # O = acc / l, written through this warpgroup's own Q buffer (Q is no longer read).
+    # O = acc / l, written through this warpgroup's own Q buffer (Q is no longer read), or
+    # (VARLEN, a box past the sequence's end) from registers with a row mask.
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
-    q.store(out)
-    fence_async_shared()  # so the TMA engine sees the register-to-shared stores
-    tma.async_copy_shared_to_global(o_desc, [off_b, m_row0, off_h * D], q_smem)
+    if VARLEN:
+        if m_row0 + WG_M <= Sq:
+            _store_o_box(out, q, q_smem, o_desc, off_b, q0 + m_row0, off_h * D)
+        else:
+            _store_rows(o_ptr, out, q0 + m_row0, Sq - m_row0, Hq * D, off_h * D, o_layout, D)
+    else:  # the descriptor clips the box at each batch element's Sq
+        _store_o_box(out, q, q_smem, o_desc, off_b, m_row0, off_h * D)
     # LSE in natural log: ln(l) + m / log2(e) with m in the log2 domain.
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    gl.store(lse_ptr + ((off_b * Hq + off_h) * Sq + rows).to(gl.int64), lse,
+    gl.store(lse_ptr + _lse_offsets(off_b, off_h, q0, rows, Hq, lse_stride), lse,
              mask=rows < Sq)
     tma.store_wait(0)
     mbarrier.arrive(q_empty)  # the O store has read the Q buffer
 
 
 @gluon.jit
+def _store_o_box(out, q, q_smem, o_desc, off_b, row, col):
+    """out [WG_M, D] to the o box at (off_b, row, col) by TMA, through this warpgroup's Q
+    buffer (Q is no longer read); the caller waits for the store (tma.store_wait)."""
+    q.store(out)
+    fence_async_shared()  # so the TMA engine sees the register-to-shared stores
+    tma.async_copy_shared_to_global(o_desc, [off_b, row, col], q_smem)
+
+
+@gluon.jit
+def _store_unseen_rows(o_ptr, lse_ptr, lse_stride, off_b, off_h, q0, m_row0, rows, Sq, Hq,
+                       dtype: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                       D: gl.constexpr):
+    """VARLEN, a sequence with no keys (kv_len 0): its rows see nothing, so O is 0 and LSE
+    -inf (the reference's and the Triton kernel's convention)."""
+    zeros = gl.zeros([WG_M, D], dtype, o_layout)
+    _store_rows(o_ptr, zeros, q0 + m_row0, Sq - m_row0, Hq * D, off_h * D, o_layout, D)
+    lse = gl.full([WG_M], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + _lse_offsets(off_b, off_h, q0, rows, Hq, lse_stride), lse,
+             mask=rows < Sq)
+
+
+@gluon.jit
+def _lse_offsets(off_b, off_h, q0, rows, Hq, lse_stride):
+    """LSE offsets of a sequence's rows: lse is [B, Hq, Sq] (fixed) or [Hq, Tq] (VARLEN,
+    off_b = 0, rows from q0). Computed where stored, so nothing 64-bit is held across the
+    key loop."""
+    return ((off_b * Hq + off_h) * lse_stride + q0 + rows).to(gl.int64)
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-              kv_empty, turn_bars, o_desc, lse_ptr, n_m, Sq, Sk, Hq, qk_scale,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk, Tq, Hq,
+              qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-              UNROLL: gl.constexpr, CONSUMERS: gl.constexpr, WG_TILES: gl.constexpr):
+              UNROLL: gl.constexpr, CONSUMERS: gl.constexpr, WG_TILES: gl.constexpr,
+              VARLEN: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of the CTA's tile.
 
     WG_TILES: each warpgroup computes only the K/V tiles its own rows need
@@ -274,36 +356,49 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
     turn_mine = turn_bars.index(WG)
     turn_other = turn_bars.index((WG + 1) % CONSUMERS)
 
-    start_m, off_b, off_h = _tile_coords(gl.program_id(0), n_m, Hq, CAUSAL)
+    start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
+                                                         cu_q, cu_k, CAUSAL, VARLEN)
+    if VARLEN:  # the LSE's row length: [Hq, Tq] or [B, Hq, Sq]
+        lse_stride = Tq
+    else:
+        lse_stride = Sq
     m_row0 = start_m * BLOCK_M + WG * WG_M
     rows = m_row0 + gl.arange(0, WG_M, layout=row_layout)  # [WG_M]
-    n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)  # tiles loaded
+    n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)  # loaded
     if WG_TILES:
-        n_mine_full, n_mine = _wg_tile_counts(m_row0, Sq, Sk, BLOCK_N, CAUSAL)  # computed here
+        n_mine_full, n_mine = _wg_tile_counts(m_row0, q_len, kv_len, BLOCK_N, CAUSAL)  # computed
     else:
         n_mine_full = n_full
         n_mine = n_total
     mbarrier.wait(q_bar, 0)  # waited even where nothing is computed (a release follows it)
     if n_mine > 0:
-        _compute_q_tile(n_mine_full, n_mine, off_b, off_h, m_row0, rows, q, q_smem, k2, v2,
+        _compute_q_tile(n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows, q, q_smem, k2, v2,
                         q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc,
-                        lse_ptr, Sq, Sk, Hq, qk_scale, s_layout, o_layout, p_layout, BLOCK_N,
-                        D, STAGES, CAUSAL, PINGPONG, UNROLL)
+                        o_ptr, lse_ptr, lse_stride, q_len, kv_len, Hq, qk_scale, s_layout,
+                        o_layout, p_layout, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
+                        VARLEN)
     else:
-        mbarrier.arrive(q_empty)  # rows all past Sq: this warpgroup reads no Q
+        mbarrier.arrive(q_empty)  # rows all past Sq, or (VARLEN) no keys: no Q read
+        if VARLEN:
+            if m_row0 < q_len:  # real rows of a sequence with no keys
+                _store_unseen_rows(o_ptr, lse_ptr, lse_stride, off_b, off_h, q0, m_row0, rows,
+                                   q_len, Hq, dtype, s_layout, o_layout, D)
     _release_tiles(n_mine, n_total, v_ready, kv_empty, turn_mine, turn_other, STAGES, PINGPONG)
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
-              k_ready, v_ready, kv_empty, n_m, Sq, Sk, Hq, GROUP: gl.constexpr,
+              k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq, GROUP: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr):
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
+              VARLEN: gl.constexpr):
     """The TMA producer warp: Q once (one 64-row box per consumer into q_bufs[i], all on
-    one barrier), then the CTA's K and V tiles through the ring, in the consumers' order."""
-    start_m, off_b, off_h = _tile_coords(gl.program_id(0), n_m, Hq, CAUSAL)
+    one barrier), then the CTA's K and V tiles through the ring, in the consumers' order
+    (the tile count from the same _tile and _tile_counts the consumers read)."""
+    start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
+                                                         cu_q, cu_k, CAUSAL, VARLEN)
     off_hkv = off_h // GROUP
-    m0 = start_m * BLOCK_M
+    m0 = q0 + start_m * BLOCK_M
     # q_empty is the consumers' hand-back of the Q buffers; with one tile per CTA nothing
     # refills them, and this wait on a fresh barrier's "previous phase" passes at once.
     mbarrier.wait(q_empty, 1)
@@ -312,33 +407,53 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
     for i in gl.static_range(1, CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [off_b, m0 + i * WG_M, off_h * D], q_bar,
                                         q_bufs[i])
-    n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
+    n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
     for j in range(n_total):
         s = j % STAGES
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hkv * D],
+        tma.async_copy_global_to_shared(k_desc, [off_b, k0 + j * BLOCK_N, off_hkv * D],
                                         k_ready.index(s), k_smem.index(s))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hkv * D],
+        tma.async_copy_global_to_shared(v_desc, [off_b, k0 + j * BLOCK_N, off_hkv * D],
                                         v_ready.index(s), v_smem.index(s))
 
 
-@gluon.jit
-def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale,
-                    GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+# Tq and max_q (VARLEN only) vary with every pack: not specialized on (a value of 1 or a
+# multiple of 16 would each be another build), nor are the cu_seqlens on their alignment
+# (a view such as cu_seqlens[i:] is a valid argument and only read a word at a time).
+@gluon.jit(do_not_specialize=["Tq", "max_q"], do_not_specialize_on_alignment=["cu_q", "cu_k"])
+def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale, o_ptr, cu_q,
+                    cu_k, Tq, max_q, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                    CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = True):
+                    CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = True,
+                    VARLEN: gl.constexpr = False):
     """1-D grid over tiles (row block, batch, head), one tile per CTA. q/o descriptors are
     [B, Sq, Hq * D] with box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D];
     GROUP = Hq // Hkv. CONSUMERS (2 or 3) consumer warpgroups of 64 rows each:
-    BLOCK_M = 64 * CONSUMERS."""
+    BLOCK_M = 64 * CONSUMERS. lse is [B, Hq, Sq]. Fixed length passes None for o_ptr, cu_q,
+    cu_k, Tq, max_q.
+
+    VARLEN: q/o are [1, Tq, Hq * D], k/v [1, Tk, Hkv * D], lse [Hq, Tq]; cu_q / cu_k
+    (int32 [batch + 1]) give each sequence's rows, the batch index counts sequences, max_q
+    bounds the longest sequence (the grid's row blocks), o_ptr is o's base (rows of Hq * D
+    elements) for the masked stores; Sq, Sk are unused (0)."""
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
     dtype: gl.constexpr = q_desc.dtype
-    n_m = gl.cdiv(Sq, BLOCK_M)
+    if VARLEN:
+        n_m = gl.cdiv(max_q, BLOCK_M)
+        # The grid covers the longest sequence: a row block past this sequence's end has
+        # nothing to do and leaves before any barrier or copy exists, so no partition can
+        # wait on another (the partitions read the same _tile, and would agree on zero work).
+        start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
+                                                             cu_q, cu_k, CAUSAL, VARLEN)
+        if start_m * BLOCK_M >= q_len:
+            return
+    else:
+        n_m = gl.cdiv(Sq, BLOCK_M)
 
     q0_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     q1_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
@@ -367,33 +482,33 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, Sq, Sk, Hq, qk_scale,
-                         BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL, CONSUMERS,
-                         WG_TILES)),
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
+                         Tq, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
+                         CONSUMERS, WG_TILES, VARLEN)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, Sq, Sk, Hq, qk_scale,
-                         BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL, CONSUMERS,
-                         WG_TILES)),
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
+                         Tq, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
+                         CONSUMERS, WG_TILES, VARLEN)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
-                         q_empty, k_ready, v_ready, kv_empty, n_m, Sq, Sk, Hq, GROUP, BLOCK_M,
-                         BLOCK_N, D, STAGES, CAUSAL, CONSUMERS)),
+                         q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq, GROUP,
+                         BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, Sq, Sk, Hq, qk_scale,
-                         BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL, CONSUMERS,
-                         WG_TILES)),
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
+                         Tq, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
+                         CONSUMERS, WG_TILES, VARLEN)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, Sq, Sk, Hq, qk_scale,
-                         BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL, CONSUMERS,
-                         WG_TILES)),
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
+                         Tq, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
+                         CONSUMERS, WG_TILES, VARLEN)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, lse_ptr, n_m, Sq, Sk, Hq, qk_scale,
-                         BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL, CONSUMERS,
-                         WG_TILES)),
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
+                         Tq, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
+                         CONSUMERS, WG_TILES, VARLEN)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
-                         q_bar, q_empty, k_ready, v_ready, kv_empty, n_m, Sq, Sk, Hq, GROUP,
-                         BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS)),
+                         q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq,
+                         GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 
 import pytest
@@ -604,17 +605,19 @@ def test_sm90_varlen_numerics(pack, head_dim, causal, dtype):
     q_lens, kv_lens = VARLEN_PACKS[pack]
     q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, dtype, "cuda",
                                 seed=len(q_lens) + head_dim)
+    scale = 1.0 / math.sqrt(head_dim)  # the API's default, bit for bit (128 ** -0.5 is not)
     out, lse = wsattn.attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens),
-                                       causal=causal, return_lse=True, impl="gluon")
-    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal)
+                                       causal=causal, sm_scale=scale, return_lse=True,
+                                       impl="gluon")
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale)
     assert out.shape == q.shape and lse.shape == (VARLEN_HQ, q.shape[0])
     _assert_varlen_close(out, lse, ref, ref_lse, cu_q, dtype)
     omitted = wsattn.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True,
-                                      impl="gluon")
+                                      impl="gluon")  # default sm_scale and max_seqlen
     assert torch.equal(omitted[0], out) and torch.equal(omitted[1], lse)
     for _ in range(3):
         again, again_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal,
-                                             head_dim ** -0.5)
+                                             scale)
         assert torch.equal(again, out) and torch.equal(again_lse, lse)
 
 

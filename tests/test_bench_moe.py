@@ -61,6 +61,15 @@ def test_help_and_options():
                                                                 list(moe.IMPLS))
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "moe", "--moe-impl", "vllm"])
+    args = parser.parse_args(["bench", "moe", "--moe-settings", "16,64,128,4,4", "4,32,128,4,6"])
+    assert args.moe_settings == ["16,64,128,4,4", "4,32,128,4,6"]
+    assert moe.parse_settings("16,64,128,4,4") == \
+        wsattn.kernels.moe.MoeSettings(16, 64, 128, 4, 4)
+    for bad, says in (("16,64,128,4", "five ints"), ("16,64,x,4,4", "five ints"),
+                      ("8,64,128,4,4", "block must be one of"),
+                      ("16,48,128,4,4", "power of two")):
+        with pytest.raises(ValueError, match=says):
+            moe.parse_settings(bad)
 
 
 def test_help_lists_moe(capsys):
@@ -247,9 +256,10 @@ class T:
         return Timing(1.0, 0.9, 1.1, 20, "graph", 3)
 timer = T()
 rows = []
+SWEEP = ["wsattn-triton[16,32,32,4,1]", "wsattn-triton[4,16,32,4,1]"]  # --moe-settings columns
 for B in (1, 5):
     case = moe.MoeCase("tiny-qwen3-moe", B, "fp32", fresh_bytes=100_000)
-    rows += moe.run_case(case, list(moe.IMPLS), timer, {"gpu": "none"}, "cpu", 4.0)
+    rows += moe.run_case(case, list(moe.IMPLS) + SWEEP, timer, {"gpu": "none"}, "cpu", 4.0)
 import wsattn.kernels.moe as km
 real = km.moe
 km.moe = lambda *a, **kw: real(*a, **kw).mul_(1.1)   # a wrong kernel
@@ -267,10 +277,10 @@ def test_runner_checks_then_times_on_the_interpreter():
     columns that cannot run here are 'not available'; a wrong kernel fails and is not timed."""
     r = interpreter_child(MOE_CHILD, timeout=300)
     rows = {(row["B"], row["impl"]): row for row in r["rows"]}
-    assert len(r["rows"]) == 2 * len(moe.IMPLS)
+    assert len(r["rows"]) == 2 * (len(moe.IMPLS) + 2)
     for B in (1, 5):
         for impl in ("hf-eager", "hf-batched_mm", "hf-grouped_mm", "torch-grouped-mm",
-                     "wsattn-triton"):
+                     "wsattn-triton", "wsattn-triton[16,32,32,4,1]", "wsattn-triton[4,16,32,4,1]"):
             row = rows[(B, impl)]
             assert row["status"] == "ok", row
             assert row["rel_err"] <= 2e-3 and row["check_passed"] and row["median_ms"] == 1.0
@@ -284,7 +294,7 @@ def test_runner_checks_then_times_on_the_interpreter():
     assert hit1 == 2 and rows[(1, "wsattn-triton")]["copies"] == \
         math.ceil(100_000 / ((2 * 3 * 64 * 32 + 8 * 64) * 4)) == 2
     assert rows[(1, "torch-grouped-mm")]["note"] == "routing and grouping precomputed, not timed"
-    assert r["timed"] == 2 * 5
+    assert r["timed"] == 2 * 7
     (bad,) = r["bad"]
     assert bad["status"] == "failed" and bad["median_ms"] is None and r["timed_bad"] == 0
     assert "not timed" in bad["reason"] and bad["rel_err"] > 2e-3

@@ -381,8 +381,9 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
             return y.index_select(0, inv).view(T, c.top_k, H).sum(dim=1).to(x.dtype)
 
         ids = plan["ids"]
-    elif impl in ("wsattn-triton", "wsattn-triton-pdl"):
+    elif impl in ("wsattn-triton", "wsattn-triton-pdl") or impl.startswith("wsattn-triton["):
         pdl = impl.endswith("-pdl")
+        settings = parse_settings(impl[len("wsattn-triton["):-1]) if "[" in impl else None
         t = target_of(x.device)
         if pdl and not (t.backend == "cuda" and t.cc >= 90):
             raise NotAvailable(f"PDL needs a CUDA GPU of sm_90 or later; this is {t.name}")
@@ -391,7 +392,7 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
         def call(i):
             router_w, w_gate_up, w_down = copies[i][:3]
             return kmoe.moe(x, router_w, w_gate_up, w_down, top_k=c.top_k,
-                            renormalize=c.norm_topk, out=out, pdl=pdl)
+                            renormalize=c.norm_topk, out=out, pdl=pdl, settings=settings)
 
         ids = kmoe.route(x, copies[0][0], top_k=c.top_k, renormalize=c.norm_topk, pdl=pdl)[1]
     else:
@@ -405,6 +406,17 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
         return call(i)
 
     return (lambda: call(0)), fn, ids, note
+
+
+def parse_settings(spec: str):
+    """'block,BLOCK_N,BLOCK_K,num_warps,num_stages' -> a MoeSettings (ValueError naming
+    what is wrong)."""
+    from wsattn.kernels.moe import MoeSettings
+    parts = spec.split(",")
+    if len(parts) != 5 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--moe-settings: each SPEC is block,BLOCK_N,BLOCK_K,num_warps,"
+                         f"num_stages (five ints), got {spec!r}")
+    return MoeSettings(*(int(p) for p in parts))
 
 
 def run_case(case: MoeCase, impls, timer, stamp, device, copy_tbps) -> list[dict]:
@@ -545,6 +557,12 @@ def main(args) -> int:
         print(f"wsattn bench moe: {e}", file=sys.stderr)
         return 2
     impls = list(args.moe_impl)
+    try:  # extra columns: the Triton path (PDL off) with exactly these settings
+        impls += [f"wsattn-triton[{spec}]" for spec in (args.moe_settings or [])
+                  if parse_settings(spec)]
+    except ValueError as e:
+        print(f"wsattn bench moe: {e}", file=sys.stderr)
+        return 2
     print(f"wsattn bench moe on {stamp['gpu']}, torch {stamp['torch']}, triton "
           f"{stamp['triton']}, commit {stamp['commit']}: {len(cases)} cases x {impls}",
           file=sys.stderr)
@@ -554,7 +572,7 @@ def main(args) -> int:
     add_ratios(rows)
     print(format_table(rows))
     write(rows, stamp, args, plot_rows)
-    return exit_status(rows, WSATTN_IMPLS.__contains__)
+    return exit_status(rows, lambda i: i in WSATTN_IMPLS or i.startswith("wsattn-triton["))
 
 
 def add_arguments(group) -> None:
@@ -564,3 +582,7 @@ def add_arguments(group) -> None:
                        help=f"moe: tokens per step, 1..64 (default {' '.join(map(str, BATCHES))})")
     group.add_argument("--moe-impl", nargs="+", choices=IMPLS, default=list(IMPLS),
                        metavar="IMPL", help=f"moe: columns (default all: {' '.join(IMPLS)})")
+    group.add_argument("--moe-settings", nargs="+", default=None, metavar="SPEC",
+                       help="moe: extra columns wsattn-triton[SPEC], the Triton path (PDL "
+                            "off) launched with SPEC = block,BLOCK_N,BLOCK_K,num_warps,"
+                            "num_stages (wsattn.kernels.moe.MoeSettings)")

@@ -237,3 +237,27 @@ def test_gates_3_to_7_orchestration_with_stand_in_measurements(monkeypatch):
     r = ladder.climb(demo.matmul_ws_4w(), "sm_90", ladder.Config())
     assert r.highest_gate == 4 and [g.status for g in r.gates][-1] == "FAIL" and len(r.gates) == 6
     assert "FAILS stress: hang" in r.verdict and "faster" not in r.verdict
+
+
+def test_profile_detail_names_an_eagerly_timed_side():
+    """Gate 7 replays both sides from CUDA graphs; a side that could not be captured is
+    named in the verdict, so a launch-path time is never read as a kernel time."""
+    from wsattn.evidence.ladder import _eager_note
+    assert _eager_note({"kernel": "graph", "baseline": "graph"}) == ""
+    assert _eager_note(None) == ""
+    assert _eager_note({"kernel": "eager", "baseline": "graph"}) == \
+        ", kernel timed eagerly (not capturable)"
+    assert "kernel and baseline" in _eager_note({"kernel": "eager", "baseline": "eager+graph"})
+
+
+@pytest.mark.gpu
+def test_profile_times_graph_replays_and_falls_back_to_eager():
+    """A capturable call is timed from a CUDA graph; one with a host read inside is timed
+    eagerly and says so."""
+    import torch
+    from wsattn.evidence.profile import _time_ms
+    x = torch.randn(1 << 20, device="cuda")
+    ms, how = _time_ms(lambda: x.mul(2.0))
+    assert how == "graph" and 0 < ms < 1.0
+    ms, how = _time_ms(lambda: float(x.sum()))
+    assert how == "eager" and ms > 0

@@ -249,9 +249,16 @@ def _climb(spec, target, config, cache, gates, extra):
         parts = [f"{row['verdict']} than {r['baseline']}".replace("no clear difference than",
                                                                   "no clear difference from")
                  + f" at {row['shape']} ({row['kernel_ms']:.3f} ms +-{row['kernel_spread_ms']:.3f} vs "
-                   f"{row['baseline_ms']:.3f} ms +-{row['baseline_spread_ms']:.3f}, x{row['speedup']:.2f})"
+                   f"{row['baseline_ms']:.3f} ms +-{row['baseline_spread_ms']:.3f}, x{row['speedup']:.2f}"
+                   + _eager_note(row.get("timing")) + ")"
                  for row in r["rows"]]
         gates.append(_gate(7, PASS, "; ".join(parts), **r))
+
+
+def _eager_note(timing) -> str:
+    """', kernel timed eagerly' where a side could not be replayed from a CUDA graph."""
+    eager = [who for who, how in (timing or {}).items() if how != "graph"]
+    return f", {' and '.join(eager)} timed eagerly (not capturable)" if eager else ""
 
 
 def _probe(cache):

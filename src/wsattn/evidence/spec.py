@@ -40,7 +40,10 @@ class RunSpec:
     build(shape, dtype, device, generator) -> inputs (any object the runner takes).
     run(inputs) -> tensor or tuple of tensors (outputs allocated NaN-poisoned).
     reference(inputs) -> same structure, float64.
-    baseline(inputs) -> anything: what gate 6 times the kernel against.
+    baseline(inputs) -> anything: what gate 7 times the kernel against.
+    timed(inputs) -> anything: what gate 7 times of the kernel, when run does more than
+        the kernel call (e.g. reads the cache back on the host to check what it wrote);
+        None: run.
     """
     draw_shape: Callable
     build: Callable
@@ -54,6 +57,7 @@ class RunSpec:
     profile_shapes: tuple = ()             # shapes the profile gate times (draw_shape if empty)
     sanitizer_shapes: tuple = ()           # small odd shapes for the sanitizer gate (drawn small if empty)
     describe: Callable = lambda shape: "-".join(f"{k}{v}" for k, v in shape.items())
+    timed: Callable | None = None          # what the profile gate times (run if None)
 
 
 @dataclass

@@ -17,8 +17,9 @@ Columns (``impl``):
 * ``triton-contiguous``: :func:`wsattn.attention_varlen` (``impl="triton"``) on the same
   queries and the same keys stored contiguously, packed with ``cu_seqlens_k``: the
   issue's reference point.
-* ``gluon-contiguous``: :func:`wsattn.attention_varlen` with ``impl="gluon"``; "not
-  available" with the dispatcher's reason while the Gluon kernel has no varlen path.
+* ``gluon-contiguous``: :func:`wsattn.attention_varlen` with ``impl="gluon"`` (the sm_90
+  warp-specialized kernel's varlen build); "not available" with the dispatcher's reason
+  off sm_90.
 * ``flashinfer-paged``: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (backend
   "auto", NHD layout, causal: bottom-right aligned as ours) on the same paged cache and
   page table, planned outside the timing; "not available" where flashinfer does not

@@ -23,7 +23,10 @@ Columns (``impl``):
   timed; routing and grouping are computed beforehand and not timed (the note says so);
 * ``wsattn-triton`` / ``wsattn-triton-pdl``: :func:`wsattn.kernels.moe.moe` (route,
   group, grouped gate/up, grouped down + combine: five launches) with PDL off / on;
-* ``wsattn-gluon``: "not available" until the Gluon grouped kernel exists.
+* ``wsattn-gluon``: :func:`wsattn.kernels.moe.moe` with ``impl="gluon"`` (the sm_90
+  warp-specialized grouped kernel for gate/up and down; route, group and combine as
+  above, PDL on where available); "not available" with the kernel's own reason while it
+  is refused (not yet verified on a GPU, or not an sm_90 GPU, or not fp16/bf16).
 
 Every column's output is checked before it is timed, against a float64 MoE layer
 (:func:`reference`) from the same weights and that column's own routing (its router's
@@ -64,7 +67,7 @@ HF_EXPERTS = ("eager", "batched_mm", "grouped_mm", "sonicmoe", "deepgemm")
 HF_IMPLS = tuple(f"hf-{e}" for e in HF_EXPERTS)
 WSATTN_IMPLS = ("wsattn-triton", "wsattn-triton-pdl", "wsattn-gluon")
 IMPLS = HF_IMPLS + ("torch-grouped-mm",) + WSATTN_IMPLS
-GLUON_MISSING = "no Gluon grouped kernel yet"
+GLUON_MISSING = "the Gluon grouped kernel is refused here"  # the generic reason; rows carry its own
 
 # config.json values as published, trimmed to what the layer and ModelConfig read
 MODELS = {
@@ -342,10 +345,21 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
 
     c = case.cfg
     T, H = x.shape
-    if impl == "wsattn-gluon":
-        raise NotAvailable(GLUON_MISSING)
     note = None
-    if impl.startswith("hf-"):
+    if impl == "wsattn-gluon":
+        from wsattn.kernels import moe_gluon
+        reason = moe_gluon.unsupported_reason(x.device, x.dtype)
+        if reason is not None:
+            raise NotAvailable(reason)
+        out = torch.empty_like(x)
+
+        def call(i):
+            router_w, w_gate_up, w_down = copies[i][:3]
+            return kmoe.moe(x, router_w, w_gate_up, w_down, top_k=c.top_k,
+                            renormalize=c.norm_topk, out=out, impl="gluon")
+
+        ids = kmoe.route(x, copies[0][0], top_k=c.top_k, renormalize=c.norm_topk)[1]
+    elif impl.startswith("hf-"):
         if impl == "hf-batched_mm" and x.device.type == "cuda":
             # batched_mm gathers a copy of its expert's gate/up and down weights per pair
             need = T * c.top_k * 3 * H * c.moe_ffn * case.elt

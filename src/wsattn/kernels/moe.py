@@ -560,6 +560,29 @@ def _check_settings(settings, grouping):
                          f"block={grouping.block}")
 
 
+_IMPLS = ("triton", "gluon")
+
+
+def _check_impl(impl):
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+
+
+def _gluon():
+    # imported on use: the Gluon module imports this one (Grouping, the combine kernel)
+    from . import moe_gluon
+    return moe_gluon
+
+
+def _refuse_gluon(x, pdl):
+    """ValueError naming why impl='gluon' cannot take x (before any kernel runs)."""
+    if pdl is not None and not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be None or a bool, got {pdl!r}")
+    reason = _gluon().unsupported_reason(x.device, x.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+
+
 def _settings_for(settings, grouping, target, T, dtype):
     if settings is None:
         return default_settings(target, T=T, top_k=grouping.top_k,
@@ -568,7 +591,8 @@ def _settings_for(settings, grouping, target, T, dtype):
     return settings
 
 
-def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=None):
+def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=None,
+                impl="triton"):
     """act = silu(x_t @ Wg_e^T) * (x_t @ Wu_e^T) for every grouped (token t, expert e) row.
 
     Args:
@@ -580,6 +604,11 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
         grouping: group()'s result for this step's ids.
         norm_eps: None or the RMSNorm epsilon (FlashNorm scale per token, in fp32).
         pdl, settings: as in route; settings.block must equal grouping.block.
+        impl: "triton" (every target) or "gluon" (the sm_90 warp-specialized kernel of
+            moe_gluon.py, fp16/bf16, contiguous weights; settings None or a
+            moe_gluon.GluonMoeSettings; refused with a ValueError while
+            moe_gluon.VERIFIED_ON_GPU is False, and on other targets). PDL does not
+            apply to the Gluon launch (it is launched without it).
 
     Returns:
         act [rows_max, F] in x's dtype, by grouped row; padding rows are not written.
@@ -593,6 +622,10 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
         raise ValueError(f"w_gate_up must be [E, 2F, H={H}] with an even 2F, got "
                          f"{tuple(w_gate_up.shape)}")
     _check_norm_eps(norm_eps)
+    _check_impl(impl)
+    if impl == "gluon":
+        _refuse_gluon(x, pdl)  # the Gluon launch itself takes no PDL
+        return _gluon().gate_up(x, w_gate_up, grouping, norm_eps, settings)
     _check_settings(settings, grouping)
     target, pdl = _resolve_pdl(pdl, x.device)
     s = _settings_for(settings, grouping, target, T, x.dtype)
@@ -615,7 +648,7 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
 
 
 def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=None,
-                     pdl=None, settings=None):
+                     pdl=None, settings=None, impl="triton"):
     """out[t] = residual[t] + sum_j topk_weights[t, j] * (act[row(t, j)] @ Wd_e^T).
 
     Args:
@@ -626,7 +659,8 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         out: None (allocate) or [T, H] in act's dtype, last dim contiguous; may be
             residual itself (in-place update of the residual stream).
         residual: None or [T, H] in act's dtype, last dim contiguous.
-        pdl, settings: as in moe_gate_up.
+        pdl, settings, impl: as in moe_gate_up (impl picks the down projection; the
+            combine is the same Triton kernel either way).
 
     Returns:
         out [T, H]. The down projection writes fp32 per-pair results [T*k, H] (each
@@ -664,6 +698,14 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
             raise TypeError(f"{name} dtype must match act ({act.dtype}), got {t.dtype}")
         if t.device != act.device or t.stride(1) != 1:
             raise ValueError(f"{name} must be on {act.device} with a contiguous last dimension")
+    _check_impl(impl)
+    if impl == "gluon":
+        _refuse_gluon(act, pdl)
+        y = _gluon().down(act, w_down, grouping, topk_weights, settings)
+        target, pdl = _resolve_pdl(pdl, act.device)  # the combine's
+        if out is None:
+            out = empty((T, H), act.dtype, act.device)
+        return _combine(y, out, residual, grouping, T, H, pdl)
     _check_settings(settings, grouping)
     target, pdl = _resolve_pdl(pdl, act.device)
     s = _settings_for(settings, grouping, target, T, act.dtype)
@@ -683,6 +725,12 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         USE_DOT=s.use_dot, GATE_UP=False, NORM=False, PDL=pdl, STAGES=s.num_stages,
         num_warps=s.num_warps, num_stages=s.num_stages, **launch)
+    return _combine(y, out, residual, grouping, T, H, pdl)
+
+
+def _combine(y, out, residual, grouping, T, H, pdl):
+    """out[t] = residual[t] + y[t*k] + ... + y[t*k + k-1] (the per-pair fp32 rows)."""
+    launch = {"launch_pdl": True} if pdl else {}
     res = residual if residual is not None else out
     _combine_kernel[(T, cdiv(H, COMBINE_BLOCK_H))](
         y, res, out, H, y.stride(0), res.stride(0), out.stride(0), TOP_K=grouping.top_k,
@@ -692,28 +740,39 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
 
 
 def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
-        scoring="softmax", residual=None, out=None, pdl=None, settings=None):
+        scoring="softmax", residual=None, out=None, pdl=None, settings=None, impl="triton"):
     """The whole MoE block for a decode step: route -> group -> gate_up -> down+combine.
 
     Shapes as in the four launchers: x [T, H], router_w [E, H], w_gate_up [E, 2F, H],
     w_down [E, H, F]; returns out [T, H] in x's dtype (residual added when given).
-    Five launches, no host sync.
+    Five launches, no host sync. impl="gluon" runs the grouped gate/up and down on the
+    sm_90 Gluon kernel (moe_gate_up's impl; settings then a moe_gluon.GluonMoeSettings,
+    its block the grouping's), refused before any launch where that kernel cannot run.
 
     Example (TRITON_INTERPRET=1 on CPU, or CUDA tensors):
         >>> x = torch.randn(2, 64); rw = torch.randn(8, 64)
         >>> wgu = torch.randn(8, 2 * 32, 64) / 8; wd = torch.randn(8, 64, 32) / 6
         >>> y = moe(x, rw, wgu, wd, top_k=2, renormalize=True)   # [2, 64]
     """
+    _check_impl(impl)
+    if impl == "gluon" and isinstance(x, torch.Tensor):
+        _refuse_gluon(x, pdl)  # before any kernel runs, route and group included
     wts, ids = route(x, router_w, top_k=top_k, renormalize=renormalize, norm_eps=norm_eps,
                      scoring=scoring, pdl=pdl)
     target = target_of(x.device)
     E = router_w.shape[0]
-    block = settings.block if isinstance(settings, MoeSettings) else \
-        default_settings(target, T=x.shape[0], top_k=top_k, num_experts=E, dtype=x.dtype).block
+    if settings is not None and hasattr(settings, "block"):
+        block = settings.block
+    elif impl == "gluon":
+        block = _gluon().default_block(x.shape[0], top_k, E)
+    else:
+        block = default_settings(target, T=x.shape[0], top_k=top_k, num_experts=E,
+                                 dtype=x.dtype).block
     g = group(ids, E, block, pdl=pdl)
-    act = moe_gate_up(x, w_gate_up, g, norm_eps=norm_eps, pdl=pdl, settings=settings)
+    act = moe_gate_up(x, w_gate_up, g, norm_eps=norm_eps, pdl=pdl, settings=settings,
+                      impl=impl)
     return moe_down_combine(act, w_down, g, wts, out, residual=residual, pdl=pdl,
-                            settings=settings)
+                            settings=settings, impl=impl)
 
 
 # --------------------------------------------------------------------------- compile specs

@@ -219,6 +219,31 @@ def test_tensor_input_and_zero_new_tokens(engine):
     assert engine.cache.live == [] and engine.cache.free_pages == 16
 
 
+def test_decode_loop_builds_no_host_tensor_per_step(engine, monkeypatch):
+    """The lengths each decode step attends over are advanced on the device: the cache's
+    host lengths become a tensor once per generate call, not once a token (on CUDA that
+    host-to-device copy synchronised the stream every step), and the step sees the same
+    values as before: the cache length including the new token."""
+    calls, seen = [], []
+    real_seqlens, real_decode = type(engine.cache).seqlens, engine.step.decode
+    monkeypatch.setattr(type(engine.cache), "seqlens",
+                        lambda self, *a, **k: calls.append(1) or real_seqlens(self, *a, **k))
+
+    def decode(tokens, seqlens, block_table):
+        seen.append(seqlens.tolist())
+        return real_decode(tokens, seqlens, block_table)
+
+    monkeypatch.setattr(engine.step, "decode", decode)
+    prompts = _prompts()
+    engine.run(prompts, 6)
+    prefill_calls = len(calls) - 1  # one for the decode loop, the rest inside the prefill
+    assert len(seen) == 5
+    assert seen == [[p.numel() + i for p in prompts] for i in range(1, 6)]
+    calls.clear()
+    engine.run(prompts, 12)
+    assert len(calls) - 1 == prefill_calls  # 11 decode steps, still one call for the loop
+
+
 def test_eos_stops_like_transformers(engine):
     """A sequence that emits eos is padded with eos after it; generation stops when all
     sequences are done (transformers' behaviour with pad = eos)."""

@@ -357,6 +357,11 @@ class Engine:
         new, all_logits = [], []
         done = torch.zeros(len(ids), dtype=torch.bool, device=dev)
         eos_t = None if eos is None else torch.tensor(eos, dtype=torch.int64, device=dev)
+        # The lengths the next step attends over, kept on the device and advanced there:
+        # building them from the cache's host lengths each step is a pageable host-to-device
+        # copy, which synchronises the stream, so the GPU sat idle for the host's whole
+        # between-step work (177-303 us a token in the H200 step traces).
+        seqlens = cache.seqlens(ids)
         for i in range(max_new_tokens):
             if return_logits:
                 all_logits.append(last)
@@ -370,7 +375,8 @@ class Engine:
             if i + 1 == max_new_tokens or (eos_t is not None and bool(done.all())):
                 break
             cache.advance(ids, [1] * len(ids))
-            last = self.step.decode(tok, cache.seqlens(ids), block_table)
+            seqlens = seqlens + 1
+            last = self.step.decode(tok, seqlens, block_table)
         clock.mark()
         clock.report(len(new) - 1)
         logits = torch.stack(all_logits, dim=1) if return_logits else None

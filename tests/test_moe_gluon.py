@@ -47,7 +47,7 @@ def _compile(kernel: str, block: int, model: str, norm: bool = True):
 
 
 BUILDS = [pytest.param(m, k, b, id=f"{m}-{k}-block{b}")
-          for m, blocks in (("qwen3", (1, 4, 16)), ("mixtral", (1, 16, 32)))
+          for m, blocks in (("qwen3", (1, 4, 16, 64)), ("mixtral", (1, 16, 32)))
           for k in ("gate_up", "down") for b in blocks]
 
 

@@ -10,7 +10,7 @@ row, fp32 per-pair down rows for moe.py's combine kernel) written as a Hopper ke
     barrier;
   - one consumer warpgroup (the default partition) gathers the block's activation rows
     (x rows through sorted_pairs for gate/up, act rows for down; padding rows zero) into
-    shared memory one K tile at a time, the next tile's loads issued before the current
+    shared memory one K tile at a time, each tile's loads issued two iterations before its
     wgmma, and runs wgmma with the weight tile as A (M = BLOCK_N = 64 output rows) and
     the activations as B (N = MMA_N = max(8, block) grouped rows): swap-AB, so the few
     tokens sit on the MMA's narrow side.
@@ -126,7 +126,10 @@ def _consumer(x_ptr, pairs_ptr, wts_ptr, out_ptr, w_smem, u_smem, x_smem, ready,
     acc_u = gl.zeros([BLOCK_N, MMA_N], gl.float32, acc_layout)
     ss = gl.zeros([MMA_N], gl.float32, gl.SliceLayout(1, x_layout))
     xb = x_smem.permute((1, 0))  # [BLOCK_K, MMA_N]: the B operand
-    xr = _load_rows(x_ptr, xoff, m_live, 0, K, x_layout, BLOCK_K)
+    # activation tiles are loaded two K tiles ahead (two register tiles in flight), so
+    # their L2 latency hides behind two iterations' wgmma and barrier waits
+    xr = _load_rows(x_ptr, xoff, m_live, 0, K, x_layout, BLOCK_K)  # [MMA_N, BLOCK_K]
+    xr_next = _load_rows(x_ptr, xoff, m_live, BLOCK_K, K, x_layout, BLOCK_K)
     for i in range(gl.cdiv(K, BLOCK_K)):
         s = i % STAGES
         x_smem.store(xr)
@@ -134,8 +137,9 @@ def _consumer(x_ptr, pairs_ptr, wts_ptr, out_ptr, w_smem, u_smem, x_smem, ready,
         if NORM:
             xf = xr.to(gl.float32)
             ss += gl.sum(xf * xf, axis=1)
-        # the next tile's loads (zeros past K) fly while this tile's wgmma runs
-        xr = _load_rows(x_ptr, xoff, m_live, (i + 1) * BLOCK_K, K, x_layout, BLOCK_K)
+        xr = xr_next
+        # zeros past K: the loads of the last iterations read nothing
+        xr_next = _load_rows(x_ptr, xoff, m_live, (i + 2) * BLOCK_K, K, x_layout, BLOCK_K)
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         tok_g = warpgroup_mma(w_smem.index(s), xb, acc_g, is_async=True)
         if GATE_UP:

@@ -246,6 +246,13 @@ def test_settings_refuse_bad_values(kw, match):
         MG.GluonMoeSettings(**kw).check(gate_up=True)
 
 
+def test_compile_spec_refuses_other_targets_and_kernels():
+    with pytest.raises(ValueError, match="cc=80: the Gluon grouped kernel builds for sm_90 only"):
+        MG.compile_spec(80, "gate_up")
+    with pytest.raises(ValueError, match="kernel must be 'gate_up' or 'down'"):
+        MG.compile_spec(90, "combine")
+
+
 def test_default_settings_fit_and_pick_blocks():
     assert MG.default_block(1, 8, 128) == 1
     assert MG.default_block(8, 8, 128) == 16

@@ -420,6 +420,9 @@ def compile_spec(cc: int = 90, kernel: str = "gate_up", *, T: int = 8, H: int = 
 
     kernel: "gate_up" (K = H, NOUT = F) or "down" (K = F, NOUT = H). E and top_k only
     pick the default block (settings_for)."""
+    if cc != GLUON_CC:
+        raise ValueError(f"cc={cc}: the Gluon grouped kernel builds for sm_90 only (wgmma, "
+                         "TMA, setmaxnreg)")
     if kernel not in ("gate_up", "down"):
         raise ValueError(f"kernel must be 'gate_up' or 'down', got {kernel!r}")
     if dtype not in ("bf16", "fp16"):

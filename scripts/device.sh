@@ -21,11 +21,16 @@
 #   OUT            where results go (the device tool sets it; default ./device-out)
 #   WSATTN_COMMIT  the commit the rows are stamped with (the device copy has no .git)
 #   BENCH_ARGS     arguments of `wsattn bench` (default "all"; e.g. "decode --quick")
-#   PEERS          1: before the parts, install the peer wheels of ../shared/peers
-#                  (FlashAttention-4 AOT, FlashInfer, tvm-ffi; see its README) into
-#                  .peers-site, put it on PYTHONPATH and set FLASHINFER_DISABLE_JIT=1, so that
-#                  the bench (and tests) parts run the peers; without it their bench rows
-#                  say 'not available' and their GPU tests skip
+#   PEERS          1: before the parts, install the peer wheels (FlashAttention-4 AOT,
+#                  FlashInfer, tvm-ffi) into .peers-site, put it on PYTHONPATH and set
+#                  FLASHINFER_DISABLE_JIT=1, so that the bench (and tests) parts run the
+#                  peers; without it their bench rows say 'not available' and their GPU
+#                  tests skip. The wheels are read from .peers-wheels/ (ignored by git):
+#                  `../shared` beside the checkout does not travel with a device call, so
+#                  copy them there first and carry the folder:
+#                    mkdir -p .peers-wheels && cp ../shared/peers/*.whl .peers-wheels/
+#                    (device call with carry [".peers-wheels"]; 36 MB of the 64 MiB)
+#                  ../shared/peers is used where it does exist on the device.
 #   TEST_PATHS     test files or folders of the tests part (default tests/)
 #   LADDER_ARGS    extra ladder arguments (default "--stress-launches 2000"; kernels by name)
 #   SP_ARGS        arguments of the SP bench (e.g. "--sp-what prefill --sp-seqlens 16384 65536")
@@ -84,14 +89,14 @@ run_part() {  # run_part NAME SECONDS COMMAND...: the part's status, a timeout n
   return "$rc"
 }
 
-setup_peers() {  # PEERS=1: the peer wheels, installed exactly as ../shared/peers/README.md says
-  local wheels=(../shared/peers/*.whl)
+setup_peers() {  # PEERS=1: the peer wheels, installed as ../shared/peers/README.md says
+  local wheels=(.peers-wheels/*.whl)
+  [ -e "${wheels[0]}" ] || wheels=(../shared/peers/*.whl)
   if [ ! -e "${wheels[0]}" ]; then
-    echo "device: PEERS=1 but ../shared/peers holds no wheels (.. has: $(ls .. | tr '\n' ' '))" >&2
+    echo "device: PEERS=1 but neither .peers-wheels/ (carried) nor ../shared/peers holds wheels" \
+         "(.. has: $(ls .. | tr '\n' ' '))" >&2
     return 1
   fi
-  # straight from shared/ (it travels with every call): a copy in a carried folder would
-  # double the wheels past the call's 64 MiB
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target .peers-site "${wheels[@]}" || { echo "device: installing the peer wheels failed" >&2; return 1; }
   export PYTHONPATH="$PWD/.peers-site:$PYTHONPATH" FLASHINFER_DISABLE_JIT=1

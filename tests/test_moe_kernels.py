@@ -86,15 +86,17 @@ CHILD = REFERENCE + textwrap.dedent(r'''
 
     if case == "block":
         dt = getattr(torch, arg["dtype"])
-        # (T, E, k, H, F, renorm, norm, residual, scoring): every block size's path
-        # (T 1 -> 1, mean <= 2 -> 4, else 16 / 32), shapes off every tile
-        for T, E, k, H, F, renorm, norm, resid, scoring in (
-                (1, 8, 2, 64, 32, True, False, False, "softmax"),
-                (1, 16, 4, 96, 40, False, True, True, "softmax"),
-                (3, 16, 4, 80, 24, True, True, False, "softmax"),
-                (7, 12, 3, 72, 36, False, False, True, "sigmoid"),
-                (20, 8, 2, 64, 48, True, True, True, "softmax"),
-                (64, 16, 8, 48, 40, True, False, True, "softmax")):
+        # (T, E, k, H, F, renorm, norm, residual, scoring, block): every block size's path
+        # (the FMA blocks 1 and 4 by explicit settings, default_block no longer picks
+        # them; 16 and 32 by default), shapes off every tile
+        from wsattn.target import target_of
+        for T, E, k, H, F, renorm, norm, resid, scoring, block in (
+                (1, 8, 2, 64, 32, True, False, False, "softmax", 1),
+                (1, 16, 4, 96, 40, False, True, True, "softmax", 1),
+                (3, 16, 4, 80, 24, True, True, False, "softmax", 4),
+                (7, 12, 3, 72, 36, False, False, True, "sigmoid", 4),
+                (20, 8, 2, 64, 48, True, True, True, "softmax", 16),
+                (64, 16, 8, 48, 40, True, False, True, "softmax", 32)):
             key = f"T{T}-E{E}-k{k}-H{H}-F{F}-{'renorm' if renorm else 'raw'}" \
                   f"{'-norm' if norm else ''}{'-res' if resid else ''}-{scoring}"
             x = torch.randn(T, H).to(dt)
@@ -103,13 +105,16 @@ CHILD = REFERENCE + textwrap.dedent(r'''
             eps = 1e-5 if norm else None
             ref, rv, ri = reference_moe(x, rw, wgu, wd, k, renorm, eps, r, scoring)
             w, ids = M.route(x, rw, top_k=k, renormalize=renorm, norm_eps=eps, scoring=scoring)
-            kw = dict(top_k=k, renormalize=renorm, norm_eps=eps, scoring=scoring, residual=r)
+            st = None if block == M.default_block(T, k, E) else M.default_settings(
+                target_of(x.device), T=T, top_k=k, num_experts=E, dtype=dt, block=block)
+            kw = dict(top_k=k, renormalize=renorm, norm_eps=eps, scoring=scoring, residual=r,
+                      settings=st)
             y1 = M.moe(x, rw, wgu, wd, **kw)
             y2 = M.moe(x, rw, wgu, wd, **kw)
             res[key] = {"out": rel_err(y1, ref), "ids_equal": bool(torch.equal(ids.long(), ri)),
                         "weights": rel_err(w, rv), "rerun_identical": bool(torch.equal(y1, y2)),
                         "dtype": str(y1.dtype), "ids_dtype": str(ids.dtype),
-                        "block": M.default_block(T, k, E)}
+                        "block": block}
 
     elif case == "grouping":
         # each row: (name, ids [T, k], E)

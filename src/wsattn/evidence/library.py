@@ -710,7 +710,7 @@ def _moe_entry():
                   dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),
                   baseline=_moe_torch, baseline_name="torch eager MoE block (transformers-style)",
                   profile_shapes=({"T": 1, "H": 2048, "F": 768}, {"T": 8, "H": 2048, "F": 768}),
-                  # T 3: blocks of 4 (FMA path); T 33: blocks of 16 (tl.dot path)
+                  # T 3 and T 33: blocks of 16 (tl.dot), the default block at both
                   sanitizer_shapes=({"T": 3, "H": 136, "F": 40}, {"T": 33, "H": 64, "F": 48}),
                   describe=_describe_moe)
     # gates 0-2 read the grouped gate/up kernel (the weight stream); gates 3-7 run all five

@@ -303,15 +303,15 @@ class MoeSettings:
 
 
 def default_block(T: int, top_k: int, num_experts: int) -> int:
-    """Rows a grouping block: 1 for one token (its k experts are distinct, one row each);
-    4 while the pairs per expert stay about 2 or fewer (FMA, no padding to 16); the
-    tl.dot blocks above. Too small a block splits an expert over several blocks, whose
-    programs read its weights again (from L2 if they run together); too large pads."""
+    """Rows a grouping block: 16 (tl.dot, the weight tile as the MMA's M side) while the
+    pairs per expert stay about 16 or fewer, 32 above. Too small a block splits an expert
+    over several blocks, whose programs read its weights again (from L2 if they run
+    together); too large pads. The FMA blocks (1, 2, 4: no padding to 16) measured slower
+    at every shape, so only explicit settings take them: H200, one layer, us, FMA default
+    -> block 16 (BLOCK_N 64, BLOCK_K 128, 4 stages): Qwen3-30B-A3B B1 71.8 -> 66.3, B8
+    235.7 -> 179.9, B32 484.8 -> 341.4; Mixtral-8x7B B1 230.3 -> 181.6, B8 932.3 -> 501.9
+    (notes/moe.md)."""
     mean = T * top_k / num_experts
-    if T == 1:
-        return 1
-    if mean <= 2:
-        return 4
     return 16 if mean <= 16 else 32
 
 
@@ -337,6 +337,10 @@ def default_settings(target: Target, *, T: int, top_k: int, num_experts: int,
         block_k = FMA_TILE_ELEMS * 2 // elem // block_n
     stage_bytes = (2 * block_n + block) * block_k * elem
     stages = max(2, min(MAX_STAGES, STAGE_BUDGET // stage_bytes))
+    if block == 16 and 90 <= target.cc < 120 and elem == 2:
+        # 4 stages of 37 KB (one program an SM of sm_90/sm_100's 228 KB): the measured
+        # block-16 settings above (the budget rule gives 2; at Mixtral B32 they ran alike)
+        stages = 4
     return MoeSettings(block=block, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
                        num_stages=stages)
 

@@ -543,7 +543,8 @@ def test_auto_prefers_triton_only_where_it_measured_faster():
     assert first(1024, 128, False) == "gluon"
     assert first(1024, 64, False) == "triton" and first(4096, 64, False) == "gluon"
     assert first(4096, 64, True) == "gluon"
-    assert ranking(Call("prefill_varlen", dev, torch.bfloat16, 128)) == ("triton",)
+    # varlen: Triton until the Gluon varlen build passes the ladder's sanitizer gate
+    assert ranking(Call("prefill_varlen", dev, torch.bfloat16, 128, True, 3851, 3851)) == ("triton",)
 
 
 @pytest.mark.sm90

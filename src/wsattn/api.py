@@ -306,7 +306,9 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                 raise ValueError(f"{name}={given} is shorter than the longest sequence "
                                  f"({max(lens)})")
     scale = _scale(sm_scale, D)
-    call = Call("prefill_varlen", q.device, q.dtype, D, causal)
+    call = Call("prefill_varlen", q.device, q.dtype, D, causal,
+                Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq),
+                k.shape[0] if max_seqlen_k is None else min(int(max_seqlen_k), k.shape[0]))
     return scale, _resolve(impl, call)
 
 

@@ -7,7 +7,7 @@ first that supports the call wins. The API (:mod:`wsattn.api`), the custom ops a
 
 Backends:
   "gluon"     - the sm_90 warp-specialized Gluon prefill (fixed length and varlen, fp16/bf16,
-                D 64/128); impl="auto" ranks it for fixed length only (varlen unmeasured).
+                D 64/128).
   "triton"    - the Triton kernels: prefill (fixed, varlen and over a paged cache),
                 split-KV decode, merge;
                 any CUDA GPU, and CPU tensors through the interpreter (TRITON_INTERPRET=1).
@@ -34,8 +34,8 @@ class Call:
     dtype: torch.dtype
     head_dim: int
     causal: bool = False
-    seqlen_q: int = 0            # fixed-length prefill: Sq
-    seqlen_k: int = 0            # fixed-length prefill: Sk
+    seqlen_q: int = 0            # fixed-length prefill: Sq; varlen: max_seqlen_q (or Tq)
+    seqlen_k: int = 0            # fixed-length prefill: Sk; varlen: max_seqlen_k (or Tk)
 
 
 # --------------------------------------------------------------------------- backends
@@ -84,6 +84,12 @@ SUPPORTS = {"gluon": _gluon_supports, "triton": _triton_supports,
 # N = 1024: D64 355 vs 376 TFLOP/s, D64 causal 192 vs 271, D128 causal 314 vs 354; D128
 # non-causal 523 vs 409 stays Gluon; from N = 4096 on the Gluon kernel leads or ties.
 TRITON_FASTER_UP_TO = {(64, False): 1024, (64, True): 1024, (128, True): 1024}
+# Varlen stays on Triton under "auto" until the Gluon varlen build has been through the
+# ladder's stress and sanitizer gates (its GPU numerics pass). It is faster: on the H200,
+# a 16k-token pack of 11 sequences of 225-3851 tokens (`wsattn bench varlen`, GQA 32/8)
+# ran 1.09-1.25x the Triton kernel (D128 causal 439 vs 368 TFLOP/s, full 518 vs 415; D64
+# causal 320 vs 292, full 417 vs 361). Then it takes the rule above with the longest
+# sequence (Call.seqlen_q: max_seqlen_q, else Tq) in place of Sq.
 
 
 def ranking(call: Call) -> tuple[str, ...]:

@@ -48,16 +48,26 @@ def measure(timer, device) -> dict[str, Ceiling]:
     return {c.name: c for c in (copy_bandwidth(timer, device), matmul_rate(timer, device))}
 
 
-def copy_ceiling_rows(timer, device, stamp) -> tuple[list[dict], float | None]:
-    """([the copy ceiling's row], its TB/s) for the decode-step benchmarks, measured in the
-    same run as their rows; ([], None) with a message on stderr when it fails, so the
-    rows are still measured, without their fractions of the ceiling."""
+def _ceiling_rows(measure, name, timer, device, stamp) -> tuple[list[dict], float | None]:
     import sys
 
     from .report import ceiling_row
     try:
-        copy = copy_bandwidth(timer, device)
+        ceiling = measure(timer, device)
     except Exception as e:  # fractions stay empty
-        print(f"ceiling copy failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ceiling {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return [], None
-    return [ceiling_row(stamp, copy)], copy.value
+    return [ceiling_row(stamp, ceiling)], ceiling.value
+
+
+def copy_ceiling_rows(timer, device, stamp) -> tuple[list[dict], float | None]:
+    """([the copy ceiling's row], its TB/s) for the decode-step benchmarks, measured in the
+    same run as their rows; ([], None) with a message on stderr when it fails, so the
+    rows are still measured, without their fractions of the ceiling."""
+    return _ceiling_rows(copy_bandwidth, "copy", timer, device, stamp)
+
+
+def matmul_ceiling_rows(timer, device, stamp) -> tuple[list[dict], float | None]:
+    """([the matmul ceiling's row], its TFLOP/s) for the prefill-shaped benchmarks
+    (chunked, varlen), as copy_ceiling_rows."""
+    return _ceiling_rows(matmul_rate, "matmul", timer, device, stamp)

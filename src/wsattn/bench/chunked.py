@@ -471,7 +471,6 @@ def main(args) -> int:
     from . import ceilings as ceil_mod
     from .report import exit_status
     from .env import stamp as make_stamp
-    from .report import ceiling_row
     from .timing import cuda_timer
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -488,13 +487,7 @@ def main(args) -> int:
     print(f"wsattn bench chunked on {stamp['gpu']}, torch {stamp['torch']}, triton "
           f"{stamp['triton']}, commit {stamp['commit']}: {len(groups)} shapes x {impls}",
           file=sys.stderr)
-    rows, mm = [], None
-    try:
-        ceiling = ceil_mod.matmul_rate(timer, device)
-        rows.append(ceiling_row(stamp, ceiling))
-        mm = ceiling.value
-    except Exception as e:  # fractions of the ceiling stay empty
-        print(f"ceiling matmul failed: {type(e).__name__}: {e}", file=sys.stderr)
+    rows, mm = ceil_mod.matmul_ceiling_rows(timer, device, stamp)
     for group in tqdm(groups, desc="wsattn bench chunked", file=sys.stderr, dynamic_ncols=True):
         rows += run_shape(group, impls, timer, stamp, device, mm)
     add_ratios(rows)

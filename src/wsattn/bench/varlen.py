@@ -691,7 +691,7 @@ def main(args) -> int:
 
     from . import ceilings as ceil_mod
     from .env import stamp as make_stamp
-    from .report import ceiling_row, exit_status
+    from .report import exit_status
     from .timing import cuda_timer
 
     try:
@@ -708,13 +708,7 @@ def main(args) -> int:
           f"{stamp['triton']}, commit {stamp['commit']}: {pack.num_seqs} sequences "
           f"({pack.dist}, seed {pack.seed}) {list(pack.lengths)}, equal-length B "
           f"{pack.b_eq} x N {pack.n_eq}; {len(cases)} shapes x {impls}", file=sys.stderr)
-    rows, mm = [], None
-    try:
-        ceiling = ceil_mod.matmul_rate(timer, device)
-        rows.append(ceiling_row(stamp, ceiling))
-        mm = ceiling.value
-    except Exception as e:  # fractions of the ceiling stay empty
-        print(f"ceiling matmul failed: {type(e).__name__}: {e}", file=sys.stderr)
+    rows, mm = ceil_mod.matmul_ceiling_rows(timer, device, stamp)
     for case in tqdm(cases, desc="wsattn bench varlen", file=sys.stderr, dynamic_ncols=True):
         rows += run_case(case, impls, timer, stamp, device, mm)
     add_ratios(rows)

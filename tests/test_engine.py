@@ -244,6 +244,79 @@ def test_decode_loop_builds_no_host_tensor_per_step(engine, monkeypatch):
     assert len(calls) - 1 == prefill_calls  # 11 decode steps, still one call for the loop
 
 
+class _FakeEvent:
+    """A CUDA event stand-in whose completion the test controls."""
+    log = []
+
+    def __init__(self):
+        self.ready = False
+
+    def record(self):
+        _FakeEvent.log.append(self)
+
+    def query(self):
+        return self.ready
+
+    def synchronize(self):
+        _FakeEvent.log.append(("waited", self))
+        self.ready = True
+
+
+def test_eos_stop_reads_flags_without_waiting_and_names_the_first_done_step(monkeypatch):
+    """The CUDA path of the eos check: each step's flag is read once its event has
+    passed (never waited for, unless the host is more than MAX_LAG steps ahead), and
+    finish() names the first done step so that the steps run past it can be dropped."""
+    from wsattn.engine.generate import _EosStop
+    _FakeEvent.log = []
+    monkeypatch.setattr(_EosStop, "_slot", staticmethod(lambda: torch.empty((), dtype=torch.bool)))
+    monkeypatch.setattr(_EosStop, "_event", staticmethod(_FakeEvent))
+    stop = _EosStop("cpu")
+    stop.cuda = True  # the event path, with fake events and unpinned slots
+    stop.push(torch.tensor(False))
+    stop.push(torch.tensor(True))    # step 1: all done, flag not yet on the host
+    assert stop.done_at() is None and not any(isinstance(e, tuple) for e in _FakeEvent.log)
+    stop.push(torch.tensor(True))    # step 2; 3 pending > MAX_LAG: waits for step 0 only
+    assert stop.done_at() is None
+    assert [e for e in _FakeEvent.log if isinstance(e, tuple)] == [("waited", _FakeEvent.log[0])]
+    _FakeEvent.log[1].ready = True   # step 1's flag arrives
+    assert stop.done_at() == 1 and stop.finish() == 1 and stop.pending == []
+    stop.push(torch.tensor(True))    # after the stop nothing more is read
+    assert stop.finish() == 1
+
+    never = _EosStop("cpu")
+    never.cuda = True
+    for _ in range(2):
+        never.push(torch.tensor(False))
+    assert never.done_at() is None and never.finish() is None  # finish waits for all
+    cpu = _EosStop("cpu")
+    cpu.push(torch.tensor(False))
+    cpu.push(torch.tensor(True))
+    assert cpu.done_at() == 1  # read at once on the CPU
+
+
+def test_eos_outputs_do_not_depend_on_when_the_stop_is_seen(engine, monkeypatch):
+    """Generation with eos gives the same tokens and logits whether the stop is seen at
+    once (CPU) or steps later (the CUDA path's lag, simulated): the steps past the first
+    all-done step are dropped."""
+    from wsattn.engine import generate as G
+    free = engine.run(_prompts(), 12)
+    # sequence 0 stops at its 4th new token, sequence 1 at its 6th: all done after step 5
+    eos = [int(free[0][PROMPT_LENS[0] + 3]), int(free[1][PROMPT_LENS[1] + 5])]
+    now_t, now_l = engine.run(_prompts(), 12, eos_token_id=eos, return_logits=True)
+    assert now_l.shape[1] < 12  # the stop happened, so the late run has steps to drop
+
+    class Late(G._EosStop):
+        def done_at(self):  # seen three steps late
+            first = self.finish()
+            return first if first is not None and self.step >= first + 3 else None
+
+    monkeypatch.setattr(G, "_EosStop", Late)
+    late_t, late_l = engine.run(_prompts(), 12, eos_token_id=eos, return_logits=True)
+    assert [len(t) for t in late_t] == [len(t) for t in now_t]
+    assert all(torch.equal(a, b) for a, b in zip(now_t, late_t))
+    assert torch.equal(now_l, late_l)
+
+
 def test_eos_stops_like_transformers(engine):
     """A sequence that emits eos is padded with eos after it; generation stops when all
     sequences are done (transformers' behaviour with pad = eos)."""

@@ -362,6 +362,7 @@ class Engine:
         # copy, which synchronises the stream, so the GPU sat idle for the host's whole
         # between-step work (177-303 us a token in the H200 step traces).
         seqlens = cache.seqlens(ids)
+        stop = _EosStop(dev)
         for i in range(max_new_tokens):
             if return_logits:
                 all_logits.append(last)
@@ -369,16 +370,23 @@ class Engine:
             if eos_t is not None:
                 tok = torch.where(done, eos_t[0], tok)  # finished rows repeat eos as padding
                 done |= torch.isin(tok, eos_t)
+                stop.push(done.all())
             new.append(tok)
             if i == 0:
                 clock.mark()
-            if i + 1 == max_new_tokens or (eos_t is not None and bool(done.all())):
+            if i + 1 == max_new_tokens or stop.done_at() is not None:
                 break
             cache.advance(ids, [1] * len(ids))
             seqlens = seqlens + 1
             last = self.step.decode(tok, seqlens, block_table)
         clock.mark()
         clock.report(len(new) - 1)
+        if eos_t is not None:
+            # the token after which every sequence was done: the steps run past it while
+            # its flag was on its way to the host are dropped (their rows were eos padding)
+            n = stop.finish()
+            if n is not None:
+                new, all_logits = new[:n + 1], all_logits[:n + 1]
         logits = torch.stack(all_logits, dim=1) if return_logits else None
         return new, logits
 
@@ -406,6 +414,69 @@ class Engine:
                 if done_tokens[b] == prompts[b].numel():
                     last[b] = logits[j]
         return torch.stack(last)
+
+
+class _EosStop:
+    """When every sequence has emitted eos, without a host sync per token on CUDA.
+
+    push(flag) takes each step's device bool "all done after this token". On the CPU it
+    is read at once. On CUDA it is copied to pinned memory behind an event and read once
+    the event has passed (``query``, never a wait), so the loop runs a step or two past
+    the stop while the flag travels; ``finish`` then names the first done step and the
+    caller drops the steps after it. The host waits for the oldest flag only when it is
+    more than MAX_LAG steps ahead of it.
+    """
+
+    MAX_LAG = 2
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.pending = []  # (step, pinned bool, event), oldest first
+        self.step = -1
+        self.first = None  # first step whose flag read True
+
+    def push(self, flag: torch.Tensor) -> None:
+        self.step += 1
+        if self.first is not None:
+            return
+        if not self.cuda:
+            if bool(flag):
+                self.first = self.step
+            return
+        slot, event = self._slot(), self._event()
+        slot.copy_(flag, non_blocking=True)
+        event.record()
+        self.pending.append((self.step, slot, event))
+
+    @staticmethod
+    def _slot() -> torch.Tensor:
+        return torch.empty((), dtype=torch.bool, pin_memory=True)
+
+    @staticmethod
+    def _event():
+        return torch.cuda.Event()
+
+    def _read(self, wait_all: bool) -> None:
+        while self.pending and self.first is None:
+            step, slot, event = self.pending[0]
+            if not event.query():
+                if not (wait_all or len(self.pending) > self.MAX_LAG):
+                    return
+                event.synchronize()
+            self.pending.pop(0)
+            if bool(slot):
+                self.first = step
+                self.pending.clear()
+
+    def done_at(self) -> int | None:
+        """The first done step seen so far (None: not yet, or not yet known)."""
+        self._read(wait_all=False)
+        return self.first
+
+    def finish(self) -> int | None:
+        """The first done step of all pushed (waits for the flags still travelling)."""
+        self._read(wait_all=True)
+        return self.first
 
 
 class _Clock:
@@ -493,7 +564,9 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
             after top_k (keep the k most likely) and top_p (keep the smallest set
             reaching probability top_p).
         eos_token_id: an id or list of ids; a sequence that samples one keeps it and is
-            padded with the first eos id after it; generation stops when all are done.
+            padded with the first eos id after it; generation stops when all are done
+            (on CUDA the check reads no flag synchronously: the GPU may run a step or two
+            past the stop, whose tokens are dropped, so the result is the same).
         return_logits: also return the logits each new token was chosen from.
         page_size, buckets, prefill_chunk: see :class:`Engine`; at most ``buckets[-1]``
             sequences.

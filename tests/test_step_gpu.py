@@ -56,3 +56,30 @@ def test_gpu_10000_replayed_steps():
     graph = _gpu_engine(graphs=True, layers=2, max_pos=16384, num_pages=pages)[0].run(ps, steps)
     eager = _gpu_engine(graphs=False, layers=2, max_pos=16384, num_pages=pages)[0].run(ps, steps)
     assert all(torch.equal(a, b) for a, b in zip(graph, eager))
+
+
+@pytest.mark.gpu
+def test_gpu_eos_stop_without_per_token_sync_matches_a_synchronous_stop(monkeypatch):
+    """With eos on CUDA the all-done flag is read without waiting (the GPU may run steps
+    past the stop, which are dropped): tokens and logits equal those of a stop read
+    synchronously each step."""
+    from test_runner import _gpu_engine, _gpu_prompts
+
+    from wsattn.engine import generate as G
+
+    engine = _gpu_engine(graphs=True, layers=2)[0]
+    ps = [p[:16] for p in _gpu_prompts()[:2]]
+    free = engine.run(ps, 24)
+    n = [p.numel() for p in ps]
+    eos = [int(free[0][n[0] + 5]), int(free[1][n[1] + 9])]
+    fast_t, fast_l = engine.run(ps, 24, eos_token_id=eos, return_logits=True)
+
+    class Sync(G._EosStop):
+        def done_at(self):
+            return self.finish()  # waits for every flag: the old per-token sync
+
+    monkeypatch.setattr(G, "_EosStop", Sync)
+    sync_t, sync_l = engine.run(ps, 24, eos_token_id=eos, return_logits=True)
+    assert sync_l.shape[1] < 24
+    assert [len(t) for t in fast_t] == [len(t) for t in sync_t]
+    assert all(torch.equal(a, b) for a, b in zip(fast_t, sync_t)) and torch.equal(fast_l, sync_l)

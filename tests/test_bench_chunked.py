@@ -50,6 +50,7 @@ def test_console_without_gpu_exits_2(tmp_path):
 
 
 def test_options_and_help(capsys):
+    from wsattn.kernels.prefill_paged import PagedPrefillSettings as chunked_settings_type
     parser = wsattn.cli.build_parser()
     args = parser.parse_args(["bench", "chunked", "--chunked-prefix", "0", "8192",
                               "--chunked-pages", "64", "--chunked-dims", "64",
@@ -63,12 +64,22 @@ def test_options_and_help(capsys):
                                     list(chunked.IMPLS), 8)
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "chunked", "--chunked-impl", "flashinfer"])
+    args = parser.parse_args(["bench", "chunked", "--chunked-settings", "128,64,8,3,1",
+                              "128,128,8,4"])
+    assert args.chunked_settings == ["128,64,8,3,1", "128,128,8,4"]
+    assert chunked.parse_settings("128,64,8,3,1") == \
+        chunked_settings_type(128, 64, 8, 3, use_tma=True)
+    assert chunked.parse_settings("128,128,8,4").use_tma is False
+    for bad, says in (("128,64,8", "BLOCK_M,BLOCK_N"), ("128,64,8,3,2", "use_tma 0 or 1"),
+                      ("128,48,8,3", "powers of two"), ("128,64,8,x", "BLOCK_M,BLOCK_N")):
+        with pytest.raises(ValueError, match=says):
+            chunked.parse_settings(bad)
     with pytest.raises(SystemExit) as e:
         wsattn.cli.main(["bench", "--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
     for word in ("chunked", "--chunked-prefix", "--chunked-pages", "--chunked-dims",
-                 "--chunked-impl", "--chunked-batch", "wsattn.bench.chunked"):
+                 "--chunked-impl", "--chunked-batch", "--chunked-settings", "wsattn.bench.chunked"):
         assert word in text, word
 
 
@@ -231,10 +242,12 @@ class T:
         return Timing(1.0, 0.9, 1.1, 20, "graph", 3)
 timer = T()
 rows = []
+SWEEP = ["triton-paged[16,16,4,1,1]", "triton-paged[16,32,4,1]"]  # --chunked-settings columns
 for prefix, chunk in ((0, 5), (20, 17)):
     cases = chunked.chunked_cases([prefix], [16], [64], batch=3, chunk=chunk, dtype="fp32",
                                   hq=4, hkv=2)
-    rows += chunked.run_shape(cases, list(chunked.IMPLS), timer, {"gpu": "none"}, "cpu", 100.0)
+    rows += chunked.run_shape(cases, list(chunked.IMPLS) + SWEEP, timer, {"gpu": "none"}, "cpu",
+                              100.0)
 chunked.add_ratios(rows)
 real = wsattn.attention_paged
 wsattn.attention_paged = lambda *a, **kw: real(*a, **kw).mul_(1.1)   # a wrong kernel
@@ -254,9 +267,10 @@ def test_runner_checks_then_times_on_the_interpreter():
     the import error; a wrong kernel fails and is not timed."""
     r = interpreter_child(CHUNKED_CHILD, timeout=300)
     rows = {(row["prefix"], row["impl"]): row for row in r["rows"]}
-    assert len(r["rows"]) == 2 * 4
+    assert len(r["rows"]) == 2 * 6
     for prefix in (0, 20):
-        for impl in ("triton-paged", "triton-contiguous"):
+        for impl in ("triton-paged", "triton-contiguous", "triton-paged[16,16,4,1,1]",
+                     "triton-paged[16,32,4,1]"):
             row = rows[(prefix, impl)]
             assert row["status"] == "ok", row
             assert row["rel_err"] <= 2e-3 and row["check_passed"] and row["median_ms"] == 1.0
@@ -271,7 +285,8 @@ def test_runner_checks_then_times_on_the_interpreter():
         fi = rows[(prefix, "flashinfer-paged")]  # not installed on the CPU machines
         assert fi["status"] == "not available" and "flashinfer" in fi["reason"]
     assert rows[(20, "triton-paged")]["flops"] == 4 * 64 * 4 * 3 * (17 * 20 + 17 * 18 // 2)
-    assert r["timed"] == 4
+    assert r["timed"] == 8
+    assert rows[(20, "triton-paged[16,16,4,1,1]")]["ratio_contiguous"] == pytest.approx(1.0)
     (bad,) = r["bad"]
     assert bad["status"] == "failed" and bad["median_ms"] is None and r["timed_bad"] == 0
     assert "not timed" in bad["reason"] and bad["rel_err"] > 2e-3

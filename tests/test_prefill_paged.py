@@ -12,6 +12,7 @@ fp16, rerun bit for bit and replay a CUDA graph.
 import numpy as np
 import pytest
 import torch
+import triton
 
 import wsattn
 from wsattn import dispatch, reference
@@ -148,6 +149,9 @@ SETTINGS = [
     pytest.param(PagedPrefillSettings(16, 16, 4, 1), 16, id="M16-N16-page16-onepage"),
     pytest.param(PagedPrefillSettings(16, 64, 4, 1), 16, id="M16-N64-page16-gather"),
     pytest.param(PagedPrefillSettings(32, 32, 4, 1), 64, id="M32-N32-page64-onepage"),
+    # the TMA switch: one descriptor load a tile, at a page of one tile and of two
+    pytest.param(PagedPrefillSettings(16, 16, 4, 1, use_tma=True), 16, id="M16-N16-page16-tma"),
+    pytest.param(PagedPrefillSettings(32, 32, 4, 1, use_tma=True), 64, id="M32-N32-page64-tma"),
 ]
 
 
@@ -157,6 +161,25 @@ def test_settings_variants_match_float64(interpret, settings, page):
     x = paged_inputs(*case[:6], F16, seed=11)
     out, lse = prefill_paged.prefill_paged(*_args(x), None, True, 0.125, settings=settings)
     _check(out, lse, x, case, F16, scale=0.125)
+
+
+def test_tma_switch_refuses_what_it_cannot_read(interpret):
+    """use_tma reads a tile as one page's rows through a descriptor: pages that do not
+    hold whole tiles, or caches whose rows are not contiguous across pages, are refused
+    by name before any launch."""
+    case = ([5, 40], [21, 40], 4, 1, 64, 16, True)
+    x = paged_inputs(*case[:6], F16, seed=11)
+    with pytest.raises(ValueError, match="page_size 16 is not a multiple of BLOCK_N 32"):
+        prefill_paged.prefill_paged(*_args(x), None, True, 0.125,
+                                    settings=PagedPrefillSettings(16, 32, 4, 1, use_tma=True))
+    args = list(_args(x))
+    args[1] = args[2] = torch.cat([args[1], args[1]])[::2]  # every other page of a pool
+    with pytest.raises(ValueError, match="rows contiguous across pages"):
+        prefill_paged.prefill_paged(*args, None, True, 0.125,
+                                    settings=PagedPrefillSettings(16, 16, 4, 1, use_tma=True))
+    sm80 = prefill_paged.Target("cuda", 80, 108)
+    assert "sm_90" in prefill_paged.tma_unsupported(
+        sm80, x["k_cache"], x["v_cache"], PagedPrefillSettings(16, 16, 4, 1, use_tma=True))
 
 
 def test_max_seqlen_q_and_strided_index_views_give_the_same_bits(interpret):
@@ -388,6 +411,26 @@ def test_sm90_default_build_does_not_spill(head_dim, page, record_property):
     assert "cp.async.bulk.tensor" not in ptx, "pointer loads only (no TMA)"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+def test_sm90_tma_build_loads_by_tma_without_spills(head_dim):
+    """The use_tma switch at pages of 64 on sm_90: K/V tiles by TMA, no spills."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from test_prefill_compile import SMEM_LIMIT, _ptxas_usage
+    base = prefill_paged.default_settings(prefill_paged.Target("cuda", 90, 132), head_dim, BF16)
+    settings = PagedPrefillSettings(base.BLOCK_M, base.BLOCK_N, base.num_warps,
+                                    base.num_stages, use_tma=True)
+    spec = prefill_paged.compile_spec(90, head_dim, "bf16", causal=True, page_size=64,
+                                      settings=settings)
+    src = ASTSource(spec["fn"], spec["signature"], spec["constexprs"], spec["attrs"])
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+    regs, stores, loads = _ptxas_usage(kernel)
+    ptx = kernel.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and stores + loads == 0, (regs, stores, loads)
+    assert kernel.metadata.shared <= SMEM_LIMIT[90]
+
+
 # --------------------------------------------------------------------------- GPU
 
 GPU_CASES = [pytest.param(c, id=n) for n, c in CASES.items()] + [
@@ -411,6 +454,26 @@ def test_gpu_matches_float64_and_reruns_bitwise(case, dtype):
     ref = wsattn.attention_varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"],
                                   causal=causal)
     assert_close(out, ref, dtype, what="paged vs varlen kernel")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+def test_gpu_tma_switch_matches_float64_and_reruns_bitwise(head_dim):
+    """The use_tma switch on sm_90 (pages of 64, NaN in the pages' unused rows): numerics
+    against float64 and bit-identical reruns, before any benchmark of it counts."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("use_tma needs sm_90 or later")
+    case = ([1, 300, 17, 0, 129], [4000, 300, 1000, 5, 129], 32, 8, head_dim, 64, True)
+    x = paged_inputs(*case[:6], BF16, device="cuda", seed=37)
+    base = prefill_paged.default_settings(prefill_paged.target_of(x["q"].device), head_dim, BF16)
+    settings = PagedPrefillSettings(base.BLOCK_M, base.BLOCK_N, base.num_warps,
+                                    base.num_stages, use_tma=True)
+    out, lse = prefill_paged.prefill_paged(*_args(x), None, True, head_dim ** -0.5,
+                                           settings=settings)
+    _check(out, lse, x, case, BF16, scale=head_dim ** -0.5)
+    again, lse2 = prefill_paged.prefill_paged(*_args(x), None, True, head_dim ** -0.5,
+                                              settings=settings)
+    assert torch.equal(out, again) and torch.equal(lse, lse2)
 
 
 @pytest.mark.gpu

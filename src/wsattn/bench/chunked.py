@@ -134,7 +134,23 @@ def case_impls(case: ChunkedCase, impls) -> list[str]:
     contiguous case."""
     if case.page is None:
         return [i for i in impls if i.endswith("-contiguous")]
-    return [i for i in impls if i.endswith("-paged")]
+    return [i for i in impls if i.endswith("-paged") or i.startswith("triton-paged[")]
+
+
+def parse_settings(spec: str):
+    """'BLOCK_M,BLOCK_N,num_warps,num_stages[,use_tma]' -> a PagedPrefillSettings
+    (ValueError naming what is wrong)."""
+    from wsattn.kernels.prefill_paged import PagedPrefillSettings
+    parts = spec.split(",")
+    if len(parts) not in (4, 5) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--chunked-settings: each SPEC is BLOCK_M,BLOCK_N,num_warps,"
+                         f"num_stages[,use_tma] (ints; use_tma 0 or 1), got {spec!r}")
+    v = [int(p) for p in parts]
+    if any(x <= 0 for x in v[:4]) or any(x & (x - 1) for x in v[:3]) or \
+            (len(v) == 5 and v[4] not in (0, 1)):
+        raise ValueError(f"--chunked-settings {spec!r}: BLOCK_M, BLOCK_N, num_warps powers "
+                         "of two, num_stages >= 1, use_tma 0 or 1")
+    return PagedPrefillSettings(*v[:4], use_tma=len(v) == 5 and v[4] == 1)
 
 
 # --------------------------------------------------------------------------- rows
@@ -312,6 +328,15 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
                                           max_seqlen_q=case.chunk, causal=True,
                                           sm_scale=inp.scale, impl="triton")
         return call, call, None
+    if impl.startswith("triton-paged["):  # the kernel with exactly these settings
+        from wsattn.kernels.prefill_paged import prefill_paged
+        kc, vc, table = cache
+        settings = parse_settings(impl[len("triton-paged["):-1])
+
+        def call():
+            return prefill_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table, case.chunk,
+                                 True, inp.scale, settings=settings)[0]
+        return call, call, None
     if impl == "flashinfer-paged":
         return _flashinfer(case, inp, cache)
     if impl in ("triton-contiguous", "gluon-contiguous"):
@@ -483,6 +508,12 @@ def main(args) -> int:
         print(f"wsattn bench chunked: {e}", file=sys.stderr)
         return 2
     impls = list(args.chunked_impl)
+    try:  # extra columns: the paged kernel with exactly these settings
+        impls += [f"triton-paged[{spec}]" for spec in (args.chunked_settings or [])
+                  if parse_settings(spec)]
+    except ValueError as e:
+        print(f"wsattn bench chunked: {e}", file=sys.stderr)
+        return 2
     groups = group_by_shape(cases)
     print(f"wsattn bench chunked on {stamp['gpu']}, torch {stamp['torch']}, triton "
           f"{stamp['triton']}, commit {stamp['commit']}: {len(groups)} shapes x {impls}",
@@ -493,7 +524,7 @@ def main(args) -> int:
     add_ratios(rows)
     print(format_table(rows))
     write(rows, stamp, args, plot_rows)
-    return exit_status(rows, WSATTN_IMPLS.__contains__)
+    return exit_status(rows, lambda i: i in WSATTN_IMPLS or i.startswith("triton-paged["))
 
 
 def add_arguments(group) -> None:
@@ -507,6 +538,10 @@ def add_arguments(group) -> None:
                        help=f"chunked: head dims (default {' '.join(map(str, DIMS))})")
     group.add_argument("--chunked-impl", nargs="+", choices=IMPLS, default=list(IMPLS),
                        metavar="IMPL", help=f"chunked: columns (default all: {' '.join(IMPLS)})")
+    group.add_argument("--chunked-settings", nargs="+", default=None, metavar="SPEC",
+                       help="chunked: extra columns triton-paged[SPEC] on the paged rows, the "
+                            "paged kernel with SPEC = BLOCK_M,BLOCK_N,num_warps,num_stages"
+                            "[,use_tma] (wsattn.kernels.prefill_paged.PagedPrefillSettings)")
     group.add_argument("--chunked-batch", type=int, default=BATCH, metavar="B",
                        help=f"chunked: sequences, one chunk of {CHUNK} queries each (default "
                             f"{BATCH}: {BATCH * CHUNK // 1024}k chunk tokens)")

@@ -12,10 +12,13 @@ other (sequence b owns cdiv(Lq_b, BLOCK_M) of them, an empty chunk none); the la
 turns cu_seqlens_q into those tile offsets with torch ops on the device (no host read,
 so a launch can be captured in a CUDA graph) and launches an upper bound of programs;
 each program finds its sequence by counting the offsets at or below its tile, and the
-surplus programs exit at once. Pointer loads only (no TMA): each K/V tile of BLOCK_N
-keys is gathered row by row through the block table, or, when pages hold whole tiles
-(PAGE_SIZE % BLOCK_N == 0), read as one page's contiguous rows. Online softmax in fp32
-with exp2 (the scale folded into log2(e)); LSE natural log, fp32.
+surplus programs exit at once. K/V by pointer loads: each tile of BLOCK_N keys is
+gathered row by row through the block table, or, when pages hold whole tiles
+(PAGE_SIZE % BLOCK_N == 0), read as one page's contiguous rows. The ``use_tma`` switch
+(off by default, not yet measured) reads such a tile with one TMA load from a
+descriptor over the cache's rows of the KV head, at row page * PAGE_SIZE + offset, as
+FlashAttention-3 reads a paged cache on sm_90. Online softmax in fp32 with exp2 (the
+scale folded into log2(e)); LSE natural log, fp32.
 
 Reads top to bottom: jit kernels, settings, launcher, ``prefill_paged``.
 """
@@ -57,41 +60,55 @@ def _kv_rows(bt_row, start_n, offs_n, seqlen_k, stride_kp, stride_ks,
 
 
 @triton.jit
-def _paged_inner(acc, l_i, m_i, q, k_head, v_head, bt_row, lo, hi, offs_m, seqlen_k, diag,
+def _paged_inner(acc, l_i, m_i, q, k_src, v_src, bt_row, lo, hi, offs_m, seqlen_k, diag,
                  qk_scale, stride_kp, stride_ks, stride_vp, stride_vs,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 MASK: tl.constexpr, CAUSAL: tl.constexpr):
+                 MASK: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
     """Key tiles [lo, hi) into the running (acc, l_i, m_i); m_i in log2 units. MASK: apply
     the key bound (and the causal mask when CAUSAL); the caller sets it only on the last
-    / diagonal tiles, so the bulk of the loop loads and computes without masks."""
+    / diagonal tiles, so the bulk of the loop loads and computes without masks. k_src /
+    v_src: this KV head's base pointers, or (USE_TMA) TMA descriptors over the cache's
+    [num_pages * PAGE_SIZE, D] rows of this head, a tile being one page's BLOCK_N rows."""
     offs_d = tl.arange(0, D)  # [D]
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        k_rows = _kv_rows(bt_row, start_n, offs_n, seqlen_k, stride_kp, stride_ks,
-                          BLOCK_N, PAGE_SIZE)  # [BLOCK_N]
-        v_rows = _kv_rows(bt_row, start_n, offs_n, seqlen_k, stride_vp, stride_vs,
-                          BLOCK_N, PAGE_SIZE)
-        if MASK:  # past seqlen_k: other sequences' pages, or no page at all
-            k = tl.load(k_head + k_rows[:, None] + offs_d[None, :],
-                        mask=offs_n[:, None] < seqlen_k, other=0.0)  # [BLOCK_N, D]
+        if USE_TMA:
+            # start_n < seqlen_k, so the entry is the sequence's; rows past seqlen_k in
+            # the page are masked below (K by the score mask, V zeroed)
+            page = tl.load(bt_row + start_n // PAGE_SIZE)
+            row = page * PAGE_SIZE + start_n % PAGE_SIZE
+            k = k_src.load([row, 0])  # [BLOCK_N, D]
         else:
-            k = tl.load(k_head + k_rows[:, None] + offs_d[None, :])  # [BLOCK_N, D]
+            k_rows = _kv_rows(bt_row, start_n, offs_n, seqlen_k, stride_kp, stride_ks,
+                              BLOCK_N, PAGE_SIZE)  # [BLOCK_N]
+            if MASK:  # past seqlen_k: other sequences' pages, or no page at all
+                k = tl.load(k_src + k_rows[:, None] + offs_d[None, :],
+                            mask=offs_n[:, None] < seqlen_k, other=0.0)  # [BLOCK_N, D]
+            else:
+                k = tl.load(k_src + k_rows[:, None] + offs_d[None, :])  # [BLOCK_N, D]
         s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
         p, m_new, l_i, acc = _softmax_step(s, m_i, l_i, acc, offs_m, offs_n, seqlen_k, diag,
                                            qk_scale, MASK, CAUSAL)
-        if MASK:
-            v = tl.load(v_head + v_rows[:, None] + offs_d[None, :],
-                        mask=offs_n[:, None] < seqlen_k, other=0.0)  # [BLOCK_N, D]
+        if USE_TMA:
+            v = v_src.load([row, 0])  # [BLOCK_N, D]
+            if MASK:  # p is 0 there, but 0 * a NaN or inf left in the page is not
+                v = tl.where(offs_n[:, None] < seqlen_k, v, 0.0)
         else:
-            v = tl.load(v_head + v_rows[:, None] + offs_d[None, :])  # [BLOCK_N, D]
+            v_rows = _kv_rows(bt_row, start_n, offs_n, seqlen_k, stride_vp, stride_vs,
+                              BLOCK_N, PAGE_SIZE)
+            if MASK:
+                v = tl.load(v_src + v_rows[:, None] + offs_d[None, :],
+                            mask=offs_n[:, None] < seqlen_k, other=0.0)  # [BLOCK_N, D]
+            else:
+                v = tl.load(v_src + v_rows[:, None] + offs_d[None, :])  # [BLOCK_N, D]
         acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, D]
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _prefill_paged_fwd(Q, K, V, O, LSE, CU_Q, TILE_CU, SEQLENS_K, BT, B, sm_scale,
+def _prefill_paged_fwd(Q, K, V, O, LSE, CU_Q, TILE_CU, SEQLENS_K, BT, B, NUM_ROWS, sm_scale,
                        stride_qt, stride_qh,
                        stride_kp, stride_ks, stride_kh,
                        stride_vp, stride_vs, stride_vh,
@@ -99,9 +116,11 @@ def _prefill_paged_fwd(Q, K, V, O, LSE, CU_Q, TILE_CU, SEQLENS_K, BT, B, sm_scal
                        stride_lh, stride_btb,
                        GROUP: tl.constexpr, D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                       PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr):
+                       PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+                       USE_TMA: tl.constexpr):
     """Grid (query tiles, Hq). q/out [Tq, Hq, D], lse [Hq, Tq]; TILE_CU int32 [B + 1]:
-    the first query tile of each sequence (TILE_CU[B] = the number of tiles)."""
+    the first query tile of each sequence (TILE_CU[B] = the number of tiles). NUM_ROWS
+    (USE_TMA): num_pages * PAGE_SIZE, the rows of the cache the descriptors span."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     # This tile's sequence: the number of sequences whose tiles all come before it. The
@@ -125,8 +144,14 @@ def _prefill_paged_fwd(Q, K, V, O, LSE, CU_Q, TILE_CU, SEQLENS_K, BT, B, sm_scal
     q_rows = (q_start + offs_m) * stride_qt + h * stride_qh  # [BLOCK_M] int64
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None],
                 other=0.0)  # [BLOCK_M, D]
-    k_head = K + hk * stride_kh
-    v_head = V + hk * stride_vh
+    if USE_TMA:  # pages of whole tiles, rows contiguous across pages (the launcher's check)
+        k_src = tl.make_tensor_descriptor(K + hk * stride_kh, shape=[NUM_ROWS, D],
+                                          strides=[stride_ks, 1], block_shape=[BLOCK_N, D])
+        v_src = tl.make_tensor_descriptor(V + hk * stride_vh, shape=[NUM_ROWS, D],
+                                          strides=[stride_vs, 1], block_shape=[BLOCK_N, D])
+    else:
+        k_src = K + hk * stride_kh
+        v_src = V + hk * stride_vh
     bt_row = BT + b.to(tl.int64) * stride_btb
 
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp(x * scale) = exp2(x * qk_scale)
@@ -145,12 +170,13 @@ def _prefill_paged_fwd(Q, K, V, O, LSE, CU_Q, TILE_CU, SEQLENS_K, BT, B, sm_scal
         n_full = (seqlen_k // BLOCK_N) * BLOCK_N
         n_end = seqlen_k
     n_full = tl.minimum(n_full, tl.maximum(n_end, 0))
-    acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, k_head, v_head, bt_row, 0, n_full, offs_m,
+    acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, k_src, v_src, bt_row, 0, n_full, offs_m,
                                  seqlen_k, diag, qk_scale, stride_kp, stride_ks, stride_vp,
-                                 stride_vs, D, BLOCK_N, PAGE_SIZE, False, CAUSAL)
-    acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, k_head, v_head, bt_row, n_full, n_end,
+                                 stride_vs, D, BLOCK_N, PAGE_SIZE, False, CAUSAL, USE_TMA)
+    acc, l_i, m_i = _paged_inner(acc, l_i, m_i, q, k_src, v_src, bt_row, n_full, n_end,
                                  offs_m, seqlen_k, diag, qk_scale, stride_kp, stride_ks,
-                                 stride_vp, stride_vs, D, BLOCK_N, PAGE_SIZE, True, CAUSAL)
+                                 stride_vp, stride_vs, D, BLOCK_N, PAGE_SIZE, True, CAUSAL,
+                                 USE_TMA)
 
     # A row that saw no key (seqlens_k 0) gives out 0 and lse -inf, not 0/0.
     seen = l_i > 0.0
@@ -178,11 +204,14 @@ def _kernel(interpret: bool):
 
 @dataclass(frozen=True)
 class PagedPrefillSettings:
-    """Launch settings of the paged prefill kernel (see ``default_settings``)."""
+    """Launch settings of the paged prefill kernel (see ``default_settings``). use_tma:
+    K/V tiles by TMA from the page's rows (sm_90+, pages holding whole BLOCK_N tiles,
+    cache rows contiguous across pages); off by default until measured."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    use_tma: bool = False
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, 2-byte dtypes. Not yet swept on
@@ -250,15 +279,38 @@ def _launch(q, k_cache, v_cache, out, lse, cu_q, seqlens_k, block_table, max_q, 
     if grid[0] == 0:
         return
     tile_cu = _tile_offsets(cu_q, s.BLOCK_M)
+    if s.use_tma and not interpret:
+        from .prefill_triton import _ensure_allocator
+        _ensure_allocator()
+    num_rows = k_cache.shape[0] * k_cache.shape[1]
     _kernel(interpret)[grid](
-        q, k_cache, v_cache, out, lse, cu_q, tile_cu, seqlens_k, block_table, B, sm_scale,
+        q, k_cache, v_cache, out, lse, cu_q, tile_cu, seqlens_k, block_table, B, num_rows,
+        sm_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), block_table.stride(0),
         GROUP=Hq // k_cache.shape[2], D=D, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N,
-        BLOCK_B=BLOCK_B, PAGE_SIZE=k_cache.shape[1], CAUSAL=causal,
+        BLOCK_B=BLOCK_B, PAGE_SIZE=k_cache.shape[1], CAUSAL=causal, USE_TMA=s.use_tma,
         num_warps=s.num_warps, num_stages=s.num_stages)
+
+
+def tma_unsupported(target: Target, k_cache, v_cache, settings: PagedPrefillSettings):
+    """None when settings.use_tma can run on these caches, else why not."""
+    page = k_cache.shape[1]
+    if target.backend != "interpreter" and target.cc < 90:
+        return f"use_tma needs sm_90 or later (TMA), got {target.name}"
+    if page % settings.BLOCK_N:
+        return (f"use_tma needs pages of whole tiles: page_size {page} is not a multiple "
+                f"of BLOCK_N {settings.BLOCK_N}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        rows_contiguous = c.stride(0) == page * c.stride(1) and c.stride(3) == 1
+        aligned = (c.stride(1) * c.element_size()) % 16 == 0 and c.data_ptr() % 16 == 0 \
+            and (c.stride(2) * c.element_size()) % 16 == 0
+        if not (rows_contiguous and aligned):
+            return (f"use_tma needs {name}'s rows contiguous across pages (stride(0) == "
+                    f"page_size * stride(1)) and 16-byte aligned rows and heads")
+    return None
 
 
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", causal: bool = True,
@@ -275,11 +327,12 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", causal: bool
     ptr = "*" + ty
     signature = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr, "LSE": "*fp32", "CU_Q": "*i32",
                  "TILE_CU": "*i32", "SEQLENS_K": "*i32", "BT": "*i32", "B": "i32",
-                 "sm_scale": "fp32"}
+                 "NUM_ROWS": "i32", "sm_scale": "fp32"}
     strides = [n for n in fn.arg_names if n.startswith("stride_")]
     signature.update({n: "i32" for n in strides})
     constexprs = {"GROUP": group, "D": head_dim, "BLOCK_M": s.BLOCK_M, "BLOCK_N": s.BLOCK_N,
-                  "BLOCK_B": BLOCK_B, "PAGE_SIZE": page_size, "CAUSAL": causal}
+                  "BLOCK_B": BLOCK_B, "PAGE_SIZE": page_size, "CAUSAL": causal,
+                  "USE_TMA": s.use_tma}
     signature.update({n: "constexpr" for n in constexprs})
     # A launch specializes 16-byte aligned pointers and ints divisible by 16: every tensor
     # pointer and the strides of the [.., D] tensors; stride_lh (Tq) and stride_btb
@@ -328,6 +381,10 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max
     """
     target = target_of(q.device)
     s = settings or default_settings(target, q.shape[-1], q.dtype)
+    if s.use_tma:
+        why = tma_unsupported(target, k_cache, v_cache, s)
+        if why is not None:
+            raise ValueError(f"settings: {why}")
     Tq, Hq = q.shape[0], q.shape[1]
     out = empty(q.shape, q.dtype, q.device)
     lse = empty((Hq, Tq), torch.float32, q.device)

@@ -256,8 +256,10 @@ def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
     (grid, args, kw), = rec.launches
     bound = 322 if max_q is None else min(max_q, 322)
     assert grid == (-(-bound // s.BLOCK_M) * 4 * 14, )
-    q_desc, k_desc, v_desc, o_desc, lse_arg, Sq, Sk, Hq, _, o_ptr, cu_q_arg, cu_k_arg, Tq, mq = args
+    (q_desc, k_desc, v_desc, o_desc, lse_arg, Sq, Sk, Hq, _, o_ptr, cu_q_arg, cu_k_arg, Tq, mq,
+     n_bh, section) = args
     assert (Sq, Sk, Hq, Tq, mq) == (0, 0, 14, 322, bound)  # Sq, Sk: fixed length only
+    assert n_bh is None and section is None  # no persistent schedule for varlen
     assert list(q_desc.shape) == list(o_desc.shape) == [1, 322, 14 * head_dim]
     assert list(k_desc.shape) == list(v_desc.shape) == [1, 340, 2 * head_dim]
     assert list(q_desc.block_shape) == [1, 64, head_dim]
@@ -419,6 +421,218 @@ def test_api_refuses_gluon_off_sm90(monkeypatch):
     q, k, v = _qkv(1, 4, 4, 2, 1, 64, torch.float16)
     with pytest.raises(ValueError, match=r"sm_90 \(Hopper\) only, not on CPU tensors"):
         wsattn.attention(q, k, v, impl="gluon")
+
+
+# --------------------------------------------------------------------------- persistent
+
+def _ptx_opcode_counts(ptx: str) -> dict[str, int]:
+    """Instruction counts of a PTX listing by opcode (with its type suffixes; a predicate
+    guard is not part of it), directives, labels and braces left out."""
+    counts: dict[str, int] = {}
+    for line in ptx.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("//", ".", "{", "}", "$")):
+            continue
+        m = re.match(r"(?:@!?%p\d+\s+)?([a-z][\w.]*)", line)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+# The default builds' PTX before the persistent schedule existed: (instructions, sha256 of
+# the sorted opcode counts), Triton 3.6. persistent=False must compile its code away.
+DEFAULT_PTX = {(64, False, False): (6476, "0c78d40abfe28449"),
+               (64, True, False): (6956, "d18ef8a6c3272196"),
+               (128, False, False): (7050, "b582fe94e7f3fd15"),
+               (128, True, False): (7418, "3db966a9e7e5a2b8"),
+               (64, False, True): (7311, "17c12737cc523f00"),
+               (64, True, True): (7717, "b39f6b3aae3d98fd"),
+               (128, False, True): (7999, "7e0cabc73d26f506"),
+               (128, True, True): (8257, "1197defe75cdd953")}
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_default_builds_unchanged_by_persistent(head_dim, causal, varlen):
+    """The default (persistent=False) builds' PTX has the same instruction counts, opcode by
+    opcode, as before the persistent schedule was added."""
+    import hashlib
+    import json
+    counts = _ptx_opcode_counts(_compile(head_dim, causal, varlen).asm["ptx"])
+    digest = hashlib.sha256(json.dumps(sorted(counts.items())).encode()).hexdigest()[:16]
+    assert (sum(counts.values()), digest) == DEFAULT_PTX[head_dim, causal, varlen], counts
+
+
+# ptxas -v spill bytes (stores, loads) of the persistent builds. D64 causal: two registers
+# of each consumer are stored and reloaded around each tile's masked first tile (SASS: two
+# STL before its QK^T, two LDL.LU in its mask), once per query tile, none in the key loop.
+PERSISTENT_SPILL_BYTES = {(64, True): 24}
+
+
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_persistent_structure(head_dim, causal):
+    """persistent=True (D64 three consumers, D128 two; causal and not): the same partitions,
+    warps and registers as the default build, a tile loop bounded by the grid size
+    (%nctaid), the schedule's arguments, and no spills but the per-tile ones recorded."""
+    s = pg.settings_for(head_dim, causal, persistent=True)
+    assert s.persistent and not s.UNROLL  # PER_PERSISTENT: UNROLL spills with the tile loop
+    k = _compile(head_dim, causal, persistent=True)
+    _assert_ws_structure(k, s, head_dim)
+    ptx = k.asm["ptx"]
+    assert "%nctaid.x" in ptx, "the CTAs stride over the tiles by the grid size"
+    assert "%nctaid.x" not in _compile(head_dim, causal).asm["ptx"]
+    spill = PERSISTENT_SPILL_BYTES.get((head_dim, causal), 0)
+    assert _ptxas_spill_bytes(ptx) == [spill, spill]
+    assert k.metadata.shared <= pg.SMEM_LIMIT
+    spec = pg.compile_spec(head_dim=head_dim, causal=causal, settings=s)
+    assert spec["signature"]["n_bh"] == spec["signature"]["section"] == "i32"
+    assert spec["constexprs"]["PERSISTENT"] is True
+
+
+def _py_twin(fn, pid=0, grid=1):
+    """The Python function under a @gluon.jit helper, run with plain integers: `gl` is
+    replaced by the few integer operations the schedule uses, the jit helpers it calls by
+    their own twins. The kernel's own index arithmetic, not a copy of it."""
+    import types
+    shim = types.SimpleNamespace(minimum=min, maximum=max, cdiv=lambda a, b: -(-a // b),
+                                 program_id=lambda axis: pid, num_programs=lambda axis: grid,
+                                 constexpr=object)
+    glb = dict(fn.fn.__globals__, gl=shim)
+    for name in fn.fn.__code__.co_names:
+        if hasattr(glb.get(name), "fn"):  # a jit function it calls
+            glb[name] = _py_twin(glb[name], pid, grid)
+    return types.FunctionType(fn.fn.__code__, glb, fn.fn.__name__)
+
+
+def _walk(B, Sq, Sk, Hq, group, grid, section, block_m, block_n, causal):
+    """Each CTA's tiles [(t, start_m, b, h, n_total)], from the twins of the kernel's
+    _persistent_walk and _persistent_tile (the helpers the producer and the consumers call)."""
+    from wsattn.kernels import prefill_gluon_parts as parts
+    n_m = -(-Sq // block_m)
+    walks = []
+    for pid in range(grid):
+        first, stride, count = _py_twin(parts._persistent_walk, pid, grid)(n_m * B * Hq)
+        tile = _py_twin(parts._persistent_tile, pid, grid)
+        walk = []
+        for t in (first + i * stride for i in range(count)):
+            m, b, h, _, n_total = tile(t, n_m, B * Hq, section, Sq, Sk, Hq, block_m, block_n,
+                                       causal)
+            walk.append((t, m, b, h, n_total))
+        walks.append(walk)
+    return walks
+
+
+WALK_CASES = [  # B, Sq, Sk, Hq, GROUP, grid, section, BLOCK_M: tails of every kind
+    (1, 1, 1, 1, 1, 132, 1, 128),
+    (2, 1000, 1000, 8, 4, 132, 16, 128),
+    (3, 777, 777, 32, 4, 132, 20, 192),     # 96 pairs: 4 sections of 20 and one of 16
+    (2, 65, 300, 6, 3, 7, 9, 128),          # q_len < kv_len; 12 pairs: sections of 9 and 3
+    (4, 8191, 8191, 4, 1, 132, 3, 192),     # 16 pairs: 5 sections of 3 and one of 1
+    (1, 193, 193, 14, 7, 5, 14, 192),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", WALK_CASES, ids=["-".join(map(str, c)) for c in WALK_CASES])
+def test_persistent_schedule_visits_every_tile_once(case, causal):
+    """Across all CTAs every (row block, batch, head) tile is taken exactly once; each
+    tile's key-tile count is the number of key tiles its rows see (counted from the mask);
+    causal tiles come longest first within a section, per CTA as well; consecutive tiles
+    share a KV head (GQA group) within a row block of a section."""
+    B, Sq, Sk, Hq, group, grid, section, block_m = case
+    block_n = 128
+    assert Hq % group == 0 and section % group == 0  # as l2_section makes them
+    walks = _walk(B, Sq, Sk, Hq, group, grid, section, block_m, block_n, causal)
+    n_m = -(-Sq // block_m)
+    taken = [(m, b, h) for walk in walks for _, m, b, h, _ in walk]
+    assert sorted(taken) == [(m, b, h) for m in range(n_m) for b in range(B) for h in range(Hq)]
+    for walk in walks:
+        for t, m, b, h, n_total in walk:
+            last_row = min(Sq, (m + 1) * block_m) - 1
+            seen = Sk if not causal else min(Sk, last_row + Sk - Sq + 1)  # keys of the last row
+            assert n_total == -(-seen // block_n), (t, m, b, h)
+    order = sorted(tile for walk in walks for tile in walk)  # by t
+    assert [t for t, *_ in order] == list(range(n_m * B * Hq))
+    for (t0, m0, b0, h0, n0), (t1, m1, b1, h1, n1) in zip(order, order[1:]):
+        if t0 // (section * n_m) != t1 // (section * n_m):
+            continue  # the next section starts
+        if causal:
+            assert n1 <= n0 and m1 <= m0, "longest first within a section"
+        else:
+            assert m1 >= m0
+        if m1 == m0:  # same row block: (batch, head) pairs in order, so a GQA group's
+            # heads (GROUP consecutive h, never split by a section) are consecutive tiles
+            assert (b1 * Hq + h1) == (b0 * Hq + h0) + 1
+    if causal:
+        for walk in walks:
+            per_sec = {}
+            for t, m, b, h, n in walk:
+                per_sec.setdefault(t // (section * n_m), []).append(n)
+            assert all(ns == sorted(ns, reverse=True) for ns in per_sec.values())
+
+
+def test_persistent_partitions_share_one_schedule():
+    """The producer and the consumers read their persistent tiles from the same two
+    helpers, and nothing else maps a tile index in that branch, so their orders are the
+    same by construction (each call site's source, parsed)."""
+    import ast
+    import inspect
+    from wsattn.kernels import prefill_gluon_parts as parts
+
+    def persistent_calls(fn):
+        tree = ast.parse(inspect.getsource(fn.fn))
+        branch = next(n for n in ast.walk(tree)
+                      if isinstance(n, ast.If) and getattr(n.test, "id", None) == "PERSISTENT")
+        return sorted(c.func.id for stmt in branch.body for c in ast.walk(stmt)
+                      if isinstance(c, ast.Call) and isinstance(c.func, ast.Name))
+
+    consumer, producer = persistent_calls(parts._consumer), persistent_calls(parts._producer)
+    for calls in (consumer, producer):
+        assert calls.count("_persistent_walk") == 1 and calls.count("_persistent_tile") == 1
+        assert "_tile" not in calls and "_tile_coords" not in calls and "range" in calls
+
+
+def test_l2_section_sizes():
+    """Sections hold whole GQA groups whose K/V fit L2_SECTION_BYTES, at least one group."""
+    budget = pg.L2_SECTION_BYTES
+    # 4k keys, D128, bf16: 2 MiB of K/V a KV head -> 25 KV heads -> 25 groups of 4
+    assert pg.l2_section(10 ** 4, 4, 4096, 128, 2) == (budget // (2 * 4096 * 128 * 2)) * 4 == 100
+    assert pg.l2_section(32, 4, 4096, 128, 2) == 32  # all pairs fit
+    assert pg.l2_section(64, 8, 10 ** 7, 128, 2) == 8  # one group even past L2
+
+
+def test_persistent_launcher_grid_and_arguments(monkeypatch):
+    """persistent=True launches min(tiles, SMs) CTAs (the interpreter target has 4) with
+    n_bh = B * Hq and l2_section's section; the default launch passes None for both
+    (recorded on CPU tensors with the kernel replaced; nothing runs)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    q, k, v = _qkv(2, 300, 300, 8, 2, 128, torch.bfloat16)
+    s = pg.settings_for(128, True, persistent=True)
+    pg.prefill(q, k, v, True, 0.125, settings=s)
+    pg.prefill(q, k, v, True, 0.125)
+    (grid, args, kw), (grid0, args0, kw0) = rec.launches
+    assert grid == (4, ) and grid0 == (3 * 2 * 8, )
+    assert args[-2:] == (16, pg.l2_section(16, 4, 300, 128, 2)) == (16, 16)
+    assert args0[-2:] == (None, None)
+    assert kw["PERSISTENT"] is True and kw0["PERSISTENT"] is False and kw["UNROLL"] is False
+    one = _qkv(1, 5, 5, 2, 1, 64, torch.bfloat16)  # fewer tiles than SMs: one CTA a tile
+    pg.prefill(*one, False, 0.125, settings=pg.settings_for(64, False, persistent=True))
+    assert rec.launches[-1][0] == (2, )
+
+
+def test_persistent_varlen_is_refused_by_name(monkeypatch):
+    """Varlen has no persistent schedule yet: the launcher and compile_spec say so."""
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
+    s = pg.settings_for(64, False, persistent=True)
+    with pytest.raises(ValueError, match=r"persistent=True.*varlen is not supported yet"):
+        pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, False, 0.125, settings=s)
+    with pytest.raises(ValueError, match=r"persistent=True.*varlen is not supported yet"):
+        pg.compile_spec(head_dim=64, settings=s, varlen=True)
+    assert rec.launches == []
 
 
 # --------------------------------------------------------------------------- sm_90 GPU
@@ -667,3 +881,70 @@ def test_sm90_varlen_schedule_variants(variant, head_dim, causal):
                                  settings=s)
     ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal)
     _assert_varlen_close(out, lse, ref, ref_lse, cu_q, torch.float16)
+
+
+# --------------------------------------------------------------------------- persistent, sm_90 GPU
+
+PERSISTENT_GPU_CASES = [  # B, S (= Sq = Sk unless a pair), Hq, Hkv, D, causal
+    (1, 1, 2, 1, 64, False),
+    (2, 63, 4, 2, 128, True),
+    (3, 64, 8, 2, 64, True),
+    (2, 65, 4, 4, 128, False),
+    (2, (17, 300), 4, 4, 128, True),  # q_len < kv_len, bottom-right causal
+    (2, 1000, 8, 1, 64, True),        # GQA 8:1
+    (4, 1000, 32, 8, 128, True),      # 1024 tiles: ~8 a CTA, every phase carried across
+    (1, 8191, 4, 1, 128, True),
+    (1, 8191, 4, 2, 64, False),
+]
+
+
+def _persistent_id(c):
+    B, S, Hq, Hkv, D, causal = c
+    Sq, Sk = S if isinstance(S, tuple) else (S, S)
+    return _gpu_id((B, Sq, Sk, Hq, Hkv, D, causal))
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("case", PERSISTENT_GPU_CASES,
+                         ids=[_persistent_id(c) for c in PERSISTENT_GPU_CASES])
+def test_sm90_persistent_numerics(case):
+    """persistent=True against the float64 reference (out and LSE), bit-identical to itself
+    over reruns, and equal to the one-tile-per-CTA kernel within tolerance."""
+    from wsattn import reference
+    B, S, Hq, Hkv, D, causal = case
+    Sq, Sk = S if isinstance(S, tuple) else (S, S)
+    q, k, v = _qkv(B, Sq, Sk, Hq, Hkv, D, torch.bfloat16, "cuda")
+    s = pg.settings_for(D, causal, persistent=True)
+    out, lse = pg.prefill(q, k, v, causal, D ** -0.5, settings=s)
+    ref, ref_lse = reference.attention(q, k, v, causal)
+    assert_close(out, ref, torch.bfloat16)
+    assert_lse_close(lse, ref_lse, torch.bfloat16)
+    for _ in range(5):
+        again, again_lse = pg.prefill(q, k, v, causal, D ** -0.5, settings=s)
+        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    one, one_lse = pg.prefill(q, k, v, causal, D ** -0.5)
+    assert_close(out.double(), one.double(), torch.bfloat16, "persistent vs one tile a CTA")
+    assert_close(lse.double(), one_lse.double(), torch.bfloat16, "lse, persistent vs one tile")
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("variant", [{}, {"PINGPONG": True}, {"WG_TILES": False},
+                                     {"CONSUMERS": 2}], ids=["default", "pingpong",
+                                                             "all-tiles", "two-consumers"])
+@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False)], ids=["D64-causal",
+                                                                               "D128-full"])
+def test_sm90_persistent_small_sections(monkeypatch, head_dim, causal, variant):
+    """Sections of one GQA group (L2_SECTION_BYTES tiny) and the tile and turn switches:
+    every tile still computed once (reference), reruns bit-identical."""
+    from wsattn import reference
+    if head_dim == 128 and variant.get("CONSUMERS") == 2:
+        variant = {"PINGPONG": True, "WG_TILES": False}
+    monkeypatch.setattr(pg, "L2_SECTION_BYTES", 1)
+    q, k, v = _qkv(3, 777, 777, 12, 4, head_dim, torch.float16, "cuda")
+    s = pg.settings_for(head_dim, causal, persistent=True, **variant)
+    out, lse = pg.prefill(q, k, v, causal, head_dim ** -0.5, settings=s)
+    ref, ref_lse = reference.attention(q, k, v, causal)
+    assert_close(out, ref, torch.float16)
+    assert_lse_close(lse, ref_lse, torch.float16)
+    again, again_lse = pg.prefill(q, k, v, causal, head_dim ** -0.5, settings=s)
+    assert torch.equal(again, out) and torch.equal(again_lse, lse)

@@ -45,6 +45,12 @@ SMEM_LIMIT = 232448  # 227 KB of shared memory per block on sm_90
 # stores at D=64), the plain loop does not: 3 consumers run without UNROLL.
 PER_CONSUMERS = {2: {"BLOCK_M": 128, "CONSUMER_REGS": 240},
                  3: {"BLOCK_M": 192, "CONSUMER_REGS": 160, "UNROLL": False}}
+# What persistent=True changes in the defaults (settings_for applies it unless overridden):
+# the tile loop keeps a few more values live across each tile, and with UNROLL's two P
+# register sets the two-consumer consumers then spill (ptxas -v: 28-32 B of spill stores
+# at head dim 128, at the start and end of each tile); without UNROLL nothing spills, and
+# UNROLL measured equal within noise at head dim 128 (notes/prefill_gluon.md).
+PER_PERSISTENT = {"UNROLL": False}
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,9 @@ class GluonSettings:
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24
     CONSUMERS: int = 2  # consumer warpgroups of 64 rows; 3 (BLOCK_M = 192) at head dim 64 only
+    # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
+    # prefill_gluon_parts); fixed length only, off until measured (notes/prefill_gluon.md).
+    persistent: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
         return 2 * head_dim * (self.BLOCK_M + 2 * self.STAGES * self.BLOCK_N)
@@ -102,8 +111,8 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
     """Default settings per head dim (H200 measurements in notes/prefill_gluon.md).
 
     Overriding CONSUMERS also applies PER_CONSUMERS (BLOCK_M = 64 * CONSUMERS, registers,
-    UNROLL) except where those are overridden too. Raises ValueError for settings that
-    check() refuses."""
+    UNROLL) and persistent=True PER_PERSISTENT, except where those are overridden too.
+    Raises ValueError for settings that check() refuses."""
     if head_dim == 64:
         # Three consumer warpgroups (192 query rows, 24 + 4 * 32 KB of shared memory), as
         # FlashAttention-3 does at this head dim; ping-pong between them when not causal.
@@ -118,6 +127,8 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
         n = overrides.get("CONSUMERS", base.CONSUMERS)
         if n != base.CONSUMERS and n in PER_CONSUMERS:
             overrides = {**PER_CONSUMERS[n], **overrides}
+    if overrides.get("persistent"):
+        overrides = {**PER_PERSISTENT, **overrides}
     s = replace(base, **overrides) if overrides else base
     s.check(head_dim)
     return s
@@ -168,7 +179,27 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
     return dict(GROUP=group, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N, D=head_dim, STAGES=s.STAGES,
                 CAUSAL=bool(causal), PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
-                CONSUMERS=s.CONSUMERS, WG_TILES=s.WG_TILES)
+                CONSUMERS=s.CONSUMERS, WG_TILES=s.WG_TILES, PERSISTENT=s.persistent)
+
+
+# K/V bytes one section of the persistent schedule may keep in L2: the L2 of an H100 or
+# H200 (50 MB), FlashAttention-4's figure for its causal head sections.
+L2_SECTION_BYTES = 50 * 2 ** 20
+
+
+def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: int) -> int:
+    """(batch, head) pairs per section of the persistent schedule: as many whole GQA groups
+    as have their K and V (2 * kv_len * head_dim elements a KV head) fit L2_SECTION_BYTES,
+    at least one group, at most all n_bh pairs."""
+    kv_heads = max(1, L2_SECTION_BYTES // (2 * kv_len * head_dim * elem_bytes))
+    return min(n_bh, kv_heads * group)
+
+
+def _refuse_persistent_varlen(s: GluonSettings) -> None:
+    if s.persistent:
+        raise ValueError("settings.persistent=True: the persistent schedule covers "
+                         "fixed-length prefill only, varlen is not supported yet; use "
+                         "persistent=False for prefill_varlen")
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):
@@ -195,10 +226,15 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     o_desc = _descriptor(out.view(B, Sq, Hq * D), [1, WG_M, D], name)
     k_desc = _descriptor(k.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
     v_desc = _descriptor(v.view(B, Sk, Hkv * D), [1, s.BLOCK_N, D], name)
-    num_tiles = cdiv(Sq, s.BLOCK_M) * B * Hq  # one CTA per tile
-    attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
-                                   sm_scale * math.log2(math.e), None, None, None, None, None,
-                                   num_warps=4, **_constexprs(D, Hq // Hkv, causal, s))
+    num_tiles = cdiv(Sq, s.BLOCK_M) * B * Hq
+    if s.persistent:  # one CTA per SM at most, walking the tiles (see attn_fwd_kernel)
+        grid = min(num_tiles, target_of(q.device).num_sms)
+        n_bh, section = B * Hq, l2_section(B * Hq, Hq // Hkv, Sk, D, q.element_size())
+    else:  # one CTA per tile
+        grid, n_bh, section = num_tiles, None, None
+    attn_fwd_kernel[(grid, )](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
+                              sm_scale * math.log2(math.e), None, None, None, None, None, n_bh,
+                              section, num_warps=4, **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
 
@@ -236,6 +272,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[0], k.shape[1]
     s = _resolve(settings, D, causal)
+    _refuse_persistent_varlen(s)
     out = _alloc.empty((Tq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((Hq, Tq), torch.float32, q.device)
     n_seq = cu_seqlens_q.numel() - 1
@@ -253,7 +290,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq  # one CTA per tile; surplus ones exit
     attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
                                    sm_scale * math.log2(math.e), out, cu_seqlens_q,
-                                   cu_seqlens_k, Tq, max_q, num_warps=4, VARLEN=True,
+                                   cu_seqlens_k, Tq, max_q, None, None, num_warps=4, VARLEN=True,
                                    **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
@@ -271,18 +308,25 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
-    arguments), else the fixed-length one (they are None constexprs)."""
+    arguments), else the fixed-length one (they are None constexprs). settings.persistent:
+    n_bh and section are arguments (fixed length only), else None constexprs."""
     s = _resolve(settings, head_dim, causal)
+    if varlen:
+        _refuse_persistent_varlen(s)
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
     kv_block = [1, s.BLOCK_N, head_dim]
     kv = f"tensordesc<{dtype}[1,{s.BLOCK_N},{head_dim}],{_layout(kv_block, dtype)!r}>"
     packed = {"o_ptr": f"*{dtype}", "cu_q": "*i32", "cu_k": "*i32", "Tq": "i32", "max_q": "i32"}
+    walk = {"n_bh": "i32", "section": "i32"}
     signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",
                  "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32",
-                 **(packed if varlen else dict.fromkeys(packed, "constexpr"))}
+                 **(packed if varlen else dict.fromkeys(packed, "constexpr")),
+                 **(walk if s.persistent else dict.fromkeys(walk, "constexpr"))}
     constexprs = {**_constexprs(head_dim, 1, causal, s), "VARLEN": bool(varlen)}
     if not varlen:
         constexprs.update(dict.fromkeys(packed))
+    if not s.persistent:
+        constexprs.update(dict.fromkeys(walk))
     return {"fn": attn_fwd_kernel, "signature": signature, "constexprs": constexprs,
             "options": {"num_warps": 4}}
 

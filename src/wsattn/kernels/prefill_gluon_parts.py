@@ -113,6 +113,45 @@ def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, CAUSAL: gl.constexpr, VARLEN: gl.con
 
 
 @gluon.jit
+def _persistent_walk(num_tiles):
+    """(first, stride, count): a persistent CTA takes the count tiles first, first + stride,
+    ... below num_tiles of _persistent_tile's order. The producer and every consumer walk
+    this one sequence, so they agree on each tile and its K/V count, and on every barrier
+    phase they count."""
+    first = gl.program_id(0)
+    stride = gl.num_programs(0)
+    return first, stride, (num_tiles - first + stride - 1) // stride
+
+
+@gluon.jit
+def _persistent_tile(t, n_m, n_bh, section, Sq, Sk, Hq, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The persistent schedule: tile t -> (start_m, b, h, n_full, n_total), the key-tile
+    counts as _tile_counts gives them.
+
+    The n_bh = B * Hq (batch, head) pairs, bh = b * Hq + h, are cut into sections of
+    `section` pairs (the launcher sizes one section's K/V to stay in L2, a multiple of
+    GROUP so that a GQA group never straddles two; the last section may be shorter).
+    Within a section the row block varies slowest, causal from the last row block (the
+    most key tiles) down, so the longest tiles start first, and the head fastest, so
+    consecutive tiles, which run at the same time on neighbouring CTAs, share a KV head.
+    Plain integer arithmetic (tests/test_prefill_gluon.py runs this body in Python)."""
+    per_section = section * n_m
+    sec = t // per_section
+    first_bh = sec * section
+    size = gl.minimum(section, n_bh - first_bh)  # (batch, head) pairs in this section
+    i = t - sec * per_section
+    m_rank = i // size
+    bh = first_bh + i - m_rank * size
+    if CAUSAL:
+        start_m = n_m - 1 - m_rank
+    else:
+        start_m = m_rank
+    n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
+    return start_m, bh // Hq, bh % Hq, n_full, n_total
+
+
+@gluon.jit
 def _store_rows(o_ptr, out, row0, n_rows, row_stride, col0, layout: gl.constexpr,
                 D: gl.constexpr):
     """out [WG_M, D] (registers, layout) to rows [row0, row0 + n_rows) of o, columns
@@ -127,22 +166,25 @@ def _store_rows(o_ptr, out, row0, n_rows, row_stride, col0, layout: gl.constexpr
 
 
 @gluon.jit
-def _release_tiles(j_lo, j_hi, v_ready, kv_empty, turn_mine, turn_other,
+def _release_tiles(j_lo, j_hi, r0, pp0, v_ready, kv_empty, turn_mine, turn_other,
                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """The barrier duties of a warpgroup for tiles [j_lo, j_hi) it does not compute (see
     _wg_tile_counts): release each ring slot once its data has landed (so an arrival is
     never counted towards an earlier round of the slot), and with PINGPONG pass on the
     turns its steps would have taken (step j's turn before tile j + 1, as in _step), so
-    the other warpgroups' round-robin and the producer go on as if it had computed them."""
+    the other warpgroups' round-robin and the producer go on as if it had computed them.
+    r0 is key tile 0's index in the ring and pp0 the turns taken before this query tile,
+    both counted over every query tile this CTA has taken (0 for the first)."""
     if j_lo == 0 and j_hi > 0:  # tile 0 belongs to the prologue, which takes no turn
-        mbarrier.wait(v_ready.index(0), 0)
-        mbarrier.arrive(kv_empty.index(0))
+        mbarrier.wait(v_ready.index(r0 % STAGES), (r0 // STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(r0 % STAGES))
     for j in range(gl.maximum(j_lo, 1), j_hi):
         if PINGPONG:  # the turn of step j - 1
-            mbarrier.wait(turn_mine, (j - 1) & 1)
+            mbarrier.wait(turn_mine, (pp0 + j - 1) & 1)
             mbarrier.arrive(turn_other)
-        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-        mbarrier.arrive(kv_empty.index(j % STAGES))
+        r = r0 + j
+        mbarrier.wait(v_ready.index(r % STAGES), (r // STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(r % STAGES))
 
 
 @gluon.jit
@@ -170,27 +212,30 @@ def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr
 
 
 @gluon.jit
-def _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
+def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
           l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
           CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
     issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
     tensor cores. With PINGPONG the consumer warpgroups take turns (round-robin, turn j
-    in step j) issuing their GEMMs, so one's softmax runs under the others' GEMMs.
+    in step j) issuing their GEMMs, so one's softmax runs under the others' GEMMs. r is key
+    tile j's index in the ring and pp the turn of this step, both counted over every query
+    tile the CTA has taken (j itself for its first).
 
     ptxas still places the wait for PV(j) ahead of the exponentials (it has no operand that
     ties it to them); moving it after them measured slower (notes/prefill_gluon.md)."""
-    s_cur = j % STAGES
+    s_cur = r % STAGES
     nxt = j + 1
-    s_nxt = nxt % STAGES
+    r_nxt = r + 1
+    s_nxt = r_nxt % STAGES
     if PINGPONG:
-        mbarrier.wait(turn_mine, j & 1)
-    mbarrier.wait(k_ready.index(s_nxt), (nxt // STAGES) & 1)
+        mbarrier.wait(turn_mine, pp & 1)
+    mbarrier.wait(k_ready.index(s_nxt), (r_nxt // STAGES) & 1)
     zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q, k_smem.index(s_nxt).permute((1, 0)), zero, use_acc=False,
                           is_async=True)
-    mbarrier.wait(v_ready.index(s_cur), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(s_cur), (r // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(s_cur), acc, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn_other)
@@ -206,7 +251,7 @@ def _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_othe
 
 
 @gluon.jit
-def _consume_tiles(j_lo, j_hi, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine,
+def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine,
                    turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
                    s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
@@ -215,27 +260,28 @@ def _consume_tiles(j_lo, j_hi, q, k_smem, v_smem, k_ready, v_ready, kv_empty, tu
     live in two register sets: with one loop-carried set, ptxas packs P(j + 1) into the
     registers the in-flight PV(j) still reads and so waits for PV(j) before the softmax.
     ptxas may still merge the two sets (it does in the 3-stage D=128 build); what UNROLL
-    gives is measured in notes/prefill_gluon.md."""
+    gives is measured in notes/prefill_gluon.md. r0, pp0: as in _release_tiles."""
     n_pairs = (j_hi - j_lo) // 2 if UNROLL else 0
     for i in range(n_pairs):
         j = j_lo + 2 * i
-        p_b, m_i, l_i, acc = _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine,
-                                   turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
-                                   s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL, PINGPONG)
-        p_op, m_i, l_i, acc = _step(j + 1, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                    turn_mine, turn_other, p_b, m_i, l_i, acc, rows, Sq, Sk,
-                                    qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL,
-                                    PINGPONG)
+        p_b, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
+                                   kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq,
+                                   Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
+                                   CAUSAL, PINGPONG)
+        p_op, m_i, l_i, acc = _step(j + 1, r0 + j + 1, pp0 + j + 1, q, k_smem, v_smem, k_ready,
+                                    v_ready, kv_empty, turn_mine, turn_other, p_b, m_i, l_i, acc,
+                                    rows, Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES,
+                                    MASK, CAUSAL, PINGPONG)
     for j in range(j_lo + 2 * n_pairs, j_hi):  # the odd one out, or all without UNROLL
-        p_op, m_i, l_i, acc = _step(j, q, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                                    turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk,
-                                    qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK, CAUSAL,
-                                    PINGPONG)
+        p_op, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
+                                    kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
+                                    Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
+                                    CAUSAL, PINGPONG)
     return p_op, m_i, l_i, acc
 
 
 @gluon.jit
-def _compute_q_tile(n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows, q, q_smem, k2, v2,
+def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows, q, q_smem, k2, v2,
                     q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc, o_ptr,
                     lse_ptr, lse_stride, Sq, Sk, Hq, qk_scale, s_layout: gl.constexpr,
                     o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -244,13 +290,14 @@ def _compute_q_tile(n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows, q, q_sm
     """This warpgroup's tiles [0, n_mine) (n_mine >= 1; tiles [0, n_mine_full) unmasked),
     O and LSE stored, Q released. Sq, Sk are this sequence's lengths; rows count from its
     first query (row q0 of the descriptors); lse_stride is the LSE's row length (the
-    kernel's Sq)."""
+    kernel's Sq). r0, pp0: as in _release_tiles."""
     dtype: gl.constexpr = q_smem.dtype
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # Prologue: S(0) and its softmax (always masked: one tile, maybe the diagonal).
-    mbarrier.wait(k_ready.index(0), 0)
+    mbarrier.wait(k_ready.index(r0 % STAGES), (r0 // STAGES) & 1)
     zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q, k2.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(q, k2.index(r0 % STAGES).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     m_i = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
     l_i = gl.zeros([WG_M], gl.float32, row_layout)
@@ -261,19 +308,19 @@ def _compute_q_tile(n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows, q, q_sm
 
     # Steady state: softmax of tile j + 1 unmasked while j + 1 < n_mine_full, masked after.
     split = gl.maximum(n_mine_full - 1, 0)
-    p_op, m_i, l_i, acc = _consume_tiles(0, split, q, k2, v2, k_ready, v_ready, kv_empty,
-                                         turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq,
-                                         Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES,
-                                         False, CAUSAL, PINGPONG, UNROLL)
-    p_op, m_i, l_i, acc = _consume_tiles(split, n_mine - 1, q, k2, v2, k_ready, v_ready,
+    p_op, m_i, l_i, acc = _consume_tiles(0, split, r0, pp0, q, k2, v2, k_ready, v_ready,
                                          kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc,
                                          rows, Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N,
-                                         STAGES, True, CAUSAL, PINGPONG, False)
+                                         STAGES, False, CAUSAL, PINGPONG, UNROLL)
+    p_op, m_i, l_i, acc = _consume_tiles(split, n_mine - 1, r0, pp0, q, k2, v2, k_ready,
+                                         v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
+                                         l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
+                                         BLOCK_N, STAGES, True, CAUSAL, PINGPONG, False)
 
     # Epilogue: PV of the last tile.
-    j_last = n_mine - 1
-    s_last = j_last % STAGES
-    mbarrier.wait(v_ready.index(s_last), (j_last // STAGES) & 1)
+    r_last = r0 + n_mine - 1
+    s_last = r_last % STAGES
+    mbarrier.wait(v_ready.index(s_last), (r_last // STAGES) & 1)
     acc = warpgroup_mma(p_op, v2.index(s_last), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(s_last))
@@ -330,11 +377,12 @@ def _lse_offsets(off_b, off_h, q0, rows, Hq, lse_stride):
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
               kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk, Tq, Hq,
-              qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-              UNROLL: gl.constexpr, CONSUMERS: gl.constexpr, WG_TILES: gl.constexpr,
-              VARLEN: gl.constexpr):
-    """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of the CTA's tile.
+              n_bh, section, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              PINGPONG: gl.constexpr, UNROLL: gl.constexpr, CONSUMERS: gl.constexpr,
+              WG_TILES: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of the CTA's tile,
+    or (PERSISTENT) of each tile the schedule gives the CTA (_persistent_tile).
 
     WG_TILES: each warpgroup computes only the K/V tiles its own rows need
     (_wg_tile_counts) and just releases the rest; otherwise all walk the CTA's tiles.
@@ -347,7 +395,6 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     flat_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_M, D], dtype)
     flat_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     # The TMA boxes are [1, rows, D]; the leading 1 changes no byte, so view them as 2-D.
     q = q_smem._reinterpret(dtype, [WG_M, D], flat_q)  # [WG_M, D]
@@ -356,67 +403,154 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
     turn_mine = turn_bars.index(WG)
     turn_other = turn_bars.index((WG + 1) % CONSUMERS)
 
-    start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
-                                                         cu_q, cu_k, CAUSAL, VARLEN)
-    if VARLEN:  # the LSE's row length: [Hq, Tq] or [B, Hq, Sq]
-        lse_stride = Tq
+    if PERSISTENT:  # fixed length only (attn_fwd_kernel asserts it)
+        first, stride, count = _persistent_walk(n_m * n_bh)
+        r0 = 0  # the ring index of the current tile's first K/V tile
+        for i in range(count):
+            start_m, off_b, off_h, n_full, n_total = _persistent_tile(
+                first + i * stride, n_m, n_bh, section, Sq, Sk, Hq, BLOCK_M, BLOCK_N, CAUSAL)
+            _consume_q_tile(WG, start_m, off_b, off_h, 0, Sq, Sk, n_full, n_total, r0, i, q,
+                            q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                            turn_mine, turn_other, o_desc, o_ptr, lse_ptr, Sq, Hq, qk_scale,
+                            s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                            PINGPONG, UNROLL, WG_TILES, VARLEN)
+            r0 += n_total
     else:
-        lse_stride = Sq
+        start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
+                                                             cu_q, cu_k, CAUSAL, VARLEN)
+        if VARLEN:  # the LSE's row length: [Hq, Tq] or [B, Hq, Sq]
+            lse_stride = Tq
+        else:
+            lse_stride = Sq
+        n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
+        _consume_q_tile(WG, start_m, off_b, off_h, q0, q_len, kv_len, n_full, n_total, 0, 0, q,
+                        q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_mine,
+                        turn_other, o_desc, o_ptr, lse_ptr, lse_stride, Hq, qk_scale, s_layout,
+                        o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG,
+                        UNROLL, WG_TILES, VARLEN)
+
+
+@gluon.jit
+def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, n_full,
+                    n_total, r0, tile_i, q, q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready,
+                    kv_empty, turn_mine, turn_other, o_desc, o_ptr, lse_ptr, lse_stride, Hq,
+                    qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                    p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    PINGPONG: gl.constexpr, UNROLL: gl.constexpr, WG_TILES: gl.constexpr,
+                    VARLEN: gl.constexpr):
+    """This warpgroup's part of one query tile (row block start_m of (off_b, off_h), the
+    CTA's tile_i-th; its n_total K/V tiles, the first n_full unmasked, from ring index r0).
+
+    Q protocol across tiles: q_bar completes once per tile (phase tile_i & 1) and q_empty
+    once every warpgroup has handed its Q buffer back, after its O store has read it; the
+    producer loads tile i + 1's Q only then, so that load never overwrites O of tile i.
+    Every step takes one ping-pong turn and each tile has one step fewer than K/V tiles,
+    so the turns taken before this tile are r0 - tile_i."""
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
     m_row0 = start_m * BLOCK_M + WG * WG_M
     rows = m_row0 + gl.arange(0, WG_M, layout=row_layout)  # [WG_M]
-    n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)  # loaded
     if WG_TILES:
         n_mine_full, n_mine = _wg_tile_counts(m_row0, q_len, kv_len, BLOCK_N, CAUSAL)  # computed
     else:
         n_mine_full = n_full
         n_mine = n_total
-    mbarrier.wait(q_bar, 0)  # waited even where nothing is computed (a release follows it)
+    # Waited even where nothing is computed: q_bar of tile i means every warpgroup released
+    # Q of tile i - 1, so the q_empty arrival below always counts towards this tile.
+    mbarrier.wait(q_bar, tile_i & 1)
     if n_mine > 0:
-        _compute_q_tile(n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows, q, q_smem, k2, v2,
-                        q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc,
-                        o_ptr, lse_ptr, lse_stride, q_len, kv_len, Hq, qk_scale, s_layout,
-                        o_layout, p_layout, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
-                        VARLEN)
+        _compute_q_tile(r0, r0 - tile_i, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows, q,
+                        q_smem, k2, v2, q_empty, k_ready, v_ready, kv_empty, turn_mine,
+                        turn_other, o_desc, o_ptr, lse_ptr, lse_stride, q_len, kv_len, Hq,
+                        qk_scale, s_layout, o_layout, p_layout, BLOCK_N, D, STAGES, CAUSAL,
+                        PINGPONG, UNROLL, VARLEN)
     else:
         mbarrier.arrive(q_empty)  # rows all past Sq, or (VARLEN) no keys: no Q read
         if VARLEN:
             if m_row0 < q_len:  # real rows of a sequence with no keys
                 _store_unseen_rows(o_ptr, lse_ptr, lse_stride, off_b, off_h, q0, m_row0, rows,
                                    q_len, Hq, dtype, s_layout, o_layout, D)
-    _release_tiles(n_mine, n_total, v_ready, kv_empty, turn_mine, turn_other, STAGES, PINGPONG)
+    _release_tiles(n_mine, n_total, r0, r0 - tile_i, v_ready, kv_empty, turn_mine, turn_other,
+                   STAGES, PINGPONG)
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
-              k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq, GROUP: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
-              VARLEN: gl.constexpr):
-    """The TMA producer warp: Q once (one 64-row box per consumer into q_bufs[i], all on
-    one barrier), then the CTA's K and V tiles through the ring, in the consumers' order
-    (the tile count from the same _tile and _tile_counts the consumers read)."""
-    start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
-                                                         cu_q, cu_k, CAUSAL, VARLEN)
+              k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq, n_bh, section,
+              GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The TMA producer warp: for the CTA's tile, or (PERSISTENT) each tile of the same
+    schedule the consumers walk, Q once (one 64-row box per consumer into q_bufs[i], all on
+    one barrier), then the tile's K and V through the ring, in the consumers' order (the
+    tile count from the same _tile / _persistent_tile and _tile_counts the consumers read)."""
+    if PERSISTENT:
+        first, stride, count = _persistent_walk(n_m * n_bh)
+        r0 = 0
+        for i in range(count):
+            start_m, off_b, off_h, n_full, n_total = _persistent_tile(
+                first + i * stride, n_m, n_bh, section, Sq, Sk, Hq, BLOCK_M, BLOCK_N, CAUSAL)
+            _produce_q_tile(start_m, off_b, off_h, 0, 0, n_total, r0, i,
+                            q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
+                            k_ready, v_ready, kv_empty, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
+                            CONSUMERS, True)
+            r0 += n_total
+    else:
+        start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
+                                                             cu_q, cu_k, CAUSAL, VARLEN)
+        n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
+        _produce_q_tile(start_m, off_b, off_h, q0, k0, n_total, 0, 0, q_desc, k_desc, v_desc,
+                        q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                        GROUP, BLOCK_M, BLOCK_N, D, STAGES, CONSUMERS, False)
+
+
+@gluon.jit
+def _produce_q_tile(start_m, off_b, off_h, q0, k0, n_total, r0, tile_i, q_desc, k_desc, v_desc,
+                    q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    D: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                    KV_FIRST: gl.constexpr):
+    """The loads of one query tile (the CTA's tile_i-th; K/V from ring index r0 on).
+
+    Q waits for q_empty: every warpgroup has handed back its Q buffer, whose O store of the
+    previous tile has completed (see _consume_q_tile). KV_FIRST (persistent) issues K/V
+    tile 0 before that wait, so the ring refills while the consumers run the previous
+    tile's epilogue; its slot waits only on kv_empty, which the consumers release without
+    the new Q, so nothing can wait on itself."""
     off_hkv = off_h // GROUP
     m0 = q0 + start_m * BLOCK_M
-    # q_empty is the consumers' hand-back of the Q buffers; with one tile per CTA nothing
-    # refills them, and this wait on a fresh barrier's "previous phase" passes at once.
-    mbarrier.wait(q_empty, 1)
+    j0 = 0
+    if KV_FIRST:
+        if n_total > 0:
+            _load_kv(r0, k0, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                     kv_empty, BLOCK_N, D, STAGES)
+            j0 = 1
+    # On a fresh barrier the wait for the "previous phase" passes at once (the first tile).
+    mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
     mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h * D], q_bar, q_bufs[0])
     for i in gl.static_range(1, CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [off_b, m0 + i * WG_M, off_h * D], q_bar,
                                         q_bufs[i])
-    n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
-    for j in range(n_total):
-        s = j % STAGES
-        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [off_b, k0 + j * BLOCK_N, off_hkv * D],
-                                        k_ready.index(s), k_smem.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [off_b, k0 + j * BLOCK_N, off_hkv * D],
-                                        v_ready.index(s), v_smem.index(s))
+    for j in range(j0, n_total):
+        _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
+                 k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES)
+
+
+@gluon.jit
+def _load_kv(r, row, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+             kv_empty, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """K and V rows [row, row + BLOCK_N) of KV head off_hkv into ring index r, once every
+    consumer has released that slot's previous round."""
+    s = r % STAGES
+    mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [off_b, row, off_hkv * D], k_ready.index(s),
+                                    k_smem.index(s))
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hkv * D], v_ready.index(s),
+                                    v_smem.index(s))
 
 
 # Tq and max_q (VARLEN only) vary with every pack: not specialized on (a value of 1 or a
@@ -424,12 +558,12 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
 # (a view such as cu_seqlens[i:] is a valid argument and only read a word at a time).
 @gluon.jit(do_not_specialize=["Tq", "max_q"], do_not_specialize_on_alignment=["cu_q", "cu_k"])
 def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale, o_ptr, cu_q,
-                    cu_k, Tq, max_q, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                    cu_k, Tq, max_q, n_bh, section, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = True,
-                    VARLEN: gl.constexpr = False):
+                    VARLEN: gl.constexpr = False, PERSISTENT: gl.constexpr = False):
     """1-D grid over tiles (row block, batch, head), one tile per CTA. q/o descriptors are
     [B, Sq, Hq * D] with box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D];
     GROUP = Hq // Hkv. CONSUMERS (2 or 3) consumer warpgroups of 64 rows each:
@@ -439,9 +573,15 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     VARLEN: q/o are [1, Tq, Hq * D], k/v [1, Tk, Hkv * D], lse [Hq, Tq]; cu_q / cu_k
     (int32 [batch + 1]) give each sequence's rows, the batch index counts sequences, max_q
     bounds the longest sequence (the grid's row blocks), o_ptr is o's base (rows of Hq * D
-    elements) for the masked stores; Sq, Sk are unused (0)."""
+    elements) for the masked stores; Sq, Sk are unused (0).
+
+    PERSISTENT (fixed length only): a grid of at most one CTA per SM, each walking the
+    tiles of _persistent_tile's order (n_bh = B * Hq pairs in sections of `section`,
+    see there) with every barrier phase counted across its tiles; None for both
+    otherwise."""
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
+    gl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is fixed-length only")
     dtype: gl.constexpr = q_desc.dtype
     if VARLEN:
         n_m = gl.cdiv(max_q, BLOCK_M)
@@ -483,32 +623,34 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
-                         Tq, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
-                         CONSUMERS, WG_TILES, VARLEN)),
+                         Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
-                         Tq, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
-                         CONSUMERS, WG_TILES, VARLEN)),
+                         Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
-                         q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq, GROUP,
-                         BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN)),
+                         q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq, n_bh,
+                         section, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN,
+                         PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
-                         Tq, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
-                         CONSUMERS, WG_TILES, VARLEN)),
+                         Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
-                         Tq, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
-                         CONSUMERS, WG_TILES, VARLEN)),
+                         Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
-                         Tq, Hq, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL,
-                         CONSUMERS, WG_TILES, VARLEN)),
+                         Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq,
-                         GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN)),
+                         n_bh, section, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS,
+                         VARLEN, PERSISTENT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

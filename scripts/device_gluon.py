@@ -49,6 +49,10 @@ VARIANTS = {
     "c3_bn64": {"CONSUMERS": 3, "BLOCK_N": 64, "STAGES": 8, "UNROLL": True, "D": 64},
     # every warpgroup walks all of its CTA's K/V tiles
     "no_wg_tiles": {"WG_TILES": False},
+    # one CTA per SM walking the tiles longest-first (settings_for turns UNROLL off with it)
+    "persistent": {"persistent": True},
+    # the same with UNROLL kept at D128: ptxas spills 28-32 B a tile, does the pair pay?
+    "persistent_unroll": {"persistent": True, "UNROLL": True, "D": 128},
 }
 
 

@@ -12,6 +12,7 @@ import functools
 import itertools
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -593,12 +594,15 @@ def test_persistent_partitions_share_one_schedule():
 
 
 def test_l2_section_sizes():
-    """Sections hold whole GQA groups whose K/V fit L2_SECTION_BYTES, at least one group."""
-    budget = pg.L2_SECTION_BYTES
+    """Sections hold whole GQA groups whose K/V fit the budget (50 MiB unless the settings
+    say otherwise), at least one group, at most every pair."""
+    assert pg.GluonSettings().l2_section_bytes == pg.L2_SECTION_BYTES == 50 * 2 ** 20
     # 4k keys, D128, bf16: 2 MiB of K/V a KV head -> 25 KV heads -> 25 groups of 4
-    assert pg.l2_section(10 ** 4, 4, 4096, 128, 2) == (budget // (2 * 4096 * 128 * 2)) * 4 == 100
+    assert pg.l2_section(10 ** 4, 4, 4096, 128, 2) == 25 * 4
+    assert pg.l2_section(10 ** 4, 4, 4096, 128, 2, budget=4 * 2 ** 20) == 2 * 4
     assert pg.l2_section(32, 4, 4096, 128, 2) == 32  # all pairs fit
     assert pg.l2_section(64, 8, 10 ** 7, 128, 2) == 8  # one group even past L2
+    assert pg.l2_section(64, 8, 4096, 128, 2, budget=1) == 8
 
 
 def test_persistent_launcher_grid_and_arguments(monkeypatch):
@@ -612,10 +616,12 @@ def test_persistent_launcher_grid_and_arguments(monkeypatch):
     s = pg.settings_for(128, True, persistent=True)
     pg.prefill(q, k, v, True, 0.125, settings=s)
     pg.prefill(q, k, v, True, 0.125)
-    (grid, args, kw), (grid0, args0, kw0) = rec.launches
+    pg.prefill(q, k, v, True, 0.125, settings=replace(s, l2_section_bytes=1))
+    (grid, args, kw), (grid0, args0, kw0), (_, args1, _) = rec.launches
     assert grid == (4, ) and grid0 == (3 * 2 * 8, )
     assert args[-2:] == (16, pg.l2_section(16, 4, 300, 128, 2)) == (16, 16)
     assert args0[-2:] == (None, None)
+    assert args1[-2:] == (16, 4)  # one GQA group a section
     assert kw["PERSISTENT"] is True and kw0["PERSISTENT"] is False and kw["UNROLL"] is False
     one = _qkv(1, 5, 5, 2, 1, 64, torch.bfloat16)  # fewer tiles than SMs: one CTA a tile
     pg.prefill(*one, False, 0.125, settings=pg.settings_for(64, False, persistent=True))
@@ -927,21 +933,24 @@ def test_sm90_persistent_numerics(case):
     assert_close(lse.double(), one_lse.double(), torch.bfloat16, "lse, persistent vs one tile")
 
 
+PERSISTENT_VARIANT_CASES = [  # head dim, causal, variant: the tile and turn switches
+    (64, True, "default"), (64, True, "pingpong"), (64, True, "all-tiles"),
+    (64, True, "two-consumers"), (128, False, "default"), (128, False, "pingpong"),
+    (128, True, "pingpong-all-tiles")]
+PERSISTENT_VARIANTS = {"default": {}, **SCHEDULE_VARIANTS}
+
+
 @pytest.mark.sm90
-@pytest.mark.parametrize("variant", [{}, {"PINGPONG": True}, {"WG_TILES": False},
-                                     {"CONSUMERS": 2}], ids=["default", "pingpong",
-                                                             "all-tiles", "two-consumers"])
-@pytest.mark.parametrize("head_dim, causal", [(64, True), (128, False)], ids=["D64-causal",
-                                                                               "D128-full"])
-def test_sm90_persistent_small_sections(monkeypatch, head_dim, causal, variant):
-    """Sections of one GQA group (L2_SECTION_BYTES tiny) and the tile and turn switches:
+@pytest.mark.parametrize("head_dim, causal, variant", PERSISTENT_VARIANT_CASES,
+                         ids=[f"D{d}-{'causal' if c else 'full'}-{v}"
+                              for d, c, v in PERSISTENT_VARIANT_CASES])
+def test_sm90_persistent_small_sections(head_dim, causal, variant):
+    """Sections of one GQA group (l2_section_bytes=1) and the tile and turn switches:
     every tile still computed once (reference), reruns bit-identical."""
     from wsattn import reference
-    if head_dim == 128 and variant.get("CONSUMERS") == 2:
-        variant = {"PINGPONG": True, "WG_TILES": False}
-    monkeypatch.setattr(pg, "L2_SECTION_BYTES", 1)
     q, k, v = _qkv(3, 777, 777, 12, 4, head_dim, torch.float16, "cuda")
-    s = pg.settings_for(head_dim, causal, persistent=True, **variant)
+    s = pg.settings_for(head_dim, causal, persistent=True, l2_section_bytes=1,
+                        **PERSISTENT_VARIANTS[variant])
     out, lse = pg.prefill(q, k, v, causal, head_dim ** -0.5, settings=s)
     ref, ref_lse = reference.attention(q, k, v, causal)
     assert_close(out, ref, torch.float16)

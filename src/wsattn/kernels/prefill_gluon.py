@@ -4,7 +4,8 @@ FlashAttention-3's structure written with Triton 3.6's Gluon pieces: a 1-warp TM
 producer that gives up registers, two (at head dim 64 optionally three:
 GluonSettings.CONSUMERS) consumer warpgroups of 64 query rows each running QK^T and PV as
 async wgmma, the next QK^T issued before the current softmax, and optional ping-pong
-between the consumer warpgroups. The partitions live in
+between the consumer warpgroups, and (GluonSettings.persistent, off by default) a
+persistent longest-first tile schedule. The partitions live in
 prefill_gluon_parts.py; this module holds the launch settings, the launchers (prefill,
 prefill_varlen: one kernel, VARLEN a constexpr) and the qualification checks that api.py
 calls.
@@ -51,6 +52,9 @@ PER_CONSUMERS = {2: {"BLOCK_M": 128, "CONSUMER_REGS": 240},
 # at head dim 128, at the start and end of each tile); without UNROLL nothing spills, and
 # UNROLL measured equal within noise at head dim 128 (notes/prefill_gluon.md).
 PER_PERSISTENT = {"UNROLL": False}
+# K/V bytes one section of the persistent schedule may keep in L2 (l2_section): the L2 of
+# an H100 or H200 (50 MB), FlashAttention-4's figure for its causal head sections.
+L2_SECTION_BYTES = 50 * 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class GluonSettings:
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
     # prefill_gluon_parts); fixed length only, off until measured (notes/prefill_gluon.md).
     persistent: bool = False
+    # The persistent schedule's L2 budget for one section's K/V (see l2_section): smaller
+    # sections keep fewer heads' K/V live, larger ones balance the CTAs' work better.
+    l2_section_bytes: int = L2_SECTION_BYTES
 
     def smem_bytes(self, head_dim: int) -> int:
         return 2 * head_dim * (self.BLOCK_M + 2 * self.STAGES * self.BLOCK_N)
@@ -182,16 +189,13 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
                 CONSUMERS=s.CONSUMERS, WG_TILES=s.WG_TILES, PERSISTENT=s.persistent)
 
 
-# K/V bytes one section of the persistent schedule may keep in L2: the L2 of an H100 or
-# H200 (50 MB), FlashAttention-4's figure for its causal head sections.
-L2_SECTION_BYTES = 50 * 2 ** 20
-
-
-def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: int) -> int:
+def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: int,
+               budget: int | None = None) -> int:
     """(batch, head) pairs per section of the persistent schedule: as many whole GQA groups
-    as have their K and V (2 * kv_len * head_dim elements a KV head) fit L2_SECTION_BYTES,
-    at least one group, at most all n_bh pairs."""
-    kv_heads = max(1, L2_SECTION_BYTES // (2 * kv_len * head_dim * elem_bytes))
+    as have their K and V (2 * kv_len * head_dim elements a KV head) fit budget bytes
+    (GluonSettings.l2_section_bytes), at least one group, at most all n_bh pairs."""
+    budget = L2_SECTION_BYTES if budget is None else budget
+    kv_heads = max(1, budget // (2 * kv_len * head_dim * elem_bytes))
     return min(n_bh, kv_heads * group)
 
 
@@ -229,7 +233,8 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     num_tiles = cdiv(Sq, s.BLOCK_M) * B * Hq
     if s.persistent:  # one CTA per SM at most, walking the tiles (see attn_fwd_kernel)
         grid = min(num_tiles, target_of(q.device).num_sms)
-        n_bh, section = B * Hq, l2_section(B * Hq, Hq // Hkv, Sk, D, q.element_size())
+        n_bh = B * Hq
+        section = l2_section(n_bh, Hq // Hkv, Sk, D, q.element_size(), s.l2_section_bytes)
     else:  # one CTA per tile
         grid, n_bh, section = num_tiles, None, None
     attn_fwd_kernel[(grid, )](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,

@@ -18,6 +18,12 @@ TMA zero fill then only happens at the end of the whole pack, so a box that runs
 sequence reads the next one's rows: those keys are masked like keys past Sk (the tile that
 straddles the end always takes the masked path), and the O rows of a box that straddles
 the end leave by a masked register store, never by a TMA store into the next sequence.
+
+PERSISTENT (constexpr, fixed length only) launches at most one CTA per SM; each walks
+the tiles pid, pid + grid, ... of one order (_persistent_walk, _persistent_tile: the
+longest causal row blocks first, the heads of a GQA group side by side, in sections
+whose K/V fit L2). The producer and the consumers call the same two helpers, and count
+the ring index, the Q barriers' phase and the ping-pong turns over all the CTA's tiles.
 """
 
 from __future__ import annotations

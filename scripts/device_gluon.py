@@ -53,6 +53,10 @@ VARIANTS = {
     "persistent": {"persistent": True},
     # the same with UNROLL kept at D128: ptxas spills 28-32 B a tile, does the pair pay?
     "persistent_unroll": {"persistent": True, "UNROLL": True, "D": 128},
+    # head sections of the persistent order: one for the whole problem (best balance in
+    # the CPU model), one GQA group each (fewest heads' K/V live in L2)
+    "persistent_one_section": {"persistent": True, "l2_section_bytes": 2 ** 62},
+    "persistent_group_sections": {"persistent": True, "l2_section_bytes": 1},
 }
 
 

@@ -102,6 +102,27 @@ def fa4_kernel_name(case, page_size: int | None = None) -> str:
     return f"decode_paged_d{case.D}_gqa{case.HQ // case.HKV}_p{page_size}"
 
 
+def fa4_wheel(dtype_name: str, device):
+    """(the peer_fa4_aot module, its manifest) after the checks every FA4 column makes:
+    the wheel imports, carries kernels of this dtype and was built for this GPU; else
+    NotAvailable naming which."""
+    fa4 = import_peer(FA4_MODULE)
+    manifest = getattr(fa4, "MANIFEST", {})
+    wheel_dtype = manifest.get("dtype", "bfloat16")
+    if dtype_name != wheel_dtype:
+        raise NotAvailable(f"the FA4 AOT wheel carries {wheel_dtype} kernels only, "
+                           f"not {dtype_name}")
+    target = manifest.get("target", "")
+    if "sm_90" in target:
+        device = torch.device(device)
+        cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if cc != (9, 0):
+            where = f"sm_{cc[0]}{cc[1]}" if cc else f"inputs on {device}"
+            raise NotAvailable(f"the FA4 AOT kernels are built for {target.split()[0]} "
+                               f"GPUs, not {where}")
+    return fa4, manifest
+
+
 class Fa4Runner(Runner):
     """FlashAttention-4 SM90 forward kernels from the AOT wheel, called through
     ``peer_fa4_aot.forward(name, q, k, v, out, softmax_scale, ...)``."""
@@ -110,20 +131,8 @@ class Fa4Runner(Runner):
     ops = ("prefill", "decode")
 
     def prepare(self, case, inp):
-        fa4 = import_peer(FA4_MODULE)
-        manifest = getattr(fa4, "MANIFEST", {})
+        fa4, manifest = fa4_wheel(_dtype_name(case), inp.q.device)
         kernels = manifest.get("kernels", {})
-        wheel_dtype = manifest.get("dtype", "bfloat16")
-        if _dtype_name(case) != wheel_dtype:
-            raise NotAvailable(f"the FA4 AOT wheel carries {wheel_dtype} kernels only, "
-                               f"not {_dtype_name(case)}")
-        target = manifest.get("target", "")
-        if "sm_90" in target:
-            cc = torch.cuda.get_device_capability(inp.q.device) if inp.q.is_cuda else None
-            if cc != (9, 0):
-                where = f"sm_{cc[0]}{cc[1]}" if cc else f"inputs on {inp.q.device}"
-                raise NotAvailable(f"the FA4 AOT kernels are built for {target.split()[0]} "
-                                   f"GPUs, not {where}")
         notes = [f"flash-attn-4 {manifest.get('flash_attn_4', '?')} AOT"]
         if case.op == "prefill":
             name = _fa4_kernel(case, kernels)

@@ -461,22 +461,10 @@ def fa4_varlen_kernel(case: VarlenCase) -> str:
 
 def _fa4(case: VarlenCase, inp) -> Prepared:
     """The pack through the FA4 AOT varlen kernel, after the checks Fa4Runner makes."""
-    from .peers import FA4_MODULE, import_peer
+    from .peers import _dtype_name, fa4_wheel
 
-    fa4 = import_peer(FA4_MODULE)
-    manifest = getattr(fa4, "MANIFEST", {})
+    fa4, manifest = fa4_wheel(_dtype_name(case), inp.q.device)
     kernels = manifest.get("kernels", {})
-    wheel_dtype = manifest.get("dtype", "bfloat16")
-    dtype = str(DTYPES[case.dtype]).removeprefix("torch.")
-    if dtype != wheel_dtype:
-        raise NotAvailable(f"the FA4 AOT wheel carries {wheel_dtype} kernels only, not {dtype}")
-    target = manifest.get("target", "")
-    if "sm_90" in target:
-        cc = torch.cuda.get_device_capability(inp.q.device) if inp.q.is_cuda else None
-        if cc != (9, 0):
-            where = f"sm_{cc[0]}{cc[1]}" if cc else f"inputs on {inp.q.device}"
-            raise NotAvailable(f"the FA4 AOT kernels are built for {target.split()[0]} GPUs, "
-                               f"not {where}")
     name = fa4_varlen_kernel(case)
     if name not in kernels:
         raise NotAvailable(f"the FA4 AOT wheel has no kernel {name} "

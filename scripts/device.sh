@@ -20,7 +20,9 @@
 # Settings (environment):
 #   OUT            where results go (the device tool sets it; default ./device-out)
 #   WSATTN_COMMIT  the commit the rows are stamped with (the device copy has no .git)
-#   BENCH_ARGS     arguments of `wsattn bench` (default "all"; e.g. "decode --quick")
+#   BENCH_ARGS     arguments of `wsattn bench` (default "all"; e.g. "decode --quick"), or
+#                  several runs separated by ';' ("step --batch 1; varlen; moe"), each with
+#                  its own BENCH_S limit and files bench_<n>_<kind>.{json,png}
 #   PEERS          1: before the parts, install the peer wheels (FlashAttention-4 AOT,
 #                  FlashInfer, tvm-ffi) into .peers-site, put it on PYTHONPATH and set
 #                  FLASHINFER_DISABLE_JIT=1, so that the bench (and tests) parts run the
@@ -40,9 +42,10 @@
 #                  SP_TESTS_S, SP_BENCH_S, NCU_S per implementation)
 #
 # A part that fails or runs out of time is reported and the next one runs; the exit status
-# is 0 only when every part passed. The device tool brings back at most 8 files: the parts
-# above write 8 or fewer together except where a call combines most of them; then every
-# file but device.log is packed into results.tar.gz.
+# is 0 only when every part passed. The device tool brings back at most 8 files: after
+# every part (and every bench run), once more than 7 files sit beside device.log they are
+# added to results.tar.gz, so a call cut off by the tool's limit still returns what
+# finished.
 #
 # Rough durations on one H200: tests 3-5 min, ladder 6.5 min (8 kernels, 2,000 stress
 # launches each), bench 2 min, host 1 min, sp-tests 2 min, sp-bench up to 9 min (every
@@ -122,9 +125,22 @@ part_ladder() {
 }
 
 part_bench() {
-  # shellcheck disable=SC2086
-  run_part bench "${BENCH_S:-300}" python3 -m wsattn.cli bench \
-    --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-all}
+  # BENCH_ARGS may hold several runs separated by ';' ("step --batch 1; varlen; moe"):
+  # each gets its own limit (BENCH_S) and files bench_<n>_<kind>.{json,png}; one run keeps
+  # the names bench.json / bench.png. A run that fails or times out does not stop the next.
+  local runs=() args kind json n=0 rc=0
+  IFS=';' read -ra runs <<< "${BENCH_ARGS:-all}"
+  for args in "${runs[@]}"; do
+    read -ra words <<< "$args"
+    [ ${#words[@]} -gt 0 ] || continue
+    n=$((n + 1)); kind=${words[0]}
+    json="$OUT/bench.json"
+    [ ${#runs[@]} -gt 1 ] && json="$OUT/bench_${n}_${kind}.json"
+    run_part "bench $kind" "${BENCH_S:-300}" python3 -m wsattn.cli bench \
+      --json "$json" --plot "${json%.json}.png" "${words[@]}" || rc=1
+    pack_results
+  done
+  return "$rc"
 }
 
 part_host() {
@@ -169,6 +185,20 @@ part_ncu() {
   return "$status"
 }
 
+pack_results() {
+  # The device tool returns at most 8 files. Once more than 7 sit beside device.log, they
+  # go into results.tar.gz (added to what it already holds), after every part, so a call
+  # stopped by the tool's time limit still returns everything finished before it.
+  local files=()
+  mapfile -t files < <(cd "$OUT" && find . -type f ! -name device.log ! -name results.tar.gz | sort)
+  local have=0
+  [ -f "$OUT/results.tar.gz" ] && have=1
+  [ $(( ${#files[@]} + have + 1 )) -gt 8 ] || return 0
+  (cd "$OUT" && { [ "$have" = 0 ] || gunzip -f results.tar.gz; } \
+     && tar rf results.tar "${files[@]}" && gzip -f results.tar && rm -f "${files[@]}") \
+    && echo "device: ${#files[@]} more result files packed into $OUT/results.tar.gz"
+}
+
 main() {
   echo "device: parts ${PARTS[*]}; results in $OUT"
   echo "device: commit ${WSATTN_COMMIT:-unset (set WSATTN_COMMIT: the rows say 'unknown' without .git)}"
@@ -181,6 +211,7 @@ main() {
   fi
   for p in "${PARTS[@]}"; do
     "part_$p" || failed+=("$p")
+    pack_results
   done
   if [ ${#failed[@]} -eq 0 ]; then
     echo "device: all parts passed"
@@ -193,10 +224,5 @@ main() {
 main 2>&1 | tee "$OUT/device.log"
 status=${PIPESTATUS[0]}
 
-# The device tool returns at most 8 files: past that, one archive holds all but the log.
-mapfile -t files < <(cd "$OUT" && find . -type f ! -name device.log | sort)
-if [ $(( ${#files[@]} + 1 )) -gt 8 ]; then
-  (cd "$OUT" && tar czf results.tar.gz "${files[@]}" && rm -f "${files[@]}")
-  echo "device: ${#files[@]} result files packed into $OUT/results.tar.gz" | tee -a "$OUT/device.log"
-fi
+pack_results
 exit "$status"

@@ -54,6 +54,7 @@ from .cases import DTYPES, tflops
 from .timing import _sync, release
 from .gemv import write
 from .runners import NotAvailable
+from .report import fmt, status_text, target_text
 
 PREFIXES = (0, 2048, 8192, 32768)
 PAGES = (16, 64)
@@ -436,20 +437,18 @@ def group_by_shape(cases: list[ChunkedCase]) -> list[list[ChunkedCase]]:
 # --------------------------------------------------------------------------- report
 
 def format_table(rows: list[dict]) -> str:
-    f = (lambda v, s: "-" if v is None else format(v, s))
     lines = [f"ceiling {r['impl']}: {r['tflops']:.1f} TFLOP/s ({r['case']})"
              for r in rows if r["op"] == "ceiling" and r.get("tflops")]
     head = (f"{'case':<46} {'impl':<18} {'ms':>8} {'TFLOP/s':>8} {'of mm':>6} "
             f"{'x contig':>8} {'target':>11} {'rel err':>8}  status")
     lines += ["", head, "-" * len(head)]
     for r in (r for r in rows if r["op"] == "chunked"):
-        target = "-" if r["target_ratio"] is None else f"{r['target_ratio']:.2f}" + (
-            "" if r["target_met"] is None else f" {r['target_met']}")
-        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        target = target_text(r["target_ratio"], r["target_met"])
+        status = status_text(r)
         lines.append(
-            f"{r['case']:<46} {r['impl']:<18} {f(r['median_ms'], '.3f'):>8} "
-            f"{f(r['tflops'], '.1f'):>8} {f(r['frac_matmul'], '.3f'):>6} "
-            f"{f(r['ratio_contiguous'], '.3f'):>8} {target:>11} {f(r['rel_err'], '.1e'):>8}  "
+            f"{r['case']:<46} {r['impl']:<18} {fmt(r['median_ms'], '.3f'):>8} "
+            f"{fmt(r['tflops'], '.1f'):>8} {fmt(r['frac_matmul'], '.3f'):>6} "
+            f"{fmt(r['ratio_contiguous'], '.3f'):>8} {target:>11} {fmt(r['rel_err'], '.1e'):>8}  "
             f"{status[:120]}")
     return "\n".join(lines)
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from .cases import DTYPES, tbps
+from .report import fmt, status_text
 from .timing import _sync, release
 
 M_VALUES = (1, 8, 64)
@@ -541,13 +542,12 @@ def format_table(rows: list[dict]) -> str:
             lines.insert(0, f"ceiling {r['impl']}: {r['tbps'] or r['tflops']:.2f} "
                             f"{'TB/s' if r['tbps'] else 'TFLOP/s'} ({r['case']})")
             continue
-        f = (lambda v, s: "-" if v is None else format(v, s))
-        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        status = status_text(r)
         lines.append(f"{r['case']:<44} {r['impl']:<13} {r['w_bytes'] / 1e6:>8.1f} "
-                     f"{f(None if r['median_ms'] is None else r['median_ms'] * 1e3, '.1f'):>10} "
-                     f"{f(r['tbps'], '.2f'):>6} {f(r['frac_copy'], '.3f'):>8} "
-                     f"{f(r['ratio_cublas'], '.2f'):>8} {r['target_met'] or '-':>6} "
-                     f"{f(r['rel_err'], '.1e'):>8}  {status[:120]}")
+                     f"{fmt(None if r['median_ms'] is None else r['median_ms'] * 1e3, '.1f'):>10} "
+                     f"{fmt(r['tbps'], '.2f'):>6} {fmt(r['frac_copy'], '.3f'):>8} "
+                     f"{fmt(r['ratio_cublas'], '.2f'):>8} {r['target_met'] or '-':>6} "
+                     f"{fmt(r['rel_err'], '.1e'):>8}  {status[:120]}")
     return "\n".join(lines)
 
 

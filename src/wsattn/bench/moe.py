@@ -61,6 +61,7 @@ import torch
 from .cases import DTYPES, tbps
 from .timing import _sync, release
 from .gemv import FRESH_BYTES, write
+from .report import fmt, status_text, target_text
 
 BATCHES = (1, 8, 32, 64)
 HF_EXPERTS = ("eager", "batched_mm", "grouped_mm", "sonicmoe", "deepgemm")
@@ -498,23 +499,21 @@ def run_case(case: MoeCase, impls, timer, stamp, device, copy_tbps) -> list[dict
 # --------------------------------------------------------------------------- report
 
 def format_table(rows: list[dict]) -> str:
-    f = (lambda v, s: "-" if v is None else format(v, s))
     lines = [f"ceiling {r['impl']}: {r['tbps']:.2f} TB/s ({r['case']})"
              for r in rows if r["op"] == "ceiling" and r.get("tbps")]
     head = (f"{'case':<30} {'impl':<18} {'hit':>4} {'MB':>7} {'floor us':>8} {'us':>8} "
             f"{'TB/s':>6} {'of copy':>7} {'target':>9} {'x hf':>6} {'rel err':>8}  status")
     lines += ["", head, "-" * len(head)]
     for r in (r for r in rows if r["op"] == "moe"):
-        target = "-" if r["target_frac"] is None else f"{r['target_frac']:.2f}" + (
-            "" if r["target_met"] is None else f" {r['target_met']}")
-        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        target = target_text(r["target_frac"], r["target_met"])
+        status = status_text(r)
         lines.append(
-            f"{r['case']:<30} {r['impl']:<18} {f(r['experts_hit'], 'd'):>4} "
-            f"{f(None if r['touched_bytes'] is None else r['touched_bytes'] / 1e6, '.1f'):>7} "
-            f"{f(r['floor_us'], '.1f'):>8} "
-            f"{f(None if r['median_ms'] is None else r['median_ms'] * 1e3, '.1f'):>8} "
-            f"{f(r['tbps'], '.2f'):>6} {f(r['frac_copy'], '.3f'):>7} {target:>9} "
-            f"{f(r['ratio_best_hf'], '.2f'):>6} {f(r['rel_err'], '.1e'):>8}  {status[:120]}")
+            f"{r['case']:<30} {r['impl']:<18} {fmt(r['experts_hit'], 'd'):>4} "
+            f"{fmt(None if r['touched_bytes'] is None else r['touched_bytes'] / 1e6, '.1f'):>7} "
+            f"{fmt(r['floor_us'], '.1f'):>8} "
+            f"{fmt(None if r['median_ms'] is None else r['median_ms'] * 1e3, '.1f'):>8} "
+            f"{fmt(r['tbps'], '.2f'):>6} {fmt(r['frac_copy'], '.3f'):>7} {target:>9} "
+            f"{fmt(r['ratio_best_hf'], '.2f'):>6} {fmt(r['rel_err'], '.1e'):>8}  {status[:120]}")
     return "\n".join(lines)
 
 

@@ -85,8 +85,25 @@ def add_ratios(rows: list[dict], ceilings: dict | None = None) -> list[dict]:
     return rows
 
 
+def fmt(x, spec) -> str:
+    """A table cell: x formatted with spec, "-" where the row has no value."""
+    return "-" if x is None else format(x, spec)
+
+
 def _fmt(x, spec):
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    return "-" if isinstance(x, float) and math.isnan(x) else fmt(x, spec)
+
+
+def status_text(r: dict) -> str:
+    """A row's status with its reason, as the tables print it."""
+    return r["status"] + (f": {r['reason']}" if r["reason"] else "")
+
+
+def target_text(goal, met, spec: str = ".2f") -> str:
+    """A target cell: the goal and, once decided, 'met' / 'missed'; "-" without a goal."""
+    if goal is None:
+        return "-"
+    return format(goal, spec) + (f" {met}" if met else "")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -108,7 +125,7 @@ def format_table(rows: list[dict]) -> str:
             thr = r["tflops"] if op == "prefill" else r["tbps"]
             frac = r["ratio_matmul"] if op == "prefill" else r["frac_copy"]
             spread = (f"{r['q20_ms']:.3f}-{r['q80_ms']:.3f}" if r["q20_ms"] is not None else "-")
-            status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+            status = status_text(r)
             if r.get("ratio_contiguous") is not None:
                 status += f" (x contiguous {r['ratio_contiguous']:.3f})"
             if r.get("timing") not in (None, "graph"):

@@ -312,7 +312,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    f = (lambda v, s: "-" if v is None else format(v, s))
+    from .report import fmt, status_text
     lines = [f"ceiling {r['impl']}: {r['tbps']:.2f} TB/s ({r['case']})"
              for r in rows if r["op"] == "ceiling" and r.get("tbps")]
     head = (f"{'case':<36} {'impl':<17} {'ms/tok':>7} {'floor':>6} {'of floor':>8} "
@@ -322,13 +322,13 @@ def format_table(rows: list[dict]) -> str:
     for r in (r for r in rows if r["op"] == "step"):
         target = "-" if r["target_ms"] is None else f"{r['target_ms']:.2f}" + (
             "" if r["target_met"] is None else (" ok" if r["target_met"] == "met" else " !"))
-        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
-        lines.append(f"{r['case']:<36} {r['impl']:<17} {f(r['ms_per_token'], '.3f'):>7} "
-                     f"{f(r['floor_ms'], '.3f'):>6} {f(r['frac_floor'], '.3f'):>8} "
-                     f"{target:>7} {f(r['ratio_hf_compile'], '.2f'):>8} "
-                     f"{f(r['pdl_speedup'], '.3f'):>6} {f(r['kernels_per_step'], '.1f'):>9} "
-                     f"{f(r['idle_us_per_step'], '.0f'):>8} {f(r['rel_err'], '.1e'):>8} "
-                     f"{f(r['rel_err_hf'], '.1e'):>8}  "
+        status = status_text(r)
+        lines.append(f"{r['case']:<36} {r['impl']:<17} {fmt(r['ms_per_token'], '.3f'):>7} "
+                     f"{fmt(r['floor_ms'], '.3f'):>6} {fmt(r['frac_floor'], '.3f'):>8} "
+                     f"{target:>7} {fmt(r['ratio_hf_compile'], '.2f'):>8} "
+                     f"{fmt(r['pdl_speedup'], '.3f'):>6} {fmt(r['kernels_per_step'], '.1f'):>9} "
+                     f"{fmt(r['idle_us_per_step'], '.0f'):>8} {fmt(r['rel_err'], '.1e'):>8} "
+                     f"{fmt(r['rel_err_hf'], '.1e'):>8}  "
                      f"{status[:120]}")
     for r in (r for r in rows if r["op"] == "step" and r.get("kernels_by_time")):
         lines.append(f"  {r['case']} {r['impl']} kernels by GPU time per step: " + "; ".join(

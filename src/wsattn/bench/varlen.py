@@ -68,6 +68,7 @@ from .cases import DTYPES, HIDDEN, PrefillCase, tflops
 from .chunked import poisoned
 from .gemv import write
 from .runners import NotAvailable, Prepared
+from .report import fmt, status_text, target_text
 from .timing import _sync, release
 
 TOKENS = 16384
@@ -570,14 +571,10 @@ def run_case(case: VarlenCase, impls, timer, stamp, device, matmul_tflops=None) 
 # --------------------------------------------------------------------------- report
 
 def _target(r, which) -> str:
-    goal, met = r[f"target_{which}"], r[f"target_{which}_met"]
-    if goal is None:
-        return "-"
-    return f"{goal:g} {met}" if met else f"{goal:g}"
+    return target_text(r[f"target_{which}"], r[f"target_{which}_met"], "g")
 
 
 def format_table(rows: list[dict]) -> str:
-    f = (lambda v, s: "-" if v is None else format(v, s))
     lines = [f"ceiling {r['impl']}: {r['tflops']:.1f} TFLOP/s ({r['case']})"
              for r in rows if r["op"] == "ceiling" and r.get("tflops")]
     packs = {(r["seed"], r["dist"], tuple(r["lengths"])): r for r in rows if r["op"] == "varlen"}
@@ -589,14 +586,14 @@ def format_table(rows: list[dict]) -> str:
             f"{'x fa2':>6} {'target eq':>10} {'target fa2':>10} {'rel err':>8}  status")
     lines += ["", head, "-" * len(head)]
     for r in (r for r in rows if r["op"] == "varlen"):
-        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        status = status_text(r)
         if r.get("timing") not in (None, "graph"):
             status += f" [timing: {r['timing']}]"
         lines.append(
-            f"{r['case']:<60} {r['impl']:<15} {r['layout']:<6} {f(r['median_ms'], '.3f'):>8} "
-            f"{f(r['tflops'], '.1f'):>8} {f(r['ratio_equal'], '.3f'):>7} "
-            f"{f(r['ratio_torch_fa2'], '.2f'):>6} {_target(r, 'equal'):>10} "
-            f"{_target(r, 'torch_fa2'):>10} {f(r['rel_err'], '.1e'):>8}  {status[:120]}")
+            f"{r['case']:<60} {r['impl']:<15} {r['layout']:<6} {fmt(r['median_ms'], '.3f'):>8} "
+            f"{fmt(r['tflops'], '.1f'):>8} {fmt(r['ratio_equal'], '.3f'):>7} "
+            f"{fmt(r['ratio_torch_fa2'], '.2f'):>6} {_target(r, 'equal'):>10} "
+            f"{_target(r, 'torch_fa2'):>10} {fmt(r['rel_err'], '.1e'):>8}  {status[:120]}")
     return "\n".join(lines)
 
 

@@ -64,6 +64,18 @@ def pytest_collection_modifyitems(config, items):
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "src"))
 
 
+# The environment stamp and timing the benchmark modules' row tests build rows from.
+BENCH_STAMP = {"gpu": "none", "commit": "abc", "date": "2026-11-30T12:00:00Z", "torch": "x",
+               "triton": "y"}
+
+
+def bench_timing(ms):
+    """A graph-replay Timing of median ``ms`` (q20/q80 at -/+10 %), for row tests."""
+    from wsattn.bench.timing import Timing
+    return Timing(median_ms=ms, q20_ms=ms * 0.9, q80_ms=ms * 1.1, reps=20, method="graph",
+                  calls=7)
+
+
 def interpreter_child(code: str, *args: str, timeout: float = 600, env: dict | None = None) -> dict:
     """Run ``code`` (with ``args`` as sys.argv[1:]) in a fresh Python with TRITON_INTERPRET=1
     (Triton reads it when a kernel is decorated, i.e. at import, so only a new process gets

@@ -17,17 +17,8 @@ import torch
 
 import wsattn.cli
 from wsattn.bench import chunked, gemv
-from wsattn.bench.timing import Timing
 
-from conftest import interpreter_child
-
-STAMP = {"gpu": "none", "commit": "abc", "date": "2026-11-30T12:00:00Z", "torch": "x",
-         "triton": "y"}
-
-
-def _timing(ms):
-    return Timing(median_ms=ms, q20_ms=ms * 0.9, q80_ms=ms * 1.1, reps=20, method="graph",
-                  calls=7)
+from conftest import BENCH_STAMP as STAMP, bench_timing as _timing, interpreter_child
 
 
 # --------------------------------------------------------------------------- command line

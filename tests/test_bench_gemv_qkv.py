@@ -12,10 +12,7 @@ import pytest
 import wsattn.cli
 from wsattn.bench import gemv, step
 
-from conftest import interpreter_child
-
-STAMP = {"gpu": "none", "commit": "abc", "date": "2026-11-30T12:00:00Z", "torch": "x",
-         "triton": "y"}
+from conftest import BENCH_STAMP as STAMP, interpreter_child
 
 
 # --------------------------------------------------------------------------- cases

@@ -18,10 +18,8 @@ import wsattn.cli
 from wsattn.bench import gemv, step
 from wsattn.bench.timing import Timing
 
-from conftest import interpreter_child
+from conftest import BENCH_STAMP as STAMP, interpreter_child
 
-STAMP = {"gpu": "none", "commit": "abc", "date": "2026-11-30T12:00:00Z", "torch": "x",
-         "triton": "y"}
 TIMING = Timing(median_ms=0.01, q20_ms=0.009, q80_ms=0.011, reps=20, method="graph", calls=7)
 
 

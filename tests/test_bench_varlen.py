@@ -22,18 +22,9 @@ from wsattn import reference
 from wsattn.bench import gemv, varlen
 from wsattn.bench.peers import FA4_MODULE, FLASHINFER_MODULE
 from wsattn.bench.report import exit_status
-from wsattn.bench.timing import Timing
 
-from conftest import interpreter_child
+from conftest import BENCH_STAMP as STAMP, bench_timing as _timing, interpreter_child
 from test_bench_peers import fake_fa4, fake_flashinfer
-
-STAMP = {"gpu": "none", "commit": "abc", "date": "2026-11-30T12:00:00Z", "torch": "x",
-         "triton": "y"}
-
-
-def _timing(ms):
-    return Timing(median_ms=ms, q20_ms=ms * 0.9, q80_ms=ms * 1.1, reps=20, method="graph",
-                  calls=7)
 
 
 class CountingTimer:

@@ -372,9 +372,7 @@ def check_decode_values(seqlens, block_table, num_pages, page, T, capacity):
     wsattn.sp.decode (T = 0)."""
     lens_bad = (seqlens < T) | (seqlens > capacity)
     if block_table is not None:
-        used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
-                < (seqlens[:, None] + page - 1) // page)
-        pages_bad = used & ((block_table < 0) | (block_table >= num_pages))
+        pages_bad = _pages_bad(block_table, seqlens, page, num_pages)
         flags = torch.stack([lens_bad.any(), pages_bad.any()]).tolist()
     else:
         flags = [bool(lens_bad.any()), False]
@@ -384,9 +382,21 @@ def check_decode_values(seqlens, block_table, num_pages, page, T, capacity):
                          f"least the {T} new token(s), at most the cache's "
                          f"{'block table' if block_table is not None else 'L_max'} capacity)")
     if flags[1]:
-        b, j = (int(x) for x in pages_bad.nonzero()[0])
-        raise ValueError(f"block_table[{b}] holds page {int(block_table[b, j])}, outside "
-                         f"[0, {num_pages}) (num_pages of k_cache)")
+        _raise_bad_page(block_table, pages_bad, num_pages)
+
+
+def _pages_bad(block_table, seqlens, page, num_pages):
+    """[B, max_pages] bool: block-table entries a sequence of seqlens keys uses (its first
+    ceil(seqlens / page) pages) that lie outside [0, num_pages)."""
+    used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+            < (seqlens[:, None] + page - 1) // page)
+    return used & ((block_table < 0) | (block_table >= num_pages))
+
+
+def _raise_bad_page(block_table, pages_bad, num_pages):
+    b, j = (int(x) for x in pages_bad.nonzero()[0])
+    raise ValueError(f"block_table[{b}] holds page {int(block_table[b, j])}, outside "
+                     f"[0, {num_pages}) (num_pages of k_cache)")
 
 
 def _decode_call(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, impl,
@@ -520,9 +530,7 @@ def check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, num_pages
     lens_bad = (seqlens_k < 0) | (seqlens_k > capacity)
     lq_t = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(seqlens_k.device)
     short = (seqlens_k < lq_t) & causal
-    used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
-            < (seqlens_k[:, None] + page - 1) // page)
-    pages_bad = used & ((block_table < 0) | (block_table >= num_pages))
+    pages_bad = _pages_bad(block_table, seqlens_k, page, num_pages)
     flags = torch.stack([lens_bad.any(), short.any(), pages_bad.any()]).tolist()
     if flags[0]:
         b = int(lens_bad.nonzero()[0, 0])
@@ -535,9 +543,7 @@ def check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, num_pages
                          f"(the chunk's own keys are in the cache); sequence {b} has "
                          f"seqlens_k {int(seqlens_k[b])} < q_len {lq[b]}")
     if flags[2]:
-        b, j = (int(x) for x in pages_bad.nonzero()[0])
-        raise ValueError(f"block_table[{b}] holds page {int(block_table[b, j])}, outside "
-                         f"[0, {num_pages}) (num_pages of k_cache)")
+        _raise_bad_page(block_table, pages_bad, num_pages)
 
 
 def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q,

@@ -31,12 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..target import Target, UnsupportedTargetError, target_of
+from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._rebuild import rebuild
 from ._softmax import _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
 from ._intmath import cdiv
+from .prefill_triton import tile_family
 
 LOG2E = 1.4426950408889634
 
@@ -235,12 +236,7 @@ def default_settings(target: Target, head_dim: int, dtype: torch.dtype) -> Paged
     bytes per tile) and keeps at most 2 stages. Raises UnsupportedTargetError below sm_80."""
     if target.backend == "interpreter":
         return _INTERPRETER
-    if head_dim not in (64, 128, 256):
-        raise ValueError(f"paged prefill supports head dims 64, 128, 256, got {head_dim}")
-    if target.cc < 80:
-        raise UnsupportedTargetError(f"the Triton paged prefill kernel needs sm_80 or later, "
-                                     f"got {target.name}")
-    family = "sm80" if target.cc < 90 else "small" if target.cc >= 120 else "big"
+    family = tile_family(target, head_dim, "paged prefill")
     bm, bn, warps, stages = _TILES[family][head_dim]
     if dtype == torch.float32:
         bn = max(16, bn // 2)

@@ -237,6 +237,18 @@ _SHORT_CAUSAL_TILES = {"big": {128: (64, 64, 4, 3)}}
 _INTERPRETER = PrefillSettings(32, 32, 4, 1, use_tma=True)
 
 
+def tile_family(target: Target, head_dim: int, what: str) -> str:
+    """The tile-table family of a GPU target ("sm80", "big" for sm_90/sm_100, "small" for
+    the ~100 KB-shared-memory sm_120 parts) for the Triton prefill kernels; refuses head
+    dims other than 64/128/256 and targets below sm_80, naming ``what`` kernel."""
+    if head_dim not in (64, 128, 256):
+        raise ValueError(f"{what} supports head dims 64, 128, 256, got {head_dim}")
+    if target.cc < 80:
+        raise UnsupportedTargetError(f"the Triton {what} kernel needs sm_80 or later, got "
+                                     f"{target.name}")
+    return "sm80" if target.cc < 90 else "small" if target.cc >= 120 else "big"
+
+
 def default_settings(target: Target, head_dim: int, dtype: torch.dtype, causal: bool,
                      max_seqlen_q: int = 0) -> PrefillSettings:
     """Launch settings for (target, head dim, dtype, causal, longest query; 0 = unknown).
@@ -248,12 +260,7 @@ def default_settings(target: Target, head_dim: int, dtype: torch.dtype, causal: 
     """
     if target.backend == "interpreter":
         return _INTERPRETER
-    if head_dim not in (64, 128, 256):
-        raise ValueError(f"prefill supports head dims 64, 128, 256, got {head_dim}")
-    if target.cc < 80:
-        raise UnsupportedTargetError(f"the Triton prefill kernel needs sm_80 or later, got "
-                                     f"{target.name}")
-    family = "sm80" if target.cc < 90 else "small" if target.cc >= 120 else "big"
+    family = tile_family(target, head_dim, "prefill")
     use_tma = target.has_tma and not (family == "small" and head_dim == 256)
     short = _SHORT_CAUSAL_TILES.get(family, {}).get(head_dim)
     if causal and short and 0 < max_seqlen_q <= SHORT_CAUSAL_Q:

@@ -33,9 +33,10 @@ def _events(torch, work, n=1):
     return start.elapsed_time(end)
 
 
-def _time_ms(fn, target_ms=20.0, graph=True):
-    """(ms per call, "graph" or "eager"): a batch of calls replayed from a CUDA graph,
-    or called eagerly where graph is False or the capture fails."""
+def _timer(fn, target_ms=20.0, graph=True):
+    """(measure, "graph" or "eager"): measure() -> ms per call of fn, over a batch sized to
+    about target_ms, replayed from one CUDA graph captured here, or called eagerly where
+    graph is False or the capture fails. Capture once, replay per repeat."""
     import torch
     fn()
     torch.cuda.synchronize()
@@ -52,9 +53,15 @@ def _time_ms(fn, target_ms=20.0, graph=True):
         except Exception:  # a host read or sync inside: timed eagerly below
             torch.cuda.synchronize()
         else:
-            return _events(torch, g.replay) / n, "graph"
+            return (lambda: _events(torch, g.replay) / n), "graph"
     n = max(1, min(1000, int(target_ms / one)))
-    return _events(torch, fn, n) / n, "eager"
+    return (lambda: _events(torch, fn, n) / n), "eager"
+
+
+def _time_ms(fn, target_ms=20.0, graph=True):
+    """(ms per call, "graph" or "eager") of one batch (see _timer)."""
+    measure, how = _timer(fn, target_ms, graph)
+    return measure(), how
 
 
 def compare(kernel_ms: list, base_ms: list) -> dict:
@@ -94,14 +101,13 @@ def run_profile(spec, repeats: int = 7, seed: int = 0) -> dict:
             if not err <= TOL.get(dtype, 2e-2):
                 return {"ok": False, "error": f"{label}: wrong before timing (relative error {err:.3e})"}
             timed = run.timed or run.run
-            k_ms, b_ms, methods = [], [], set()
-            for _ in range(repeats):
-                for side, fn in ((k_ms, timed), (b_ms, run.baseline)):
-                    ms, how = _time_ms(lambda: fn(inputs))
-                    side.append(ms)
-                    methods.add(("kernel" if side is k_ms else "baseline", how))
-            timing = {who: "+".join(sorted(h for w, h in methods if w == who))
-                      for who in ("kernel", "baseline")}
+            k_measure, k_how = _timer(lambda: timed(inputs))
+            b_measure, b_how = _timer(lambda: run.baseline(inputs))
+            k_ms, b_ms = [], []
+            for _ in range(repeats):  # interleaved, so drift hits both sides alike
+                k_ms.append(k_measure())
+                b_ms.append(b_measure())
+            timing = {"kernel": k_how, "baseline": b_how}
             rows.append({"shape": label, **compare(k_ms, b_ms), "kernel_runs_ms": k_ms,
                          "baseline_runs_ms": b_ms, "timing": timing})
     except Exception as e:

@@ -30,7 +30,6 @@ Shipped refused (VERIFIED_ON_GPU = False) until its sm90 tests pass on a GPU.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..target import target_of
+from ..testing import DTYPE_NAMES
 from ._alloc import empty
+from ._gluon_host import cuda_cc as _cc, nvmma_layout as _layout, tma_descriptor as _descriptor
 from ._intmath import cdiv
 
 GLUON_CC = 90  # wgmma, TMA and setmaxnreg as used here exist on sm_90 only
@@ -290,30 +290,6 @@ def settings_for(T: int, top_k: int, num_experts: int, gate_up: bool,
 
 # --------------------------------------------------------------------------- launcher
 
-_GL_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def _gl_dtype(name):
-    return {"fp16": gl.float16, "bf16": gl.bfloat16}[name]
-
-
-@functools.lru_cache(maxsize=None)
-def _layout(block, dtype_name):
-    # a layout is immutable and building one costs host time on every launch
-    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype_name))
-
-
-def _descriptor(w2, block, dtype_name):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor(w2, list(w2.shape), list(w2.stride()), list(block),
-                            _layout(tuple(block), dtype_name))
-
-
-def _cc(device) -> int | None:
-    device = torch.device(device)
-    return target_of(device).cc if device.type == "cuda" else None
-
-
 def check_device(device) -> None:
     """Raise ValueError naming why impl='gluon' cannot run on this device (or at all yet)."""
     cc = _cc(device)
@@ -362,7 +338,7 @@ def _check_call(x, w, settings, gate_up):
 
 
 def _launch(x, w2, grouping, wts, out, NOUT, K, eps, norm, s, gate_up):
-    name = _GL_DTYPES[x.dtype]
+    name = DTYPE_NAMES[x.dtype]  # fp16 / bf16: the launcher checked it
     desc = _descriptor(w2, (s.BLOCK_N, s.BLOCK_K), name)
     grid = (grouping.sorted_pairs.shape[0] // s.block, cdiv(NOUT, s.BLOCK_N))
     grouped_kernel[grid](desc, x, grouping.sorted_pairs, grouping.expert_of_block,

@@ -22,6 +22,7 @@ import torch
 from ..target import target_of
 from ..testing import DTYPE_NAMES
 from . import _alloc
+from ._gluon_host import cuda_cc as _cc, nvmma_layout as _layout, tma_descriptor as _descriptor
 from ._intmath import cdiv
 from .prefill_gluon_parts import ROWS_PER_WG as WG_M, attn_fwd_kernel
 
@@ -158,28 +159,6 @@ def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool) -> Glu
 
 # --------------------------------------------------------------------------- launcher
 
-
-
-def _gl_dtype(name):
-    from triton.experimental.gluon import language as gl
-    return {"fp16": gl.float16, "bf16": gl.bfloat16}[name]
-
-
-def _layout(block, dtype_name):
-    return _layout_cached(tuple(block), dtype_name)
-
-
-@functools.lru_cache(maxsize=None)
-def _layout_cached(block, dtype_name):
-    # Built per launch it cost ~20 us of host time (four per call); a layout is immutable.
-    from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype_name))
-
-
-def _descriptor(t3, block, dtype_name):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor(t3, list(t3.shape), list(t3.stride()), block,
-                            _layout(block, dtype_name))
 
 
 def _constexprs(head_dim, group, causal, s: GluonSettings):
@@ -337,11 +316,6 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
 
 
 # --------------------------------------------------------------------------- qualification
-
-def _cc(device) -> int | None:
-    device = torch.device(device)
-    return target_of(device).cc if device.type == "cuda" else None
-
 
 def device_supported(device) -> bool:
     """True where the Gluon kernel runs: CUDA devices of compute capability 9.0."""

@@ -194,6 +194,8 @@ def test_ratio_and_target():
 
 
 def test_plot_written(tmp_path):
+    # matplotlib is the optional [plot] extra; the test venv installs it, so this runs in
+    # CI and skips only where plotting is not installed at all
     pytest.importorskip("matplotlib")
     rows = [_row(p, page, impl, 1.0 + p / 8192, D=D) for D in (128, 64)
             for p in (0, 2048, 8192, 32768)

@@ -207,6 +207,8 @@ def test_ratios_and_table():
 
 
 def test_plot_written(tmp_path):
+    # matplotlib is the optional [plot] extra; the test venv installs it, so this runs in
+    # CI and skips only where plotting is not installed at all
     pytest.importorskip("matplotlib")
     rows = [_row(m, b, i, f) for m in ("qwen3-30b-a3b", "mixtral-8x7b") for b in (1, 8, 64)
             for i, f in (("hf-grouped_mm", 0.2), ("wsattn-triton", 0.75))]

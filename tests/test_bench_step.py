@@ -229,6 +229,8 @@ def test_gemv_row_schema_target_and_ratio():
 
 
 def test_plots(tmp_path):
+    # matplotlib is the optional [plot] extra; the test venv installs it, so this runs in
+    # CI and skips only where plotting is not installed at all
     pytest.importorskip("matplotlib")
     rows = [_step_row("hf-compile", 4.2), _step_row("wsattn-graph-pdl", 0.7)]
     path, msg = step.plot_rows(rows, tmp_path / "step.png")

@@ -287,6 +287,8 @@ def test_exit_status_names_our_broken_columns(capsys):
 
 
 def test_plot_written(tmp_path):
+    # matplotlib is the optional [plot] extra; the test venv installs it, so this runs in
+    # CI and skips only where plotting is not installed at all
     pytest.importorskip("matplotlib")
     rows = [_row(i, layout, 1.0 + j, case=c) for c in varlen.varlen_cases(CASE.pack)
             for j, i in enumerate(varlen.IMPLS) for layout in varlen.LAYOUTS]
@@ -313,6 +315,8 @@ def test_main_prints_writes_and_exits(monkeypatch, tmp_path, capsys):
     """main() end to end with the GPU work faked: every case of the options run, the table
     printed, JSON and plot written where asked, exit status 1 only for a broken wsattn
     column."""
+    # matplotlib is the optional [plot] extra; the test venv installs it, so this runs in
+    # CI and skips only where plotting is not installed at all
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     seen = []

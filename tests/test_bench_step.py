@@ -296,7 +296,24 @@ def test_per_step_is_the_difference_of_two_traces():
     assert d["busy_us_per_step"] == 40 and d["idle_us_per_step"] == pytest.approx(60)
     with pytest.raises(ValueError):
         step.per_step(long, short, 0)
-    assert step.per_token_ms([10.0, 11.0, 12.0], [42.0, 45.0, 43.0], 32) == pytest.approx(1.0)
+    assert step.engine_per_token_ms({"decode_s": 0.032, "decode_steps": 32}) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no decode step"):
+        step.engine_per_token_ms({"decode_s": 0.0, "decode_steps": 0})
+
+
+def test_token_marks_time_from_the_first_new_token():
+    """The transformers streamer's marks: the prompt's put and the first token's are not
+    timed; (last - first token) / steps; fewer than two tokens is an error."""
+    import torch
+
+    marks = step.TokenMarks(torch, "cpu")
+    marks.marks = [0.0, 5.0, 5.001, 5.002, 5.004]  # prompt, first token, three steps
+    assert marks.per_token_ms() == pytest.approx(4.0 / 3)
+    marks.put(None)
+    assert len(marks.marks) == 6 and marks.marks[-1] > 5.004
+    marks.marks = [0.0, 1.0]
+    with pytest.raises(ValueError, match="two or more tokens"):
+        marks.per_token_ms()
 
 
 def test_gaps_between_kernel_pairs():
@@ -413,7 +430,7 @@ def test_step_runner_end_to_end_on_a_tiny_llama():
     assert ws["rel_err"] <= 2e-3 and ws["check_passed"] and ws["check_steps"] == 2
     for row in (hf, ws):
         assert row["ms_per_token"] > 0 and row["floor_ms"] > 0 and row["kernels_per_step"] == 0
-        assert set(row["samples_ms"]) == {"t1", "t3"}
+        assert len(row["samples_ms"]["per_token"]) == 1
     (failed,) = r["failed"]
     assert failed["status"] == "failed" and failed["ms_per_token"] is None
     (missing,) = r["missing"]

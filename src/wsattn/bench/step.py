@@ -21,13 +21,18 @@ Columns (``impl``):
   transformers' own error (see :func:`teacher_forced_check`); a failed check is recorded,
   not timed.
 
-Per-token time, for every column alike: ``(t(1 + n) - t(1)) / n`` with ``t(k)`` the wall
-time of generating k tokens after the prompt (median of a few runs), so prefill cancels
-and what remains is n decode steps with their sampling and host work. The floor is
-(weight bytes a step reads + KV bytes at the context) / the copy ceiling measured in the
-same run; ``frac_floor`` = floor / ms per token. Kernels per step and GPU busy time come
-from two torch.profiler traces, of ``t(1)`` and of ``t(1 + n)``: their difference over n is
-one step's share; idle per step = ms per token - GPU busy per step (the union of kernel and
+Per-token time, for every column alike: the time from the first new token to the last of
+``1 + n`` new tokens, over n (median of a few runs). The marks are CUDA events recorded as
+each token is ready (transformers: in a streamer's ``put``, which its decode loop calls
+after its per-token synchronisation; the engine: its ``timings`` events), so what is
+timed is n decode steps with their sampling and host work, and the prompt's prefill is
+outside the span. (Timing whole runs and subtracting a one-token run put the prefill's
+run-to-run spread, 10-200 ms at the 4k-token prompts on the H200, into a difference of
+about 30 ms: per-token figures moved by 0.3-0.9 ms between runs of the same commit.)
+The floor is (weight bytes a step reads + KV bytes at the context) / the copy ceiling
+measured in the same run; ``frac_floor`` = floor / ms per token. Kernels per step and
+GPU busy time come from two torch.profiler traces, of generating 1 and 1 + n tokens: their
+difference over n is one step's share; idle per step = ms per token - GPU busy per step (the union of kernel and
 copy intervals, so kernels overlapped by PDL are not counted twice).
 """
 
@@ -257,9 +262,43 @@ def per_step(long: dict, short: dict, steps: int, ms_per_token: float | None = N
             "gaps_by_pair": pairs[:TOP_KERNELS]}
 
 
-def per_token_ms(t1: list[float], tn: list[float], n: int) -> float:
-    """(median t(1 + n) - median t(1)) / n, times in ms."""
-    return (statistics.median(tn) - statistics.median(t1)) / n
+class TokenMarks:
+    """A transformers streamer that marks when each ``put`` arrives (a CUDA event on a GPU,
+    ``time.perf_counter`` elsewhere): the prompt first, then one put per new token."""
+
+    def __init__(self, torch, device):
+        self.torch, self.cuda = torch, torch.device(device).type == "cuda"
+        self.marks = []
+
+    def put(self, value) -> None:
+        if self.cuda:
+            ev = self.torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def per_token_ms(self) -> float:
+        """(last token - first token) / the steps between them, in ms."""
+        steps = len(self.marks) - 2  # the prompt's put and the first token's are not steps
+        if steps < 1:
+            raise ValueError(f"need the prompt and two or more tokens put, got "
+                             f"{len(self.marks)} puts")
+        first, last = self.marks[1], self.marks[-1]
+        if self.cuda:
+            last.synchronize()
+            return first.elapsed_time(last) / steps
+        return (last - first) * 1e3 / steps
+
+
+def engine_per_token_ms(timings: dict) -> float:
+    """ms per decode step from the engine's ``timings`` (first new token to the last)."""
+    if not timings.get("decode_steps"):
+        raise ValueError(f"the engine ran no decode step: {timings}")
+    return timings["decode_s"] * 1e3 / timings["decode_steps"]
 
 
 # --------------------------------------------------------------------------- rows
@@ -438,14 +477,6 @@ def _sync(torch, device):
         torch.cuda.synchronize(device)
 
 
-def _wall_ms(torch, device, fn) -> float:
-    _sync(torch, device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(torch, device)
-    return (time.perf_counter() - t0) * 1e3
-
-
 def _profile(torch, device, fn) -> dict:
     """gpu_summary of a torch.profiler trace of fn (no GPU events on a CPU device)."""
     from torch.profiler import ProfilerActivity, profile
@@ -515,7 +546,7 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
 
     from .suite import _short
 
-    # the traced run is the timed one, t(1 + n): another length would give the static
+    # the traced run is the timed one, 1 + n tokens: another length would give the static
     # cache another shape, which torch.compile would compile (and cudagraph-warm) anew
     n, checks = args.new_tokens, args.check_steps
     g = torch.Generator().manual_seed(case.B * 7919 + case.ctx)
@@ -537,11 +568,17 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
                 ids_dev = ids.to(device)
                 extra = {"cache_implementation": "static"} if impl == "hf-compile" else {}
 
-                def gen(tokens, extra=extra, ids_dev=ids_dev):
+                def gen(tokens, extra=extra, ids_dev=ids_dev, streamer=None):
                     with torch.inference_mode():
                         return model.generate(ids_dev, attention_mask=torch.ones_like(ids_dev),
                                               max_new_tokens=tokens, min_new_tokens=tokens,
-                                              do_sample=False, pad_token_id=0, **extra)
+                                              do_sample=False, pad_token_id=0,
+                                              streamer=streamer, **extra)
+
+                def timed(tokens, gen=gen):
+                    marks = TokenMarks(torch, device)
+                    gen(tokens, streamer=marks)
+                    return marks.per_token_ms()
             else:
                 engine, note = build_engine(model, case, impl.endswith("-pdl"),
                                             case.ctx + max(n, checks) + 2, device)
@@ -559,13 +596,15 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
 
                 def gen(tokens, engine=engine):
                     return engine.run(ids, tokens)
+
+                def timed(tokens, engine=engine):
+                    t = {}
+                    engine.run(ids, tokens, timings=t)
+                    return engine_per_token_ms(t)
             for _ in range(2):  # warm-up: compilation, graph capture, allocator
                 gen(1 + n)
-            t1, tn = [], []
-            for _ in range(args.repeats):
-                t1.append(_wall_ms(torch, device, lambda: gen(1)))
-                tn.append(_wall_ms(torch, device, lambda: gen(1 + n)))
-            ms = per_token_ms(t1, tn, n)
+            samples = [timed(1 + n) for _ in range(args.repeats)]
+            ms = statistics.median(samples)
             prof = None
             try:
                 prof = per_step(_profile(torch, device, lambda: gen(1 + n)),
@@ -574,7 +613,7 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
                 note = "; ".join(filter(None, [note, "profile failed: " + _short(e)]))
             rows.append(make_row(stamp, case, impl, "ok", rel_err=rel, tol=tol,
                                  check_steps=checks if rel is not None else None,
-                                 ms_per_token=ms, samples_ms={"t1": t1, f"t{1 + n}": tn},
+                                 ms_per_token=ms, samples_ms={"per_token": samples},
                                  profile=prof, profile_steps=n, note=note, **common))
         except NotAvailable as e:
             rows.append(make_row(stamp, case, impl, "not available", reason=str(e)[:300], **common))
@@ -647,9 +686,10 @@ def add_arguments(group) -> None:
     group.add_argument("--step-impl", nargs="+", choices=IMPLS, default=list(IMPLS),
                        metavar="IMPL", help=f"step: columns (default all: {' '.join(IMPLS)})")
     group.add_argument("--new-tokens", type=int, default=32,
-                       help="step: n in (t(1 + n) - t(1)) / n (default 32)")
+                       help="step: decode steps timed, from the first new token to the "
+                            "last of 1 + n (default 32)")
     group.add_argument("--repeats", type=int, default=3,
-                       help="step: runs of t(1) and t(1 + n) (medians; default 3)")
+                       help="step: timed runs (the median is reported; default 3)")
     group.add_argument("--check-steps", type=int, default=4,
                        help="step: new tokens whose logits are checked (default 4)")
     group.add_argument("--check-tol", type=float, default=None,

@@ -4,13 +4,13 @@ CPU: compile for sm_90 with no GPU at the Qwen3-30B-A3B (H 2048, F 768, E 128, k
 Mixtral-8x7B (H 4096, F 14336, E 8, k 2) shapes, gate/up and down, blocks 1 / 4 / 16 / 32
 (MMA N 8 / 8 / 16 / 32), and check the structure it is built for (a 1-warp producer
 partition with its setmaxnreg, swap-AB wgmma m64nN, TMA loads, inactive blocks leaving
-before any barrier, no spills, shared memory within sm_90's); the refusal while
-VERIFIED_ON_GPU is False and off sm_90; argument checks; the launcher's grid, descriptor
+before any barrier, no spills, shared memory within sm_90's); the refusal when
+VERIFIED_ON_GPU is set False and off sm_90; argument checks; the launcher's grid, descriptor
 and constants (the kernel replaced by a recorder).
 sm90: numerics against a float64 reference (NaN-poisoned outputs, T 1 / 3 / 8 / 33 / 64,
 Qwen3 and Mixtral-shaped configs, a ragged shape, empty experts, one expert taking every
-token), bit-identical reruns, CUDA graph replay equal to eager. They flip VERIFIED_ON_GPU
-inside the test only.
+token), bit-identical reruns, CUDA graph replay equal to eager. They set VERIFIED_ON_GPU
+inside the test, so they can run while it is False.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def _grouping(T=4, E=4, k=2, block=16, device="cpu"):
                       block, k, E), ids
 
 
-def test_refused_while_not_verified_on_gpu():
-    assert MG.VERIFIED_ON_GPU is False  # flipped only once the sm90 tests have passed
+def test_refused_while_not_verified_on_gpu(monkeypatch):
+    monkeypatch.setattr(MG, "VERIFIED_ON_GPU", False)
     x, rw, wgu, wd = _inputs()
     g, _ = _grouping()
     match = r"not enabled: it has not passed its GPU numerics"
@@ -149,6 +149,8 @@ def test_refused_while_not_verified_on_gpu():
 
 
 def test_moe_refuses_before_any_kernel_runs(monkeypatch):
+    monkeypatch.setattr(MG, "VERIFIED_ON_GPU", False)
+
     def no_kernel(*a, **kw):
         raise AssertionError("a kernel ran before the refusal")
     monkeypatch.setattr(M, "route", no_kernel)
@@ -170,9 +172,12 @@ def test_refused_off_sm90_once_verified(monkeypatch, cc, where):
         M.moe(x, rw, wgu, wd, top_k=2, renormalize=True, impl="gluon")
 
 
-def test_bench_column_is_not_available_with_the_kernels_reason():
+def test_bench_column_is_not_available_with_the_kernels_reason(monkeypatch):
     from wsattn.bench import moe as bench
     x = torch.randn(2, 64).to(torch.bfloat16)
+    with pytest.raises(bench.NotAvailable, match="runs on sm_90 .* not on CPU tensors"):
+        bench._calls(SimpleNamespace(cfg=None), "wsattn-gluon", x, [], {})
+    monkeypatch.setattr(MG, "VERIFIED_ON_GPU", False)
     with pytest.raises(bench.NotAvailable, match="not enabled"):
         bench._calls(SimpleNamespace(cfg=None), "wsattn-gluon", x, [], {})
 

@@ -25,7 +25,9 @@ and silu(gate) * up in fp32 and rounds once into act; down multiplies by the pai
 routing weight and writes fp32 rows by pair index. moe.py's combine kernel then adds a
 token's k rows in slot order: deterministic, no atomics.
 
-Shipped refused (VERIFIED_ON_GPU = False) until its sm90 tests pass on a GPU.
+VERIFIED_ON_GPU is True since its sm90 tests passed on an H200
+(benchmarks/results/gluon_moe_gpu_tests_H200_*.log); set it to False to refuse the
+kernel again (impl="gluon" then raises, naming why).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from ._intmath import cdiv
 GLUON_CC = 90  # wgmma, TMA and setmaxnreg as used here exist on sm_90 only
 # True once the kernel has passed its GPU numerics (the sm90 tests of
 # tests/test_moe_gluon.py); False refuses impl="gluon".
-VERIFIED_ON_GPU = False
+VERIFIED_ON_GPU = True
 GLUON_DTYPES = (torch.float16, torch.bfloat16)
 OTHER_KERNELS = "impl='triton' (the default) runs everywhere the MoE kernels run"
 WG_M = 64  # output rows of a warpgroup's wgmma (M = 64)

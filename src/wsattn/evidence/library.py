@@ -9,6 +9,7 @@ defensive: a kernel module or function that is missing gives a spec marked unava
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 
@@ -660,10 +661,10 @@ def _build_moe(shape, dtype, device, gen):
             "residual": _rnd(gen, dt, device, T, H)}
 
 
-def _moe_run(inp):
+def _moe_run(inp, impl="triton"):
     from ..kernels.moe import moe
     return moe(inp["x"], inp["router_w"], inp["w_gate_up"], inp["w_down"], top_k=_MOE_K,
-               renormalize=True, norm_eps=_MOE_EPS, residual=inp["residual"])
+               renormalize=True, norm_eps=_MOE_EPS, residual=inp["residual"], impl=impl)
 
 
 def _moe_reference(inp):
@@ -705,9 +706,14 @@ def _moe_torch(inp):
     return out
 
 
-def _moe_entry():
-    run = RunSpec(draw_shape=_draw_moe, build=_build_moe, run=_moe_run, reference=_moe_reference,
+def _moe_entry(name="moe", impl="triton"):
+    """The MoE block through moe(impl=...): "triton" (every target) or "gluon" (the sm_90
+    warp-specialized grouped gate/up and down; route, group and combine stay Triton)."""
+    gluon = impl == "gluon"
+    run = RunSpec(draw_shape=_draw_moe, build=_build_moe,
+                  run=functools.partial(_moe_run, impl=impl), reference=_moe_reference,
                   dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),
+                  interpreter=not gluon,
                   baseline=_moe_torch, baseline_name="torch eager MoE block (transformers-style)",
                   profile_shapes=({"T": 1, "H": 2048, "F": 768}, {"T": 8, "H": 2048, "F": 768}),
                   # T 3 and T 33: blocks of 16 (tl.dot), the default block at both
@@ -715,11 +721,14 @@ def _moe_entry():
                   describe=_describe_moe)
     # gates 0-2 read the grouped gate/up kernel (the weight stream); gates 3-7 run all five
     kwargs = {"kernel": "gate_up", "T": 1, "H": 2048, "E": _MOE_E, "top_k": _MOE_K, "F": 768,
-              "dtype": "bf16", "norm": True, "residual": True, "renormalize": True,
-              "pdl": _PDL_BY_TARGET}
-    return ("moe", "wsattn.kernels.moe", "compile_spec", kwargs, run,
-            f"Triton MoE block (route, group, gate/up, down + combine), E={_MOE_E} top {_MOE_K}, "
-            "H=2048 F=768 bf16; gates 0-2 on the grouped gate/up kernel", None)
+              "dtype": "bf16", "norm": True}
+    if not gluon:
+        kwargs.update(residual=True, renormalize=True, pdl=_PDL_BY_TARGET)
+    what = "Gluon warp-specialized grouped gate/up and down" if gluon else "Triton"
+    return (name, f"wsattn.kernels.moe{'_gluon' if gluon else ''}", "compile_spec", kwargs, run,
+            f"MoE block, {what} (route, group, gate/up, down + combine), E={_MOE_E} top "
+            f"{_MOE_K}, H=2048 F=768 bf16; gates 0-2 on the grouped gate/up kernel",
+            (90,) if gluon else None)
 
 
 # --------------------------------------------------------------------------- registry
@@ -743,6 +752,7 @@ ENTRIES = (
     _qkv_entry("qkv_rope_qwen3", "qwen3"),
     _qkv_entry("qkv_rope_qwen2", "qwen2"),
     _moe_entry(),
+    _moe_entry("moe_gluon", impl="gluon"),
 )
 NAMES = tuple(e[0] for e in ENTRIES)
 

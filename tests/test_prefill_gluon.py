@@ -308,10 +308,10 @@ def test_varlen_no_work_launches_nothing(monkeypatch):
     assert rec.launches == []
 
 
-def test_varlen_dispatch_accepts_gluon_and_auto_keeps_triton():
+def test_varlen_dispatch_accepts_gluon_and_auto_ranks_by_the_longest_sequence():
     """impl="gluon" qualifies varlen prefill on sm_90 (no kv_len check: rows with no key get
-    0 and -inf); the paged prefill stays refused; impl="auto" still ranks only Triton for
-    varlen, whose ranking changes once the Gluon varlen path is measured."""
+    0 and -inf); the paged prefill stays refused; impl="auto" ranks varlen as fixed-length
+    prefill, on the longest sequence."""
     from wsattn import dispatch
     dev = torch.device("cuda", 0)
     call = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True)
@@ -329,8 +329,10 @@ def test_varlen_dispatch_accepts_gluon_and_auto_keeps_triton():
         assert "kv_len > 0" in dispatch.reason(
             "gluon", dispatch.Call("prefill", dev, torch.bfloat16, 128, False, 4, 0))
         assert dispatch.resolve("gluon", call) == "gluon"
-        assert dispatch.ranking(call) == ("triton", )
+        assert dispatch.ranking(call) == ("triton", "gluon")  # seqlen_q 0: short
         assert dispatch.resolve("auto", call) == "triton"
+        long = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True, 4096, 4096)
+        assert dispatch.resolve("auto", long) == "gluon"
 
 
 def test_ladder_varlen_entry_builds_and_runs_the_varlen_launcher(monkeypatch):
@@ -763,8 +765,15 @@ def test_auto_prefers_triton_only_where_it_measured_faster():
     assert first(1024, 128, False) == "gluon"
     assert first(1024, 64, False) == "triton" and first(4096, 64, False) == "gluon"
     assert first(4096, 64, True) == "gluon"
-    # varlen: Triton until the Gluon varlen build passes the ladder's sanitizer gate
-    assert ranking(Call("prefill_varlen", dev, torch.bfloat16, 128, True, 3851, 3851)) == ("triton",)
+    # varlen: the same rule on the longest sequence (max_seqlen_q, else the packed total)
+    def first_varlen(S, D, causal):
+        return ranking(Call("prefill_varlen", dev, torch.bfloat16, D, causal, S, S))[0]
+
+    assert first_varlen(3851, 128, True) == "gluon" and first_varlen(3851, 64, False) == "gluon"
+    assert first_varlen(1024, 128, True) == "triton" and first_varlen(1024, 128, False) == "gluon"
+    assert first_varlen(900, 64, True) == "triton"
+    assert ranking(Call("prefill_varlen", dev, torch.bfloat16, 128, True, 3851, 3851)) == \
+        ("gluon", "triton")
 
 
 @pytest.mark.sm90

@@ -84,12 +84,14 @@ SUPPORTS = {"gluon": _gluon_supports, "triton": _triton_supports,
 # N = 1024: D64 355 vs 376 TFLOP/s, D64 causal 192 vs 271, D128 causal 314 vs 354; D128
 # non-causal 523 vs 409 stays Gluon; from N = 4096 on the Gluon kernel leads or ties.
 TRITON_FASTER_UP_TO = {(64, False): 1024, (64, True): 1024, (128, True): 1024}
-# Varlen stays on Triton under "auto" until the Gluon varlen build has been through the
-# ladder's stress and sanitizer gates (its GPU numerics pass). It is faster: on the H200,
-# a 16k-token pack of 11 sequences of 225-3851 tokens (`wsattn bench varlen`, GQA 32/8)
-# ran 1.09-1.25x the Triton kernel (D128 causal 439 vs 368 TFLOP/s, full 518 vs 415; D64
-# causal 320 vs 292, full 417 vs 361). Then it takes the rule above with the longest
-# sequence (Call.seqlen_q: max_seqlen_q, else Tq) in place of Sq.
+# Varlen takes the same rule with its longest sequence (Call.seqlen_q: max_seqlen_q, else
+# Tq) in place of Sq. The Gluon varlen build reached the ladder's sanitizer gate (with the
+# warp-specialize dispatch waiver of the other Gluon builds; ladder_sm90_varlen_moe.md)
+# and, on the H200, ran 1.10-1.28x the Triton varlen kernel on a 16k-token pack of
+# lengths drawn from 64-8192 (`wsattn bench varlen --varlen-heads gqa`, GQA 32/8: D128
+# causal 433 vs 384 TFLOP/s, full 547 vs 414; D64 causal 318 vs 289, full 422 vs 363).
+# Packs of only short sequences are unmeasured; with max_seqlen_q given, the rule sends
+# them to Triton as it does short fixed-length calls.
 
 
 def ranking(call: Call) -> tuple[str, ...]:
@@ -97,7 +99,7 @@ def ranking(call: Call) -> tuple[str, ...]:
     if call.device.type != "cuda":
         # CPU: the kernels only under the interpreter (a test mode), else the reference
         return ("triton", "reference") if interpreting() else ("reference",)
-    if call.op == "prefill":
+    if call.op in ("prefill", "prefill_varlen"):
         limit = TRITON_FASTER_UP_TO.get((call.head_dim, bool(call.causal)), 0)
         return ("triton", "gluon") if call.seqlen_q <= limit else ("gluon", "triton")
     return ("triton",)

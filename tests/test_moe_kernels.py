@@ -360,7 +360,7 @@ def test_blocks_max_bounds_every_grouping():
 # --------------------------------------------------------------------------- compile-only
 
 QWEN3_30B = dict(H=2048, E=128, top_k=8, F=768)
-KERNELS = {"route": dict(norm=True), "group": {}, "gate_up": dict(norm=True), "down": {},
+KERNELS = {"router_logits": dict(norm=True), "route": {}, "group": {}, "gate_up": dict(norm=True), "down": {},
            "combine": dict(residual=True)}
 
 
@@ -394,7 +394,7 @@ def test_sm90_qwen3_30b_builds_do_not_spill_and_pdl_waits(T, record_property):
 
 
 def test_sm90_router_loads_its_weight_before_the_pdl_wait():
-    ttgir = _compile("route", T=8, pdl=True, norm=True).asm["ttgir"]
+    ttgir = _compile("router_logits", T=8, pdl=True, norm=True).asm["ttgir"]
     tw = ttgir.index("griddepcontrol.wait")
     names = re.findall(r"(%\w+) = tt\.load", ttgir[:tw])
     assert [n.split("_")[0] for n in names] == ["%w"], names  # the router weight only

@@ -194,9 +194,11 @@ def test_moe_launches_per_layer():
     assert tri == {"qkv_rope._qkv_rope_kernel": L * steps,
                    "decode_triton._decode_kernel": L * steps,
                    "gemv._gemv_kernel": (1 + 3 + 1) * steps,  # o, o + gate/up + down, lm_head
-                   "moe._route_kernel": steps, "moe._group_kernel": steps,
+                   "moe._router_logits_kernel": steps, "moe._route_kernel": steps,
+                   "moe._group_kernel": steps,
                    "moe._grouped_kernel": 2 * steps, "moe._combine_kernel": steps}, r
-    moe_layer = 1 + 1 + 1 + 1 + 1 + 2 + 1  # qkv, decode, o, route, group, gate/up, down, combine
+    # qkv, decode, o, router logits, route, group, gate/up, down, combine
+    moe_layer = 1 + 1 + 1 + 2 + 1 + 2 + 1
     dense_layer = 1 + 1 + 3
     assert sum(tri.values()) == (moe_layer + dense_layer + 1) * steps, r  # + the LM head
 

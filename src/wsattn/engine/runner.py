@@ -21,10 +21,10 @@ folded into the next projection and only ``1/rms`` applied in the kernel)::
     logits = gemv(h, lm_head, norm_eps)                  (+ one cast to fp32 for 16-bit models)
 
 In a mixture-of-experts layer (``i in cfg.moe_layers``: Qwen3-MoE, Mixtral) the two MLP
-GEMVs are the MoE kernels of :mod:`wsattn.kernels.moe` (7 library calls, 8 Triton
-launches a layer, 9 when decode splits the keys)::
+GEMVs are the MoE kernels of :mod:`wsattn.kernels.moe` (7 library calls, 9 Triton
+launches a layer, 10 when decode splits the keys)::
 
-        wts, ids = route(h, router, top_k, renormalize=norm_topk, norm_eps)   1 launch
+        wts, ids = route(h, router, top_k, renormalize=norm_topk, norm_eps)   2 (logits, top-k)
         g = group(ids, experts, block)                                        1
         act = moe_gate_up(h, w_gate_up, g, norm_eps)                          1
         h = moe_down_combine(act, w_down, g, wts, out=h, residual=h)          2 (down, combine)

@@ -54,18 +54,27 @@ from .gemv import accumulate
 
 # --------------------------------------------------------------------------- kernels
 
+# Router rows a program of the router-logits kernel takes: 4 rows of H = 2048 is 16 KB,
+# 32 programs for 128 experts at T = 1 (one SM's bandwidth was the whole router's time).
+ROUTER_BLOCK_E = 4
+
+
+def _router_block_h(H: int) -> int:
+    return max(16, min(next_pow2(H), 1024))  # [4, 1024] fp32 products: 32 a thread
+
 @triton.jit
-def _route_kernel(x_ptr, w_ptr, wts_ptr, ids_ptr, H, E, eps, stride_xt, stride_we,
-                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_TK: tl.constexpr, NORM: tl.constexpr, RENORM: tl.constexpr,
-                  SIGMOID: tl.constexpr, PDL: tl.constexpr):
-    # grid (T,): one token a program; all E logits live in its registers (E <= 128)
-    t = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, H, E, eps, stride_xt, stride_we,
+                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                          PDL: tl.constexpr):
+    # grid (cdiv(E, BLOCK_E), T): BLOCK_E router rows against one token's x, so the router
+    # weight streams through many SMs at once (one program a token, reading all of it,
+    # took 32 us at the Qwen3-30B-A3B shape on the H200: one SM's worth of bandwidth)
+    t = tl.program_id(1)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_live = e < E
     hh = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     rows = w_ptr + e.to(tl.int64)[:, None] * stride_we  # [BLOCK_E, 1]
-    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
     ss = tl.zeros([BLOCK_H], dtype=tl.float32)
     # the router weight is never written during a step: its first tile may load before
     # the PDL wait; x is the previous kernel's output and loads after it
@@ -74,17 +83,32 @@ def _route_kernel(x_ptr, w_ptr, wts_ptr, ids_ptr, H, E, eps, stride_xt, stride_w
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the rule of gemv.py's _gemv_kernel
     xv = tl.load(x_ptr + t * stride_xt + hh, mask=hh < H, other=0.0).to(tl.float32)
-    acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+    acc += w.to(tl.float32) * xv[None, :]
     ss += xv * xv
     for h0 in range(BLOCK_H, H, BLOCK_H):
         h = h0 + hh
         w = tl.load(rows + h[None, :], mask=e_live[:, None] & (h < H)[None, :], other=0.0)
         xv = tl.load(x_ptr + t * stride_xt + h, mask=h < H, other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+        acc += w.to(tl.float32) * xv[None, :]
         ss += xv * xv  # unused without NORM: compiled away
-    logits = acc  # [BLOCK_E] fp32, never rounded to the model dtype
+    logits = tl.sum(acc, axis=1)  # [BLOCK_E] fp32, never rounded to the model dtype
     if NORM:
         logits = logits * tl.rsqrt(tl.sum(ss, axis=0) / H + eps)
+    tl.store(logits_ptr + t * E + e, logits, mask=e_live)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_TK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr,
+                  PDL: tl.constexpr):
+    # grid (T,): one token's E fp32 logits (E <= 256) -> its top-k ids and weights
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    e_live = e < E
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the logits come from the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
+    logits = tl.load(logits_ptr + t * E + e, mask=e_live, other=0.0)
     if SIGMOID:
         p = tl.sigmoid(logits)
     else:
@@ -477,15 +501,17 @@ def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", 
     target, pdl = _resolve_pdl(pdl, x.device)
     if target.backend == "interpreter" and x.dtype == torch.bfloat16:
         x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
+    logits = empty((T, E), torch.float32, x.device)
     wts = empty((T, top_k), torch.float32, x.device)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
-    block_e = max(16, next_pow2(E))
-    block_h = max(16, min(next_pow2(H), 8192 // block_e))  # [E, H] tile <= 8K values
     launch = {"launch_pdl": True} if pdl else {}
+    _router_logits_kernel[(cdiv(E, ROUTER_BLOCK_E), T)](
+        x, router_w, logits, H, E, float(norm_eps or 0.0), x.stride(0), router_w.stride(0),
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=_router_block_h(H), NORM=norm_eps is not None,
+        PDL=pdl, num_warps=4, **launch)
     _route_kernel[(T,)](
-        x, router_w, wts, ids, H, E, float(norm_eps or 0.0), x.stride(0), router_w.stride(0),
-        TOP_K=top_k, BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_TK=next_pow2(top_k),
-        NORM=norm_eps is not None, RENORM=renormalize, SIGMOID=scoring == "sigmoid",
+        logits, wts, ids, E, TOP_K=top_k, BLOCK_E=max(16, next_pow2(E)),
+        BLOCK_TK=next_pow2(top_k), RENORM=renormalize, SIGMOID=scoring == "sigmoid",
         PDL=pdl, num_warps=4, **launch)
     return wts, ids
 
@@ -789,7 +815,8 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
                  settings: MoeSettings | None = None, num_sms: int = 132) -> dict:
     """What ``triton.compile`` needs to build one MoE kernel for compute capability cc.
 
-    kernel: "route", "group", "gate_up", "down" or "combine". Settings default to
+    kernel: "router_logits", "route" (top-k of the logits), "group", "gate_up", "down" or
+    "combine". Settings default to
     default_settings on a GPU with num_sms SMs. Returns {"fn", "signature",
     "constexprs", "attrs", "options"} as gemv.compile_spec does.
     """
@@ -800,16 +827,19 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
     options = {"num_warps": 4}
     if pdl:
         options["launch_pdl"] = True
-    if kernel == "route":
-        block_e = max(16, next_pow2(E))
-        sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "wts_ptr": "*fp32", "ids_ptr": "*i32",
-               "H": "i32", "E": "i32", "eps": "fp32", "stride_xt": "i32", "stride_we": "i32"}
-        const = {"TOP_K": top_k, "BLOCK_E": block_e,
-                 "BLOCK_H": max(16, min(next_pow2(H), 8192 // block_e)),
-                 "BLOCK_TK": next_pow2(top_k), "NORM": norm, "RENORM": renormalize,
-                 "SIGMOID": False, "PDL": pdl}
-        fn, aligned = _route_kernel, ("x_ptr", "w_ptr", "wts_ptr", "ids_ptr", "H",
-                                      "stride_xt", "stride_we")
+    if kernel == "router_logits":
+        sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "logits_ptr": "*fp32", "H": "i32", "E": "i32",
+               "eps": "fp32", "stride_xt": "i32", "stride_we": "i32"}
+        const = {"BLOCK_E": ROUTER_BLOCK_E, "BLOCK_H": _router_block_h(H), "NORM": norm,
+                 "PDL": pdl}
+        fn, aligned = _router_logits_kernel, ("x_ptr", "w_ptr", "logits_ptr", "H",
+                                              "stride_xt", "stride_we")
+    elif kernel == "route":
+        sig = {"logits_ptr": "*fp32", "wts_ptr": "*fp32", "ids_ptr": "*i32", "E": "i32"}
+        const = {"TOP_K": top_k, "BLOCK_E": max(16, next_pow2(E)),
+                 "BLOCK_TK": next_pow2(top_k), "RENORM": renormalize, "SIGMOID": False,
+                 "PDL": pdl}
+        fn, aligned = _route_kernel, ("logits_ptr", "wts_ptr", "ids_ptr")
     elif kernel == "group":
         sig = {"ids_ptr": "*i32", "pairs_ptr": "*i32", "offs_ptr": "*i32", "counts_ptr": "*i32",
                "eob_ptr": "*i32", "nact_ptr": "*i32", "P": "i32", "E": "i32", "ROWS": "i32",

@@ -157,7 +157,12 @@ def model_gemvs(model: str, cfg, M: int, dtype: str = "bf16") -> list[GemvCase]:
 def gemv_cases(models=None, m_values=M_VALUES, kernels=KERNELS, dtype="bf16") -> list[GemvCase]:
     from .step import MODELS, model_config
 
-    models = list(MODELS) if models is None else list(models)
+    if models is None:
+        models = [m for m in MODELS if not model_config(m).is_moe]
+    for m in models:
+        if m in MODELS and model_config(m).is_moe:
+            raise ValueError(f"gemv: {m} is a mixture-of-experts model: its expert "
+                             "projections are `wsattn bench moe`'s, not a dense GEMV")
     return [c for name in models for M in m_values
             for c in model_gemvs(name, model_config(name), M, dtype) if c.kernel in kernels]
 

@@ -48,6 +48,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from .moe import MODELS as MOE_MODELS
+
 IMPLS = ("hf-eager", "hf-compile", "wsattn-graph", "wsattn-graph-pdl")
 WSATTN_IMPLS = ("wsattn-graph", "wsattn-graph-pdl")
 BATCHES = (1, 8, 64)
@@ -79,11 +81,20 @@ MODELS = {
                      use_sliding_window=False, sliding_window=None, max_window_layers=36,
                      bos_token_id=151643, eos_token_id=151645),
 }
+# The MoE decode issue's end-to-end model: the 48-layer Qwen3-30B-A3B shape, the same
+# config as one layer of `wsattn bench moe`.
+MODELS["qwen3-30b-a3b"] = dict(MOE_MODELS["qwen3-30b-a3b"])
 
-# The issue's targets on an H200 (ms/token of the wsattn step); what the default run covers.
+# The issues' targets on an H200 (ms/token of the wsattn step); what the default run covers.
 TARGETS = {("llama-3.2-1b", 1, 4096): 0.70, ("llama-3.2-1b", 8, 4096): 0.80,
            ("llama-3.2-1b", 64, 1024): 1.2, ("llama-3.1-8b", 1, 4096): 4.1,
-           ("llama-3.1-8b", 8, 4096): 4.4}
+           ("llama-3.1-8b", 8, 4096): 4.4, ("qwen3-30b-a3b", 1, 4096): 1.75,
+           ("qwen3-30b-a3b", 8, 4096): 7.0}
+# Models whose fp32 copy does not fit beside them on one GPU (61 GB of bf16 weights: 122
+# GB more in fp32): their logits check runs on a model of the same config cut to this
+# many layers (same kernels, same buckets), built, checked and freed before the full
+# model's engine is built and timed; the row's note says so.
+CHECK_LAYERS = {"qwen3-30b-a3b": 4}
 PDL_TARGET = 1.05  # graph without PDL / with PDL at the 1B shape, B 1
 KERNELS_PER_LAYER_TARGET = 6
 
@@ -113,13 +124,52 @@ def hf_config(name: str):
     return CONFIG_MAPPING[d.pop("model_type")](**d)
 
 
-def weight_bytes(cfg, B: int = 1, elt: int = ELT) -> int:
-    """Bytes of weights one decode step reads: every layer's projections and norms, the
-    final norm, the whole LM head, and B rows of the embedding (tied or not)."""
+def experts_hit(num_experts: int, top_k: int, B: int) -> float:
+    """Distinct experts B tokens touch in a MoE layer, expected under uniform routing:
+    E (1 - (1 - k/E)^B) (random weights route close to uniformly)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** B) if num_experts else 0.0
+
+
+def _attn_params(cfg) -> int:
     h, q, kv = cfg.hidden, cfg.q_size, cfg.kv_size
-    layer = (h * (q + 2 * kv) + q * h + 3 * h * cfg.ffn + 2 * h
-             + (q + 2 * kv if cfg.qkv_bias else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0))
-    return elt * (cfg.layers * layer + h + cfg.vocab * h + B * h)
+    return (h * (q + 2 * kv) + q * h + 2 * h + (q + 2 * kv if cfg.qkv_bias else 0)
+            + (2 * cfg.head_dim if cfg.qk_norm else 0))
+
+
+def _mlp_params(cfg, experts: float) -> float:
+    """Every layer's MLP with ``experts`` experts in each MoE layer (router included)."""
+    h, moe = cfg.hidden, len(cfg.moe_layers)
+    return ((cfg.layers - moe) * 3 * h * cfg.ffn
+            + moe * (cfg.experts * h + experts * 3 * h * cfg.moe_ffn))
+
+
+def weight_bytes(cfg, B: int = 1, elt: int = ELT) -> int:
+    """Bytes of weights one decode step of B tokens reads: every layer's attention
+    projections and norms, the dense MLPs, in MoE layers the router and the experts the B
+    tokens touch (``experts_hit``, expected), the final norm, the whole LM head, and B
+    rows of the embedding (tied or not)."""
+    h = cfg.hidden
+    hit = experts_hit(cfg.experts, cfg.top_k, B)
+    return round(elt * (cfg.layers * _attn_params(cfg) + _mlp_params(cfg, hit) + h
+                        + cfg.vocab * h + B * h))
+
+
+def param_bytes(cfg, elt: int = ELT) -> int:
+    """Bytes of the model's parameters: every expert, the embedding once more unless tied."""
+    h = cfg.hidden
+    return int(elt * (cfg.layers * _attn_params(cfg) + _mlp_params(cfg, cfg.experts) + h
+                      + cfg.vocab * h * (1 if cfg.tie_embeddings else 2)))
+
+
+def folded_bytes(cfg, elt: int = ELT) -> int:
+    """Bytes of the engine's weights that are new tensors rather than the model's own:
+    the fused QKV projections and every weight a norm is folded into (FlashNorm: QKV, the
+    dense gate/up, the router and every expert's gate/up, the LM head)."""
+    h, q, kv = cfg.hidden, cfg.q_size, cfg.kv_size
+    moe = len(cfg.moe_layers)
+    return elt * (cfg.layers * h * (q + 2 * kv) + (cfg.layers - moe) * 2 * h * cfg.ffn
+                  + moe * (cfg.experts * h + cfg.experts * 2 * h * cfg.moe_ffn)
+                  + cfg.vocab * h)
 
 
 def kv_bytes(cfg, B: int, ctx: int, elt: int = ELT) -> int:
@@ -173,10 +223,15 @@ def step_cases(models=None, batches=None, contexts=None) -> list[StepCase]:
 
 def memory_needed(case: StepCase, new_tokens: int) -> int:
     """Bytes a case holds at once, roughly: transformers' weights, the engine's folded copy
-    and the fp32 reference (twice the bytes), three caches (dynamic, static, paged) of ctx + new tokens, 4 GB of activations."""
+    and the fp32 reference (twice the bytes), three caches (dynamic, static, paged) of ctx +
+    new tokens, 4 GB of activations. A model checked on a cut (CHECK_LAYERS) holds its
+    weights, the engine's new tensors (``folded_bytes``) and the caches: the cut model and
+    its fp32 copy are freed before the full engine is built."""
     cfg = case.cfg
-    return 4 * weight_bytes(cfg, 0) + 3 * kv_bytes(cfg, case.B, case.ctx + new_tokens + 2) \
-        + (4 << 30)
+    caches = 3 * kv_bytes(cfg, case.B, case.ctx + new_tokens + 2) + (4 << 30)
+    if case.model in CHECK_LAYERS:
+        return param_bytes(cfg) + folded_bytes(cfg) + caches
+    return 4 * param_bytes(cfg) + caches
 
 
 # --------------------------------------------------------------------------- the trace
@@ -423,16 +478,24 @@ class NotAvailable(Exception):
     """A column that cannot run here (the reason is the message)."""
 
 
-def build_model(name: str, device, dtype: str = "bf16"):
-    """transformers model of ``name`` with random weights, built on ``device``."""
+def build_model(name: str, device, dtype: str = "bf16", layers: int | None = None):
+    """transformers model of ``name`` with random weights, built on ``device``; ``layers``:
+    the same config cut to that many decoder layers."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from .cases import DTYPES
 
+    cfg = hf_config(name)
+    if layers is not None:
+        cfg.num_hidden_layers = layers
+        if getattr(cfg, "max_window_layers", None) is not None:
+            cfg.max_window_layers = layers
+        if getattr(cfg, "layer_types", None) is not None:
+            cfg.layer_types = cfg.layer_types[:layers]
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config(name), dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[dtype])
     return model.eval()
 
 
@@ -540,6 +603,29 @@ def fp32_reference(model):
     return copy.deepcopy(model).float().eval()
 
 
+def check_on_cut(case: StepCase, pdl: bool, max_len: int, ids, steps: int, tol, device):
+    """teacher_forced_check on the case's model cut to CHECK_LAYERS layers (its own random
+    weights; the engine built on it as the timed one is on the full model), then freed:
+    (rel, tol, detail, note)."""
+    import torch
+
+    layers = CHECK_LAYERS[case.model]
+    cut = build_model(case.model, device, case.dtype, layers=layers)
+    engine = ref = None
+    try:
+        engine, _ = build_engine(cut, case, pdl, max_len, device)
+        ref = fp32_reference(cut)
+        rel, tol, detail = teacher_forced_check(cut, engine, ids, steps, case.dtype, tol, ref)
+    finally:
+        del cut, engine, ref
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    note = (f"logits checked on the {layers}-layer cut of this config (the full model's fp32 "
+            "copy does not fit beside it)")
+    return rel, tol, detail, note
+
+
 def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> list[dict]:
     """Rows of every column for one case; a column's failure is its row, never the run's."""
     import torch
@@ -580,12 +666,19 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
                     gen(tokens, streamer=marks)
                     return marks.per_token_ms()
             else:
-                engine, note = build_engine(model, case, impl.endswith("-pdl"),
-                                            case.ctx + max(n, checks) + 2, device)
-                if ref is None:
-                    ref = fp32_reference(model)
-                rel, tol, detail = teacher_forced_check(model, engine, ids, checks, case.dtype,
-                                                        getattr(args, "check_tol", None), ref)
+                pdl, max_len = impl.endswith("-pdl"), case.ctx + max(n, checks) + 2
+                tol_arg = getattr(args, "check_tol", None)
+                if case.model in CHECK_LAYERS:
+                    rel, tol, detail, cut_note = check_on_cut(case, pdl, max_len, ids, checks,
+                                                              tol_arg, device)
+                    engine, note = build_engine(model, case, pdl, max_len, device)
+                    note = "; ".join(filter(None, [note, cut_note]))
+                else:
+                    engine, note = build_engine(model, case, pdl, max_len, device)
+                    if ref is None:
+                        ref = fp32_reference(model)
+                    rel, tol, detail = teacher_forced_check(model, engine, ids, checks,
+                                                            case.dtype, tol_arg, ref)
                 common.update(detail)
                 if not rel <= tol:
                     rows.append(make_row(stamp, case, impl, "failed", rel_err=rel, tol=tol,

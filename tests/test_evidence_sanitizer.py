@@ -697,3 +697,33 @@ def test_h200_gluon_report_fails_without_the_probe_variants_that_flag_it(gluon_b
     assert r["not_waived"].startswith("probe:") and "nothing waived" in r["not_waived"], r["not_waived"]
     # only one of them gone: the other still supports it
     assert sanitizer.waive(_h200_race(), builds, _h200_probe(clean=("ws+bar0_128",)))["ok"]
+
+
+def test_racecheck_prints_every_hazard_the_waiver_must_read():
+    """racecheck's log limit is far above the default 100 (which left 19 of the MoE Gluon
+    kernel's 119 errors unprinted); the other tools keep 100."""
+    cmd = sanitizer.command("racecheck", "/tmp/x.log", "cs")
+    assert cmd[cmd.index("--print-limit") + 1] == "10000"
+    cmd = sanitizer.command("memcheck", "/tmp/x.log", "cs")
+    assert cmd[cmd.index("--print-limit") + 1] == "100"
+
+
+def test_moe_gluon_h200_hazards_are_the_dispatch_handoff_of_its_builds():
+    """The MoE Gluon entry names the builds its sanitizer shapes launch (gate/up and down);
+    every hazard the H200 racecheck log printed (98 of its 119 errors, the log's limit
+    was 100) lies on one of their dispatch bytes (+ the probe's 0x400), read by the worker
+    whose byte it is, with a dispatch code; the waiver still refuses, naming the counts,
+    because 19 errors were never printed."""
+    import json
+    from wsattn.evidence import ladder, library
+    spec = library.get("moe_gluon")
+    ws = ladder._other_builds_dispatch(spec, 90, spec.compile_spec(90), 4)
+    assert ws and all("error" not in w for w in ws), ws
+    assert {(w["lo"], w["hi"]) for w in ws} == {(0x29858, 0x2985c), (0x19860, 0x19864)}
+    r = json.loads((DATA / "racecheck_moe_gluon_h200.json").read_text())
+    errs = [h for h in r["findings"] if h["level"] == "Error"]
+    assert (len(errs), len(r["races"]), r["race_errors"]) == (98, 2, 119)
+    for h in errs:
+        assert any(sanitizer._dispatch_hazard(h, w, 0x400) is None for w in ws), h
+    out = sanitizer.waive(dict(r), ws, _h200_probe())
+    assert not out["ok"] and "read from the log for 119 racecheck errors" in out["not_waived"]

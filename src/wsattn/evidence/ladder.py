@@ -103,23 +103,38 @@ def climb(spec, target: str, config: Config | None = None, cache: dict | None = 
 
 
 def _other_builds_dispatch(spec, cc, cs, default_warps) -> list:
-    """dispatch_bytes of the builds the sanitizer's shapes run besides the compiled one (a
+    """dispatch_bytes of the builds the sanitizer's shapes run besides the compiled one:
+    those RunSpec.sanitizer_builds names, else one per other head dim of the shapes (a
     library kernel's compile_spec takes head_dim=); a build that cannot be compiled here
     gives an entry with "error", so its hazards are never waived."""
     from . import sanitizer
-    have = (cs.get("constexprs") or {}).get("HEAD_DIM") or (cs.get("constexprs") or {}).get("D")
-    dims = sorted({sh.get("D") for sh in sanitizer.sanitizer_shapes(spec)} - {None, have})
+    shapes = sanitizer.sanitizer_shapes(spec)
+    builds = getattr(spec.run, "sanitizer_builds", None)
+    if builds is not None:
+        overrides, seen = [], set()
+        for sh in shapes:
+            for o in builds(sh):
+                key = tuple(sorted(o.items()))
+                if key not in seen:
+                    seen.add(key)
+                    overrides.append(o)
+    else:
+        have = (cs.get("constexprs") or {}).get("HEAD_DIM") or \
+            (cs.get("constexprs") or {}).get("D")
+        dims = sorted({sh.get("D") for sh in shapes} - {None, have})
+        overrides = [{"head_dim": D} for D in dims]
     out = []
-    for D in dims:
+    for o in overrides:
         try:
-            cs2 = spec.compile_spec(cc, head_dim=D)
+            cs2 = spec.compile_spec(cc, **o)
             comp2 = compile_kernel(cs2["fn"], cs2["signature"], dict(cs2.get("constexprs") or {}),
                                    dict(cs2.get("options") or {}), cc, cs2.get("attrs"))
             out.append(sanitizer.dispatch_bytes(comp2.stages.get("ptx") or "",
                                                 comp2.metadata.get("shared"),
                                                 comp2.metadata.get("num_warps"), default_warps))
         except Exception as e:  # noqa: BLE001 - any failure only withholds the waiver
-            out.append({"error": f"head_dim={D} build: {type(e).__name__}: {e}"})
+            what = ", ".join(f"{k}={v}" for k, v in o.items())
+            out.append({"error": f"{what} build: {type(e).__name__}: {e}"})
     return out
 
 

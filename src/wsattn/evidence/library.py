@@ -706,6 +706,13 @@ def _moe_torch(inp):
     return out
 
 
+def _moe_gluon_builds(shape):
+    """The Gluon builds moe(impl="gluon") launches for a shape: gate/up and down, each with
+    the block and settings its T picks (compile_spec's defaults for T, E and top_k)."""
+    return [{"kernel": kernel, "T": shape["T"], "H": shape["H"], "F": shape["F"]}
+            for kernel in ("gate_up", "down")]
+
+
 def _moe_entry(name="moe", impl="triton"):
     """The MoE block through moe(impl=...): "triton" (every target) or "gluon" (the sm_90
     warp-specialized grouped gate/up and down; route, group and combine stay Triton)."""
@@ -718,6 +725,7 @@ def _moe_entry(name="moe", impl="triton"):
                   profile_shapes=({"T": 1, "H": 2048, "F": 768}, {"T": 8, "H": 2048, "F": 768}),
                   # T 3 and T 33: blocks of 16 (tl.dot), the default block at both
                   sanitizer_shapes=({"T": 3, "H": 136, "F": 40}, {"T": 33, "H": 64, "F": 48}),
+                  sanitizer_builds=_moe_gluon_builds if gluon else None,
                   describe=_describe_moe)
     # gates 0-2 read the grouped gate/up kernel (the weight stream); gates 3-7 run all five
     kwargs = {"kernel": "gate_up", "T": 1, "H": 2048, "E": _MOE_E, "top_k": _MOE_K, "F": 768,

@@ -44,6 +44,10 @@ class RunSpec:
     timed(inputs) -> anything: what gate 7 times of the kernel, when run does more than
         the kernel call (e.g. reads the cache back on the host to check what it wrote);
         None: run.
+    sanitizer_builds(shape) -> [dict]: the compile_spec overrides of every build the
+        sanitizer gate's run of ``shape`` launches (a warp-specialized kernel's dispatch
+        bytes differ per build, and the racecheck waiver covers only builds it knows);
+        None: the compiled build and one per other head dim ``D`` of the shapes.
     """
     draw_shape: Callable
     build: Callable
@@ -58,6 +62,7 @@ class RunSpec:
     sanitizer_shapes: tuple = ()           # small odd shapes for the sanitizer gate (drawn small if empty)
     describe: Callable = lambda shape: "-".join(f"{k}{v}" for k, v in shape.items())
     timed: Callable | None = None          # what the profile gate times (run if None)
+    sanitizer_builds: Callable | None = None  # shape -> compile_spec overrides it launches
 
 
 @dataclass

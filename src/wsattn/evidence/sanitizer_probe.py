@@ -254,7 +254,7 @@ def run(out_dir: str | None = None, tool: str | None = None, timeout: float = 12
     """Build the control and run each mode under racecheck; never raises. Returns
     ``{"modes": {mode: {...}}, "supports_waiver": bool, "line": str}`` or, when it could not
     run, ``{"error", "supports_waiver": False, "line"}``."""
-    from .sanitizer import find_tool, parse
+    from .sanitizer import find_tool
     out_dir = out_dir or tempfile.mkdtemp(prefix="wsattn-probe-")
     os.makedirs(out_dir, exist_ok=True)
     if tool is None:

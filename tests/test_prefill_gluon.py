@@ -640,8 +640,8 @@ def test_ordered_grid_is_the_persistent_order_one_tile_a_cta(case, causal):
 
 
 def test_ordered_launcher_grid_and_arguments(monkeypatch):
-    """ordered=True launches one CTA a tile with n_bh = B * Hq and l2_section's section;
-    varlen refuses it by name (recorded on CPU tensors with the kernel replaced)."""
+    """ordered=True launches one CTA a tile with n_bh = B * Hq and l2_section's section
+    (recorded on CPU tensors with the kernel replaced)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
@@ -650,13 +650,6 @@ def test_ordered_launcher_grid_and_arguments(monkeypatch):
     ((grid, args, kw),) = rec.launches
     assert grid == (3 * 2 * 8, ) and args[-2:] == (16, 16)
     assert kw["ORDERED"] is True and kw["PERSISTENT"] is False
-    q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
-    s = pg.settings_for(64, False, ordered=True)
-    with pytest.raises(ValueError, match=r"ordered=True.*varlen is not supported yet"):
-        pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, False, 0.125, settings=s)
-    with pytest.raises(ValueError, match=r"ordered=True.*varlen is not supported yet"):
-        pg.compile_spec(head_dim=64, settings=s, varlen=True)
-    assert len(rec.launches) == 1
 
 
 def test_l2_section_sizes():
@@ -694,15 +687,17 @@ def test_persistent_launcher_grid_and_arguments(monkeypatch):
     assert rec.launches[-1][0] == (2, )
 
 
-def test_persistent_varlen_is_refused_by_name(monkeypatch):
-    """Varlen has no persistent schedule yet: the launcher and compile_spec say so."""
+@pytest.mark.parametrize("schedule", ["persistent", "ordered"])
+def test_persistent_varlen_is_refused_by_name(monkeypatch, schedule):
+    """Varlen has no persistent or ordered schedule yet: the launcher and compile_spec say
+    so."""
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
-    s = pg.settings_for(64, False, persistent=True)
-    with pytest.raises(ValueError, match=r"persistent=True.*varlen is not supported yet"):
+    s = pg.settings_for(64, False, **{schedule: True})
+    with pytest.raises(ValueError, match=rf"{schedule}=True.*varlen is not supported yet"):
         pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, False, 0.125, settings=s)
-    with pytest.raises(ValueError, match=r"persistent=True.*varlen is not supported yet"):
+    with pytest.raises(ValueError, match=rf"{schedule}=True.*varlen is not supported yet"):
         pg.compile_spec(head_dim=64, settings=s, varlen=True)
     assert rec.launches == []
 

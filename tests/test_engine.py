@@ -487,12 +487,11 @@ def test_cuda_reference_step_matches_cpu(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_moe_models_run_on_the_reference_step_and_the_kernel_step_refuses_them(monkeypatch):
-    """The kernel step takes Qwen3-MoE (it gets past the feature checks to the device
-    check: on the CPU without the interpreter it names TRITON_INTERPRET, not the MoE) and
-    impl="auto" picks it on CUDA for bf16; on the CPU "auto" runs the reference step,
-    which gives transformers' greedy tokens. OLMoE (QK-norm over the whole projection) is
-    still refused by name and stays on the reference step under "auto"."""
+def test_moe_models_on_the_reference_step_and_the_kernel_steps_device_check(monkeypatch):
+    """The kernel step takes Qwen3-MoE and OLMoE (they get past the feature checks to the
+    device check: on the CPU without the interpreter it names TRITON_INTERPRET, not the
+    model) and impl="auto" picks it on CUDA for bf16; on the CPU "auto" runs the
+    reference step, which gives transformers' greedy tokens."""
     import transformers
 
     import wsattn
@@ -505,17 +504,13 @@ def test_moe_models_run_on_the_reference_step_and_the_kernel_step_refuses_them(m
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     ids = torch.tensor([[1, 2, 3]])
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        Engine(model, step="kernels", device="cpu").run(ids, 2)
-    engine = Engine(model, device="cpu")
-    assert _resolve_impl("auto", "cuda", torch.bfloat16, engine.cfg) == "kernels"
-    out = wsattn.generate(model, ids, 4)
-    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert torch.equal(out, ref)
     olmoe = transformers.AutoModelForCausalLM.from_config(transformers.OlmoeConfig(
         hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1,
         num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, vocab_size=128)).eval()
-    with pytest.raises(ValueError, match="QK-norm over the whole projection"):
-        Engine(olmoe, step="kernels", device="cpu").run(ids, 2)
-    assert _resolve_impl("auto", "cuda", torch.bfloat16,
-                         Engine(olmoe, device="cpu").cfg) == "reference"
+    for m in (model, olmoe):
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            Engine(m, step="kernels", device="cpu").run(ids, 2)
+    assert _resolve_impl("auto", "cuda", torch.bfloat16) == "kernels"
+    out = wsattn.generate(model, ids, 4)
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, ref)

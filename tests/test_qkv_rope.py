@@ -28,7 +28,10 @@ FAMILIES = {  # what each supported family switches on
     "llama": dict(norm=True, bias=False, qk_norm=False),
     "qwen2": dict(norm=True, bias=True, qk_norm=False),
     "qwen3": dict(norm=True, bias=False, qk_norm=True),
+    # OLMoE: one RMSNorm over the whole q and the whole k projection (two launches)
+    "olmoe": dict(norm=True, bias=False, qk_norm=False, qk_norm_whole=True),
 }
+FUSED = [f for f in FAMILIES if not FAMILIES[f].get("qk_norm_whole")]  # one-launch families
 
 # Shared by the interpreter child and the GPU tests: inputs, the float64 reference, and the
 # checks (numerics, write-only cache, paged == contiguous bitwise).
@@ -55,6 +58,11 @@ def make_inputs(fam, M, K, Hq, Hkv, D, dt, device, seed=0):
         inp["q_norm"] = (1 + 0.3 * rnd(D)).to(dt)
         inp["k_norm"] = (1 + 0.3 * rnd(D)).to(dt)
         inp["qk_eps"] = 1e-6
+    if fam.get("qk_norm_whole"):
+        inp["q_norm"] = (1 + 0.3 * rnd(Hq * D)).to(dt)
+        inp["k_norm"] = (1 + 0.3 * rnd(Hkv * D)).to(dt)
+        inp["qk_eps"] = 1e-6
+        inp["qk_norm_whole"] = True
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
 
 
@@ -84,8 +92,12 @@ def reference(inp, Hq, Hkv, D):
         qkv = qkv + inp["bqkv"].double().cpu()
     M = x.shape[0]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    if inp.get("qk_norm_whole"):  # OLMoE: over the whole projection, before the heads
+        eps = inp["qk_eps"]
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps) * inp["q_norm"].double().cpu()
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps) * inp["k_norm"].double().cpu()
     q, k, v = q.reshape(M, Hq, D), k.reshape(M, Hkv, D), v.reshape(M, Hkv, D)
-    if "q_norm" in inp:
+    if "q_norm" in inp and not inp.get("qk_norm_whole"):
         eps = inp["qk_eps"]
         q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + eps) * inp["q_norm"].double().cpu()
         k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps) * inp["k_norm"].double().cpu()
@@ -273,6 +285,17 @@ BAD = {
                                         qk_eps=1e-6), "q_norm must"),
     "qk_eps-missing": (lambda a: a.update(q_norm=torch.ones(64), k_norm=torch.ones(64)),
                        "qk_eps"),
+    "whole-without-norms": (lambda a: a.update(qk_norm_whole=True), "qk_norm_whole=True needs"),
+    "whole-per-head-shape": (lambda a: a.update(q_norm=torch.ones(64, dtype=torch.float16),
+                                                k_norm=torch.ones(64, dtype=torch.float16),
+                                                qk_eps=1e-6, qk_norm_whole=True),
+                             r"q_norm must be a contiguous \[256\] \(Hq \* D"),
+    "whole-with-bias": (lambda a: a.update(q_norm=torch.ones(256, dtype=torch.float16),
+                                           k_norm=torch.ones(128, dtype=torch.float16),
+                                           qk_eps=1e-6, qk_norm_whole=True,
+                                           bqkv=torch.zeros(512, dtype=torch.float16)),
+                        "takes no bqkv"),
+    "whole-type": (lambda a: a.update(qk_norm_whole=1), "qk_norm_whole must be a bool"),
     "norm_eps-type": (lambda a: a.update(norm_eps="1e-5"), "norm_eps"),
     "inv_freq-dtype": (lambda a: a.update(inv_freq=a["inv_freq"].double()), "inv_freq must"),
     "inv_freq-shape": (lambda a: a.update(inv_freq=torch.ones(64)), "inv_freq must"),
@@ -361,7 +384,7 @@ def _ptxas_spills(kernel):
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FUSED)
 def test_sm90_llama8b_shape_compiles_without_spills(family, rows, record_property):
     """Llama-3.1-8B attention input (K 4096, Hq 32, Hkv 8, D 128), default sm_90 settings."""
     s, k = _compile(rows=rows, **FAMILIES[family])
@@ -375,6 +398,20 @@ def test_sm90_llama8b_shape_compiles_without_spills(family, rows, record_propert
     assert re.search(r"cp\.async\.cg\.shared\.global.*, 0x10", ptx), "the loop should be pipelined"
     assert "cos.approx" not in ptx and "sin.approx" not in ptx  # angles reach ~1e5 rad
     assert "griddepcontrol" not in ptx  # PDL off
+
+
+@pytest.mark.parametrize("shape", [dict(q_heads=16, kv_heads=16, head_dim=128),   # OLMoE
+                                   dict(q_heads=32, kv_heads=8, head_dim=64)])
+def test_sm90_whole_norm_kernel_compiles_without_spills(shape):
+    """The whole-projection QK-norm kernel (OLMoE's second launch) at sm_90: no spills, and
+    under PDL it waits before its first load (its input is the projection's output)."""
+    s, k = _compile(qk_norm_whole=True, **shape)
+    regs, spills = _ptxas_spills(k)
+    assert spills == 0, (shape, regs)
+    assert s["fn"] is qkv_rope._whole_norm_rope_kernel
+    ptx = _compile(qk_norm_whole=True, pdl=True, **shape)[1].asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global" not in ptx[:wait]
 
 
 def test_sm90_pdl_waits_before_reading_activations():
@@ -523,7 +560,7 @@ def test_gpu_bf16_against_float64(family, M):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 4, 8])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FUSED)
 def test_gpu_fma_path_against_float64(family, M):
     """use_dot=False (the per-row FMA reduction) at the 1B shape (K 2048, Hq 32, Hkv 8,
     D 64), split K, bf16: within tolerance of float64, caches untouched elsewhere."""

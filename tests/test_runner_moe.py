@@ -1,8 +1,8 @@
 """The kernel step on mixture-of-experts models (Qwen3-MoE with an interleaved dense layer,
 Mixtral): greedy tokens and per-step logits against the reference step, whole and chunked
 prefill, the FMA (block 1, 4) and tl.dot (block 16) grouping paths, bucket padding,
-launches per MoE layer; OLMoE refused by name; impl="auto" on CUDA picks the kernel step
-for Qwen3-MoE / Mixtral. CPU cases run the kernels through the Triton interpreter in a
+launches per MoE layer; OLMoE through the two-launch QKV path; impl="auto" on CUDA picks
+the kernel step for 16-bit models. CPU cases run the kernels through the Triton interpreter in a
 fresh child process (TRITON_INTERPRET=1, fp32, tiny models: hidden 128, head_dim 64);
 the GPU cases (bf16, graph replay, PDL) carry the gpu marker.
 
@@ -43,6 +43,10 @@ CHILD = textwrap.dedent(r'''
             cfg = transformers.Qwen3MoeConfig(**common, head_dim=64, intermediate_size=256,
                                               moe_intermediate_size=64, num_experts=8,
                                               norm_topk_prob=True, mlp_only_layers=[1])
+        elif family == "olmoe":  # 8 experts top-2, not renormalised, QK-norm over the
+            # whole q and k projections (head_dim 128 / 2 = 64)
+            cfg = transformers.OlmoeConfig(**common, intermediate_size=64, num_experts=8,
+                                           norm_topk_prob=False)
         else:  # mixtral: 4 experts top-2, always renormalised, head_dim 128 / 2 = 64
             cfg = transformers.MixtralConfig(**common, intermediate_size=128,
                                              num_local_experts=4)
@@ -143,18 +147,22 @@ RUNS = {
     "qwen3_moe": [("batch2", [11, 5], 12, {}), ("chunked", [11, 5], 10, {"prefill_chunk": 4}),
                   ("batch1", [9], 8, {})],
     "mixtral": [("batch2", [11, 5], 12, {}), ("batch6", [5, 9, 3, 7, 4, 6], 8, {})],
+    "olmoe": [("batch2", [11, 5], 12, {}), ("chunked", [11, 5], 10, {"prefill_chunk": 4})],
 }
 BLOCKS = {("qwen3_moe", "batch2"): {"2": 16}, ("qwen3_moe", "chunked"): {"2": 16},
           ("qwen3_moe", "batch1"): {"1": 16}, ("mixtral", "batch2"): {"2": 16},
-          ("mixtral", "batch6"): {"8": 16}}
+          ("mixtral", "batch6"): {"8": 16}, ("olmoe", "batch2"): {"2": 16},
+          ("olmoe", "chunked"): {"2": 16}}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
 def test_kernels_match_reference_moe(family):
     """Greedy tokens (8-12 new) equal to the reference step's and every step's logits
     within fp32 tolerance: Qwen3-MoE (8 experts top-2 renormalised, QK-norm, layer 1 a
     dense MLP) with one prefill chunk, chunks of 4 and a single sequence; Mixtral (4
-    experts top-2) at buckets 2 and 8 (tl.dot block 16)."""
+    experts top-2) at buckets 2 and 8 (tl.dot block 16); OLMoE (8 experts top-2 not
+    renormalised, QK-norm over the whole q/k projection: the two-launch QKV path), whole
+    and chunked prefill."""
     r = _child("family", family=family, runs=RUNS[family])
     for label, *_ in RUNS[family]:
         assert r[label]["tokens"] and not r[label]["nan"], (label, r)
@@ -219,20 +227,6 @@ def _hf(name):
                                        num_experts=8)
 
 
-def test_olmoe_refused_by_name(monkeypatch):
-    """OLMoE's QK-norm over the whole q/k projection is not in the fused QKV kernel: the
-    kernel step refuses it by that feature, before any shape check."""
-    import transformers
-
-    from wsattn.engine.generate import Engine
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_hf("olmoe")).eval()
-    with pytest.raises(ValueError, match=r"QK-norm over the whole projection \(olmoe"):
-        Engine(model, step="kernels", device="cpu", num_pages=4)
-
-
 def test_moe_weights_checked_by_name(monkeypatch):
     """A MoE layer's expert tensors of the wrong shape, or a router where cfg has a dense
     layer, are refused at construction with the field named."""
@@ -261,25 +255,24 @@ def test_moe_weights_checked_by_name(monkeypatch):
         KernelStep(dense_cfg, w, cache, buckets=(1, 2, 4))
 
 
-@pytest.mark.parametrize("name, step", [("qwen3_moe", "kernels"), ("mixtral", "kernels"),
-                                        ("olmoe", "reference")])
-def test_auto_on_cuda_picks_kernels_for_moe(name, step):
-    """impl="auto" resolves to the kernel step on CUDA for a bf16 Qwen3-MoE / Mixtral and
-    keeps OLMoE on the reference step (decided from the config, no GPU needed)."""
+def test_auto_on_cuda_picks_kernels_for_16_bit_models():
+    """impl="auto" resolves to the kernel step on CUDA for a bf16 / fp16 model (every family,
+    OLMoE included), to the reference step on the CPU and for fp32 (no GPU needed)."""
     from wsattn.engine.generate import _resolve_impl
-    from wsattn.models.config import ModelConfig
 
-    cfg = ModelConfig.from_hf(_hf(name))
-    assert _resolve_impl("auto", "cuda", torch.bfloat16, cfg) == step
-    assert _resolve_impl("auto", "cpu", torch.bfloat16, cfg) == "reference"
-    assert _resolve_impl("auto", "cuda", torch.float32, cfg) == "reference"
+    assert _resolve_impl("auto", "cuda", torch.bfloat16) == "kernels"
+    assert _resolve_impl("auto", "cuda", torch.float16) == "kernels"
+    assert _resolve_impl("auto", "cpu", torch.bfloat16) == "reference"
+    assert _resolve_impl("auto", "cuda", torch.float32) == "reference"
+    assert _resolve_impl("kernels", "cpu") == "kernels"
 
 
 # --------------------------------------------------------------------------- GPU
 
 def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None):
     """A bf16 MoE model (hidden 512, D 64, 8/2 heads, 4 layers; Qwen3-MoE 16 experts top-4
-    with layer 2 dense, or Mixtral 8 experts top-2) on CUDA."""
+    with layer 2 dense, Mixtral 8 experts top-2, or OLMoE 16 experts top-4 with its
+    whole-projection QK-norm) on CUDA."""
     import transformers
 
     from wsattn.engine.generate import Engine
@@ -293,6 +286,9 @@ def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None):
                                           moe_intermediate_size=256, num_experts=16,
                                           num_experts_per_tok=4, norm_topk_prob=True,
                                           mlp_only_layers=[2])
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(**common, intermediate_size=256, num_experts=16,
+                                       num_experts_per_tok=4, norm_topk_prob=False)
     else:
         cfg = transformers.MixtralConfig(**common, intermediate_size=512, num_local_experts=8,
                                          num_experts_per_tok=2)
@@ -309,7 +305,7 @@ def _gpu_prompts(n=3):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
 @pytest.mark.parametrize("batch", [1, 3, 12])  # blocks 1, 4 and 16 (tl.dot)
 def test_gpu_moe_graph_replay_equals_eager(family, batch):
     """CUDA-graph replay gives bitwise the tokens and logits of the eager step."""
@@ -321,7 +317,7 @@ def test_gpu_moe_graph_replay_equals_eager(family, batch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
 def test_gpu_moe_pdl_on_equals_off(family):
     """PDL changes when programs start, not what they compute: bitwise equal logits."""
     if torch.cuda.get_device_capability()[0] < 9:
@@ -334,7 +330,7 @@ def test_gpu_moe_pdl_on_equals_off(family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
 def test_gpu_moe_matches_reference_step(family):
     """bf16 kernels vs the reference step (fp32 compute over the same bf16 weights): the
     first step's logits (prefill) and the next (one decode step) within bf16 tolerance."""

@@ -531,18 +531,15 @@ def _result(prompts, new, as_tensor, logits):
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what "auto" runs the kernels for on CUDA
 
 
-def _resolve_impl(impl, device, dtype=None, cfg=None):
-    """The step for ``impl``: "auto" is the kernels on CUDA for a 16-bit model whose
-    features the kernel step runs (dense, Qwen3-MoE, Mixtral; not OLMoE's QK-norm over the
-    whole projection), else the reference. ``dtype`` / ``cfg`` None: decided again once
-    the checkpoint's dtype and config are known."""
+def _resolve_impl(impl, device, dtype=None):
+    """The step for ``impl``: "auto" is the kernels on CUDA for a 16-bit model (every
+    family the loader takes: dense, Qwen3-MoE, Mixtral, OLMoE), else the reference.
+    ``dtype`` None: decided again once the checkpoint's dtype is known."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
     on_cuda = torch.device(device).type == "cuda"
-    if cfg is not None and cfg.qk_norm_whole:
-        return "reference"
     return "kernels" if on_cuda and (dtype is None or dtype in KERNEL_DTYPES) else "reference"
 
 
@@ -555,7 +552,7 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
 
     Args:
         model_or_path: a transformers ``*ForCausalLM`` object (Llama 3.x, Qwen2/2.5,
-            Qwen3 dense, Qwen3-MoE, Mixtral; OLMoE on the reference step) or a local
+            Qwen3 dense, Qwen3-MoE, Mixtral, OLMoE) or a local
             folder with ``config.json`` + ``*.safetensors``.
         input_ids: int tensor [B, S] (every prompt S tokens), or a list of B 1-D int
             tensors / lists (prompts of any lengths >= 1). Ids in [0, vocab).
@@ -574,7 +571,7 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
             if available, else CPU).
         impl: ``"reference"`` (plain PyTorch step), ``"kernels"`` (the fused-kernel
             runner, :mod:`wsattn.engine.runner`), or ``"auto"``: kernels on CUDA for a
-            float16/bfloat16 model (not OLMoE), else the reference.
+            float16/bfloat16 model, else the reference.
         seed: seeds the sampler's ``torch.Generator``; same seed, same tokens.
 
     Returns:
@@ -597,7 +594,7 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
                     buckets=buckets, prefill_chunk=prefill_chunk)
     # the step is built at the first request: "auto" can still follow the checkpoint's dtype
     # and features
-    engine.step_name = _resolve_impl(impl, engine.device, engine.dtype, engine.cfg)
+    engine.step_name = _resolve_impl(impl, engine.device, engine.dtype)
     return engine.run(input_ids, max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, eos_token_id=eos_token_id, return_logits=return_logits,
                       seed=seed)

@@ -48,8 +48,10 @@ the two agree (the CPU tests are fp32). Exact ties go to the lower expert index 
 :func:`wsattn.models.moe.select`), so a prompt's tokens and later decode steps follow one
 convention.
 
-OLMoE's QK-norm spans the whole q/k projection (``cfg.qk_norm_whole``), which the fused
-QKV kernel does not compute: refused by name at construction.
+OLMoE's QK-norm spans the whole q/k projection (``cfg.qk_norm_whole``): a program of the
+fused QKV kernel sees only its heads, so there ``qkv_rope_append(qk_norm_whole=True)`` runs
+the projection as a GEMV and then one kernel for the norm, RoPE and the append (two
+launches for the one call).
 
 The split-K finishes launch only where the GEMV settings split K (on the GPU, at shapes
 whose column blocks do not fill the SMs; never in the interpreter) and the combine only
@@ -174,10 +176,6 @@ class KernelStep:
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None):
         # what the fused step does not run, refused by feature before any shape check
-        if getattr(cfg, "qk_norm_whole", False):
-            raise ValueError(f"step='kernels' has no QK-norm over the whole projection "
-                             f"({cfg.family}: the fused QKV kernel normalises per head); use "
-                             "step='reference'")
         if getattr(cfg, "experts", 0) > MOE_MAX_E:
             raise ValueError(f"step='kernels': {cfg.family} has {cfg.experts} experts; the MoE "
                              f"router kernel takes at most {MOE_MAX_E}")
@@ -294,10 +292,11 @@ class KernelStep:
                 raise ValueError(f"weights.layers[{i}].bqkv is "
                                  f"{'missing' if cfg.qkv_bias else 'present'} but cfg.qkv_bias="
                                  f"{cfg.qkv_bias}")
-            if (layer.q_norm is not None) != cfg.qk_norm or \
-                    (layer.k_norm is not None) != cfg.qk_norm:
+            qk = cfg.qk_norm or cfg.qk_norm_whole
+            if (layer.q_norm is not None) != qk or (layer.k_norm is not None) != qk:
                 raise ValueError(f"weights.layers[{i}].q_norm/k_norm do not match "
-                                 f"cfg.qk_norm={cfg.qk_norm}")
+                                 f"cfg.qk_norm={cfg.qk_norm}, "
+                                 f"cfg.qk_norm_whole={cfg.qk_norm_whole}")
         bad = [n for n, t in weights.tensors() if t.dtype != dt or t.device != dev
                or not t.is_contiguous()]
         if bad:
@@ -341,10 +340,10 @@ class KernelStep:
             k_pages, v_pages = cache.k[i], cache.v[i]
             qkv_rope_append(h, layer.wqkv, bqkv=layer.bqkv, q_norm=layer.q_norm,
                             k_norm=layer.k_norm, norm_eps=eps,
-                            qk_eps=eps if cfg.qk_norm else None, inv_freq=self.inv_freq,
-                            positions=buf.positions, k_cache=k_pages, v_cache=v_pages,
-                            block_table=buf.block_table, q_out=buf.q, pdl=pdl,
-                            workspace=self._qkv_workspace)
+                            qk_eps=eps if layer.q_norm is not None else None,
+                            inv_freq=self.inv_freq, positions=buf.positions, k_cache=k_pages,
+                            v_cache=v_pages, block_table=buf.block_table, q_out=buf.q, pdl=pdl,
+                            workspace=self._qkv_workspace, qk_norm_whole=cfg.qk_norm_whole)
             self._count("qkv_rope")
             # the launcher through ops (no host checks; PDL, which api.decode does not take)
             attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
@@ -526,23 +525,28 @@ class KernelStep:
             if layer.bqkv is not None:
                 qkv = qkv + layer.bqkv.float()
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.view(T, cfg.heads, cfg.head_dim)
-            k = k.view(T, cfg.kv_heads, cfg.head_dim)
+            if cfg.qk_norm_whole:  # OLMoE: over the whole projection, before the heads
+                q = q * _inv_rms(q, self.eps) * layer.q_norm.float()
+                k = k * _inv_rms(k, self.eps) * layer.k_norm.float()
+            q = q.reshape(T, cfg.heads, cfg.head_dim)
+            k = k.reshape(T, cfg.kv_heads, cfg.head_dim)
             v = v.reshape(T, cfg.kv_heads, cfg.head_dim).to(dt)
-            if layer.q_norm is not None:
+            if cfg.qk_norm:
                 q = q * _inv_rms(q, self.eps) * layer.q_norm.float()
                 k = k * _inv_rms(k, self.eps) * layer.k_norm.float()
             q, k = _rope(q, cos, sin).to(dt), _rope(k, cos, sin).to(dt)
             self.cache.k[i][page, slot] = k
             self.cache.v[i][page, slot] = v
+            # impl="auto": the dispatch's rule on the longest chunk (the Gluon varlen build
+            # on sm_90 past 1,024 queries, the Triton kernel below and elsewhere)
             if fresh:
                 attn = api.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_q, max_q,
-                                            causal=True, impl="triton", validate=False)
+                                            causal=True, impl="auto", validate=False)
             else:
                 kk = self.cache.k[i][kpage, kslot]
                 vv = self.cache.v[i][kpage, kslot]
                 attn = api.attention_varlen(q, kk, vv, cu_seqlens, cu_k, max_q, max_k,
-                                            causal=True, impl="triton", validate=False)
+                                            causal=True, impl="auto", validate=False)
             x = (x.float() + (attn.reshape(T, cfg.q_size) @ layer.wo.T).float()).to(dt)
             if layer.router is not None:
                 x = self._moe_prefill(layer, x)

@@ -270,6 +270,59 @@ PROGRAMS_PER_SM = 2
 FMA_MAX_ROWS = 8  # the FMA path's single row block (its loop is unrolled per row)
 
 
+@triton.jit
+def _whole_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr,
+                            kc_ptr, vc_ptr, bt_ptr, M, qk_eps, stride_xm, stride_qm,
+                            stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
+                            stride_vh, stride_btb, HQ: tl.constexpr, HKV: tl.constexpr,
+                            D: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr,
+                            PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr,
+                            PDL: tl.constexpr):
+    # grid (cdiv(M, BLOCK_M),): BLOCK_M projected rows [(Hq + 2*Hkv) * D] -> RMSNorm over
+    # the whole q and the whole k projection (OLMoE), then _epilogue's RoPE, q store and
+    # cache append, head by head
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the rows come from the projection before
+        tl.extra.cuda.gdc_launch_dependents()
+    HALF: tl.constexpr = D // 2
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_live = rows < M
+    j = tl.arange(0, HALF)  # [D/2]
+    base = qkv_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    live = row_live[:, None]
+    ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ssk = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for h in range(0, HQ + HKV):
+        lo = tl.load(base + h * D + j[None, :], mask=live, other=0.0).to(tl.float32)
+        hi = tl.load(base + h * D + HALF + j[None, :], mask=live, other=0.0).to(tl.float32)
+        sq = tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)
+        if h < HQ:
+            ssq += sq
+        else:
+            ssk += sq
+    rq = 1.0 / tl.sqrt(ssq / (HQ * D) + qk_eps)  # [BLOCK_M]
+    rk = 1.0 / tl.sqrt(ssk / (HKV * D) + qk_eps)
+    zero = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for h in range(0, HQ + 2 * HKV):
+        lo = tl.load(base + h * D + j[None, :], mask=live, other=0.0).to(tl.float32)
+        hi = tl.load(base + h * D + HALF + j[None, :], mask=live, other=0.0).to(tl.float32)
+        if h < HQ:
+            lo = lo * rq[:, None] * tl.load(qn_ptr + h * D + j).to(tl.float32)[None, :]
+            hi = hi * rq[:, None] * tl.load(qn_ptr + h * D + HALF + j).to(tl.float32)[None, :]
+        elif h < HQ + HKV:
+            g = kn_ptr + (h - HQ) * D
+            lo = lo * rk[:, None] * tl.load(g + j).to(tl.float32)[None, :]
+            hi = hi * rk[:, None] * tl.load(g + HALF + j).to(tl.float32)[None, :]
+        _epilogue(h, lo, hi, zero, rows, row_live, 1, 0.0, 0.0, inv_freq_ptr, qn_ptr, kn_ptr,
+                  inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
+                  stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
+                  stride_vh, stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=False,
+                  QK_NORM=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SEQ_INDEX=SEQ_INDEX)
+
+
+WHOLE_BLOCK_M = 16  # rows a program of the whole-projection QK-norm kernel takes
+
+
 def _block_m(m: int, head_dim: int, use_dot: bool = True) -> int:
     if not use_dot:
         return next_pow2(max(m, 1))
@@ -438,7 +491,7 @@ def _tensor(name, t, ndim, dtypes=None, device=None):
 
 
 def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions, k_cache,
-           v_cache, block_table, seq_index, q_out, pdl):
+           v_cache, block_table, seq_index, q_out, pdl, qk_norm_whole=False):
     """Validates everything host metadata can show; returns (Hq, Hkv, D)."""
     _tensor("x", x, 2, _DTYPES)
     dev, dt = x.device, x.dtype
@@ -478,11 +531,21 @@ def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
                              f"{tuple(bqkv.shape)}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm must be given together (QK-norm) or not at all")
+    if not isinstance(qk_norm_whole, bool):
+        raise ValueError(f"qk_norm_whole must be a bool, got {qk_norm_whole!r}")
+    if qk_norm_whole and q_norm is None:
+        raise ValueError("qk_norm_whole=True needs q_norm and k_norm (the whole q and k "
+                         "projections' RMSNorm weights)")
+    if qk_norm_whole and bqkv is not None:
+        raise ValueError("qk_norm_whole=True takes no bqkv (no model has a QKV bias before a "
+                         "whole-projection QK-norm)")
     if q_norm is not None:
-        for name, g in (("q_norm", q_norm), ("k_norm", k_norm)):
+        want = ((HQ * D, "Hq * D: the whole q projection"), (HKV * D, "Hkv * D: the whole k "
+                "projection")) if qk_norm_whole else ((D, "head dim"), (D, "head dim"))
+        for (name, g), (n, what) in zip((("q_norm", q_norm), ("k_norm", k_norm)), want):
             _tensor(name, g, 1, _DTYPES, dev)
-            if g.shape[0] != D or g.stride(0) != 1:
-                raise ValueError(f"{name} must be a contiguous [{D}] (head dim), got "
+            if g.shape[0] != n or g.stride(0) != 1:
+                raise ValueError(f"{name} must be a contiguous [{n}] ({what}), got "
                                  f"{tuple(g.shape)}")
         if not isinstance(qk_eps, (int, float)) or isinstance(qk_eps, bool) or not qk_eps >= 0:
             raise ValueError(f"qk_eps must be a non-negative float with q_norm/k_norm, got "
@@ -537,7 +600,8 @@ def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
 
 def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=None,
                     qk_eps=None, inv_freq, positions, k_cache, v_cache, block_table=None,
-                    seq_index=None, q_out=None, pdl=None, settings=None, workspace=None):
+                    seq_index=None, q_out=None, pdl=None, settings=None, workspace=None,
+                    qk_norm_whole=False):
     """Projects M rows to q, k, v, applies FlashNorm / bias / QK-norm / RoPE, writes q and
     appends k, v to the KV cache, in one kernel launch.
 
@@ -548,7 +612,8 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
             (W' = W diag(g)).
         bqkv: optional [(Hq + 2*Hkv) * D] bias (Qwen2), added after the norm scale.
         q_norm, k_norm: optional [D] RMSNorm weights applied to each q / k head before
-            RoPE (Qwen3), with qk_eps.
+            RoPE (Qwen3), with qk_eps; with qk_norm_whole, [Hq * D] and [Hkv * D] weights
+            of one RMSNorm over the whole q and the whole k projection (OLMoE).
         norm_eps: None (x used as is) or the input RMSNorm's eps: the output is scaled by
             1 / sqrt(mean(x^2) + eps) per row (FlashNorm).
         inv_freq: fp32 [D / 2], from rope_inv_freq (Llama-3 scaling included); RoPE as in
@@ -568,6 +633,11 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
             split-K partials and counters, checked to be large enough for this launch
             (too small: ValueError naming it); None uses a per-device cached one, grown
             on demand (eager use; code captured in a CUDA graph should own its workspace).
+        qk_norm_whole: the QK-norm spans the whole projection (OLMoE). Its sum of squares
+            runs over every head of a row, which one program of the fused kernel does not
+            see, so this runs as two launches: the projection by :func:`gemv.gemv`
+            (FlashNorm scale included; settings and workspace unused) into the model
+            dtype, then one kernel for the norm, RoPE, the q store and the append.
 
     Returns:
         q_out [M, Hq, D]. k_cache / v_cache are written in place at the rows' slots only;
@@ -586,7 +656,7 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
         ...                     k_cache=kc, v_cache=vc, block_table=bt)
     """
     HQ, HKV, D = _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
-                        k_cache, v_cache, block_table, seq_index, q_out, pdl)
+                        k_cache, v_cache, block_table, seq_index, q_out, pdl, qk_norm_whole)
     M, K = x.shape
     heads = HQ + 2 * HKV
     target = target_of(x.device)
@@ -597,6 +667,10 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
         pdl = target.backend == "cuda" and target.cc >= 90
     elif pdl and not (target.backend == "cuda" and target.cc >= 90):
         raise UnsupportedTargetError(f"pdl=True needs CUDA sm_90 or later, got {target.name}")
+    if qk_norm_whole:
+        return _whole_norm_rope_append(x, wqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
+                                       positions, k_cache, v_cache, block_table, seq_index,
+                                       q_out, bool(pdl), HQ, HKV, D)
     if settings is None:
         settings = default_settings(target, rows=M, hidden=K, heads=heads, head_dim=D,
                                     dtype=x.dtype)
@@ -649,6 +723,31 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
     return q_out
 
 
+def _whole_norm_rope_append(x, wqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
+                            k_cache, v_cache, block_table, seq_index, q_out, pdl, HQ, HKV, D):
+    """qkv_rope_append with qk_norm_whole (inputs checked there): gemv, then the kernel."""
+    from .gemv import gemv
+
+    M = x.shape[0]
+    if q_out is None:
+        q_out = empty((M, HQ, D), x.dtype, x.device)
+    if M == 0:
+        return q_out
+    qkv = gemv(x, wqkv, norm_eps=norm_eps, pdl=pdl)  # [M, (HQ + 2 * HKV) * D]
+    paged = block_table is not None
+    _whole_norm_rope_kernel[(cdiv(M, WHOLE_BLOCK_M),)](
+        qkv, q_norm, k_norm, inv_freq, positions,
+        seq_index if seq_index is not None else positions, q_out, k_cache, v_cache,
+        block_table if paged else positions, M, float(qk_eps or 0.0), qkv.stride(0),
+        q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0, HQ=HQ, HKV=HKV, D=D, BLOCK_M=WHOLE_BLOCK_M,
+        PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+        SEQ_INDEX=seq_index is not None, PDL=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}))
+    return q_out
+
+
 # --------------------------------------------------------------------------- compile specs
 
 
@@ -657,9 +756,12 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
                  hidden: int = 4096, q_heads: int = 32, kv_heads: int = 8, norm: bool = True,
                  bias: bool = False, qk_norm: bool = False, paged: bool = True,
                  page_size: int = 16, seq_index: bool = False, pdl: bool = False,
-                 settings: QkvRopeSettings | None = None, num_sms: int = 132) -> dict:
+                 settings: QkvRopeSettings | None = None, num_sms: int = 132,
+                 qk_norm_whole: bool = False) -> dict:
     """What ``triton.compile`` needs to build the kernel for compute capability cc, by
     default at the Llama-3.1-8B shape (K 4096, Hq 32, Hkv 8, D 128), one row, paged.
+    qk_norm_whole: the second launch of that path instead (_whole_norm_rope_kernel; the
+    projection before it is gemv's kernel).
 
     Returns {"fn", "signature", "constexprs", "attrs", "options"} as
     decode_triton.compile_spec does; use ``triton.compile(ASTSource(s["fn"],
@@ -667,6 +769,9 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
     target=GPUTarget("cuda", cc, 32), options=s["options"])``.
     """
     t = dtype_name(dtype)  # Triton's type string is the same name
+    if qk_norm_whole:
+        return _whole_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size,
+                                   seq_index, pdl)
     heads = q_heads + 2 * kv_heads
     if settings is None:
         settings = default_settings(Target("cuda", cc, num_sms), rows=rows, hidden=hidden,
@@ -701,3 +806,23 @@ _ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "qn_ptr", "kn_ptr", "inv_freq_ptr", "pos_
             "seq_ptr", "q_ptr", "kc_ptr", "vc_ptr", "bt_ptr", "ws_ptr", "ss_ws_ptr",
             "count_ptr", "K", "stride_xm", "stride_wn", "stride_qm", "stride_qh", "stride_kb",
             "stride_kl", "stride_kh", "stride_vb", "stride_vl", "stride_vh")
+
+
+def _whole_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size, seq_index, pdl):
+    sig = {"qkv_ptr": f"*{t}", "qn_ptr": f"*{t}", "kn_ptr": f"*{t}", "inv_freq_ptr": "*fp32",
+           "pos_ptr": "*i32", "seq_ptr": "*i32", "q_ptr": f"*{t}", "kc_ptr": f"*{t}",
+           "vc_ptr": f"*{t}", "bt_ptr": "*i32", "M": "i32", "qk_eps": "fp32"}
+    for name in ("stride_xm", "stride_qm", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
+                 "stride_vb", "stride_vl", "stride_vh", "stride_btb"):
+        sig[name] = "i32"
+    const = {"HQ": q_heads, "HKV": kv_heads, "D": head_dim, "BLOCK_M": WHOLE_BLOCK_M,
+             "PAGED": paged, "PAGE_SIZE": page_size if paged else 1, "SEQ_INDEX": seq_index,
+             "PDL": pdl}
+    sig.update({name: "constexpr" for name in const})
+    names = _whole_norm_rope_kernel.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n.endswith("_ptr") or n in ("stride_xm", "stride_qm", "stride_qh", "stride_kb",
+                                              "stride_kl", "stride_kh", "stride_vb",
+                                              "stride_vl", "stride_vh")}
+    return {"fn": _whole_norm_rope_kernel, "signature": sig, "constexprs": const,
+            "attrs": attrs, "options": {"num_warps": 4, "launch_pdl": pdl}}

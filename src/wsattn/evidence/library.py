@@ -481,9 +481,10 @@ def _gemv_entry(name, variant, split=False):
 # qkv_rope: q [M, Hq, D] and k/v appended to a paged cache at each row's position
 
 _QKV_PAGE = 16
-_QKV_FAMILIES = {  # (bias, qk_norm); both with the FlashNorm'd input norm
-    "qwen3": (False, True),
-    "qwen2": (True, False),
+_QKV_FAMILIES = {  # (bias, qk_norm, qk_norm over the whole projection); all with the
+    "qwen3": (False, True, False),  # FlashNorm'd input norm
+    "qwen2": (True, False, False),
+    "olmoe": (False, True, True),  # two launches: gemv, then norm + RoPE + append
 }
 
 
@@ -501,7 +502,7 @@ def _describe_qkv(s):
 
 
 def _build_qkv(family):
-    bias, qk_norm = _QKV_FAMILIES[family]
+    bias, qk_norm, whole = _QKV_FAMILIES[family]
 
     def build(shape, dtype, device, gen):
         from ..rope import rope_inv_freq
@@ -519,8 +520,10 @@ def _build_qkv(family):
         vc[page, off] = float("nan")
         inp = {"x": _rnd(gen, dt, device, M, K), "wqkv": _rnd(gen, dt, device, N, K, scale=K ** -0.5),
                "bqkv": _rnd(gen, dt, device, N, scale=0.5) if bias else None,
-               "q_norm": (1 + 0.3 * torch.randn(D, generator=gen)).to(dt).to(device) if qk_norm else None,
-               "k_norm": (1 + 0.3 * torch.randn(D, generator=gen)).to(dt).to(device) if qk_norm else None,
+               "q_norm": (1 + 0.3 * torch.randn(Hq * D if whole else D, generator=gen)).to(dt)
+               .to(device) if qk_norm else None,
+               "k_norm": (1 + 0.3 * torch.randn(Hkv * D if whole else D, generator=gen)).to(dt)
+               .to(device) if qk_norm else None, "qk_norm_whole": whole,
                "qk_eps": 1e-6 if qk_norm else None, "norm_eps": 1e-6,
                "inv_freq": rope_inv_freq(D, 1000000.0).to(device),
                "positions": pos.to(device), "block_table": bt.to(device),
@@ -551,7 +554,8 @@ def _qkv_call(inp):
                            k_norm=inp["k_norm"], norm_eps=inp["norm_eps"],
                            qk_eps=inp["qk_eps"], inv_freq=inp["inv_freq"],
                            positions=inp["positions"], k_cache=inp["k_cache"],
-                           v_cache=inp["v_cache"], block_table=inp["block_table"])
+                           v_cache=inp["v_cache"], block_table=inp["block_table"],
+                           qk_norm_whole=inp["qk_norm_whole"])
 
 
 def _qkv_run(inp):
@@ -566,8 +570,9 @@ def _rope64(t, cos, sin):
 
 
 def _qkv_reference(inp):
-    """float64: FlashNorm scale, bias, per-head RMSNorm (QK-norm), RoPE over (i, i + D/2)
-    with the fp32 angle position * inv_freq, as transformers computes q, k, v."""
+    """float64: FlashNorm scale, bias, RMSNorm per head (QK-norm) or over the whole q / k
+    projection (OLMoE), RoPE over (i, i + D/2) with the fp32 angle position * inv_freq, as
+    transformers computes q, k, v."""
     x = inp["x"].double()
     M, Hq = x.shape[0], inp["Hq"]
     Hkv, D = inp["k_cache"].shape[2], inp["k_cache"].shape[3]
@@ -575,8 +580,11 @@ def _qkv_reference(inp):
     if inp["bqkv"] is not None:
         qkv = qkv + inp["bqkv"].double()
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    if inp["qk_norm_whole"]:
+        q = q * _rms_scale64(q, inp["qk_eps"]) * inp["q_norm"].double()
+        k = k * _rms_scale64(k, inp["qk_eps"]) * inp["k_norm"].double()
     q, k, v = q.reshape(M, Hq, D), k.reshape(M, Hkv, D), v.reshape(M, Hkv, D)
-    if inp["q_norm"] is not None:
+    if inp["q_norm"] is not None and not inp["qk_norm_whole"]:
         q = q * _rms_scale64(q, inp["qk_eps"]) * inp["q_norm"].double()
         k = k * _rms_scale64(k, inp["qk_eps"]) * inp["k_norm"].double()
     ang = (inp["positions"].float()[:, None] * inp["inv_freq"][None, :]).double()
@@ -597,8 +605,11 @@ def _qkv_torch(inp):
     if inp["bqkv"] is not None:
         qkv = qkv + inp["bqkv"]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-    q, k, v = q.view(M, Hq, D), k.view(M, Hkv, D), v.view(M, Hkv, D)
-    if inp["q_norm"] is not None:
+    if inp["qk_norm_whole"]:
+        q = F.rms_norm(q, (Hq * D,), inp["q_norm"], inp["qk_eps"])
+        k = F.rms_norm(k, (Hkv * D,), inp["k_norm"], inp["qk_eps"])
+    q, k, v = q.reshape(M, Hq, D), k.reshape(M, Hkv, D), v.reshape(M, Hkv, D)
+    if inp["q_norm"] is not None and not inp["qk_norm_whole"]:
         q = F.rms_norm(q, (D,), inp["q_norm"], inp["qk_eps"])
         k = F.rms_norm(k, (D,), inp["k_norm"], inp["qk_eps"])
     ang = inp["positions"].float()[:, None] * inp["inv_freq"][None, :]
@@ -611,11 +622,15 @@ def _qkv_torch(inp):
 
 
 def _qkv_entry(name, family):
-    bias, qk_norm = _QKV_FAMILIES[family]
+    bias, qk_norm, whole = _QKV_FAMILIES[family]
     if family == "qwen3":  # Qwen3-8B: hidden 4096, 32 q heads, 8 kv heads, D 128
         at = {"hidden": 4096, "q_heads": 32, "kv_heads": 8}
         profile = ({"M": 1, "K": 4096, "Hq": 32, "Hkv": 8, "D": 128, "L": 4096},
                    {"M": 8, "K": 4096, "Hq": 32, "Hkv": 8, "D": 128, "L": 4096})
+    elif family == "olmoe":  # OLMoE-1B-7B: hidden 2048, 16 q heads, 16 kv heads, D 128
+        at = {"hidden": 2048, "q_heads": 16, "kv_heads": 16}
+        profile = ({"M": 1, "K": 2048, "Hq": 16, "Hkv": 16, "D": 128, "L": 4096},
+                   {"M": 8, "K": 2048, "Hq": 16, "Hkv": 16, "D": 128, "L": 4096})
     else:  # Qwen2.5-7B: hidden 3584, 28 q heads, 4 kv heads, D 128
         at = {"hidden": 3584, "q_heads": 28, "kv_heads": 4}
         profile = ({"M": 1, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096},
@@ -630,8 +645,13 @@ def _qkv_entry(name, family):
                                     {"M": 1, "K": 1024, "Hq": 2, "Hkv": 1, "D": 64, "L": 1}),
                   describe=_describe_qkv)
     kwargs = {"head_dim": 128, "dtype": "bf16", **at, "norm": True, "bias": bias,
-              "qk_norm": qk_norm, "paged": True, "page_size": _QKV_PAGE, "pdl": _PDL_BY_TARGET}
-    desc = (f"Triton fused QKV + {'QK-norm' if qk_norm else 'bias'} + RoPE + paged append "
+              "qk_norm": qk_norm and not whole, "paged": True, "page_size": _QKV_PAGE,
+              "pdl": _PDL_BY_TARGET}
+    if whole:  # gates 0-2 read the second launch, the norm + RoPE + append kernel
+        kwargs["qk_norm_whole"] = True
+    what = "whole-projection QK-norm (gemv, then norm" if whole else \
+        "fused QKV + " + ("QK-norm" if qk_norm else "bias")
+    desc = (f"Triton {what} + RoPE + paged append{')' if whole else ''} "
             f"({family}, K={at['hidden']} Hq={at['q_heads']} Hkv={at['kv_heads']} D=128 bf16)")
     return name, "wsattn.kernels.qkv_rope", "compile_spec", kwargs, run, desc, None
 
@@ -759,6 +779,7 @@ ENTRIES = (
     _gemv_entry("gemv_splitk", "residual", split=True),
     _qkv_entry("qkv_rope_qwen3", "qwen3"),
     _qkv_entry("qkv_rope_qwen2", "qwen2"),
+    _qkv_entry("qkv_rope_olmoe", "olmoe"),
     _moe_entry(),
     _moe_entry("moe_gluon", impl="gluon"),
 )

@@ -46,7 +46,7 @@ each timed call reads the next copy (``copies`` in the row). Time is a CUDA-grap
 eager expert loop reads the routing on the host) is timed eagerly and ``timing`` says so.
 
 Out of scope here: end-to-end decode ms/token of the MoE models; the step benchmark
-(:mod:`wsattn.bench.step`) is where whole models are timed.
+(:mod:`wsattn.bench.step`, ``--models qwen3-30b-a3b``) times the whole 48-layer model.
 """
 
 from __future__ import annotations

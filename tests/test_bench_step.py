@@ -108,13 +108,16 @@ def test_weight_bytes_match_facts_and_the_models_parameters():
         expert = 3 * h * cfg.moe_ffn
         assert step.weight_bytes(cfg, 0) == 2 * (params - unread - cfg.experts * expert
                                                  * len(cfg.moe_layers)), name
+        # the expected counts are the notes' table, printed to 0.1; weight_bytes rounds the
+        # fractional expert count's bytes to a whole byte, hence abs=1 (byte) below
         for B, hit in ((1, 8.0), (8, 51.6), (64, 125.9)):
             assert step.experts_hit(cfg.experts, cfg.top_k, B) == pytest.approx(hit, abs=0.05)
             assert step.weight_bytes(cfg, B) - step.weight_bytes(cfg, 0) == pytest.approx(
                 2 * (B * h + step.experts_hit(cfg.experts, cfg.top_k, B) * expert
                      * len(cfg.moe_layers)), abs=1)
     # the issue's weight floors: Qwen3-30B-A3B about 1.41 ms at B 1, 6.0 ms at B 8; the
-    # K/V of a 4k context adds 0.40 and 3.2 GB (1.51 and 6.76 ms in all)
+    # K/V of a 4k context adds 0.40 and 3.2 GB (1.51 and 6.76 ms in all). rel=0.01: those
+    # figures are printed to two or three digits, the arithmetic itself is exact
     moe1, moe8 = step.StepCase("qwen3-30b-a3b", 1, 4096), step.StepCase("qwen3-30b-a3b", 8, 4096)
     assert moe1.floor_ms(4.3, weights_only=True) == pytest.approx(1.41, rel=0.01)
     assert moe8.floor_ms(4.3, weights_only=True) == pytest.approx(6.0, rel=0.01)

@@ -86,16 +86,21 @@ def _wg_tile_counts(m_row0, Sq, Sk, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr)
 
 
 @gluon.jit
+def _row_block(rank, n_m, CAUSAL: gl.constexpr):
+    """The rank-th row block a schedule takes: causal from the last (most keys) down."""
+    if CAUSAL:
+        start_m = n_m - 1 - rank
+    else:
+        start_m = rank
+    return start_m
+
+
+@gluon.jit
 def _tile_coords(t, n_m, Hq, CAUSAL: gl.constexpr):
     """Tile t -> (start_m, b, h). Row blocks vary fastest, so CTAs running at the same time
     share a head's K/V in L2; causal walks them from the last (most keys) to the first."""
-    m_idx = t % n_m
     bh = t // n_m
-    if CAUSAL:
-        start_m = n_m - 1 - m_idx
-    else:
-        start_m = m_idx
-    return start_m, bh // Hq, bh % Hq
+    return _row_block(t % n_m, n_m, CAUSAL), bh // Hq, bh % Hq
 
 
 @gluon.jit
@@ -157,11 +162,7 @@ def _section_coords(t, n_m, n_bh, section, Hq, CAUSAL: gl.constexpr):
     i = t - sec * per_section
     m_rank = i // size
     bh = first_bh + i - m_rank * size
-    if CAUSAL:
-        start_m = n_m - 1 - m_rank
-    else:
-        start_m = m_rank
-    return start_m, bh // Hq, bh % Hq
+    return _row_block(m_rank, n_m, CAUSAL), bh // Hq, bh % Hq
 
 
 @gluon.jit

@@ -48,7 +48,7 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from .gemv import accumulate
+from .gemv import accumulate, gemv
 
 
 @triton.jit
@@ -726,8 +726,6 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
 def _whole_norm_rope_append(x, wqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
                             k_cache, v_cache, block_table, seq_index, q_out, pdl, HQ, HKV, D):
     """qkv_rope_append with qk_norm_whole (inputs checked there): gemv, then the kernel."""
-    from .gemv import gemv
-
     M = x.shape[0]
     if q_out is None:
         q_out = empty((M, HQ, D), x.dtype, x.device)

@@ -792,23 +792,31 @@ SCHEDULE_GPU_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal: more tiles than SMs in 
 ]
 
 
+def _settings_numerics(q, k, v, causal, s, reruns):
+    """pg.prefill with settings s against the float64 reference (out and LSE, in q's dtype's
+    tolerance), then `reruns` more launches bit-identical to the first; (out, lse)."""
+    from wsattn import reference
+    D = q.shape[-1]
+    out, lse = pg.prefill(q, k, v, causal, D ** -0.5, settings=s)
+    ref, ref_lse = reference.attention(q, k, v, causal)
+    assert_close(out, ref, q.dtype)
+    assert_lse_close(lse, ref_lse, q.dtype)
+    for _ in range(reruns):
+        again, again_lse = pg.prefill(q, k, v, causal, D ** -0.5, settings=s)
+        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    return out, lse
+
+
 @pytest.mark.sm90
 @pytest.mark.parametrize("variant", list(SCHEDULE_VARIANTS))
 @pytest.mark.parametrize("case", SCHEDULE_GPU_CASES, ids=[_gpu_id(c) for c in SCHEDULE_GPU_CASES])
 def test_sm90_schedule_variants_numerics(case, variant):
     """The tile and turn switches against the float64 reference, and bit-identical on a
     rerun."""
-    from wsattn import reference
     B, Sq, Sk, Hq, Hkv, D, causal = case
     q, k, v = _qkv(B, Sq, Sk, Hq, Hkv, D, torch.float16, "cuda")
-    s = pg.settings_for(D, causal, **SCHEDULE_VARIANTS[variant])
-    out, lse = pg.prefill(q, k, v, causal, D ** -0.5, settings=s)
-    ref, ref_lse = reference.attention(q, k, v, causal)
-    assert_close(out, ref, torch.float16)
-    assert_lse_close(lse, ref_lse, torch.float16)
-    for _ in range(20):
-        again, again_lse = pg.prefill(q, k, v, causal, D ** -0.5, settings=s)
-        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    _settings_numerics(q, k, v, causal, pg.settings_for(D, causal, **SCHEDULE_VARIANTS[variant]),
+                       reruns=20)
 
 
 def test_auto_prefers_triton_only_where_it_measured_faster():
@@ -986,18 +994,11 @@ def test_sm90_persistent_numerics(case, schedule):
     """persistent=True, and ordered=True (one tile a CTA in the same order), against the
     float64 reference (out and LSE), bit-identical to itself over reruns, and equal to the
     default kernel within tolerance."""
-    from wsattn import reference
     B, S, Hq, Hkv, D, causal = case
     Sq, Sk = S if isinstance(S, tuple) else (S, S)
     q, k, v = _qkv(B, Sq, Sk, Hq, Hkv, D, torch.bfloat16, "cuda")
-    s = pg.settings_for(D, causal, **{schedule: True})
-    out, lse = pg.prefill(q, k, v, causal, D ** -0.5, settings=s)
-    ref, ref_lse = reference.attention(q, k, v, causal)
-    assert_close(out, ref, torch.bfloat16)
-    assert_lse_close(lse, ref_lse, torch.bfloat16)
-    for _ in range(5):
-        again, again_lse = pg.prefill(q, k, v, causal, D ** -0.5, settings=s)
-        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    out, lse = _settings_numerics(q, k, v, causal, pg.settings_for(D, causal, **{schedule: True}),
+                                  reruns=5)
     one, one_lse = pg.prefill(q, k, v, causal, D ** -0.5)
     assert_close(out.double(), one.double(), torch.bfloat16, "persistent vs one tile a CTA")
     assert_close(lse.double(), one_lse.double(), torch.bfloat16, "lse, persistent vs one tile")
@@ -1017,14 +1018,8 @@ PERSISTENT_VARIANTS = {"default": {}, **SCHEDULE_VARIANTS}
 def test_sm90_persistent_small_sections(head_dim, causal, variant):
     """Sections of one GQA group (l2_section_bytes=1) and the tile and turn switches:
     every tile still computed once (reference), reruns bit-identical."""
-    from wsattn import reference
     # bf16, so the default variant reuses test_sm90_persistent_numerics' builds
     q, k, v = _qkv(3, 777, 777, 12, 4, head_dim, torch.bfloat16, "cuda")
     s = pg.settings_for(head_dim, causal, persistent=True, l2_section_bytes=1,
                         **PERSISTENT_VARIANTS[variant])
-    out, lse = pg.prefill(q, k, v, causal, head_dim ** -0.5, settings=s)
-    ref, ref_lse = reference.attention(q, k, v, causal)
-    assert_close(out, ref, torch.bfloat16)
-    assert_lse_close(lse, ref_lse, torch.bfloat16)
-    again, again_lse = pg.prefill(q, k, v, causal, head_dim ** -0.5, settings=s)
-    assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    _settings_numerics(q, k, v, causal, s, reruns=1)

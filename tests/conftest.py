@@ -76,6 +76,22 @@ def bench_timing(ms):
                   calls=7)
 
 
+# The bench modules' stand-in for cuda_timer inside an interpreter child (source the child
+# prepends to its own): runs fn `calls` times, as a graph replay of several calls would,
+# counts the measurements in `.n` and returns a fixed Timing reporting `reported` calls.
+CHILD_TIMER = r"""
+from wsattn.bench.timing import Timing
+class FakeTimer:
+    def __init__(s, calls=1, reported=3):
+        s.n, s.calls, s.reported = 0, calls, reported
+    def __call__(s, fn):
+        for _ in range(s.calls):
+            fn()
+        s.n += 1
+        return Timing(1.0, 0.9, 1.1, 20, "graph", s.reported)
+"""
+
+
 def interpreter_child(code: str, *args: str, timeout: float = 600, env: dict | None = None) -> dict:
     """Run ``code`` (with ``args`` as sys.argv[1:]) in a fresh Python with TRITON_INTERPRET=1
     (Triton reads it when a kernel is decorated, i.e. at import, so only a new process gets

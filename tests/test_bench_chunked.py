@@ -18,7 +18,7 @@ import torch
 import wsattn.cli
 from wsattn.bench import chunked, gemv
 
-from conftest import BENCH_STAMP as STAMP, bench_timing as _timing, interpreter_child
+from conftest import BENCH_STAMP as STAMP, CHILD_TIMER, bench_timing as _timing, interpreter_child
 
 
 # --------------------------------------------------------------------------- command line
@@ -221,19 +221,12 @@ def test_write_only_when_asked(tmp_path):
 
 # --------------------------------------------------------------------------- end to end, tiny
 
-CHUNKED_CHILD = r"""
+CHUNKED_CHILD = CHILD_TIMER + r"""
 import json, torch
 torch.set_num_threads(1)
 import wsattn
 from wsattn.bench import chunked
-from wsattn.bench.timing import Timing
-class T:
-    def __init__(s): s.n = 0
-    def __call__(s, fn):
-        fn()
-        s.n += 1
-        return Timing(1.0, 0.9, 1.1, 20, "graph", 3)
-timer = T()
+timer = FakeTimer()
 rows = []
 SWEEP = ["triton-paged[16,16,4,1,1]", "triton-paged[16,32,4,1]"]  # --chunked-settings columns
 for prefix, chunk in ((0, 5), (20, 17)):

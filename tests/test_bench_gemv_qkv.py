@@ -12,7 +12,7 @@ import pytest
 import wsattn.cli
 from wsattn.bench import gemv, step
 
-from conftest import BENCH_STAMP as STAMP, interpreter_child
+from conftest import BENCH_STAMP as STAMP, CHILD_TIMER, interpreter_child
 
 
 # --------------------------------------------------------------------------- cases
@@ -102,21 +102,14 @@ def test_sweep_columns_only_on_their_own_cases():
 
 # --------------------------------------------------------------------------- end to end
 
-QKV_CHILD = r"""
+QKV_CHILD = CHILD_TIMER + r"""
 import json, torch
 torch.set_num_threads(1)
 from wsattn.bench import gemv
 from wsattn.models.config import RopeConfig
 import wsattn.kernels.qkv_rope as kq
 
-class T:
-    def __init__(s): s.n = 0
-    def __call__(s, fn):
-        for _ in range(3): fn()
-        s.n += 1
-        from wsattn.bench.timing import Timing
-        return Timing(1.0, 0.9, 1.1, 20, "graph", 3)
-timer = T()
+timer = FakeTimer(3)
 LLAMA3 = RopeConfig("llama3", 500000.0, 8.0, 1.0, 4.0, 8192)
 def case(M, **kw):
     kw = {"heads": 2, "kv_heads": 1, "head_dim": 64, "rope": LLAMA3, "eps": 1e-5, "ctx": 40,

@@ -19,7 +19,7 @@ import torch
 import wsattn.cli
 from wsattn.bench import gemv, moe
 
-from conftest import BENCH_STAMP as STAMP, bench_timing as _timing, interpreter_child
+from conftest import BENCH_STAMP as STAMP, CHILD_TIMER, bench_timing as _timing, interpreter_child
 
 
 # --------------------------------------------------------------------------- command line
@@ -232,22 +232,15 @@ def test_write_only_when_asked(tmp_path):
 
 # --------------------------------------------------------------------------- end to end, tiny
 
-MOE_CHILD = r"""
+MOE_CHILD = CHILD_TIMER + r"""
 import json, torch
 torch.set_num_threads(1)
 from wsattn.bench import moe
-from wsattn.bench.timing import Timing
 moe.MODELS["tiny-qwen3-moe"] = {**moe.MODELS["qwen3-30b-a3b"], "hidden_size": 64,
     "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
     "head_dim": 64, "vocab_size": 16, "intermediate_size": 64, "max_window_layers": 1}
-class T:
-    def __init__(s): s.n = 0
-    def __call__(s, fn):
-        for _ in range(3): fn()   # cycles through the weight copies as a capture would
-        s.n += 1
-        return Timing(1.0, 0.9, 1.1, 20, "graph", 3)
-timer = T()
+timer = FakeTimer(3)  # cycles through the weight copies as a capture would
 rows = []
 SWEEP = ["wsattn-triton[16,32,32,4,1]", "wsattn-triton[4,16,32,4,1]"]  # --moe-settings columns
 for B in (1, 5):

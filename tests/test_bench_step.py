@@ -18,7 +18,7 @@ import wsattn.cli
 from wsattn.bench import gemv, step
 from wsattn.bench.timing import Timing
 
-from conftest import BENCH_STAMP as STAMP, interpreter_child
+from conftest import BENCH_STAMP as STAMP, CHILD_TIMER, interpreter_child
 
 TIMING = Timing(median_ms=0.01, q20_ms=0.009, q80_ms=0.011, reps=20, method="graph", calls=7)
 
@@ -422,18 +422,11 @@ def test_gaps_between_kernel_pairs():
 
 # --------------------------------------------------------------------------- end to end, tiny
 
-GEMV_CHILD = r"""
+GEMV_CHILD = CHILD_TIMER + r"""
 import json, torch
 torch.set_num_threads(1)
 from wsattn.bench import gemv
-class T:
-    def __init__(s): s.n = 0
-    def __call__(s, fn):
-        for _ in range(5): fn()
-        s.n += 1
-        from wsattn.bench.timing import Timing
-        return Timing(1.0, 0.9, 1.1, 20, "graph", 5)
-timer = T()
+timer = FakeTimer(5, reported=5)
 cases = [gemv.GemvCase("tiny", k, m, n, kk, nm, res, silu, "fp32", fresh_bytes=3 * n * kk * 4)
          for m in (1, 5) for k, n, kk, nm, res, silu in
          (("gate_up", 96, 80, True, False, True), ("down", 40, 48, False, True, False),

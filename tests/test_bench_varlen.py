@@ -23,7 +23,7 @@ from wsattn.bench import gemv, varlen
 from wsattn.bench.peers import FA4_MODULE, FLASHINFER_MODULE
 from wsattn.bench.report import exit_status
 
-from conftest import BENCH_STAMP as STAMP, bench_timing as _timing, interpreter_child
+from conftest import BENCH_STAMP as STAMP, CHILD_TIMER, bench_timing as _timing, interpreter_child
 from test_bench_peers import fake_fa4, fake_flashinfer
 
 
@@ -501,19 +501,12 @@ def test_fa2_call_matches_torchs_schema():
 
 # --------------------------------------------------------------------------- end to end, tiny
 
-VARLEN_CHILD = r"""
+VARLEN_CHILD = CHILD_TIMER + r"""
 import json, torch
 torch.set_num_threads(1)
 import wsattn
 from wsattn.bench import varlen
-from wsattn.bench.timing import Timing
-class T:
-    def __init__(s): s.n = 0
-    def __call__(s, fn):
-        fn()
-        s.n += 1
-        return Timing(1.0, 0.9, 1.1, 20, "graph", 3)
-timer = T()
+timer = FakeTimer()
 pack = varlen.draw_pack(total=160, seed=3, lo=16, hi=48)
 rows = []
 for causal in (True, False):

@@ -519,6 +519,38 @@ def test_step_runner_end_to_end_on_a_tiny_llama():
     assert not math.isnan(hf["frac_floor"])
 
 
+def test_a_columns_engine_is_freed_before_the_next_is_built(monkeypatch):
+    """run_case drops each column's engine (and the closures that hold it) before the next
+    column builds its own: two engines of the 48-layer MoE shape do not fit one GPU."""
+    import weakref
+
+    from wsattn.bench import step
+
+    built, alive_at_build = [], []
+
+    class FakeEngine:
+        def run(self, ids, tokens, timings=None):
+            if timings is not None:
+                timings.update(decode_s=1e-3 * (tokens - 1), decode_steps=tokens - 1)
+
+    def fake_build(model, case, pdl, max_len, device):
+        alive_at_build.append(sum(r() is not None for r in built))
+        engine = FakeEngine()
+        built.append(weakref.ref(engine))
+        return engine, None
+
+    monkeypatch.setattr(step, "build_engine", fake_build)
+    monkeypatch.setattr(step, "fp32_reference", lambda model: model)
+    monkeypatch.setattr(step, "teacher_forced_check", lambda *a, **k: (0.0, 1.0, {}))
+    args = types.SimpleNamespace(new_tokens=2, check_steps=2, repeats=1)
+    case = step.StepCase("llama-3.2-1b", 1, 8, "fp32")
+    rows = step.run_case(case, ["wsattn-graph", "wsattn-graph-pdl", "wsattn-graph"], object(),
+                         {"gpu": "none"}, "cpu", 4.0, args)
+    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    assert alive_at_build == [0, 0, 0] and len(built) == 3
+    assert all(r() is None for r in built)
+
+
 # --------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu

@@ -647,10 +647,7 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
         return [make_row(stamp, case, i, "not available", reason=why, **common) for i in impls]
     rows, ref = [], None
     for impl in impls:
-        # gen/timed hold the column's engine (or its inputs) through their defaults: they
-        # are dropped with it at the end of the column, or the next column's engine is built
-        # beside it (at the 48-layer MoE shape the second one ran out of memory)
-        engine = gen = timed = None
+        engine = None
         try:
             note = rel = tol = None
             if impl.startswith("hf-"):
@@ -716,6 +713,9 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
         except Exception as e:  # a broken column must not stop the run
             rows.append(make_row(stamp, case, impl, "error", reason=_short(e), **common))
         finally:
+            # gen/timed hold the column's engine (or its inputs) through their defaults:
+            # dropped with it here, or the next column's engine is built beside it (at the
+            # 48-layer MoE shape the second one ran out of memory)
             engine = gen = timed = None
             common.pop("rel_err_hf", None), common.pop("rel_err_vs_hf", None)
             gc.collect()

@@ -57,9 +57,6 @@ VARIANTS = {
     # the CPU model), one GQA group each (fewest heads' K/V live in L2)
     "persistent_one_section": {"persistent": True, "l2_section_bytes": 2 ** 62},
     "persistent_group_sections": {"persistent": True, "l2_section_bytes": 1},
-    # one tile a CTA in the persistent order (FlashAttention-4's sm90 causal grid)
-    "ordered": {"ordered": True},
-    "ordered_one_section": {"ordered": True, "l2_section_bytes": 2 ** 62},
 }
 
 

@@ -120,6 +120,8 @@ def test_settings_are_frozen_and_overridable():
     assert s.PINGPONG and s.STAGES == pg.settings_for(128, False).STAGES
     with pytest.raises(Exception):
         s.STAGES = 5
+    with pytest.raises(TypeError, match="ordered"):  # no gain measured: not a setting (notes)
+        pg.settings_for(128, True, ordered=True)
     for d in pg.GLUON_HEAD_DIMS:
         assert pg.settings_for(d).smem_bytes(d) <= 232448
 
@@ -492,28 +494,6 @@ def test_sm90_persistent_structure(head_dim, causal):
     assert spec["constexprs"]["PERSISTENT"] is True
 
 
-@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
-def test_sm90_ordered_structure(head_dim, causal):
-    """ordered=True: the default build's partitions, warps and registers, one tile a CTA
-    (no tile loop over the grid size), the schedule's arguments, no spills."""
-    s = pg.settings_for(head_dim, causal, ordered=True)
-    assert s.ordered and not s.persistent and s.UNROLL == pg.settings_for(head_dim, causal).UNROLL
-    k = _compile(head_dim, causal, ordered=True)
-    _assert_ws_structure(k, s, head_dim)
-    ptx = k.asm["ptx"]
-    assert "%nctaid.x" not in ptx, "one tile a CTA: no walk over the grid"
-    assert _ptxas_spill_bytes(ptx) == [0, 0]
-    assert k.metadata.shared <= pg.SMEM_LIMIT
-    spec = pg.compile_spec(head_dim=head_dim, causal=causal, settings=s)
-    assert spec["signature"]["n_bh"] == spec["signature"]["section"] == "i32"
-    assert spec["constexprs"]["ORDERED"] is True and spec["constexprs"]["PERSISTENT"] is False
-
-
-def test_ordered_and_persistent_together_are_refused():
-    with pytest.raises(ValueError, match="ordered=True and persistent=True"):
-        pg.settings_for(128, True, ordered=True, persistent=True)
-
-
 def _py_twin(fn, pid=0, grid=1):
     """The Python function under a @gluon.jit helper, run with plain integers: `gl` is
     replaced by the few integer operations the schedule uses, the jit helpers it calls by
@@ -617,41 +597,6 @@ def test_persistent_partitions_share_one_schedule():
         assert "_tile" not in calls and "_tile_coords" not in calls and "range" in calls
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", WALK_CASES, ids=["-".join(map(str, c)) for c in WALK_CASES])
-def test_ordered_grid_is_the_persistent_order_one_tile_a_cta(case, causal):
-    """ordered=True: CTA pid takes tile pid of the persistent schedule's order (the twin of
-    the kernel's _tile with ORDERED), so every tile is taken once, causal longest first
-    within a section; without ORDERED, _tile keeps its per-head order."""
-    from wsattn.kernels import prefill_gluon_parts as parts
-    B, Sq, Sk, Hq, group, _, section, block_m = case
-    n_m, n_bh = -(-Sq // block_m), B * Hq
-    tile = _py_twin(parts._tile)
-    walk = _py_twin(parts._persistent_tile)
-    for pid in range(n_m * n_bh):
-        m, b, h, q0, k0, q_len, kv_len = tile(pid, n_m, Sq, Sk, Hq, None, None, n_bh, section,
-                                              causal, False, True)
-        assert (m, b, h) == walk(pid, n_m, n_bh, section, Sq, Sk, Hq, block_m, 128,
-                                 causal)[:3], pid
-        assert (q0, k0, q_len, kv_len) == (0, 0, Sq, Sk)
-        plain = tile(pid, n_m, Sq, Sk, Hq, None, None, None, None, causal, False, False)
-        coords = _py_twin(parts._tile_coords)(pid, n_m, Hq, causal)
-        assert plain[:3] == (coords[0], coords[1], coords[2])
-
-
-def test_ordered_launcher_grid_and_arguments(monkeypatch):
-    """ordered=True launches one CTA a tile with n_bh = B * Hq and l2_section's section
-    (recorded on CPU tensors with the kernel replaced)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    rec = _Recorder()
-    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
-    q, k, v = _qkv(2, 300, 300, 8, 2, 128, torch.bfloat16)
-    pg.prefill(q, k, v, True, 0.125, settings=pg.settings_for(128, True, ordered=True))
-    ((grid, args, kw),) = rec.launches
-    assert grid == (3 * 2 * 8, ) and args[-2:] == (16, 16)
-    assert kw["ORDERED"] is True and kw["PERSISTENT"] is False
-
-
 def test_l2_section_sizes():
     """Sections hold whole GQA groups whose K/V fit the budget (50 MiB unless the settings
     say otherwise), at least one group, at most every pair."""
@@ -687,17 +632,15 @@ def test_persistent_launcher_grid_and_arguments(monkeypatch):
     assert rec.launches[-1][0] == (2, )
 
 
-@pytest.mark.parametrize("schedule", ["persistent", "ordered"])
-def test_persistent_varlen_is_refused_by_name(monkeypatch, schedule):
-    """Varlen has no persistent or ordered schedule yet: the launcher and compile_spec say
-    so."""
+def test_persistent_varlen_is_refused_by_name(monkeypatch):
+    """Varlen has no persistent schedule yet: the launcher and compile_spec say so."""
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
-    s = pg.settings_for(64, False, **{schedule: True})
-    with pytest.raises(ValueError, match=rf"{schedule}=True.*varlen is not supported yet"):
+    s = pg.settings_for(64, False, persistent=True)
+    with pytest.raises(ValueError, match=r"persistent=True.*varlen is not supported yet"):
         pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, False, 0.125, settings=s)
-    with pytest.raises(ValueError, match=rf"{schedule}=True.*varlen is not supported yet"):
+    with pytest.raises(ValueError, match=r"persistent=True.*varlen is not supported yet"):
         pg.compile_spec(head_dim=64, settings=s, varlen=True)
     assert rec.launches == []
 
@@ -989,15 +932,13 @@ def _persistent_id(c):
 @pytest.mark.sm90
 @pytest.mark.parametrize("case", PERSISTENT_GPU_CASES,
                          ids=[_persistent_id(c) for c in PERSISTENT_GPU_CASES])
-@pytest.mark.parametrize("schedule", ["persistent", "ordered"])
-def test_sm90_persistent_numerics(case, schedule):
-    """persistent=True, and ordered=True (one tile a CTA in the same order), against the
-    float64 reference (out and LSE), bit-identical to itself over reruns, and equal to the
-    default kernel within tolerance."""
+def test_sm90_persistent_numerics(case):
+    """persistent=True against the float64 reference (out and LSE), bit-identical to itself
+    over reruns, and equal to the one-tile-per-CTA kernel within tolerance."""
     B, S, Hq, Hkv, D, causal = case
     Sq, Sk = S if isinstance(S, tuple) else (S, S)
     q, k, v = _qkv(B, Sq, Sk, Hq, Hkv, D, torch.bfloat16, "cuda")
-    out, lse = _settings_numerics(q, k, v, causal, pg.settings_for(D, causal, **{schedule: True}),
+    out, lse = _settings_numerics(q, k, v, causal, pg.settings_for(D, causal, persistent=True),
                                   reruns=5)
     one, one_lse = pg.prefill(q, k, v, causal, D ** -0.5)
     assert_close(out.double(), one.double(), torch.bfloat16, "persistent vs one tile a CTA")

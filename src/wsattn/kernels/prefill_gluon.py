@@ -4,8 +4,8 @@ FlashAttention-3's structure written with Triton 3.6's Gluon pieces: a 1-warp TM
 producer that gives up registers, two (at head dim 64 optionally three:
 GluonSettings.CONSUMERS) consumer warpgroups of 64 query rows each running QK^T and PV as
 async wgmma, the next QK^T issued before the current softmax, and optional ping-pong
-between the consumer warpgroups, and (GluonSettings.persistent / .ordered, off by default)
-a longest-first tile order, persistent or one tile a CTA. The partitions live in
+between the consumer warpgroups, and (GluonSettings.persistent, off by default) a
+persistent longest-first tile schedule. The partitions live in
 prefill_gluon_parts.py; this module holds the launch settings, the launchers (prefill,
 prefill_varlen: one kernel, VARLEN a constexpr) and the qualification checks that api.py
 calls.
@@ -80,14 +80,8 @@ class GluonSettings:
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
     # prefill_gluon_parts); fixed length only, off until measured (notes/prefill_gluon.md).
     persistent: bool = False
-    # One tile a CTA, numbered in the persistent schedule's order (longest causal row blocks
-    # first across the heads of an L2 section, a GQA group's heads side by side):
-    # FlashAttention-4's sm90 causal grid. Fixed length only, not with persistent; off
-    # until measured (notes/prefill_gluon.md).
-    ordered: bool = False
-    # The persistent and ordered schedules' L2 budget for one section's K/V (see
-    # l2_section): smaller sections keep fewer heads' K/V live, larger ones balance the
-    # CTAs' work better.
+    # The persistent schedule's L2 budget for one section's K/V (see l2_section): smaller
+    # sections keep fewer heads' K/V live, larger ones balance the CTAs' work better.
     l2_section_bytes: int = L2_SECTION_BYTES
 
     def smem_bytes(self, head_dim: int) -> int:
@@ -104,9 +98,6 @@ class GluonSettings:
                 f"warpgroups get {PER_CONSUMERS[3]['CONSUMER_REGS']} registers a thread, "
                 "which O (64) + S (64) + P (32) alone fill at head_dim 128 (ptxas spills "
                 "~0.9 KB a thread even without UNROLL); use CONSUMERS=2")
-        if self.ordered and self.persistent:
-            raise ValueError("ordered=True and persistent=True: the persistent schedule "
-                             "already walks the tiles in that order; set one of them")
         if self.BLOCK_M != WG_M * n:
             raise ValueError(f"BLOCK_M={self.BLOCK_M} must be {WG_M} * CONSUMERS={n}")
         for name in ("CONSUMER_REGS", "PRODUCER_REGS"):
@@ -174,8 +165,7 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
     return dict(GROUP=group, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N, D=head_dim, STAGES=s.STAGES,
                 CAUSAL=bool(causal), PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
-                CONSUMERS=s.CONSUMERS, WG_TILES=s.WG_TILES, PERSISTENT=s.persistent,
-                ORDERED=s.ordered)
+                CONSUMERS=s.CONSUMERS, WG_TILES=s.WG_TILES, PERSISTENT=s.persistent)
 
 
 def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: int,
@@ -189,11 +179,10 @@ def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: in
 
 
 def _refuse_persistent_varlen(s: GluonSettings) -> None:
-    for name in ("persistent", "ordered"):
-        if getattr(s, name):
-            raise ValueError(f"settings.{name}=True: the {name} schedule covers "
-                             "fixed-length prefill only, varlen is not supported yet; use "
-                             f"{name}=False for prefill_varlen")
+    if s.persistent:
+        raise ValueError("settings.persistent=True: the persistent schedule covers "
+                         "fixed-length prefill only, varlen is not supported yet; use "
+                         "persistent=False for prefill_varlen")
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):
@@ -224,9 +213,6 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     if s.persistent:  # one CTA per SM at most, walking the tiles (see attn_fwd_kernel)
         grid = min(num_tiles, target_of(q.device).num_sms)
         n_bh = B * Hq
-        section = l2_section(n_bh, Hq // Hkv, Sk, D, q.element_size(), s.l2_section_bytes)
-    elif s.ordered:  # one CTA per tile, in the persistent schedule's order
-        grid, n_bh = num_tiles, B * Hq
         section = l2_section(n_bh, Hq // Hkv, Sk, D, q.element_size(), s.l2_section_bytes)
     else:  # one CTA per tile
         grid, n_bh, section = num_tiles, None, None
@@ -306,9 +292,8 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
-    arguments), else the fixed-length one (they are None constexprs). settings.persistent
-    or settings.ordered: n_bh and section are arguments (fixed length only), else None
-    constexprs."""
+    arguments), else the fixed-length one (they are None constexprs). settings.persistent:
+    n_bh and section are arguments (fixed length only), else None constexprs."""
     s = _resolve(settings, head_dim, causal)
     if varlen:
         _refuse_persistent_varlen(s)
@@ -320,11 +305,11 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",
                  "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32",
                  **(packed if varlen else dict.fromkeys(packed, "constexpr")),
-                 **(walk if s.persistent or s.ordered else dict.fromkeys(walk, "constexpr"))}
+                 **(walk if s.persistent else dict.fromkeys(walk, "constexpr"))}
     constexprs = {**_constexprs(head_dim, 1, causal, s), "VARLEN": bool(varlen)}
     if not varlen:
         constexprs.update(dict.fromkeys(packed))
-    if not (s.persistent or s.ordered):
+    if not s.persistent:
         constexprs.update(dict.fromkeys(walk))
     return {"fn": attn_fwd_kernel, "signature": signature, "constexprs": constexprs,
             "options": {"num_warps": 4}}

@@ -24,9 +24,6 @@ the tiles pid, pid + grid, ... of one order (_persistent_walk, _persistent_tile:
 longest causal row blocks first, the heads of a GQA group side by side, in sections
 whose K/V fit L2). The producer and the consumers call the same two helpers, and count
 the ring index, the Q barriers' phase and the ping-pong turns over all the CTA's tiles.
-ORDERED (constexpr, fixed length only) keeps one tile a CTA but numbers the tiles in
-that same order (_section_coords): FlashAttention-4's sm90 causal grid, without the
-persistent loop.
 """
 
 from __future__ import annotations
@@ -104,19 +101,13 @@ def _tile_coords(t, n_m, Hq, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, n_bh, section, CAUSAL: gl.constexpr,
-          VARLEN: gl.constexpr, ORDERED: gl.constexpr):
+def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
     """The one schedule every partition reads: program pid -> (start_m, off_b, off_h, q0,
     k0, q_len, kv_len). off_b is the descriptors' leading coordinate, q0 / k0 the row of
     the sequence's first query / key in them, q_len / kv_len its lengths. Fixed length:
     (b, 0, 0, Sq, Sk). VARLEN: one [1, T, H * D] pack, so off_b = 0 and the rows come from
-    cu_q / cu_k; the grid covers the longest sequence (see attn_fwd_kernel). ORDERED
-    (fixed length): tile pid of the persistent schedule's order (_section_coords), one
-    tile a CTA."""
-    if ORDERED:
-        start_m, b, off_h = _section_coords(pid, n_m, n_bh, section, Hq, CAUSAL)
-    else:
-        start_m, b, off_h = _tile_coords(pid, n_m, Hq, CAUSAL)
+    cu_q / cu_k; the grid covers the longest sequence (see attn_fwd_kernel)."""
+    start_m, b, off_h = _tile_coords(pid, n_m, Hq, CAUSAL)
     if VARLEN:
         q0 = gl.load(cu_q + b)
         q_len = gl.load(cu_q + b + 1) - q0
@@ -404,8 +395,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               n_bh, section, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, CONSUMERS: gl.constexpr,
-              WG_TILES: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              ORDERED: gl.constexpr):
+              WG_TILES: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of the CTA's tile,
     or (PERSISTENT) of each tile the schedule gives the CTA (_persistent_tile).
 
@@ -442,8 +432,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
-                                                             cu_q, cu_k, n_bh, section, CAUSAL,
-                                                             VARLEN, ORDERED)
+                                                             cu_q, cu_k, CAUSAL, VARLEN)
         if VARLEN:  # the LSE's row length: [Hq, Tq] or [B, Hq, Sq]
             lse_stride = Tq
         else:
@@ -506,8 +495,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
               k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq, n_bh, section,
               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              ORDERED: gl.constexpr):
+              CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
     """The TMA producer warp: for the CTA's tile, or (PERSISTENT) each tile of the same
     schedule the consumers walk, Q once (one 64-row box per consumer into q_bufs[i], all on
     one barrier), then the tile's K and V through the ring, in the consumers' order (the
@@ -525,8 +513,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
-                                                             cu_q, cu_k, n_bh, section, CAUSAL,
-                                                             VARLEN, ORDERED)
+                                                             cu_q, cu_k, CAUSAL, VARLEN)
         n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
         _produce_q_tile(start_m, off_b, off_h, q0, k0, n_total, 0, 0, q_desc, k_desc, v_desc,
                         q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
@@ -591,8 +578,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = True,
-                    VARLEN: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
-                    ORDERED: gl.constexpr = False):
+                    VARLEN: gl.constexpr = False, PERSISTENT: gl.constexpr = False):
     """1-D grid over tiles (row block, batch, head), one tile per CTA. q/o descriptors are
     [B, Sq, Hq * D] with box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D];
     GROUP = Hq // Hkv. CONSUMERS (2 or 3) consumer warpgroups of 64 rows each:
@@ -606,14 +592,11 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
 
     PERSISTENT (fixed length only): a grid of at most one CTA per SM, each walking the
     tiles of _persistent_tile's order (n_bh = B * Hq pairs in sections of `section`,
-    see there) with every barrier phase counted across its tiles. ORDERED (fixed length
-    only): one tile a CTA, CTA pid taking tile pid of that order. None for n_bh and
-    section otherwise."""
+    see there) with every barrier phase counted across its tiles; None for both
+    otherwise."""
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
     gl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is fixed-length only")
-    gl.static_assert(not (ORDERED and (VARLEN or PERSISTENT)),
-                     "the ordered grid is fixed-length and not persistent")
     dtype: gl.constexpr = q_desc.dtype
     if VARLEN:
         n_m = gl.cdiv(max_q, BLOCK_M)
@@ -621,8 +604,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
         # nothing to do and leaves before any barrier or copy exists, so no partition can
         # wait on another (the partitions read the same _tile, and would agree on zero work).
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
-                                                             cu_q, cu_k, n_bh, section, CAUSAL,
-                                                             VARLEN, ORDERED)
+                                                             cu_q, cu_k, CAUSAL, VARLEN)
         if start_m * BLOCK_M >= q_len:
             return
     else:
@@ -657,15 +639,15 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
                          Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, ORDERED)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
                          Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, ORDERED)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq, n_bh,
                          section, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN,
-                         PERSISTENT, ORDERED)),
+                         PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
@@ -673,17 +655,17 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
                          Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, ORDERED)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
                          Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, ORDERED)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
                          Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, ORDERED)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq,
                          n_bh, section, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS,
-                         VARLEN, PERSISTENT, ORDERED)),
+                         VARLEN, PERSISTENT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -64,8 +64,28 @@ def test_options_parse():
     assert (args.what, args.models, args.batch, args.ctx, args.new_tokens) == \
         ("step", ["llama-3.1-8b"], [1, 8], [4096], 16)
     assert args.step_impl == ["wsattn-graph", "wsattn-graph-pdl"]
+    args = wsattn.cli.build_parser().parse_args(
+        ["bench", "step", "--step-impl", "wsattn-graph", "wsattn-graph-pdl[gemv,decode]"])
+    assert args.step_impl == ["wsattn-graph", "wsattn-graph-pdl[gemv,decode]"]
+    assert [step.pdl_of(i) for i in args.step_impl + ["wsattn-graph-pdl"]] == \
+        [False, ("gemv", "decode"), True]
     args = wsattn.cli.build_parser().parse_args(["bench", "gemv", "--m", "1", "--kernels", "o"])
     assert (args.m, args.kernels, args.gemv_impl) == ([1], ["o"], list(gemv.IMPLS))
+
+
+@pytest.mark.parametrize("column, match", [
+    ("wsattn-graph-pdl[gemv,norm]", "distinct names of"),
+    ("wsattn-graph-pdl[gemv,gemv]", "distinct names of"),
+    ("wsattn-graph-pdl[]", "distinct names of"),
+    ("wsattn-graph-pdl[gemv", "must be one of"),
+    ("wsattn-eager", "must be one of"),
+])
+def test_step_columns_refused_by_name(column, match, capsys):
+    with pytest.raises(ValueError, match=match):
+        step.step_impl(column)
+    with pytest.raises(SystemExit):
+        wsattn.cli.build_parser().parse_args(["bench", "step", "--step-impl", column])
+    assert "--step-impl" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- cases, bytes, floors
@@ -521,12 +541,13 @@ def test_step_runner_end_to_end_on_a_tiny_llama():
 
 def test_a_columns_engine_is_freed_before_the_next_is_built(monkeypatch):
     """run_case drops each column's engine (and the closures that hold it) before the next
-    column builds its own: two engines of the 48-layer MoE shape do not fit one GPU."""
+    column builds its own: two engines of the 48-layer MoE shape do not fit one GPU. Each
+    column's pdl= reaches the engine (False, True, a tuple of kernel families)."""
     import weakref
 
     from wsattn.bench import step
 
-    built, alive_at_build = [], []
+    built, alive_at_build, pdls = [], [], []
 
     class FakeEngine:
         def run(self, ids, tokens, timings=None):
@@ -535,6 +556,7 @@ def test_a_columns_engine_is_freed_before_the_next_is_built(monkeypatch):
 
     def fake_build(model, case, pdl, max_len, device):
         alive_at_build.append(sum(r() is not None for r in built))
+        pdls.append(pdl)
         engine = FakeEngine()
         built.append(weakref.ref(engine))
         return engine, None
@@ -544,11 +566,16 @@ def test_a_columns_engine_is_freed_before_the_next_is_built(monkeypatch):
     monkeypatch.setattr(step, "teacher_forced_check", lambda *a, **k: (0.0, 1.0, {}))
     args = types.SimpleNamespace(new_tokens=2, check_steps=2, repeats=1)
     case = step.StepCase("llama-3.2-1b", 1, 8, "fp32")
-    rows = step.run_case(case, ["wsattn-graph", "wsattn-graph-pdl", "wsattn-graph"], object(),
-                         {"gpu": "none"}, "cpu", 4.0, args)
+    impls = ["wsattn-graph", "wsattn-graph-pdl", "wsattn-graph-pdl[qkv_rope,moe]"]
+    rows = step.run_case(case, impls, object(), {"gpu": "none"}, "cpu", 4.0, args)
     assert [r["status"] for r in rows] == ["ok"] * 3, rows
     assert alive_at_build == [0, 0, 0] and len(built) == 3
     assert all(r() is None for r in built)
+    assert pdls == [False, True, ("qkv_rope", "moe")]
+    step.add_ratios(rows)  # both PDL columns against the graph column of the same case
+    assert rows[0]["pdl_speedup"] is None
+    assert all(r["pdl_speedup"] > 0 for r in rows[1:])
+    assert step.is_wsattn(impls[2]) and not step.is_wsattn("hf-eager")
 
 
 # --------------------------------------------------------------------------- GPU

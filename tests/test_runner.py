@@ -254,11 +254,54 @@ def test_refuses_cpu_without_interpreter(monkeypatch):
         KernelStep(cfg, folded, cache)
 
 
+def test_pdl_families_reach_their_kernels(monkeypatch):
+    """pdl= a collection of PDL_FAMILIES: each kernel family's launches get PDL on or off
+    as asked (the flags at the kernels' entry points, recorded by stand-ins)."""
+    import types
+
+    from wsattn.engine import runner
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg, _, w, cache = _parts()
+    step = runner.KernelStep(cfg, w, cache, pdl=False)
+    assert step.pdl_families == frozenset() and step.pdl is False
+    seen = []
+
+    def rec(name, ret=lambda *a, **k: None):
+        def stand_in(*a, pdl=None, **k):
+            seen.append((name, pdl))
+            return ret(*a, **k)
+        return stand_in
+
+    monkeypatch.setattr(runner, "qkv_rope_append", rec("qkv_rope"))
+    monkeypatch.setattr(runner, "gemv", rec("gemv"))
+    monkeypatch.setattr(runner.ops, "decode", rec("decode", lambda q, *a, **k: (
+        torch.zeros(q.shape[0], 1, cfg.heads, cfg.head_dim),)))
+    monkeypatch.setattr(runner, "route", rec("moe", lambda *a, **k: (None, None)))
+    for name in ("group", "moe_gate_up", "moe_down_combine"):
+        monkeypatch.setattr(runner, name, rec("moe"))
+    moe_layer = types.SimpleNamespace(router=None, w_gate_up=None, w_down=None)
+    for families in [(), ("gemv",), ("qkv_rope", "decode"), ("moe",), runner.PDL_FAMILIES]:
+        seen.clear()
+        step.pdl_families = runner._pdl_families(families, has_pdl=True)
+        buf = runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device)
+        step._forward(buf)
+        step._moe(moe_layer, buf.h, 1)
+        assert {name for name, _ in seen} == set(runner.PDL_FAMILIES)
+        assert all(pdl is (name in families) for name, pdl in seen), (families, seen)
+    assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
+    assert runner._pdl_families(None, has_pdl=False) == frozenset()
+    assert runner._pdl_families(True, has_pdl=False) == frozenset(runner.PDL_FAMILIES)
+
+
 @pytest.mark.parametrize("case, match", [
     ("unfolded", "FlashNorm-folded"),
     ("bf16", "bfloat16 is not run by the kernels in the Triton interpreter"),
     ("graphs", "graphs=True needs CUDA"),
     ("pdl", "pdl=True needs a CUDA GPU of sm_90"),
+    ("pdl_families", r"pdl=\('gemv',\) needs a CUDA GPU of sm_90"),
+    ("pdl_unknown", r"pdl: unknown kernel families \['norm'\]"),
+    ("pdl_str", "pdl must be None, True, False or a collection of"),
     ("bucket65", "above the 64 the GEMV kernels take"),
     ("bucket_small", "below the cache's max_batch"),
     ("buckets_order", "buckets must be increasing"),
@@ -282,6 +325,12 @@ def test_construction_refusals(monkeypatch, case, match):
         kw["graphs"] = True
     elif case == "pdl":
         kw["pdl"] = True
+    elif case == "pdl_families":
+        kw["pdl"] = ("gemv",)
+    elif case == "pdl_unknown":
+        kw["pdl"] = ("gemv", "norm")
+    elif case == "pdl_str":
+        kw["pdl"] = "gemv"
     elif case == "bucket65":
         kw["buckets"] = (1, 65)
     elif case == "bucket_small":

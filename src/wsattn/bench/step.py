@@ -14,7 +14,9 @@ Columns (``impl``):
 * ``hf-compile``: ``generate(cache_implementation="static")``, which transformers
   compiles with torch.compile;
 * ``wsattn-graph`` / ``wsattn-graph-pdl``: :class:`wsattn.engine.Engine` with
-  ``step="kernels"`` (fused kernels, one CUDA graph per step) and ``pdl=False`` / ``True``.
+  ``step="kernels"`` (fused kernels, one CUDA graph per step) and ``pdl=False`` / ``True``;
+  ``wsattn-graph-pdl[gemv,decode]`` and the like: PDL on for those kernel families only
+  (``wsattn.engine.runner.PDL_FAMILIES``), to find where PDL pays or costs.
   Checked first: the engine's logits over a few steps, teacher-forced on its own tokens,
   against the same weights computed in fp32 by transformers, next to transformers' own
   bf16 error against that reference (``rel_err_hf``): within the bf16 tolerance or twice
@@ -52,9 +54,38 @@ from .moe import MODELS as MOE_MODELS
 
 IMPLS = ("hf-eager", "hf-compile", "wsattn-graph", "wsattn-graph-pdl")
 WSATTN_IMPLS = ("wsattn-graph", "wsattn-graph-pdl")
+PDL_SUBSET = "wsattn-graph-pdl["  # + comma-separated kernel families + "]"
 BATCHES = (1, 8, 64)
 CONTEXTS = (1024, 4096, 32768)
 ELT = 2  # bf16
+
+
+def step_impl(text: str) -> str:
+    """A ``--step-impl`` column: one of IMPLS, or ``wsattn-graph-pdl[f1,f2,...]`` with
+    names from ``wsattn.engine.runner.PDL_FAMILIES``; ValueError naming what is wrong."""
+    if text in IMPLS:
+        return text
+    if not (text.startswith(PDL_SUBSET) and text.endswith("]")):
+        raise ValueError(f"step column must be one of {IMPLS} or {PDL_SUBSET}FAMILY,...], "
+                         f"got {text!r}")
+    from wsattn.engine.runner import PDL_FAMILIES
+    names = text[len(PDL_SUBSET):-1].split(",")
+    bad = [n for n in names if n not in PDL_FAMILIES]
+    if bad or len(set(names)) != len(names):
+        raise ValueError(f"{text!r}: the kernel families must be distinct names of "
+                         f"{PDL_FAMILIES}, got {names}")
+    return text
+
+
+def pdl_of(impl: str):
+    """The ``pdl=`` of a wsattn column: False, True, or the tuple of kernel families."""
+    if impl.startswith(PDL_SUBSET):
+        return tuple(impl[len(PDL_SUBSET):-1].split(","))
+    return impl == "wsattn-graph-pdl"
+
+
+def is_wsattn(impl: str) -> bool:
+    return impl in WSATTN_IMPLS or impl.startswith(PDL_SUBSET)
 
 # The public config.json values that shape the step (hidden, layers, heads, kv heads,
 # head_dim, ffn, vocab, rope, tied embeddings); everything else at transformers' defaults.
@@ -400,7 +431,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         if peer and peer is not r:
             r["ratio_hf_compile"] = peer["ms_per_token"] / r["ms_per_token"]
         nopdl = timed.get((case, "wsattn-graph"))
-        if impl == "wsattn-graph-pdl" and nopdl:
+        if impl.startswith("wsattn-graph-pdl") and nopdl:
             r["pdl_speedup"] = nopdl["ms_per_token"] / r["ms_per_token"]
     return rows
 
@@ -447,6 +478,7 @@ def plot_rows(rows: list[dict], path):
         return None, "no timed rows to plot"
     models = [m for m in MODELS if any(r["model"] == m for r in ok)]
     impls = [i for i in IMPLS if any(r["impl"] == i for r in ok)]
+    impls += [i for i in dict.fromkeys(r["impl"] for r in ok) if i not in IMPLS]
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
     width = 0.8 / len(impls)
     for ax, model in zip(axes.flat, models):
@@ -499,8 +531,9 @@ def build_model(name: str, device, dtype: str = "bf16", layers: int | None = Non
     return model.eval()
 
 
-def build_engine(model, case: StepCase, pdl: bool, max_seq_len: int, device):
-    """(wsattn's Engine on the kernel step with PDL on or off, a note or None).
+def build_engine(model, case: StepCase, pdl, max_seq_len: int, device):
+    """(wsattn's Engine on the kernel step with PDL on or off, or on for the kernel
+    families ``pdl`` names (a tuple, see :func:`pdl_of`), a note or None).
 
     ``Engine(..., pdl=)`` where the engine takes it; otherwise the engine gets a fixed
     pool (never reallocated, so its step is never rebuilt) and its step is replaced by
@@ -603,7 +636,7 @@ def fp32_reference(model):
     return copy.deepcopy(model).float().eval()
 
 
-def check_on_cut(case: StepCase, pdl: bool, max_len: int, ids, steps: int, tol, device):
+def check_on_cut(case: StepCase, pdl, max_len: int, ids, steps: int, tol, device):
     """teacher_forced_check on the case's model cut to CHECK_LAYERS layers (its own random
     weights; the engine built on it as the timed one is on the full model), then freed:
     (rel, tol, detail, note)."""
@@ -666,7 +699,7 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
                     gen(tokens, streamer=marks)
                     return marks.per_token_ms()
             else:
-                pdl, max_len = impl.endswith("-pdl"), case.ctx + max(n, checks) + 2
+                pdl, max_len = pdl_of(impl), case.ctx + max(n, checks) + 2
                 tol_arg = getattr(args, "check_tol", None)
                 if case.model in CHECK_LAYERS:
                     rel, tol, detail, cut_note = check_on_cut(case, pdl, max_len, ids, checks,
@@ -768,7 +801,15 @@ def main(args) -> int:
     add_ratios(rows)
     print(format_table(rows))
     write(rows, stamp, args, plot_rows)
-    return exit_status(rows, WSATTN_IMPLS.__contains__)
+    return exit_status(rows, is_wsattn)
+
+
+def _step_impl_arg(text: str) -> str:
+    import argparse
+    try:
+        return step_impl(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(group) -> None:
@@ -779,8 +820,11 @@ def add_arguments(group) -> None:
     group.add_argument("--ctx", nargs="+", type=int, default=None, metavar="N",
                        help=f"step: context lengths (default with --batch: "
                             f"{' '.join(map(str, CONTEXTS))})")
-    group.add_argument("--step-impl", nargs="+", choices=IMPLS, default=list(IMPLS),
-                       metavar="IMPL", help=f"step: columns (default all: {' '.join(IMPLS)})")
+    group.add_argument("--step-impl", nargs="+", type=_step_impl_arg, default=list(IMPLS),
+                       metavar="IMPL", help=f"step: columns (default all: {' '.join(IMPLS)}; "
+                                           f"{PDL_SUBSET}FAMILY,...]: PDL on for those kernel "
+                                           f"families of wsattn.engine.runner.PDL_FAMILIES "
+                                           f"only)")
     group.add_argument("--new-tokens", type=int, default=32,
                        help="step: decode steps timed, from the first new token to the "
                             "last of 1 + n (default 32)")

@@ -107,11 +107,31 @@ from ..rope import rope_inv_freq
 from ..target import interpreting
 from .generate import BUCKETS
 
-__all__ = ["KernelStep"]
+__all__ = ["KernelStep", "PDL_FAMILIES"]
+
+# The kernel families `pdl=` can turn on one by one (an A/B of where PDL pays): the fused
+# QKV launch(es), decode attention with its split combine, every GEMV (o, gate/up, down,
+# LM head, their split-K finish), and the MoE kernels (route, group, grouped, combine).
+PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
+
+
+def _pdl_families(pdl, has_pdl: bool) -> frozenset:
+    """The kernel families PDL is on for: None -> all where the GPU has it, True / False ->
+    all / none, else a collection of PDL_FAMILIES names."""
+    if pdl is None or isinstance(pdl, bool):
+        return frozenset(PDL_FAMILIES) if (has_pdl if pdl is None else pdl) else frozenset()
+    if isinstance(pdl, str) or not hasattr(pdl, "__iter__"):
+        raise ValueError(f"pdl must be None, True, False or a collection of {PDL_FAMILIES}, "
+                         f"got {pdl!r}")
+    names = frozenset(pdl)
+    unknown = sorted(str(n) for n in names - set(PDL_FAMILIES))
+    if unknown:
+        raise ValueError(f"pdl: unknown kernel families {unknown}; they are {PDL_FAMILIES}")
+    return names
 
 
 class _Buffers:
@@ -152,7 +172,8 @@ class KernelStep:
         graphs: capture one CUDA graph per bucket (None: on for CUDA; CPU: off, True
             refused).
         pdl: programmatic dependent launch for every kernel that takes it (None: on for
-            CUDA sm_90+; True elsewhere refused).
+            CUDA sm_90+; True elsewhere refused), or a collection of ``PDL_FAMILIES``
+            names: on for those kernel families only (to measure where PDL pays).
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
@@ -167,9 +188,8 @@ class KernelStep:
 
     Raises ValueError naming the argument for anything it does not run: a device other
     than CUDA or the interpreter, a dtype the kernels do not take there, a head dim other
-    than 64/128/256, a hidden size not a multiple of 16, QK-norm over the whole
-    projection (OLMoE), more than 256 experts, unfolded weights, shapes that do not
-    match cfg.
+    than 64/128/256, a hidden size not a multiple of 16, more than 256 experts, unfolded
+    weights, shapes that do not match cfg, a ``pdl`` that is not one of the above.
     """
 
     name = "kernels"
@@ -200,13 +220,13 @@ class KernelStep:
         if graphs and not on_cuda:
             raise ValueError("graphs=True needs CUDA tensors (the interpreter has no graphs)")
         self.graphs = on_cuda if graphs is None else graphs
-        if pdl not in (None, True, False):
-            raise ValueError(f"pdl must be None, True or False, got {pdl!r}")
         has_pdl = on_cuda and torch.cuda.get_device_capability(self.device)[0] >= 9
-        if pdl and not has_pdl:
-            raise ValueError(f"pdl=True needs a CUDA GPU of sm_90 or later; the weights are "
-                             f"on {self.device}")
-        self.pdl = has_pdl if pdl is None else pdl
+        families = _pdl_families(pdl, has_pdl)
+        if families and not has_pdl:
+            raise ValueError(f"pdl={pdl!r} needs a CUDA GPU of sm_90 or later; the weights "
+                             f"are on {self.device}")
+        self.pdl_families = families
+        self.pdl = bool(families)  # on for at least one family
 
         rope = cfg.rope
         scaling = None if rope.type == "default" else {
@@ -330,7 +350,9 @@ class KernelStep:
 
     def _forward(self, buf: _Buffers):
         """The decode step over a bucket's static buffers (what a graph captures)."""
-        cfg, w, cache, eps, pdl = self.cfg, self.weights, self.cache, self.eps, self.pdl
+        cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
+        on = self.pdl_families.__contains__
+        pdl_qkv, pdl_decode, pdl_gemv = on("qkv_rope"), on("decode"), on("gemv")
         h, n = buf.h, buf.bucket
         torch.index_select(w.embed, 0, buf.tokens, out=h)
         self._count("embed")
@@ -342,24 +364,25 @@ class KernelStep:
                             k_norm=layer.k_norm, norm_eps=eps,
                             qk_eps=eps if layer.q_norm is not None else None,
                             inv_freq=self.inv_freq, positions=buf.positions, k_cache=k_pages,
-                            v_cache=v_pages, block_table=buf.block_table, q_out=buf.q, pdl=pdl,
-                            workspace=self._qkv_workspace, qk_norm_whole=cfg.qk_norm_whole)
+                            v_cache=v_pages, block_table=buf.block_table, q_out=buf.q,
+                            pdl=pdl_qkv, workspace=self._qkv_workspace,
+                            qk_norm_whole=cfg.qk_norm_whole)
             self._count("qkv_rope")
             # the launcher through ops (no host checks; PDL, which api.decode does not take)
             attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
                               buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
-                              pdl=pdl)[0][:, 0]  # [n, Hq, D]
+                              pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
-            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl)
+            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl_gemv)
             self._count("gemv_o")
             if layer.router is not None:
                 self._moe(layer, h, buf.moe_block)
                 continue
-            gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, pdl=pdl)
+            gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, pdl=pdl_gemv)
             self._count("gemv_gate_up")
-            gemv(buf.act, layer.w_down, residual=h, out=h, pdl=pdl)
+            gemv(buf.act, layer.w_down, residual=h, out=h, pdl=pdl_gemv)
             self._count("gemv_down")
-        gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, pdl=pdl)
+        gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, pdl=pdl_gemv)
         self._count("gemv_lm_head")
         if buf.logits_model is not buf.logits:
             buf.logits.copy_(buf.logits_model)
@@ -367,7 +390,7 @@ class KernelStep:
 
     def _moe(self, layer, h, block):
         """A MoE layer's MLP on the residual stream h [bucket, hidden], in place."""
-        cfg, eps, pdl = self.cfg, self.eps, self.pdl
+        cfg, eps, pdl = self.cfg, self.eps, "moe" in self.pdl_families
         wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
                          norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
         self._count("moe_route")

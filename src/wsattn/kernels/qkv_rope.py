@@ -277,50 +277,57 @@ def _whole_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_
                             stride_vh, stride_btb, HQ: tl.constexpr, HKV: tl.constexpr,
                             D: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr,
                             PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr,
-                            PDL: tl.constexpr):
-    # grid (cdiv(M, BLOCK_M),): BLOCK_M projected rows [(Hq + 2*Hkv) * D] -> RMSNorm over
-    # the whole q and the whole k projection (OLMoE), then _epilogue's RoPE, q store and
-    # cache append, head by head
+                            PDL: tl.constexpr, QW: tl.constexpr, KW: tl.constexpr):
+    # grid (cdiv(M, BLOCK_M), HQ + 2 * HKV): one head of BLOCK_M projected rows
+    # [(Hq + 2*Hkv) * D] a program -> RMSNorm over the whole q or the whole k projection
+    # (OLMoE), then _epilogue's RoPE, q store and cache append. Each q (k) head's program
+    # sums the squares of the whole q (k) row itself, from the projection the gemv just
+    # wrote (L2-resident, Hq * D values a row), so no program waits on another and the
+    # heads' epilogues run side by side; one program walking every head in turn chained
+    # 48 epilogues' latencies (~0.13 ms a call at the OLMoE shape in the ladder).
     if PDL:
         tl.extra.cuda.gdc_wait()  # the rows come from the projection before
         tl.extra.cuda.gdc_launch_dependents()
+    # QW, KW: Hq * D and Hkv * D rounded up to powers of two (the whole rows' tiles)
     HALF: tl.constexpr = D // 2
+    h = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_live = rows < M
+    live = row_live[:, None]
     j = tl.arange(0, HALF)  # [D/2]
     base = qkv_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-    live = row_live[:, None]
-    ssq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    ssk = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for h in range(0, HQ + HKV):
-        lo = tl.load(base + h * D + j[None, :], mask=live, other=0.0).to(tl.float32)
-        hi = tl.load(base + h * D + HALF + j[None, :], mask=live, other=0.0).to(tl.float32)
-        sq = tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)
-        if h < HQ:
-            ssq += sq
-        else:
-            ssk += sq
-    rq = 1.0 / tl.sqrt(ssq / (HQ * D) + qk_eps)  # [BLOCK_M]
-    rk = 1.0 / tl.sqrt(ssk / (HKV * D) + qk_eps)
+    lo = tl.load(base + h * D + j[None, :], mask=live, other=0.0).to(tl.float32)
+    hi = tl.load(base + h * D + HALF + j[None, :], mask=live, other=0.0).to(tl.float32)
+    if h < HQ:
+        cq = tl.arange(0, QW)
+        whole = tl.load(base + cq[None, :], mask=live & (cq < HQ * D)[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_M, QW]: the whole q row
+        r = 1.0 / tl.sqrt(tl.sum(whole * whole, 1) / (HQ * D) + qk_eps)  # [BLOCK_M]
+        lo = lo * r[:, None] * tl.load(qn_ptr + h * D + j).to(tl.float32)[None, :]
+        hi = hi * r[:, None] * tl.load(qn_ptr + h * D + HALF + j).to(tl.float32)[None, :]
+    elif h < HQ + HKV:
+        ck = tl.arange(0, KW)
+        whole = tl.load(base + HQ * D + ck[None, :], mask=live & (ck < HKV * D)[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_M, KW]: the whole k row
+        r = 1.0 / tl.sqrt(tl.sum(whole * whole, 1) / (HKV * D) + qk_eps)
+        g = kn_ptr + (h - HQ) * D
+        lo = lo * r[:, None] * tl.load(g + j).to(tl.float32)[None, :]
+        hi = hi * r[:, None] * tl.load(g + HALF + j).to(tl.float32)[None, :]
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for h in range(0, HQ + 2 * HKV):
-        lo = tl.load(base + h * D + j[None, :], mask=live, other=0.0).to(tl.float32)
-        hi = tl.load(base + h * D + HALF + j[None, :], mask=live, other=0.0).to(tl.float32)
-        if h < HQ:
-            lo = lo * rq[:, None] * tl.load(qn_ptr + h * D + j).to(tl.float32)[None, :]
-            hi = hi * rq[:, None] * tl.load(qn_ptr + h * D + HALF + j).to(tl.float32)[None, :]
-        elif h < HQ + HKV:
-            g = kn_ptr + (h - HQ) * D
-            lo = lo * rk[:, None] * tl.load(g + j).to(tl.float32)[None, :]
-            hi = hi * rk[:, None] * tl.load(g + HALF + j).to(tl.float32)[None, :]
-        _epilogue(h, lo, hi, zero, rows, row_live, 1, 0.0, 0.0, inv_freq_ptr, qn_ptr, kn_ptr,
-                  inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
-                  stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
-                  stride_vh, stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=False,
-                  QK_NORM=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SEQ_INDEX=SEQ_INDEX)
+    _epilogue(h, lo, hi, zero, rows, row_live, 1, 0.0, 0.0, inv_freq_ptr, qn_ptr, kn_ptr,
+              inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
+              stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
+              stride_vh, stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=False,
+              QK_NORM=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SEQ_INDEX=SEQ_INDEX)
 
 
-WHOLE_BLOCK_M = 16  # rows a program of the whole-projection QK-norm kernel takes
+# rows a program of the whole-projection QK-norm kernel takes, and its warps: one row, so
+# that the whole-row sum of squares ([BLOCK_M, next_pow2(Hq * D)] fp32) stays in registers
+# and decode's few rows spread over M x heads programs; two warps, the setting without
+# spills at both shapes compiled for sm_90 (D 64 / 128: 69 registers; four warps spilled
+# 4 bytes at D 64, two rows spilled 24-28 at one or two warps)
+WHOLE_BLOCK_M = 1
+WHOLE_WARPS = 2
 
 
 def _block_m(m: int, head_dim: int, use_dot: bool = True) -> int:
@@ -733,7 +740,7 @@ def _whole_norm_rope_append(x, wqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
         return q_out
     qkv = gemv(x, wqkv, norm_eps=norm_eps, pdl=pdl)  # [M, (HQ + 2 * HKV) * D]
     paged = block_table is not None
-    _whole_norm_rope_kernel[(cdiv(M, WHOLE_BLOCK_M),)](
+    _whole_norm_rope_kernel[(cdiv(M, WHOLE_BLOCK_M), HQ + 2 * HKV)](
         qkv, q_norm, k_norm, inv_freq, positions,
         seq_index if seq_index is not None else positions, q_out, k_cache, v_cache,
         block_table if paged else positions, M, float(qk_eps or 0.0), qkv.stride(0),
@@ -741,7 +748,8 @@ def _whole_norm_rope_append(x, wqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0) if paged else 0, HQ=HQ, HKV=HKV, D=D, BLOCK_M=WHOLE_BLOCK_M,
         PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        SEQ_INDEX=seq_index is not None, PDL=pdl, num_warps=4,
+        SEQ_INDEX=seq_index is not None, PDL=pdl, QW=next_pow2(HQ * D),
+        KW=next_pow2(HKV * D), num_warps=WHOLE_WARPS,
         **({"launch_pdl": True} if pdl else {}))
     return q_out
 
@@ -815,7 +823,8 @@ def _whole_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size, seq_in
         sig[name] = "i32"
     const = {"HQ": q_heads, "HKV": kv_heads, "D": head_dim, "BLOCK_M": WHOLE_BLOCK_M,
              "PAGED": paged, "PAGE_SIZE": page_size if paged else 1, "SEQ_INDEX": seq_index,
-             "PDL": pdl}
+             "PDL": pdl, "QW": next_pow2(q_heads * head_dim),
+             "KW": next_pow2(kv_heads * head_dim)}
     sig.update({name: "constexpr" for name in const})
     names = _whole_norm_rope_kernel.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -823,4 +832,4 @@ def _whole_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size, seq_in
                                               "stride_kl", "stride_kh", "stride_vb",
                                               "stride_vl", "stride_vh")}
     return {"fn": _whole_norm_rope_kernel, "signature": sig, "constexprs": const,
-            "attrs": attrs, "options": {"num_warps": 4, "launch_pdl": pdl}}
+            "attrs": attrs, "options": {"num_warps": WHOLE_WARPS, "launch_pdl": pdl}}

@@ -72,13 +72,14 @@ def test_qkv_settings_refused_by_name(spec, match):
 
 
 def test_qkv_settings_parse_to_columns():
-    from wsattn.kernels.qkv_rope import QkvRopeSettings
+    from wsattn.kernels.qkv_rope import QkvRopeSettings, TwoLaunchSettings
     got = gemv.parse_qkv_settings(["128,4,8,4", "64, 1,4,6", "64,4,8,4,0", "64,4,8,4,1"])
     assert got == {"wsattn[qkv:128,4,8,4]": QkvRopeSettings(128, 4, 8, 4),
                    "wsattn[qkv:64,1,4,6]": QkvRopeSettings(64, 1, 4, 6),
                    "wsattn[qkv:64,4,8,4,0]": QkvRopeSettings(64, 4, 8, 4, use_dot=False),
                    "wsattn[qkv:64,4,8,4]": QkvRopeSettings(64, 4, 8, 4)}
     assert gemv.parse_qkv_settings(None) == {}
+    assert gemv.parse_qkv_settings(["gemv"]) == {"wsattn[qkv:gemv]": TwoLaunchSettings()}
     args = wsattn.cli.build_parser().parse_args(
         ["bench", "gemv", "--kernels", "qkv_rope", "--qkv-settings", "128,4,8,4", "64,2,4,6"])
     assert args.kernels == ["qkv_rope"] and args.qkv_settings == ["128,4,8,4", "64,2,4,6"]
@@ -117,7 +118,7 @@ def case(M, **kw):
     return gemv.QkvRopeCase("tiny", "qkv_rope", M, 256, 64, True, False, False, "fp32",
                             fresh_bytes=3 * 256 * 64 * 4, **kw)
 cases = [case(1), case(3), case(3, rope=RopeConfig(), bias=True, qk_norm=True, eps=1e-6)]
-sweep = {**gemv.parse_qkv_settings(["16,2,4,1", "16,2,4,1,0"]),
+sweep = {**gemv.parse_qkv_settings(["16,2,4,1", "16,2,4,1,0", "gemv"]),
          **gemv.parse_settings(["16,32,1,0,4,2"])}
 impls = ["wsattn-nopdl", "cublas"] + list(sweep)
 rows = []
@@ -138,13 +139,14 @@ print("RESULT " + json.dumps({"rows": rows, "bad_q": bad_q, "no_append": no_appe
 
 
 def test_qkv_rope_runner_checks_then_times_on_the_interpreter():
-    """The fused kernel (defaults, a split-K column and the FMA path) and its cuBLAS peer, checked on q and
+    """The fused kernel (defaults, a split-K column and the FMA path), the two-launch path
+    and their cuBLAS peer, checked on q and
     the appended k/v slots against float64, then timed; a wrong q or a missing append is
     'failed' and never timed; the plain GEMV column gives no qkv_rope row."""
     r = interpreter_child(QKV_CHILD, timeout=300)
     rows = r["rows"]
     assert [row["impl"] for row in rows] == ["wsattn-nopdl", "cublas", "wsattn[qkv:16,2,4,1]",
-                                             "wsattn[qkv:16,2,4,1,0]"] * 3
+                                             "wsattn[qkv:16,2,4,1,0]", "wsattn[qkv:gemv]"] * 3
     for row in rows:
         assert row["status"] == "ok", row
         assert row["kernel"] == "qkv_rope" and row["rel_err"] <= 2e-3 and row["copies"] == 3

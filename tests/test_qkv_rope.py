@@ -150,7 +150,8 @@ def run_case(fam, M, K, Hq, Hkv, D, dt, device, settings=None, seq_index=False, 
 CHILD = textwrap.dedent(r'''
     import json, sys
     import torch
-    from wsattn.kernels.qkv_rope import qkv_rope_append, rope_inv_freq, QkvRopeSettings
+    from wsattn.kernels.qkv_rope import (qkv_rope_append, rope_inv_freq, QkvRopeSettings,
+                                         TwoLaunchSettings)
     from wsattn.testing import rel_err, tol
 ''') + HELPERS + textwrap.dedent(r'''
     dtype_name, fam_name, fam = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -174,6 +175,10 @@ CHILD = textwrap.dedent(r'''
     # head counts whose Hq * D and Hkv * D are not powers of two (OLMoE's whole-row tiles
     # are masked there)
     out["Hq6-Hkv3-M3"] = run_case(fam, 3, 64, 6, 3, 64, dt, "cpu")
+    # the two-launch path (gemv, then one program per row and head) for every family
+    for D, M in ((64, 3), (128, 1)):
+        out[f"two-launch-D{D}-M{M}"] = run_case(fam, M, 64 if D == 64 else 128, 4, 2, D, dt,
+                                                "cpu", settings=TwoLaunchSettings())
     # the FMA path (use_dot=False): one row block of M <= 8 rows, one pass and split K
     for D, Hq, Hkv, M, split in ((64, 8, 2, 1, 1), (64, 4, 2, 3, 2), (128, 4, 2, 8, 3)):
         s = QkvRopeSettings(BLOCK_K=16, split_k=split, num_warps=4, num_stages=1,
@@ -198,7 +203,7 @@ def test_interpreter_against_float64(dtype, family):
     slots other than the rows' own keep their bits (NaN pages too); q_out fully written
     (it starts as NaN); the paged append equals the contiguous one bit for bit."""
     res = _child(dtype, family, json.dumps(FAMILIES[family]))
-    assert len(res) == 19
+    assert len(res) == 21
     bad = {}
     for case, r in res.items():
         errs = {k: r[k] for k in ("q", "k", "v") if not r[k] <= r["tol"]}
@@ -403,16 +408,22 @@ def test_sm90_llama8b_shape_compiles_without_spills(family, rows, record_propert
     assert "griddepcontrol" not in ptx  # PDL off
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("shape", [dict(q_heads=16, kv_heads=16, head_dim=128),   # OLMoE
                                    dict(q_heads=32, kv_heads=8, head_dim=64)])
-def test_sm90_whole_norm_kernel_compiles_without_spills(shape):
-    """The whole-projection QK-norm kernel (OLMoE's second launch) at sm_90: no spills, and
-    under PDL it waits before its first load (its input is the projection's output)."""
-    s, k = _compile(qk_norm_whole=True, **shape)
+def test_sm90_two_launch_kernel_compiles_without_spills(shape, family):
+    """The two-launch path's second kernel (OLMoE's whole-projection QK-norm; the A/B path
+    of the other families) at sm_90: no spills, and under PDL it waits before its first
+    load (its input is the projection's output)."""
+    fam = dict(FAMILIES[family], settings=qkv_rope.TwoLaunchSettings())
+    s, k = _compile(**fam, **shape)
     regs, spills = _ptxas_spills(k)
     assert spills == 0, (shape, regs)
-    assert s["fn"] is qkv_rope._whole_norm_rope_kernel
-    ptx = _compile(qk_norm_whole=True, pdl=True, **shape)[1].asm["ptx"]
+    assert s["fn"] is qkv_rope._norm_rope_append_kernel
+    c = s["constexprs"]
+    assert (c["WHOLE"], c["QK_NORM"], c["BIAS"]) == (
+        bool(fam.get("qk_norm_whole")), fam["qk_norm"], fam["bias"])
+    ptx = _compile(**fam, pdl=True, **shape)[1].asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global" not in ptx[:wait]
 
@@ -573,6 +584,36 @@ def test_gpu_fma_path_against_float64(family, M):
                        settings=s, seed=M)
     assert all(r[k] <= r["tol"] for k in ("q", "k", "v")), r
     assert r["untouched"] and r["paged_eq_contig"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("family", FUSED)
+def test_gpu_two_launch_against_float64(family, M):
+    """TwoLaunchSettings (gemv, then one program per row and head) at the Llama-3.1-8B
+    shape, bf16: within tolerance of float64, caches untouched elsewhere, paged equal to
+    contiguous; reruns and a CUDA-graph replay under PDL bit-identical."""
+    ns = _gpu_ns()
+    s = qkv_rope.TwoLaunchSettings()
+    r = ns["run_case"](FAMILIES[family], M, 4096, 32, 8, 128, torch.bfloat16, "cuda",
+                       settings=s, seed=M)
+    assert all(r[k] <= r["tol"] for k in ("q", "k", "v")), r
+    assert r["untouched"] and r["paged_eq_contig"], r
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    inp = ns["make_inputs"](FAMILIES[family], M, 4096, 32, 8, 128, torch.bfloat16, "cuda")
+    kc, vc, bt, _, _ = ns["make_caches"](M, 8, 128, torch.bfloat16, "cuda")
+    q0 = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, pdl=pdl, settings=s)
+    k0 = kc.clone()
+    q_out = torch.empty_like(q0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, pdl=pdl, settings=s,
+                        q_out=q_out)
+    for _ in range(3):
+        q_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_bits(q_out, q0) and _same_bits(kc, k0)
 
 
 @pytest.mark.gpu

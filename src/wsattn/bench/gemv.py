@@ -389,29 +389,41 @@ QKV_SETTINGS_FIELDS = ("BLOCK_K", "split_k", "num_warps", "num_stages", "use_dot
 
 
 def _qkv_spec(s) -> str:
-    """The spec that builds s: four integers, and ",0" for the FMA path (use_dot=False)."""
+    """The spec that builds s: four integers, and ",0" for the FMA path (use_dot=False);
+    "gemv" for the two-launch path."""
+    from wsattn.kernels.qkv_rope import TwoLaunchSettings
+    if isinstance(s, TwoLaunchSettings):
+        return TWO_LAUNCH_SPEC
     return ",".join(str(getattr(s, f)) for f in QKV_SETTINGS_FIELDS[:4]) + (
         "" if s.use_dot else ",0")
 
 
+TWO_LAUNCH_SPEC = "gemv"  # --qkv-settings' name of TwoLaunchSettings()
+
+
 def parse_qkv_settings(specs) -> dict:
     """``--qkv-settings`` values, each "BLOCK_K,split_k,num_warps,num_stages[,use_dot]"
-    (use_dot 1, the default, or 0: the FMA path, at most 8 rows), as
+    (use_dot 1, the default, or 0: the FMA path, at most 8 rows) or "gemv" (the two-launch
+    path: the projection by gemv, then a (row, head) kernel; TwoLaunchSettings), as
     {"wsattn[qkv:SPEC]": QkvRopeSettings}: extra columns of the qkv_rope cases only (PDL
     off). BLOCK_K must also divide the model's hidden size; a column where it does not, or
     whose build does not fit the GPU, is an error row, not a stopped run."""
     import dataclasses
 
-    from wsattn.kernels.qkv_rope import QkvRopeSettings
+    from wsattn.kernels.qkv_rope import QkvRopeSettings, TwoLaunchSettings
 
     assert tuple(f.name for f in dataclasses.fields(QkvRopeSettings)) == QKV_SETTINGS_FIELDS
     out = {}
     for spec in specs or ():
+        if spec.strip() == TWO_LAUNCH_SPEC:
+            out[f"wsattn[qkv:{TWO_LAUNCH_SPEC}]"] = TwoLaunchSettings()
+            continue
         parts = spec.split(",")
         if len(parts) not in (4, 5) or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"--qkv-settings {spec!r}: expected four integers "
                              f"{','.join(QKV_SETTINGS_FIELDS[:4])} and optionally use_dot "
-                             f"(0 or 1), e.g. 128,4,8,4 or 64,4,8,4,0")
+                             f"(0 or 1), e.g. 128,4,8,4 or 64,4,8,4,0, or "
+                             f"{TWO_LAUNCH_SPEC!r}")
         block_k, split_k, warps, stages = (int(p) for p in parts[:4])
         use_dot = int(parts[4]) if len(parts) == 5 else 1
         if use_dot not in (0, 1):
@@ -432,13 +444,14 @@ def parse_qkv_settings(specs) -> dict:
 
 
 def _applies(case, settings) -> bool:
-    """A sweep column runs on the cases its settings are for: QkvRopeSettings on the fused
-    case, GemvSettings on the plain GEMVs; the default columns run everywhere."""
+    """A sweep column runs on the cases its settings are for: QkvRopeSettings and
+    TwoLaunchSettings on the fused case, GemvSettings on the plain GEMVs; the default columns run everywhere."""
     if settings is None:
         return True
-    from wsattn.kernels.qkv_rope import QkvRopeSettings
+    from wsattn.kernels.qkv_rope import QkvRopeSettings, TwoLaunchSettings
 
-    return isinstance(settings, QkvRopeSettings) == isinstance(case, QkvRopeCase)
+    return (isinstance(settings, (QkvRopeSettings, TwoLaunchSettings))
+            == isinstance(case, QkvRopeCase))
 
 
 def _check(case, impl, y, x, w, residual, eps):

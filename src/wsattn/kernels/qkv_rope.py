@@ -31,6 +31,11 @@ overlap, and a captured graph must not outlive a growth of it).
 PDL (sm_90+): the first Wqkv tile is loaded before ``gdc_wait`` (weights do not depend
 on the previous kernel; x and positions do), and dependents are released right after the
 wait, since their own ``gdc_wait`` waits for this grid to finish anyway.
+
+The two-launch path (``TwoLaunchSettings``; always for OLMoE's QK-norm over the whole
+projection, which no head's program sees): ``gemv`` projects x with the FlashNorm scale
+into x's dtype, then ``_norm_rope_append_kernel`` runs one program per (row, head) for the
+bias, the QK-norm, RoPE, the q store and the append.
 """
 
 from __future__ import annotations
@@ -261,6 +266,16 @@ class QkvRopeSettings:
     use_dot: bool = True
 
 
+@dataclass(frozen=True)
+class TwoLaunchSettings:
+    """The two-launch path for any family: ``gemv`` projects x (FlashNorm scale in its
+    epilogue, rounded to x's dtype), then one kernel of (row, head) programs applies the
+    bias, the QK-norm and RoPE and appends to the cache. OLMoE's whole-projection norm
+    always takes it; elsewhere it is the A/B against the fused one-launch kernel.
+    gemv: the projection's GemvSettings (None: gemv's defaults)."""
+    gemv: object = None
+
+
 MAX_BLOCK_M = 64  # rows per program; more rows take more row blocks (Wqkv read per block)
 MAX_SPLIT_K = 16
 MIN_SPLIT_TILES = 4  # K tiles per split at least, so the pipeline's prologue stays small
@@ -271,24 +286,26 @@ FMA_MAX_ROWS = 8  # the FMA path's single row block (its loop is unrolled per ro
 
 
 @triton.jit
-def _whole_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr,
-                            kc_ptr, vc_ptr, bt_ptr, M, qk_eps, stride_xm, stride_qm,
-                            stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
-                            stride_vh, stride_btb, HQ: tl.constexpr, HKV: tl.constexpr,
-                            D: tl.constexpr, BLOCK_M: tl.constexpr, PAGED: tl.constexpr,
-                            PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr,
-                            PDL: tl.constexpr, QW: tl.constexpr, KW: tl.constexpr):
-    # grid (cdiv(M, BLOCK_M), HQ + 2 * HKV): one head of BLOCK_M projected rows
-    # [(Hq + 2*Hkv) * D] a program -> RMSNorm over the whole q or the whole k projection
-    # (OLMoE), then _epilogue's RoPE, q store and cache append. Each q (k) head's program
-    # sums the squares of the whole q (k) row itself, from the projection the gemv just
-    # wrote (L2-resident, Hq * D values a row), so no program waits on another and the
-    # heads' epilogues run side by side; one program walking every head in turn chained
-    # 48 epilogues' latencies (~0.13 ms a call at the OLMoE shape in the ladder).
+def _norm_rope_append_kernel(qkv_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
+                             q_ptr, kc_ptr, vc_ptr, bt_ptr, M, qk_eps, stride_xm, stride_qm,
+                             stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
+                             stride_vh, stride_btb, HQ: tl.constexpr, HKV: tl.constexpr,
+                             D: tl.constexpr, BLOCK_M: tl.constexpr, WHOLE: tl.constexpr,
+                             BIAS: tl.constexpr, QK_NORM: tl.constexpr, PAGED: tl.constexpr,
+                             PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr,
+                             PDL: tl.constexpr, QW: tl.constexpr, KW: tl.constexpr):
+    # The second launch of the two-launch path: grid (cdiv(M, BLOCK_M), HQ + 2 * HKV), one
+    # head of BLOCK_M projected rows [(Hq + 2*Hkv) * D] (gemv's output, FlashNorm scale
+    # applied) a program -> bias (BIAS), per-head RMSNorm (QK_NORM) or RMSNorm over the
+    # whole q or the whole k projection (WHOLE, OLMoE), then _epilogue's RoPE, q store and
+    # cache append. Under WHOLE each q (k) head's program sums the squares of the whole
+    # q (k) row itself, from the projection in L2 (Hq * D values a row), so no program
+    # waits on another and the heads' epilogues run side by side; one program walking
+    # every head in turn chained 48 epilogues' latencies (~0.13 ms a call at the OLMoE
+    # shape in the ladder). QW, KW: Hq * D and Hkv * D rounded up to powers of two.
     if PDL:
         tl.extra.cuda.gdc_wait()  # the rows come from the projection before
         tl.extra.cuda.gdc_launch_dependents()
-    # QW, KW: Hq * D and Hkv * D rounded up to powers of two (the whole rows' tiles)
     HALF: tl.constexpr = D // 2
     h = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -298,36 +315,37 @@ def _whole_norm_rope_kernel(qkv_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_
     base = qkv_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     lo = tl.load(base + h * D + j[None, :], mask=live, other=0.0).to(tl.float32)
     hi = tl.load(base + h * D + HALF + j[None, :], mask=live, other=0.0).to(tl.float32)
-    if h < HQ:
-        cq = tl.arange(0, QW)
-        whole = tl.load(base + cq[None, :], mask=live & (cq < HQ * D)[None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_M, QW]: the whole q row
-        r = 1.0 / tl.sqrt(tl.sum(whole * whole, 1) / (HQ * D) + qk_eps)  # [BLOCK_M]
-        lo = lo * r[:, None] * tl.load(qn_ptr + h * D + j).to(tl.float32)[None, :]
-        hi = hi * r[:, None] * tl.load(qn_ptr + h * D + HALF + j).to(tl.float32)[None, :]
-    elif h < HQ + HKV:
-        ck = tl.arange(0, KW)
-        whole = tl.load(base + HQ * D + ck[None, :], mask=live & (ck < HKV * D)[None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_M, KW]: the whole k row
-        r = 1.0 / tl.sqrt(tl.sum(whole * whole, 1) / (HKV * D) + qk_eps)
-        g = kn_ptr + (h - HQ) * D
-        lo = lo * r[:, None] * tl.load(g + j).to(tl.float32)[None, :]
-        hi = hi * r[:, None] * tl.load(g + HALF + j).to(tl.float32)[None, :]
+    if WHOLE:
+        if h < HQ:
+            cq = tl.arange(0, QW)
+            whole = tl.load(base + cq[None, :], mask=live & (cq < HQ * D)[None, :],
+                            other=0.0).to(tl.float32)  # [BLOCK_M, QW]: the whole q row
+            r = 1.0 / tl.sqrt(tl.sum(whole * whole, 1) / (HQ * D) + qk_eps)  # [BLOCK_M]
+            lo = lo * r[:, None] * tl.load(qn_ptr + h * D + j).to(tl.float32)[None, :]
+            hi = hi * r[:, None] * tl.load(qn_ptr + h * D + HALF + j).to(tl.float32)[None, :]
+        elif h < HQ + HKV:
+            ck = tl.arange(0, KW)
+            whole = tl.load(base + HQ * D + ck[None, :], mask=live & (ck < HKV * D)[None, :],
+                            other=0.0).to(tl.float32)  # [BLOCK_M, KW]: the whole k row
+            r = 1.0 / tl.sqrt(tl.sum(whole * whole, 1) / (HKV * D) + qk_eps)
+            g = kn_ptr + (h - HQ) * D
+            lo = lo * r[:, None] * tl.load(g + j).to(tl.float32)[None, :]
+            hi = hi * r[:, None] * tl.load(g + HALF + j).to(tl.float32)[None, :]
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-    _epilogue(h, lo, hi, zero, rows, row_live, 1, 0.0, 0.0, inv_freq_ptr, qn_ptr, kn_ptr,
+    _epilogue(h, lo, hi, zero, rows, row_live, 1, 0.0, qk_eps, b_ptr, qn_ptr, kn_ptr,
               inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
               stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
-              stride_vh, stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=False,
-              QK_NORM=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SEQ_INDEX=SEQ_INDEX)
+              stride_vh, stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=BIAS,
+              QK_NORM=QK_NORM, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SEQ_INDEX=SEQ_INDEX)
 
 
-# rows a program of the whole-projection QK-norm kernel takes, and its warps: one row, so
+# rows a program of the two-launch path's second kernel takes, and its warps: one row, so
 # that the whole-row sum of squares ([BLOCK_M, next_pow2(Hq * D)] fp32) stays in registers
 # and decode's few rows spread over M x heads programs; two warps, the setting without
-# spills at both shapes compiled for sm_90 (D 64 / 128: 69 registers; four warps spilled
-# 4 bytes at D 64, two rows spilled 24-28 at one or two warps)
-WHOLE_BLOCK_M = 1
-WHOLE_WARPS = 2
+# spills at the OLMoE and Llama-1B head shapes compiled for sm_90 (69 registers; four warps
+# spilled 4 bytes at D 64, two rows 24-28 at one or two warps)
+EPILOGUE_BLOCK_M = 1
+EPILOGUE_WARPS = 2
 
 
 def _block_m(m: int, head_dim: int, use_dot: bool = True) -> int:
@@ -397,10 +415,11 @@ class QkvRopeWorkspace(NamedTuple):
 
 
 def workspace_size(rows: int, q_heads: int, kv_heads: int, head_dim: int,
-                   settings: QkvRopeSettings) -> tuple[int, int, int]:
+                   settings) -> tuple[int, int, int]:
     """(partials, ss, counters) element counts one launch of ``rows`` rows with these
-    settings needs; (0, 0, 0) when settings.split_k is 1 (no workspace is read)."""
-    if settings.split_k <= 1 or rows <= 0:
+    settings needs; (0, 0, 0) when settings.split_k is 1 or the settings are
+    TwoLaunchSettings (no workspace is read)."""
+    if isinstance(settings, TwoLaunchSettings) or settings.split_k <= 1 or rows <= 0:
         return 0, 0, 0
     block_m = _block_m(rows, head_dim, settings.use_dot)
     tiles = (q_heads + 2 * kv_heads) * cdiv(rows, block_m)
@@ -429,8 +448,9 @@ def qkv_rope_workspace(device, rows: int, q_heads: int, kv_heads: int, head_dim:
         heads = q_heads + 2 * kv_heads
         pick = lambda m: default_settings(target, rows=m, hidden=hidden, heads=heads,  # noqa: E731
                                           head_dim=head_dim, dtype=dtype)
-    elif not isinstance(settings, QkvRopeSettings):
-        raise ValueError(f"settings must be a QkvRopeSettings, got {type(settings).__name__}")
+    elif not isinstance(settings, (QkvRopeSettings, TwoLaunchSettings)):
+        raise ValueError(f"settings must be a QkvRopeSettings or TwoLaunchSettings, got "
+                         f"{type(settings).__name__}")
     else:
         pick = lambda m: settings  # noqa: E731
     need = [workspace_size(m, q_heads, kv_heads, head_dim, pick(m)) for m in range(1, rows + 1)]
@@ -635,7 +655,9 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
             None: row m is sequence m.
         q_out: optional [M, Hq, D] output (x's dtype); allocated when None.
         pdl: programmatic dependent launch; None: on for CUDA sm_90+, off elsewhere.
-        settings: a QkvRopeSettings to override default_settings.
+        settings: a QkvRopeSettings to override default_settings, or TwoLaunchSettings
+            for the two-launch path (the projection by gemv, then a (row, head) kernel for
+            bias, QK-norm, RoPE and the append; workspace unused).
         workspace: a :class:`QkvRopeWorkspace` (from :func:`qkv_rope_workspace`) for the
             split-K partials and counters, checked to be large enough for this launch
             (too small: ValueError naming it); None uses a per-device cached one, grown
@@ -644,7 +666,8 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
             runs over every head of a row, which one program of the fused kernel does not
             see, so this runs as two launches: the projection by :func:`gemv.gemv`
             (FlashNorm scale included; settings and workspace unused) into the model
-            dtype, then one kernel for the norm, RoPE, the q store and the append.
+            dtype, then one kernel for the norm, RoPE, the q store and the append (the
+            TwoLaunchSettings path; its settings.gemv, when given, still applies).
 
     Returns:
         q_out [M, Hq, D]. k_cache / v_cache are written in place at the rows' slots only;
@@ -674,15 +697,18 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
         pdl = target.backend == "cuda" and target.cc >= 90
     elif pdl and not (target.backend == "cuda" and target.cc >= 90):
         raise UnsupportedTargetError(f"pdl=True needs CUDA sm_90 or later, got {target.name}")
-    if qk_norm_whole:
-        return _whole_norm_rope_append(x, wqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
-                                       positions, k_cache, v_cache, block_table, seq_index,
-                                       q_out, bool(pdl), HQ, HKV, D)
+    if qk_norm_whole or isinstance(settings, TwoLaunchSettings):
+        return _two_launch_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
+                                  positions, k_cache, v_cache, block_table, seq_index, q_out,
+                                  bool(pdl), HQ, HKV, D, qk_norm_whole,
+                                  settings.gemv if isinstance(settings, TwoLaunchSettings)
+                                  else None)
     if settings is None:
         settings = default_settings(target, rows=M, hidden=K, heads=heads, head_dim=D,
                                     dtype=x.dtype)
     elif not isinstance(settings, QkvRopeSettings):
-        raise ValueError(f"settings must be a QkvRopeSettings, got {type(settings).__name__}")
+        raise ValueError(f"settings must be a QkvRopeSettings or TwoLaunchSettings, got "
+                         f"{type(settings).__name__}")
     elif K % settings.BLOCK_K or settings.split_k < 1:
         raise ValueError(f"settings: BLOCK_K {settings.BLOCK_K} must divide K = {K} and "
                          f"split_k {settings.split_k} be >= 1")
@@ -730,26 +756,31 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
     return q_out
 
 
-def _whole_norm_rope_append(x, wqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
-                            k_cache, v_cache, block_table, seq_index, q_out, pdl, HQ, HKV, D):
-    """qkv_rope_append with qk_norm_whole (inputs checked there): gemv, then the kernel."""
+def _two_launch_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
+                       k_cache, v_cache, block_table, seq_index, q_out, pdl, HQ, HKV, D,
+                       whole, gemv_settings):
+    """qkv_rope_append's two-launch path (inputs checked there): gemv, then the kernel."""
     M = x.shape[0]
     if q_out is None:
         q_out = empty((M, HQ, D), x.dtype, x.device)
     if M == 0:
         return q_out
-    qkv = gemv(x, wqkv, norm_eps=norm_eps, pdl=pdl)  # [M, (HQ + 2 * HKV) * D]
+    qkv = gemv(x, wqkv, norm_eps=norm_eps, pdl=pdl,
+               settings=gemv_settings)  # [M, (HQ + 2 * HKV) * D]
     paged = block_table is not None
-    _whole_norm_rope_kernel[(cdiv(M, WHOLE_BLOCK_M), HQ + 2 * HKV)](
-        qkv, q_norm, k_norm, inv_freq, positions,
+    dummy = inv_freq  # for pointers a switched-off variant never reads
+    _norm_rope_append_kernel[(cdiv(M, EPILOGUE_BLOCK_M), HQ + 2 * HKV)](
+        qkv, bqkv if bqkv is not None else dummy, q_norm if q_norm is not None else dummy,
+        k_norm if k_norm is not None else dummy, inv_freq, positions,
         seq_index if seq_index is not None else positions, q_out, k_cache, v_cache,
         block_table if paged else positions, M, float(qk_eps or 0.0), qkv.stride(0),
         q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0) if paged else 0, HQ=HQ, HKV=HKV, D=D, BLOCK_M=WHOLE_BLOCK_M,
-        PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-        SEQ_INDEX=seq_index is not None, PDL=pdl, QW=next_pow2(HQ * D),
-        KW=next_pow2(HKV * D), num_warps=WHOLE_WARPS,
+        block_table.stride(0) if paged else 0, HQ=HQ, HKV=HKV, D=D,
+        BLOCK_M=EPILOGUE_BLOCK_M, WHOLE=bool(whole), BIAS=bqkv is not None,
+        QK_NORM=q_norm is not None and not whole, PAGED=paged,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, SEQ_INDEX=seq_index is not None, PDL=pdl,
+        QW=next_pow2(HQ * D), KW=next_pow2(HKV * D), num_warps=EPILOGUE_WARPS,
         **({"launch_pdl": True} if pdl else {}))
     return q_out
 
@@ -762,12 +793,11 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
                  hidden: int = 4096, q_heads: int = 32, kv_heads: int = 8, norm: bool = True,
                  bias: bool = False, qk_norm: bool = False, paged: bool = True,
                  page_size: int = 16, seq_index: bool = False, pdl: bool = False,
-                 settings: QkvRopeSettings | None = None, num_sms: int = 132,
-                 qk_norm_whole: bool = False) -> dict:
+                 settings=None, num_sms: int = 132, qk_norm_whole: bool = False) -> dict:
     """What ``triton.compile`` needs to build the kernel for compute capability cc, by
     default at the Llama-3.1-8B shape (K 4096, Hq 32, Hkv 8, D 128), one row, paged.
-    qk_norm_whole: the second launch of that path instead (_whole_norm_rope_kernel; the
-    projection before it is gemv's kernel).
+    qk_norm_whole or settings TwoLaunchSettings: the two-launch path's second kernel
+    instead (_norm_rope_append_kernel; the projection before it is gemv's kernel).
 
     Returns {"fn", "signature", "constexprs", "attrs", "options"} as
     decode_triton.compile_spec does; use ``triton.compile(ASTSource(s["fn"],
@@ -775,9 +805,10 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
     target=GPUTarget("cuda", cc, 32), options=s["options"])``.
     """
     t = dtype_name(dtype)  # Triton's type string is the same name
-    if qk_norm_whole:
-        return _whole_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size,
-                                   seq_index, pdl)
+    if qk_norm_whole or isinstance(settings, TwoLaunchSettings):
+        return _epilogue_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size,
+                                      seq_index, pdl, qk_norm_whole, bias,
+                                      qk_norm and not qk_norm_whole)
     heads = q_heads + 2 * kv_heads
     if settings is None:
         settings = default_settings(Target("cuda", cc, num_sms), rows=rows, hidden=hidden,
@@ -814,22 +845,23 @@ _ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "qn_ptr", "kn_ptr", "inv_freq_ptr", "pos_
             "stride_kl", "stride_kh", "stride_vb", "stride_vl", "stride_vh")
 
 
-def _whole_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size, seq_index, pdl):
-    sig = {"qkv_ptr": f"*{t}", "qn_ptr": f"*{t}", "kn_ptr": f"*{t}", "inv_freq_ptr": "*fp32",
+def _epilogue_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size, seq_index, pdl,
+                           whole, bias, qk_norm):
+    sig = {"qkv_ptr": f"*{t}", "b_ptr": f"*{t}", "qn_ptr": f"*{t}", "kn_ptr": f"*{t}", "inv_freq_ptr": "*fp32",
            "pos_ptr": "*i32", "seq_ptr": "*i32", "q_ptr": f"*{t}", "kc_ptr": f"*{t}",
            "vc_ptr": f"*{t}", "bt_ptr": "*i32", "M": "i32", "qk_eps": "fp32"}
     for name in ("stride_xm", "stride_qm", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
                  "stride_vb", "stride_vl", "stride_vh", "stride_btb"):
         sig[name] = "i32"
-    const = {"HQ": q_heads, "HKV": kv_heads, "D": head_dim, "BLOCK_M": WHOLE_BLOCK_M,
-             "PAGED": paged, "PAGE_SIZE": page_size if paged else 1, "SEQ_INDEX": seq_index,
+    const = {"HQ": q_heads, "HKV": kv_heads, "D": head_dim, "BLOCK_M": EPILOGUE_BLOCK_M,
+             "WHOLE": whole, "BIAS": bias, "QK_NORM": qk_norm, "PAGED": paged, "PAGE_SIZE": page_size if paged else 1, "SEQ_INDEX": seq_index,
              "PDL": pdl, "QW": next_pow2(q_heads * head_dim),
              "KW": next_pow2(kv_heads * head_dim)}
     sig.update({name: "constexpr" for name in const})
-    names = _whole_norm_rope_kernel.arg_names
+    names = _norm_rope_append_kernel.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n.endswith("_ptr") or n in ("stride_xm", "stride_qm", "stride_qh", "stride_kb",
                                               "stride_kl", "stride_kh", "stride_vb",
                                               "stride_vl", "stride_vh")}
-    return {"fn": _whole_norm_rope_kernel, "signature": sig, "constexprs": const,
-            "attrs": attrs, "options": {"num_warps": WHOLE_WARPS, "launch_pdl": pdl}}
+    return {"fn": _norm_rope_append_kernel, "signature": sig, "constexprs": const,
+            "attrs": attrs, "options": {"num_warps": EPILOGUE_WARPS, "launch_pdl": pdl}}

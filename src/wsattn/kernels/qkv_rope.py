@@ -53,7 +53,7 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from .gemv import accumulate, gemv
+from .gemv import GemvSettings, accumulate, gemv
 
 
 @triton.jit
@@ -273,7 +273,7 @@ class TwoLaunchSettings:
     bias, the QK-norm and RoPE and appends to the cache. OLMoE's whole-projection norm
     always takes it; elsewhere it is the A/B against the fused one-launch kernel.
     gemv: the projection's GemvSettings (None: gemv's defaults)."""
-    gemv: object = None
+    gemv: GemvSettings | None = None
 
 
 MAX_BLOCK_M = 64  # rows per program; more rows take more row blocks (Wqkv read per block)

@@ -78,7 +78,8 @@ class GluonSettings:
     PRODUCER_REGS: int = 24
     CONSUMERS: int = 2  # consumer warpgroups of 64 rows; 3 (BLOCK_M = 192) at head dim 64 only
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
-    # prefill_gluon_parts); fixed length only, off until measured (notes/prefill_gluon.md).
+    # prefill_gluon_parts); fixed length only. Off by default: on the H200 it gained 4-22 %
+    # at N = 1024 and lost 2-10 % from N = 4096 on (notes/prefill_gluon.md).
     persistent: bool = False
     # The persistent schedule's L2 budget for one section's K/V (see l2_section): smaller
     # sections keep fewer heads' K/V live, larger ones balance the CTAs' work better.

@@ -460,7 +460,7 @@ def test_a_peer_that_leaves_rows_unwritten_fails_and_is_not_timed(monkeypatch):
 
 def test_absent_peers_and_a_refusing_gluon_are_not_available(monkeypatch):
     """Without the wheels (and torch's FA2 on the CPU) the peers' rows say why; a ValueError
-    is 'not available' for wsattn-gluon alone: from the other wsattn columns it is an error,
+    is 'not available' for the Gluon columns alone: from the other wsattn columns it is an error,
     and the run's exit status is 1."""
     for module in (FA4_MODULE, FLASHINFER_MODULE):
         monkeypatch.setitem(sys.modules, module, None)
@@ -474,8 +474,9 @@ def test_absent_peers_and_a_refusing_gluon_are_not_available(monkeypatch):
     by = {(r["impl"], r["layout"]): r for r in rows}
     assert len(rows) == 2 * len(varlen.IMPLS)
     for layout in varlen.LAYOUTS:
-        assert by[("wsattn-gluon", layout)]["status"] == "not available"
-        assert "test refusal" in by[("wsattn-gluon", layout)]["reason"]
+        for impl in ("wsattn-gluon", "wsattn-gluon-compact"):  # the compact grid's checked
+            assert by[(impl, layout)]["status"] == "not available"  # call validates first
+            assert "test refusal" in by[(impl, layout)]["reason"]
         for impl in ("wsattn", "wsattn-triton"):
             assert by[(impl, layout)]["status"] == "error", by[(impl, layout)]
         assert by[("torch-fa2", layout)]["status"] == "not available"

@@ -105,6 +105,28 @@ def test_sm90_varlen_structure(head_dim, causal):
 
 
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_compact_varlen_structure(head_dim, causal):
+    """compact_varlen=True (the tile-table grid): the varlen build's partitions, registers
+    and GEMMs, no spills, the early exit before any barrier, and the table read in the
+    kernel (the grid size locates its second row); tiles is an argument of this build and
+    a None constexpr of every other."""
+    k = _compile(head_dim, causal, True, compact_varlen=True)
+    s = pg.settings_for(head_dim, causal, compact_varlen=True)
+    _assert_ws_structure(k, s, head_dim)
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+    assert _ptxas_spill_bytes(ptx) == [0, 0]
+    assert ttgir.index("tt.return") < ttgir.index("ttng.init_barrier")
+    assert "%nctaid.x" in ptx, "the table's second row starts at the grid size"
+    assert "%nctaid.x" not in _compile(head_dim, causal, True).asm["ptx"]
+    spec = pg.compile_spec(head_dim=head_dim, causal=causal, settings=s, varlen=True)
+    assert spec["signature"]["tiles"] == "*i32" and spec["constexprs"]["VARLEN"] == 2
+    plain = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True)
+    assert plain["constexprs"]["tiles"] is None and plain["constexprs"]["VARLEN"] is True
+    fixed = pg.compile_spec(head_dim=head_dim, causal=causal, settings=s)
+    assert fixed["constexprs"]["tiles"] is None and fixed["constexprs"]["VARLEN"] is False
+
+
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
 def test_sm90_fixed_build_has_no_varlen_code(head_dim, causal):
     """VARLEN=False compiles the varlen code away: no cu_seqlens loads, no early exit, no
     element-wise O store (the fixed build's only global stores are the LSE's 32-bit ones)."""
@@ -260,9 +282,10 @@ def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
     bound = 322 if max_q is None else min(max_q, 322)
     assert grid == (-(-bound // s.BLOCK_M) * 4 * 14, )
     (q_desc, k_desc, v_desc, o_desc, lse_arg, Sq, Sk, Hq, _, o_ptr, cu_q_arg, cu_k_arg, Tq, mq,
-     n_bh, section) = args
+     n_bh, section, tiles) = args
     assert (Sq, Sk, Hq, Tq, mq) == (0, 0, 14, 322, bound)  # Sq, Sk: fixed length only
     assert n_bh is None and section is None  # no persistent schedule for varlen
+    assert tiles is None  # the plain grid: no tile table
     assert list(q_desc.shape) == list(o_desc.shape) == [1, 322, 14 * head_dim]
     assert list(k_desc.shape) == list(v_desc.shape) == [1, 340, 2 * head_dim]
     assert list(q_desc.block_shape) == [1, 64, head_dim]
@@ -272,6 +295,34 @@ def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
     assert lse.dtype == torch.float32
     assert kw["VARLEN"] is True and kw["GROUP"] == 7 and kw["CAUSAL"] is True
     assert (kw["BLOCK_M"], kw["CONSUMERS"]) == (s.BLOCK_M, s.CONSUMERS)
+
+
+@pytest.mark.parametrize("max_q", [None, 300], ids=["omitted", "given"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
+    """compact_varlen=True: one table launch (cu_seqlens_q, Hq * tile_bound tiles, BLOCK_M,
+    causal), then the kernel over exactly that many CTAs with the table and VARLEN =
+    VARLEN_COMPACT; nothing read on the host (recorded with both kernels replaced)."""
+    from wsattn.kernels import varlen_tiles as vt
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    tables = []
+
+    def table(cu, n_tiles, hq, block_m, c):
+        tables.append((cu, n_tiles, hq, block_m, c))
+        return torch.zeros(2, n_tiles, dtype=torch.int32)
+    monkeypatch.setattr(pg, "varlen_tile_table", table)
+    q, k, v, cu_q, cu_k = _pack([0, 300, 17, 5], [4, 310, 17, 9], 14, 2, 128, torch.bfloat16)
+    s = pg.settings_for(128, causal, compact_varlen=True)
+    pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, 0.125, settings=s)
+    (grid, args, kw), = rec.launches
+    n = vt.tile_bound(322, 4, s.BLOCK_M, 322 if max_q is None else max_q) * 14
+    assert tables == [(cu_q, n, 14, s.BLOCK_M, causal)] and grid == (n, )
+    assert n < -(-(322 if max_q is None else max_q) // s.BLOCK_M) * 4 * 14  # fewer than plain
+    assert args[-1].shape == (2, n) and kw["VARLEN"] == pg.VARLEN_COMPACT
+    with pytest.raises(ValueError, match="compact_varlen=True applies to prefill_varlen"):
+        pg.prefill(q.view(1, 322, 14, 128), k[:322].view(1, 322, 2, 128),
+                   v[:322].view(1, 322, 2, 128), causal, 0.125, settings=s)
 
 
 def test_varlen_launcher_copies_what_tma_cannot_describe(monkeypatch):
@@ -623,9 +674,10 @@ def test_persistent_launcher_grid_and_arguments(monkeypatch):
     pg.prefill(q, k, v, True, 0.125, settings=replace(s, l2_section_bytes=1))
     (grid, args, kw), (grid0, args0, kw0), (_, args1, _) = rec.launches
     assert grid == (4, ) and grid0 == (3 * 2 * 8, )
-    assert args[-2:] == (16, pg.l2_section(16, 4, 300, 128, 2)) == (16, 16)
-    assert args0[-2:] == (None, None)
-    assert args1[-2:] == (16, 4)  # one GQA group a section
+    # (..., n_bh, section, tiles): fixed length has no tile table
+    assert args[-3:] == (16, pg.l2_section(16, 4, 300, 128, 2), None) == (16, 16, None)
+    assert args0[-3:] == (None, None, None)
+    assert args1[-3:-1] == (16, 4)  # one GQA group a section
     assert kw["PERSISTENT"] is True and kw0["PERSISTENT"] is False and kw["UNROLL"] is False
     one = _qkv(1, 5, 5, 2, 1, 64, torch.bfloat16)  # fewer tiles than SMs: one CTA a tile
     pg.prefill(*one, False, 0.125, settings=pg.settings_for(64, False, persistent=True))
@@ -883,6 +935,28 @@ def test_sm90_varlen_writes_only_its_rows(head_dim, causal):
         assert torch.isnan(out[~mine]).all(), f"sequence {i} wrote rows outside {a}:{b}"
         assert torch.isnan(lse[:, ~mine]).all(), f"sequence {i} wrote LSE outside {a}:{b}"
         assert torch.equal(out[a:b], full[a:b]) and torch.equal(lse[:, a:b], full_lse[:, a:b])
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("pack, head_dim, causal", VARLEN_GPU_CASES)
+def test_sm90_compact_varlen_equals_the_plain_grid(pack, head_dim, causal):
+    """compact_varlen=True (the tile-table grid) computes each tile with the same code as
+    the plain grid: out and LSE bit-identical to it (so within tolerance of float64 as
+    test_sm90_varlen_numerics checks), over reruns, with max_seqlen given and omitted, and
+    every row outside the sequences' (the NaN poison of empty ones) untouched alike."""
+    from wsattn import reference
+    q_lens, kv_lens = VARLEN_PACKS[pack]
+    dtype = torch.bfloat16
+    q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, dtype, "cuda",
+                                seed=len(q_lens) + head_dim + 1)
+    scale = head_dim ** -0.5
+    plain = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal, scale)
+    s = pg.settings_for(head_dim, causal, compact_varlen=True)
+    for max_q in (max(q_lens), None, max(q_lens), None):
+        out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, scale, settings=s)
+        assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1]), max_q
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale)
+    _assert_varlen_close(out, lse, ref, ref_lse, cu_q, dtype)
 
 
 VARLEN_SCHEDULE_CASES = [  # variant, head dim, causal: the switches off their defaults

@@ -24,7 +24,8 @@ from ..testing import DTYPE_NAMES
 from . import _alloc
 from ._gluon_host import cuda_cc as _cc, nvmma_layout as _layout, tma_descriptor as _descriptor
 from ._intmath import cdiv
-from .prefill_gluon_parts import ROWS_PER_WG as WG_M, attn_fwd_kernel
+from .prefill_gluon_parts import ROWS_PER_WG as WG_M, VARLEN_COMPACT, attn_fwd_kernel
+from .varlen_tiles import table_fits, tile_bound, varlen_tile_table
 
 GLUON_CC = 90  # wgmma and setmaxnreg exist on sm_90 only
 # True once the kernel has passed its GPU numerics (the sm90 tests of
@@ -84,6 +85,11 @@ class GluonSettings:
     # The persistent schedule's L2 budget for one section's K/V (see l2_section): smaller
     # sections keep fewer heads' K/V live, larger ones balance the CTAs' work better.
     l2_section_bytes: int = L2_SECTION_BYTES
+    # Varlen only: the grid holds the pack's real tiles (at most one spare a sequence and
+    # head), each CTA reading its tile from a table one small kernel writes on the device
+    # (kernels/varlen_tiles.py), instead of every sequence padded to the longest. Off until
+    # measured (notes/prefill_gluon.md).
+    compact_varlen: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
         return 2 * head_dim * (self.BLOCK_M + 2 * self.STAGES * self.BLOCK_N)
@@ -200,6 +206,9 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     s = _resolve(settings, D, causal)
+    if s.compact_varlen:
+        raise ValueError("settings.compact_varlen=True applies to prefill_varlen (packed "
+                         "sequences) only; use compact_varlen=False for fixed-length prefill")
     out = _alloc.empty((B, Sq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Sq), torch.float32, q.device)
     if B * Sq * Hq == 0:
@@ -219,7 +228,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
         grid, n_bh, section = num_tiles, None, None
     attn_fwd_kernel[(grid, )](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
                               sm_scale * math.log2(math.e), None, None, None, None, None, n_bh,
-                              section, num_warps=4, **_constexprs(D, Hq // Hkv, causal, s))
+                              section, None, num_warps=4, **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
 
@@ -236,7 +245,8 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             lse -inf.
         max_seqlen_q: the longest query sequence or an upper bound (None: Tq); the grid has
             cdiv(max_seqlen_q, BLOCK_M) row blocks a (sequence, head) and the ones past
-            their sequence's end exit at once. max_seqlen_k: unused (the key tiles come
+            their sequence's end exit at once (settings.compact_varlen: at most
+            cdiv(Tq, BLOCK_M) + batch a head, from a tile table built on the device). max_seqlen_k: unused (the key tiles come
             from each sequence's own length), taken for the launchers' common signature.
         causal: bottom-right aligned per sequence (query i sees keys j <= i + kv_len -
             q_len; needs q_len <= kv_len).
@@ -272,11 +282,17 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     o_desc = _descriptor(out.view(1, Tq, Hq * D), [1, WG_M, D], name)
     k_desc = _descriptor(k.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
     v_desc = _descriptor(v.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
-    num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq  # one CTA per tile; surplus ones exit
+    tiles, varlen = None, True
+    if s.compact_varlen and table_fits(Tq, Hq, s.BLOCK_M):
+        num_tiles = tile_bound(Tq, n_seq, s.BLOCK_M, max_q) * Hq
+        tiles = varlen_tile_table(cu_seqlens_q, num_tiles, Hq, s.BLOCK_M, causal)
+        varlen = VARLEN_COMPACT
+    else:
+        num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq  # one CTA per tile; surplus ones exit
     attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
                                    sm_scale * math.log2(math.e), out, cu_seqlens_q,
-                                   cu_seqlens_k, Tq, max_q, None, None, num_warps=4, VARLEN=True,
-                                   **_constexprs(D, Hq // Hkv, causal, s))
+                                   cu_seqlens_k, Tq, max_q, None, None, tiles, num_warps=4,
+                                   VARLEN=varlen, **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
 
@@ -294,7 +310,9 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
     arguments), else the fixed-length one (they are None constexprs). settings.persistent:
-    n_bh and section are arguments (fixed length only), else None constexprs."""
+    n_bh and section are arguments (fixed length only), else None constexprs.
+    varlen with settings.compact_varlen: the tile-table build (VARLEN = VARLEN_COMPACT,
+    tiles an argument; else a None constexpr)."""
     s = _resolve(settings, head_dim, causal)
     if varlen:
         _refuse_persistent_varlen(s)
@@ -303,15 +321,20 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     kv = f"tensordesc<{dtype}[1,{s.BLOCK_N},{head_dim}],{_layout(kv_block, dtype)!r}>"
     packed = {"o_ptr": f"*{dtype}", "cu_q": "*i32", "cu_k": "*i32", "Tq": "i32", "max_q": "i32"}
     walk = {"n_bh": "i32", "section": "i32"}
+    compact = bool(varlen and s.compact_varlen)
     signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",
                  "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32",
                  **(packed if varlen else dict.fromkeys(packed, "constexpr")),
-                 **(walk if s.persistent else dict.fromkeys(walk, "constexpr"))}
-    constexprs = {**_constexprs(head_dim, 1, causal, s), "VARLEN": bool(varlen)}
+                 **(walk if s.persistent else dict.fromkeys(walk, "constexpr")),
+                 "tiles": "*i32" if compact else "constexpr"}
+    constexprs = {**_constexprs(head_dim, 1, causal, s),
+                  "VARLEN": VARLEN_COMPACT if compact else bool(varlen)}
     if not varlen:
         constexprs.update(dict.fromkeys(packed))
     if not s.persistent:
         constexprs.update(dict.fromkeys(walk))
+    if not compact:
+        constexprs["tiles"] = None
     return {"fn": attn_fwd_kernel, "signature": signature, "constexprs": constexprs,
             "options": {"num_warps": 4}}
 

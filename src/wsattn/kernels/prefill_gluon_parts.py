@@ -18,6 +18,10 @@ TMA zero fill then only happens at the end of the whole pack, so a box that runs
 sequence reads the next one's rows: those keys are masked like keys past Sk (the tile that
 straddles the end always takes the masked path), and the O rows of a box that straddles
 the end leave by a masked register store, never by a TMA store into the next sequence.
+VARLEN == COMPACT takes each CTA's (sequence, head, row block) from a table the launcher
+builds on the device (prefill_gluon.varlen_tile_table): the grid then holds the real
+tiles and at most one spare a sequence and head, instead of every sequence padded to the
+longest, whose surplus CTAs each took an SM's whole shared memory to do nothing.
 
 PERSISTENT (constexpr, fixed length only) launches at most one CTA per SM; each walks
 the tiles pid, pid + grid, ... of one order (_persistent_walk, _persistent_tile: the
@@ -40,6 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 ROWS_PER_WG = 64  # query rows per consumer warpgroup (a warpgroup's wgmma has M = 64)
 WG_M = gl.constexpr(ROWS_PER_WG)
+VARLEN_COMPACT = 2  # the VARLEN constexpr's value for the tile-table grid (1: the plain one)
+COMPACT = gl.constexpr(VARLEN_COMPACT)
 
 
 @gluon.jit
@@ -101,12 +107,28 @@ def _tile_coords(t, n_m, Hq, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, tiles, CAUSAL: gl.constexpr,
+          VARLEN: gl.constexpr):
     """The one schedule every partition reads: program pid -> (start_m, off_b, off_h, q0,
     k0, q_len, kv_len). off_b is the descriptors' leading coordinate, q0 / k0 the row of
     the sequence's first query / key in them, q_len / kv_len its lengths. Fixed length:
     (b, 0, 0, Sq, Sk). VARLEN: one [1, T, H * D] pack, so off_b = 0 and the rows come from
-    cu_q / cu_k; the grid covers the longest sequence (see attn_fwd_kernel)."""
+    cu_q / cu_k; the grid covers the longest sequence (see attn_fwd_kernel). VARLEN ==
+    COMPACT: the tile comes from the launcher's table (tiles: int32 [2, grid], the
+    sequence, or -1 past the last real tile, then head * 65536 + row block), so the grid
+    holds the real tiles and at most one spare a sequence and head (q_len 0 on a spare)."""
+    if VARLEN == COMPACT:
+        b = gl.load(tiles + pid)
+        code = gl.load(tiles + gl.num_programs(0) + pid)
+        live = b >= 0
+        b = gl.maximum(b, 0)
+        start_m = code % 65536
+        off_h = code // 65536
+        q0 = gl.load(cu_q + b)
+        q_len = gl.where(live, gl.load(cu_q + b + 1) - q0, 0)
+        k0 = gl.load(cu_k + b)
+        kv_len = gl.load(cu_k + b + 1) - k0
+        return start_m, 0, off_h, q0, k0, q_len, kv_len
     start_m, b, off_h = _tile_coords(pid, n_m, Hq, CAUSAL)
     if VARLEN:
         q0 = gl.load(cu_q + b)
@@ -391,8 +413,8 @@ def _lse_offsets(off_b, off_h, q0, rows, Hq, lse_stride):
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-              kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk, Tq, Hq,
-              n_bh, section, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq, Sk, Tq,
+              Hq, n_bh, section, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, CONSUMERS: gl.constexpr,
               WG_TILES: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
@@ -432,7 +454,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
-                                                             cu_q, cu_k, CAUSAL, VARLEN)
+                                                             cu_q, cu_k, tiles, CAUSAL,
+                                                             VARLEN)
         if VARLEN:  # the LSE's row length: [Hq, Tq] or [B, Hq, Sq]
             lse_stride = Tq
         else:
@@ -492,7 +515,7 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
-              k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq, n_bh, section,
+              k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq, n_bh, section,
               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
@@ -513,7 +536,8 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
-                                                             cu_q, cu_k, CAUSAL, VARLEN)
+                                                             cu_q, cu_k, tiles, CAUSAL,
+                                                             VARLEN)
         n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
         _produce_q_tile(start_m, off_b, off_h, q0, k0, n_total, 0, 0, q_desc, k_desc, v_desc,
                         q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
@@ -573,7 +597,8 @@ def _load_kv(r, row, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem, k_ready, v_
 # (a view such as cu_seqlens[i:] is a valid argument and only read a word at a time).
 @gluon.jit(do_not_specialize=["Tq", "max_q"], do_not_specialize_on_alignment=["cu_q", "cu_k"])
 def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale, o_ptr, cu_q,
-                    cu_k, Tq, max_q, n_bh, section, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                    cu_k, Tq, max_q, n_bh, section, tiles, GROUP: gl.constexpr,
+                    BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -588,7 +613,8 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     VARLEN: q/o are [1, Tq, Hq * D], k/v [1, Tk, Hkv * D], lse [Hq, Tq]; cu_q / cu_k
     (int32 [batch + 1]) give each sequence's rows, the batch index counts sequences, max_q
     bounds the longest sequence (the grid's row blocks), o_ptr is o's base (rows of Hq * D
-    elements) for the masked stores; Sq, Sk are unused (0).
+    elements) for the masked stores; Sq, Sk are unused (0). VARLEN == COMPACT: tiles is
+    the launcher's int32 [2, grid] tile table (see _tile), else None.
 
     PERSISTENT (fixed length only): a grid of at most one CTA per SM, each walking the
     tiles of _persistent_tile's order (n_bh = B * Hq pairs in sections of `section`,
@@ -604,7 +630,8 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
         # nothing to do and leaves before any barrier or copy exists, so no partition can
         # wait on another (the partitions read the same _tile, and would agree on zero work).
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
-                                                             cu_q, cu_k, CAUSAL, VARLEN)
+                                                             cu_q, cu_k, tiles, CAUSAL,
+                                                             VARLEN)
         if start_m * BLOCK_M >= q_len:
             return
     else:
@@ -637,35 +664,35 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
-                         Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
+                         Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
-                         Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
+                         Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
-                         q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq, n_bh,
-                         section, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN,
+                         q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
+                         n_bh, section, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN,
                          PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
-                         Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
+                         Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
-                         Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
+                         Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, n_m, Sq, Sk,
-                         Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
+                         Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
-                         q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, n_m, Sq, Sk, Hq,
-                         n_bh, section, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS,
+                         q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq,
+                         Sk, Hq, n_bh, section, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS,
                          VARLEN, PERSISTENT)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

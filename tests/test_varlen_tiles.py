@@ -1,0 +1,78 @@
+"""The varlen tile table (wsattn.kernels.varlen_tiles): the kernel through the interpreter
+against a Python enumeration of the same order, on packs with empty sequences, sequences
+shorter than a row block, more sequences than one program reads at a time and tile
+counts that do not fill the last program; the bound and the code range."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import interpreter_child
+from wsattn.kernels import varlen_tiles as vt
+
+
+def reference(lengths, hq, block_m, causal, n_tiles):
+    """(sequence per tile, code per tile): sequence by sequence, its heads in turn, a
+    head's row blocks fastest (causal: the last first); -1 / 0 for the spares."""
+    seqs, codes = [], []
+    for b, n in enumerate(lengths):
+        nb = -(-n // block_m)
+        for h in range(hq):
+            for r in range(nb):
+                seqs.append(b)
+                codes.append(h * vt.CODE_BASE + (nb - 1 - r if causal else r))
+    assert len(seqs) <= n_tiles
+    spare = n_tiles - len(seqs)
+    return seqs + [-1] * spare, codes + [0] * spare
+
+
+PACKS = {  # name: (lengths, Hq, BLOCK_M)
+    "mixed": ([225, 3851, 64, 1000, 700, 128, 129, 0, 5, 2048], 4, 128),
+    "empty-first-and-last": ([0, 300, 0, 0, 17, 0], 3, 192),
+    "one-sequence": ([1000], 2, 128),
+    "all-empty": ([0, 0, 0], 2, 128),
+    "many-short": ([(7 * i) % 200 for i in range(150)], 2, 64),  # > SEQS at a time
+    "single-tokens": ([1] * 70, 1, 128),
+}
+
+CHILD = r"""
+import json, sys
+import torch
+from wsattn.kernels import varlen_tiles as vt
+packs = json.loads(sys.argv[1])
+out = {}
+for name, (lengths, hq, bm) in packs.items():
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    for causal in (False, True):
+        n = hq * vt.tile_bound(sum(lengths), len(lengths), bm, max(lengths))
+        t = vt.varlen_tile_table(cu, n, hq, bm, causal)
+        out[f"{name}-{causal}"] = {"n": n, "seq": t[0].tolist(), "code": t[1].tolist()}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_table_kernel_equals_the_enumeration():
+    got = interpreter_child(CHILD, json.dumps(PACKS), timeout=300)
+    for name, (lengths, hq, bm) in PACKS.items():
+        for causal in (False, True):
+            r = got[f"{name}-{causal}"]
+            seqs, codes = reference(lengths, hq, bm, causal, r["n"])
+            assert r["seq"] == seqs, (name, causal)
+            assert r["code"] == codes, (name, causal)
+
+
+def test_bound_holds_every_real_tile_with_at_most_one_spare_a_sequence():
+    for lengths, _, bm in PACKS.values():
+        real = sum(-(-n // bm) for n in lengths)
+        bound = vt.tile_bound(sum(lengths), len(lengths), bm)
+        assert real <= bound <= real + len(lengths) + 1
+        assert vt.tile_bound(sum(lengths), len(lengths), bm, max(lengths)) <= bound
+        assert real <= vt.tile_bound(sum(lengths), len(lengths), bm, max(lengths))
+
+
+@pytest.mark.parametrize("tq, hq, fits", [(16384, 32, True), (128 * 65535, 8, True),
+                                          (128 * 65536, 8, False), (1024, 32768, False)])
+def test_codes_stay_in_range(tq, hq, fits):
+    assert vt.table_fits(tq, hq, 128) is fits

@@ -415,6 +415,30 @@ def test_ladder_varlen_entry_builds_and_runs_the_varlen_launcher(monkeypatch):
     assert spec.run.draw_shape(random.Random(0), False)["D"] == 128
 
 
+def test_ladder_compact_varlen_entry_builds_the_table_grid_and_runs_it(monkeypatch):
+    """`prefill_gluon_varlen_compact`: gates 0-2 on sm_90 with no GPU on the VARLEN_COMPACT
+    build (tiles an argument); its runner calls prefill_varlen with compact_varlen=True
+    (recorded; nothing runs)."""
+    from wsattn.evidence import ladder, library
+    spec = library.get("prefill_gluon_varlen_compact")
+    assert not spec.unavailable, spec.unavailable
+    cs = spec.compile_spec(90)
+    assert cs["constexprs"]["VARLEN"] == pg.VARLEN_COMPACT and cs["signature"]["tiles"] == "*i32"
+    assert spec.compile_spec(90, head_dim=64)["constexprs"]["VARLEN"] == pg.VARLEN_COMPACT
+    r = ladder.climb(spec, "sm_90", ladder.Config(max_gate=2))
+    assert r.highest_gate == 2, r.verdict
+    calls = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, settings=None):
+        calls.append((q.shape, cu_q.tolist(), settings.compact_varlen, causal))
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+    monkeypatch.setattr(pg, "prefill_varlen", varlen)
+    inp = spec.run.build({"Sq": [17, 1], "Sk": [40, 1], "Hq": 4, "Hkv": 2, "D": 64}, "bf16",
+                         "cpu", torch.Generator().manual_seed(0))
+    out, lse = spec.run.run(inp)
+    assert calls == [((18, 4, 64), [0, 17, 18], True, False)]
+
+
 def test_api_refuses_gluon_varlen_off_sm90(monkeypatch):
     """With the interpreter on, CPU tensors get past the device check to check_device."""
     import wsattn

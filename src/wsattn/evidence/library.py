@@ -70,9 +70,16 @@ def _cumsum(xs):
         yield t
 
 
-def _prefill_runner(causal, impl):
+def _prefill_runner(causal, impl, compact=False):
     def run(inp):
         import wsattn
+        if compact:  # the tile-table grid is a kernel setting, not an API choice
+            from ..kernels import prefill_gluon
+            q = inp["q"]
+            s = prefill_gluon.settings_for(q.shape[-1], causal, compact_varlen=True)
+            return prefill_gluon.prefill_varlen(q, inp["k"], inp["v"], inp["cu_q"], inp["cu_k"],
+                                                None, None, causal, 1.0 / math.sqrt(q.shape[-1]),
+                                                settings=s)
         if impl == "gluon" and "cu_q" not in inp:  # varlen goes through the API below
             # Straight to the kernel: the API refuses impl="gluon" until the kernel has passed
             # its GPU numerics, which is the evidence this ladder gathers. Shapes drawn here
@@ -116,12 +123,16 @@ _SANITIZER_PREFILL = {
 }
 
 
-def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only_ccs=None):
+def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only_ccs=None,
+                   compact=False):
     kwargs = {"head_dim": 128, "dtype": "bf16", "causal": causal}
     if varlen:
         kwargs["varlen"] = True
+    if compact:
+        kwargs["compact_varlen"] = True
     run = RunSpec(draw_shape=_draw_prefill(causal, varlen, 128), build=_build_prefill,
-                  run=_prefill_runner(causal, impl), reference=_prefill_reference(causal),
+                  run=_prefill_runner(causal, impl, compact),
+                  reference=_prefill_reference(causal),
                   dtypes=("bf16", "fp16"), interpreter=impl == "triton",
                   baseline=None if varlen else _sdpa_prefill(causal),
                   baseline_name=None if varlen else "torch SDPA (cuDNN/flash)",
@@ -129,7 +140,8 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                       {"B": 4, "Sq": 4096, "Sk": 4096, "Hq": 16, "Hkv": 16, "D": 128},),
                   sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill)
     desc = f"{'Gluon' if impl == 'gluon' else 'Triton'} prefill, D=128 bf16" + \
-        (", causal" if causal else "") + (", varlen" if varlen else "")
+        (", causal" if causal else "") + (", varlen" if varlen else "") + \
+        (", tile-table grid" if compact else "")
     return name, module, "compile_spec", kwargs, run, desc, only_ccs
 
 
@@ -774,6 +786,8 @@ ENTRIES = (
                    only_ccs=(90,)),
     _prefill_entry("prefill_gluon_varlen", "wsattn.kernels.prefill_gluon", varlen=True, impl="gluon",
                    only_ccs=(90,)),
+    _prefill_entry("prefill_gluon_varlen_compact", "wsattn.kernels.prefill_gluon", varlen=True,
+                   impl="gluon", only_ccs=(90,), compact=True),
     _gemv_entry("gemv_norm_silu", "norm_silu"),
     _gemv_entry("gemv_residual", "residual"),
     _gemv_entry("gemv_splitk", "residual", split=True),

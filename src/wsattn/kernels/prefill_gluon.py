@@ -305,15 +305,18 @@ def _tma_ready(t) -> bool:
 
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
-                 settings: GluonSettings | None = None, varlen: bool = False) -> dict:
+                 settings: GluonSettings | None = None, varlen: bool = False,
+                 compact_varlen: bool = False) -> dict:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
     arguments), else the fixed-length one (they are None constexprs). settings.persistent:
     n_bh and section are arguments (fixed length only), else None constexprs.
-    varlen with settings.compact_varlen: the tile-table build (VARLEN = VARLEN_COMPACT,
-    tiles an argument; else a None constexpr)."""
+    varlen with settings.compact_varlen (or compact_varlen=True over the defaults): the
+    tile-table build (VARLEN = VARLEN_COMPACT, tiles an argument; else a None constexpr)."""
     s = _resolve(settings, head_dim, causal)
+    if compact_varlen:
+        s = replace(s, compact_varlen=True)
     if varlen:
         _refuse_persistent_varlen(s)
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"

@@ -76,3 +76,30 @@ def test_bound_holds_every_real_tile_with_at_most_one_spare_a_sequence():
                                           (128 * 65536, 8, False), (1024, 32768, False)])
 def test_codes_stay_in_range(tq, hq, fits):
     assert vt.table_fits(tq, hq, 128) is fits
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_table_kernel_compiles_without_spills(causal):
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {"cu_q": "*i32", "tiles": "*i32", "n_seq": "i32", "n_tiles": "i32", "Hq": "i32",
+           "BLOCK_M": "constexpr", "CAUSAL": "constexpr", "PIDS": "constexpr",
+           "SEQS": "constexpr"}
+    const = {"BLOCK_M": 128, "CAUSAL": causal, "PIDS": vt.PIDS, "SEQS": vt.SEQS}
+    k = triton.compile(ASTSource(vt._varlen_tiles_kernel, sig, constexprs=const),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": vt.WARPS})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"])
+        f.flush()
+        log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", "-o", os.devnull, f.name],
+                             capture_output=True, text=True, check=True).stderr
+    st, ld = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                                log).groups())
+    assert st == ld == 0, log

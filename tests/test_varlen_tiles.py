@@ -78,8 +78,9 @@ def test_codes_stay_in_range(tq, hq, fits):
     assert vt.table_fits(tq, hq, 128) is fits
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_sm90_table_kernel_compiles_without_spills(causal):
+@pytest.mark.parametrize("causal, one", [(False, False), (True, False), (True, True)])
+def test_sm90_table_kernel_compiles_without_spills(causal, one):
+    """sm_90 build, no spills; also with n_seq and Hq the constant 1 (a specialization)."""
     import os
     import re
     import subprocess
@@ -92,6 +93,9 @@ def test_sm90_table_kernel_compiles_without_spills(causal):
            "BLOCK_M": "constexpr", "CAUSAL": "constexpr", "PIDS": "constexpr",
            "SEQS": "constexpr"}
     const = {"BLOCK_M": 128, "CAUSAL": causal, "PIDS": vt.PIDS, "SEQS": vt.SEQS}
+    if one:
+        sig.update(n_seq="constexpr", Hq="constexpr")
+        const.update(n_seq=1, Hq=1)
     k = triton.compile(ASTSource(vt._varlen_tiles_kernel, sig, constexprs=const),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": vt.WARPS})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")

@@ -36,7 +36,9 @@ WARPS = 4
 CODE_BASE = 65536  # head * CODE_BASE + row block: both must stay below it
 
 
-@triton.jit
+# n_seq and n_tiles change with every pack: not specialized (a value of 1 or a multiple of
+# 16 would each be another build)
+@triton.jit(do_not_specialize=["n_seq", "n_tiles"])
 def _varlen_tiles_kernel(cu_q, tiles, n_seq, n_tiles, Hq, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, PIDS: tl.constexpr, SEQS: tl.constexpr):
     # grid (cdiv(n_tiles, PIDS),): tiles t of this program, found in the running prefix of
@@ -46,7 +48,7 @@ def _varlen_tiles_kernel(cu_q, tiles, n_seq, n_tiles, Hq, BLOCK_M: tl.constexpr,
     rank = tl.zeros([PIDS], dtype=tl.int32)  # t's place among its sequence's tiles
     blocks = tl.zeros([PIDS], dtype=tl.int32)  # its sequence's row blocks
     found = tl.zeros([PIDS], dtype=tl.int32)
-    carry = n_seq * 0  # tiles of the sequences before this chunk
+    carry = tl.zeros([], dtype=tl.int32)  # tiles of the sequences before this chunk
     for c in range(0, n_seq, SEQS):
         i = c + tl.arange(0, SEQS)  # [SEQS]
         live = i < n_seq

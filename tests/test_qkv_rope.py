@@ -586,6 +586,20 @@ def test_gpu_fma_path_against_float64(family, M):
     assert r["untouched"] and r["paged_eq_contig"], r
 
 
+def _assert_graph_replays_bitwise(inp, kc, q0, k0, **kw):
+    """qkv_rope_append(**inp, **kw) captured in a CUDA graph into a fresh q_out: three
+    replays each give q0 and leave the cache k0, bit for bit."""
+    q_out = torch.empty_like(q0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qkv_rope_append(**inp, **kw, q_out=q_out)
+    for _ in range(3):
+        q_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_bits(q_out, q0) and _same_bits(kc, k0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 8])
 @pytest.mark.parametrize("family", FUSED)
@@ -603,17 +617,8 @@ def test_gpu_two_launch_against_float64(family, M):
     inp = ns["make_inputs"](FAMILIES[family], M, 4096, 32, 8, 128, torch.bfloat16, "cuda")
     kc, vc, bt, _, _ = ns["make_caches"](M, 8, 128, torch.bfloat16, "cuda")
     q0 = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, pdl=pdl, settings=s)
-    k0 = kc.clone()
-    q_out = torch.empty_like(q0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, pdl=pdl, settings=s,
-                        q_out=q_out)
-    for _ in range(3):
-        q_out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert _same_bits(q_out, q0) and _same_bits(kc, k0)
+    _assert_graph_replays_bitwise(inp, kc, q0, kc.clone(), k_cache=kc, v_cache=vc,
+                                  block_table=bt, pdl=pdl, settings=s)
 
 
 @pytest.mark.gpu
@@ -660,13 +665,5 @@ def test_gpu_explicit_workspace_matches_cached_and_replays():
     k0 = kc.clone()
     q1 = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, settings=s, workspace=ws)
     assert _same_bits(q1, q0) and _same_bits(kc, k0)
-    q_out = torch.empty_like(q0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, settings=s, workspace=ws,
-                        q_out=q_out)
-    for _ in range(3):
-        q_out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert _same_bits(q_out, q0) and _same_bits(kc, k0)
+    _assert_graph_replays_bitwise(inp, kc, q0, k0, k_cache=kc, v_cache=vc, block_table=bt,
+                                  settings=s, workspace=ws)

@@ -569,18 +569,20 @@ def test_sm90_persistent_structure(head_dim, causal):
     assert spec["constexprs"]["PERSISTENT"] is True
 
 
-def _py_twin(fn, pid=0, grid=1):
+def _py_twin(fn, pid=0, grid=1, memory=None):
     """The Python function under a @gluon.jit helper, run with plain integers: `gl` is
     replaced by the few integer operations the schedule uses, the jit helpers it calls by
-    their own twins. The kernel's own index arithmetic, not a copy of it."""
+    their own twins, pointers by integer addresses into `memory` (a dict). The kernel's own
+    index arithmetic, not a copy of it."""
     import types
     shim = types.SimpleNamespace(minimum=min, maximum=max, cdiv=lambda a, b: -(-a // b),
                                  program_id=lambda axis: pid, num_programs=lambda axis: grid,
-                                 constexpr=object)
+                                 constexpr=object, load=lambda addr: memory[addr],
+                                 where=lambda c, a, b: a if c else b)
     glb = dict(fn.fn.__globals__, gl=shim)
     for name in fn.fn.__code__.co_names:
         if hasattr(glb.get(name), "fn"):  # a jit function it calls
-            glb[name] = _py_twin(glb[name], pid, grid)
+            glb[name] = _py_twin(glb[name], pid, grid, memory)
     return types.FunctionType(fn.fn.__code__, glb, fn.fn.__name__)
 
 
@@ -600,6 +602,49 @@ def _walk(B, Sq, Sk, Hq, group, grid, section, block_m, block_n, causal):
             walk.append((t, m, b, h, n_total))
         walks.append(walk)
     return walks
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_compact_tile_reads_the_table_as_the_plain_grid_tiles(causal):
+    """The twin of the kernel's _tile with VARLEN == COMPACT, over a table from the Python
+    enumeration of tests/test_varlen_tiles.py: the real CTAs get exactly the plain grid's
+    live (sequence, head, row block) tiles with their rows and key counts, each once; the
+    spares get q_len 0, which the kernel's prologue exits on."""
+    from test_varlen_tiles import reference
+
+    from wsattn.kernels import prefill_gluon_parts as parts
+    from wsattn.kernels import varlen_tiles as vt
+    q_lens, kv_lens, hq, bm, bn = [0, 300, 17, 5, 129], [4, 310, 17, 9, 200], 3, 128, 64
+    cu_q = [0] + list(itertools.accumulate(q_lens))
+    cu_k = [0] + list(itertools.accumulate(kv_lens))
+    n = hq * vt.tile_bound(sum(q_lens), len(q_lens), bm, max(q_lens))
+    seqs, codes = reference(q_lens, hq, bm, causal, n)
+    CU_Q, CU_K, TILES = 0, 100, 1000  # addresses in the twin's memory
+    memory = {**{CU_Q + i: x for i, x in enumerate(cu_q)},
+              **{CU_K + i: x for i, x in enumerate(cu_k)},
+              **{TILES + i: x for i, x in enumerate(seqs + codes)}}
+    compact, plain = [], []
+    for pid in range(n):
+        tile = _py_twin(parts._tile, pid, n, memory)
+        m, off_b, h, q0, k0, q_len, kv_len = tile(pid, None, 0, 0, hq, CU_Q, CU_K, TILES,
+                                                  causal, parts.VARLEN_COMPACT)
+        assert off_b == 0
+        if m * bm < q_len:
+            compact.append((q0, h, m, k0, q_len, kv_len,
+                            _py_twin(parts._tile_counts)(m, q_len, kv_len, bm, bn, causal)))
+        else:  # a spare: the table says so, the prologue sees no rows
+            assert (m, q_len, seqs[pid]) == (0, 0, -1), pid
+    n_m = -(-max(q_lens) // bm)
+    grid = n_m * len(q_lens) * hq
+    for pid in range(grid):
+        tile = _py_twin(parts._tile, pid, grid, memory)
+        m, off_b, h, q0, k0, q_len, kv_len = tile(pid, n_m, 0, 0, hq, CU_Q, CU_K, None,
+                                                  causal, True)
+        if m * bm < q_len:
+            plain.append((q0, h, m, k0, q_len, kv_len,
+                          _py_twin(parts._tile_counts)(m, q_len, kv_len, bm, bn, causal)))
+    assert compact == plain and len(set(compact)) == len(compact)
+    assert len(compact) == hq * sum(-(-x // bm) for x in q_lens) < grid
 
 
 WALK_CASES = [  # B, Sq, Sk, Hq, GROUP, grid, section, BLOCK_M: tails of every kind

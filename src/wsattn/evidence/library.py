@@ -513,7 +513,7 @@ def _describe_qkv(s):
     return f"M{s['M']}-K{s['K']}-H{s['Hq']}-HKV{s['Hkv']}-D{s['D']}-L{s['L']}-paged"
 
 
-def _build_qkv(family):
+def _build_qkv(family, two_launch=False):
     bias, qk_norm, whole = _QKV_FAMILIES[family]
 
     def build(shape, dtype, device, gen):
@@ -540,7 +540,8 @@ def _build_qkv(family):
                "inv_freq": rope_inv_freq(D, 1000000.0).to(device),
                "positions": pos.to(device), "block_table": bt.to(device),
                "k_cache": kc.to(device), "v_cache": vc.to(device),
-               "page": page.to(device), "off": off.to(device), "Hq": Hq}
+               "page": page.to(device), "off": off.to(device), "Hq": Hq,
+               "two_launch": two_launch}
         # the cache before any launch: every element but the rows' slots must keep it
         inp["k_before"], inp["v_before"] = inp["k_cache"].clone(), inp["v_cache"].clone()
         keep = torch.ones(pages, _QKV_PAGE, dtype=torch.bool)
@@ -561,13 +562,14 @@ def _qkv_outputs(q, k_cache, v_cache, inp):
 
 def _qkv_call(inp):
     """The kernel call alone (what the profile gate times)."""
-    from ..kernels.qkv_rope import qkv_rope_append
+    from ..kernels.qkv_rope import TwoLaunchSettings, qkv_rope_append
     return qkv_rope_append(inp["x"], inp["wqkv"], bqkv=inp["bqkv"], q_norm=inp["q_norm"],
                            k_norm=inp["k_norm"], norm_eps=inp["norm_eps"],
                            qk_eps=inp["qk_eps"], inv_freq=inp["inv_freq"],
                            positions=inp["positions"], k_cache=inp["k_cache"],
                            v_cache=inp["v_cache"], block_table=inp["block_table"],
-                           qk_norm_whole=inp["qk_norm_whole"])
+                           qk_norm_whole=inp["qk_norm_whole"],
+                           settings=TwoLaunchSettings() if inp.get("two_launch") else None)
 
 
 def _qkv_run(inp):
@@ -633,7 +635,7 @@ def _qkv_torch(inp):
     return q
 
 
-def _qkv_entry(name, family):
+def _qkv_entry(name, family, two_launch=False):
     bias, qk_norm, whole = _QKV_FAMILIES[family]
     if family == "qwen3":  # Qwen3-8B: hidden 4096, 32 q heads, 8 kv heads, D 128
         at = {"hidden": 4096, "q_heads": 32, "kv_heads": 8}
@@ -647,7 +649,7 @@ def _qkv_entry(name, family):
         at = {"hidden": 3584, "q_heads": 28, "kv_heads": 4}
         profile = ({"M": 1, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096},
                    {"M": 8, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096})
-    run = RunSpec(draw_shape=_draw_qkv, build=_build_qkv(family), run=_qkv_run,
+    run = RunSpec(draw_shape=_draw_qkv, build=_build_qkv(family, two_launch), run=_qkv_run,
                   timed=_qkv_call, reference=_qkv_reference, dtypes=("bf16", "fp16"),
                   interpreter_dtypes=("fp16", "fp32"), baseline=_qkv_torch,
                   baseline_name="torch eager (F.linear, norms, RoPE, index_put), input dtype",
@@ -661,9 +663,12 @@ def _qkv_entry(name, family):
               "pdl": _PDL_BY_TARGET}
     if whole:  # gates 0-2 read the second launch, the norm + RoPE + append kernel
         kwargs["qk_norm_whole"] = True
+    if two_launch:  # likewise
+        kwargs["two_launch"] = True
     what = "whole-projection QK-norm (gemv, then norm" if whole else \
+        "two-launch QKV (gemv, then QK-norm" if two_launch else \
         "fused QKV + " + ("QK-norm" if qk_norm else "bias")
-    desc = (f"Triton {what} + RoPE + paged append{')' if whole else ''} "
+    desc = (f"Triton {what} + RoPE + paged append{')' if whole or two_launch else ''} "
             f"({family}, K={at['hidden']} Hq={at['q_heads']} Hkv={at['kv_heads']} D=128 bf16)")
     return name, "wsattn.kernels.qkv_rope", "compile_spec", kwargs, run, desc, None
 
@@ -794,6 +799,7 @@ ENTRIES = (
     _qkv_entry("qkv_rope_qwen3", "qwen3"),
     _qkv_entry("qkv_rope_qwen2", "qwen2"),
     _qkv_entry("qkv_rope_olmoe", "olmoe"),
+    _qkv_entry("qkv_rope_two_launch", "qwen3", two_launch=True),
     _moe_entry(),
     _moe_entry("moe_gluon", impl="gluon"),
 )

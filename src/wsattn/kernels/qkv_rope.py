@@ -793,11 +793,12 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
                  hidden: int = 4096, q_heads: int = 32, kv_heads: int = 8, norm: bool = True,
                  bias: bool = False, qk_norm: bool = False, paged: bool = True,
                  page_size: int = 16, seq_index: bool = False, pdl: bool = False,
-                 settings=None, num_sms: int = 132, qk_norm_whole: bool = False) -> dict:
+                 settings=None, num_sms: int = 132, qk_norm_whole: bool = False,
+                 two_launch: bool = False) -> dict:
     """What ``triton.compile`` needs to build the kernel for compute capability cc, by
     default at the Llama-3.1-8B shape (K 4096, Hq 32, Hkv 8, D 128), one row, paged.
-    qk_norm_whole or settings TwoLaunchSettings: the two-launch path's second kernel
-    instead (_norm_rope_append_kernel; the projection before it is gemv's kernel).
+    qk_norm_whole, two_launch or settings TwoLaunchSettings: the two-launch path's second
+    kernel instead (_norm_rope_append_kernel; the projection before it is gemv's kernel).
 
     Returns {"fn", "signature", "constexprs", "attrs", "options"} as
     decode_triton.compile_spec does; use ``triton.compile(ASTSource(s["fn"],
@@ -805,7 +806,7 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
     target=GPUTarget("cuda", cc, 32), options=s["options"])``.
     """
     t = dtype_name(dtype)  # Triton's type string is the same name
-    if qk_norm_whole or isinstance(settings, TwoLaunchSettings):
+    if qk_norm_whole or two_launch or isinstance(settings, TwoLaunchSettings):
         return _epilogue_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size,
                                       seq_index, pdl, qk_norm_whole, bias,
                                       qk_norm and not qk_norm_whole)

@@ -34,6 +34,7 @@
 #                    (device call with carry [".peers-wheels"]; 36 MB of the 64 MiB)
 #                  ../shared/peers is used where it does exist on the device.
 #   TEST_PATHS     test files or folders of the tests part (default tests/)
+#   TEST_K         a pytest -k expression narrowing the tests part (default: none)
 #   LADDER_ARGS    extra ladder arguments (default "--stress-launches 2000"; kernels by name)
 #   SP_ARGS        arguments of the SP bench (e.g. "--sp-what prefill --sp-seqlens 16384 65536")
 #   NCU_IMPLS      implementations to profile (default "gluon cudnn"), NCU_ARGS their shape
@@ -110,8 +111,8 @@ ngpus() { python3 -c 'import torch; print(torch.cuda.device_count())'; }
 
 part_tests() {
   run_part tests "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -rf \
-    --timeout "${TEST_TIMEOUT_S:-300}" -m "(gpu or sm90) and not multi_gpu" ${TEST_PATHS:-tests/} \
-    > "$OUT/gpu_tests.log" 2>&1
+    --timeout "${TEST_TIMEOUT_S:-300}" -m "(gpu or sm90) and not multi_gpu" \
+    ${TEST_K:+-k "$TEST_K"} ${TEST_PATHS:-tests/} > "$OUT/gpu_tests.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT/gpu_tests.log"
   return "$rc"

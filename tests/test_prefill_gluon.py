@@ -580,9 +580,12 @@ def _py_twin(fn, pid=0, grid=1, memory=None):
                                  constexpr=object, load=lambda addr: memory[addr],
                                  where=lambda c, a, b: a if c else b)
     glb = dict(fn.fn.__globals__, gl=shim)
+    from triton.experimental.gluon import language as gl
     for name in fn.fn.__code__.co_names:
         if hasattr(glb.get(name), "fn"):  # a jit function it calls
             glb[name] = _py_twin(glb[name], pid, grid, memory)
+        elif isinstance(glb.get(name), gl.constexpr):  # a module constant: its value
+            glb[name] = glb[name].value
     return types.FunctionType(fn.fn.__code__, glb, fn.fn.__name__)
 
 

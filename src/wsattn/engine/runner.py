@@ -226,7 +226,6 @@ class KernelStep:
             raise ValueError(f"pdl={pdl!r} needs a CUDA GPU of sm_90 or later; the weights "
                              f"are on {self.device}")
         self.pdl_families = families
-        self.pdl = bool(families)  # on for at least one family
 
         rope = cfg.rope
         scaling = None if rope.type == "default" else {
@@ -345,6 +344,11 @@ class KernelStep:
             raise ValueError(f"{name} is on {t.device}, the step on {self.device}")
 
     # ------------------------------------------------------------------ decode
+    @property
+    def pdl(self) -> bool:
+        """PDL is on for at least one kernel family."""
+        return bool(self.pdl_families)
+
     def _count(self, name):
         self.launches[name] += 1
 

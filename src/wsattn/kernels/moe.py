@@ -62,6 +62,7 @@ ROUTER_BLOCK_E = 4
 def _router_block_h(H: int) -> int:
     return max(16, min(next_pow2(H), 1024))  # [4, 1024] fp32 products: 32 a thread
 
+
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, H, E, eps, stride_xt, stride_we,
                           BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,

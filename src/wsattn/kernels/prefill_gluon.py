@@ -87,8 +87,9 @@ class GluonSettings:
     l2_section_bytes: int = L2_SECTION_BYTES
     # Varlen only: the grid holds the pack's real tiles (at most one spare a sequence and
     # head), each CTA reading its tile from a table one small kernel writes on the device
-    # (kernels/varlen_tiles.py), instead of every sequence padded to the longest. Off until
-    # measured (notes/prefill_gluon.md).
+    # (kernels/varlen_tiles.py), instead of every sequence padded to the longest; a pack
+    # whose codes do not fit the table (varlen_tiles.table_fits) takes the plain grid. Off
+    # until measured (notes/prefill_gluon.md).
     compact_varlen: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
@@ -246,8 +247,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         max_seqlen_q: the longest query sequence or an upper bound (None: Tq); the grid has
             cdiv(max_seqlen_q, BLOCK_M) row blocks a (sequence, head) and the ones past
             their sequence's end exit at once (settings.compact_varlen: at most
-            cdiv(Tq, BLOCK_M) + batch a head, from a tile table built on the device). max_seqlen_k: unused (the key tiles come
-            from each sequence's own length), taken for the launchers' common signature.
+            cdiv(Tq, BLOCK_M) + batch a head, from a tile table built on the device).
+            max_seqlen_k: unused (the key tiles come from each sequence's own length),
+            taken for the launchers' common signature.
         causal: bottom-right aligned per sequence (query i sees keys j <= i + kv_len -
             q_len; needs q_len <= kv_len).
         sm_scale: softmax scale.

@@ -42,10 +42,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .varlen_tiles import CODE_BASE
+
 ROWS_PER_WG = 64  # query rows per consumer warpgroup (a warpgroup's wgmma has M = 64)
 WG_M = gl.constexpr(ROWS_PER_WG)
 VARLEN_COMPACT = 2  # the VARLEN constexpr's value for the tile-table grid (1: the plain one)
 COMPACT = gl.constexpr(VARLEN_COMPACT)
+TILE_CODE = gl.constexpr(CODE_BASE)  # the table's head * TILE_CODE + row block
 
 
 @gluon.jit
@@ -115,15 +118,15 @@ def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, tiles, CAUSAL: gl.constexpr,
     (b, 0, 0, Sq, Sk). VARLEN: one [1, T, H * D] pack, so off_b = 0 and the rows come from
     cu_q / cu_k; the grid covers the longest sequence (see attn_fwd_kernel). VARLEN ==
     COMPACT: the tile comes from the launcher's table (tiles: int32 [2, grid], the
-    sequence, or -1 past the last real tile, then head * 65536 + row block), so the grid
+    sequence, or -1 past the last real tile, then head * CODE_BASE + row block), so the grid
     holds the real tiles and at most one spare a sequence and head (q_len 0 on a spare)."""
     if VARLEN == COMPACT:
         b = gl.load(tiles + pid)
         code = gl.load(tiles + gl.num_programs(0) + pid)
         live = b >= 0
         b = gl.maximum(b, 0)
-        start_m = code % 65536
-        off_h = code // 65536
+        start_m = code % TILE_CODE
+        off_h = code // TILE_CODE
         q0 = gl.load(cu_q + b)
         q_len = gl.where(live, gl.load(cu_q + b + 1) - q0, 0)
         k0 = gl.load(cu_k + b)
@@ -157,8 +160,10 @@ def _persistent_walk(num_tiles):
 
 
 @gluon.jit
-def _section_coords(t, n_m, n_bh, section, Hq, CAUSAL: gl.constexpr):
-    """Tile t of the sectioned order -> (start_m, b, h).
+def _persistent_tile(t, n_m, n_bh, section, Sq, Sk, Hq, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The persistent schedule: tile t -> (start_m, b, h, n_full, n_total), the key-tile
+    counts as _tile_counts gives them.
 
     The n_bh = B * Hq (batch, head) pairs, bh = b * Hq + h, are cut into sections of
     `section` pairs (the launcher sizes one section's K/V to stay in L2, a multiple of
@@ -166,8 +171,7 @@ def _section_coords(t, n_m, n_bh, section, Hq, CAUSAL: gl.constexpr):
     Within a section the row block varies slowest, causal from the last row block (the
     most key tiles) down, so the longest tiles start first, and the head fastest, so
     consecutive tiles, which run at the same time on neighbouring CTAs, share a KV head.
-    FlashAttention-4's sm90 causal grid. Plain integer arithmetic
-    (tests/test_prefill_gluon.py runs this body in Python)."""
+    Plain integer arithmetic (tests/test_prefill_gluon.py runs this body in Python)."""
     per_section = section * n_m
     sec = t // per_section
     first_bh = sec * section
@@ -175,17 +179,9 @@ def _section_coords(t, n_m, n_bh, section, Hq, CAUSAL: gl.constexpr):
     i = t - sec * per_section
     m_rank = i // size
     bh = first_bh + i - m_rank * size
-    return _row_block(m_rank, n_m, CAUSAL), bh // Hq, bh % Hq
-
-
-@gluon.jit
-def _persistent_tile(t, n_m, n_bh, section, Sq, Sk, Hq, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """The persistent schedule: tile t of the sectioned order (_section_coords) ->
-    (start_m, b, h, n_full, n_total), the key-tile counts as _tile_counts gives them."""
-    start_m, b, h = _section_coords(t, n_m, n_bh, section, Hq, CAUSAL)
+    start_m = _row_block(m_rank, n_m, CAUSAL)
     n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
-    return start_m, b, h, n_full, n_total
+    return start_m, bh // Hq, bh % Hq, n_full, n_total
 
 
 @gluon.jit

@@ -665,9 +665,9 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
         qk_norm_whole: the QK-norm spans the whole projection (OLMoE). Its sum of squares
             runs over every head of a row, which one program of the fused kernel does not
             see, so this runs as two launches: the projection by :func:`gemv.gemv`
-            (FlashNorm scale included; settings and workspace unused) into the model
-            dtype, then one kernel for the norm, RoPE, the q store and the append (the
-            TwoLaunchSettings path; its settings.gemv, when given, still applies).
+            (FlashNorm scale included) into the model dtype, then one kernel for the
+            norm, RoPE, the q store and the append: the TwoLaunchSettings path, whose
+            settings.gemv applies when given; QkvRopeSettings and workspace are unused.
 
     Returns:
         q_out [M, Hq, D]. k_cache / v_cache are written in place at the rows' slots only;

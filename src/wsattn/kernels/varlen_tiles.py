@@ -34,6 +34,7 @@ PIDS = 64
 SEQS = 32
 WARPS = 4
 CODE_BASE = 65536  # head * CODE_BASE + row block: both must stay below it
+_CODE = tl.constexpr(CODE_BASE)
 
 
 # n_seq and n_tiles change with every pack: not specialized (a value of 1 or a multiple of
@@ -71,7 +72,7 @@ def _varlen_tiles_kernel(cu_q, tiles, n_seq, n_tiles, Hq, BLOCK_M: tl.constexpr,
         m = nb - 1 - m
     mine = t < n_tiles
     tl.store(tiles + t, tl.where(real, seq, -1), mask=mine)
-    tl.store(tiles + n_tiles + t, tl.where(real, h * 65536 + m, 0), mask=mine)
+    tl.store(tiles + n_tiles + t, tl.where(real, h * _CODE + m, 0), mask=mine)
 
 
 def tile_bound(Tq: int, n_seq: int, block_m: int, max_seqlen_q: int | None = None) -> int:

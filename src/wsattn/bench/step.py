@@ -69,7 +69,7 @@ def step_impl(text: str) -> str:
         raise ValueError(f"step column must be one of {IMPLS} or {PDL_SUBSET}FAMILY,...], "
                          f"got {text!r}")
     from wsattn.engine.runner import PDL_FAMILIES
-    names = text[len(PDL_SUBSET):-1].split(",")
+    names = list(pdl_of(text))
     bad = [n for n in names if n not in PDL_FAMILIES]
     if bad or len(set(names)) != len(names):
         raise ValueError(f"{text!r}: the kernel families must be distinct names of "
@@ -86,6 +86,7 @@ def pdl_of(impl: str):
 
 def is_wsattn(impl: str) -> bool:
     return impl in WSATTN_IMPLS or impl.startswith(PDL_SUBSET)
+
 
 # The public config.json values that shape the step (hidden, layers, heads, kv heads,
 # head_dim, ffn, vocab, rope, tied embeddings); everything else at transformers' defaults.

@@ -394,8 +394,9 @@ def _ptxas_spills(kernel):
 @pytest.mark.parametrize("rows", [1, 8, 64])
 @pytest.mark.parametrize("family", FUSED)
 def test_sm90_llama8b_shape_compiles_without_spills(family, rows, record_property):
-    """Llama-3.1-8B attention input (K 4096, Hq 32, Hkv 8, D 128), default sm_90 settings."""
-    s, k = _compile(rows=rows, **FAMILIES[family])
+    """Llama-3.1-8B attention input (K 4096, Hq 32, Hkv 8, D 128), the fused kernel with
+    its sm_90 settings (fused_settings)."""
+    s, k = _compile(rows=rows, fused=True, **FAMILIES[family])
     regs, spills = _ptxas_spills(k)
     record_property("registers", regs)
     print(f"{family} M{rows}: {s['constexprs']} {s['options']}: {regs} registers, "
@@ -429,7 +430,7 @@ def test_sm90_two_launch_kernel_compiles_without_spills(shape, family):
 
 
 def test_sm90_pdl_waits_before_reading_activations():
-    _, on = _compile(pdl=True)
+    _, on = _compile(pdl=True, fused=True)
     ptx = on.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     # the first weight tile's loads come before the wait
@@ -457,14 +458,15 @@ def test_sm90_fma_builds_compile_without_spills(shape, rows):
 
 def test_sm90_d64_and_d256_build():
     for kw in (dict(head_dim=64, hidden=2048), dict(head_dim=256, rows=64, qk_norm=True)):
-        _, k = _compile(**kw)
+        _, k = _compile(fused=True, **kw)
         assert _ptxas_spills(k)[1] == 0, kw
 
 
-def test_split_k_fills_the_gpu_by_default():
-    """Hq + 2 Hkv = 48 heads are fewer than 132 SMs: K is split so the launch has >= 132
-    programs, and the split's reduction path (counter atomics, fences) is compiled in."""
-    s, k = _compile()
+def test_fused_settings_split_k_to_fill_the_gpu():
+    """Hq + 2 Hkv = 48 heads are fewer than 132 SMs: the fused kernel's settings split K so
+    the launch has >= 132 programs, and the split's reduction path (counter atomics,
+    fences) is compiled in."""
+    s, k = _compile(fused=True)
     assert s["constexprs"]["SPLIT_K"] * 48 >= 132
     assert "atom" in k.asm["ptx"] and "fence.acq_rel.gpu" in k.asm["ptx"]
 
@@ -568,6 +570,39 @@ def test_gpu_bf16_against_float64(family, M):
     ns = _gpu_ns()
     m = min(M, 8)  # POSITIONS has 8 rows; larger M repeats the pattern through seeds
     r = ns["run_case"](FAMILIES[family], m, 4096, 32, 8, 128, torch.bfloat16, "cuda", seed=M)
+    assert all(r[k] <= r["tol"] for k in ("q", "k", "v")), r
+    assert r["untouched"] and r["paged_eq_contig"], r
+
+
+def test_sm90_default_is_the_two_launch_path():
+    """On sm_90 a call without settings takes the two-launch path (measured faster at every
+    shape, notes/decode_step.md); the compile spec follows it, and fused=True builds the
+    fused kernel. Other targets keep the fused kernel."""
+    from wsattn.target import Target
+    kw = dict(rows=8, hidden=4096, heads=48, head_dim=128, dtype=torch.bfloat16)
+    assert qkv_rope.default_settings(Target("cuda", 90, 132), **kw) == qkv_rope.TwoLaunchSettings()
+    for cc in (80, 100, 120):
+        t = Target("cuda", cc, 132)
+        assert qkv_rope.default_settings(t, **kw) == qkv_rope.fused_settings(t, **kw)
+    assert qkv_rope.compile_spec(90)["fn"] is qkv_rope._norm_rope_append_kernel
+    assert qkv_rope.compile_spec(90, fused=True)["fn"] is qkv_rope._qkv_rope_kernel
+    assert qkv_rope.compile_spec(100)["fn"] is qkv_rope._qkv_rope_kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 64])
+@pytest.mark.parametrize("family", FUSED)
+def test_gpu_fused_kernel_against_float64(family, M):
+    """The fused one-launch kernel with its own settings (fused_settings; not the sm_90
+    default) at the Llama-3.1-8B shape, bf16: within tolerance of float64, caches untouched
+    elsewhere, paged equal to contiguous."""
+    from wsattn.target import target_of
+    ns = _gpu_ns()
+    m = min(M, 8)
+    s = qkv_rope.fused_settings(target_of(torch.device("cuda")), rows=m, hidden=4096,
+                                heads=48, head_dim=128, dtype=torch.bfloat16)
+    r = ns["run_case"](FAMILIES[family], m, 4096, 32, 8, 128, torch.bfloat16, "cuda",
+                       settings=s, seed=M)
     assert all(r[k] <= r["tol"] for k in ("q", "k", "v")), r
     assert r["untouched"] and r["paged_eq_contig"], r
 

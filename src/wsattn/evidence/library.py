@@ -70,13 +70,14 @@ def _cumsum(xs):
         yield t
 
 
-def _prefill_runner(causal, impl, compact=False):
+def _prefill_runner(causal, impl, plain=False):
     def run(inp):
         import wsattn
-        if compact:  # the tile-table grid is a kernel setting, not an API choice
+        if plain:  # the plain varlen grid (the fallback of packs the tile table cannot
+            # hold) is a kernel setting, not an API choice
             from ..kernels import prefill_gluon
             q = inp["q"]
-            s = prefill_gluon.settings_for(q.shape[-1], causal, compact_varlen=True)
+            s = prefill_gluon.settings_for(q.shape[-1], causal, compact_varlen=False)
             return prefill_gluon.prefill_varlen(q, inp["k"], inp["v"], inp["cu_q"], inp["cu_k"],
                                                 None, None, causal, 1.0 / math.sqrt(q.shape[-1]),
                                                 settings=s)
@@ -124,14 +125,14 @@ _SANITIZER_PREFILL = {
 
 
 def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only_ccs=None,
-                   compact=False):
+                   plain=False):
     kwargs = {"head_dim": 128, "dtype": "bf16", "causal": causal}
     if varlen:
         kwargs["varlen"] = True
-    if compact:
-        kwargs["compact_varlen"] = True
+    if plain:
+        kwargs["plain_grid"] = True
     run = RunSpec(draw_shape=_draw_prefill(causal, varlen, 128), build=_build_prefill,
-                  run=_prefill_runner(causal, impl, compact),
+                  run=_prefill_runner(causal, impl, plain),
                   reference=_prefill_reference(causal),
                   dtypes=("bf16", "fp16"), interpreter=impl == "triton",
                   baseline=None if varlen else _sdpa_prefill(causal),
@@ -141,7 +142,7 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                   sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill)
     desc = f"{'Gluon' if impl == 'gluon' else 'Triton'} prefill, D=128 bf16" + \
         (", causal" if causal else "") + (", varlen" if varlen else "") + \
-        (", tile-table grid" if compact else "")
+        (", plain grid (no tile table)" if plain else "")
     return name, module, "compile_spec", kwargs, run, desc, only_ccs
 
 
@@ -513,7 +514,7 @@ def _describe_qkv(s):
     return f"M{s['M']}-K{s['K']}-H{s['Hq']}-HKV{s['Hkv']}-D{s['D']}-L{s['L']}-paged"
 
 
-def _build_qkv(family, two_launch=False):
+def _build_qkv(family, fused=False):
     bias, qk_norm, whole = _QKV_FAMILIES[family]
 
     def build(shape, dtype, device, gen):
@@ -541,7 +542,7 @@ def _build_qkv(family, two_launch=False):
                "positions": pos.to(device), "block_table": bt.to(device),
                "k_cache": kc.to(device), "v_cache": vc.to(device),
                "page": page.to(device), "off": off.to(device), "Hq": Hq,
-               "two_launch": two_launch}
+               "fused": fused}
         # the cache before any launch: every element but the rows' slots must keep it
         inp["k_before"], inp["v_before"] = inp["k_cache"].clone(), inp["v_cache"].clone()
         keep = torch.ones(pages, _QKV_PAGE, dtype=torch.bool)
@@ -562,14 +563,21 @@ def _qkv_outputs(q, k_cache, v_cache, inp):
 
 def _qkv_call(inp):
     """The kernel call alone (what the profile gate times)."""
-    from ..kernels.qkv_rope import TwoLaunchSettings, qkv_rope_append
+    from ..kernels.qkv_rope import fused_settings, qkv_rope_append
+    from ..target import target_of
+    settings = None
+    if inp.get("fused"):  # the fused kernel, not the sm_90 default (the two-launch path)
+        x = inp["x"]
+        settings = fused_settings(target_of(x.device), rows=x.shape[0], hidden=x.shape[1],
+                                  heads=inp["wqkv"].shape[0] // inp["k_cache"].shape[3],
+                                  head_dim=inp["k_cache"].shape[3], dtype=x.dtype)
     return qkv_rope_append(inp["x"], inp["wqkv"], bqkv=inp["bqkv"], q_norm=inp["q_norm"],
                            k_norm=inp["k_norm"], norm_eps=inp["norm_eps"],
                            qk_eps=inp["qk_eps"], inv_freq=inp["inv_freq"],
                            positions=inp["positions"], k_cache=inp["k_cache"],
                            v_cache=inp["v_cache"], block_table=inp["block_table"],
                            qk_norm_whole=inp["qk_norm_whole"],
-                           settings=TwoLaunchSettings() if inp.get("two_launch") else None)
+                           settings=settings)
 
 
 def _qkv_run(inp):
@@ -635,7 +643,7 @@ def _qkv_torch(inp):
     return q
 
 
-def _qkv_entry(name, family, two_launch=False):
+def _qkv_entry(name, family, fused=False):
     bias, qk_norm, whole = _QKV_FAMILIES[family]
     if family == "qwen3":  # Qwen3-8B: hidden 4096, 32 q heads, 8 kv heads, D 128
         at = {"hidden": 4096, "q_heads": 32, "kv_heads": 8}
@@ -649,7 +657,7 @@ def _qkv_entry(name, family, two_launch=False):
         at = {"hidden": 3584, "q_heads": 28, "kv_heads": 4}
         profile = ({"M": 1, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096},
                    {"M": 8, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096})
-    run = RunSpec(draw_shape=_draw_qkv, build=_build_qkv(family, two_launch), run=_qkv_run,
+    run = RunSpec(draw_shape=_draw_qkv, build=_build_qkv(family, fused), run=_qkv_run,
                   timed=_qkv_call, reference=_qkv_reference, dtypes=("bf16", "fp16"),
                   interpreter_dtypes=("fp16", "fp32"), baseline=_qkv_torch,
                   baseline_name="torch eager (F.linear, norms, RoPE, index_put), input dtype",
@@ -663,12 +671,12 @@ def _qkv_entry(name, family, two_launch=False):
               "pdl": _PDL_BY_TARGET}
     if whole:  # gates 0-2 read the second launch, the norm + RoPE + append kernel
         kwargs["qk_norm_whole"] = True
-    if two_launch:  # likewise
-        kwargs["two_launch"] = True
+    if fused:  # the fused kernel with its own settings (sm_90's default is two launches)
+        kwargs["fused"] = True
     what = "whole-projection QK-norm (gemv, then norm" if whole else \
-        "two-launch QKV (gemv, then QK-norm" if two_launch else \
-        "fused QKV + " + ("QK-norm" if qk_norm else "bias")
-    desc = (f"Triton {what} + RoPE + paged append{')' if whole or two_launch else ''} "
+        "fused QKV + " + ("QK-norm" if qk_norm else "bias") if fused else \
+        "QKV (two launches on sm_90: gemv, then " + ("QK-norm" if qk_norm else "bias")
+    desc = (f"Triton {what} + RoPE + paged append{'' if fused else ')'} "
             f"({family}, K={at['hidden']} Hq={at['q_heads']} Hkv={at['kv_heads']} D=128 bf16)")
     return name, "wsattn.kernels.qkv_rope", "compile_spec", kwargs, run, desc, None
 
@@ -791,15 +799,15 @@ ENTRIES = (
                    only_ccs=(90,)),
     _prefill_entry("prefill_gluon_varlen", "wsattn.kernels.prefill_gluon", varlen=True, impl="gluon",
                    only_ccs=(90,)),
-    _prefill_entry("prefill_gluon_varlen_compact", "wsattn.kernels.prefill_gluon", varlen=True,
-                   impl="gluon", only_ccs=(90,), compact=True),
+    _prefill_entry("prefill_gluon_varlen_plain", "wsattn.kernels.prefill_gluon", varlen=True,
+                   impl="gluon", only_ccs=(90,), plain=True),
     _gemv_entry("gemv_norm_silu", "norm_silu"),
     _gemv_entry("gemv_residual", "residual"),
     _gemv_entry("gemv_splitk", "residual", split=True),
     _qkv_entry("qkv_rope_qwen3", "qwen3"),
     _qkv_entry("qkv_rope_qwen2", "qwen2"),
     _qkv_entry("qkv_rope_olmoe", "olmoe"),
-    _qkv_entry("qkv_rope_two_launch", "qwen3", two_launch=True),
+    _qkv_entry("qkv_rope_fused", "qwen3", fused=True),
     _moe_entry(),
     _moe_entry("moe_gluon", impl="gluon"),
 )

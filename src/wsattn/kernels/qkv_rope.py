@@ -32,10 +32,11 @@ PDL (sm_90+): the first Wqkv tile is loaded before ``gdc_wait`` (weights do not 
 on the previous kernel; x and positions do), and dependents are released right after the
 wait, since their own ``gdc_wait`` waits for this grid to finish anyway.
 
-The two-launch path (``TwoLaunchSettings``; always for OLMoE's QK-norm over the whole
-projection, which no head's program sees): ``gemv`` projects x with the FlashNorm scale
-into x's dtype, then ``_norm_rope_append_kernel`` runs one program per (row, head) for the
-bias, the QK-norm, RoPE, the q store and the append.
+The two-launch path (``TwoLaunchSettings``; the default on sm_90, where it measured
+faster at every shape (see :func:`default_settings`), and always for OLMoE's QK-norm over
+the whole projection, which no head's program sees): ``gemv`` projects x with the
+FlashNorm scale into x's dtype, then ``_norm_rope_append_kernel`` runs one program per
+(row, head) for the bias, the QK-norm, RoPE, the q store and the append.
 """
 
 from __future__ import annotations
@@ -364,8 +365,30 @@ def _largest_pow2_dividing(n: int, cap: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def default_settings(target: Target, *, rows: int, hidden: int, heads: int, head_dim: int,
-                     dtype: torch.dtype) -> QkvRopeSettings:
-    """Settings from (target, shape, dtype): rows = M, hidden = K, heads = Hq + 2 Hkv."""
+                     dtype: torch.dtype) -> QkvRopeSettings | TwoLaunchSettings:
+    """The path and settings a call without ``settings`` takes, from (target, shape,
+    dtype): rows = M, hidden = K, heads = Hq + 2 Hkv.
+
+    sm_90: the two-launch path. H200, side by side with PDL off (wsattn bench gemv
+    --kernels qkv_rope --qkv-settings gemv; notes/decode_step.md), it beat the fused
+    kernel at every measured shape: Llama-3.2-1B (K 2048, 48 heads of 64) 10.0 -> 9.5,
+    13.1 -> 10.5, 21.0 -> 16.6 us at 1, 8, 64 rows; Llama-3.1-8B and Qwen3-8B (K 4096,
+    48 heads of 128) 20.3 -> 18.2, 26.4 -> 20.1, 39.8 -> 27.8 us. The fused kernel's
+    split-K programs each see one head and a slice of K, and pay the cross-program sum and
+    its counters; gemv's tiles stream Wqkv nearer the copy ceiling and the (row, head)
+    epilogue kernel costs 2-3 us. Elsewhere (not measured) the fused kernel,
+    :func:`fused_settings`."""
+    if target.backend == "cuda" and target.cc == 90:
+        return TwoLaunchSettings()
+    return fused_settings(target, rows=rows, hidden=hidden, heads=heads, head_dim=head_dim,
+                          dtype=dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def fused_settings(target: Target, *, rows: int, hidden: int, heads: int, head_dim: int,
+                   dtype: torch.dtype) -> QkvRopeSettings:
+    """The fused one-launch kernel's settings from (target, shape, dtype): rows = M,
+    hidden = K, heads = Hq + 2 Hkv."""
     if target.backend == "interpreter":
         # small tiles, so that tiny test shapes still cross several tiles
         return QkvRopeSettings(BLOCK_K=_largest_pow2_dividing(hidden, 32), split_k=1,
@@ -655,9 +678,11 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
             None: row m is sequence m.
         q_out: optional [M, Hq, D] output (x's dtype); allocated when None.
         pdl: programmatic dependent launch; None: on for CUDA sm_90+, off elsewhere.
-        settings: a QkvRopeSettings to override default_settings, or TwoLaunchSettings
-            for the two-launch path (the projection by gemv, then a (row, head) kernel for
-            bias, QK-norm, RoPE and the append; workspace unused).
+        settings: None for :func:`default_settings` (the two-launch path on sm_90, the
+            fused kernel elsewhere); a QkvRopeSettings for the fused one-launch kernel
+            with these settings; TwoLaunchSettings for the two-launch path (the
+            projection by gemv, then a (row, head) kernel for bias, QK-norm, RoPE and the
+            append; workspace unused).
         workspace: a :class:`QkvRopeWorkspace` (from :func:`qkv_rope_workspace`) for the
             split-K partials and counters, checked to be large enough for this launch
             (too small: ValueError naming it); None uses a per-device cached one, grown
@@ -697,16 +722,16 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
         pdl = target.backend == "cuda" and target.cc >= 90
     elif pdl and not (target.backend == "cuda" and target.cc >= 90):
         raise UnsupportedTargetError(f"pdl=True needs CUDA sm_90 or later, got {target.name}")
+    if settings is None and not qk_norm_whole:
+        settings = default_settings(target, rows=M, hidden=K, heads=heads, head_dim=D,
+                                    dtype=x.dtype)
     if qk_norm_whole or isinstance(settings, TwoLaunchSettings):
         return _two_launch_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
                                   positions, k_cache, v_cache, block_table, seq_index, q_out,
                                   bool(pdl), HQ, HKV, D, qk_norm_whole,
                                   settings.gemv if isinstance(settings, TwoLaunchSettings)
                                   else None)
-    if settings is None:
-        settings = default_settings(target, rows=M, hidden=K, heads=heads, head_dim=D,
-                                    dtype=x.dtype)
-    elif not isinstance(settings, QkvRopeSettings):
+    if not isinstance(settings, QkvRopeSettings):
         raise ValueError(f"settings must be a QkvRopeSettings or TwoLaunchSettings, got "
                          f"{type(settings).__name__}")
     elif K % settings.BLOCK_K or settings.split_k < 1:
@@ -794,11 +819,13 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
                  bias: bool = False, qk_norm: bool = False, paged: bool = True,
                  page_size: int = 16, seq_index: bool = False, pdl: bool = False,
                  settings=None, num_sms: int = 132, qk_norm_whole: bool = False,
-                 two_launch: bool = False) -> dict:
+                 two_launch: bool = False, fused: bool = False) -> dict:
     """What ``triton.compile`` needs to build the kernel for compute capability cc, by
     default at the Llama-3.1-8B shape (K 4096, Hq 32, Hkv 8, D 128), one row, paged.
-    qk_norm_whole, two_launch or settings TwoLaunchSettings: the two-launch path's second
-    kernel instead (_norm_rope_append_kernel; the projection before it is gemv's kernel).
+    settings None: what default_settings picks for cc (the two-launch path on sm_90);
+    fused: the fused kernel with fused_settings instead. qk_norm_whole, two_launch or
+    settings TwoLaunchSettings: the two-launch path's second kernel
+    (_norm_rope_append_kernel; the projection before it is gemv's kernel).
 
     Returns {"fn", "signature", "constexprs", "attrs", "options"} as
     decode_triton.compile_spec does; use ``triton.compile(ASTSource(s["fn"],
@@ -806,14 +833,15 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
     target=GPUTarget("cuda", cc, 32), options=s["options"])``.
     """
     t = dtype_name(dtype)  # Triton's type string is the same name
+    heads = q_heads + 2 * kv_heads
+    if settings is None and not (qk_norm_whole or two_launch):
+        pick = fused_settings if fused else default_settings
+        settings = pick(Target("cuda", cc, num_sms), rows=rows, hidden=hidden, heads=heads,
+                        head_dim=head_dim, dtype=DTYPES[dtype])
     if qk_norm_whole or two_launch or isinstance(settings, TwoLaunchSettings):
         return _epilogue_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size,
                                       seq_index, pdl, qk_norm_whole, bias,
                                       qk_norm and not qk_norm_whole)
-    heads = q_heads + 2 * kv_heads
-    if settings is None:
-        settings = default_settings(Target("cuda", cc, num_sms), rows=rows, hidden=hidden,
-                                    heads=heads, head_dim=head_dim, dtype=DTYPES[dtype])
     sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "b_ptr": f"*{t}", "qn_ptr": f"*{t}",
            "kn_ptr": f"*{t}", "inv_freq_ptr": "*fp32", "pos_ptr": "*i32", "seq_ptr": "*i32",
            "q_ptr": f"*{t}", "kc_ptr": f"*{t}", "vc_ptr": f"*{t}", "bt_ptr": "*i32",

@@ -88,11 +88,12 @@ def test_sm90_no_spills(head_dim, causal, varlen):
 
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
 def test_sm90_varlen_structure(head_dim, causal):
-    """The VARLEN build forms the same partitions, registers and GEMMs as the fixed one,
+    """The VARLEN build of the plain grid (compact_varlen=False: what packs too large for
+    the tile table take) forms the same partitions, registers and GEMMs as the fixed one,
     spills nothing (ptxas -v), reads cu_seqlens, leaves surplus programs before any
     barrier or partition exists, and keeps both O paths: TMA for boxes inside a sequence,
     a masked register store for the box that runs past its end."""
-    k = _compile(head_dim, causal, True)
+    k = _compile(head_dim, causal, True, compact_varlen=False)
     _assert_ws_structure(k, pg.settings_for(head_dim, causal), head_dim)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert _ptxas_spill_bytes(ptx) == [0, 0]
@@ -106,21 +107,23 @@ def test_sm90_varlen_structure(head_dim, causal):
 
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
 def test_sm90_compact_varlen_structure(head_dim, causal):
-    """compact_varlen=True (the tile-table grid): the varlen build's partitions, registers
-    and GEMMs, no spills, the early exit before any barrier, and the table read in the
-    kernel (the grid size locates its second row); tiles is an argument of this build and
-    a None constexpr of every other."""
-    k = _compile(head_dim, causal, True, compact_varlen=True)
-    s = pg.settings_for(head_dim, causal, compact_varlen=True)
+    """compact_varlen=True (the default: the tile-table grid): the varlen build's
+    partitions, registers and GEMMs, no spills, the early exit before any barrier, and the
+    table read in the kernel (the grid size locates its second row); tiles is an argument
+    of this build and a None constexpr of every other."""
+    k = _compile(head_dim, causal, True)
+    s = pg.settings_for(head_dim, causal)
+    assert s.compact_varlen
     _assert_ws_structure(k, s, head_dim)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert _ptxas_spill_bytes(ptx) == [0, 0]
     assert ttgir.index("tt.return") < ttgir.index("ttng.init_barrier")
     assert "%nctaid.x" in ptx, "the table's second row starts at the grid size"
-    assert "%nctaid.x" not in _compile(head_dim, causal, True).asm["ptx"]
+    assert "%nctaid.x" not in _compile(head_dim, causal, True, compact_varlen=False).asm["ptx"]
     spec = pg.compile_spec(head_dim=head_dim, causal=causal, settings=s, varlen=True)
     assert spec["signature"]["tiles"] == "*i32" and spec["constexprs"]["VARLEN"] == 2
-    plain = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True)
+    assert pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True) == spec
+    plain = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True, plain_grid=True)
     assert plain["constexprs"]["tiles"] is None and plain["constexprs"]["VARLEN"] is True
     fixed = pg.compile_spec(head_dim=head_dim, causal=causal, settings=s)
     assert fixed["constexprs"]["tiles"] is None and fixed["constexprs"]["VARLEN"] is False
@@ -268,16 +271,17 @@ def _pack(q_lens, kv_lens, Hq, Hkv, D, dtype, device="cpu", seed=0):
 @pytest.mark.parametrize("max_q", [None, 300, 10 ** 6], ids=["omitted", "given", "above-Tq"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
 def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
-    """prefill_varlen launches the VARLEN build over cdiv(max_q, BLOCK_M) row blocks per
-    (sequence, head), max_q Tq when omitted and at most Tq; descriptors span the whole
-    pack as [1, T, H * D]; the kernel gets the cu_seqlens, o's base, Tq and max_q (recorded
-    on CPU tensors with the kernel replaced; nothing runs)."""
+    """prefill_varlen on the plain grid (compact_varlen=False) launches the VARLEN build
+    over cdiv(max_q, BLOCK_M) row blocks per (sequence, head), max_q Tq when omitted and at
+    most Tq; descriptors span the whole pack as [1, T, H * D]; the kernel gets the
+    cu_seqlens, o's base, Tq and max_q (recorded on CPU tensors with the kernel replaced;
+    nothing runs)."""
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     q, k, v, cu_q, cu_k = _pack([0, 300, 17, 5], [4, 310, 17, 9], 14, 2, head_dim,
                                 torch.bfloat16)
-    s = pg.settings_for(head_dim, True)
-    out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, True, 0.125)
+    s = pg.settings_for(head_dim, True, compact_varlen=False)
+    out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, True, 0.125, settings=s)
     (grid, args, kw), = rec.launches
     bound = 322 if max_q is None else min(max_q, 322)
     assert grid == (-(-bound // s.BLOCK_M) * 4 * 14, )
@@ -300,9 +304,10 @@ def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
 @pytest.mark.parametrize("max_q", [None, 300], ids=["omitted", "given"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
-    """compact_varlen=True: one table launch (cu_seqlens_q, Hq * tile_bound tiles, BLOCK_M,
-    causal), then the kernel over exactly that many CTAs with the table and VARLEN =
-    VARLEN_COMPACT; nothing read on the host (recorded with both kernels replaced)."""
+    """compact_varlen=True (the default): one table launch (cu_seqlens_q, Hq * tile_bound
+    tiles, BLOCK_M, causal), then the kernel over exactly that many CTAs with the table and
+    VARLEN = VARLEN_COMPACT; nothing read on the host (recorded with both kernels
+    replaced). A fixed-length launch with the same settings takes no table."""
     from wsattn.kernels import varlen_tiles as vt
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
@@ -313,16 +318,16 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
         return torch.zeros(2, n_tiles, dtype=torch.int32)
     monkeypatch.setattr(pg, "varlen_tile_table", table)
     q, k, v, cu_q, cu_k = _pack([0, 300, 17, 5], [4, 310, 17, 9], 14, 2, 128, torch.bfloat16)
-    s = pg.settings_for(128, causal, compact_varlen=True)
+    s = pg.settings_for(128, causal)
     pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, 0.125, settings=s)
     (grid, args, kw), = rec.launches
     n = vt.tile_bound(322, 4, s.BLOCK_M, 322 if max_q is None else max_q) * 14
     assert tables == [(cu_q, n, 14, s.BLOCK_M, causal)] and grid == (n, )
     assert n < -(-(322 if max_q is None else max_q) // s.BLOCK_M) * 4 * 14  # fewer than plain
     assert args[-1].shape == (2, n) and kw["VARLEN"] == pg.VARLEN_COMPACT
-    with pytest.raises(ValueError, match="compact_varlen=True applies to prefill_varlen"):
-        pg.prefill(q.view(1, 322, 14, 128), k[:322].view(1, 322, 2, 128),
-                   v[:322].view(1, 322, 2, 128), causal, 0.125, settings=s)
+    pg.prefill(q.view(1, 322, 14, 128), k[:322].view(1, 322, 2, 128),
+               v[:322].view(1, 322, 2, 128), causal, 0.125, settings=s)
+    assert len(tables) == 1 and not rec.launches[-1][2].get("VARLEN")
 
 
 def test_varlen_launcher_copies_what_tma_cannot_describe(monkeypatch):
@@ -333,7 +338,8 @@ def test_varlen_launcher_copies_what_tma_cannot_describe(monkeypatch):
     q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
     q_t = q.transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, D] view of [H, T, D]
     assert not pg._tma_ready(q_t.unsqueeze(0))
-    pg.prefill_varlen(q_t, k, v, cu_q, cu_k, None, None, False, 0.125)
+    pg.prefill_varlen(q_t, k, v, cu_q, cu_k, None, None, False, 0.125,
+                      settings=pg.settings_for(64, False, compact_varlen=False))
     (_, args, _), = rec.launches
     assert list(args[0].shape) == [1, 12, 4 * 64] and args[0].base.is_contiguous()
     assert torch.equal(args[0].base.view(12, 4, 64), q)
@@ -390,12 +396,12 @@ def test_varlen_dispatch_accepts_gluon_and_auto_ranks_by_the_longest_sequence():
 
 def test_ladder_varlen_entry_builds_and_runs_the_varlen_launcher(monkeypatch):
     """`prefill_gluon_varlen` on the evidence ladder: gates 0-2 on sm_90 with no GPU (the
-    VARLEN build, warp-specialized), and its run hands packed inputs to prefill_varlen
+    VARLEN build with its tile table, the default; warp-specialized), and its run hands packed inputs to prefill_varlen
     through the API, not to the fixed-length launcher (recorded; nothing runs)."""
     from wsattn.evidence import ladder, library
     spec = library.get("prefill_gluon_varlen")
     assert not spec.unavailable, spec.unavailable
-    assert spec.compile_spec(90)["constexprs"]["VARLEN"] is True
+    assert spec.compile_spec(90)["constexprs"]["VARLEN"] == pg.VARLEN_COMPACT
     r = ladder.climb(spec, "sm_90", ladder.Config(max_gate=2))
     assert r.highest_gate == 2, r.verdict
     calls = []
@@ -415,16 +421,18 @@ def test_ladder_varlen_entry_builds_and_runs_the_varlen_launcher(monkeypatch):
     assert spec.run.draw_shape(random.Random(0), False)["D"] == 128
 
 
-def test_ladder_compact_varlen_entry_builds_the_table_grid_and_runs_it(monkeypatch):
-    """`prefill_gluon_varlen_compact`: gates 0-2 on sm_90 with no GPU on the VARLEN_COMPACT
-    build (tiles an argument); its runner calls prefill_varlen with compact_varlen=True
-    (recorded; nothing runs)."""
+def test_ladder_varlen_entries_build_the_table_grid_and_the_plain_one(monkeypatch):
+    """`prefill_gluon_varlen` gates 0-2 on the VARLEN_COMPACT build (the default; tiles an
+    argument), `prefill_gluon_varlen_plain` on the plain grid's; the latter's runner calls
+    prefill_varlen with compact_varlen=False (recorded; nothing runs)."""
     from wsattn.evidence import ladder, library
-    spec = library.get("prefill_gluon_varlen_compact")
+    cs = library.get("prefill_gluon_varlen").compile_spec(90)
+    assert cs["constexprs"]["VARLEN"] == pg.VARLEN_COMPACT and cs["signature"]["tiles"] == "*i32"
+    spec = library.get("prefill_gluon_varlen_plain")
     assert not spec.unavailable, spec.unavailable
     cs = spec.compile_spec(90)
-    assert cs["constexprs"]["VARLEN"] == pg.VARLEN_COMPACT and cs["signature"]["tiles"] == "*i32"
-    assert spec.compile_spec(90, head_dim=64)["constexprs"]["VARLEN"] == pg.VARLEN_COMPACT
+    assert cs["constexprs"]["VARLEN"] is True and cs["constexprs"]["tiles"] is None
+    assert spec.compile_spec(90, head_dim=64)["constexprs"]["VARLEN"] is True
     r = ladder.climb(spec, "sm_90", ladder.Config(max_gate=2))
     assert r.highest_gate == 2, r.verdict
     calls = []
@@ -436,7 +444,7 @@ def test_ladder_compact_varlen_entry_builds_the_table_grid_and_runs_it(monkeypat
     inp = spec.run.build({"Sq": [17, 1], "Sk": [40, 1], "Hq": 4, "Hkv": 2, "D": 64}, "bf16",
                          "cpu", torch.Generator().manual_seed(0))
     out, lse = spec.run.run(inp)
-    assert calls == [((18, 4, 64), [0, 17, 18], True, False)]
+    assert calls == [((18, 4, 64), [0, 17, 18], False, False)]
 
 
 def test_api_refuses_gluon_varlen_off_sm90(monkeypatch):
@@ -534,11 +542,12 @@ DEFAULT_PTX = {(64, False, False): (6476, "0c78d40abfe28449"),
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
 def test_sm90_default_builds_unchanged_by_persistent(head_dim, causal, varlen):
-    """The default (persistent=False) builds' PTX has the same instruction counts, opcode by
-    opcode, as before the persistent schedule was added."""
+    """The non-persistent builds' PTX (varlen: the plain grid's) has the same instruction
+    counts, opcode by opcode, as before the persistent schedule was added."""
     import hashlib
     import json
-    counts = _ptx_opcode_counts(_compile(head_dim, causal, varlen).asm["ptx"])
+    counts = _ptx_opcode_counts(_compile(head_dim, causal, varlen,
+                                         compact_varlen=False).asm["ptx"])
     digest = hashlib.sha256(json.dumps(sorted(counts.items())).encode()).hexdigest()[:16]
     assert (sum(counts.values()), digest) == DEFAULT_PTX[head_dim, causal, varlen], counts
 
@@ -1012,8 +1021,8 @@ def test_sm90_varlen_writes_only_its_rows(head_dim, causal):
 @pytest.mark.sm90
 @pytest.mark.parametrize("pack, head_dim, causal", VARLEN_GPU_CASES)
 def test_sm90_compact_varlen_equals_the_plain_grid(pack, head_dim, causal):
-    """compact_varlen=True (the tile-table grid) computes each tile with the same code as
-    the plain grid: out and LSE bit-identical to it (so within tolerance of float64 as
+    """compact_varlen=True (the default: the tile-table grid) computes each tile with the
+    same code as the plain grid (compact_varlen=False): out and LSE bit-identical to it (so within tolerance of float64 as
     test_sm90_varlen_numerics checks), over reruns, with max_seqlen given and omitted, and
     every row outside the sequences' (the NaN poison of empty ones) untouched alike."""
     from wsattn import reference
@@ -1022,8 +1031,9 @@ def test_sm90_compact_varlen_equals_the_plain_grid(pack, head_dim, causal):
     q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, dtype, "cuda",
                                 seed=len(q_lens) + head_dim + 1)
     scale = head_dim ** -0.5
-    plain = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal, scale)
-    s = pg.settings_for(head_dim, causal, compact_varlen=True)
+    plain = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal, scale,
+                              settings=pg.settings_for(head_dim, causal, compact_varlen=False))
+    s = pg.settings_for(head_dim, causal)
     for max_q in (max(q_lens), None, max(q_lens), None):
         out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, scale, settings=s)
         assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1]), max_q

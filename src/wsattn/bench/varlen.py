@@ -31,10 +31,12 @@ Columns (``impl``):
   note the backend "auto" chose. Where the Gluon kernel refuses a call (ValueError: a
   varlen path it lacks, a GPU other than sm_90) the row is 'not available' with the
   dispatcher's reason; any other failure of these is a failure of the run (exit 1).
-* ``wsattn-gluon-compact``: the Gluon kernel with ``compact_varlen=True`` (its grid the
-  pack's real tiles, from a tile table built on the device), called through
+* ``wsattn-gluon-plain``: the Gluon kernel with ``compact_varlen=False`` (the plain grid:
+  every sequence padded to the longest, the CTAs past a sequence's end exiting at once;
+  what packs too large for the tile table take), called through
   ``prefill_gluon.prefill_varlen``; its equal-length row is ``wsattn-gluon``'s call (the
-  setting is varlen-only), so its ``ratio_equal`` is the A/B of the grid alone.
+  setting is varlen-only), so its ``ratio_equal`` against ``wsattn-gluon``'s is the A/B
+  of the grid alone.
 * ``torch-fa2``: ``torch.ops.aten._flash_attention_forward`` (torch's FlashAttention-2),
   with cu_seqlens for the pack, dense [B, N, H, D] for the batch; GQA native. The op
   allocates its output itself, so its checked call is made right after a NaN buffer of
@@ -84,10 +86,10 @@ HEADS = {"mha": None, "gqa": (32, 8)}  # mha: HIDDEN // D query and key heads
 MASKS = ("causal", "full")
 EQ_MULTIPLE = 64  # N_eq is a whole number of 64-token tiles, as the prefill shapes
 LAYOUTS = ("varlen", "equal")
-IMPLS = ("wsattn", "wsattn-triton", "wsattn-gluon", "wsattn-gluon-compact", "torch-fa2",
+IMPLS = ("wsattn", "wsattn-triton", "wsattn-gluon", "wsattn-gluon-plain", "torch-fa2",
          "flashinfer-fa3", "flashinfer-fa2", "fa4")
 BACKENDS = {"wsattn": "auto", "wsattn-triton": "triton", "wsattn-gluon": "gluon",
-            "wsattn-gluon-compact": "gluon"}
+            "wsattn-gluon-plain": "gluon"}
 WSATTN_IMPLS = tuple(BACKENDS)  # a failure of these exits 1
 TARGET_EQUAL = 0.95  # varlen TFLOP/s >= 0.95x the equal-length batch's, same column
 TARGET_TORCH_FA2 = 1.4  # varlen TFLOP/s >= 1.4x torch's FA2 varlen
@@ -375,9 +377,9 @@ def _wsattn(case: VarlenCase, impl: str, layout: str, inp) -> Prepared:
                                            max_seqlen_k=m, causal=case.causal,
                                            sm_scale=inp.scale, impl=backend, validate=validate)
 
-        if impl == "wsattn-gluon-compact":
+        if impl == "wsattn-gluon-plain":
             from wsattn.kernels import prefill_gluon as pg
-            settings = pg.settings_for(case.D, case.causal, compact_varlen=True)
+            settings = pg.settings_for(case.D, case.causal, compact_varlen=False)
             checked_api = call  # validates the inputs once, outside the timing
 
             def call(validate=None):
@@ -401,7 +403,7 @@ def _wsattn(case: VarlenCase, impl: str, layout: str, inp) -> Prepared:
         try:
             return checked()
         except ValueError as e:
-            if impl in ("wsattn-gluon", "wsattn-gluon-compact"):  # the kernel's refusal
+            if impl in ("wsattn-gluon", "wsattn-gluon-plain"):  # the kernel's refusal
                 raise NotAvailable(str(e)) from e
             raise
 

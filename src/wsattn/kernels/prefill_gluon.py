@@ -85,12 +85,14 @@ class GluonSettings:
     # The persistent schedule's L2 budget for one section's K/V (see l2_section): smaller
     # sections keep fewer heads' K/V live, larger ones balance the CTAs' work better.
     l2_section_bytes: int = L2_SECTION_BYTES
-    # Varlen only: the grid holds the pack's real tiles (at most one spare a sequence and
-    # head), each CTA reading its tile from a table one small kernel writes on the device
-    # (kernels/varlen_tiles.py), instead of every sequence padded to the longest; a pack
-    # whose codes do not fit the table (varlen_tiles.table_fits) takes the plain grid. Off
-    # until measured (notes/prefill_gluon.md).
-    compact_varlen: bool = False
+    # Varlen only (fixed-length launches have no table): the grid holds the pack's real
+    # tiles (at most one spare a sequence and head), each CTA reading its tile from a table
+    # one small kernel writes on the device (kernels/varlen_tiles.py), instead of every
+    # sequence padded to the longest; a pack whose codes do not fit the table
+    # (varlen_tiles.table_fits) takes the plain grid, as False does. On: on the H200 it
+    # took the varlen pack from 0.91-0.94 to 0.95-1.01 of the equal-length batch's TFLOP/s
+    # (notes/prefill_gluon.md).
+    compact_varlen: bool = True
 
     def smem_bytes(self, head_dim: int) -> int:
         return 2 * head_dim * (self.BLOCK_M + 2 * self.STAGES * self.BLOCK_N)
@@ -207,9 +209,6 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     s = _resolve(settings, D, causal)
-    if s.compact_varlen:
-        raise ValueError("settings.compact_varlen=True applies to prefill_varlen (packed "
-                         "sequences) only; use compact_varlen=False for fixed-length prefill")
     out = _alloc.empty((B, Sq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Sq), torch.float32, q.device)
     if B * Sq * Hq == 0:
@@ -246,8 +245,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             lse -inf.
         max_seqlen_q: the longest query sequence or an upper bound (None: Tq); the grid has
             cdiv(max_seqlen_q, BLOCK_M) row blocks a (sequence, head) and the ones past
-            their sequence's end exit at once (settings.compact_varlen: at most
-            cdiv(Tq, BLOCK_M) + batch a head, from a tile table built on the device).
+            their sequence's end exit at once under settings.compact_varlen=False (the
+            default, True: at most cdiv(Tq, BLOCK_M) + batch a head, from a tile table
+            built on the device).
             max_seqlen_k: unused (the key tiles come from each sequence's own length),
             taken for the launchers' common signature.
         causal: bottom-right aligned per sequence (query i sees keys j <= i + kv_len -
@@ -308,17 +308,19 @@ def _tma_ready(t) -> bool:
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
                  settings: GluonSettings | None = None, varlen: bool = False,
-                 compact_varlen: bool = False) -> dict:
+                 plain_grid: bool = False) -> dict:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
     arguments), else the fixed-length one (they are None constexprs). settings.persistent:
     n_bh and section are arguments (fixed length only), else None constexprs.
-    varlen with settings.compact_varlen (or compact_varlen=True over the defaults): the
-    tile-table build (VARLEN = VARLEN_COMPACT, tiles an argument; else a None constexpr)."""
+    varlen with settings.compact_varlen (the default): the tile-table build (VARLEN =
+    VARLEN_COMPACT, tiles an argument; else a None constexpr); plain_grid=True (or
+    compact_varlen=False): the plain grid's build, which packs whose codes do not fit the
+    table take."""
     s = _resolve(settings, head_dim, causal)
-    if compact_varlen:
-        s = replace(s, compact_varlen=True)
+    if plain_grid:
+        s = replace(s, compact_varlen=False)
     if varlen:
         _refuse_persistent_varlen(s)
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"

@@ -107,12 +107,18 @@ from ..rope import rope_inv_freq
 from ..target import interpreting
 from .generate import BUCKETS
 
-__all__ = ["KernelStep", "PDL_FAMILIES"]
+__all__ = ["DEFAULT_PDL_FAMILIES", "KernelStep", "PDL_FAMILIES"]
 
 # The kernel families `pdl=` can turn on one by one (an A/B of where PDL pays): the fused
 # QKV launch(es), decode attention with its split combine, every GEMV (o, gate/up, down,
 # LM head, their split-K finish), and the MoE kernels (route, group, grouped, combine).
 PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
+# What pdl=None turns on where the GPU has PDL: every family but the GEMVs. H200, one CUDA
+# graph a step, ctx 4096, B1 (wsattn bench step, pdl[...] columns side by side;
+# notes/decode_step.md): PDL on the GEMVs cost 7 % a step at Llama-3.1-8B (4.622 ->
+# 4.941 ms) and gained nothing at Llama-3.2-1B; on qkv_rope and decode it gained 1.4 % at
+# 1B (1.168 -> 1.152) and was even at 8B (4.632); on the MoE kernels 3-8 % a layer.
+DEFAULT_PDL_FAMILIES = ("qkv_rope", "decode", "moe")
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -120,10 +126,12 @@ INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 
 def _pdl_families(pdl, has_pdl: bool) -> frozenset:
-    """The kernel families PDL is on for: None -> all where the GPU has it, True / False ->
-    all / none, else a collection of PDL_FAMILIES names."""
-    if pdl is None or isinstance(pdl, bool):
-        return frozenset(PDL_FAMILIES) if (has_pdl if pdl is None else pdl) else frozenset()
+    """The kernel families PDL is on for: None -> DEFAULT_PDL_FAMILIES where the GPU has
+    it, True / False -> all / none, else a collection of PDL_FAMILIES names."""
+    if pdl is None:
+        return frozenset(DEFAULT_PDL_FAMILIES) if has_pdl else frozenset()
+    if isinstance(pdl, bool):
+        return frozenset(PDL_FAMILIES) if pdl else frozenset()
     if isinstance(pdl, str) or not hasattr(pdl, "__iter__"):
         raise ValueError(f"pdl must be None, True, False or a collection of {PDL_FAMILIES}, "
                          f"got {pdl!r}")
@@ -171,9 +179,11 @@ class KernelStep:
             largest must hold ``cache.max_batch`` when the cache sets one.
         graphs: capture one CUDA graph per bucket (None: on for CUDA; CPU: off, True
             refused).
-        pdl: programmatic dependent launch for every kernel that takes it (None: on for
-            CUDA sm_90+; True elsewhere refused), or a collection of ``PDL_FAMILIES``
-            names: on for those kernel families only (to measure where PDL pays).
+        pdl: programmatic dependent launch. None: on for ``DEFAULT_PDL_FAMILIES`` on
+            CUDA sm_90+ (every family but the GEMVs, where it measured a loss), off
+            elsewhere; True: every kernel that takes it (refused off sm_90+); False: none;
+            or a collection of ``PDL_FAMILIES`` names: on for those kernel families only
+            (to measure where PDL pays).
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",

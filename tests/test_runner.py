@@ -289,7 +289,18 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
         step._moe(moe_layer, buf.h, 1)
         assert {name for name, _ in seen} == set(runner.PDL_FAMILIES)
         assert all(pdl is (name in families) for name, pdl in seen), (families, seen)
-    # the default leaves the GEMVs off (they measured a loss under PDL)
+    # the default: the GEMVs join only in buckets above GEMV_PDL_MAX_OFF rows (a loss under
+    # PDL at one row, a gain at 64); pdl=None on a PDL GPU, simulated
+    step.pdl_families = runner._pdl_families(None, has_pdl=True)
+    step._gemv_pdl_by_bucket = True
+    for bucket in (1, runner.GEMV_PDL_MAX_OFF, runner.GEMV_PDL_MAX_OFF + 1):
+        seen.clear()
+        buf = runner._Buffers(cfg, bucket, step.max_pages, w.dtype, w.embed.device)
+        step._forward(buf)
+        on = set(runner.DEFAULT_PDL_FAMILIES) | (
+            {"gemv"} if bucket > runner.GEMV_PDL_MAX_OFF else set())
+        assert step.families_for(bucket) == on
+        assert all(pdl is (name in on) for name, pdl in seen), (bucket, seen)
     assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.DEFAULT_PDL_FAMILIES)
     assert "gemv" not in runner.DEFAULT_PDL_FAMILIES
     assert set(runner.DEFAULT_PDL_FAMILIES) < set(runner.PDL_FAMILIES)

@@ -107,18 +107,21 @@ from ..rope import rope_inv_freq
 from ..target import interpreting
 from .generate import BUCKETS
 
-__all__ = ["DEFAULT_PDL_FAMILIES", "KernelStep", "PDL_FAMILIES"]
+__all__ = ["DEFAULT_PDL_FAMILIES", "GEMV_PDL_MAX_OFF", "KernelStep", "PDL_FAMILIES"]
 
 # The kernel families `pdl=` can turn on one by one (an A/B of where PDL pays): the fused
 # QKV launch(es), decode attention with its split combine, every GEMV (o, gate/up, down,
 # LM head, their split-K finish), and the MoE kernels (route, group, grouped, combine).
 PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
-# What pdl=None turns on where the GPU has PDL: every family but the GEMVs. H200, one CUDA
-# graph a step, ctx 4096, B1 (wsattn bench step, pdl[...] columns side by side;
-# notes/decode_step.md): PDL on the GEMVs cost 7 % a step at Llama-3.1-8B (4.622 ->
-# 4.941 ms) and gained nothing at Llama-3.2-1B; on qkv_rope and decode it gained 1.4 % at
-# 1B (1.168 -> 1.152) and was even at 8B (4.632); on the MoE kernels 3-8 % a layer.
+# What pdl=None turns on where the GPU has PDL: qkv_rope, decode and the MoE kernels in
+# every bucket, the GEMVs in buckets of more than GEMV_PDL_MAX_OFF rows only. H200, one
+# CUDA graph a step (wsattn bench step, pdl[...] columns side by side; notes/decode_step.md):
+# PDL on the GEMVs cost 7 % a step at Llama-3.1-8B B1 ctx 4096 (4.622 -> 4.941 ms), gained
+# nothing at Llama-3.2-1B B1 and B8, and gained 4 % at 1B B64 ctx 1024 (2.310 -> 2.207)
+# and 2 % at 8B B64 (8.791 -> 8.614); on qkv_rope and decode it gained 1.4 % at 1B B1
+# (1.168 -> 1.152) and was even at 8B B1; on the MoE kernels 3-8 % a layer.
 DEFAULT_PDL_FAMILIES = ("qkv_rope", "decode", "moe")
+GEMV_PDL_MAX_OFF = 8
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -126,8 +129,9 @@ INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 
 def _pdl_families(pdl, has_pdl: bool) -> frozenset:
-    """The kernel families PDL is on for: None -> DEFAULT_PDL_FAMILIES where the GPU has
-    it, True / False -> all / none, else a collection of PDL_FAMILIES names."""
+    """The kernel families PDL is on for (in every bucket): None -> DEFAULT_PDL_FAMILIES
+    where the GPU has it (the GEMVs join in large buckets, see KernelStep.families_for),
+    True / False -> all / none, else a collection of PDL_FAMILIES names."""
     if pdl is None:
         return frozenset(DEFAULT_PDL_FAMILIES) if has_pdl else frozenset()
     if isinstance(pdl, bool):
@@ -179,8 +183,9 @@ class KernelStep:
             largest must hold ``cache.max_batch`` when the cache sets one.
         graphs: capture one CUDA graph per bucket (None: on for CUDA; CPU: off, True
             refused).
-        pdl: programmatic dependent launch. None: on for ``DEFAULT_PDL_FAMILIES`` on
-            CUDA sm_90+ (every family but the GEMVs, where it measured a loss), off
+        pdl: programmatic dependent launch. None: on CUDA sm_90+, on for
+            ``DEFAULT_PDL_FAMILIES`` in every bucket and for the GEMVs too in buckets of
+            more than ``GEMV_PDL_MAX_OFF`` rows (where each measured a gain), off
             elsewhere; True: every kernel that takes it (refused off sm_90+); False: none;
             or a collection of ``PDL_FAMILIES`` names: on for those kernel families only
             (to measure where PDL pays).
@@ -236,6 +241,7 @@ class KernelStep:
             raise ValueError(f"pdl={pdl!r} needs a CUDA GPU of sm_90 or later; the weights "
                              f"are on {self.device}")
         self.pdl_families = families
+        self._gemv_pdl_by_bucket = pdl is None and has_pdl
 
         rope = cfg.rope
         scaling = None if rope.type == "default" else {
@@ -359,15 +365,21 @@ class KernelStep:
         """PDL is on for at least one kernel family."""
         return bool(self.pdl_families)
 
+    def families_for(self, bucket: int) -> frozenset:
+        """The kernel families PDL is on for in the step of a ``bucket``-row graph."""
+        if self._gemv_pdl_by_bucket and bucket > GEMV_PDL_MAX_OFF:
+            return self.pdl_families | {"gemv"}
+        return self.pdl_families
+
     def _count(self, name):
         self.launches[name] += 1
 
     def _forward(self, buf: _Buffers):
         """The decode step over a bucket's static buffers (what a graph captures)."""
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
-        on = self.pdl_families.__contains__
-        pdl_qkv, pdl_decode, pdl_gemv = on("qkv_rope"), on("decode"), on("gemv")
         h, n = buf.h, buf.bucket
+        on = self.families_for(n).__contains__
+        pdl_qkv, pdl_decode, pdl_gemv = on("qkv_rope"), on("decode"), on("gemv")
         torch.index_select(w.embed, 0, buf.tokens, out=h)
         self._count("embed")
         torch.sub(buf.seqlens, 1, out=buf.positions)

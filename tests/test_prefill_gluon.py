@@ -765,6 +765,25 @@ def test_persistent_launcher_grid_and_arguments(monkeypatch):
     assert rec.launches[-1][0] == (2, )
 
 
+@pytest.mark.parametrize("head_dim, causal, sq, persistent", [
+    (64, False, 1024, True), (64, False, 1025, False), (64, False, 5, True),
+    (64, True, 1024, False), (128, False, 1024, False), (128, True, 300, False)])
+def test_default_takes_the_persistent_schedule_where_it_measured_faster(
+        monkeypatch, head_dim, causal, sq, persistent):
+    """Without settings, a fixed-length call takes the persistent schedule only where
+    PERSISTENT_UP_TO says (D64 non-causal, Sq <= 1024), with PER_PERSISTENT's UNROLL; the
+    varlen launcher never does (recorded; nothing runs)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    pg.prefill(*_qkv(1, sq, sq, 2, 1, head_dim, torch.bfloat16), causal, 0.125)
+    kw = rec.launches[-1][2]
+    assert kw["PERSISTENT"] is persistent
+    if persistent:
+        assert kw["UNROLL"] is False and rec.launches[-1][0][0] <= 4  # min(tiles, SMs)
+    assert pg.PERSISTENT_UP_TO == {(64, False): 1024}
+
+
 def test_persistent_varlen_is_refused_by_name(monkeypatch):
     """Varlen has no persistent schedule yet: the launcher and compile_spec say so."""
     rec = _Recorder()
@@ -896,8 +915,9 @@ def test_sm90_schedule_variants_numerics(case, variant):
 
 
 def test_auto_prefers_triton_only_where_it_measured_faster():
-    """Short causal or D=64 queries go to Triton under impl="auto" on sm_90; the rest to
-    Gluon (the policy lives in wsattn.dispatch, the one place impl="auto" is resolved)."""
+    """Short causal queries (and short D=64 varlen packs) go to Triton under impl="auto" on
+    sm_90; the rest to Gluon (the policy lives in wsattn.dispatch, the one place
+    impl="auto" is resolved)."""
     from wsattn.dispatch import Call, ranking
     dev = torch.device("cuda", 0)
 
@@ -906,7 +926,8 @@ def test_auto_prefers_triton_only_where_it_measured_faster():
 
     assert first(1024, 128, True) == "triton" and first(1025, 128, True) == "gluon"
     assert first(1024, 128, False) == "gluon"
-    assert first(1024, 64, False) == "triton" and first(4096, 64, False) == "gluon"
+    assert first(1024, 64, False) == "gluon" and first(4096, 64, False) == "gluon"
+    assert first(1024, 64, True) == "triton"
     assert first(4096, 64, True) == "gluon"
     # varlen: the same rule on the longest sequence (max_seqlen_q, else the packed total)
     def first_varlen(S, D, causal):
@@ -914,7 +935,7 @@ def test_auto_prefers_triton_only_where_it_measured_faster():
 
     assert first_varlen(3851, 128, True) == "gluon" and first_varlen(3851, 64, False) == "gluon"
     assert first_varlen(1024, 128, True) == "triton" and first_varlen(1024, 128, False) == "gluon"
-    assert first_varlen(900, 64, True) == "triton"
+    assert first_varlen(900, 64, True) == "triton" and first_varlen(900, 64, False) == "triton"
     assert ranking(Call("prefill_varlen", dev, torch.bfloat16, 128, True, 3851, 3851)) == \
         ("gluon", "triton")
 

@@ -81,11 +81,17 @@ SUPPORTS = {"gluon": _gluon_supports, "triton": _triton_supports,
 # Prefill on sm_90, measured side by side on H200 (bf16, 16k tokens a batch; bench
 # results in benchmarks/results/): the Triton kernel is faster than the Gluon kernel up
 # to these query lengths, keyed by (head dim, causal); longer calls go to Gluon.
-# N = 1024: D64 355 vs 376 TFLOP/s, D64 causal 192 vs 271, D128 causal 314 vs 354; D128
-# non-causal 523 vs 409 stays Gluon; from N = 4096 on the Gluon kernel leads or ties.
-TRITON_FASTER_UP_TO = {(64, False): 1024, (64, True): 1024, (128, True): 1024}
-# Varlen takes the same rule with its longest sequence (Call.seqlen_q: max_seqlen_q, else
-# Tq) in place of Sq. The Gluon varlen build reached the ladder's sanitizer gate (with the
+# N = 1024: D64 causal 192 vs 271, D128 causal 314 vs 354; D128 non-causal 523 vs 409
+# stays Gluon; from N = 4096 on the Gluon kernel leads or ties. D64 non-causal goes to
+# Gluon too, whose launcher takes its persistent schedule there (prefill_gluon.
+# PERSISTENT_UP_TO): 368 vs the Triton kernel's 350 side by side (the one-tile Gluon
+# launch: 353).
+TRITON_FASTER_UP_TO = {(64, True): 1024, (128, True): 1024}
+# Varlen takes the rule with its longest sequence (Call.seqlen_q: max_seqlen_q, else Tq)
+# in place of Sq, and keeps D64 non-causal on Triton up to 1024: the persistent schedule is
+# fixed-length only, and the one-tile launch only tied the Triton kernel there.
+VARLEN_TRITON_FASTER_UP_TO = {**TRITON_FASTER_UP_TO, (64, False): 1024}
+# The Gluon varlen build reached the ladder's sanitizer gate (with the
 # warp-specialize dispatch waiver of the other Gluon builds; ladder_sm90_varlen_moe.md)
 # and, on the H200, ran 1.10-1.28x the Triton varlen kernel on a 16k-token pack of
 # lengths drawn from 64-8192 (`wsattn bench varlen --varlen-heads gqa`, GQA 32/8: D128
@@ -100,7 +106,8 @@ def ranking(call: Call) -> tuple[str, ...]:
         # CPU: the kernels only under the interpreter (a test mode), else the reference
         return ("triton", "reference") if interpreting() else ("reference",)
     if call.op in ("prefill", "prefill_varlen"):
-        limit = TRITON_FASTER_UP_TO.get((call.head_dim, bool(call.causal)), 0)
+        table = TRITON_FASTER_UP_TO if call.op == "prefill" else VARLEN_TRITON_FASTER_UP_TO
+        limit = table.get((call.head_dim, bool(call.causal)), 0)
         return ("triton", "gluon") if call.seqlen_q <= limit else ("gluon", "triton")
     return ("triton",)
 

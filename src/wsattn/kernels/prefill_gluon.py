@@ -4,7 +4,8 @@ FlashAttention-3's structure written with Triton 3.6's Gluon pieces: a 1-warp TM
 producer that gives up registers, two (at head dim 64 optionally three:
 GluonSettings.CONSUMERS) consumer warpgroups of 64 query rows each running QK^T and PV as
 async wgmma, the next QK^T issued before the current softmax, and optional ping-pong
-between the consumer warpgroups, and (GluonSettings.persistent, off by default) a
+between the consumer warpgroups, and (GluonSettings.persistent; what a call without
+settings takes only at head dim 64 without a mask up to PERSISTENT_UP_TO query rows) a
 persistent longest-first tile schedule. The partitions live in
 prefill_gluon_parts.py; this module holds the launch settings, the launchers (prefill,
 prefill_varlen: one kernel, VARLEN a constexpr) and the qualification checks that api.py
@@ -79,8 +80,9 @@ class GluonSettings:
     PRODUCER_REGS: int = 24
     CONSUMERS: int = 2  # consumer warpgroups of 64 rows; 3 (BLOCK_M = 192) at head dim 64 only
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
-    # prefill_gluon_parts); fixed length only. Off by default: on the H200 it gained 4-22 %
-    # at N = 1024 and lost 2-10 % from N = 4096 on (notes/prefill_gluon.md).
+    # prefill_gluon_parts); fixed length only. Off in settings_for: on the H200 it gained
+    # 4-22 % at N = 1024 and lost 2-10 % from N = 4096 on (notes/prefill_gluon.md); a call
+    # without settings takes it where PERSISTENT_UP_TO says.
     persistent: bool = False
     # The persistent schedule's L2 budget for one section's K/V (see l2_section): smaller
     # sections keep fewer heads' K/V live, larger ones balance the CTAs' work better.
@@ -152,17 +154,32 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
     return s
 
 
+# Fixed-length calls of at most this many query rows at head dim 64 without a mask take
+# the persistent schedule by default. H200, side by side at N = 1024 (16 sequences, 16
+# heads; gluon_schedules_timing_H200_2026-12-01_4c3d5e7.json, TFLOP/s): persistent 368,
+# one tile a CTA 353, the Triton kernel 350, cuDNN 432. Elsewhere at N = 1024 it lost to
+# the Triton kernel (D64 causal 229 vs 244, D128 causal 311 vs 316) or tied the one-tile
+# launch (D128 non-causal 460 vs 464), and from N = 4096 on it lost 2-10 %
+# (notes/prefill_gluon.md).
+PERSISTENT_UP_TO = {(64, False): 1024}
+
+
 @functools.lru_cache(maxsize=None)
-def _default_settings(head_dim: int, causal: bool) -> GluonSettings:
-    # asked on every launch: built (and checked) once per (head dim, mask)
-    return settings_for(head_dim, causal)
+def _default_settings(head_dim: int, causal: bool, persistent: bool = False) -> GluonSettings:
+    # asked on every launch: built (and checked) once per (head dim, mask, schedule)
+    return settings_for(head_dim, causal, persistent=True) if persistent else \
+        settings_for(head_dim, causal)
 
 
-def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool) -> GluonSettings:
-    """The settings to build with: the defaults (checked when made), or the caller's,
-    checked here."""
+def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool,
+             seqlen_q: int | None = None) -> GluonSettings:
+    """The settings to build with: the defaults (checked when made; seqlen_q, a fixed-length
+    call's query rows, picks the persistent schedule where PERSISTENT_UP_TO says), or the
+    caller's, checked here."""
     if settings is None:
-        return _default_settings(head_dim, bool(causal))
+        short = seqlen_q is not None and seqlen_q <= PERSISTENT_UP_TO.get(
+            (head_dim, bool(causal)), 0)
+        return _default_settings(head_dim, bool(causal), short)
     settings.check(head_dim)
     return settings
 
@@ -208,7 +225,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    s = _resolve(settings, D, causal)
+    s = _resolve(settings, D, causal, Sq)
     out = _alloc.empty((B, Sq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Sq), torch.float32, q.device)
     if B * Sq * Hq == 0:

@@ -69,6 +69,9 @@ def test_options_parse():
     assert args.step_impl == ["wsattn-graph", "wsattn-graph-pdl[gemv,decode]"]
     assert [step.pdl_of(i) for i in args.step_impl + ["wsattn-graph-pdl"]] == \
         [False, ("gemv", "decode"), True]
+    args = wsattn.cli.build_parser().parse_args(
+        ["bench", "step", "--step-impl", "wsattn-graph-pdl[qkv_rope,decode,gemv:late]"])
+    assert step.pdl_of(args.step_impl[0]) == ("qkv_rope", "decode", "gemv:late")
     args = wsattn.cli.build_parser().parse_args(["bench", "gemv", "--m", "1", "--kernels", "o"])
     assert (args.m, args.kernels, args.gemv_impl) == ([1], ["o"], list(gemv.IMPLS))
 

@@ -190,6 +190,7 @@ def _g():
     (dict(out=torch.randn(2, 16).half()), TypeError, "out dtype"),
     (dict(out=torch.randn(16, 2).t()), ValueError, "out needs a contiguous last dimension"),
     (dict(pdl=1), TypeError, "pdl must be None or a bool"),
+    (dict(pdl_late=1), TypeError, "pdl_late must be a bool"),
     (dict(settings={"BLOCK_N": 16}), TypeError, "settings must be None or a GemvSettings"),
     (dict(x=torch.randn(17, 8), settings="fma"), ValueError, "use_dot=False takes M <= 16"),
 ], ids=lambda v: v if isinstance(v, str) else None)
@@ -290,6 +291,23 @@ def test_sm90_pdl_wait_after_the_first_weight_loads(kw):
     assert re.search(r"%x\w* = tt\.load|async_copy_global_to_local", after)  # x only after
 
 
+@pytest.mark.parametrize("kw", [dict(M=1), dict(M=8, norm=True)], ids=["M1-fma", "M8-dot"])
+def test_sm90_pdl_late_releases_after_the_weight_stream(kw):
+    """pdl_late (the "gemv:late" A/B): one wait, one release, the release after the last
+    weight load of the K loop (so after every W load) and before the epilogue's stores;
+    the default build releases right after the wait."""
+    ptx = _compile(N=3072, K=2048, pdl=True, pdl_late=True, **kw).asm["ptx"]
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    release = ptx.index("griddepcontrol.launch_dependents")
+    loads = [m.start() for m in re.finditer(r"\b(ld\.global\.v4|cp\.async\.cg)", ptx)]
+    assert loads and max(loads) < release, "a weight load after the release"
+    assert ptx.index("st.global", release) > release
+    early = _compile(N=3072, K=2048, pdl=True, **kw).asm["ptx"]
+    wait = early.index("griddepcontrol.wait")
+    between = early[wait:early.index("griddepcontrol.launch_dependents")]
+    assert not re.search(r"\b(ld\.global|cp\.async)", between)
+
+
 def test_sm90_pdl_off_has_no_griddepcontrol():
     for kw in (dict(M=1), dict(M=8, norm=True)):
         ptx = _compile(N=3072, K=2048, pdl=False, **kw).asm["ptx"]
@@ -352,3 +370,6 @@ def test_gpu_bf16_against_reference_and_reruns(switch, M):
     assert_close(y1, ref, dt)
     assert torch.equal(y1, y2), "rerun differs"
     assert torch.equal(y1, y3), "PDL on and off differ"
+    y4 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings, pdl_late=True)
+    torch.cuda.synchronize()
+    assert torch.equal(y1, y4), "the late PDL release changed the result"

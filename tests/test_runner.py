@@ -301,6 +301,21 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
             {"gemv"} if bucket > runner.GEMV_PDL_MAX_OFF else set())
         assert step.families_for(bucket) == on
         assert all(pdl is (name in on) for name, pdl in seen), (bucket, seen)
+    # the A/B variant gemv:late: PDL on the GEMVs with the late release, nothing else moves
+    late_seen = []
+
+    def gemv_late(*a, pdl=None, pdl_late=False, **k):
+        late_seen.append((pdl, pdl_late))
+    monkeypatch.setattr(runner, "gemv", gemv_late)
+    step._gemv_pdl_by_bucket = False
+    for families, want in [(("gemv:late",), (True, True)), (("gemv",), (True, False)),
+                           ((), (False, False))]:
+        late_seen.clear()
+        step.pdl_families = runner._pdl_families(families, has_pdl=True)
+        step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
+        assert late_seen and set(late_seen) == {want}, (families, late_seen)
+    with pytest.raises(ValueError, match=r"name the same kernels"):
+        runner._pdl_families(("gemv", "gemv:late"), has_pdl=True)
     assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.DEFAULT_PDL_FAMILIES)
     assert "gemv" not in runner.DEFAULT_PDL_FAMILIES
     assert set(runner.DEFAULT_PDL_FAMILIES) < set(runner.PDL_FAMILIES)
@@ -435,10 +450,12 @@ def test_gpu_pdl_on_equals_off():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
     ps = _gpu_prompts()
-    on_t, on_l = _gpu_engine(pdl=True)[0].run(ps, 24, return_logits=True)
     off_t, off_l = _gpu_engine(pdl=False)[0].run(ps, 24, return_logits=True)
-    assert all(torch.equal(a, b) for a, b in zip(on_t, off_t))
-    assert torch.equal(on_l, off_l)
+    # every family, the library's default, and the late GEMV release (the A/B variant)
+    for pdl in (True, None, ("qkv_rope", "decode", "gemv:late")):
+        on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
+        assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
+        assert torch.equal(on_l, off_l), pdl
 
 
 @pytest.mark.gpu

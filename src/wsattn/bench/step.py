@@ -16,7 +16,9 @@ Columns (``impl``):
 * ``wsattn-graph`` / ``wsattn-graph-pdl``: :class:`wsattn.engine.Engine` with
   ``step="kernels"`` (fused kernels, one CUDA graph per step) and ``pdl=False`` / ``True``;
   ``wsattn-graph-pdl[gemv,decode]`` and the like: PDL on for those kernel families only
-  (``wsattn.engine.runner.PDL_FAMILIES``), to find where PDL pays or costs.
+  (``wsattn.engine.runner.PDL_FAMILIES``; ``gemv:late`` in place of ``gemv``: the GEMVs
+  releasing the next kernel after their weight stream, ``PDL_VARIANTS``), to find where
+  PDL pays or costs.
   Checked first: the engine's logits over a few steps, teacher-forced on its own tokens,
   against the same weights computed in fp32 by transformers, next to transformers' own
   bf16 error against that reference (``rel_err_hf``): within the bf16 tolerance or twice
@@ -62,18 +64,19 @@ ELT = 2  # bf16
 
 def step_impl(text: str) -> str:
     """A ``--step-impl`` column: one of IMPLS, or ``wsattn-graph-pdl[f1,f2,...]`` with
-    names from ``wsattn.engine.runner.PDL_FAMILIES``; ValueError naming what is wrong."""
+    names from ``wsattn.engine.runner.PDL_FAMILIES`` or ``PDL_VARIANTS``; ValueError
+    naming what is wrong."""
     if text in IMPLS:
         return text
     if not (text.startswith(PDL_SUBSET) and text.endswith("]")):
         raise ValueError(f"step column must be one of {IMPLS} or {PDL_SUBSET}FAMILY,...], "
                          f"got {text!r}")
-    from wsattn.engine.runner import PDL_FAMILIES
+    from wsattn.engine.runner import PDL_FAMILIES, PDL_VARIANTS
     names = list(pdl_of(text))
-    bad = [n for n in names if n not in PDL_FAMILIES]
+    bad = [n for n in names if n not in PDL_FAMILIES and n not in PDL_VARIANTS]
     if bad or len(set(names)) != len(names):
         raise ValueError(f"{text!r}: the kernel families must be distinct names of "
-                         f"{PDL_FAMILIES}, got {names}")
+                         f"{PDL_FAMILIES} (or the variants {tuple(PDL_VARIANTS)}), got {names}")
     return text
 
 
@@ -825,7 +828,7 @@ def add_arguments(group) -> None:
                        metavar="IMPL", help=f"step: columns (default all: {' '.join(IMPLS)}; "
                                            f"{PDL_SUBSET}FAMILY,...]: PDL on for those kernel "
                                            f"families of wsattn.engine.runner.PDL_FAMILIES "
-                                           f"only)")
+                                           f"only, or its PDL_VARIANTS, e.g. gemv:late)")
     group.add_argument("--new-tokens", type=int, default=32,
                        help="step: decode steps timed, from the first new token to the "
                             "last of 1 + n (default 32)")

@@ -107,7 +107,7 @@ from ..rope import rope_inv_freq
 from ..target import interpreting
 from .generate import BUCKETS
 
-__all__ = ["DEFAULT_PDL_FAMILIES", "GEMV_PDL_MAX_OFF", "KernelStep", "PDL_FAMILIES"]
+__all__ = ["DEFAULT_PDL_FAMILIES", "GEMV_PDL_MAX_OFF", "KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
 
 # The kernel families `pdl=` can turn on one by one (an A/B of where PDL pays): the fused
 # QKV launch(es), decode attention with its split combine, every GEMV (o, gate/up, down,
@@ -122,6 +122,10 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # (1.168 -> 1.152) and was even at 8B B1; on the MoE kernels 3-8 % a layer.
 DEFAULT_PDL_FAMILIES = ("qkv_rope", "decode", "moe")
 GEMV_PDL_MAX_OFF = 8
+# An A/B variant `pdl=` also takes in place of a family: "gemv:late" is PDL on the GEMVs
+# with the release after their weight stream instead of right after the wait (gemv's
+# pdl_late), the test of why PDL on the GEMVs lost at one row (notes/decode_step.md).
+PDL_VARIANTS = {"gemv:late": "gemv"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -140,9 +144,14 @@ def _pdl_families(pdl, has_pdl: bool) -> frozenset:
         raise ValueError(f"pdl must be None, True, False or a collection of {PDL_FAMILIES}, "
                          f"got {pdl!r}")
     names = frozenset(pdl)
-    unknown = sorted(str(n) for n in names - set(PDL_FAMILIES))
+    unknown = sorted(str(n) for n in names - set(PDL_FAMILIES) - set(PDL_VARIANTS))
     if unknown:
-        raise ValueError(f"pdl: unknown kernel families {unknown}; they are {PDL_FAMILIES}")
+        raise ValueError(f"pdl: unknown kernel families {unknown}; they are {PDL_FAMILIES} "
+                         f"(or the variants {tuple(PDL_VARIANTS)})")
+    both = sorted(v for v, fam in PDL_VARIANTS.items() if v in names and fam in names)
+    if both:
+        raise ValueError(f"pdl: {both} and their family {[PDL_VARIANTS[v] for v in both]} "
+                         f"name the same kernels; give one of each")
     return names
 
 
@@ -379,7 +388,9 @@ class KernelStep:
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
         on = self.families_for(n).__contains__
-        pdl_qkv, pdl_decode, pdl_gemv = on("qkv_rope"), on("decode"), on("gemv")
+        pdl_qkv, pdl_decode = on("qkv_rope"), on("decode")
+        pdl_gemv = on("gemv") or on("gemv:late")
+        late = {"pdl_late": True} if on("gemv:late") else {}  # the A/B variant only
         torch.index_select(w.embed, 0, buf.tokens, out=h)
         self._count("embed")
         torch.sub(buf.seqlens, 1, out=buf.positions)
@@ -399,16 +410,17 @@ class KernelStep:
                               buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
                               pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
-            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl_gemv)
+            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl_gemv, **late)
             self._count("gemv_o")
             if layer.router is not None:
                 self._moe(layer, h, buf.moe_block)
                 continue
-            gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, pdl=pdl_gemv)
+            gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, pdl=pdl_gemv,
+                 **late)
             self._count("gemv_gate_up")
-            gemv(buf.act, layer.w_down, residual=h, out=h, pdl=pdl_gemv)
+            gemv(buf.act, layer.w_down, residual=h, out=h, pdl=pdl_gemv, **late)
             self._count("gemv_down")
-        gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, pdl=pdl_gemv)
+        gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, pdl=pdl_gemv, **late)
         self._count("gemv_lm_head")
         if buf.logits_model is not buf.logits:
             buf.logits.copy_(buf.logits_model)

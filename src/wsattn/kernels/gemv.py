@@ -121,8 +121,10 @@ def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                 STAGES: tl.constexpr = 1):
+                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False):
     # grid (cdiv(NOUT, BLOCK_N), SPLIT_K). NOUT = N, or F = N / 2 with SILU_MUL.
+    # PDL_LATE: release the next kernel after the K loop instead of right after the wait
+    # (the A/B of where the release pays; see gemv's pdl_late).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = W rows
@@ -162,7 +164,8 @@ def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
         # programs take free SM slots and start their weight loads while our last
         # programs stream. (The signal counts once every program of the grid has sent
         # it or exited, so a multi-wave grid releases the next kernel in its last wave.)
-        tl.extra.cuda.gdc_launch_dependents()
+        if not PDL_LATE:
+            tl.extra.cuda.gdc_launch_dependents()
     xoff = mi * stride_xm  # [BLOCK_M] rows of x: contiguous here, gathered in moe.py
     m_live = mi < M
     acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm, M,
@@ -179,6 +182,10 @@ def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
             wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
         acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm,
                                       M, k, k_live, BLOCK_M, USE_DOT, NORM, SILU_MUL, False)
+    if PDL and PDL_LATE:
+        # the weights are streamed: the next kernel's programs now find the SMs this grid
+        # is leaving, not slots freed one by one while its last wave still streams
+        tl.extra.cuda.gdc_launch_dependents()
 
     mask = n_live[:, None] & (mi < M)[None, :]  # [BLOCK_N, BLOCK_M]
     if SPLIT_K == 1:
@@ -441,7 +448,7 @@ def _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings):
 
 
 def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=None,
-         settings=None):
+         settings=None, pdl_late=False):
     """y = epilogue(x @ w^T) for a decode step's few rows, reading w once.
 
     Args:
@@ -462,6 +469,9 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
             sm_90+), off elsewhere. Every kernel launched after this one with PDL must
             call griddepcontrol.wait before reading this one's output.
         settings: a GemvSettings to override default_settings.
+        pdl_late: with PDL, release the next kernel after the weight stream (the K loop)
+            instead of right after the wait: an A/B switch (the step's "gemv:late" PDL
+            family); the result is the same bit for bit.
 
     Returns:
         out [M, NOUT] in x's dtype. Accumulation is fp32; the norm scale, SiLU and the
@@ -473,6 +483,8 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         >>> y = gemv(x, w, norm_eps=1e-5, silu_mul=True)   # [3, 80]
     """
     M, N, K, nout = _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings)
+    if not isinstance(pdl_late, bool):
+        raise TypeError(f"pdl_late must be a bool, got {pdl_late!r}")
     target = target_of(x.device)
     has_pdl = target.backend == "cuda" and target.cc >= 90
     if pdl and not has_pdl:
@@ -491,7 +503,7 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
             # the interpreter's tl.dot multiplies bf16 as raw bits: run in fp32, round once
             y = gemv(x.float(), w.float(), norm_eps=norm_eps, silu_mul=silu_mul,
                      residual=None if residual is None else residual.float(), pdl=pdl,
-                     settings=settings)
+                     settings=settings, pdl_late=pdl_late)
             return out.copy_(y)
     if settings is None:
         settings = default_settings(target, M=M, N=nout, K=K, dtype=x.dtype, silu_mul=silu_mul)
@@ -512,7 +524,7 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         x.stride(0), w.stride(0), res.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=settings.BLOCK_N, BLOCK_K=settings.BLOCK_K, SPLIT_K=split,
         USE_DOT=settings.use_dot, NORM=norm_eps is not None, RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, PDL=pdl, STAGES=settings.num_stages,
+        SILU_MUL=silu_mul, PDL=pdl, STAGES=settings.num_stages, PDL_LATE=pdl_late,
         num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if split > 1:
         _splitk_finish_kernel[(cdiv(nout, FINISH_BLOCK_N),)](
@@ -542,7 +554,7 @@ def _interpreter_ready():
 def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: str = "bf16",
                  norm: bool = False, residual: bool = False, silu_mul: bool = False,
                  pdl: bool = False, settings: GemvSettings | None = None,
-                 num_sms: int = 132, kernel: str = "gemv") -> dict:
+                 num_sms: int = 132, kernel: str = "gemv", pdl_late: bool = False) -> dict:
     """What ``triton.compile`` needs to build the GEMV kernel for compute capability cc.
 
     N counts output columns (F with silu_mul). kernel="gemv" gives the main kernel,
@@ -580,7 +592,8 @@ def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: st
                "stride_om": "i32"}
         const = {"BLOCK_M": block_m(M, settings.use_dot), "BLOCK_N": settings.BLOCK_N,
                  "BLOCK_K": settings.BLOCK_K, "SPLIT_K": settings.split_k,
-                 "USE_DOT": settings.use_dot, **flags, "STAGES": settings.num_stages}
+                 "USE_DOT": settings.use_dot, **flags, "STAGES": settings.num_stages,
+                 "PDL_LATE": pdl_late}
         fn, aligned = _gemv_kernel, ("x_ptr", "w_ptr", "res_ptr", "out_ptr", "ws_ptr", "ss_ptr",
                                      "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")
     else:

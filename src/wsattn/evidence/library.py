@@ -784,6 +784,69 @@ def _moe_entry(name="moe", impl="triton"):
             (90,) if gluon else None)
 
 
+# argmax: greedy decoding's two-stage argmax over the vocabulary (kernels/argmax.py)
+
+def _draw_argmax(rng, small):
+    if small:  # the interpreter: a few chunks at most
+        return {"B": rng.choice([1, 2, 3]), "V": rng.choice([1, 5, 4096, 4097, 9000])}
+    return {"B": rng.choice([1, 2, 7, 8, 33, 64]),
+            "V": rng.choice([1, 17, 4096, 4097, 32000, 128256, 151936, rng.randint(2, 200000)])}
+
+
+def _build_argmax(shape, dtype, device, gen):
+    """Random logits with the cases the rule is about planted in some rows: a value tied
+    in two chunks (the lower index must win), NaNs (the first one wins), a row of -inf."""
+    B, V = shape["B"], shape["V"]
+    x = torch.randn(B, V, generator=gen)
+    for b in range(B):
+        kind = b % 4
+        if kind == 1 and V > 1:  # a tie across the row: the lower index wins
+            i, j = sorted(torch.randint(0, V, (2,), generator=gen).tolist())
+            x[b, i] = x[b, j] = 50.0
+        elif kind == 2:  # NaN beats everything, first one wins
+            x[b, torch.randint(0, V, (2,), generator=gen)] = float("nan")
+        elif kind == 3 and b % 8 == 7:
+            x[b] = float("-inf")
+    return {"logits": x.to(_dtype(dtype)).to(device)}
+
+
+def _argmax_onehot(idx, V):
+    # compared as a one-hot [B, V]: one wrong row is an error of at least sqrt(2 / B)
+    # (>= 0.17 at 64 rows), far above any tolerance, where the indices' own relative
+    # error could hide an off-by-one
+    return torch.nn.functional.one_hot(idx.long(), V).double()
+
+
+def _argmax_run(inp):
+    from ..kernels.argmax import argmax
+    x = inp["logits"]
+    return _argmax_onehot(argmax(x), x.shape[1])
+
+
+def _argmax_call(inp):
+    from ..kernels.argmax import argmax
+    return argmax(inp["logits"])
+
+
+def _argmax_reference(inp):
+    x = inp["logits"].double()  # exact upcast: the same order, the same NaNs
+    return _argmax_onehot(x.argmax(-1), x.shape[1])
+
+
+def _argmax_entry():
+    run = RunSpec(draw_shape=_draw_argmax, build=_build_argmax, run=_argmax_run,
+                  timed=_argmax_call, reference=_argmax_reference,
+                  dtypes=("bf16", "fp16", "fp32"), interpreter_dtypes=("fp16", "fp32"),
+                  baseline=lambda inp: inp["logits"].argmax(-1),
+                  baseline_name="torch argmax(-1)",
+                  profile_shapes=({"B": 1, "V": 128256}, {"B": 8, "V": 151936}),
+                  sanitizer_shapes=({"B": 3, "V": 4097}, {"B": 1, "V": 17}),
+                  describe=lambda sh: f"B{sh['B']}-V{sh['V']}")
+    return ("argmax", "wsattn.kernels.argmax", "compile_spec", {"dtype": "bf16"}, run,
+            "Triton greedy argmax, two stages (4096-entry chunks, then the chunks), bf16",
+            None)
+
+
 # --------------------------------------------------------------------------- registry
 
 ENTRIES = (
@@ -810,6 +873,7 @@ ENTRIES = (
     _qkv_entry("qkv_rope_fused", "qwen3", fused=True),
     _moe_entry(),
     _moe_entry("moe_gluon", impl="gluon"),
+    _argmax_entry(),
 )
 NAMES = tuple(e[0] for e in ENTRIES)
 

@@ -181,6 +181,37 @@ CHILD = REFERENCE + textwrap.dedent(r'''
         res["out"] = rel_err(y, ref)
         res["dtype"] = str(y.dtype)
 
+    elif case == "route_group":
+        # route_group against route + group: every output bitwise, counters back at zero,
+        # over T, E / top_k, blocks, scorings, dtypes, a NaN token
+        for T in (1, 2, 5, 9):
+            for E, k in ((8, 2), (16, 4), (128, 8)):
+                for block in (1, 16):
+                    for scoring in ("softmax", "sigmoid"):
+                        dt = torch.float16 if (T + E) % 2 else torch.float32
+                        x = torch.randn(T, 96).to(dt)
+                        rw = (torch.randn(E, 96) / 4).to(dt)
+                        if T > 2 and scoring == "softmax":
+                            x[1, 3] = float("nan")
+                        c = M.route_counters("cpu")
+                        w1, i1 = M.route(x, rw, top_k=k, renormalize=True, norm_eps=1e-6,
+                                         scoring=scoring)
+                        g1 = M.group(i1, E, block)
+                        w2, i2, g2 = M.route_group(x, rw, top_k=k, renormalize=True,
+                                                   block=block, norm_eps=1e-6,
+                                                   scoring=scoring, counters=c)
+                        same = torch.equal(i1, i2) and torch.equal(
+                            w1.nan_to_num(-7.0), w2.nan_to_num(-7.0))
+                        same = same and all(torch.equal(a, b) for a, b in zip(g1[:5], g2[:5]))
+                        same = same and tuple(g1[5:]) == tuple(g2[5:])
+                        res[f"T{T}-E{E}-k{k}-b{block}-{scoring}"] = {
+                            "same": bool(same), "counters_zero": int(c.abs().sum()) == 0}
+        x = torch.randn(3, 64)
+        rw, wgu, wd = weights(8, 64, 32, torch.float32)
+        y1 = M.moe(x, rw, wgu, wd, top_k=2, renormalize=True, norm_eps=1e-5)
+        y2 = M.moe(x, rw, wgu, wd, top_k=2, renormalize=True, norm_eps=1e-5, fused_route=True)
+        res["moe_fused_equal"] = {"same": bool(torch.equal(y1, y2)), "counters_zero": True}
+
     elif case == "pdl":
         x = torch.randn(2, 32)
         rw = torch.randn(4, 32)
@@ -231,6 +262,16 @@ def test_router_ties_lower_index_first_and_nan_propagates():
     assert r["other_rows"] <= TOL["float32"], r
     assert r["sigmoid_nan_ids"][0] == 4 and r["sigmoid_nan_ids"] == r["sigmoid_nan_ref_ids"], r
     assert r["sigmoid_nan_first_weight_nan"] is True, r
+
+
+def test_route_group_equals_route_then_group():
+    """route_group (one launch: the last router program of a token picks its top-k, the
+    last token groups) gives route's weights and ids and group's Grouping bit for bit, and
+    leaves its counters at zero for the next launch; moe(fused_route=True) the same out."""
+    r = _child("route_group")
+    assert len(r) == 4 * 3 * 2 * 2 + 1, len(r)
+    bad = {k: v for k, v in r.items() if not (v["same"] and v["counters_zero"])}
+    assert not bad, bad
 
 
 def test_bf16_runs_in_fp32_under_the_interpreter():
@@ -289,6 +330,27 @@ def test_route_refuses_bad_input_by_name(change, error, match):
 def test_group_refuses_bad_input_by_name(ids, E, block, error, match):
     with pytest.raises(error, match=match):
         _m().group(ids, E, block)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(block=8), ValueError, "block must be one of"),
+    (dict(counters=torch.zeros(64, dtype=torch.int32)), ValueError, r"counters must be int32 \[>= 65\]"),
+    (dict(counters=torch.zeros(65, dtype=torch.int64)), ValueError, "counters must be int32"),
+    (dict(top_k=5), ValueError, r"top_k must be an int in 1..E=4"),
+], ids=["block8", "short", "int64", "top_k"])
+def test_route_group_refuses_bad_input_by_name(change, error, match):
+    a = _args()
+    kw = dict(top_k=a["top_k"], renormalize=a["renormalize"], block=1)
+    kw.update(change)
+    with pytest.raises(error, match=match):
+        _m().route_group(a["x"], a["router_w"], **kw)
+
+
+def test_moe_refuses_a_fused_route_that_is_not_a_bool():
+    a = _args()
+    with pytest.raises(TypeError, match="fused_route must be None or a bool"):
+        _m().moe(a["x"], a["router_w"], a["w_gate_up"], a["w_down"], top_k=a["top_k"],
+                 renormalize=True, fused_route=1)
 
 
 def _fake_grouping(E=4, k=2, T=2, block=1):
@@ -361,7 +423,7 @@ def test_blocks_max_bounds_every_grouping():
 
 QWEN3_30B = dict(H=2048, E=128, top_k=8, F=768)
 KERNELS = {"router_logits": dict(norm=True), "route": {}, "group": {}, "gate_up": dict(norm=True), "down": {},
-           "combine": dict(residual=True)}
+           "combine": dict(residual=True), "route_group": dict(norm=True)}
 
 
 def _compile(kernel, **kw):
@@ -435,6 +497,47 @@ def test_gpu_bf16_qwen3_30b_shape_against_reference_and_reruns(T):
     from wsattn.testing import assert_close
     assert_close(y1, ref, dt)
     assert torch.equal(y1, y2) and torch.equal(y1, y3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64], ids=lambda t: f"T{t}")
+def test_gpu_route_group_equals_route_then_group(T):
+    """At the Qwen3-30B-A3B router shape, bf16, PDL on and off: route_group's weights, ids
+    and Grouping bitwise route's and group's, over reruns (the counters back at zero each
+    time), and in a captured CUDA graph replayed on new inputs."""
+    m = _m()
+    torch.manual_seed(T)
+    dt, dev = torch.bfloat16, "cuda"
+    H, E, k = 2048, 128, 8
+    x = torch.randn(T, H, device=dev).to(dt)
+    rw = torch.randn(E, H, device=dev).to(dt)
+    block = m.default_block(T, k, E)
+    c = m.route_counters(dev)
+
+    def separate():
+        w, ids = m.route(x, rw, top_k=k, renormalize=True, norm_eps=1e-6)
+        return (w, ids, *m.group(ids, E, block)[:5])
+
+    def fused(pdl=None):
+        w, ids, g = m.route_group(x, rw, top_k=k, renormalize=True, block=block,
+                                  norm_eps=1e-6, pdl=pdl, counters=c)
+        return (w, ids, *g[:5])
+
+    want = separate()
+    for pdl in (None, False, None, True):
+        got = fused(pdl)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), pdl
+        assert int(c.abs().sum()) == 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, separate()))
+    assert int(c.abs().sum()) == 0
 
 
 @pytest.mark.gpu

@@ -49,6 +49,7 @@ from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
+from ._sync import _fence_acq_rel
 from .gemv import accumulate
 
 
@@ -64,14 +65,10 @@ def _router_block_h(H: int) -> int:
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, H, E, eps, stride_xt, stride_we,
-                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-                          PDL: tl.constexpr):
-    # grid (cdiv(E, BLOCK_E), T): BLOCK_E router rows against one token's x, so the router
-    # weight streams through many SMs at once (one program a token, reading all of it,
-    # took 32 us at the Qwen3-30B-A3B shape on the H200: one SM's worth of bandwidth)
-    t = tl.program_id(1)
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+def _router_rows(x_ptr, w_ptr, logits_ptr, t, e, H, E, eps, stride_xt, stride_we,
+                 BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                 PDL: tl.constexpr):
+    # router rows e [BLOCK_E] against token t's x -> logits[t, e] (fp32)
     e_live = e < E
     hh = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     rows = w_ptr + e.to(tl.int64)[:, None] * stride_we  # [BLOCK_E, 1]
@@ -99,17 +96,29 @@ def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, H, E, eps, stride_xt, stride
 
 
 @triton.jit
-def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_TK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr,
-                  PDL: tl.constexpr):
-    # grid (T,): one token's E fp32 logits (E <= 256) -> its top-k ids and weights
-    t = tl.program_id(0)
+def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, H, E, eps, stride_xt, stride_we,
+                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                          PDL: tl.constexpr):
+    # grid (cdiv(E, BLOCK_E), T): BLOCK_E router rows against one token's x, so the router
+    # weight streams through many SMs at once (one program a token, reading all of it,
+    # took 32 us at the Qwen3-30B-A3B shape on the H200: one SM's worth of bandwidth)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    _router_rows(x_ptr, w_ptr, logits_ptr, tl.program_id(1), e, H, E, eps, stride_xt,
+                 stride_we, BLOCK_E, BLOCK_H, NORM, PDL)
+
+
+@triton.jit
+def _route_token(logits_ptr, wts_ptr, ids_ptr, t, E, TOP_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, RENORM: tl.constexpr,
+                 SIGMOID: tl.constexpr, CG: tl.constexpr):
+    # token t's E fp32 logits (E <= 256) -> its top-k ids and weights. CG: the logits were
+    # written by other programs of this launch (load from L2, past L1)
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_live = e < E
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the logits come from the kernel before
-        tl.extra.cuda.gdc_launch_dependents()
-    logits = tl.load(logits_ptr + t * E + e, mask=e_live, other=0.0)
+    if CG:
+        logits = tl.load(logits_ptr + t * E + e, mask=e_live, other=0.0, cache_modifier=".cg")
+    else:
+        logits = tl.load(logits_ptr + t * E + e, mask=e_live, other=0.0)
     if SIGMOID:
         p = tl.sigmoid(logits)
     else:
@@ -136,22 +145,50 @@ def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E:
 
 
 @triton.jit
+def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_TK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr,
+                  PDL: tl.constexpr):
+    # grid (T,): one token's logits -> its top-k ids and weights
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the logits come from the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
+    _route_token(logits_ptr, wts_ptr, ids_ptr, tl.program_id(0), E, TOP_K, BLOCK_E,
+                 BLOCK_TK, RENORM, SIGMOID, False)
+
+
+@triton.jit
 def _group_kernel(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
                   P, E, ROWS, NB,
                   BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                   TAIL: tl.constexpr, PDL: tl.constexpr):
-    # grid (1,): P = T*k <= 64*k pairs, a few passes of [CHUNK, BLOCK_E] one-hot tiles.
-    # Every address is written by exactly one lane, so no barrier orders the passes.
+    # grid (1,): the grouping of all P pairs
     if PDL:
         tl.extra.cuda.gdc_wait()  # the ids come from the router kernel
         tl.extra.cuda.gdc_launch_dependents()
+    _group_pairs(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr, P, E, ROWS, NB,
+                 BLOCK, BLOCK_E, CHUNK, TAIL, False)
+
+
+@triton.jit
+def _load_ids(ids_ptr, p, live, CG: tl.constexpr):
+    if CG:  # written by other programs of this launch: from L2, past L1
+        return tl.load(ids_ptr + p, mask=live, other=-1, cache_modifier=".cg")
+    return tl.load(ids_ptr + p, mask=live, other=-1)
+
+
+@triton.jit
+def _group_pairs(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr, P, E, ROWS, NB,
+                 BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                 TAIL: tl.constexpr, CG: tl.constexpr):
+    # one program: P = T*k <= 64*k pairs, a few passes of [CHUNK, BLOCK_E] one-hot tiles.
+    # Every address is written by exactly one lane, so no barrier orders the passes.
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_live = e < E
     c = tl.arange(0, CHUNK)  # [CHUNK]
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, P, CHUNK):
         p = p0 + c
-        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        ids = _load_ids(ids_ptr, p, p < P, CG)
         counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK - 1) // BLOCK * BLOCK  # [BLOCK_E]
     ends = tl.cumsum(padded, axis=0)
@@ -165,7 +202,7 @@ def _group_kernel(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
     run = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, P, CHUNK):
         p = p0 + c
-        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        ids = _load_ids(ids_ptr, p, p < P, CG)
         onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
         before = tl.cumsum(onehot, axis=0) - onehot + run[None, :]
         row = tl.sum(onehot * (starts[None, :] + before), axis=1)  # [CHUNK]
@@ -192,6 +229,49 @@ def _group_kernel(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
         owner = tl.sum(tl.where(inside, e[None, :], 0), axis=1)
         found = tl.sum(inside.to(tl.int32), axis=1) > 0
         tl.store(eob_ptr + b, tl.where(found, owner, -1), mask=b < NB)
+
+
+@triton.jit
+def _route_group_kernel(x_ptr, w_ptr, logits_ptr, wts_ptr, ids_ptr, count_ptr,
+                        pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
+                        H, E, eps, stride_xt, stride_we, ROWS, NB,
+                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                        TOP_K: tl.constexpr, BLOCK_EALL: tl.constexpr,
+                        BLOCK_TK: tl.constexpr, RENORM: tl.constexpr,
+                        SIGMOID: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                        TAIL: tl.constexpr, PDL: tl.constexpr, FENCE: tl.constexpr):
+    # grid (cdiv(E, BLOCK_E), T): route() and group() in one launch. Each program writes
+    # its router rows' logits of token t, as _router_logits_kernel does; the last of token
+    # t's programs to arrive (count_ptr[t]) picks its top-k, as _route_kernel does; the
+    # last token to finish (count_ptr[T]) groups every pair, as _group_kernel does. Each
+    # counter is reset by the program that read its last count, so the next launch (a
+    # graph replay) starts from zero. The same arithmetic in the same order as the three
+    # kernels: bit-identical to them.
+    t = tl.program_id(1)
+    T = tl.num_programs(1)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    _router_rows(x_ptr, w_ptr, logits_ptr, t, e, H, E, eps, stride_xt, stride_we, BLOCK_E,
+                 BLOCK_H, NORM, PDL)
+    if FENCE:
+        _fence_acq_rel()
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:  # token t's logits are all written
+        if FENCE:
+            _fence_acq_rel()
+        _route_token(logits_ptr, wts_ptr, ids_ptr, t, E, TOP_K, BLOCK_EALL, BLOCK_TK,
+                     RENORM, SIGMOID, True)
+        tl.atomic_xchg(count_ptr + t, 0)
+        if FENCE:
+            _fence_acq_rel()
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + T, 1, sem="acq_rel", scope="gpu")
+        if done == T - 1:  # every token's ids are written
+            if FENCE:
+                _fence_acq_rel()
+            _group_pairs(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
+                         T * TOP_K, E, ROWS, NB, BLOCK, BLOCK_EALL, CHUNK, TAIL, True)
+            tl.atomic_xchg(count_ptr + T, 0)
 
 
 @triton.jit
@@ -460,6 +540,32 @@ def _check_grouping(grouping, device):
         raise ValueError(f"grouping must be on {device}, got {grouping.sorted_pairs.device}")
 
 
+def _check_route(x, router_w, top_k, renormalize, scoring, norm_eps):
+    """route()'s arguments, checked; returns (T, H, E)."""
+    T, H = _check_x(x)
+    if not isinstance(router_w, torch.Tensor) or router_w.dim() != 2:
+        raise ValueError("router_w must be a [E, H] torch.Tensor")
+    E = router_w.shape[0]
+    if router_w.shape[1] != H:
+        raise ValueError(f"router_w must be [E, H={H}], got {tuple(router_w.shape)}")
+    if router_w.dtype != x.dtype:
+        raise TypeError(f"router_w dtype must match x ({x.dtype}), got {router_w.dtype}")
+    if router_w.device != x.device:
+        raise ValueError(f"router_w must be on x's device {x.device}, got {router_w.device}")
+    if router_w.stride(1) != 1:
+        raise ValueError("router_w needs a contiguous last dimension")
+    if not 1 <= E <= MAX_E:
+        raise ValueError(f"router_w has E={E} experts; route takes 1..{MAX_E}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an int in 1..E={E}, got {top_k!r}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {renormalize!r}")
+    if scoring not in _SCORINGS:
+        raise ValueError(f"scoring must be one of {_SCORINGS}, got {scoring!r}")
+    _check_norm_eps(norm_eps)
+    return T, H, E
+
+
 def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", pdl=None):
     """Router: scores of the E experts per token, the top_k of them, their weights.
 
@@ -485,27 +591,7 @@ def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", 
         >>> x = torch.randn(3, 64); rw = torch.randn(8, 64)
         >>> w, ids = route(x, rw, top_k=2, renormalize=True)   # [3, 2] each
     """
-    T, H = _check_x(x)
-    if not isinstance(router_w, torch.Tensor) or router_w.dim() != 2:
-        raise ValueError("router_w must be a [E, H] torch.Tensor")
-    E = router_w.shape[0]
-    if router_w.shape[1] != H:
-        raise ValueError(f"router_w must be [E, H={H}], got {tuple(router_w.shape)}")
-    if router_w.dtype != x.dtype:
-        raise TypeError(f"router_w dtype must match x ({x.dtype}), got {router_w.dtype}")
-    if router_w.device != x.device:
-        raise ValueError(f"router_w must be on x's device {x.device}, got {router_w.device}")
-    if router_w.stride(1) != 1:
-        raise ValueError("router_w needs a contiguous last dimension")
-    if not 1 <= E <= MAX_E:
-        raise ValueError(f"router_w has E={E} experts; route takes 1..{MAX_E}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"top_k must be an int in 1..E={E}, got {top_k!r}")
-    if not isinstance(renormalize, bool):
-        raise TypeError(f"renormalize must be a bool, got {renormalize!r}")
-    if scoring not in _SCORINGS:
-        raise ValueError(f"scoring must be one of {_SCORINGS}, got {scoring!r}")
-    _check_norm_eps(norm_eps)
+    T, H, E = _check_route(x, router_w, top_k, renormalize, scoring, norm_eps)
     target, pdl = _resolve_pdl(pdl, x.device)
     if target.backend == "interpreter" and x.dtype == torch.bfloat16:
         x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
@@ -557,22 +643,92 @@ def group(topk_ids, num_experts, block, *, pdl=None):
         raise ValueError(f"num_experts must be an int in 1..{MAX_E}, got {num_experts!r}")
     if not 1 <= k <= num_experts:
         raise ValueError(f"topk_ids has top_k={k} columns; needs 1..num_experts={num_experts}")
+    _check_block(block)
+    _, pdl = _resolve_pdl(pdl, topk_ids.device)
+    g = _grouping_buffers(topk_ids.device, T, k, num_experts, block)
+    launch = {"launch_pdl": True} if pdl else {}
+    _group_kernel[(1,)](topk_ids, g.sorted_pairs, g.expert_offsets, g.expert_counts,
+                        g.expert_of_block, g.num_active_blocks, T * k, num_experts,
+                        g.sorted_pairs.numel(), g.expert_of_block.numel(), BLOCK=block,
+                        BLOCK_E=max(16, next_pow2(num_experts)), CHUNK=GROUP_CHUNK,
+                        TAIL=GROUP_TAIL, PDL=pdl, num_warps=4, **launch)
+    return g
+
+
+def _check_block(block):
     if block not in FMA_BLOCKS + DOT_BLOCKS:
         raise ValueError(f"block must be one of {FMA_BLOCKS + DOT_BLOCKS}, got {block!r}")
-    _, pdl = _resolve_pdl(pdl, topk_ids.device)
-    dev, E = topk_ids.device, num_experts
+
+
+def _grouping_buffers(dev, T, k, E, block) -> Grouping:
+    """A Grouping's tensors at their static sizes, unwritten."""
     nb = blocks_max(T, k, E, block)
-    rows = nb * block
-    pairs = torch.empty(rows, dtype=torch.int32, device=dev)
-    offs = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    counts = torch.empty(E, dtype=torch.int32, device=dev)
-    eob = torch.empty(nb, dtype=torch.int32, device=dev)
-    nact = torch.empty(1, dtype=torch.int32, device=dev)
+    return Grouping(torch.empty(nb * block, dtype=torch.int32, device=dev),
+                    torch.empty(E + 1, dtype=torch.int32, device=dev),
+                    torch.empty(nb, dtype=torch.int32, device=dev),
+                    torch.empty(1, dtype=torch.int32, device=dev),
+                    torch.empty(E, dtype=torch.int32, device=dev), block, k, E)
+
+
+def route_counters(device) -> torch.Tensor:
+    """The zeroed int32 counters a :func:`route_group` launch needs (MAX_T + 1 of them: one
+    a token, one for the grouping): what a CUDA graph that captures route_group should own
+    and pass as ``counters=``. Every launch leaves them at zero. Not to be shared by
+    launches that may run at the same time (other streams)."""
+    return torch.zeros(MAX_T + 1, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_counters(device: torch.device) -> torch.Tensor:
+    return route_counters(device)
+
+
+def route_group(x, router_w, *, top_k, renormalize, block, norm_eps=None, scoring="softmax",
+                pdl=None, counters=None):
+    """route() then group() in one launch: (topk_weights, topk_ids, Grouping), the same
+    values bit for bit.
+
+    The router-logits programs of each token count themselves in; the last one of a token
+    picks its top-k, and the last token to finish groups the pairs (a device-scope counter
+    each, reset by the program that read its last count). Saves the route and group
+    launches (two kernel boundaries a MoE layer).
+
+    Args: as route(), and block as group(); counters: int32 [>= MAX_T + 1] zeros on x's
+    device (route_counters), None for one cached per device (eager use; a captured CUDA
+    graph should own its counters).
+
+    Example (TRITON_INTERPRET=1 on CPU, or CUDA tensors):
+        >>> x = torch.randn(3, 64); rw = torch.randn(8, 64)
+        >>> w, ids, g = route_group(x, rw, top_k=2, renormalize=True, block=16)
+    """
+    T, H, E = _check_route(x, router_w, top_k, renormalize, scoring, norm_eps)
+    _check_block(block)
+    if counters is None:
+        counters = _cached_counters(x.device)
+    elif not (isinstance(counters, torch.Tensor) and counters.dtype == torch.int32
+              and counters.dim() == 1 and counters.numel() >= MAX_T + 1
+              and counters.device == x.device):
+        raise ValueError(f"counters must be int32 [>= {MAX_T + 1}] on {x.device} "
+                         f"(route_counters), got "
+                         f"{getattr(counters, 'dtype', type(counters).__name__)} "
+                         f"{list(getattr(counters, 'shape', []))}")
+    target, pdl = _resolve_pdl(pdl, x.device)
+    if target.backend == "interpreter" and x.dtype == torch.bfloat16:
+        x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
+    logits = empty((T, E), torch.float32, x.device)
+    wts = empty((T, top_k), torch.float32, x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    g = _grouping_buffers(x.device, T, top_k, E, block)
     launch = {"launch_pdl": True} if pdl else {}
-    _group_kernel[(1,)](topk_ids, pairs, offs, counts, eob, nact, T * k, E, rows, nb,
-                        BLOCK=block, BLOCK_E=max(16, next_pow2(E)), CHUNK=GROUP_CHUNK,
-                        TAIL=GROUP_TAIL, PDL=pdl, num_warps=4, **launch)
-    return Grouping(pairs, offs, eob, nact, counts, block, k, E)
+    _route_group_kernel[(cdiv(E, ROUTER_BLOCK_E), T)](
+        x, router_w, logits, wts, ids, counters, g.sorted_pairs, g.expert_offsets,
+        g.expert_counts, g.expert_of_block, g.num_active_blocks, H, E, float(norm_eps or 0.0),
+        x.stride(0), router_w.stride(0), g.sorted_pairs.numel(), g.expert_of_block.numel(),
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=_router_block_h(H), NORM=norm_eps is not None,
+        TOP_K=top_k, BLOCK_EALL=max(16, next_pow2(E)), BLOCK_TK=next_pow2(top_k),
+        RENORM=renormalize, SIGMOID=scoring == "sigmoid", BLOCK=block, CHUNK=GROUP_CHUNK,
+        TAIL=GROUP_TAIL, PDL=pdl, FENCE=target.backend == "cuda", num_warps=4, **launch)
+    return wts, ids, g
 
 
 def _check_experts(name, w, x, E, rows, cols):
@@ -777,13 +933,20 @@ def _combine(y, out, residual, grouping, T, H, pdl):
     return out
 
 
+# moe()'s default for fused_route, the KernelStep's too: off until the A/B on the GPU
+# (`wsattn bench moe --moe-impl wsattn-triton-pdl wsattn-triton-fused`) has measured it.
+FUSED_ROUTE = False
+
+
 def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
-        scoring="softmax", residual=None, out=None, pdl=None, settings=None, impl="triton"):
+        scoring="softmax", residual=None, out=None, pdl=None, settings=None, impl="triton",
+        fused_route=None):
     """The whole MoE block for a decode step: route -> group -> gate_up -> down+combine.
 
     Shapes as in the four launchers: x [T, H], router_w [E, H], w_gate_up [E, 2F, H],
     w_down [E, H, F]; returns out [T, H] in x's dtype (residual added when given).
-    Five launches, no host sync. impl="gluon" runs the grouped gate/up and down on the
+    Five launches, no host sync; with fused_route (None: FUSED_ROUTE) route and group are
+    one launch (route_group), the same values. impl="gluon" runs the grouped gate/up and down on the
     sm_90 Gluon kernel (moe_gate_up's impl; settings then a moe_gluon.GluonMoeSettings,
     its block the grouping's), refused before any launch where that kernel cannot run.
 
@@ -795,8 +958,13 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
     _check_impl(impl)
     if impl == "gluon" and isinstance(x, torch.Tensor):
         _refuse_gluon(x, pdl)  # before any kernel runs, route and group included
-    wts, ids = route(x, router_w, top_k=top_k, renormalize=renormalize, norm_eps=norm_eps,
-                     scoring=scoring, pdl=pdl)
+    if fused_route is None:
+        fused_route = FUSED_ROUTE
+    elif not isinstance(fused_route, bool):
+        raise TypeError(f"fused_route must be None or a bool, got {fused_route!r}")
+    if not fused_route:
+        wts, ids = route(x, router_w, top_k=top_k, renormalize=renormalize,
+                         norm_eps=norm_eps, scoring=scoring, pdl=pdl)
     target = target_of(x.device)
     E = router_w.shape[0]
     if settings is not None and hasattr(settings, "block"):
@@ -806,7 +974,11 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
     else:
         block = default_settings(target, T=x.shape[0], top_k=top_k, num_experts=E,
                                  dtype=x.dtype).block
-    g = group(ids, E, block, pdl=pdl)
+    if fused_route:
+        wts, ids, g = route_group(x, router_w, top_k=top_k, renormalize=renormalize,
+                                  block=block, norm_eps=norm_eps, scoring=scoring, pdl=pdl)
+    else:
+        g = group(ids, E, block, pdl=pdl)
     act = moe_gate_up(x, w_gate_up, g, norm_eps=norm_eps, pdl=pdl, settings=settings,
                       impl=impl)
     return moe_down_combine(act, w_down, g, wts, out, residual=residual, pdl=pdl,
@@ -823,8 +995,8 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
                  settings: MoeSettings | None = None, num_sms: int = 132) -> dict:
     """What ``triton.compile`` needs to build one MoE kernel for compute capability cc.
 
-    kernel: "router_logits", "route" (top-k of the logits), "group", "gate_up", "down" or
-    "combine". Settings default to
+    kernel: "router_logits", "route" (top-k of the logits), "group", "route_group" (the
+    three in one launch), "gate_up", "down" or "combine". Settings default to
     default_settings on a GPU with num_sms SMs. Returns {"fn", "signature",
     "constexprs", "attrs", "options"} as gemv.compile_spec does.
     """
@@ -848,6 +1020,21 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
                  "BLOCK_TK": next_pow2(top_k), "RENORM": renormalize, "SIGMOID": False,
                  "PDL": pdl}
         fn, aligned = _route_kernel, ("logits_ptr", "wts_ptr", "ids_ptr")
+    elif kernel == "route_group":
+        sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "logits_ptr": "*fp32", "wts_ptr": "*fp32",
+               "ids_ptr": "*i32", "count_ptr": "*i32", "pairs_ptr": "*i32", "offs_ptr": "*i32",
+               "counts_ptr": "*i32", "eob_ptr": "*i32", "nact_ptr": "*i32", "H": "i32",
+               "E": "i32", "eps": "fp32", "stride_xt": "i32", "stride_we": "i32",
+               "ROWS": "i32", "NB": "i32"}
+        const = {"BLOCK_E": ROUTER_BLOCK_E, "BLOCK_H": _router_block_h(H), "NORM": norm,
+                 "TOP_K": top_k, "BLOCK_EALL": max(16, next_pow2(E)),
+                 "BLOCK_TK": next_pow2(top_k), "RENORM": renormalize, "SIGMOID": False,
+                 "BLOCK": settings.block, "CHUNK": GROUP_CHUNK, "TAIL": GROUP_TAIL,
+                 "PDL": pdl, "FENCE": True}
+        fn, aligned = _route_group_kernel, ("x_ptr", "w_ptr", "logits_ptr", "wts_ptr",
+                                            "ids_ptr", "count_ptr", "pairs_ptr", "offs_ptr",
+                                            "counts_ptr", "eob_ptr", "nact_ptr", "H",
+                                            "stride_xt", "stride_we")
     elif kernel == "group":
         sig = {"ids_ptr": "*i32", "pairs_ptr": "*i32", "offs_ptr": "*i32", "counts_ptr": "*i32",
                "eob_ptr": "*i32", "nact_ptr": "*i32", "P": "i32", "E": "i32", "ROWS": "i32",
@@ -879,8 +1066,8 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
         fn, aligned = _combine_kernel, ("y_ptr", "res_ptr", "out_ptr", "H", "stride_yp",
                                         "stride_rt", "stride_ot")
     else:
-        raise ValueError(f"kernel must be 'route', 'group', 'gate_up', 'down' or 'combine', "
-                         f"got {kernel!r}")
+        raise ValueError(f"kernel must be 'router_logits', 'route', 'group', 'route_group', "
+                         f"'gate_up', 'down' or 'combine', got {kernel!r}")
     sig.update({name: "constexpr" for name in const})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return {"fn": fn, "signature": sig, "constexprs": const, "attrs": attrs, "options": options}

@@ -54,15 +54,8 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
+from ._sync import _fence_acq_rel
 from .gemv import GemvSettings, accumulate, gemv
-
-
-@triton.jit
-def _fence_acq_rel():
-    # every thread's partial stores ordered before the counter bump (and the last
-    # program's loads after it), as the CUDA threadFenceReduction pattern does
-    tl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -566,6 +566,18 @@ def _check_route(x, router_w, top_k, renormalize, scoring, norm_eps):
     return T, H, E
 
 
+def _route_setup(x, router_w, T, E, top_k, pdl):
+    """What route() and route_group() share before their launch: the target and PDL, the
+    interpreter's fp32 stand-in for bf16, the logits, weight and id buffers."""
+    target, pdl = _resolve_pdl(pdl, x.device)
+    if target.backend == "interpreter" and x.dtype == torch.bfloat16:
+        x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
+    logits = empty((T, E), torch.float32, x.device)
+    wts = empty((T, top_k), torch.float32, x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    return target, pdl, x, router_w, logits, wts, ids
+
+
 def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", pdl=None):
     """Router: scores of the E experts per token, the top_k of them, their weights.
 
@@ -592,12 +604,7 @@ def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", 
         >>> w, ids = route(x, rw, top_k=2, renormalize=True)   # [3, 2] each
     """
     T, H, E = _check_route(x, router_w, top_k, renormalize, scoring, norm_eps)
-    target, pdl = _resolve_pdl(pdl, x.device)
-    if target.backend == "interpreter" and x.dtype == torch.bfloat16:
-        x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
-    logits = empty((T, E), torch.float32, x.device)
-    wts = empty((T, top_k), torch.float32, x.device)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    target, pdl, x, router_w, logits, wts, ids = _route_setup(x, router_w, T, E, top_k, pdl)
     launch = {"launch_pdl": True} if pdl else {}
     _router_logits_kernel[(cdiv(E, ROUTER_BLOCK_E), T)](
         x, router_w, logits, H, E, float(norm_eps or 0.0), x.stride(0), router_w.stride(0),
@@ -712,12 +719,7 @@ def route_group(x, router_w, *, top_k, renormalize, block, norm_eps=None, scorin
                          f"(route_counters), got "
                          f"{getattr(counters, 'dtype', type(counters).__name__)} "
                          f"{list(getattr(counters, 'shape', []))}")
-    target, pdl = _resolve_pdl(pdl, x.device)
-    if target.backend == "interpreter" and x.dtype == torch.bfloat16:
-        x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
-    logits = empty((T, E), torch.float32, x.device)
-    wts = empty((T, top_k), torch.float32, x.device)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    target, pdl, x, router_w, logits, wts, ids = _route_setup(x, router_w, T, E, top_k, pdl)
     g = _grouping_buffers(x.device, T, top_k, E, block)
     launch = {"launch_pdl": True} if pdl else {}
     _route_group_kernel[(cdiv(E, ROUTER_BLOCK_E), T)](

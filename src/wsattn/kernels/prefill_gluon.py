@@ -156,7 +156,7 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
 
 # Fixed-length calls of at most this many query rows at head dim 64 without a mask take
 # the persistent schedule by default. H200, side by side at N = 1024 (16 sequences, 16
-# heads; gluon_schedules_timing_H200_2026-12-01_4c3d5e7.json, TFLOP/s): persistent 368,
+# heads; the schedules' timing table in notes/prefill_gluon.md, TFLOP/s): persistent 368,
 # one tile a CTA 353, the Triton kernel 350, cuDNN 432. Elsewhere at N = 1024 it lost to
 # the Triton kernel (D64 causal 229 vs 244, D128 causal 311 vs 316) or tied the one-tile
 # launch (D128 non-causal 460 vs 464), and from N = 4096 on it lost 2-10 %

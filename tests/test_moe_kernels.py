@@ -212,6 +212,35 @@ CHILD = REFERENCE + textwrap.dedent(r'''
         y2 = M.moe(x, rw, wgu, wd, top_k=2, renormalize=True, norm_eps=1e-5, fused_route=True)
         res["moe_fused_equal"] = {"same": bool(torch.equal(y1, y2)), "counters_zero": True}
 
+    elif case == "fused_combine":
+        # the combine inside the down launch (and with the fused routing: three launches)
+        # against the five: bitwise, with and without a residual, in place, counters zero
+        for T in (1, 3, 20):
+            for E, k in ((8, 2), (16, 4)):
+                for block in (1, 16):
+                    for resid in (True, False):
+                        dt = torch.float16 if (T + E + block) % 2 else torch.float32
+                        x = torch.randn(T, 96).to(dt)
+                        rw, wgu, wd = weights(E, 96, 40, dt)
+                        r = torch.randn(T, 96).to(dt) if resid else None
+                        st = M.MoeSettings(block=block, BLOCK_N=32 if block >= 16 else 16,
+                                           BLOCK_K=32, num_warps=4, num_stages=1)
+                        kw = dict(top_k=k, renormalize=True, residual=r, settings=st)
+                        y0 = M.moe(x, rw, wgu, wd, **kw)
+                        y1 = M.moe(x, rw, wgu, wd, fused_combine=True, **kw)
+                        y2 = M.moe(x, rw, wgu, wd, fused_combine=True, fused_route=True, **kw)
+                        res[f"T{T}-E{E}-k{k}-b{block}-r{int(resid)}"] = {
+                            "same": bool(torch.equal(y0, y1) and torch.equal(y0, y2)),
+                            "counters_zero": int(M._down_counters(x.device).abs().sum()) == 0}
+        x = torch.randn(5, 64)
+        rw, wgu, wd = weights(8, 64, 32, torch.float32)
+        h1 = torch.randn(5, 64)
+        h2 = h1.clone()
+        M.moe(x, rw, wgu, wd, top_k=2, renormalize=True, residual=h1, out=h1)
+        M.moe(x, rw, wgu, wd, top_k=2, renormalize=True, residual=h2, out=h2,
+              fused_combine=True)
+        res["in_place"] = {"same": bool(torch.equal(h1, h2)), "counters_zero": True}
+
     elif case == "pdl":
         x = torch.randn(2, 32)
         rw = torch.randn(4, 32)
@@ -272,6 +301,40 @@ def test_route_group_equals_route_then_group():
     assert len(r) == 4 * 3 * 2 * 2 + 1, len(r)
     bad = {k: v for k, v in r.items() if not (v["same"] and v["counters_zero"])}
     assert not bad, bad
+
+
+def test_fused_combine_equals_the_combine_launch():
+    """moe_down_combine(fused_combine=True): the last down program of each column tile adds
+    that tile for every token, as the combine kernel does: bitwise the same out (with and
+    without a residual, in place, with the fused routing too), counters back at zero."""
+    r = _child("fused_combine")
+    assert len(r) == 3 * 2 * 2 * 2 + 1, len(r)
+    bad = {k: v for k, v in r.items() if not (v["same"] and v["counters_zero"])}
+    assert not bad, bad
+
+
+def test_fused_combine_refuses_the_gluon_path_and_a_non_bool():
+    """Refused by name before any kernel runs (nothing here can run one)."""
+    a = _args()
+    m = _m()
+    g = _fake_grouping()
+    w = torch.zeros(2, 2)
+    act = torch.zeros(g.sorted_pairs.shape[0], 8)
+    with pytest.raises(TypeError, match="fused_combine must be None or a bool"):
+        m.moe_down_combine(act, a["w_down"], g, w, fused_combine=1)
+    with pytest.raises(ValueError, match="fused_combine=True needs impl='triton'"):
+        m.moe_down_combine(act, a["w_down"], g, w, fused_combine=True, impl="gluon")
+
+
+def test_sm90_down_with_the_fused_combine_builds_without_spills():
+    """The down kernel with the combine (residual, PDL) at the Qwen3-30B-A3B shape, 1 / 8 /
+    64 tokens: no spills, the arrival counter's atomics and fences in the PTX."""
+    from test_prefill_compile import _ptxas_usage
+    for T in (1, 8, 64):
+        k = _compile("down", T=T, pdl=True, residual=True, fused_combine=True)
+        assert sum(_ptxas_usage(k)[1:]) == 0, T
+        ptx = k.asm["ptx"]
+        assert "fence.acq_rel.gpu" in ptx and re.search(r"\batom\.\S*add", ptx), T
 
 
 def test_bf16_runs_in_fp32_under_the_interpreter():
@@ -538,6 +601,47 @@ def test_gpu_route_group_equals_route_then_group(T):
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(out, separate()))
     assert int(c.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64], ids=lambda t: f"T{t}")
+def test_gpu_fused_moe_equals_the_five_launches(T):
+    """Qwen3-30B-A3B shape, bf16, the default PDL: the fused routing and the fused combine
+    (three launches) give bitwise the five launches' out, in place on the residual as the
+    step runs it, on reruns and in a CUDA graph replayed on new inputs; counters at zero."""
+    m = _m()
+    torch.manual_seed(T)
+    dt, dev = torch.bfloat16, "cuda"
+    H, E, k, F = 2048, 128, 8, 768
+    x = torch.randn(T, H, device=dev).to(dt)
+    rw = torch.randn(E, H, device=dev).to(dt)
+    wgu = (torch.randn(E, 2 * F, H, device=dev) / H ** 0.5).to(dt)
+    wd = (torch.randn(E, H, F, device=dev) / F ** 0.5).to(dt)
+    r = torch.randn(T, H, device=dev).to(dt)
+    kw = dict(top_k=k, renormalize=True, norm_eps=1e-6)
+
+    def five():
+        h = r.clone()
+        return m.moe(x, rw, wgu, wd, residual=h, out=h, **kw)
+
+    h = r.clone()
+
+    def three():
+        h.copy_(r)
+        return m.moe(x, rw, wgu, wd, residual=h, out=h, fused_route=True, fused_combine=True,
+                     **kw)
+
+    for _ in range(3):
+        assert torch.equal(three(), five())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        three()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(h, five())
+    assert int(m._down_counters(x.device).abs().sum()) == 0
 
 
 @pytest.mark.gpu

@@ -96,13 +96,15 @@ CHILD = textwrap.dedent(r'''
         res["buckets"] = sorted(pad.step._buffers), sorted(exact.step._buffers)
 
     elif case == "fused_route":
-        # the fused routing (one launch for route + group) against the two launches: the
-        # same tokens and bitwise the same logits, counted as one call a MoE layer
+        # the fused routing (one launch for route + group) and the combine inside the down
+        # launch, against the separate launches: the same tokens and bitwise the same
+        # logits, the routing counted as one call a MoE layer
         from wsattn.engine.runner import KernelStep
         m, ps = model(arg["family"]), prompts([9, 4, 6])
         two, t2, l2 = run(m, "kernels", ps, 6, num_pages=16, page_size=8)
         e = Engine(m, step="kernels", device="cpu", num_pages=16, page_size=8)
-        e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, fused_route=True)
+        e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, fused_route=True,
+                            fused_combine=True)
         t1, l1 = e.run(ps, 6, return_logits=True)
         res["tokens"] = all(torch.equal(a, b) for a, b in zip(t1, t2))
         res["logits_equal"] = bool(torch.equal(l1, l2))
@@ -284,8 +286,9 @@ def test_auto_on_cuda_picks_kernels_for_16_bit_models():
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_fused_route_equals_the_two_launches(family):
-    """KernelStep(fused_route=True): routing and grouping in one launch a MoE layer, the
-    same greedy tokens and bitwise the same logits as route then group."""
+    """KernelStep(fused_route=True, fused_combine=True): routing and grouping in one launch
+    a MoE layer and the combine in the down launch, the same greedy tokens and bitwise the
+    same logits as the separate launches."""
     r = _child("fused_route", family=family)
     assert r["tokens"] and r["logits_equal"] and r["counters_zero"], r
     assert r["fused_calls"] > 0 and r["separate_calls"] == 0, r
@@ -293,7 +296,8 @@ def test_fused_route_equals_the_two_launches(family):
 
 # --------------------------------------------------------------------------- GPU
 
-def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, fused_route=None):
+def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, fused_route=None,
+                fused_combine=None):
     """A bf16 MoE model (hidden 512, D 64, 8/2 heads, 4 layers; Qwen3-MoE 16 experts top-4
     with layer 2 dense, Mixtral 8 experts top-2, or OLMoE 16 experts top-4 with its
     whole-projection QK-norm) on CUDA."""
@@ -320,7 +324,7 @@ def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, fused_route=None):
     e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=512,
                page_size=16, buckets=(1, 2, 4, 8, 16))
     e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl,
-                        fused_route=fused_route)
+                        fused_route=fused_route, fused_combine=fused_combine)
     return e, model
 
 
@@ -361,11 +365,13 @@ def test_gpu_moe_pdl_on_equals_off(family, pdl):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("batch", [1, 12])
 def test_gpu_moe_fused_route_equals_the_two_launches(family, batch):
-    """fused_route=True, graphs and the default PDL: bitwise the tokens and logits of
-    route then group."""
+    """fused_route and fused_combine, graphs and the default PDL: bitwise the tokens and
+    logits of the separate launches."""
     ps = _gpu_prompts(batch)
-    f_t, f_l = _gpu_engine(family, fused_route=True)[0].run(ps, 24, return_logits=True)
-    s_t, s_l = _gpu_engine(family, fused_route=False)[0].run(ps, 24, return_logits=True)
+    f_t, f_l = _gpu_engine(family, fused_route=True, fused_combine=True)[0].run(
+        ps, 24, return_logits=True)
+    s_t, s_l = _gpu_engine(family, fused_route=False, fused_combine=False)[0].run(
+        ps, 24, return_logits=True)
     assert all(torch.equal(a, b) for a, b in zip(f_t, s_t))
     assert torch.equal(f_l, s_l)
 

@@ -202,6 +202,8 @@ class KernelStep:
         fused_route: a MoE layer's routing and grouping in one launch
             (``kernels.moe.route_group``, counted as "moe_route_group") instead of two;
             None: ``kernels.moe.FUSED_ROUTE``.
+        fused_combine: a MoE layer's combine inside its down launch
+            (``moe_down_combine(fused_combine=True)``); None: ``kernels.moe.FUSED_COMBINE``.
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
@@ -223,7 +225,7 @@ class KernelStep:
     name = "kernels"
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None,
-                 fused_route=None):
+                 fused_route=None, fused_combine=None):
         # what the fused step does not run, refused by feature before any shape check
         if getattr(cfg, "experts", 0) > MOE_MAX_E:
             raise ValueError(f"step='kernels': {cfg.family} has {cfg.experts} experts; the MoE "
@@ -259,6 +261,11 @@ class KernelStep:
         if fused_route is not None and not isinstance(fused_route, bool):
             raise ValueError(f"fused_route must be None, True or False, got {fused_route!r}")
         self.fused_route = moe_kernels.FUSED_ROUTE if fused_route is None else fused_route
+        if fused_combine is not None and not isinstance(fused_combine, bool):
+            raise ValueError(f"fused_combine must be None, True or False, got "
+                             f"{fused_combine!r}")
+        self.fused_combine = (moe_kernels.FUSED_COMBINE if fused_combine is None
+                              else fused_combine)
         # the fused routing's arrival counters: owned, so a captured graph keeps them
         self._route_counters = route_counters(self.device) if self.fused_route else None
 
@@ -454,7 +461,8 @@ class KernelStep:
         act = moe_gate_up(h, layer.w_gate_up, grouping, norm_eps=eps, pdl=pdl)
         self._count("moe_gate_up")
         # out may be the residual (moe.py: each element read and written by one program)
-        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl)
+        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl,
+                         fused_combine=self.fused_combine)
         self._count("moe_down_combine")
 
     def _bucket(self, B):

@@ -706,11 +706,11 @@ def _build_moe(shape, dtype, device, gen):
             "residual": _rnd(gen, dt, device, T, H)}
 
 
-def _moe_run(inp, impl="triton", fused_route=None):
+def _moe_run(inp, impl="triton", fused=None):
     from ..kernels.moe import moe
     return moe(inp["x"], inp["router_w"], inp["w_gate_up"], inp["w_down"], top_k=_MOE_K,
                renormalize=True, norm_eps=_MOE_EPS, residual=inp["residual"], impl=impl,
-               fused_route=fused_route)
+               fused_route=fused, fused_combine=fused)
 
 
 def _moe_reference(inp):
@@ -759,13 +759,14 @@ def _moe_gluon_builds(shape):
             for kernel in ("gate_up", "down")]
 
 
-def _moe_entry(name="moe", impl="triton", fused_route=False):
+def _moe_entry(name="moe", impl="triton", fused=False):
     """The MoE block through moe(impl=...): "triton" (every target) or "gluon" (the sm_90
     warp-specialized grouped gate/up and down; route, group and combine stay Triton);
-    fused_route: route and group in one launch (route_group), whose kernel gates 0-2 read."""
+    fused: three launches, route + group in one (route_group, whose kernel gates 0-2
+    read) and the combine inside the down launch."""
     gluon = impl == "gluon"
     run = RunSpec(draw_shape=_draw_moe, build=_build_moe,
-                  run=functools.partial(_moe_run, impl=impl, fused_route=fused_route),
+                  run=functools.partial(_moe_run, impl=impl, fused=fused or None),
                   reference=_moe_reference,
                   dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),
                   interpreter=not gluon,
@@ -780,12 +781,12 @@ def _moe_entry(name="moe", impl="triton", fused_route=False):
               "dtype": "bf16", "norm": True}
     if not gluon:
         kwargs.update(residual=True, renormalize=True, pdl=_PDL_BY_TARGET)
-    if fused_route:
+    if fused:
         kwargs["kernel"] = "route_group"
     what = "Gluon warp-specialized grouped gate/up and down" if gluon else "Triton"
-    steps = "route + group in one launch, gate/up, down + combine" if fused_route else \
-        "route, group, gate/up, down + combine"
-    gated = "the fused route + group kernel" if fused_route else "the grouped gate/up kernel"
+    steps = "route + group in one launch, gate/up, down with the combine in it" if fused \
+        else "route, group, gate/up, down + combine"
+    gated = "the fused route + group kernel" if fused else "the grouped gate/up kernel"
     return (name, f"wsattn.kernels.moe{'_gluon' if gluon else ''}", "compile_spec", kwargs, run,
             f"MoE block, {what} ({steps}), E={_MOE_E} top {_MOE_K}, H=2048 F=768 bf16; "
             f"gates 0-2 on {gated}", (90,) if gluon else None)
@@ -880,7 +881,7 @@ ENTRIES = (
     _qkv_entry("qkv_rope_fused", "qwen3", fused=True),
     _moe_entry(),
     _moe_entry("moe_gluon", impl="gluon"),
-    _moe_entry("moe_fused_route", fused_route=True),
+    _moe_entry("moe_fused", fused=True),
     _argmax_entry(),
 )
 NAMES = tuple(e[0] for e in ENTRIES)

@@ -276,16 +276,24 @@ def _route_group_kernel(x_ptr, w_ptr, logits_ptr, wts_ptr, ids_ptr, count_ptr,
 
 @triton.jit
 def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr,
-                    NOUT, K, eps, stride_xt, stride_we, stride_wn, stride_ot,
+                    res_ptr, fin_ptr, count_ptr,
+                    NOUT, K, eps, stride_xt, stride_we, stride_wn, stride_ot, T, stride_rt,
+                    stride_ft,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, GATE_UP: tl.constexpr,
-                    NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1):
+                    NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1,
+                    COMBINE: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+                    FENCE: tl.constexpr = False):
     # grid (blocks_max, cdiv(NOUT, BLOCK_N)). One block of BLOCK_M grouped rows (one
     # expert), BLOCK_N output columns (weight rows of that expert).
     # GATE_UP: x = the tokens' hidden states gathered through the pairs, W = [E, 2F, H],
     #   out = act [rows, F] by grouped row: silu(gate) * up (FlashNorm scale with NORM).
     # else (down): x = act by grouped row, W = [E, H, F], out = per-pair results
-    #   [T*k, H] fp32 by pair index, times the pair's routing weight.
+    #   [T*k, H] fp32 by pair index, times the pair's routing weight. COMBINE: the last
+    #   program of each column tile to arrive (count_ptr[pid_n], every block counting in,
+    #   the inactive ones too) adds the tile's columns of every token's k results onto the
+    #   residual (res_ptr, RESIDUAL) into fin_ptr [T, NOUT], as _combine_kernel does, and
+    #   resets the counter: the combine without its own launch.
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     if PDL:
@@ -294,7 +302,11 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if b >= tl.load(nact_ptr):
-        return  # a block past the active ones: static grid, nothing to do
+        # a block past the active ones: static grid, nothing to compute
+        if COMBINE:
+            _down_arrive(out_ptr, res_ptr, fin_ptr, count_ptr, pid_n, T, NOUT, stride_ot,
+                         stride_rt, stride_ft, TOP_K, BLOCK_N, RESIDUAL, FENCE)
+        return
     ex = tl.load(eob_ptr + b).to(tl.int64)
     mi = tl.arange(0, BLOCK_M)
     r = b * BLOCK_M + mi  # [BLOCK_M] grouped rows
@@ -339,28 +351,67 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
         wt = tl.load(wts_ptr + pair, mask=m_live, other=0.0)  # [BLOCK_M] fp32
         y = acc_g * wt[None, :]
         tl.store(out_ptr + pair.to(tl.int64)[None, :] * stride_ot + n[:, None], y, mask=mask)
+        if COMBINE:
+            _down_arrive(out_ptr, res_ptr, fin_ptr, count_ptr, pid_n, T, NOUT, stride_ot,
+                         stride_rt, stride_ft, TOP_K, BLOCK_N, RESIDUAL, FENCE)
+
+
+@triton.jit
+def _combine_tile(y_ptr, res_ptr, out_ptr, t, h, live, stride_yp, stride_rt, stride_ot,
+                  TOP_K: tl.constexpr, RESIDUAL: tl.constexpr, CG: tl.constexpr):
+    # out[t, h] = residual[t, h] + y[t*k, h] + ... + y[t*k + k-1, h] over tokens t [BT] and
+    # columns h [BH], in that order, fp32, one rounding. CG: y was written by other
+    # programs of this launch (load from L2, past L1).
+    acc = tl.zeros(live.shape, dtype=tl.float32)
+    if RESIDUAL:
+        # read and written by the same program element for element: out may be residual
+        acc += tl.load(res_ptr + t[:, None] * stride_rt + h[None, :], mask=live,
+                       other=0.0).to(tl.float32)
+    for j in tl.static_range(TOP_K):
+        yj = y_ptr + (t * TOP_K + j).to(tl.int64)[:, None] * stride_yp + h[None, :]
+        if CG:
+            acc += tl.load(yj, mask=live, other=0.0, cache_modifier=".cg")
+        else:
+            acc += tl.load(yj, mask=live, other=0.0)
+    tl.store(out_ptr + t[:, None] * stride_ot + h[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=live)
+
+
+@triton.jit
+def _down_arrive(y_ptr, res_ptr, fin_ptr, count_ptr, pid_n, T, NOUT, stride_yp, stride_rt,
+                 stride_ft, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 RESIDUAL: tl.constexpr, FENCE: tl.constexpr):
+    # a down program of column tile pid_n counts in; the last one combines the tile
+    if FENCE:
+        _fence_acq_rel()
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        if FENCE:
+            _fence_acq_rel()
+        h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        tt = tl.arange(0, COMBINE_TOKENS)  # [COMBINE_TOKENS]
+        for t0 in range(0, T, COMBINE_TOKENS):
+            t = t0 + tt
+            live = (t < T)[:, None] & (h < NOUT)[None, :]
+            _combine_tile(y_ptr, res_ptr, fin_ptr, t, h, live, stride_yp, stride_rt,
+                          stride_ft, TOP_K, RESIDUAL, True)
+        tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
 @triton.jit
 def _combine_kernel(y_ptr, res_ptr, out_ptr, H, stride_yp, stride_rt, stride_ot,
                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, RESIDUAL: tl.constexpr,
                     PDL: tl.constexpr):
-    # grid (T, cdiv(H, BLOCK_H)): out[t] = residual[t] + y[t*k] + ... + y[t*k + k-1],
-    # in that order, fp32, one rounding
-    t = tl.program_id(0)
+    # grid (T, cdiv(H, BLOCK_H)): one token's BLOCK_H columns, _combine_tile's sum
+    t = tl.program_id(0) + tl.arange(0, 1)  # [1]
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    live = h < H
+    live = (h < H)[None, :]  # [1, BLOCK_H]
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if RESIDUAL:
-        # read and written by the same program element for element: out may be residual
-        acc += tl.load(res_ptr + t * stride_rt + h, mask=live, other=0.0).to(tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * stride_yp + h, mask=live,
-                       other=0.0)
-    tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=live)
+    _combine_tile(y_ptr, res_ptr, out_ptr, t, h, live, stride_yp, stride_rt, stride_ot,
+                  TOP_K, RESIDUAL, False)
 
 
 # --------------------------------------------------------------------------- settings
@@ -372,6 +423,7 @@ DOT_BLOCKS = (16, 32, 64)  # grouping blocks served by tl.dot (its minimum is 16
 GROUP_CHUNK = 64  # pairs / blocks a pass of the grouping kernel takes at once
 GROUP_TAIL = 1024  # rows past the last expert's a store of the grouping kernel writes
 COMBINE_BLOCK_H = 1024
+COMBINE_TOKENS = tl.constexpr(16)  # tokens a pass of the down kernel's fused combine
 ROW_BYTES = 256  # bytes of a weight row a dot tile covers (as gemv.py)
 FMA_TILE_ELEMS = 4096  # weight elements of an FMA tile (16-bit; half for fp32)
 STAGE_BUDGET = 96 * 1024
@@ -835,8 +887,9 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
     launch = {"launch_pdl": True} if pdl else {}
     _grouped_kernel[(rows // s.block, cdiv(F, s.BLOCK_N))](
         x, w_gate_up, grouping.sorted_pairs, grouping.expert_of_block,
-        grouping.num_active_blocks, act, act, F, H, float(norm_eps or 0.0),
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        grouping.num_active_blocks, act, act, act, act, grouping.num_active_blocks, F, H,
+        float(norm_eps or 0.0), x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        act.stride(0), 0, 0, 0,  # the combine's arguments: unused here
         TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         USE_DOT=s.use_dot, GATE_UP=True, NORM=norm_eps is not None, PDL=pdl,
         STAGES=s.num_stages, num_warps=s.num_warps, num_stages=s.num_stages, **launch)
@@ -844,7 +897,7 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
 
 
 def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=None,
-                     pdl=None, settings=None, impl="triton"):
+                     pdl=None, settings=None, impl="triton", fused_combine=None):
     """out[t] = residual[t] + sum_j topk_weights[t, j] * (act[row(t, j)] @ Wd_e^T).
 
     Args:
@@ -857,6 +910,9 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         residual: None or [T, H] in act's dtype, last dim contiguous.
         pdl, settings, impl: as in moe_gate_up (impl picks the down projection; the
             combine is the same Triton kernel either way).
+        fused_combine: (impl "triton") the combine inside the down launch: the last
+            program of each column tile adds that tile for every token, as the combine
+            kernel does, the same values; None: FUSED_COMBINE.
 
     Returns:
         out [T, H]. The down projection writes fp32 per-pair results [T*k, H] (each
@@ -895,6 +951,13 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         if t.device != act.device or t.stride(1) != 1:
             raise ValueError(f"{name} must be on {act.device} with a contiguous last dimension")
     _check_impl(impl)
+    if fused_combine is None:
+        fused_combine = FUSED_COMBINE and impl == "triton"
+    elif not isinstance(fused_combine, bool):
+        raise TypeError(f"fused_combine must be None or a bool, got {fused_combine!r}")
+    elif fused_combine and impl != "triton":
+        raise ValueError(f"fused_combine=True needs impl='triton' (the Triton down kernel), "
+                         f"got impl={impl!r}")
     if impl == "gluon":
         _refuse_gluon(act, pdl)
         y = _gluon().down(act, w_down, grouping, topk_weights, settings)
@@ -910,18 +973,40 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
     if target.backend == "interpreter" and act.dtype == torch.bfloat16:
         y = moe_down_combine(act.float(), w_down.float(), grouping, topk_weights,
                              residual=None if residual is None else residual.float(),
-                             pdl=pdl, settings=settings)
+                             pdl=pdl, settings=settings, fused_combine=fused_combine)
         return out.copy_(y)
     y = empty((T * grouping.top_k, H), torch.float32, act.device)
     launch = {"launch_pdl": True} if pdl else {}
-    _grouped_kernel[(rows // s.block, cdiv(H, s.BLOCK_N))](
+    tiles = cdiv(H, s.BLOCK_N)
+    fused = fused_combine and tiles <= FUSED_COMBINE_MAX_TILES
+    res = residual if residual is not None else out  # any pointer when unused
+    if fused:
+        launch.update(COMBINE=True, RESIDUAL=residual is not None,
+                      FENCE=target.backend == "cuda")
+    _grouped_kernel[(rows // s.block, tiles)](
         act, w_down, grouping.sorted_pairs, grouping.expert_of_block,
-        grouping.num_active_blocks, topk_weights, y, H, F, 0.0,
-        act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        grouping.num_active_blocks, topk_weights, y, res, out,
+        _down_counters(act.device) if fused else grouping.num_active_blocks, H, F, 0.0,
+        act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), T, res.stride(0),
+        out.stride(0),
         TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         USE_DOT=s.use_dot, GATE_UP=False, NORM=False, PDL=pdl, STAGES=s.num_stages,
         num_warps=s.num_warps, num_stages=s.num_stages, **launch)
+    if fused:
+        return out
     return _combine(y, out, residual, grouping, T, H, pdl)
+
+
+# Column tiles the down kernel's fused combine counts arrivals for: one fixed int32 buffer
+# a device, never regrown (a captured graph keeps its address); a wider H takes the
+# combine launch. Launches on different streams of one device must not run at once.
+FUSED_COMBINE_MAX_TILES = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def _down_counters(device: torch.device) -> torch.Tensor:
+    # zeros once; every fused launch leaves them at zero
+    return torch.zeros(FUSED_COMBINE_MAX_TILES, dtype=torch.int32, device=device)
 
 
 def _combine(y, out, residual, grouping, T, H, pdl):
@@ -935,20 +1020,23 @@ def _combine(y, out, residual, grouping, T, H, pdl):
     return out
 
 
-# moe()'s default for fused_route, the KernelStep's too: off until the A/B on the GPU
-# (`wsattn bench moe --moe-impl wsattn-triton-pdl wsattn-triton-fused`) has measured it.
+# moe()'s defaults for fused_route and fused_combine (moe_down_combine's too, and the
+# KernelStep's): off until the A/B on the GPU (`wsattn bench moe --moe-impl
+# wsattn-triton-pdl wsattn-triton-fused-route wsattn-triton-fused`) has measured them.
 FUSED_ROUTE = False
+FUSED_COMBINE = False
 
 
 def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
         scoring="softmax", residual=None, out=None, pdl=None, settings=None, impl="triton",
-        fused_route=None):
+        fused_route=None, fused_combine=None):
     """The whole MoE block for a decode step: route -> group -> gate_up -> down+combine.
 
     Shapes as in the four launchers: x [T, H], router_w [E, H], w_gate_up [E, 2F, H],
     w_down [E, H, F]; returns out [T, H] in x's dtype (residual added when given).
     Five launches, no host sync; with fused_route (None: FUSED_ROUTE) route and group are
-    one launch (route_group), the same values. impl="gluon" runs the grouped gate/up and down on the
+    one launch (route_group), with fused_combine (None: FUSED_COMBINE) the combine runs in
+    the down launch: three launches, the same values. impl="gluon" runs the grouped gate/up and down on the
     sm_90 Gluon kernel (moe_gate_up's impl; settings then a moe_gluon.GluonMoeSettings,
     its block the grouping's), refused before any launch where that kernel cannot run.
 
@@ -984,7 +1072,7 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
     act = moe_gate_up(x, w_gate_up, g, norm_eps=norm_eps, pdl=pdl, settings=settings,
                       impl=impl)
     return moe_down_combine(act, w_down, g, wts, out, residual=residual, pdl=pdl,
-                            settings=settings, impl=impl)
+                            settings=settings, impl=impl, fused_combine=fused_combine)
 
 
 # --------------------------------------------------------------------------- compile specs
@@ -994,11 +1082,13 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
 def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 128,
                  top_k: int = 8, F: int = 768, dtype: str = "bf16", pdl: bool = False,
                  norm: bool = False, residual: bool = False, renormalize: bool = True,
-                 settings: MoeSettings | None = None, num_sms: int = 132) -> dict:
+                 settings: MoeSettings | None = None, num_sms: int = 132,
+                 fused_combine: bool = False) -> dict:
     """What ``triton.compile`` needs to build one MoE kernel for compute capability cc.
 
     kernel: "router_logits", "route" (top-k of the logits), "group", "route_group" (the
-    three in one launch), "gate_up", "down" or "combine". Settings default to
+    three in one launch), "gate_up", "down" (with fused_combine: the combine in it, with
+    residual) or "combine". Settings default to
     default_settings on a GPU with num_sms SMs. Returns {"fn", "signature",
     "constexprs", "attrs", "options"} as gemv.compile_spec does.
     """
@@ -1049,13 +1139,16 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
         gate_up = kernel == "gate_up"
         sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "pairs_ptr": "*i32", "eob_ptr": "*i32",
                "nact_ptr": "*i32", "wts_ptr": "*fp32" if not gate_up else f"*{t}",
-               "out_ptr": f"*{t}" if gate_up else "*fp32", "NOUT": "i32", "K": "i32",
+               "out_ptr": f"*{t}" if gate_up else "*fp32", "res_ptr": f"*{t}",
+               "fin_ptr": f"*{t}", "count_ptr": "*i32", "NOUT": "i32", "K": "i32",
                "eps": "fp32", "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32",
-               "stride_ot": "i32"}
+               "stride_ot": "i32", "T": "i32", "stride_rt": "i32", "stride_ft": "i32"}
         const = {"TOP_K": top_k, "BLOCK_M": settings.block, "BLOCK_N": settings.BLOCK_N,
                  "BLOCK_K": settings.BLOCK_K, "USE_DOT": settings.use_dot,
                  "GATE_UP": gate_up, "NORM": norm and gate_up, "PDL": pdl,
                  "STAGES": settings.num_stages}
+        if fused_combine and not gate_up:
+            const.update(COMBINE=True, RESIDUAL=residual, FENCE=True)
         options = {**options, "num_warps": settings.num_warps,
                    "num_stages": settings.num_stages}
         fn, aligned = _grouped_kernel, ("x_ptr", "w_ptr", "pairs_ptr", "eob_ptr", "nact_ptr",

@@ -538,11 +538,10 @@ def test_sm90_grouped_dot_path_uses_wgmma_at_64_tokens():
 
 # --------------------------------------------------------------------------- GPU
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 8, 64], ids=lambda t: f"T{t}")
-def test_gpu_bf16_qwen3_30b_shape_against_reference_and_reruns(T):
-    m = _m()
-    torch.manual_seed(0)
+def _qwen3_30b_gpu_layer(T, seed):
+    """A Qwen3-30B-A3B MoE layer on the GPU (H 2048, 128 experts top 8, F 768), bf16:
+    (x, router_w, w_gate_up, w_down, residual, top_k)."""
+    torch.manual_seed(seed)
     dt, dev = torch.bfloat16, "cuda"
     H, E, k, F = 2048, 128, 8, 768
     x = torch.randn(T, H, device=dev).to(dt)
@@ -550,6 +549,15 @@ def test_gpu_bf16_qwen3_30b_shape_against_reference_and_reruns(T):
     wgu = (torch.randn(E, 2 * F, H, device=dev) / H ** 0.5).to(dt)
     wd = (torch.randn(E, H, F, device=dev) / F ** 0.5).to(dt)
     r = torch.randn(T, H, device=dev).to(dt)
+    return x, rw, wgu, wd, r, k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64], ids=lambda t: f"T{t}")
+def test_gpu_bf16_qwen3_30b_shape_against_reference_and_reruns(T):
+    m = _m()
+    dt = torch.bfloat16
+    x, rw, wgu, wd, r, k = _qwen3_30b_gpu_layer(T, 0)
     ref, rv, ri = reference_moe(x.cpu(), rw.cpu(), wgu.cpu(), wd.cpu(), k, True, 1e-6, r.cpu())
     w, ids = m.route(x, rw, top_k=k, renormalize=True, norm_eps=1e-6)
     assert torch.equal(ids.long().cpu(), ri)
@@ -610,14 +618,7 @@ def test_gpu_fused_moe_equals_the_five_launches(T):
     (three launches) give bitwise the five launches' out, in place on the residual as the
     step runs it, on reruns and in a CUDA graph replayed on new inputs; counters at zero."""
     m = _m()
-    torch.manual_seed(T)
-    dt, dev = torch.bfloat16, "cuda"
-    H, E, k, F = 2048, 128, 8, 768
-    x = torch.randn(T, H, device=dev).to(dt)
-    rw = torch.randn(E, H, device=dev).to(dt)
-    wgu = (torch.randn(E, 2 * F, H, device=dev) / H ** 0.5).to(dt)
-    wd = (torch.randn(E, H, F, device=dev) / F ** 0.5).to(dt)
-    r = torch.randn(T, H, device=dev).to(dt)
+    x, rw, wgu, wd, r, k = _qwen3_30b_gpu_layer(T, T)
     kw = dict(top_k=k, renormalize=True, norm_eps=1e-6)
 
     def five():

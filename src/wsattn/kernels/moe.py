@@ -27,6 +27,11 @@ program (pairs of an expert in ascending token order), every output element is w
 by one program, and the combine adds a token's k pair results in slot order, so two
 runs on the same inputs are bit-identical.
 
+Fewer launches, the same values (both off by default, FUSED_ROUTE / FUSED_COMBINE, until
+measured): ``route_group`` runs route and group in the router-logits launch, and
+``moe_down_combine(fused_combine=True)`` the combine in the down launch, each by "the
+last program to arrive finishes" (int32 arrival counters, kernels/_sync.py's fences).
+
 Tie and NaN rule of the router (torch.topk leaves the order of equal values unspecified:
 on the CPU it returned indices [2, 4, 1] for three equal probabilities): the chosen
 experts are those of ``torch.sort(scores, descending=True, stable=True)[:, :k]``: the

@@ -38,7 +38,7 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from ._sync import _fence_acq_rel
+from ._sync import _acquire, _arrive
 from .merge import merge_finish, merge_step
 
 LOG2E = 1.4426950408889634
@@ -156,14 +156,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
             # The combine in this launch: the last of the (b, h) programs to arrive merges
             # the splits of its rows, in the order s = 0..NUM_SPLITS-1 as _combine_kernel
             # does (merge.py's helpers), and resets the counter for the next launch.
-            if FENCE:
-                _fence_acq_rel()
-            tl.debug_barrier()
             slot = b * tl.num_programs(1) + h
-            arrived = tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                if FENCE:
-                    _fence_acq_rel()
+            if _arrive(count_ptr + slot, FENCE) == NUM_SPLITS - 1:
+                _acquire(FENCE)
                 acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
                 m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
                 den = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -54,7 +54,7 @@ from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from ._sync import _fence_acq_rel
+from ._sync import _acquire, _arrive
 from .gemv import accumulate
 
 
@@ -257,23 +257,13 @@ def _route_group_kernel(x_ptr, w_ptr, logits_ptr, wts_ptr, ids_ptr, count_ptr,
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
     _router_rows(x_ptr, w_ptr, logits_ptr, t, e, H, E, eps, stride_xt, stride_we, BLOCK_E,
                  BLOCK_H, NORM, PDL)
-    if FENCE:
-        _fence_acq_rel()
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:  # token t's logits are all written
-        if FENCE:
-            _fence_acq_rel()
+    if _arrive(count_ptr + t, FENCE) == tl.num_programs(0) - 1:  # token t's logits written
+        _acquire(FENCE)
         _route_token(logits_ptr, wts_ptr, ids_ptr, t, E, TOP_K, BLOCK_EALL, BLOCK_TK,
                      RENORM, SIGMOID, True)
         tl.atomic_xchg(count_ptr + t, 0)
-        if FENCE:
-            _fence_acq_rel()
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + T, 1, sem="acq_rel", scope="gpu")
-        if done == T - 1:  # every token's ids are written
-            if FENCE:
-                _fence_acq_rel()
+        if _arrive(count_ptr + T, FENCE) == T - 1:  # every token's ids are written
+            _acquire(FENCE)
             _group_pairs(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
                          T * TOP_K, E, ROWS, NB, BLOCK, BLOCK_EALL, CHUNK, TAIL, True)
             tl.atomic_xchg(count_ptr + T, 0)
@@ -387,13 +377,8 @@ def _down_arrive(y_ptr, res_ptr, fin_ptr, count_ptr, pid_n, T, NOUT, stride_yp, 
                  stride_ft, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  RESIDUAL: tl.constexpr, FENCE: tl.constexpr):
     # a down program of column tile pid_n counts in; the last one combines the tile
-    if FENCE:
-        _fence_acq_rel()
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        if FENCE:
-            _fence_acq_rel()
+    if _arrive(count_ptr + pid_n, FENCE) == tl.num_programs(0) - 1:
+        _acquire(FENCE)
         h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         tt = tl.arange(0, COMBINE_TOKENS)  # [COMBINE_TOKENS]
         for t0 in range(0, T, COMBINE_TOKENS):

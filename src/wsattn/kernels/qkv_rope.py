@@ -54,7 +54,7 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from ._sync import _fence_acq_rel
+from ._sync import _acquire, _arrive
 from .gemv import GemvSettings, accumulate, gemv
 
 
@@ -220,13 +220,8 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr,
         tl.store(part + HALF, acc_hi)
         if NORM:
             tl.store(ss_tile + s * BLOCK_M + r, ss)
-        if FENCE:
-            _fence_acq_rel()
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # the last of this tile's splits: reduce, finish
-            if FENCE:
-                _fence_acq_rel()
+        if _arrive(count_ptr + tile, FENCE) == SPLIT_K - 1:  # the last split: reduce, finish
+            _acquire(FENCE)
             acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
             acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -812,12 +807,12 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
                  bias: bool = False, qk_norm: bool = False, paged: bool = True,
                  page_size: int = 16, seq_index: bool = False, pdl: bool = False,
                  settings=None, num_sms: int = 132, qk_norm_whole: bool = False,
-                 two_launch: bool = False, fused: bool = False) -> dict:
+                 fused: bool = False) -> dict:
     """What ``triton.compile`` needs to build the kernel for compute capability cc, by
     default at the Llama-3.1-8B shape (K 4096, Hq 32, Hkv 8, D 128), one row, paged.
     settings None: what default_settings picks for cc (the two-launch path on sm_90);
-    fused: the fused kernel with fused_settings instead. qk_norm_whole, two_launch or
-    settings TwoLaunchSettings: the two-launch path's second kernel
+    fused: the fused kernel with fused_settings instead. qk_norm_whole or settings
+    TwoLaunchSettings: the two-launch path's second kernel
     (_norm_rope_append_kernel; the projection before it is gemv's kernel).
 
     Returns {"fn", "signature", "constexprs", "attrs", "options"} as
@@ -827,11 +822,11 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
     """
     t = dtype_name(dtype)  # Triton's type string is the same name
     heads = q_heads + 2 * kv_heads
-    if settings is None and not (qk_norm_whole or two_launch):
+    if settings is None and not qk_norm_whole:
         pick = fused_settings if fused else default_settings
         settings = pick(Target("cuda", cc, num_sms), rows=rows, hidden=hidden, heads=heads,
                         head_dim=head_dim, dtype=DTYPES[dtype])
-    if qk_norm_whole or two_launch or isinstance(settings, TwoLaunchSettings):
+    if qk_norm_whole or isinstance(settings, TwoLaunchSettings):
         return _epilogue_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size,
                                       seq_index, pdl, qk_norm_whole, bias,
                                       qk_norm and not qk_norm_whole)

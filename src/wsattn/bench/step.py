@@ -71,12 +71,18 @@ def step_impl(text: str) -> str:
     if not (text.startswith(PDL_SUBSET) and text.endswith("]")):
         raise ValueError(f"step column must be one of {IMPLS} or {PDL_SUBSET}FAMILY,...], "
                          f"got {text!r}")
-    from wsattn.engine.runner import PDL_FAMILIES, PDL_VARIANTS
+    from wsattn.engine.runner import PDL_FAMILIES, PDL_VARIANTS, _pdl_families
     names = list(pdl_of(text))
-    bad = [n for n in names if n not in PDL_FAMILIES and n not in PDL_VARIANTS]
-    if bad or len(set(names)) != len(names):
+    why = "repeated" if len(set(names)) != len(names) else None
+    if why is None:
+        try:  # the runner's own check of the names, before any engine is built
+            _pdl_families(names, has_pdl=True)
+        except ValueError as e:
+            why = str(e)
+    if why is not None:
         raise ValueError(f"{text!r}: the kernel families must be distinct names of "
-                         f"{PDL_FAMILIES} (or the variants {tuple(PDL_VARIANTS)}), got {names}")
+                         f"{PDL_FAMILIES} (or the variants {tuple(PDL_VARIANTS)}), got "
+                         f"{names}: {why}")
     return text
 
 

@@ -95,23 +95,6 @@ CHILD = textwrap.dedent(r'''
                               and torch.equal(pad.cache.v, exact.cache.v))
         res["buckets"] = sorted(pad.step._buffers), sorted(exact.step._buffers)
 
-    elif case == "fused_route":
-        # the fused routing (one launch for route + group) and the combine inside the down
-        # launch, against the separate launches: the same tokens and bitwise the same
-        # logits, the routing counted as one call a MoE layer
-        from wsattn.engine.runner import KernelStep
-        m, ps = model(arg["family"]), prompts([9, 4, 6])
-        two, t2, l2 = run(m, "kernels", ps, 6, num_pages=16, page_size=8)
-        e = Engine(m, step="kernels", device="cpu", num_pages=16, page_size=8)
-        e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, fused_route=True,
-                            fused_combine=True)
-        t1, l1 = e.run(ps, 6, return_logits=True)
-        res["tokens"] = all(torch.equal(a, b) for a, b in zip(t1, t2))
-        res["logits_equal"] = bool(torch.equal(l1, l2))
-        res["fused_calls"] = e.step.launches["moe_route_group"]
-        res["separate_calls"] = e.step.launches["moe_route"] + e.step.launches["moe_group"]
-        res["counters_zero"] = int(e.step._route_counters.abs().sum()) == 0
-
     elif case == "launches":
         names = collections.Counter()
         counting = [False]
@@ -284,20 +267,9 @@ def test_auto_on_cuda_picks_kernels_for_16_bit_models():
     assert _resolve_impl("kernels", "cpu") == "kernels"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_fused_route_equals_the_two_launches(family):
-    """KernelStep(fused_route=True, fused_combine=True): routing and grouping in one launch
-    a MoE layer and the combine in the down launch, the same greedy tokens and bitwise the
-    same logits as the separate launches."""
-    r = _child("fused_route", family=family)
-    assert r["tokens"] and r["logits_equal"] and r["counters_zero"], r
-    assert r["fused_calls"] > 0 and r["separate_calls"] == 0, r
-
-
 # --------------------------------------------------------------------------- GPU
 
-def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, fused_route=None,
-                fused_combine=None):
+def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None):
     """A bf16 MoE model (hidden 512, D 64, 8/2 heads, 4 layers; Qwen3-MoE 16 experts top-4
     with layer 2 dense, Mixtral 8 experts top-2, or OLMoE 16 experts top-4 with its
     whole-projection QK-norm) on CUDA."""
@@ -323,8 +295,7 @@ def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, fused_route=None,
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=512,
                page_size=16, buckets=(1, 2, 4, 8, 16))
-    e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl,
-                        fused_route=fused_route, fused_combine=fused_combine)
+    e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl)
     return e, model
 
 
@@ -359,21 +330,6 @@ def test_gpu_moe_pdl_on_equals_off(family, pdl):
     off_t, off_l = _gpu_engine(family, pdl=False)[0].run(ps, 24, return_logits=True)
     assert all(torch.equal(a, b) for a, b in zip(on_t, off_t))
     assert torch.equal(on_l, off_l)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("batch", [1, 12])
-def test_gpu_moe_fused_route_equals_the_two_launches(family, batch):
-    """fused_route and fused_combine, graphs and the default PDL: bitwise the tokens and
-    logits of the separate launches."""
-    ps = _gpu_prompts(batch)
-    f_t, f_l = _gpu_engine(family, fused_route=True, fused_combine=True)[0].run(
-        ps, 24, return_logits=True)
-    s_t, s_l = _gpu_engine(family, fused_route=False, fused_combine=False)[0].run(
-        ps, 24, return_logits=True)
-    assert all(torch.equal(a, b) for a, b in zip(f_t, s_t))
-    assert torch.equal(f_l, s_l)
 
 
 @pytest.mark.gpu

@@ -23,10 +23,6 @@ Columns (``impl``):
   timed; routing and grouping are computed beforehand and not timed (the note says so);
 * ``wsattn-triton`` / ``wsattn-triton-pdl``: :func:`wsattn.kernels.moe.moe` (route,
   group, grouped gate/up, grouped down + combine: five launches) with PDL off / on;
-* ``wsattn-triton-fused-route`` / ``wsattn-triton-fused``: the same with
-  ``fused_route=True`` (route and group in one launch, ``route_group``), and for the
-  second ``fused_combine=True`` too (the combine inside the down launch: three launches),
-  PDL where the GPU has it: the A/Bs against ``wsattn-triton-pdl``;
 * ``wsattn-gluon``: :func:`wsattn.kernels.moe.moe` with ``impl="gluon"`` (the sm_90
   warp-specialized grouped kernel for gate/up and down; route, group and combine as
   above, PDL on where available); "not available" with the kernel's own reason while it
@@ -70,8 +66,7 @@ from .report import fmt, status_text, target_text
 BATCHES = (1, 8, 32, 64)
 HF_EXPERTS = ("eager", "batched_mm", "grouped_mm", "sonicmoe", "deepgemm")
 HF_IMPLS = tuple(f"hf-{e}" for e in HF_EXPERTS)
-WSATTN_IMPLS = ("wsattn-triton", "wsattn-triton-pdl", "wsattn-triton-fused-route",
-                "wsattn-triton-fused", "wsattn-gluon")
+WSATTN_IMPLS = ("wsattn-triton", "wsattn-triton-pdl", "wsattn-gluon")
 IMPLS = HF_IMPLS + ("torch-grouped-mm",) + WSATTN_IMPLS
 GLUON_MISSING = "the Gluon grouped kernel is refused here"  # the generic reason; rows carry its own
 
@@ -401,12 +396,8 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
             return y.index_select(0, inv).view(T, c.top_k, H).sum(dim=1).to(x.dtype)
 
         ids = plan["ids"]
-    elif impl in ("wsattn-triton", "wsattn-triton-pdl", "wsattn-triton-fused-route",
-                  "wsattn-triton-fused") or impl.startswith("wsattn-triton["):
-        fused = impl.startswith("wsattn-triton-fused")
-        combine = impl == "wsattn-triton-fused"
-        # the fused column: PDL where the GPU has it (None), as the step runs it
-        pdl = True if impl.endswith("-pdl") else None if fused else False
+    elif impl in ("wsattn-triton", "wsattn-triton-pdl") or impl.startswith("wsattn-triton["):
+        pdl = impl.endswith("-pdl")
         settings = parse_settings(impl[len("wsattn-triton["):-1]) if "[" in impl else None
         t = target_of(x.device)
         if pdl and not (t.backend == "cuda" and t.cc >= 90):
@@ -416,8 +407,7 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
         def call(i):
             router_w, w_gate_up, w_down = copies[i][:3]
             return kmoe.moe(x, router_w, w_gate_up, w_down, top_k=c.top_k,
-                            renormalize=c.norm_topk, out=out, pdl=pdl, settings=settings,
-                            fused_route=fused, fused_combine=combine)
+                            renormalize=c.norm_topk, out=out, pdl=pdl, settings=settings)
 
         ids = kmoe.route(x, copies[0][0], top_k=c.top_k, renormalize=c.norm_topk, pdl=pdl)[1]
     else:

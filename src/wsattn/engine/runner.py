@@ -97,9 +97,8 @@ import torch.nn.functional as F
 
 from .. import api, ops
 from ..kernels.gemv import MAX_M as GEMV_MAX_M, gemv
-from ..kernels import moe as moe_kernels
 from ..kernels.moe import MAX_E as MOE_MAX_E, default_block, group, moe_down_combine, \
-    moe_gate_up, route, route_counters, route_group
+    moe_gate_up, route
 from ..kernels.qkv_rope import qkv_rope_append, qkv_rope_workspace
 from ..models import moe as moe_math
 from ..models.config import HEAD_DIMS, ModelConfig
@@ -199,16 +198,11 @@ class KernelStep:
             elsewhere; True: every kernel that takes it (refused off sm_90+); False: none;
             or a collection of ``PDL_FAMILIES`` names: on for those kernel families only
             (to measure where PDL pays).
-        fused_route: a MoE layer's routing and grouping in one launch
-            (``kernels.moe.route_group``, counted as "moe_route_group") instead of two;
-            None: ``kernels.moe.FUSED_ROUTE``.
-        fused_combine: a MoE layer's combine inside its down launch
-            (``moe_down_combine(fused_combine=True)``); None: ``kernels.moe.FUSED_COMBINE``.
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
             "qkv_rope", "decode", "gemv_o", "gemv_gate_up", "gemv_down", "moe_route",
-            "moe_group" (or "moe_route_group"), "moe_gate_up", "moe_down_combine", "gemv_lm_head",
+            "moe_group", "moe_gate_up", "moe_down_combine", "gemv_lm_head",
             "logits_cast"), counted when a step runs eagerly (warm-up and capture
             included, replays not).
 
@@ -224,8 +218,7 @@ class KernelStep:
 
     name = "kernels"
 
-    def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None,
-                 fused_route=None, fused_combine=None):
+    def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None):
         # what the fused step does not run, refused by feature before any shape check
         if getattr(cfg, "experts", 0) > MOE_MAX_E:
             raise ValueError(f"step='kernels': {cfg.family} has {cfg.experts} experts; the MoE "
@@ -258,16 +251,6 @@ class KernelStep:
                              f"are on {self.device}")
         self.pdl_families = families
         self._gemv_pdl_by_bucket = pdl is None and has_pdl
-        if fused_route is not None and not isinstance(fused_route, bool):
-            raise ValueError(f"fused_route must be None, True or False, got {fused_route!r}")
-        self.fused_route = moe_kernels.FUSED_ROUTE if fused_route is None else fused_route
-        if fused_combine is not None and not isinstance(fused_combine, bool):
-            raise ValueError(f"fused_combine must be None, True or False, got "
-                             f"{fused_combine!r}")
-        self.fused_combine = (moe_kernels.FUSED_COMBINE if fused_combine is None
-                              else fused_combine)
-        # the fused routing's arrival counters: owned, so a captured graph keeps them
-        self._route_counters = route_counters(self.device) if self.fused_route else None
 
         rope = cfg.rope
         scaling = None if rope.type == "default" else {
@@ -446,23 +429,15 @@ class KernelStep:
     def _moe(self, layer, h, block):
         """A MoE layer's MLP on the residual stream h [bucket, hidden], in place."""
         cfg, eps, pdl = self.cfg, self.eps, "moe" in self.pdl_families
-        if self.fused_route:
-            wts, ids, grouping = route_group(h, layer.router, top_k=cfg.top_k,
-                                             renormalize=cfg.norm_topk, block=block,
-                                             norm_eps=eps, pdl=pdl,
-                                             counters=self._route_counters)
-            self._count("moe_route_group")
-        else:
-            wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
-                             norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
-            self._count("moe_route")
-            grouping = group(ids, cfg.experts, block, pdl=pdl)
-            self._count("moe_group")
+        wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
+                         norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
+        self._count("moe_route")
+        grouping = group(ids, cfg.experts, block, pdl=pdl)
+        self._count("moe_group")
         act = moe_gate_up(h, layer.w_gate_up, grouping, norm_eps=eps, pdl=pdl)
         self._count("moe_gate_up")
         # out may be the residual (moe.py: each element read and written by one program)
-        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl,
-                         fused_combine=self.fused_combine)
+        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl)
         self._count("moe_down_combine")
 
     def _bucket(self, B):

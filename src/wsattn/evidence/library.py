@@ -706,11 +706,10 @@ def _build_moe(shape, dtype, device, gen):
             "residual": _rnd(gen, dt, device, T, H)}
 
 
-def _moe_run(inp, impl="triton", fused=None):
+def _moe_run(inp, impl="triton"):
     from ..kernels.moe import moe
     return moe(inp["x"], inp["router_w"], inp["w_gate_up"], inp["w_down"], top_k=_MOE_K,
-               renormalize=True, norm_eps=_MOE_EPS, residual=inp["residual"], impl=impl,
-               fused_route=fused, fused_combine=fused)
+               renormalize=True, norm_eps=_MOE_EPS, residual=inp["residual"], impl=impl)
 
 
 def _moe_reference(inp):
@@ -759,15 +758,12 @@ def _moe_gluon_builds(shape):
             for kernel in ("gate_up", "down")]
 
 
-def _moe_entry(name="moe", impl="triton", fused=False):
+def _moe_entry(name="moe", impl="triton"):
     """The MoE block through moe(impl=...): "triton" (every target) or "gluon" (the sm_90
-    warp-specialized grouped gate/up and down; route, group and combine stay Triton);
-    fused: three launches, route + group in one (route_group, whose kernel gates 0-2
-    read) and the combine inside the down launch."""
+    warp-specialized grouped gate/up and down; route, group and combine stay Triton)."""
     gluon = impl == "gluon"
     run = RunSpec(draw_shape=_draw_moe, build=_build_moe,
-                  run=functools.partial(_moe_run, impl=impl, fused=fused or None),
-                  reference=_moe_reference,
+                  run=functools.partial(_moe_run, impl=impl), reference=_moe_reference,
                   dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),
                   interpreter=not gluon,
                   baseline=_moe_torch, baseline_name="torch eager MoE block (transformers-style)",
@@ -781,15 +777,11 @@ def _moe_entry(name="moe", impl="triton", fused=False):
               "dtype": "bf16", "norm": True}
     if not gluon:
         kwargs.update(residual=True, renormalize=True, pdl=_PDL_BY_TARGET)
-    if fused:
-        kwargs["kernel"] = "route_group"
     what = "Gluon warp-specialized grouped gate/up and down" if gluon else "Triton"
-    steps = "route + group in one launch, gate/up, down with the combine in it" if fused \
-        else "route, group, gate/up, down + combine"
-    gated = "the fused route + group kernel" if fused else "the grouped gate/up kernel"
     return (name, f"wsattn.kernels.moe{'_gluon' if gluon else ''}", "compile_spec", kwargs, run,
-            f"MoE block, {what} ({steps}), E={_MOE_E} top {_MOE_K}, H=2048 F=768 bf16; "
-            f"gates 0-2 on {gated}", (90,) if gluon else None)
+            f"MoE block, {what} (route, group, gate/up, down + combine), E={_MOE_E} top "
+            f"{_MOE_K}, H=2048 F=768 bf16; gates 0-2 on the grouped gate/up kernel",
+            (90,) if gluon else None)
 
 
 # argmax: greedy decoding's two-stage argmax over the vocabulary (kernels/argmax.py)
@@ -881,7 +873,6 @@ ENTRIES = (
     _qkv_entry("qkv_rope_fused", "qwen3", fused=True),
     _moe_entry(),
     _moe_entry("moe_gluon", impl="gluon"),
-    _moe_entry("moe_fused", fused=True),
     _argmax_entry(),
 )
 NAMES = tuple(e[0] for e in ENTRIES)

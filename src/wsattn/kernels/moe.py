@@ -27,11 +27,6 @@ program (pairs of an expert in ascending token order), every output element is w
 by one program, and the combine adds a token's k pair results in slot order, so two
 runs on the same inputs are bit-identical.
 
-Fewer launches, the same values (both off by default, FUSED_ROUTE / FUSED_COMBINE, until
-measured): ``route_group`` runs route and group in the router-logits launch, and
-``moe_down_combine(fused_combine=True)`` the combine in the down launch, each by "the
-last program to arrive finishes" (int32 arrival counters, kernels/_sync.py's fences).
-
 Tie and NaN rule of the router (torch.topk leaves the order of equal values unspecified:
 on the CPU it returned indices [2, 4, 1] for three equal probabilities): the chosen
 experts are those of ``torch.sort(scores, descending=True, stable=True)[:, :k]``: the
@@ -54,7 +49,6 @@ from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from ._sync import _acquire, _arrive
 from .gemv import accumulate
 
 
@@ -70,10 +64,14 @@ def _router_block_h(H: int) -> int:
 
 
 @triton.jit
-def _router_rows(x_ptr, w_ptr, logits_ptr, t, e, H, E, eps, stride_xt, stride_we,
-                 BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-                 PDL: tl.constexpr):
-    # router rows e [BLOCK_E] against token t's x -> logits[t, e] (fp32)
+def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, H, E, eps, stride_xt, stride_we,
+                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                          PDL: tl.constexpr):
+    # grid (cdiv(E, BLOCK_E), T): BLOCK_E router rows against one token's x, so the router
+    # weight streams through many SMs at once (one program a token, reading all of it,
+    # took 32 us at the Qwen3-30B-A3B shape on the H200: one SM's worth of bandwidth)
+    t = tl.program_id(1)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_live = e < E
     hh = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     rows = w_ptr + e.to(tl.int64)[:, None] * stride_we  # [BLOCK_E, 1]
@@ -101,29 +99,17 @@ def _router_rows(x_ptr, w_ptr, logits_ptr, t, e, H, E, eps, stride_xt, stride_we
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, H, E, eps, stride_xt, stride_we,
-                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-                          PDL: tl.constexpr):
-    # grid (cdiv(E, BLOCK_E), T): BLOCK_E router rows against one token's x, so the router
-    # weight streams through many SMs at once (one program a token, reading all of it,
-    # took 32 us at the Qwen3-30B-A3B shape on the H200: one SM's worth of bandwidth)
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    _router_rows(x_ptr, w_ptr, logits_ptr, tl.program_id(1), e, H, E, eps, stride_xt,
-                 stride_we, BLOCK_E, BLOCK_H, NORM, PDL)
-
-
-@triton.jit
-def _route_token(logits_ptr, wts_ptr, ids_ptr, t, E, TOP_K: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, RENORM: tl.constexpr,
-                 SIGMOID: tl.constexpr, CG: tl.constexpr):
-    # token t's E fp32 logits (E <= 256) -> its top-k ids and weights. CG: the logits were
-    # written by other programs of this launch (load from L2, past L1)
+def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_TK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr,
+                  PDL: tl.constexpr):
+    # grid (T,): one token's E fp32 logits (E <= 256) -> its top-k ids and weights
+    t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_live = e < E
-    if CG:
-        logits = tl.load(logits_ptr + t * E + e, mask=e_live, other=0.0, cache_modifier=".cg")
-    else:
-        logits = tl.load(logits_ptr + t * E + e, mask=e_live, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the logits come from the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
+    logits = tl.load(logits_ptr + t * E + e, mask=e_live, other=0.0)
     if SIGMOID:
         p = tl.sigmoid(logits)
     else:
@@ -150,50 +136,22 @@ def _route_token(logits_ptr, wts_ptr, ids_ptr, t, E, TOP_K: tl.constexpr,
 
 
 @triton.jit
-def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_TK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr,
-                  PDL: tl.constexpr):
-    # grid (T,): one token's logits -> its top-k ids and weights
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the logits come from the kernel before
-        tl.extra.cuda.gdc_launch_dependents()
-    _route_token(logits_ptr, wts_ptr, ids_ptr, tl.program_id(0), E, TOP_K, BLOCK_E,
-                 BLOCK_TK, RENORM, SIGMOID, False)
-
-
-@triton.jit
 def _group_kernel(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
                   P, E, ROWS, NB,
                   BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                   TAIL: tl.constexpr, PDL: tl.constexpr):
-    # grid (1,): the grouping of all P pairs
+    # grid (1,): P = T*k <= 64*k pairs, a few passes of [CHUNK, BLOCK_E] one-hot tiles.
+    # Every address is written by exactly one lane, so no barrier orders the passes.
     if PDL:
         tl.extra.cuda.gdc_wait()  # the ids come from the router kernel
         tl.extra.cuda.gdc_launch_dependents()
-    _group_pairs(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr, P, E, ROWS, NB,
-                 BLOCK, BLOCK_E, CHUNK, TAIL, False)
-
-
-@triton.jit
-def _load_ids(ids_ptr, p, live, CG: tl.constexpr):
-    if CG:  # written by other programs of this launch: from L2, past L1
-        return tl.load(ids_ptr + p, mask=live, other=-1, cache_modifier=".cg")
-    return tl.load(ids_ptr + p, mask=live, other=-1)
-
-
-@triton.jit
-def _group_pairs(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr, P, E, ROWS, NB,
-                 BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                 TAIL: tl.constexpr, CG: tl.constexpr):
-    # one program: P = T*k <= 64*k pairs, a few passes of [CHUNK, BLOCK_E] one-hot tiles.
-    # Every address is written by exactly one lane, so no barrier orders the passes.
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_live = e < E
     c = tl.arange(0, CHUNK)  # [CHUNK]
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, P, CHUNK):
         p = p0 + c
-        ids = _load_ids(ids_ptr, p, p < P, CG)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
         counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK - 1) // BLOCK * BLOCK  # [BLOCK_E]
     ends = tl.cumsum(padded, axis=0)
@@ -207,7 +165,7 @@ def _group_pairs(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr, P,
     run = tl.zeros([BLOCK_E], dtype=tl.int32)
     for p0 in range(0, P, CHUNK):
         p = p0 + c
-        ids = _load_ids(ids_ptr, p, p < P, CG)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
         onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
         before = tl.cumsum(onehot, axis=0) - onehot + run[None, :]
         row = tl.sum(onehot * (starts[None, :] + before), axis=1)  # [CHUNK]
@@ -237,58 +195,17 @@ def _group_pairs(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr, P,
 
 
 @triton.jit
-def _route_group_kernel(x_ptr, w_ptr, logits_ptr, wts_ptr, ids_ptr, count_ptr,
-                        pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
-                        H, E, eps, stride_xt, stride_we, ROWS, NB,
-                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-                        TOP_K: tl.constexpr, BLOCK_EALL: tl.constexpr,
-                        BLOCK_TK: tl.constexpr, RENORM: tl.constexpr,
-                        SIGMOID: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                        TAIL: tl.constexpr, PDL: tl.constexpr, FENCE: tl.constexpr):
-    # grid (cdiv(E, BLOCK_E), T): route() and group() in one launch. Each program writes
-    # its router rows' logits of token t, as _router_logits_kernel does; the last of token
-    # t's programs to arrive (count_ptr[t]) picks its top-k, as _route_kernel does; the
-    # last token to finish (count_ptr[T]) groups every pair, as _group_kernel does. Each
-    # counter is reset by the program that read its last count, so the next launch (a
-    # graph replay) starts from zero. The same arithmetic in the same order as the three
-    # kernels: bit-identical to them.
-    t = tl.program_id(1)
-    T = tl.num_programs(1)
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    _router_rows(x_ptr, w_ptr, logits_ptr, t, e, H, E, eps, stride_xt, stride_we, BLOCK_E,
-                 BLOCK_H, NORM, PDL)
-    if _arrive(count_ptr + t, FENCE) == tl.num_programs(0) - 1:  # token t's logits written
-        _acquire(FENCE)
-        _route_token(logits_ptr, wts_ptr, ids_ptr, t, E, TOP_K, BLOCK_EALL, BLOCK_TK,
-                     RENORM, SIGMOID, True)
-        tl.atomic_xchg(count_ptr + t, 0)
-        if _arrive(count_ptr + T, FENCE) == T - 1:  # every token's ids are written
-            _acquire(FENCE)
-            _group_pairs(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
-                         T * TOP_K, E, ROWS, NB, BLOCK, BLOCK_EALL, CHUNK, TAIL, True)
-            tl.atomic_xchg(count_ptr + T, 0)
-
-
-@triton.jit
 def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr,
-                    res_ptr, fin_ptr, count_ptr,
-                    NOUT, K, eps, stride_xt, stride_we, stride_wn, stride_ot, T, stride_rt,
-                    stride_ft,
+                    NOUT, K, eps, stride_xt, stride_we, stride_wn, stride_ot,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, GATE_UP: tl.constexpr,
-                    NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1,
-                    COMBINE: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-                    FENCE: tl.constexpr = False):
+                    NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1):
     # grid (blocks_max, cdiv(NOUT, BLOCK_N)). One block of BLOCK_M grouped rows (one
     # expert), BLOCK_N output columns (weight rows of that expert).
     # GATE_UP: x = the tokens' hidden states gathered through the pairs, W = [E, 2F, H],
     #   out = act [rows, F] by grouped row: silu(gate) * up (FlashNorm scale with NORM).
     # else (down): x = act by grouped row, W = [E, H, F], out = per-pair results
-    #   [T*k, H] fp32 by pair index, times the pair's routing weight. COMBINE: the last
-    #   program of each column tile to arrive (count_ptr[pid_n], every block counting in,
-    #   the inactive ones too) adds the tile's columns of every token's k results onto the
-    #   residual (res_ptr, RESIDUAL) into fin_ptr [T, NOUT], as _combine_kernel does, and
-    #   resets the counter: the combine without its own launch.
+    #   [T*k, H] fp32 by pair index, times the pair's routing weight.
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
     if PDL:
@@ -297,11 +214,7 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if b >= tl.load(nact_ptr):
-        # a block past the active ones: static grid, nothing to compute
-        if COMBINE:
-            _down_arrive(out_ptr, res_ptr, fin_ptr, count_ptr, pid_n, T, NOUT, stride_ot,
-                         stride_rt, stride_ft, TOP_K, BLOCK_N, RESIDUAL, FENCE)
-        return
+        return  # a block past the active ones: static grid, nothing to do
     ex = tl.load(eob_ptr + b).to(tl.int64)
     mi = tl.arange(0, BLOCK_M)
     r = b * BLOCK_M + mi  # [BLOCK_M] grouped rows
@@ -346,62 +259,28 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
         wt = tl.load(wts_ptr + pair, mask=m_live, other=0.0)  # [BLOCK_M] fp32
         y = acc_g * wt[None, :]
         tl.store(out_ptr + pair.to(tl.int64)[None, :] * stride_ot + n[:, None], y, mask=mask)
-        if COMBINE:
-            _down_arrive(out_ptr, res_ptr, fin_ptr, count_ptr, pid_n, T, NOUT, stride_ot,
-                         stride_rt, stride_ft, TOP_K, BLOCK_N, RESIDUAL, FENCE)
-
-
-@triton.jit
-def _combine_tile(y_ptr, res_ptr, out_ptr, t, h, live, stride_yp, stride_rt, stride_ot,
-                  TOP_K: tl.constexpr, RESIDUAL: tl.constexpr, CG: tl.constexpr):
-    # out[t, h] = residual[t, h] + y[t*k, h] + ... + y[t*k + k-1, h] over tokens t [BT] and
-    # columns h [BH], in that order, fp32, one rounding. CG: y was written by other
-    # programs of this launch (load from L2, past L1).
-    acc = tl.zeros(live.shape, dtype=tl.float32)
-    if RESIDUAL:
-        # read and written by the same program element for element: out may be residual
-        acc += tl.load(res_ptr + t[:, None] * stride_rt + h[None, :], mask=live,
-                       other=0.0).to(tl.float32)
-    for j in tl.static_range(TOP_K):
-        yj = y_ptr + (t * TOP_K + j).to(tl.int64)[:, None] * stride_yp + h[None, :]
-        if CG:
-            acc += tl.load(yj, mask=live, other=0.0, cache_modifier=".cg")
-        else:
-            acc += tl.load(yj, mask=live, other=0.0)
-    tl.store(out_ptr + t[:, None] * stride_ot + h[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=live)
-
-
-@triton.jit
-def _down_arrive(y_ptr, res_ptr, fin_ptr, count_ptr, pid_n, T, NOUT, stride_yp, stride_rt,
-                 stride_ft, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 RESIDUAL: tl.constexpr, FENCE: tl.constexpr):
-    # a down program of column tile pid_n counts in; the last one combines the tile
-    if _arrive(count_ptr + pid_n, FENCE) == tl.num_programs(0) - 1:
-        _acquire(FENCE)
-        h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        tt = tl.arange(0, COMBINE_TOKENS)  # [COMBINE_TOKENS]
-        for t0 in range(0, T, COMBINE_TOKENS):
-            t = t0 + tt
-            live = (t < T)[:, None] & (h < NOUT)[None, :]
-            _combine_tile(y_ptr, res_ptr, fin_ptr, t, h, live, stride_yp, stride_rt,
-                          stride_ft, TOP_K, RESIDUAL, True)
-        tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
 @triton.jit
 def _combine_kernel(y_ptr, res_ptr, out_ptr, H, stride_yp, stride_rt, stride_ot,
                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, RESIDUAL: tl.constexpr,
                     PDL: tl.constexpr):
-    # grid (T, cdiv(H, BLOCK_H)): one token's BLOCK_H columns, _combine_tile's sum
-    t = tl.program_id(0) + tl.arange(0, 1)  # [1]
+    # grid (T, cdiv(H, BLOCK_H)): out[t] = residual[t] + y[t*k] + ... + y[t*k + k-1],
+    # in that order, fp32, one rounding
+    t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    live = (h < H)[None, :]  # [1, BLOCK_H]
+    live = h < H
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    _combine_tile(y_ptr, res_ptr, out_ptr, t, h, live, stride_yp, stride_rt, stride_ot,
-                  TOP_K, RESIDUAL, False)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if RESIDUAL:
+        # read and written by the same program element for element: out may be residual
+        acc += tl.load(res_ptr + t * stride_rt + h, mask=live, other=0.0).to(tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * stride_yp + h, mask=live,
+                       other=0.0)
+    tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
 # --------------------------------------------------------------------------- settings
@@ -413,7 +292,6 @@ DOT_BLOCKS = (16, 32, 64)  # grouping blocks served by tl.dot (its minimum is 16
 GROUP_CHUNK = 64  # pairs / blocks a pass of the grouping kernel takes at once
 GROUP_TAIL = 1024  # rows past the last expert's a store of the grouping kernel writes
 COMBINE_BLOCK_H = 1024
-COMBINE_TOKENS = tl.constexpr(16)  # tokens a pass of the down kernel's fused combine
 ROW_BYTES = 256  # bytes of a weight row a dot tile covers (as gemv.py)
 FMA_TILE_ELEMS = 4096  # weight elements of an FMA tile (16-bit; half for fp32)
 STAGE_BUDGET = 96 * 1024
@@ -582,44 +460,6 @@ def _check_grouping(grouping, device):
         raise ValueError(f"grouping must be on {device}, got {grouping.sorted_pairs.device}")
 
 
-def _check_route(x, router_w, top_k, renormalize, scoring, norm_eps):
-    """route()'s arguments, checked; returns (T, H, E)."""
-    T, H = _check_x(x)
-    if not isinstance(router_w, torch.Tensor) or router_w.dim() != 2:
-        raise ValueError("router_w must be a [E, H] torch.Tensor")
-    E = router_w.shape[0]
-    if router_w.shape[1] != H:
-        raise ValueError(f"router_w must be [E, H={H}], got {tuple(router_w.shape)}")
-    if router_w.dtype != x.dtype:
-        raise TypeError(f"router_w dtype must match x ({x.dtype}), got {router_w.dtype}")
-    if router_w.device != x.device:
-        raise ValueError(f"router_w must be on x's device {x.device}, got {router_w.device}")
-    if router_w.stride(1) != 1:
-        raise ValueError("router_w needs a contiguous last dimension")
-    if not 1 <= E <= MAX_E:
-        raise ValueError(f"router_w has E={E} experts; route takes 1..{MAX_E}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"top_k must be an int in 1..E={E}, got {top_k!r}")
-    if not isinstance(renormalize, bool):
-        raise TypeError(f"renormalize must be a bool, got {renormalize!r}")
-    if scoring not in _SCORINGS:
-        raise ValueError(f"scoring must be one of {_SCORINGS}, got {scoring!r}")
-    _check_norm_eps(norm_eps)
-    return T, H, E
-
-
-def _route_setup(x, router_w, T, E, top_k, pdl):
-    """What route() and route_group() share before their launch: the target and PDL, the
-    interpreter's fp32 stand-in for bf16, the logits, weight and id buffers."""
-    target, pdl = _resolve_pdl(pdl, x.device)
-    if target.backend == "interpreter" and x.dtype == torch.bfloat16:
-        x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
-    logits = empty((T, E), torch.float32, x.device)
-    wts = empty((T, top_k), torch.float32, x.device)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
-    return target, pdl, x, router_w, logits, wts, ids
-
-
 def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", pdl=None):
     """Router: scores of the E experts per token, the top_k of them, their weights.
 
@@ -645,8 +485,33 @@ def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", 
         >>> x = torch.randn(3, 64); rw = torch.randn(8, 64)
         >>> w, ids = route(x, rw, top_k=2, renormalize=True)   # [3, 2] each
     """
-    T, H, E = _check_route(x, router_w, top_k, renormalize, scoring, norm_eps)
-    target, pdl, x, router_w, logits, wts, ids = _route_setup(x, router_w, T, E, top_k, pdl)
+    T, H = _check_x(x)
+    if not isinstance(router_w, torch.Tensor) or router_w.dim() != 2:
+        raise ValueError("router_w must be a [E, H] torch.Tensor")
+    E = router_w.shape[0]
+    if router_w.shape[1] != H:
+        raise ValueError(f"router_w must be [E, H={H}], got {tuple(router_w.shape)}")
+    if router_w.dtype != x.dtype:
+        raise TypeError(f"router_w dtype must match x ({x.dtype}), got {router_w.dtype}")
+    if router_w.device != x.device:
+        raise ValueError(f"router_w must be on x's device {x.device}, got {router_w.device}")
+    if router_w.stride(1) != 1:
+        raise ValueError("router_w needs a contiguous last dimension")
+    if not 1 <= E <= MAX_E:
+        raise ValueError(f"router_w has E={E} experts; route takes 1..{MAX_E}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an int in 1..E={E}, got {top_k!r}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {renormalize!r}")
+    if scoring not in _SCORINGS:
+        raise ValueError(f"scoring must be one of {_SCORINGS}, got {scoring!r}")
+    _check_norm_eps(norm_eps)
+    target, pdl = _resolve_pdl(pdl, x.device)
+    if target.backend == "interpreter" and x.dtype == torch.bfloat16:
+        x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
+    logits = empty((T, E), torch.float32, x.device)
+    wts = empty((T, top_k), torch.float32, x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
     launch = {"launch_pdl": True} if pdl else {}
     _router_logits_kernel[(cdiv(E, ROUTER_BLOCK_E), T)](
         x, router_w, logits, H, E, float(norm_eps or 0.0), x.stride(0), router_w.stride(0),
@@ -692,87 +557,22 @@ def group(topk_ids, num_experts, block, *, pdl=None):
         raise ValueError(f"num_experts must be an int in 1..{MAX_E}, got {num_experts!r}")
     if not 1 <= k <= num_experts:
         raise ValueError(f"topk_ids has top_k={k} columns; needs 1..num_experts={num_experts}")
-    _check_block(block)
-    _, pdl = _resolve_pdl(pdl, topk_ids.device)
-    g = _grouping_buffers(topk_ids.device, T, k, num_experts, block)
-    launch = {"launch_pdl": True} if pdl else {}
-    _group_kernel[(1,)](topk_ids, g.sorted_pairs, g.expert_offsets, g.expert_counts,
-                        g.expert_of_block, g.num_active_blocks, T * k, num_experts,
-                        g.sorted_pairs.numel(), g.expert_of_block.numel(), BLOCK=block,
-                        BLOCK_E=max(16, next_pow2(num_experts)), CHUNK=GROUP_CHUNK,
-                        TAIL=GROUP_TAIL, PDL=pdl, num_warps=4, **launch)
-    return g
-
-
-def _check_block(block):
     if block not in FMA_BLOCKS + DOT_BLOCKS:
         raise ValueError(f"block must be one of {FMA_BLOCKS + DOT_BLOCKS}, got {block!r}")
-
-
-def _grouping_buffers(dev, T, k, E, block) -> Grouping:
-    """A Grouping's tensors at their static sizes, unwritten."""
+    _, pdl = _resolve_pdl(pdl, topk_ids.device)
+    dev, E = topk_ids.device, num_experts
     nb = blocks_max(T, k, E, block)
-    return Grouping(torch.empty(nb * block, dtype=torch.int32, device=dev),
-                    torch.empty(E + 1, dtype=torch.int32, device=dev),
-                    torch.empty(nb, dtype=torch.int32, device=dev),
-                    torch.empty(1, dtype=torch.int32, device=dev),
-                    torch.empty(E, dtype=torch.int32, device=dev), block, k, E)
-
-
-def route_counters(device) -> torch.Tensor:
-    """The zeroed int32 counters a :func:`route_group` launch needs (MAX_T + 1 of them: one
-    a token, one for the grouping): what a CUDA graph that captures route_group should own
-    and pass as ``counters=``. Every launch leaves them at zero. Not to be shared by
-    launches that may run at the same time (other streams)."""
-    return torch.zeros(MAX_T + 1, dtype=torch.int32, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def _cached_counters(device: torch.device) -> torch.Tensor:
-    return route_counters(device)
-
-
-def route_group(x, router_w, *, top_k, renormalize, block, norm_eps=None, scoring="softmax",
-                pdl=None, counters=None):
-    """route() then group() in one launch: (topk_weights, topk_ids, Grouping), the same
-    values bit for bit.
-
-    The router-logits programs of each token count themselves in; the last one of a token
-    picks its top-k, and the last token to finish groups the pairs (a device-scope counter
-    each, reset by the program that read its last count). Saves the route and group
-    launches (two kernel boundaries a MoE layer).
-
-    Args: as route(), and block as group(); counters: int32 [>= MAX_T + 1] zeros on x's
-    device (route_counters), None for one cached per device (eager use; a captured CUDA
-    graph should own its counters).
-
-    Example (TRITON_INTERPRET=1 on CPU, or CUDA tensors):
-        >>> x = torch.randn(3, 64); rw = torch.randn(8, 64)
-        >>> w, ids, g = route_group(x, rw, top_k=2, renormalize=True, block=16)
-    """
-    T, H, E = _check_route(x, router_w, top_k, renormalize, scoring, norm_eps)
-    _check_block(block)
-    if counters is None:
-        counters = _cached_counters(x.device)
-    elif not (isinstance(counters, torch.Tensor) and counters.dtype == torch.int32
-              and counters.dim() == 1 and counters.numel() >= MAX_T + 1
-              and counters.device == x.device):
-        raise ValueError(f"counters must be int32 [>= {MAX_T + 1}] on {x.device} "
-                         f"(route_counters), got "
-                         f"{getattr(counters, 'dtype', type(counters).__name__)} "
-                         f"{list(getattr(counters, 'shape', []))}")
-    target, pdl, x, router_w, logits, wts, ids = _route_setup(x, router_w, T, E, top_k, pdl)
-    g = _grouping_buffers(x.device, T, top_k, E, block)
+    rows = nb * block
+    pairs = torch.empty(rows, dtype=torch.int32, device=dev)
+    offs = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    eob = torch.empty(nb, dtype=torch.int32, device=dev)
+    nact = torch.empty(1, dtype=torch.int32, device=dev)
     launch = {"launch_pdl": True} if pdl else {}
-    _route_group_kernel[(cdiv(E, ROUTER_BLOCK_E), T)](
-        x, router_w, logits, wts, ids, counters, g.sorted_pairs, g.expert_offsets,
-        g.expert_counts, g.expert_of_block, g.num_active_blocks, H, E, float(norm_eps or 0.0),
-        x.stride(0), router_w.stride(0), g.sorted_pairs.numel(), g.expert_of_block.numel(),
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=_router_block_h(H), NORM=norm_eps is not None,
-        TOP_K=top_k, BLOCK_EALL=max(16, next_pow2(E)), BLOCK_TK=next_pow2(top_k),
-        RENORM=renormalize, SIGMOID=scoring == "sigmoid", BLOCK=block, CHUNK=GROUP_CHUNK,
-        TAIL=GROUP_TAIL, PDL=pdl, FENCE=target.backend == "cuda", num_warps=4, **launch)
-    return wts, ids, g
+    _group_kernel[(1,)](topk_ids, pairs, offs, counts, eob, nact, T * k, E, rows, nb,
+                        BLOCK=block, BLOCK_E=max(16, next_pow2(E)), CHUNK=GROUP_CHUNK,
+                        TAIL=GROUP_TAIL, PDL=pdl, num_warps=4, **launch)
+    return Grouping(pairs, offs, eob, nact, counts, block, k, E)
 
 
 def _check_experts(name, w, x, E, rows, cols):
@@ -877,9 +677,8 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
     launch = {"launch_pdl": True} if pdl else {}
     _grouped_kernel[(rows // s.block, cdiv(F, s.BLOCK_N))](
         x, w_gate_up, grouping.sorted_pairs, grouping.expert_of_block,
-        grouping.num_active_blocks, act, act, act, act, grouping.num_active_blocks, F, H,
-        float(norm_eps or 0.0), x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        act.stride(0), 0, 0, 0,  # the combine's arguments: unused here
+        grouping.num_active_blocks, act, act, F, H, float(norm_eps or 0.0),
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
         TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         USE_DOT=s.use_dot, GATE_UP=True, NORM=norm_eps is not None, PDL=pdl,
         STAGES=s.num_stages, num_warps=s.num_warps, num_stages=s.num_stages, **launch)
@@ -887,7 +686,7 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
 
 
 def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=None,
-                     pdl=None, settings=None, impl="triton", fused_combine=None):
+                     pdl=None, settings=None, impl="triton"):
     """out[t] = residual[t] + sum_j topk_weights[t, j] * (act[row(t, j)] @ Wd_e^T).
 
     Args:
@@ -900,9 +699,6 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         residual: None or [T, H] in act's dtype, last dim contiguous.
         pdl, settings, impl: as in moe_gate_up (impl picks the down projection; the
             combine is the same Triton kernel either way).
-        fused_combine: (impl "triton") the combine inside the down launch: the last
-            program of each column tile adds that tile for every token, as the combine
-            kernel does, the same values; None: FUSED_COMBINE.
 
     Returns:
         out [T, H]. The down projection writes fp32 per-pair results [T*k, H] (each
@@ -941,13 +737,6 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         if t.device != act.device or t.stride(1) != 1:
             raise ValueError(f"{name} must be on {act.device} with a contiguous last dimension")
     _check_impl(impl)
-    if fused_combine is None:
-        fused_combine = FUSED_COMBINE and impl == "triton"
-    elif not isinstance(fused_combine, bool):
-        raise TypeError(f"fused_combine must be None or a bool, got {fused_combine!r}")
-    elif fused_combine and impl != "triton":
-        raise ValueError(f"fused_combine=True needs impl='triton' (the Triton down kernel), "
-                         f"got impl={impl!r}")
     if impl == "gluon":
         _refuse_gluon(act, pdl)
         y = _gluon().down(act, w_down, grouping, topk_weights, settings)
@@ -963,40 +752,18 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
     if target.backend == "interpreter" and act.dtype == torch.bfloat16:
         y = moe_down_combine(act.float(), w_down.float(), grouping, topk_weights,
                              residual=None if residual is None else residual.float(),
-                             pdl=pdl, settings=settings, fused_combine=fused_combine)
+                             pdl=pdl, settings=settings)
         return out.copy_(y)
     y = empty((T * grouping.top_k, H), torch.float32, act.device)
     launch = {"launch_pdl": True} if pdl else {}
-    tiles = cdiv(H, s.BLOCK_N)
-    fused = fused_combine and tiles <= FUSED_COMBINE_MAX_TILES
-    res = residual if residual is not None else out  # any pointer when unused
-    if fused:
-        launch.update(COMBINE=True, RESIDUAL=residual is not None,
-                      FENCE=target.backend == "cuda")
-    _grouped_kernel[(rows // s.block, tiles)](
+    _grouped_kernel[(rows // s.block, cdiv(H, s.BLOCK_N))](
         act, w_down, grouping.sorted_pairs, grouping.expert_of_block,
-        grouping.num_active_blocks, topk_weights, y, res, out,
-        _down_counters(act.device) if fused else grouping.num_active_blocks, H, F, 0.0,
-        act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), T, res.stride(0),
-        out.stride(0),
+        grouping.num_active_blocks, topk_weights, y, H, F, 0.0,
+        act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         USE_DOT=s.use_dot, GATE_UP=False, NORM=False, PDL=pdl, STAGES=s.num_stages,
         num_warps=s.num_warps, num_stages=s.num_stages, **launch)
-    if fused:
-        return out
     return _combine(y, out, residual, grouping, T, H, pdl)
-
-
-# Column tiles the down kernel's fused combine counts arrivals for: one fixed int32 buffer
-# a device, never regrown (a captured graph keeps its address); a wider H takes the
-# combine launch. Launches on different streams of one device must not run at once.
-FUSED_COMBINE_MAX_TILES = 4096
-
-
-@functools.lru_cache(maxsize=None)
-def _down_counters(device: torch.device) -> torch.Tensor:
-    # zeros once; every fused launch leaves them at zero
-    return torch.zeros(FUSED_COMBINE_MAX_TILES, dtype=torch.int32, device=device)
 
 
 def _combine(y, out, residual, grouping, T, H, pdl):
@@ -1010,23 +777,13 @@ def _combine(y, out, residual, grouping, T, H, pdl):
     return out
 
 
-# moe()'s defaults for fused_route and fused_combine (moe_down_combine's too, and the
-# KernelStep's): off until the A/B on the GPU (`wsattn bench moe --moe-impl
-# wsattn-triton-pdl wsattn-triton-fused-route wsattn-triton-fused`) has measured them.
-FUSED_ROUTE = False
-FUSED_COMBINE = False
-
-
 def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
-        scoring="softmax", residual=None, out=None, pdl=None, settings=None, impl="triton",
-        fused_route=None, fused_combine=None):
+        scoring="softmax", residual=None, out=None, pdl=None, settings=None, impl="triton"):
     """The whole MoE block for a decode step: route -> group -> gate_up -> down+combine.
 
     Shapes as in the four launchers: x [T, H], router_w [E, H], w_gate_up [E, 2F, H],
     w_down [E, H, F]; returns out [T, H] in x's dtype (residual added when given).
-    Five launches, no host sync; with fused_route (None: FUSED_ROUTE) route and group are
-    one launch (route_group), with fused_combine (None: FUSED_COMBINE) the combine runs in
-    the down launch: three launches, the same values. impl="gluon" runs the grouped gate/up and down on the
+    Five launches, no host sync. impl="gluon" runs the grouped gate/up and down on the
     sm_90 Gluon kernel (moe_gate_up's impl; settings then a moe_gluon.GluonMoeSettings,
     its block the grouping's), refused before any launch where that kernel cannot run.
 
@@ -1038,13 +795,8 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
     _check_impl(impl)
     if impl == "gluon" and isinstance(x, torch.Tensor):
         _refuse_gluon(x, pdl)  # before any kernel runs, route and group included
-    if fused_route is None:
-        fused_route = FUSED_ROUTE
-    elif not isinstance(fused_route, bool):
-        raise TypeError(f"fused_route must be None or a bool, got {fused_route!r}")
-    if not fused_route:
-        wts, ids = route(x, router_w, top_k=top_k, renormalize=renormalize,
-                         norm_eps=norm_eps, scoring=scoring, pdl=pdl)
+    wts, ids = route(x, router_w, top_k=top_k, renormalize=renormalize, norm_eps=norm_eps,
+                     scoring=scoring, pdl=pdl)
     target = target_of(x.device)
     E = router_w.shape[0]
     if settings is not None and hasattr(settings, "block"):
@@ -1054,15 +806,11 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
     else:
         block = default_settings(target, T=x.shape[0], top_k=top_k, num_experts=E,
                                  dtype=x.dtype).block
-    if fused_route:
-        wts, ids, g = route_group(x, router_w, top_k=top_k, renormalize=renormalize,
-                                  block=block, norm_eps=norm_eps, scoring=scoring, pdl=pdl)
-    else:
-        g = group(ids, E, block, pdl=pdl)
+    g = group(ids, E, block, pdl=pdl)
     act = moe_gate_up(x, w_gate_up, g, norm_eps=norm_eps, pdl=pdl, settings=settings,
                       impl=impl)
     return moe_down_combine(act, w_down, g, wts, out, residual=residual, pdl=pdl,
-                            settings=settings, impl=impl, fused_combine=fused_combine)
+                            settings=settings, impl=impl)
 
 
 # --------------------------------------------------------------------------- compile specs
@@ -1072,13 +820,11 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
 def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 128,
                  top_k: int = 8, F: int = 768, dtype: str = "bf16", pdl: bool = False,
                  norm: bool = False, residual: bool = False, renormalize: bool = True,
-                 settings: MoeSettings | None = None, num_sms: int = 132,
-                 fused_combine: bool = False) -> dict:
+                 settings: MoeSettings | None = None, num_sms: int = 132) -> dict:
     """What ``triton.compile`` needs to build one MoE kernel for compute capability cc.
 
-    kernel: "router_logits", "route" (top-k of the logits), "group", "route_group" (the
-    three in one launch), "gate_up", "down" (with fused_combine: the combine in it, with
-    residual) or "combine". Settings default to
+    kernel: "router_logits", "route" (top-k of the logits), "group", "gate_up", "down" or
+    "combine". Settings default to
     default_settings on a GPU with num_sms SMs. Returns {"fn", "signature",
     "constexprs", "attrs", "options"} as gemv.compile_spec does.
     """
@@ -1102,21 +848,6 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
                  "BLOCK_TK": next_pow2(top_k), "RENORM": renormalize, "SIGMOID": False,
                  "PDL": pdl}
         fn, aligned = _route_kernel, ("logits_ptr", "wts_ptr", "ids_ptr")
-    elif kernel == "route_group":
-        sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "logits_ptr": "*fp32", "wts_ptr": "*fp32",
-               "ids_ptr": "*i32", "count_ptr": "*i32", "pairs_ptr": "*i32", "offs_ptr": "*i32",
-               "counts_ptr": "*i32", "eob_ptr": "*i32", "nact_ptr": "*i32", "H": "i32",
-               "E": "i32", "eps": "fp32", "stride_xt": "i32", "stride_we": "i32",
-               "ROWS": "i32", "NB": "i32"}
-        const = {"BLOCK_E": ROUTER_BLOCK_E, "BLOCK_H": _router_block_h(H), "NORM": norm,
-                 "TOP_K": top_k, "BLOCK_EALL": max(16, next_pow2(E)),
-                 "BLOCK_TK": next_pow2(top_k), "RENORM": renormalize, "SIGMOID": False,
-                 "BLOCK": settings.block, "CHUNK": GROUP_CHUNK, "TAIL": GROUP_TAIL,
-                 "PDL": pdl, "FENCE": True}
-        fn, aligned = _route_group_kernel, ("x_ptr", "w_ptr", "logits_ptr", "wts_ptr",
-                                            "ids_ptr", "count_ptr", "pairs_ptr", "offs_ptr",
-                                            "counts_ptr", "eob_ptr", "nact_ptr", "H",
-                                            "stride_xt", "stride_we")
     elif kernel == "group":
         sig = {"ids_ptr": "*i32", "pairs_ptr": "*i32", "offs_ptr": "*i32", "counts_ptr": "*i32",
                "eob_ptr": "*i32", "nact_ptr": "*i32", "P": "i32", "E": "i32", "ROWS": "i32",
@@ -1129,16 +860,13 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
         gate_up = kernel == "gate_up"
         sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "pairs_ptr": "*i32", "eob_ptr": "*i32",
                "nact_ptr": "*i32", "wts_ptr": "*fp32" if not gate_up else f"*{t}",
-               "out_ptr": f"*{t}" if gate_up else "*fp32", "res_ptr": f"*{t}",
-               "fin_ptr": f"*{t}", "count_ptr": "*i32", "NOUT": "i32", "K": "i32",
+               "out_ptr": f"*{t}" if gate_up else "*fp32", "NOUT": "i32", "K": "i32",
                "eps": "fp32", "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32",
-               "stride_ot": "i32", "T": "i32", "stride_rt": "i32", "stride_ft": "i32"}
+               "stride_ot": "i32"}
         const = {"TOP_K": top_k, "BLOCK_M": settings.block, "BLOCK_N": settings.BLOCK_N,
                  "BLOCK_K": settings.BLOCK_K, "USE_DOT": settings.use_dot,
                  "GATE_UP": gate_up, "NORM": norm and gate_up, "PDL": pdl,
                  "STAGES": settings.num_stages}
-        if fused_combine and not gate_up:
-            const.update(COMBINE=True, RESIDUAL=residual, FENCE=True)
         options = {**options, "num_warps": settings.num_warps,
                    "num_stages": settings.num_stages}
         fn, aligned = _grouped_kernel, ("x_ptr", "w_ptr", "pairs_ptr", "eob_ptr", "nact_ptr",
@@ -1151,8 +879,8 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
         fn, aligned = _combine_kernel, ("y_ptr", "res_ptr", "out_ptr", "H", "stride_yp",
                                         "stride_rt", "stride_ot")
     else:
-        raise ValueError(f"kernel must be 'router_logits', 'route', 'group', 'route_group', "
-                         f"'gate_up', 'down' or 'combine', got {kernel!r}")
+        raise ValueError(f"kernel must be 'route', 'group', 'gate_up', 'down' or 'combine', "
+                         f"got {kernel!r}")
     sig.update({name: "constexpr" for name in const})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return {"fn": fn, "signature": sig, "constexprs": const, "attrs": attrs, "options": options}

@@ -62,10 +62,7 @@ def test_default_decode_cases_unchanged_and_never_rotated():
     ("64,4,3,16", DecodeSettings(64, 4, 3, 16, False)),
     ("32,8,7,1,1", DecodeSettings(32, 8, 7, 1, True)),
     (" 128, 2, 1, 128, 0 ", DecodeSettings(128, 2, 1, 128, False)),
-    ("64,4,3,16,0,1", DecodeSettings(64, 4, 3, 16, False, True)),
-    ("32,8,4,8,1,1", DecodeSettings(32, 8, 4, 8, True, True)),
-], ids=["four-fields", "bt-preload-on", "spaces-bt-preload-off", "fused-combine",
-        "both"])
+], ids=["four-fields", "bt-preload-on", "spaces-bt-preload-off"])
 def test_spec_parses_and_round_trips(spec, want):
     got = parse_decode_settings(spec)
     assert got == want
@@ -74,9 +71,9 @@ def test_spec_parses_and_round_trips(spec, want):
 
 
 @pytest.mark.parametrize("spec, words", [
-    ("64,4,3", "4 to 6 integers"),
-    ("64,4,3,16,1,1,1", "4 to 6 integers"),
-    ("64,4,3,16,1,9", "fused_combine must be 0 or 1"),
+    ("64,4,3", "4 or 5 integers"),
+    ("64,4,3,16,1,9", "4 or 5 integers"),
+    ("64,4,4,16,0,1", "must be BLOCK_N,num_warps,num_stages,num_splits[,bt_preload] "),
     ("64,four,3,16", "num_warps must be an integer"),
     ("48,4,3,16", "BLOCK_N must be a power of two"),
     ("8,4,3,16", "BLOCK_N must be a power of two in [16, 256]"),
@@ -85,8 +82,8 @@ def test_spec_parses_and_round_trips(spec, want):
     ("64,4,3,0", "num_splits must be in [1, 128]"),
     ("64,4,3,129", "num_splits must be in [1, 128]"),
     ("64,4,3,16,2", "bt_preload must be 0 or 1"),
-], ids=["too-few", "too-many", "fused-combine-9", "not-int", "block-n-not-pow2", "block-n-small", "warps",
-        "stages", "splits-0", "splits-129", "bt-preload-2"])
+], ids=["too-few", "too-many", "six-fields", "not-int", "block-n-not-pow2", "block-n-small",
+        "warps", "stages", "splits-0", "splits-129", "bt-preload-2"])
 def test_bad_spec_is_refused_by_name(spec, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
         parse_decode_settings(spec)

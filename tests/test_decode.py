@@ -175,29 +175,6 @@ def test_decode_block_table_preload(kernel_device, page, splits):
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
 
 
-@pytest.mark.parametrize("page, splits", [(None, 2), (None, 5), (7, 3), (16, 4)],
-                         ids=["contig-split2", "contig-split5", "page7-split3", "page16-split4"])
-def test_decode_fused_combine(kernel_device, page, splits):
-    """fused_combine (the last split program of each sequence and KV head merges the
-    splits in the decode launch): the reference's answer, the same bits as the combine
-    launch (the same merge helpers in the same order), the counters back at zero."""
-    from wsattn.kernels import decode_triton
-
-    q, k, v, seqlens, table = _cache(3, 2, 8, 2, [70, 2, 33], page, 75, torch.float16,
-                                     kernel_device, 12)
-    base = decode_triton.DecodeSettings(BLOCK_N=16, num_warps=4, num_stages=1,
-                                        num_splits=splits)
-    fused = dataclasses.replace(base, fused_combine=True)
-    for _ in range(2):  # the second launch starts from the counters the first left
-        out, lse = decode_triton.decode(q, k, v, seqlens, table, D ** -0.5, 0, settings=fused)
-        assert int(decode_triton._combine_counters(q.device).abs().sum()) == 0
-    ref, ref_lse = reference.decode(q, k, v, seqlens, table)
-    assert_close(out, ref, torch.float16)
-    assert_lse_close(lse, ref_lse, torch.float16)
-    out0, lse0 = decode_triton.decode(q, k, v, seqlens, table, D ** -0.5, 0, settings=base)
-    assert torch.equal(out, out0) and torch.equal(lse, lse0)
-
-
 def test_bt_chunk_covers_a_split_and_stays_small():
     from wsattn.kernels.decode_triton import BT_PRELOAD_MAX, DecodeSettings, bt_chunk
 
@@ -496,68 +473,3 @@ def test_decode_pdl_off_equals_the_default_call(kernel_device, page):
             assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
         ref, ref_lse = reference.decode(q, k, v, seqlens, table, 0.125)
         assert_close(base[0], ref, torch.float16)
-
-
-def test_sm90_fused_combine_builds_without_spills():
-    """The fused-combine builds (contiguous and paged, D 64 and 128, PDL on) at the decode
-    step's default settings: no spills, the counter's atomics and both fences in the PTX."""
-    import re
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from test_prefill_compile import _ptxas_usage
-    from wsattn.kernels import decode_triton as dt
-
-    for head_dim in (64, 128):
-        for paged in (False, True):
-            st = dt.default_settings(Target("cuda", 90, 132), batch=1, kv_heads=8,
-                                     head_dim=head_dim, capacity=4096, dtype=torch.bfloat16,
-                                     paged=paged, query_rows=4, page_size=16 if paged else 0)
-            st = dataclasses.replace(st, fused_combine=True)
-            assert st.num_splits > 1
-            s = dt.compile_spec(90, head_dim=head_dim, paged=paged, settings=st, pdl=True)
-            assert s["constexprs"]["FUSED_COMBINE"] is True
-            k = triton.compile(ASTSource(s["fn"], s["signature"], s["constexprs"], s["attrs"]),
-                               target=GPUTarget("cuda", 90, 32), options=s["options"])
-            assert sum(_ptxas_usage(k)[1:]) == 0, (head_dim, paged)
-            ptx = k.asm["ptx"]
-            assert re.search(r"\batom\.\S*add", ptx), "the arrival counter's atomic add"
-            assert ptx.count("fence.acq_rel.gpu") == 2, (head_dim, paged)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B, page", [(1, 16), (8, 16), (1, None)])
-def test_gpu_fused_combine_equals_the_combine_launch(B, page):
-    """At the Llama-3.1-8B decode shape (Hq 32, Hkv 8, D 128, ctx 4096), bf16, PDL on:
-    fused_combine gives bitwise the combine launch's output and LSE, within tolerance of
-    float64, on reruns and in a CUDA graph replayed with new queries; the counters end at
-    zero."""
-    from wsattn.kernels import decode_triton as dt
-
-    lens = [4096 - 37 * i for i in range(B)]
-    q, k, v, seqlens, table = _cache(B, 1, 32, 8, lens, page, 4096, torch.bfloat16, "cuda", 21)
-    base = dt.default_settings(Target("cuda", 90, torch.cuda.get_device_properties(0)
-                                      .multi_processor_count), batch=B, kv_heads=8,
-                               head_dim=128, capacity=4096, dtype=torch.bfloat16,
-                               paged=page is not None, query_rows=4,
-                               page_size=page or 0)
-    if base.num_splits == 1:
-        base = dataclasses.replace(base, num_splits=8)
-    fused = dataclasses.replace(base, fused_combine=True)
-    want = dt.decode(q, k, v, seqlens, table, 128 ** -0.5, 0, settings=base, pdl=True)
-    for _ in range(3):
-        got = dt.decode(q, k, v, seqlens, table, 128 ** -0.5, 0, settings=fused, pdl=True)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    ref, ref_lse = reference.decode(q, k, v, seqlens, table, 128 ** -0.5)
-    assert_close(got[0], ref, torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = dt.decode(q, k, v, seqlens, table, 128 ** -0.5, 0, settings=fused, pdl=True)
-    for _ in range(3):
-        q.copy_(torch.randn_like(q))
-        graph.replay()
-        want = dt.decode(q, k, v, seqlens, table, 128 ** -0.5, 0, settings=base, pdl=True)
-        torch.cuda.synchronize()
-        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
-    assert int(dt._combine_counters(q.device).abs().sum()) == 0

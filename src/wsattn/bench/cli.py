@@ -24,7 +24,7 @@ work and torch's FlashAttention-2 varlen (wsattn.bench.varlen).
 `wsattn bench decode --step-shapes` runs the decode step's attention shapes instead of the
 long contexts (Llama-3.2-1B and Llama-3.1-8B heads, B 1-64, L 1k-32k, contiguous and
 page 16); `--decode-settings SPEC ...` adds a column `triton[SPEC]` per SPEC =
-BLOCK_N,num_warps,num_stages,num_splits[,bt_preload[,fused_combine]]: the Triton decode kernel launched
+BLOCK_N,num_warps,num_stages,num_splits[,bt_preload]: the Triton decode kernel launched
 with exactly those settings, checked then timed like `triton`, whose rows note the
 settings the defaults chose. A decode case whose K/V fits in L2 several times over is
 timed over copies of its inputs, so that it reads HBM as the decode step does.
@@ -89,8 +89,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               metavar="SPEC",
                               help="decode: extra columns triton[SPEC], the Triton decode "
                                    "kernel with these settings; SPEC = BLOCK_N,num_warps,"
-                                   "num_stages,num_splits[,bt_preload[,fused_combine]] "
-                                   "(each 0/1, default 0), e.g. 64,4,4,16 or 64,4,4,16,0,1")
+                                   "num_stages,num_splits[,bt_preload] (bt_preload 0/1, "
+                                   "default 0), e.g. 64,4,4,16")
     from . import chunked as chunked_mod, gemv as gemv_mod, moe as moe_mod, step as step_mod
     from . import varlen as varlen_mod
     model_group = p.add_argument_group("step and gemv (decode-step model shapes)")

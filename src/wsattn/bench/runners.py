@@ -208,25 +208,23 @@ class WsattnRunner(Runner):
 
 # --------------------------------------------------------------------------- decode settings
 
-SETTINGS_FIELDS = ("BLOCK_N", "num_warps", "num_stages", "num_splits", "bt_preload",
-                   "fused_combine")
-SETTINGS_SPEC = ",".join(SETTINGS_FIELDS[:4]) + "[,bt_preload[,fused_combine]]"
+SETTINGS_FIELDS = ("BLOCK_N", "num_warps", "num_stages", "num_splits", "bt_preload")
+SETTINGS_SPEC = ",".join(SETTINGS_FIELDS[:4]) + "[,bt_preload]"
 SETTINGS_RANGES = {"BLOCK_N": "a power of two in [16, 256]",
                    "num_warps": "a power of two in [1, 16]",
                    "num_stages": "in [1, 8]", "num_splits": "in [1, {max_splits}]",
-                   "bt_preload": "0 or 1", "fused_combine": "0 or 1"}
+                   "bt_preload": "0 or 1"}
 
 
 def parse_decode_settings(spec: str):
-    """'BLOCK_N,num_warps,num_stages,num_splits[,bt_preload[,fused_combine]]' ->
-    DecodeSettings, or a ValueError naming the field and what it takes (BLOCK_N >= 16
-    because both tl.dot operands need 16 rows; bt_preload and fused_combine 0 or 1,
-    default 0)."""
+    """'BLOCK_N,num_warps,num_stages,num_splits[,bt_preload]' -> DecodeSettings, or a
+    ValueError naming the field and what it takes (BLOCK_N >= 16 because both tl.dot
+    operands need 16 rows; bt_preload 0 or 1, default 0)."""
     from wsattn.kernels.decode_triton import MAX_SPLITS, DecodeSettings
 
     parts = [p.strip() for p in str(spec).split(",")]
-    if len(parts) not in (4, 5, 6):
-        raise ValueError(f"{spec!r} must be {SETTINGS_SPEC} (4 to 6 integers), got "
+    if len(parts) not in (4, 5):
+        raise ValueError(f"{spec!r} must be {SETTINGS_SPEC} (4 or 5 integers), got "
                          f"{len(parts)} field(s)")
     values = {}
     for name, text in zip(SETTINGS_FIELDS, parts):
@@ -235,33 +233,25 @@ def parse_decode_settings(spec: str):
         except ValueError:
             raise ValueError(f"{spec!r}: {name} must be an integer, got {text!r}") from None
     values.setdefault("bt_preload", 0)
-    values.setdefault("fused_combine", 0)
     pow2 = lambda x, hi: 1 <= x <= hi and x & (x - 1) == 0  # noqa: E731
     ok = {"BLOCK_N": values["BLOCK_N"] >= 16 and pow2(values["BLOCK_N"], 256),
           "num_warps": pow2(values["num_warps"], 16),
           "num_stages": 1 <= values["num_stages"] <= 8,
           "num_splits": 1 <= values["num_splits"] <= MAX_SPLITS,
-          "bt_preload": values["bt_preload"] in (0, 1),
-          "fused_combine": values["fused_combine"] in (0, 1)}
+          "bt_preload": values["bt_preload"] in (0, 1)}
     for name in SETTINGS_FIELDS:
         if not ok[name]:
             raise ValueError(f"{spec!r}: {name} must be "
                              f"{SETTINGS_RANGES[name].format(max_splits=MAX_SPLITS)}, got "
                              f"{values[name]}")
     values["bt_preload"] = bool(values["bt_preload"])
-    values["fused_combine"] = bool(values["fused_combine"])
     return DecodeSettings(**values)
 
 
 def format_decode_settings(settings) -> str:
-    """The spec parse_decode_settings reads back (bt_preload and fused_combine written only
-    when one is on)."""
+    """The spec parse_decode_settings reads back (bt_preload written only when on)."""
     fields = [settings.BLOCK_N, settings.num_warps, settings.num_stages, settings.num_splits]
-    if settings.fused_combine:
-        fields += [int(settings.bt_preload), 1]
-    elif settings.bt_preload:
-        fields += [1]
-    return ",".join(str(x) for x in fields)
+    return ",".join(str(x) for x in fields + ([1] if settings.bt_preload else []))
 
 
 def launched_settings(case, inp, settings=None):

@@ -38,7 +38,6 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from ._sync import _acquire, _arrive
 from .merge import merge_finish, merge_step
 
 LOG2E = 1.4426950408889634
@@ -46,7 +45,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
-                   ws_o_ptr, ws_lse_ptr, count_ptr, qk_scale, HQ,
+                   ws_o_ptr, ws_lse_ptr, qk_scale, HQ,
                    stride_qb, stride_qt, stride_qh,
                    stride_kb, stride_kl, stride_kh,
                    stride_vb, stride_vl, stride_vh,
@@ -54,8 +53,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
                    T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr = 0,
-                   PDL: tl.constexpr = False, FUSED_COMBINE: tl.constexpr = False,
-                   FENCE: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     # stride_kb / stride_vb step a sequence (contiguous cache) or a page (paged cache).
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -152,28 +150,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
         ws_rows = rows * NUM_SPLITS + s  # [BLOCK_M] row of the [B*T*Hq, NUM_SPLITS] workspace
         tl.store(ws_o_ptr + ws_rows[:, None] * D + d[None, :], o, mask=row_live[:, None])
         tl.store(ws_lse_ptr + ws_rows, lse, mask=row_live)
-        if FUSED_COMBINE:
-            # The combine in this launch: the last of the (b, h) programs to arrive merges
-            # the splits of its rows, in the order s = 0..NUM_SPLITS-1 as _combine_kernel
-            # does (merge.py's helpers), and resets the counter for the next launch.
-            slot = b * tl.num_programs(1) + h
-            if _arrive(count_ptr + slot, FENCE) == NUM_SPLITS - 1:
-                _acquire(FENCE)
-                acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-                m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                den = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for s2 in range(NUM_SPLITS):
-                    r2 = rows * NUM_SPLITS + s2  # [BLOCK_M]
-                    lse_s = tl.load(ws_lse_ptr + r2, mask=row_live, other=float("-inf"),
-                                    cache_modifier=".cg")
-                    o_s = tl.load(ws_o_ptr + r2[:, None] * D + d[None, :],
-                                  mask=row_live[:, None], other=0.0, cache_modifier=".cg")
-                    acc, m, den = merge_step(acc, m, den, o_s, lse_s)
-                o, lse = merge_finish(acc, m, den)
-                tl.store(out_ptr + rows[:, None] * D + d[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=row_live[:, None])
-                tl.store(lse_ptr + rows, lse, mask=row_live)
-                tl.atomic_xchg(count_ptr + slot, 0)
 
 
 @triton.jit
@@ -213,17 +189,12 @@ class DecodeSettings:
     cache whose pages are shorter than a tile reads each split's block-table entries once
     before the loop (at most BT_PRELOAD_MAX of them) instead of per tile; default_settings
     turns it on where it applies on sm_90 (measured there: notes/decode_triton.md).
-    fused_combine: with splits, the last program of each (sequence, KV head) merges the
-    splits in the decode launch itself (a device-scope counter a pair, reset by it)
-    instead of a second launch; off until measured (notes/decode_triton.md). Calls with
-    more than FUSED_COMBINE_MAX_PAIRS (sequence, KV head) pairs take the second launch.
     """
     BLOCK_N: int
     num_warps: int
     num_stages: int
     num_splits: int
     bt_preload: bool = False
-    fused_combine: bool = False
 
 
 # Auto splitting aims at this many programs per SM once B * Hkv alone cannot fill the
@@ -420,14 +391,10 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     else:  # unused by the kernel (the NUM_SPLITS == 1 branch compiles away)
         ws_o, ws_lse = out, lse
     bt = block_table if paged else seqlens  # any int32 pointer when not paged
-    fused = splits > 1 and settings.fused_combine and B * HKV <= FUSED_COMBINE_MAX_PAIRS
-    counters = _combine_counters(q.device) if fused else seqlens  # any int32 pointer if not
     # PDL off passes nothing: the default launch (and build) stays as it was
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
-    if fused:
-        launch.update(FUSED_COMBINE=True, FENCE=target_of(q.device).backend == "cuda")
     _decode_kernel[(B, HKV, splits)](
-        q, k_cache, v_cache, seqlens, bt, out, lse, ws_o, ws_lse, counters,
+        q, k_cache, v_cache, seqlens, bt, out, lse, ws_o, ws_lse,
         sm_scale * LOG2E, HQ,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -437,24 +404,12 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=page_size,
         BT_CHUNK=bt_chunk(settings, capacity, page_size) if paged else 0,
         num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
-    if splits > 1 and not fused:
+    if splits > 1:
         block_d = min(COMBINE_BLOCK_D, D)
         _combine_kernel[(B * T * HQ, D // block_d)](
             ws_o, ws_lse, out, lse, D=D, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=1,
             **launch)
     return out, lse
-
-
-# (sequence, KV head) pairs the fused combine's counters cover: one fixed buffer a device,
-# never regrown (a captured CUDA graph keeps its address), 16 KB; more pairs take the
-# combine launch. Launches on different streams of one device must not run at once.
-FUSED_COMBINE_MAX_PAIRS = 4096
-
-
-@functools.lru_cache(maxsize=None)
-def _combine_counters(device: torch.device) -> torch.Tensor:
-    # zeros once; every fused launch leaves them at zero
-    return torch.zeros(FUSED_COMBINE_MAX_PAIRS, dtype=torch.int32, device=device)
 
 
 # --------------------------------------------------------------------------- compile specs
@@ -508,7 +463,7 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
         raise ValueError(f"kernel must be 'decode' or 'combine', got {kernel!r}")
     sig = {"q_ptr": f"*{t}", "k_ptr": f"*{t}", "v_ptr": f"*{t}", "seqlens_ptr": "*i32",
            "bt_ptr": "*i32", "out_ptr": f"*{t}", "lse_ptr": "*fp32", "ws_o_ptr": "*fp32",
-           "ws_lse_ptr": "*fp32", "count_ptr": "*i32", "qk_scale": "fp32", "HQ": "i32"}
+           "ws_lse_ptr": "*fp32", "qk_scale": "fp32", "HQ": "i32"}
     for name in ("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
                  "stride_vb", "stride_vl", "stride_vh", "stride_btb"):
         sig[name] = "i32"
@@ -520,8 +475,6 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
     if pdl:
         const["PDL"] = True
         options["launch_pdl"] = True
-    if settings.fused_combine and settings.num_splits > 1:
-        const.update(FUSED_COMBINE=True, FENCE=True)
     sig.update({name: "constexpr" for name in const})
     return {"fn": _decode_kernel, "signature": sig, "constexprs": const,
             "attrs": _aligned(_decode_kernel, _DECODE_ALIGNED), "options": options}
@@ -531,7 +484,7 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
 # tensor pointer (torch allocations are 256-byte aligned) and the strides of the
 # [.., D] tensors. stride_btb (max_pages) and the sizes are left unknown.
 _DECODE_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "seqlens_ptr", "bt_ptr", "out_ptr", "lse_ptr",
-                   "ws_o_ptr", "ws_lse_ptr", "count_ptr", "stride_qb", "stride_qt", "stride_qh", "stride_kb",
+                   "ws_o_ptr", "ws_lse_ptr", "stride_qb", "stride_qt", "stride_qh", "stride_kb",
                    "stride_kl", "stride_kh", "stride_vb", "stride_vl", "stride_vh")
 _COMBINE_ALIGNED = ("ws_o_ptr", "ws_lse_ptr", "out_ptr", "lse_ptr")
 

@@ -190,7 +190,7 @@ def _g():
     (dict(out=torch.randn(2, 16).half()), TypeError, "out dtype"),
     (dict(out=torch.randn(16, 2).t()), ValueError, "out needs a contiguous last dimension"),
     (dict(pdl=1), TypeError, "pdl must be None or a bool"),
-    (dict(pdl_late=1), TypeError, "pdl_late must be a bool"),
+    (dict(pdl_late=1), TypeError, "pdl_late must be None or a bool"),
     (dict(settings={"BLOCK_N": 16}), TypeError, "settings must be None or a GemvSettings"),
     (dict(x=torch.randn(17, 8), settings="fma"), ValueError, "use_dot=False takes M <= 16"),
 ], ids=lambda v: v if isinstance(v, str) else None)
@@ -293,7 +293,7 @@ def test_sm90_pdl_wait_after_the_first_weight_loads(kw):
 
 @pytest.mark.parametrize("kw", [dict(M=1), dict(M=8, norm=True)], ids=["M1-fma", "M8-dot"])
 def test_sm90_pdl_late_releases_after_the_weight_stream(kw):
-    """pdl_late (the "gemv:late" A/B): one wait, one release, the release after the last
+    """pdl_late (the default below PDL_LATE_BELOW_M rows): one wait, one release, the release after the last
     weight load of the K loop (so after every W load) and before the epilogue's stores;
     the default build releases right after the wait."""
     ptx = _compile(N=3072, K=2048, pdl=True, pdl_late=True, **kw).asm["ptx"]
@@ -370,6 +370,9 @@ def test_gpu_bf16_against_reference_and_reruns(switch, M):
     assert_close(y1, ref, dt)
     assert torch.equal(y1, y2), "rerun differs"
     assert torch.equal(y1, y3), "PDL on and off differ"
-    y4 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings, pdl_late=True)
+    # the release the default did not pick (gemv.PDL_LATE_BELOW_M)
+    other = not M < g.PDL_LATE_BELOW_M
+    y4 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings,
+                pdl_late=other)
     torch.cuda.synchronize()
-    assert torch.equal(y1, y4), "the late PDL release changed the result"
+    assert torch.equal(y1, y4), f"the PDL release (pdl_late={other}) changed the result"

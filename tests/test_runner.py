@@ -289,36 +289,24 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
         step._moe(moe_layer, buf.h, 1)
         assert {name for name, _ in seen} == set(runner.PDL_FAMILIES)
         assert all(pdl is (name in families) for name, pdl in seen), (families, seen)
-    # the default: the GEMVs join only in buckets above GEMV_PDL_MAX_OFF rows (a loss under
-    # PDL at one row, a gain at 64); pdl=None on a PDL GPU, simulated
-    step.pdl_families = runner._pdl_families(None, has_pdl=True)
-    step._gemv_pdl_by_bucket = True
-    for bucket in (1, runner.GEMV_PDL_MAX_OFF, runner.GEMV_PDL_MAX_OFF + 1):
-        seen.clear()
-        buf = runner._Buffers(cfg, bucket, step.max_pages, w.dtype, w.embed.device)
-        step._forward(buf)
-        on = set(runner.DEFAULT_PDL_FAMILIES) | (
-            {"gemv"} if bucket > runner.GEMV_PDL_MAX_OFF else set())
-        assert step.families_for(bucket) == on
-        assert all(pdl is (name in on) for name, pdl in seen), (bucket, seen)
-    # the A/B variant gemv:late: PDL on the GEMVs with the late release, nothing else moves
+    # the GEMVs' release: "gemv" leaves it to gemv (by rows, pdl_late=None), the variants
+    # force it; nothing else moves
     late_seen = []
 
-    def gemv_late(*a, pdl=None, pdl_late=False, **k):
+    def gemv_late(*a, pdl=None, pdl_late="unset", **k):
         late_seen.append((pdl, pdl_late))
     monkeypatch.setattr(runner, "gemv", gemv_late)
-    step._gemv_pdl_by_bucket = False
-    for families, want in [(("gemv:late",), (True, True)), (("gemv",), (True, False)),
-                           ((), (False, False))]:
+    for families, want in [(("gemv:late",), (True, True)), (("gemv:early",), (True, False)),
+                           (("gemv",), (True, None)), ((), (False, None))]:
         late_seen.clear()
         step.pdl_families = runner._pdl_families(families, has_pdl=True)
         step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
         assert late_seen and set(late_seen) == {want}, (families, late_seen)
-    with pytest.raises(ValueError, match=r"name the same kernels"):
-        runner._pdl_families(("gemv", "gemv:late"), has_pdl=True)
-    assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.DEFAULT_PDL_FAMILIES)
-    assert "gemv" not in runner.DEFAULT_PDL_FAMILIES
-    assert set(runner.DEFAULT_PDL_FAMILIES) < set(runner.PDL_FAMILIES)
+    for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late")]:
+        with pytest.raises(ValueError, match=r"name the same kernels \(the GEMVs\)"):
+            runner._pdl_families(both, has_pdl=True)
+    # the default: every family where the GPU has PDL (the GEMVs' release by rows)
+    assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(None, has_pdl=False) == frozenset()
     assert runner._pdl_families(True, has_pdl=False) == frozenset(runner.PDL_FAMILIES)
@@ -451,8 +439,9 @@ def test_gpu_pdl_on_equals_off():
         pytest.skip("PDL needs sm_90+")
     ps = _gpu_prompts()
     off_t, off_l = _gpu_engine(pdl=False)[0].run(ps, 24, return_logits=True)
-    # every family, the library's default, and the late GEMV release (the A/B variant)
-    for pdl in (True, None, ("qkv_rope", "decode", "gemv:late")):
+    # every family, the library's default, and both forced GEMV releases (the A/B variants)
+    for pdl in (True, None, ("qkv_rope", "decode", "gemv:late"),
+                ("qkv_rope", "decode", "gemv:early")):
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl

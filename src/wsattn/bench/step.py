@@ -16,9 +16,10 @@ Columns (``impl``):
 * ``wsattn-graph`` / ``wsattn-graph-pdl``: :class:`wsattn.engine.Engine` with
   ``step="kernels"`` (fused kernels, one CUDA graph per step) and ``pdl=False`` / ``True``;
   ``wsattn-graph-pdl[gemv,decode]`` and the like: PDL on for those kernel families only
-  (``wsattn.engine.runner.PDL_FAMILIES``; ``gemv:late`` in place of ``gemv``: the GEMVs
-  releasing the next kernel after their weight stream, ``PDL_VARIANTS``), to find where
-  PDL pays or costs.
+  (``wsattn.engine.runner.PDL_FAMILIES``; ``gemv:late`` / ``gemv:early`` in place of
+  ``gemv``: the GEMVs releasing the next kernel after their weight stream / right after
+  their wait at every batch, instead of by rows, ``PDL_VARIANTS``), to find where PDL pays
+  or costs. ``wsattn-graph-pdl`` is also what the engine runs by default on sm_90+.
   Checked first: the engine's logits over a few steps, teacher-forced on its own tokens,
   against the same weights computed in fp32 by transformers, next to transformers' own
   bf16 error against that reference (``rel_err_hf``): within the bf16 tolerance or twice

@@ -107,25 +107,23 @@ from ..rope import rope_inv_freq
 from ..target import interpreting
 from .generate import BUCKETS
 
-__all__ = ["DEFAULT_PDL_FAMILIES", "GEMV_PDL_MAX_OFF", "KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
+__all__ = ["DEFAULT_PDL_FAMILIES", "KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
 
 # The kernel families `pdl=` can turn on one by one (an A/B of where PDL pays): the fused
 # QKV launch(es), decode attention with its split combine, every GEMV (o, gate/up, down,
 # LM head, their split-K finish), and the MoE kernels (route, group, grouped, combine).
 PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
-# What pdl=None turns on where the GPU has PDL: qkv_rope, decode and the MoE kernels in
-# every bucket, the GEMVs in buckets of more than GEMV_PDL_MAX_OFF rows only. H200, one
-# CUDA graph a step (wsattn bench step, pdl[...] columns side by side; notes/decode_step.md):
-# PDL on the GEMVs cost 7 % a step at Llama-3.1-8B B1 ctx 4096 (4.622 -> 4.941 ms), gained
-# nothing at Llama-3.2-1B B1 and B8, and gained 4 % at 1B B64 ctx 1024 (2.310 -> 2.207)
-# and 2 % at 8B B64 (8.791 -> 8.614); on qkv_rope and decode it gained 1.4 % at 1B B1
-# (1.168 -> 1.152) and was even at 8B B1; on the MoE kernels 3-8 % a layer.
-DEFAULT_PDL_FAMILIES = ("qkv_rope", "decode", "moe")
-GEMV_PDL_MAX_OFF = 8
-# An A/B variant `pdl=` also takes in place of a family: "gemv:late" is PDL on the GEMVs
-# with the release after their weight stream instead of right after the wait (gemv's
-# pdl_late), the test of why PDL on the GEMVs lost at one row (notes/decode_step.md).
-PDL_VARIANTS = {"gemv:late": "gemv"}
+# What pdl=None turns on where the GPU has PDL: every family, the GEMVs with the release
+# gemv picks by rows (gemv.PDL_LATE_BELOW_M). H200, one CUDA graph a step (wsattn bench
+# step, pdl[...] columns side by side; notes/decode_step.md): qkv_rope and decode gained
+# 1.4 % at Llama-3.2-1B B1 and were even at Llama-3.1-8B B1; the MoE kernels 3-8 % a
+# layer; the GEMVs 1.8-2.3 % at B1 with the late release (8B 4.471 -> 4.389 ms), 2-6 % at
+# B8 and 2-4 % at B64 with the early one.
+DEFAULT_PDL_FAMILIES = PDL_FAMILIES
+# A/B variants `pdl=` also takes in place of a family: the GEMVs with PDL and the release
+# forced after their weight stream ("gemv:late") or right after their wait ("gemv:early")
+# in every bucket, instead of by rows.
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -133,9 +131,9 @@ INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 
 def _pdl_families(pdl, has_pdl: bool) -> frozenset:
-    """The kernel families PDL is on for (in every bucket): None -> DEFAULT_PDL_FAMILIES
-    where the GPU has it (the GEMVs join in large buckets, see KernelStep.families_for),
-    True / False -> all / none, else a collection of PDL_FAMILIES names."""
+    """The kernel families PDL is on for: None -> DEFAULT_PDL_FAMILIES where the GPU has
+    it, True / False -> all / none, else a collection of PDL_FAMILIES (or PDL_VARIANTS)
+    names."""
     if pdl is None:
         return frozenset(DEFAULT_PDL_FAMILIES) if has_pdl else frozenset()
     if isinstance(pdl, bool):
@@ -148,10 +146,9 @@ def _pdl_families(pdl, has_pdl: bool) -> frozenset:
     if unknown:
         raise ValueError(f"pdl: unknown kernel families {unknown}; they are {PDL_FAMILIES} "
                          f"(or the variants {tuple(PDL_VARIANTS)})")
-    both = sorted(v for v, fam in PDL_VARIANTS.items() if v in names and fam in names)
-    if both:
-        raise ValueError(f"pdl: {both} and their family {[PDL_VARIANTS[v] for v in both]} "
-                         f"name the same kernels; give one of each")
+    gemv_names = sorted(n for n in names if n == "gemv" or PDL_VARIANTS.get(n) == "gemv")
+    if len(gemv_names) > 1:
+        raise ValueError(f"pdl: {gemv_names} name the same kernels (the GEMVs); give one")
     return names
 
 
@@ -193,11 +190,11 @@ class KernelStep:
         graphs: capture one CUDA graph per bucket (None: on for CUDA; CPU: off, True
             refused).
         pdl: programmatic dependent launch. None: on CUDA sm_90+, on for
-            ``DEFAULT_PDL_FAMILIES`` in every bucket and for the GEMVs too in buckets of
-            more than ``GEMV_PDL_MAX_OFF`` rows (where each measured a gain), off
-            elsewhere; True: every kernel that takes it (refused off sm_90+); False: none;
-            or a collection of ``PDL_FAMILIES`` names: on for those kernel families only
-            (to measure where PDL pays).
+            ``DEFAULT_PDL_FAMILIES`` (every kernel that takes it; where each measured a
+            gain), off elsewhere; True: every kernel that takes it (refused off sm_90+);
+            False: none; or a collection of ``PDL_FAMILIES`` names: on for those kernel
+            families only (to measure where PDL pays), "gemv:late" / "gemv:early" in
+            place of "gemv" forcing where the GEMVs release (``PDL_VARIANTS``).
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
@@ -250,7 +247,6 @@ class KernelStep:
             raise ValueError(f"pdl={pdl!r} needs a CUDA GPU of sm_90 or later; the weights "
                              f"are on {self.device}")
         self.pdl_families = families
-        self._gemv_pdl_by_bucket = pdl is None and has_pdl
 
         rope = cfg.rope
         scaling = None if rope.type == "default" else {
@@ -374,12 +370,6 @@ class KernelStep:
         """PDL is on for at least one kernel family."""
         return bool(self.pdl_families)
 
-    def families_for(self, bucket: int) -> frozenset:
-        """The kernel families PDL is on for in the step of a ``bucket``-row graph."""
-        if self._gemv_pdl_by_bucket and bucket > GEMV_PDL_MAX_OFF:
-            return self.pdl_families | {"gemv"}
-        return self.pdl_families
-
     def _count(self, name):
         self.launches[name] += 1
 
@@ -387,10 +377,11 @@ class KernelStep:
         """The decode step over a bucket's static buffers (what a graph captures)."""
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
-        on = self.families_for(n).__contains__
+        on = self.pdl_families.__contains__
         pdl_qkv, pdl_decode = on("qkv_rope"), on("decode")
-        pdl_gemv = on("gemv") or on("gemv:late")
-        late = {"pdl_late": True} if on("gemv:late") else {}  # the A/B variant only
+        pdl_gemv = on("gemv") or on("gemv:late") or on("gemv:early")
+        # None: gemv picks the release by rows; the variants force one
+        late = {"pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
         torch.index_select(w.embed, 0, buf.tokens, out=h)
         self._count("embed")
         torch.sub(buf.seqlens, 1, out=buf.positions)

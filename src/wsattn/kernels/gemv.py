@@ -124,7 +124,7 @@ def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
                  STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False):
     # grid (cdiv(NOUT, BLOCK_N), SPLIT_K). NOUT = N, or F = N / 2 with SILU_MUL.
     # PDL_LATE: release the next kernel after the K loop instead of right after the wait
-    # (the A/B of where the release pays; see gemv's pdl_late).
+    # (where each pays: gemv's PDL_LATE_BELOW_M).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = W rows
@@ -283,6 +283,14 @@ MIN_SPLIT_TILES = 4  # K tiles per split at least, so the pipeline's prologue st
 SPLIT_BELOW = 0.75  # split K when the column blocks fill fewer SMs than this fraction
 ROW_BYTES = 256  # bytes of one W row a tile covers: 16 threads x 16-byte loads
 FMA_TILE_ELEMS = 4096  # W elements of an FMA tile (16-bit; half for fp32)
+# With PDL, a GEMV of fewer rows than this releases the next kernel after its weight stream
+# (pdl_late), larger ones right after their wait. H200, the decode step in one CUDA graph,
+# release off / early / late side by side (notes/decode_step.md): at B1 ctx 4096 early
+# cost 9 % at Llama-3.1-8B (4.471 / 4.892 / 4.389 ms) and late gained 1.8-2.3 % (1B 1.106 /
+# 1.105 / 1.080); at B8 early was best (1B ctx 1k 1.218 / 1.148 / 1.176, 8B ctx 4k 5.772 /
+# 5.655 / 5.670), at B64 even (8B 8.505 early, 8.559 late). Between 1 and 8 rows late, which
+# beat no PDL at both ends.
+PDL_LATE_BELOW_M = 8
 STAGE_BUDGET = 96 * 1024  # shared memory for the pipeline's stages, per program
 MAX_STAGES = 6
 
@@ -448,7 +456,7 @@ def _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings):
 
 
 def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=None,
-         settings=None, pdl_late=False):
+         settings=None, pdl_late=None):
     """y = epilogue(x @ w^T) for a decode step's few rows, reading w once.
 
     Args:
@@ -470,8 +478,8 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
             call griddepcontrol.wait before reading this one's output.
         settings: a GemvSettings to override default_settings.
         pdl_late: with PDL, release the next kernel after the weight stream (the K loop)
-            instead of right after the wait: an A/B switch (the step's "gemv:late" PDL
-            family); the result is the same bit for bit.
+            instead of right after the wait; None: when M < ``PDL_LATE_BELOW_M`` (where
+            each measured faster in the decode step). The result is the same bit for bit.
 
     Returns:
         out [M, NOUT] in x's dtype. Accumulation is fp32; the norm scale, SiLU and the
@@ -483,8 +491,10 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         >>> y = gemv(x, w, norm_eps=1e-5, silu_mul=True)   # [3, 80]
     """
     M, N, K, nout = _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings)
-    if not isinstance(pdl_late, bool):
-        raise TypeError(f"pdl_late must be a bool, got {pdl_late!r}")
+    if pdl_late is None:
+        pdl_late = M < PDL_LATE_BELOW_M
+    elif not isinstance(pdl_late, bool):
+        raise TypeError(f"pdl_late must be None or a bool, got {pdl_late!r}")
     target = target_of(x.device)
     has_pdl = target.backend == "cuda" and target.cc >= 90
     if pdl and not has_pdl:
@@ -524,7 +534,7 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         x.stride(0), w.stride(0), res.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=settings.BLOCK_N, BLOCK_K=settings.BLOCK_K, SPLIT_K=split,
         USE_DOT=settings.use_dot, NORM=norm_eps is not None, RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, PDL=pdl, STAGES=settings.num_stages, PDL_LATE=pdl_late,
+        SILU_MUL=silu_mul, PDL=pdl, STAGES=settings.num_stages, PDL_LATE=bool(pdl and pdl_late),
         num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if split > 1:
         _splitk_finish_kernel[(cdiv(nout, FINISH_BLOCK_N),)](

@@ -778,8 +778,10 @@ def _two_launch_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq
         q_out = empty((M, HQ, D), x.dtype, x.device)
     if M == 0:
         return q_out
-    qkv = gemv(x, wqkv, norm_eps=norm_eps, pdl=pdl,
-               settings=gemv_settings)  # [M, (HQ + 2 * HKV) * D]
+    # the early release is the one measured here (the epilogue kernel is small and waits
+    # on every gemv column anyway)
+    qkv = gemv(x, wqkv, norm_eps=norm_eps, pdl=pdl, settings=gemv_settings,
+               pdl_late=False)  # [M, (HQ + 2 * HKV) * D]
     paged = block_table is not None
     dummy = inv_freq  # for pointers a switched-off variant never reads
     _norm_rope_append_kernel[(cdiv(M, EPILOGUE_BLOCK_M), HQ + 2 * HKV)](

@@ -1,12 +1,13 @@
-"""Device experiment for the next session: Triton prefill launch settings against cuDNN.
+"""Device experiment: Triton prefill launch settings against cuDNN, side by side.
 
-Issue 2 wants >= 0.85x cuDNN at N >= 4096; bench run 2 (f758851) measured 0.68-0.81x with
-the defaults. This times a few PrefillSettings per case in one run, each output checked
-against a float32 SDPA computation on a slice first, and prints x cuDNN per variant.
-Predictions to check (notes/prefill_triton.md): 3 stages at D=128 should help if the
-loop is latency-bound (189 registers leave room for a third K/V stage in shared memory);
-BLOCK_N=64 halves the S/P registers and may let ptxas overlap more.
+Times a few PrefillSettings per case in one run, each output checked against a float32 SDPA
+computation on a slice first, and prints x cuDNN per variant (16k tokens a batch, 2048 / D
+heads, bf16). The built-in variants are the ones that decided the tile table
+(notes/prefill_triton.md); --variant adds or replaces them.
 Usage on the GPU machine: PYTHONPATH=src python3 scripts/device_prefill_sweep.py [--json P]
+  [--ds 64] [--ns 1024] [--causal causal|full|both]
+  [--variant NAME=BLOCK_M,BLOCK_N,num_warps,num_stages[,use_tma[,host_desc]] ...]
+  (with --variant, only "default" and the named variants run)
 """
 
 import argparse
@@ -39,16 +40,38 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--ns", default="1024,4096,16384")
+    ap.add_argument("--ds", default="128,64", help="head dims (of 128, 64)")
+    ap.add_argument("--causal", choices=("both", "causal", "full"), default="both")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC",
+                    help="BLOCK_M,BLOCK_N,num_warps,num_stages[,use_tma[,host_desc]] "
+                         "(0/1 flags; default 1, 1)")
     args = ap.parse_args()
+    ds = [int(d) for d in args.ds.split(",")]
+    if any(d not in VARIANTS for d in ds):
+        ap.error(f"--ds takes head dims of {sorted(VARIANTS)}, got {args.ds}")
+    if args.variant:
+        named = {}
+        for item in args.variant:
+            name, _, spec = item.partition("=")
+            fields = [int(f) for f in spec.split(",")] if spec else []
+            if not name or not 4 <= len(fields) <= 6:
+                ap.error(f"--variant takes NAME=BLOCK_M,BLOCK_N,num_warps,num_stages"
+                         f"[,use_tma[,host_desc]], got {item!r}")
+            fields += [1, 1][len(fields) - 4:]
+            named[name] = tuple(fields[:4]) + tuple(bool(f) for f in fields[4:])
+        for d in ds:
+            VARIANTS[d] = {"default": None, **named}
+    causals = {"both": (False, True), "causal": (True,), "full": (False,)}[args.causal]
     target = target_of(torch.device("cuda"))
     rows = []
-    for D, variants in VARIANTS.items():
+    for D in ds:
+        variants = VARIANTS[D]
         for N in (int(n) for n in args.ns.split(",")):
             B, H = 16384 // N, 2048 // D
             q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
             qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-            for causal in (False, True):
+            for causal in causals:
                 flops = 4 * B * H * N * N * D / (2 if causal else 1)
                 scale = D ** -0.5
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -59,7 +82,7 @@ def main():
                     qt[:1, :2].float(), kt[:1, :2].float(), vt[:1, :2].float(),
                     is_causal=causal).transpose(1, 2)
                 for name, tiles in variants.items():
-                    s = (pt.default_settings(target, D, q.dtype, causal) if tiles is None
+                    s = (pt.default_settings(target, D, q.dtype, causal, N) if tiles is None
                          else pt.PrefillSettings(*tiles))
                     fn = lambda: pt.prefill(q, k, v, None, None, 0, 0, causal, scale, s)
                     try:

@@ -194,11 +194,16 @@ def test_default_settings_per_target():
     assert (s.BLOCK_M, s.BLOCK_N, s.num_warps, s.use_tma) == (128, 128, 8, True)
     assert s.host_desc and s.num_stages == 3
     assert prefill_triton.default_settings(h200, 256, torch.bfloat16, True).BLOCK_M == 64
-    # causal D = 128: 64-row blocks up to SHORT_CAUSAL_Q query rows, 128 past it or unknown
+    # causal: 64-row blocks up to SHORT_CAUSAL_Q query rows, 128 past it or unknown
     short = prefill_triton.default_settings(h200, 128, torch.bfloat16, True, max_seqlen_q=1024)
     long_ = prefill_triton.default_settings(h200, 128, torch.bfloat16, True, max_seqlen_q=16384)
     assert (short.BLOCK_M, long_.BLOCK_M) == (64, 128)
     assert prefill_triton.default_settings(h200, 128, torch.bfloat16, True).BLOCK_M == 128
+    # and D = 64 (64 x 64 tiles, 3 stages, against 128 x 64 at 4 stages past it)
+    short = prefill_triton.default_settings(h200, 64, torch.bfloat16, True, max_seqlen_q=1024)
+    long_ = prefill_triton.default_settings(h200, 64, torch.bfloat16, True, max_seqlen_q=16384)
+    assert (short.BLOCK_M, short.BLOCK_N, short.num_warps, short.num_stages) == (64, 64, 4, 3)
+    assert (long_.BLOCK_M, long_.BLOCK_N, long_.num_warps, long_.num_stages) == (128, 64, 8, 4)
     assert not prefill_triton.default_settings(Target("cuda", 120, 84), 128, torch.bfloat16,
                                                False).host_desc
     assert not prefill_triton.default_settings(Target("cuda", 80, 108), 128, torch.float16, False).use_tma

@@ -229,11 +229,13 @@ _TILES = {
     # spills; D = 256 uses pointer loads, whose TMA build spills (see the notes).
     "small": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
 }
-# Causal D = 128 with short queries (max_seqlen_q <= SHORT_CAUSAL_Q): 64-row blocks, so
-# twice the programs share the triangle's uneven work (H200: N = 1024 causal 299 -> 330
-# TFLOP/s, N = 4096 425 -> 431; at N = 16384 the 128-row tiles lead, 497 against 475).
+# Causal with short queries (max_seqlen_q <= SHORT_CAUSAL_Q): 64-row blocks, so twice the
+# programs share the triangle's uneven work. H200, D = 128: N = 1024 causal 299 -> 330
+# TFLOP/s, N = 4096 425 -> 431; at N = 16384 the 128-row tiles lead, 497 against 475.
+# D = 64 (scripts/device_prefill_sweep.py, 16k tokens, 32 heads): N = 1024 265 -> 280
+# (x cuDNN 0.835 -> 0.880), N = 4096 357 -> 360; 64 x 128 tiles and 4 stages lost at 1024.
 SHORT_CAUSAL_Q = 4096
-_SHORT_CAUSAL_TILES = {"big": {128: (64, 64, 4, 3)}}
+_SHORT_CAUSAL_TILES = {"big": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}}
 _INTERPRETER = PrefillSettings(32, 32, 4, 1, use_tma=True)
 
 

@@ -275,6 +275,12 @@ class GemvSettings:
 
 MAX_M = 64  # rows one program's accumulator holds; more is a GEMM
 FMA_MAX_M = 4  # up to here the FMA reduction: tl.dot would pad M to 16 (4x the work)
+# ... except on sm_90 / sm_100, where the FMA reduction is the default at one row only. H200,
+# Llama-3.2-1B / 3.1-8B shapes, the FMA default against the dot rule of M 5-32 side by side
+# (notes/decode_step.md): at M = 4 the dot rule won every GEMV (1B gate/up 49.4 -> 19.9 us,
+# LM head 322 -> 128; 8B gate/up 132.5 -> 61.5, LM head 669 -> 244), at M = 2 it won the
+# wide ones (gate/up, LM head) by 17-34 % and lost o / down by 1-1.4 us.
+FMA_DEFAULT_MAX_M_SM90 = 1
 DOT_WIDE_MAX_M = 32  # padded rows up to which the dot path takes DOT_WIDE_BLOCK_N columns
 DOT_WIDE_BLOCK_N = 64
 FMA_SETTINGS_MAX_M = 16  # the most rows explicit FMA settings take (the loop is unrolled per row)
@@ -319,10 +325,11 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
     programs per SM, but never below M (every program re-reads all of x from L2, so
     BLOCK_N >= M keeps that traffic at most the W traffic); where the blocks fill fewer
     than SPLIT_BELOW of the SMs, K is split (a power of two, each split >= MIN_SPLIT_TILES
-    tiles) until they fill them. Except at M 5-32 on sm_90/100, where that rule would give
-    the dot path fewer than 64 columns: 64 columns, 3 stages, K split (measured).
+    tiles) until they fill them. Except at M 2-32 on sm_90/100 (the dot path from 2 rows
+    there), where that rule would give the dot path fewer than 64 columns: 64 columns,
+    3 stages, K split (measured).
     """
-    use_dot = M > FMA_MAX_M
+    use_dot = M > (FMA_DEFAULT_MAX_M_SM90 if 90 <= target.cc < 120 else FMA_MAX_M)
     if target.backend == "interpreter":
         # small tiles, so that small test shapes cross several tiles, masks and blocks
         return GemvSettings(BLOCK_N=64, BLOCK_K=64, split_k=1, use_dot=use_dot,

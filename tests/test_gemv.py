@@ -248,6 +248,10 @@ def test_default_settings_table():
             assert not other.use_dot, (cc, M, other)
     assert g.default_settings(Target("cuda", 100, 148), M=2, N=8192, K=2048,
                               dtype=torch.bfloat16).use_dot
+    # ... but at two rows a shape the dot rule would split (o, down) keeps the FMA path
+    assert s(3, 2048, 8192).use_dot and s(3, 2048, 8192).split_k > 1
+    assert not s(2, 2048, 8192).use_dot and s(2, 2048, 8192).split_k == 1
+    assert s(2, 128256, 2048).use_dot  # the LM head: unsplit on the dot path
     assert s(1, 512, 2048).split_k > 1  # k/v projections: 32 column blocks only
     assert s(1, 3072, 2048).split_k == 1 and s(1, 128256, 2048).split_k == 1
     assert s(64, 2048, 2048).BLOCK_N >= 64  # BLOCK_N >= M: x re-reads <= W bytes

@@ -54,8 +54,15 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from ._sync import _acquire, _arrive
 from .gemv import GemvSettings, accumulate, gemv
+
+
+@triton.jit
+def _fence_acq_rel():
+    # every thread's partial stores ordered before the counter bump (and the last
+    # program's loads after it), as the CUDA threadFenceReduction pattern does
+    tl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -220,8 +227,13 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr,
         tl.store(part + HALF, acc_hi)
         if NORM:
             tl.store(ss_tile + s * BLOCK_M + r, ss)
-        if _arrive(count_ptr + tile, FENCE) == SPLIT_K - 1:  # the last split: reduce, finish
-            _acquire(FENCE)
+        if FENCE:
+            _fence_acq_rel()
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last of this tile's splits: reduce, finish
+            if FENCE:
+                _fence_acq_rel()
             acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
             acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)

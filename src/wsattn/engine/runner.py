@@ -107,19 +107,18 @@ from ..rope import rope_inv_freq
 from ..target import interpreting
 from .generate import BUCKETS
 
-__all__ = ["DEFAULT_PDL_FAMILIES", "KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
+__all__ = ["KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
 
 # The kernel families `pdl=` can turn on one by one (an A/B of where PDL pays): the fused
 # QKV launch(es), decode attention with its split combine, every GEMV (o, gate/up, down,
 # LM head, their split-K finish), and the MoE kernels (route, group, grouped, combine).
+# pdl=None turns every family on where the GPU has PDL, the GEMVs with the release gemv
+# picks by rows (gemv.PDL_LATE_BELOW_M). H200, one CUDA graph a step (wsattn bench step,
+# pdl[...] columns side by side; notes/decode_step.md): qkv_rope and decode gained 1.4 %
+# at Llama-3.2-1B B1 and were even at Llama-3.1-8B B1; the MoE kernels 3-8 % a layer; the
+# GEMVs 1.8-2.3 % at B1 with the late release (8B 4.471 -> 4.389 ms), 2-6 % at B8 and
+# 2-4 % at B64 with the early one.
 PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
-# What pdl=None turns on where the GPU has PDL: every family, the GEMVs with the release
-# gemv picks by rows (gemv.PDL_LATE_BELOW_M). H200, one CUDA graph a step (wsattn bench
-# step, pdl[...] columns side by side; notes/decode_step.md): qkv_rope and decode gained
-# 1.4 % at Llama-3.2-1B B1 and were even at Llama-3.1-8B B1; the MoE kernels 3-8 % a
-# layer; the GEMVs 1.8-2.3 % at B1 with the late release (8B 4.471 -> 4.389 ms), 2-6 % at
-# B8 and 2-4 % at B64 with the early one.
-DEFAULT_PDL_FAMILIES = PDL_FAMILIES
 # A/B variants `pdl=` also takes in place of a family: the GEMVs with PDL and the release
 # forced after their weight stream ("gemv:late") or right after their wait ("gemv:early")
 # in every bucket, instead of by rows.
@@ -131,13 +130,10 @@ INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 
 def _pdl_families(pdl, has_pdl: bool) -> frozenset:
-    """The kernel families PDL is on for: None -> DEFAULT_PDL_FAMILIES where the GPU has
-    it, True / False -> all / none, else a collection of PDL_FAMILIES (or PDL_VARIANTS)
-    names."""
-    if pdl is None:
-        return frozenset(DEFAULT_PDL_FAMILIES) if has_pdl else frozenset()
-    if isinstance(pdl, bool):
-        return frozenset(PDL_FAMILIES) if pdl else frozenset()
+    """The kernel families PDL is on for: None -> all where the GPU has it, True / False ->
+    all / none, else a collection of PDL_FAMILIES (or PDL_VARIANTS) names."""
+    if pdl is None or isinstance(pdl, bool):
+        return frozenset(PDL_FAMILIES) if (has_pdl if pdl is None else pdl) else frozenset()
     if isinstance(pdl, str) or not hasattr(pdl, "__iter__"):
         raise ValueError(f"pdl must be None, True, False or a collection of {PDL_FAMILIES}, "
                          f"got {pdl!r}")
@@ -189,10 +185,9 @@ class KernelStep:
             largest must hold ``cache.max_batch`` when the cache sets one.
         graphs: capture one CUDA graph per bucket (None: on for CUDA; CPU: off, True
             refused).
-        pdl: programmatic dependent launch. None: on CUDA sm_90+, on for
-            ``DEFAULT_PDL_FAMILIES`` (every kernel that takes it; where each measured a
-            gain), off elsewhere; True: every kernel that takes it (refused off sm_90+);
-            False: none; or a collection of ``PDL_FAMILIES`` names: on for those kernel
+        pdl: programmatic dependent launch. None: on CUDA sm_90+ for every kernel that
+            takes it (where each measured a gain), off elsewhere; True: every kernel that
+            takes it (refused off sm_90+); False: none; or a collection of ``PDL_FAMILIES`` names: on for those kernel
             families only (to measure where PDL pays), "gemv:late" / "gemv:early" in
             place of "gemv" forcing where the GEMVs release (``PDL_VARIANTS``).
 

@@ -167,8 +167,7 @@ PERSISTENT_UP_TO = {(64, False): 1024}
 @functools.lru_cache(maxsize=None)
 def _default_settings(head_dim: int, causal: bool, persistent: bool = False) -> GluonSettings:
     # asked on every launch: built (and checked) once per (head dim, mask, schedule)
-    return settings_for(head_dim, causal, persistent=True) if persistent else \
-        settings_for(head_dim, causal)
+    return settings_for(head_dim, causal, persistent=persistent)
 
 
 def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool,
@@ -262,9 +261,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             lse -inf.
         max_seqlen_q: the longest query sequence or an upper bound (None: Tq); the grid has
             cdiv(max_seqlen_q, BLOCK_M) row blocks a (sequence, head) and the ones past
-            their sequence's end exit at once under settings.compact_varlen=False (the
-            default, True: at most cdiv(Tq, BLOCK_M) + batch a head, from a tile table
-            built on the device).
+            their sequence's end exit at once under settings.compact_varlen=False; with
+            the default True (and a pack the tile table holds) at most
+            cdiv(Tq, BLOCK_M) + batch a head, from a tile table built on the device.
             max_seqlen_k: unused (the key tiles come from each sequence's own length),
             taken for the launchers' common signature.
         causal: bottom-right aligned per sequence (query i sees keys j <= i + kv_len -

@@ -275,14 +275,15 @@ class GemvSettings:
 
 MAX_M = 64  # rows one program's accumulator holds; more is a GEMM
 FMA_MAX_M = 4  # up to here the FMA reduction: tl.dot would pad M to 16 (4x the work)
-# ... except on sm_90 / sm_100, where the FMA reduction is the default at one row, and at
-# two rows where the dot rule would split K. H200, Llama-3.2-1B / 3.1-8B shapes, the FMA
-# default against the dot rule of M 5-32 side by side (notes/decode_step.md): at M = 4 the
-# dot rule won every GEMV (1B gate/up 49.4 -> 19.9 us, LM head 322 -> 128; 8B gate/up
-# 132.5 -> 61.5, LM head 669 -> 244); at M = 2 it won the wide ones it runs unsplit
-# (gate/up, LM head) by 17-34 % and lost the narrow split-K ones (8B QKV, o, down by
-# 0.8-1.2 us; 1B o, down by 0.9-1.4; 1B QKV even).
-FMA_DEFAULT_MAX_M_SM90 = 1
+# ... except on sm_90 / sm_100, where the dot path is the default at every row count but
+# keeps the FMA reduction at one and two rows for the shapes the dot rule would split K
+# (QKV, o, down). H200, Llama-3.2-1B / 3.1-8B shapes, the FMA default against the dot rule
+# side by side (notes/decode_step.md): at M = 4 the dot rule won every GEMV (1B gate/up
+# 49.4 -> 19.9 us, LM head 322 -> 128; 8B gate/up 132.5 -> 61.5, LM head 669 -> 244); at
+# M = 2 it won the wide ones it runs unsplit (gate/up, LM head) by 17-34 % and lost the
+# narrow split-K ones (8B QKV, o, down by 0.8-1.2 us; 1B o, down by 0.9-1.4; 1B QKV even);
+# at M = 1 likewise (1B gate/up 20.8 -> 19.7, LM head 137.7 -> 124.9; 8B gate/up even,
+# LM head 264.5 -> 243.0; split QKV / o / down 1.5-2.2x slower on the dot path).
 FMA_SPLIT_MAX_M_SM90 = 2
 DOT_WIDE_MAX_M = 32  # padded rows up to which the dot path takes DOT_WIDE_BLOCK_N columns
 DOT_WIDE_BLOCK_N = 64
@@ -328,13 +329,13 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
     programs per SM, but never below M (every program re-reads all of x from L2, so
     BLOCK_N >= M keeps that traffic at most the W traffic); where the blocks fill fewer
     than SPLIT_BELOW of the SMs, K is split (a power of two, each split >= MIN_SPLIT_TILES
-    tiles) until they fill them. Except at M 2-32 on sm_90/100 (the dot path from 2 rows
-    there, but for 2-row shapes it would split: FMA_SPLIT_MAX_M_SM90), where that rule
-    would give the dot path fewer than 64 columns: 64 columns, 3 stages, K split
-    (measured).
+    tiles) until they fill them. On sm_90/100 in 16 bits the dot path at every M (the FMA reduction
+    for the shapes it would split at M <= FMA_SPLIT_MAX_M_SM90), and where the rule would
+    give it fewer than 64 columns at M <= 32: 64 columns, 3 stages, K split (measured).
     """
-    wide_dot = 90 <= target.cc < 120
-    use_dot = M > (FMA_DEFAULT_MAX_M_SM90 if wide_dot else FMA_MAX_M)
+    # 16-bit only: fp32 on the dot path would run TF32, and only bf16 was measured
+    wide_dot = 90 <= target.cc < 120 and dtype != torch.float32
+    use_dot = wide_dot or M > FMA_MAX_M
     s = _settings(target, M, N, K, dtype, silu_mul, use_dot)
     if wide_dot and s.use_dot and s.split_k > 1 and M <= FMA_SPLIT_MAX_M_SM90:
         s = _settings(target, M, N, K, dtype, silu_mul, False)

@@ -428,26 +428,6 @@ def test_sm90_pdl_waits_before_any_load_and_releases_dependents():
             assert f["first_load_at"] >= 0, (name, f)
 
 
-def test_sm90_combine_release_first_releases_before_the_wait():
-    """pdl_combine_first's build of the combine: launch_dependents, then the wait, then the
-    first load of the workspace (the default build waits first)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from wsattn.kernels import decode_triton
-
-    def ptx(**kw):
-        s = decode_triton.compile_spec(90, kernel="combine", pdl=True, **kw)
-        src = ASTSource(s["fn"], s["signature"], s["constexprs"], s["attrs"])
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=s["options"]).asm["ptx"]
-    first, plain = ptx(release_first=True), ptx()
-    load = first.index("ld.global")
-    assert first.index("griddepcontrol.launch_dependents") < first.index("griddepcontrol.wait") < load
-    assert plain.index("griddepcontrol.wait") < plain.index("griddepcontrol.launch_dependents")
-
-
 def test_compile_spec_pdl_off_is_the_default_build():
     """pdl=False adds no PDL constexpr and no launch option: the default build (and its
     SASS) is the one the library had before the switch existed."""

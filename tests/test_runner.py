@@ -293,35 +293,18 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
     # force it; nothing else moves
     late_seen = []
 
-    def gemv_late(*a, pdl=None, pdl_late="unset", prefetch="unset", **k):
-        late_seen.append((pdl, pdl_late, prefetch))
+    def gemv_late(*a, pdl=None, pdl_late="unset", **k):
+        late_seen.append((pdl, pdl_late))
     monkeypatch.setattr(runner, "gemv", gemv_late)
-    for families, want in [(("gemv:late",), (True, True, None)),
-                           (("gemv:early",), (True, False, None)),
-                           (("gemv:prefetch",), (True, None, True)),
-                           (("gemv",), (True, None, None)), ((), (False, None, None))]:
+    for families, want in [(("gemv:late",), (True, True)), (("gemv:early",), (True, False)),
+                           (("gemv",), (True, None)), ((), (False, None))]:
         late_seen.clear()
         step.pdl_families = runner._pdl_families(families, has_pdl=True)
         step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
         assert late_seen and set(late_seen) == {want}, (families, late_seen)
     for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late")]:
-        with pytest.raises(ValueError, match=r"name the same kernels \(gemv\)"):
+        with pytest.raises(ValueError, match=r"name the same kernels \(the GEMVs\)"):
             runner._pdl_families(both, has_pdl=True)
-    with pytest.raises(ValueError, match=r"name the same kernels \(decode\)"):
-        runner._pdl_families(("decode", "decode:combine_first"), has_pdl=True)
-    # the combine's release before its wait: decode:combine_first only
-    first_seen = []
-
-    def decode_first(q, *a, pdl=False, pdl_combine_first="unset", **k):
-        first_seen.append((pdl, pdl_combine_first))
-        return (torch.zeros(q.shape[0], 1, cfg.heads, cfg.head_dim),)
-    monkeypatch.setattr(runner.ops, "decode", decode_first)
-    for families, want in [(("decode:combine_first",), (True, True)),
-                           (("decode",), (True, False)), ((), (False, False))]:
-        first_seen.clear()
-        step.pdl_families = runner._pdl_families(families, has_pdl=True)
-        step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
-        assert first_seen and set(first_seen) == {want}, (families, first_seen)
     # the default: every family where the GPU has PDL (the GEMVs' release by rows)
     assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
@@ -456,11 +439,9 @@ def test_gpu_pdl_on_equals_off():
         pytest.skip("PDL needs sm_90+")
     ps = _gpu_prompts()
     off_t, off_l = _gpu_engine(pdl=False)[0].run(ps, 24, return_logits=True)
-    # every family, the library's default, and the A/B variants (both forced GEMV
-    # releases, the GEMVs' L2 prefetch with the combine's release before its wait)
+    # every family, the library's default, and both forced GEMV releases (the A/B variants)
     for pdl in (True, None, ("qkv_rope", "decode", "gemv:late"),
-                ("qkv_rope", "decode", "gemv:early"),
-                ("qkv_rope", "decode:combine_first", "gemv:prefetch")):
+                ("qkv_rope", "decode", "gemv:early")):
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl

@@ -121,12 +121,8 @@ __all__ = ["KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
 PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # A/B variants `pdl=` also takes in place of a family: the GEMVs with PDL and the release
 # forced after their weight stream ("gemv:late") or right after their wait ("gemv:early")
-# in every bucket, instead of by rows; the GEMVs with the release by rows and their
-# weights prefetched into L2 before the wait ("gemv:prefetch", gemv's prefetch=True); the
-# decode attention with its split combine releasing the o projection before its own wait
-# ("decode:combine_first", decode's pdl_combine_first=True).
-PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:prefetch": "gemv",
-                "decode:combine_first": "decode"}
+# in every bucket, instead of by rows.
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -146,10 +142,9 @@ def _pdl_families(pdl, has_pdl: bool) -> frozenset:
     if unknown:
         raise ValueError(f"pdl: unknown kernel families {unknown}; they are {PDL_FAMILIES} "
                          f"(or the variants {tuple(PDL_VARIANTS)})")
-    for family in PDL_FAMILIES:
-        same = sorted(n for n in names if n == family or PDL_VARIANTS.get(n) == family)
-        if len(same) > 1:
-            raise ValueError(f"pdl: {same} name the same kernels ({family}); give one")
+    gemv_names = sorted(n for n in names if n == "gemv" or PDL_VARIANTS.get(n) == "gemv")
+    if len(gemv_names) > 1:
+        raise ValueError(f"pdl: {gemv_names} name the same kernels (the GEMVs); give one")
     return names
 
 
@@ -194,9 +189,7 @@ class KernelStep:
             takes it (where each measured a gain), off elsewhere; True: every kernel that
             takes it (refused off sm_90+); False: none; or a collection of ``PDL_FAMILIES`` names: on for those kernel
             families only (to measure where PDL pays), "gemv:late" / "gemv:early" in
-            place of "gemv" forcing where the GEMVs release, "gemv:prefetch" their L2
-            prefetch, "decode:combine_first" in place of "decode" the combine's release
-            before its wait (``PDL_VARIANTS``).
+            place of "gemv" forcing where the GEMVs release (``PDL_VARIANTS``).
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
@@ -380,13 +373,10 @@ class KernelStep:
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
-        pdl_qkv = on("qkv_rope")
-        pdl_decode, combine_first = on("decode") or on("decode:combine_first"), on("decode:combine_first")
-        pdl_gemv = any(on(n) for n in ("gemv", "gemv:late", "gemv:early", "gemv:prefetch"))
-        # None: gemv picks the release by rows (and prefetch by its default); the variants
-        # force one
-        gemv_kw = {"pdl_late": True if on("gemv:late") else False if on("gemv:early") else None,
-                "prefetch": True if on("gemv:prefetch") else None}
+        pdl_qkv, pdl_decode = on("qkv_rope"), on("decode")
+        pdl_gemv = on("gemv") or on("gemv:late") or on("gemv:early")
+        # None: gemv picks the release by rows; the variants force one
+        late = {"pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
         torch.index_select(w.embed, 0, buf.tokens, out=h)
         self._count("embed")
         torch.sub(buf.seqlens, 1, out=buf.positions)
@@ -404,20 +394,19 @@ class KernelStep:
             # the launcher through ops (no host checks; PDL, which api.decode does not take)
             attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
                               buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
-                              pdl=pdl_decode,
-                              pdl_combine_first=combine_first)[0][:, 0]  # [n, Hq, D]
+                              pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
-            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl_gemv, **gemv_kw)
+            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl_gemv, **late)
             self._count("gemv_o")
             if layer.router is not None:
                 self._moe(layer, h, buf.moe_block)
                 continue
             gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, pdl=pdl_gemv,
-                 **gemv_kw)
+                 **late)
             self._count("gemv_gate_up")
-            gemv(buf.act, layer.w_down, residual=h, out=h, pdl=pdl_gemv, **gemv_kw)
+            gemv(buf.act, layer.w_down, residual=h, out=h, pdl=pdl_gemv, **late)
             self._count("gemv_down")
-        gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, pdl=pdl_gemv, **gemv_kw)
+        gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, pdl=pdl_gemv, **late)
         self._count("gemv_lm_head")
         if buf.logits_model is not buf.logits:
             buf.logits.copy_(buf.logits_model)

@@ -115,31 +115,16 @@ def _finish(gate, up, ss, K, eps, res_ptr, out_ptr, res_offs, out_offs, mask,
 
 
 @triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Ask the TMA unit to bring nbytes (a multiple of 16) from ptr (16-byte aligned) into
-    L2 (sm_90+): one bulk request, issued by the program's thread 0 only (every thread
-    runs the scalar code). A hint: nothing waits for it, nothing is written."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
                  M, NOUT, K, eps,
-                 stride_xm, stride_wn, stride_rm, stride_om, pf_row_bytes,
+                 stride_xm, stride_wn, stride_rm, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = False):
+                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False):
     # grid (cdiv(NOUT, BLOCK_N), SPLIT_K). NOUT = N, or F = N / 2 with SILU_MUL.
     # PDL_LATE: release the next kernel after the K loop instead of right after the wait
-    # (where each pays: gemv's PDL_LATE_BELOW_M). PREFETCH (with PDL): before the wait,
-    # the first pf_row_bytes of each of this program's W rows (its K range) are requested
-    # into L2, so that a program launched early, while earlier kernels still run, streams
-    # its weights then and reads them from L2 after the wait.
+    # (where each pays: gemv's PDL_LATE_BELOW_M).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = W rows
@@ -156,18 +141,6 @@ def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-
-    if PDL and PREFETCH:
-        elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        # the host made pf_row_bytes, the row stride and k_lo's bytes multiples of 16
-        nb = tl.minimum(pf_row_bytes, (k_hi - k_lo) * elem) // 16 * 16
-        if nb > 0:
-            for r in tl.range(0, BLOCK_N):
-                row = pid_n * BLOCK_N + r
-                if row < NOUT:
-                    prefetch_l2(w_ptr + row.to(tl.int64) * stride_wn + k_lo, nb)
-                    if SILU_MUL:
-                        prefetch_l2(w_ptr + (row + NOUT).to(tl.int64) * stride_wn + k_lo, nb)
 
     # The first tile is peeled off the loop so that its W loads can be issued before
     # the PDL wait: weights are never written during a step, so they do not depend on
@@ -320,11 +293,6 @@ MIN_SPLIT_TILES = 4  # K tiles per split at least, so the pipeline's prologue st
 SPLIT_BELOW = 0.75  # split K when the column blocks fill fewer SMs than this fraction
 ROW_BYTES = 256  # bytes of one W row a tile covers: 16 threads x 16-byte loads
 FMA_TILE_ELEMS = 4096  # W elements of an FMA tile (16-bit; half for fp32)
-# The L2 prefetch before the PDL wait (gemv's prefetch=): off by default until measured in
-# the step; at most this many weight bytes a call, so a prefetched tile is still in the
-# H200's 50 MB L2 when the program reaches it after the wait.
-PREFETCH_DEFAULT = False
-PREFETCH_MAX_BYTES = 24 << 20
 # With PDL, a GEMV of fewer rows than this releases the next kernel after its weight stream
 # (pdl_late), larger ones right after their wait. H200, the decode step in one CUDA graph,
 # release off / early / late side by side (notes/decode_step.md): at B1 ctx 4096 early
@@ -510,7 +478,7 @@ def _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings):
 
 
 def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=None,
-         settings=None, pdl_late=None, prefetch=None):
+         settings=None, pdl_late=None):
     """y = epilogue(x @ w^T) for a decode step's few rows, reading w once.
 
     Args:
@@ -534,10 +502,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         pdl_late: with PDL, release the next kernel after the weight stream (the K loop)
             instead of right after the wait; None: when M < ``PDL_LATE_BELOW_M`` (where
             each measured faster in the decode step). The result is the same bit for bit.
-        prefetch: with PDL, each program asks for its weight rows to be brought into L2
-            before its wait (up to ``PREFETCH_MAX_BYTES`` a call, the start of each row's
-            K range first), so that weights stream while earlier kernels still run; None:
-            ``PREFETCH_DEFAULT``. A hint only: the result is the same bit for bit.
 
     Returns:
         out [M, NOUT] in x's dtype. Accumulation is fp32; the norm scale, SiLU and the
@@ -553,10 +517,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         pdl_late = M < PDL_LATE_BELOW_M
     elif not isinstance(pdl_late, bool):
         raise TypeError(f"pdl_late must be None or a bool, got {pdl_late!r}")
-    if prefetch is None:
-        prefetch = PREFETCH_DEFAULT
-    elif not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch must be None or a bool, got {prefetch!r}")
     target = target_of(x.device)
     has_pdl = target.backend == "cuda" and target.cc >= 90
     if pdl and not has_pdl:
@@ -575,7 +535,7 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
             # the interpreter's tl.dot multiplies bf16 as raw bits: run in fp32, round once
             y = gemv(x.float(), w.float(), norm_eps=norm_eps, silu_mul=silu_mul,
                      residual=None if residual is None else residual.float(), pdl=pdl,
-                     settings=settings, pdl_late=pdl_late, prefetch=prefetch)
+                     settings=settings, pdl_late=pdl_late)
             return out.copy_(y)
     if settings is None:
         settings = default_settings(target, M=M, N=nout, K=K, dtype=x.dtype, silu_mul=silu_mul)
@@ -591,14 +551,13 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         ws = ss = out
     eps = float(norm_eps) if norm_eps is not None else 0.0
     launch = {"launch_pdl": True} if pdl else {}
-    pf = _prefetch_row_bytes(w, N, K, split, settings) if pdl and prefetch else 0
     _gemv_kernel[(cdiv(nout, settings.BLOCK_N), split)](
         x, w, res, out, ws, ss, M, nout, K, eps,
-        x.stride(0), w.stride(0), res.stride(0), out.stride(0), pf,
+        x.stride(0), w.stride(0), res.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=settings.BLOCK_N, BLOCK_K=settings.BLOCK_K, SPLIT_K=split,
         USE_DOT=settings.use_dot, NORM=norm_eps is not None, RESIDUAL=residual is not None,
         SILU_MUL=silu_mul, PDL=pdl, STAGES=settings.num_stages, PDL_LATE=bool(pdl and pdl_late),
-        PREFETCH=pf > 0, num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
+        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if split > 1:
         _splitk_finish_kernel[(cdiv(nout, FINISH_BLOCK_N),)](
             ws, ss, res, out, M, nout, K, eps, res.stride(0), out.stride(0),
@@ -609,17 +568,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
 
 
 FINISH_BLOCK_N = 64  # split-K finish: columns per program (4 warps, <= 64 x 64 fp32 tile)
-
-
-def _prefetch_row_bytes(w, N, K, split, settings) -> int:
-    """Bytes of each program's share of a W row to prefetch into L2: an equal share of
-    PREFETCH_MAX_BYTES for every (row, split), a multiple of 16 (the bulk prefetch's unit,
-    with 16-byte aligned starts), at most the row's K range; 0 where W's rows or K tiles
-    do not start on 16 bytes."""
-    elem = w.element_size()
-    if w.data_ptr() % 16 or (w.stride(0) * elem) % 16 or (settings.BLOCK_K * elem) % 16:
-        return 0
-    return min(K * elem, PREFETCH_MAX_BYTES // (N * split)) // 16 * 16
 
 
 def _interpreter_ready():
@@ -638,8 +586,7 @@ def _interpreter_ready():
 def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: str = "bf16",
                  norm: bool = False, residual: bool = False, silu_mul: bool = False,
                  pdl: bool = False, settings: GemvSettings | None = None,
-                 num_sms: int = 132, kernel: str = "gemv", pdl_late: bool = False,
-                 prefetch: bool = False) -> dict:
+                 num_sms: int = 132, kernel: str = "gemv", pdl_late: bool = False) -> dict:
     """What ``triton.compile`` needs to build the GEMV kernel for compute capability cc.
 
     N counts output columns (F with silu_mul). kernel="gemv" gives the main kernel,
@@ -674,11 +621,11 @@ def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: st
         sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "res_ptr": f"*{t}", "out_ptr": f"*{t}",
                "ws_ptr": "*fp32", "ss_ptr": "*fp32", "M": "i32", "NOUT": "i32", "K": "i32",
                "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",
-               "stride_om": "i32", "pf_row_bytes": "i32"}
+               "stride_om": "i32"}
         const = {"BLOCK_M": block_m(M, settings.use_dot), "BLOCK_N": settings.BLOCK_N,
                  "BLOCK_K": settings.BLOCK_K, "SPLIT_K": settings.split_k,
                  "USE_DOT": settings.use_dot, **flags, "STAGES": settings.num_stages,
-                 "PDL_LATE": pdl_late, "PREFETCH": prefetch}
+                 "PDL_LATE": pdl_late}
         fn, aligned = _gemv_kernel, ("x_ptr", "w_ptr", "res_ptr", "out_ptr", "ws_ptr", "ss_ptr",
                                      "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")
     else:

@@ -385,6 +385,18 @@ def _settings(target: Target, M: int, N: int, K: int, dtype: torch.dtype, silu_m
                             use_dot=True, num_warps=4, num_stages=3)
     block_k = block_ks[block_n]
     split = _split_k(cdiv(N, block_n), K, block_k, target.num_sms)
+    if use_dot and split == 1 and block_m(M, True) > DOT_WIDE_MAX_M and 90 <= target.cc < 120:
+        # 33-64 rows, unsplit: one program an SM with deeper pipelines instead of two with
+        # two stages each. H200 at M = 64, the rule below against these side by side
+        # (notes/decode_step.md): 1B gate/up 28.8 -> 22.2 us and 8B 98.0 -> 69.8 with three
+        # stages of BLOCK_K 128; the LM heads 211 -> 142 (1B) and 396 -> 274 (8B) with 128
+        # columns, BLOCK_K 64, 8 warps, 4 stages (cuBLAS 145 / 283). The split shapes (QKV,
+        # o, down) keep the rule: every deeper variant was slower there.
+        if block_n >= 128:
+            return GemvSettings(BLOCK_N=block_n, BLOCK_K=ROW_BYTES // 2 // elem, split_k=1,
+                                use_dot=True, num_warps=8, num_stages=4)
+        return GemvSettings(BLOCK_N=block_n, BLOCK_K=block_k, split_k=1, use_dot=True,
+                            num_warps=4, num_stages=3)
     # Bytes in flight: (stages - 1) tiles a program. As many stages as fit
     # STAGE_BUDGET of shared memory (two programs an SM on sm_90's 228 KB), 2..MAX_STAGES.
     stage_bytes = ((2 if silu_mul else 1) * block_n + block_m(M, use_dot)) * block_k * elem

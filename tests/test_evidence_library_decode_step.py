@@ -28,7 +28,20 @@ def test_entries_are_registered_with_a_runner_and_sanitizer_shapes():
         run = spec.run
         assert run.interpreter and set(run.interpreter_dtypes) == {"fp16", "fp32"}
         assert run.dtypes[0] == "bf16" and run.baseline is not None and run.profile_shapes
-        assert len(run.sanitizer_shapes) == 2
+        assert len(run.sanitizer_shapes) >= 2
+
+
+def test_gemv_sanitizer_shapes_reach_the_deep_pipeline_settings():
+    """The third sanitizer shape of each plain GEMV entry takes the 33-64-row unsplit
+    settings on an H200 (so gate 6 sees those builds too)."""
+    from wsattn.kernels import gemv
+    from wsattn.target import Target
+    for name, silu in (("gemv_norm_silu", True), ("gemv_residual", False)):
+        s = library.get(name).run.sanitizer_shapes[2]
+        st = gemv.default_settings(Target("cuda", 90, 132), M=s["M"], N=s["N"], K=s["K"],
+                                   dtype=torch.bfloat16, silu_mul=silu)
+        assert s["M"] > gemv.DOT_WIDE_MAX_M and st.split_k == 1, (name, st)
+        assert st.num_stages >= 3, (name, st)
 
 
 def test_targets_cli_compiles_them_for_every_target(capsys):

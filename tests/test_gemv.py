@@ -259,6 +259,13 @@ def test_default_settings_table():
     assert s(1, 512, 2048).split_k > 1  # k/v projections: 32 column blocks only
     assert s(1, 3072, 2048).split_k == 1 and s(1, 128256, 2048).split_k == 1
     assert s(64, 2048, 2048).BLOCK_N >= 64  # BLOCK_N >= M: x re-reads <= W bytes
+    # 33-64 rows unsplit: one program an SM, deeper pipelines (gate/up; the LM head's 128
+    # columns with 8 warps); the split shapes keep the rule
+    gu, lm = s(64, 8192, 2048, True), s(64, 128256, 2048)
+    assert (gu.BLOCK_N, gu.split_k, gu.num_stages) == (64, 1, 3), gu
+    assert (lm.BLOCK_N, lm.BLOCK_K, lm.num_warps, lm.num_stages) == (128, 64, 8, 4), lm
+    assert s(64, 2048, 2048).split_k > 1 and s(64, 2048, 2048).num_warps == 4
+    assert s(32, 128256, 2048).num_warps == 4  # up to 32 rows the wide-tile rule
     for M in (1, 4, 8, 64):
         st = s(M, 8192, 2048, True)
         assert 2 <= st.num_stages <= g.MAX_STAGES

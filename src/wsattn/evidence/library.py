@@ -382,8 +382,9 @@ _GEMV_VARIANTS = {  # (norm, silu_mul, residual)
 
 
 def _draw_gemv(rng, small):
+    # N 34000 at 33-64 rows: the unsplit deep-pipeline settings (64 or 128 columns)
     return {"M": rng.choice([1, 3, 8] if small else [1, 3, 8, 17, 64]),
-            "N": rng.choice([80, 300] if small else [896, 2048, 5000]),
+            "N": rng.choice([80, 300] if small else [896, 2048, 5000, 34000]),
             "K": rng.choice([96, 200] if small else [1000, 2048, 4096])}
 
 
@@ -473,11 +474,15 @@ def _gemv_entry(name, variant, split=False):
     elif silu:  # Llama-3.2-1B gate/up (hidden 2048, FFN 8192); 8B for the profile
         at = {"M": 1, "N": 8192, "K": 2048}
         profile = ({"M": 1, "N": 14336, "K": 4096}, {"M": 8, "N": 14336, "K": 4096})
-        sanitizer = ({"M": 3, "N": 77, "K": 200}, {"M": 9, "N": 40, "K": 136})
+        # the third: 33-64 rows unsplit on sm_90 (64 columns, 3 stages)
+        sanitizer = ({"M": 3, "N": 77, "K": 200}, {"M": 9, "N": 40, "K": 136},
+                     {"M": 40, "N": 17000, "K": 128})
     else:  # Llama-3.2-1B down_proj; 8B for the profile
         at = {"M": 1, "N": 2048, "K": 8192}
         profile = ({"M": 1, "N": 4096, "K": 14336}, {"M": 8, "N": 4096, "K": 14336})
-        sanitizer = ({"M": 3, "N": 77, "K": 200}, {"M": 9, "N": 40, "K": 136})
+        # the third: 33-64 rows unsplit on sm_90 (128 columns, 8 warps, 4 stages)
+        sanitizer = ({"M": 3, "N": 77, "K": 200}, {"M": 9, "N": 40, "K": 136},
+                     {"M": 64, "N": 34000, "K": 128})
     run = RunSpec(draw_shape=_draw_gemv_splitk if split else _draw_gemv,
                   build=_build_gemv(variant), run=_gemv_run(split), reference=_gemv_reference,
                   dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),

@@ -17,6 +17,11 @@ BLOCK_N-aligned share of the real length), and the number of splits is chosen on
 host from the cache capacity, never from seqlens: no host read of device data, so the
 launch is CUDA-graph friendly.
 
+QKV (constexpr; ``decode_qkv``): for one new token a sequence, the kernel reads q from
+the QKV projection before its epilogue and runs that epilogue itself (bias, QK-norm,
+RoPE), and the split holding the new position appends the new key and value to the
+cache and adds their score after its loop: the decode step's QKV epilogue launch goes.
+
 PDL (programmatic dependent launch, sm_90+; the PDL constexpr, off by default): both
 kernels wait (``gdc_wait``) before their first load, since everything they read is the
 previous kernel's (q and this token's K/V from the fused QKV kernel, the workspace from

@@ -459,17 +459,21 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         >>> kc = vc = torch.randn(2, 100, 2, 64, dtype=torch.float16)
         >>> out, lse = decode(q, kc, vc, torch.tensor([100, 37], dtype=torch.int32), None, 0.125, 0)
     """
+    _check_pdl(pdl, q.device)
+    B, T, HQ, D = q.shape
+    return _launch(q, (q.stride(0), q.stride(1), q.stride(2)), B, T, HQ, k_cache, v_cache,
+                   seqlens, block_table, sm_scale, num_splits, settings, pdl)
+
+
+def _check_pdl(pdl, device):
     if pdl not in (True, False):
         raise ValueError(f"pdl must be True or False, got {pdl!r}")
     if pdl:
-        target = target_of(q.device)
+        target = target_of(device)
         if target.backend != "cuda" or target.cc < 90:
             # griddepcontrol is sm_90+ PTX, and the interpreter has no inline assembly
             raise UnsupportedTargetError(f"pdl=True needs CUDA sm_90 or later, got "
                                          f"{target.name}")
-    B, T, HQ, D = q.shape
-    return _launch(q, (q.stride(0), q.stride(1), q.stride(2)), B, T, HQ, k_cache, v_cache,
-                   seqlens, block_table, sm_scale, num_splits, settings, pdl)
 
 
 def _launch(q, q_strides, B, T, HQ, k_cache, v_cache, seqlens, block_table, sm_scale,
@@ -578,13 +582,7 @@ def decode_qkv(qkv, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits
 def _check_qkv(qkv, k_cache, v_cache, seqlens, block_table, heads, inv_freq, bias, q_norm,
                k_norm, qk_eps, pdl):
     """decode_qkv's arguments, refused by name before any launch."""
-    if pdl not in (True, False):
-        raise ValueError(f"pdl must be True or False, got {pdl!r}")
-    if pdl:
-        target = target_of(qkv.device)
-        if target.backend != "cuda" or target.cc < 90:
-            raise UnsupportedTargetError(f"pdl=True needs CUDA sm_90 or later, got "
-                                         f"{target.name}")
+    _check_pdl(pdl, qkv.device)
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must be one 4-D shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")

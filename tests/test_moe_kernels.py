@@ -77,6 +77,7 @@ CHILD = REFERENCE + textwrap.dedent(r'''
     torch.manual_seed(0)
     case, arg = sys.argv[1], json.loads(sys.argv[2])
     res = {}
+    TOL_CHILD = {"float32": 2e-5, "float16": 4e-3}
 
     def weights(E, H, F, dt):
         rw = (torch.randn(E, H) / H ** 0.5).to(dt)  # logits ~ N(0, 1): no fp32 saturation
@@ -172,6 +173,30 @@ CHILD = REFERENCE + textwrap.dedent(r'''
         res["sigmoid_nan_ref_ids"] = ri[0].tolist()
         res["sigmoid_nan_first_weight_nan"] = bool(torch.isnan(w[0, 0]))
 
+    elif case == "one_token":
+        # one_token_grouping against group(): the same bits through gate/up and
+        # down + combine, for FMA and dot blocks, with a residual and the FlashNorm scale
+        from wsattn.target import target_of
+        for dtn in ("float32", "float16"):
+            dt = getattr(torch, dtn)
+            for E, k, H, F, block in ((8, 2, 64, 32, 1), (16, 4, 96, 40, 4),
+                                      (12, 3, 72, 36, 16), (128, 8, 64, 48, 16)):
+                x = torch.randn(1, H).to(dt)
+                rw, wgu, wd = weights(E, H, F, dt)
+                r = torch.randn(1, H).to(dt)
+                w, ids = M.route(x, rw, top_k=k, renormalize=True, norm_eps=1e-5)
+                st = M.default_settings(target_of(x.device), T=1, top_k=k, num_experts=E,
+                                        dtype=dt, block=block)
+                outs = []
+                for g in (M.group(ids, E, block),
+                          M.one_token_grouping(ids, E, block, M.one_token_tables(k, block, "cpu"))):
+                    act = M.moe_gate_up(x, wgu, g, norm_eps=1e-5, settings=st)
+                    outs.append(M.moe_down_combine(act, wd, g, w, residual=r, settings=st))
+                ref, _, _ = reference_moe(x, rw, wgu, wd, k, True, 1e-5, r)
+                res[f"{dtn}-E{E}-k{k}-b{block}"] = {
+                    "equal": bool(torch.equal(outs[0], outs[1])),
+                    "err": rel_err(outs[1], ref), "tol": TOL_CHILD[dtn]}
+
     elif case == "bf16":
         dt = torch.bfloat16
         x = torch.randn(5, 64).to(dt)
@@ -218,6 +243,33 @@ def test_grouping_edge_cases_match_a_python_counting_sort():
     assert len(r) == 30, r
     bad = {k: v for k, v in r.items() if not all(v.values())}
     assert not bad, bad
+
+
+def test_one_token_grouping_gives_the_grouping_kernels_bits():
+    """One token: the kernel-free grouping (a block a slot, the ids as the experts of the
+    blocks) gives bitwise the output of group()'s, and both are within tolerance of the
+    float64 block; FMA and dot blocks, E up to 128, fp32 and fp16."""
+    r = _child("one_token")
+    assert len(r) == 8, r
+    for key, v in r.items():
+        assert v["equal"] is True and v["err"] <= v["tol"], (key, v)
+
+
+def test_one_token_grouping_refuses_bad_input_by_name():
+    from wsattn.kernels import moe as M
+    ids = torch.tensor([[3, 1]], dtype=torch.int32)
+    tables = M.one_token_tables(2, 16, "cpu")
+    assert M.one_token_grouping(ids, 4, 16, tables).expert_of_block.data_ptr() == ids.data_ptr()
+    with pytest.raises(ValueError, match=r"topk_ids must be a \[1, top_k\]"):
+        M.one_token_grouping(torch.tensor([[3, 1], [0, 2]], dtype=torch.int32), 4, 16, tables)
+    with pytest.raises(TypeError, match="int32"):
+        M.one_token_grouping(ids.long(), 4, 16, tables)
+    with pytest.raises(ValueError, match="num_experts"):
+        M.one_token_grouping(ids, 1, 16, tables)
+    with pytest.raises(ValueError, match=r"one_token_tables\(top_k=2, block=4\)"):
+        M.one_token_grouping(ids, 4, 4, tables)
+    with pytest.raises(ValueError, match="block must be one of"):
+        M.one_token_tables(2, 8, "cpu")
 
 
 def test_router_ties_lower_index_first_and_nan_propagates():

@@ -318,7 +318,8 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
         step.pdl_families = runner._pdl_families(families, has_pdl=True)
         buf = runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device)
         step._forward(buf)
-        step._moe(moe_layer, buf.h, 1)
+        buf.moe_block = 1
+        step._moe(moe_layer, buf.h, buf)
         assert {name for name, _ in seen} == set(runner.PDL_FAMILIES)
         assert all(pdl is (name in families) for name, pdl in seen), (families, seen)
     # the GEMVs' release: "gemv" leaves it to gemv (by rows, pdl_late=None), the variants

@@ -85,6 +85,24 @@ CHILD = textwrap.dedent(r'''
                           "err": err(l, ref_l), "nan": bool(l.isnan().any()),
                           "blocks": {str(b): buf.moe_block for b, buf in e.step._buffers.items()}}
 
+    elif case == "one_token":
+        # KernelStep(moe_one_token=True) at bucket 1: the same bits as the grouping kernel,
+        # and no moe_group call
+        from wsattn.engine.runner import KernelStep
+        for fam in ("qwen3_moe", "mixtral"):
+            m, ps, n = model(fam), prompts([9]), 8
+            runs = {}
+            for on in (False, True):
+                e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8,
+                           buckets=(1,))
+                e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets,
+                                    moe_one_token=on)
+                runs[on] = e.run(ps, n, return_logits=True) + (dict(e.step.launches),)
+            (t0, l0, c0), (t1, l1, c1) = runs[False], runs[True]
+            res[fam] = {"equal": all(torch.equal(a, b) for a, b in zip(t0, t1))
+                        and bool(torch.equal(l0, l1)),
+                        "group_calls": [c0.get("moe_group", 0), c1.get("moe_group", 0)]}
+
     elif case == "padding":
         m, ps, n = model("qwen3_moe"), prompts([9, 4, 6]), 6
         pad, pad_t, pad_l = run(m, "kernels", ps, n, buckets=(4,), num_pages=8, page_size=8)
@@ -168,6 +186,15 @@ def test_kernels_match_reference_moe(family):
         assert r[label]["tokens"] and not r[label]["nan"], (label, r)
         assert r[label]["err"] <= FP32_LOGITS, (label, r)
         assert r[label]["blocks"] == BLOCKS[family, label], (label, r)
+
+
+def test_moe_one_token_grouping_in_the_step():
+    """moe_one_token at bucket 1 (Qwen3-MoE with a dense layer, Mixtral): bitwise the
+    tokens and logits of the step with the grouping kernel, and no grouping call."""
+    r = _child("one_token")
+    for fam, v in r.items():
+        assert v["equal"] is True, (fam, v)
+        assert v["group_calls"][0] > 0 and v["group_calls"][1] == 0, (fam, v)
 
 
 def test_moe_bucket_padding():
@@ -330,6 +357,21 @@ def test_gpu_moe_pdl_on_equals_off(family, pdl):
     off_t, off_l = _gpu_engine(family, pdl=False)[0].run(ps, 24, return_logits=True)
     assert all(torch.equal(a, b) for a, b in zip(on_t, off_t))
     assert torch.equal(on_l, off_l)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_gpu_moe_one_token_equals_the_grouping_kernel(family):
+    """One sequence (bucket 1): the kernel-free grouping with PDL (the "moe:one_token"
+    variant, in a graph) gives bitwise the default step's tokens and logits."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    ps = _gpu_prompts(1)
+    base_t, base_l = _gpu_engine(family)[0].run(ps, 24, return_logits=True)
+    one_t, one_l = _gpu_engine(family, pdl=("qkv_rope", "decode", "gemv", "moe:one_token"))[0] \
+        .run(ps, 24, return_logits=True)
+    assert all(torch.equal(a, b) for a, b in zip(base_t, one_t))
+    assert torch.equal(base_l, one_l)
 
 
 @pytest.mark.gpu

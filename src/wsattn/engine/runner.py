@@ -98,7 +98,7 @@ import torch.nn.functional as F
 from .. import api, ops
 from ..kernels.gemv import MAX_M as GEMV_MAX_M, gemv
 from ..kernels.moe import MAX_E as MOE_MAX_E, default_block, group, moe_down_combine, \
-    moe_gate_up, route
+    moe_gate_up, one_token_grouping, one_token_tables, route
 from ..kernels.qkv_rope import qkv_rope_append, qkv_rope_workspace
 from ..models import moe as moe_math
 from ..models.config import HEAD_DIMS, ModelConfig
@@ -123,8 +123,10 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # forced after their weight stream ("gemv:late") or right after their wait ("gemv:early")
 # in every bucket, instead of by rows; the QKV projection's epilogue inside the decode
 # launch ("qkv_rope:in_decode", KernelStep's qkv_in_decode=True, with PDL on the QKV
-# projection's GEMV).
-PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:in_decode": "qkv_rope"}
+# projection's GEMV); the MoE kernels with the one-token grouping at bucket 1
+# ("moe:one_token", KernelStep's moe_one_token=True).
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:in_decode": "qkv_rope",
+                "moe:one_token": "moe"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -171,6 +173,10 @@ class _Buffers:
         # rows a grouping block in MoE layers: fixed per bucket, so the grouping's static
         # sizes (and a captured graph's launches) are too
         self.moe_block = default_block(bucket, cfg.top_k, cfg.experts) if cfg.is_moe else None
+        # the one-token grouping's constant tables (KernelStep's moe_one_token), made here,
+        # before any capture
+        self.moe_tables = (one_token_tables(cfg.top_k, self.moe_block, dev)
+                           if cfg.is_moe and bucket == 1 else None)
         self.logits = torch.zeros(bucket, cfg.vocab, dtype=torch.float32, device=dev)
         # the LM head GEMV writes the model dtype; 16-bit models cast into logits after it
         self.logits_model = (self.logits if dtype == torch.float32 else
@@ -202,6 +208,9 @@ class KernelStep:
             launch of its own: one kernel fewer a layer. Off by default (not yet measured
             against the two launches on a GPU); layers with a whole-projection QK-norm
             (OLMoE) keep the two launches.
+        moe_one_token: at bucket 1, group a MoE layer's (token, slot) pairs without the
+            grouping kernel (``moe.one_token_grouping``: one block a slot; same bits),
+            one launch fewer a MoE layer. Off by default (not yet measured on a GPU).
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
@@ -223,7 +232,7 @@ class KernelStep:
     name = "kernels"
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None,
-                 qkv_in_decode=False):
+                 qkv_in_decode=False, moe_one_token=False):
         # what the fused step does not run, refused by feature before any shape check
         if getattr(cfg, "experts", 0) > MOE_MAX_E:
             raise ValueError(f"step='kernels': {cfg.family} has {cfg.experts} experts; the MoE "
@@ -258,6 +267,9 @@ class KernelStep:
         if qkv_in_decode not in (True, False):
             raise ValueError(f"qkv_in_decode must be True or False, got {qkv_in_decode!r}")
         self.qkv_in_decode = qkv_in_decode or "qkv_rope:in_decode" in families
+        if moe_one_token not in (True, False):
+            raise ValueError(f"moe_one_token must be True or False, got {moe_one_token!r}")
+        self.moe_one_token = moe_one_token or "moe:one_token" in families
 
         rope = cfg.rope
         scaling = None if rope.type == "default" else {
@@ -429,7 +441,7 @@ class KernelStep:
             gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl_gemv, **late)
             self._count("gemv_o")
             if layer.router is not None:
-                self._moe(layer, h, buf.moe_block)
+                self._moe(layer, h, buf)
                 continue
             gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, pdl=pdl_gemv,
                  **late)
@@ -442,14 +454,18 @@ class KernelStep:
             buf.logits.copy_(buf.logits_model)
             self._count("logits_cast")
 
-    def _moe(self, layer, h, block):
+    def _moe(self, layer, h, buf):
         """A MoE layer's MLP on the residual stream h [bucket, hidden], in place."""
-        cfg, eps, pdl = self.cfg, self.eps, "moe" in self.pdl_families
+        cfg, eps = self.cfg, self.eps
+        pdl = "moe" in self.pdl_families or "moe:one_token" in self.pdl_families
         wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
                          norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
         self._count("moe_route")
-        grouping = group(ids, cfg.experts, block, pdl=pdl)
-        self._count("moe_group")
+        if self.moe_one_token and buf.moe_tables is not None:
+            grouping = one_token_grouping(ids, cfg.experts, buf.moe_block, buf.moe_tables)
+        else:
+            grouping = group(ids, cfg.experts, buf.moe_block, pdl=pdl)
+            self._count("moe_group")
         act = moe_gate_up(h, layer.w_gate_up, grouping, norm_eps=eps, pdl=pdl)
         self._count("moe_gate_up")
         # out may be the residual (moe.py: each element read and written by one program)

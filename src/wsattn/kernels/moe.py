@@ -396,6 +396,10 @@ class Grouping(NamedTuple):
     num_active_blocks: int32 [1], expert_offsets[E] / block.
     expert_counts: int32 [E], pairs per expert.
     block, top_k, num_experts: the Python ints it was built with.
+
+    one_token_grouping's groupings (one token, no kernel) keep one block a slot in slot
+    order instead of expert order and have no expert_offsets / expert_counts (None); the
+    grouped kernels read only sorted_pairs, expert_of_block and num_active_blocks.
     """
     sorted_pairs: torch.Tensor
     expert_offsets: torch.Tensor
@@ -573,6 +577,52 @@ def group(topk_ids, num_experts, block, *, pdl=None):
                         BLOCK=block, BLOCK_E=max(16, next_pow2(E)), CHUNK=GROUP_CHUNK,
                         TAIL=GROUP_TAIL, PDL=pdl, num_warps=4, **launch)
     return Grouping(pairs, offs, eob, nact, counts, block, k, E)
+
+
+def one_token_tables(top_k, block, device):
+    """The constant part of a one-token grouping (see one_token_grouping): sorted_pairs
+    int32 [top_k * block] with slot j at row j * block and -1 elsewhere, and
+    num_active_blocks int32 [1] = top_k. Made once (a host-to-device copy, so before any
+    graph capture) and passed to every step's one_token_grouping."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    if block not in FMA_BLOCKS + DOT_BLOCKS:
+        raise ValueError(f"block must be one of {FMA_BLOCKS + DOT_BLOCKS}, got {block!r}")
+    pairs = torch.full((top_k, block), -1, dtype=torch.int32)
+    pairs[:, 0] = torch.arange(top_k, dtype=torch.int32)
+    return pairs.view(-1).to(device), torch.tensor([top_k], dtype=torch.int32, device=device)
+
+
+def one_token_grouping(topk_ids, num_experts, block, tables):
+    """group()'s result for a single token, with no kernel: a token's top-k experts are
+    distinct, so every expert it touches has exactly one pair, and block j can simply be
+    slot j's (expert topk_ids[0, j], its one pair in row 0). The grouped kernels then run
+    what they run on group()'s result, blocks in slot order instead of expert order, and
+    give the same bits (each output element is still one program's, and the combine adds
+    by slot). What is saved is group()'s launch.
+
+    Args:
+        topk_ids: int32 [1, top_k] (route's output for one token), contiguous.
+        num_experts, block: as in group().
+        tables: one_token_tables(top_k, block, device)'s pair.
+
+    Returns:
+        a Grouping whose expert_of_block is topk_ids itself (a view, so a captured graph
+        reads each step's ids) and whose expert_offsets / expert_counts are None.
+    """
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[0] != 1:
+        raise ValueError("topk_ids must be a [1, top_k] torch.Tensor (one token)")
+    if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
+        raise TypeError(f"topk_ids must be contiguous int32, got {topk_ids.dtype}")
+    k = topk_ids.shape[1]
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
+            or not k <= num_experts <= MAX_E:
+        raise ValueError(f"num_experts must be an int in top_k={k}..{MAX_E}, got {num_experts!r}")
+    pairs, nact = tables
+    if pairs.shape != (k * block,) or nact.shape != (1,) or pairs.device != topk_ids.device:
+        raise ValueError(f"tables must be one_token_tables(top_k={k}, block={block}) on "
+                         f"{topk_ids.device}")
+    return Grouping(pairs, None, topk_ids.view(-1), nact, None, block, k, num_experts)
 
 
 def _check_experts(name, w, x, E, rows, cols):

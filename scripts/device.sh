@@ -59,6 +59,8 @@
 #   scripts/device_gluon.py         Gluon prefill settings variants: numerics, stress, timing
 #                                   side by side with cuDNN and the Triton kernel
 #   scripts/device_prefill_sweep.py the Triton prefill's launch-settings sweep
+#   scripts/device_moe_small_kernels.py  the MoE router's top-k and grouping kernels at
+#                                   1 / 2 / 4 / 8 warps, checked against the default
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 
 import torch
 
 from wsattn.bench import moe as bm
 from wsattn.bench.ceilings import copy_bandwidth
-from wsattn.bench.step import gpu_summary, per_step
+from wsattn.bench.step import gpu_summary, per_step, profile_summary
 from wsattn.bench.timing import cuda_timer
 from wsattn.kernels import moe as kmoe
 
@@ -47,18 +45,7 @@ def profile_case(case, pdl: bool, tbps: float) -> dict:
         calls()
     graph.replay()
     torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            summary = gpu_summary(json.load(f))
-    finally:
-        os.unlink(path)
+    summary = profile_summary(torch, "cuda", graph.replay)
     per = per_step(summary, gpu_summary([]), REPLAYS)
     floor_us = case.touched_bytes(hit) / (tbps * 1e12) * 1e6
     return {"case": case.id, "pdl": pdl, "experts_hit": hit, "floor_us": round(floor_us, 2),

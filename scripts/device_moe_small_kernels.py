@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 
 import torch
 
-from wsattn.bench.step import gpu_summary
+from wsattn.bench.step import profile_summary
 from wsattn.kernels import moe as M
 from wsattn.kernels._intmath import next_pow2
 
@@ -44,18 +43,7 @@ def kernel_us(launch, name) -> float:
             launch()
     graph.replay()
     torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            summary = gpu_summary(json.load(f))
-    finally:
-        os.remove(path)
+    summary = profile_summary(torch, "cuda", graph.replay)
     rows = [(n, us) for key, (n, us) in summary["by_name"].items() if key.startswith(name)]
     if len(rows) != 1:
         raise RuntimeError(f"expected one {name} entry in the trace, got {summary['by_name']}")

@@ -584,7 +584,7 @@ def _sync(torch, device):
         torch.cuda.synchronize(device)
 
 
-def _profile(torch, device, fn) -> dict:
+def profile_summary(torch, device, fn) -> dict:
     """gpu_summary of a torch.profiler trace of fn (no GPU events on a CPU device)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -744,8 +744,8 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
             ms = statistics.median(samples)
             prof = None
             try:
-                prof = per_step(_profile(torch, device, lambda: gen(1 + n)),
-                                _profile(torch, device, lambda: gen(1)), n)
+                prof = per_step(profile_summary(torch, device, lambda: gen(1 + n)),
+                                profile_summary(torch, device, lambda: gen(1)), n)
             except Exception as e:  # the timing stands without the trace
                 note = "; ".join(filter(None, [note, "profile failed: " + _short(e)]))
             rows.append(make_row(stamp, case, impl, "ok", rel_err=rel, tol=tol,

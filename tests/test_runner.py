@@ -71,14 +71,6 @@ CHILD = textwrap.dedent(r'''
             _, t, l = run(m, "kernels", ps, n, **kw)
             res[name] = {"tokens": all(torch.equal(a, b) for a, b in zip(ref_t, t)),
                          "err": err(l, ref_l), "nan": bool(l.isnan().any())}
-        # the QKV epilogue inside the decode launch (KernelStep's qkv_in_decode)
-        from wsattn.engine.runner import KernelStep
-        e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8)
-        e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, qkv_in_decode=True)
-        t, l = e.run(ps, n, return_logits=True)
-        res["in_decode"] = {"tokens": all(torch.equal(a, b) for a, b in zip(ref_t, t)),
-                            "err": err(l, ref_l), "nan": bool(l.isnan().any()),
-                            "calls": sorted(e.step.launches)}
 
     elif case == "padding":
         m, ps, n = model("llama"), prompts([9, 4, 6]), 8
@@ -105,10 +97,6 @@ CHILD = textwrap.dedent(r'''
         interpreter.InterpretedFunction.run = counted
         m = model(arg["family"])
         e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8)
-        if arg.get("in_decode"):
-            from wsattn.engine.runner import KernelStep
-            e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets,
-                                qkv_in_decode=True)
         step = e.step
         decode = step.decode
         steps = [0]
@@ -181,12 +169,9 @@ def test_kernels_match_reference(family):
     and every step's logits within fp32 tolerance, with one prefill chunk (attention_varlen
     on the chunk) and with chunks of 4 (later chunks attend to the cached prefix)."""
     r = _child("family", family=family)
-    for name in ("whole", "chunked", "in_decode"):
+    for name in ("whole", "chunked"):
         assert r[name]["tokens"] and not r[name]["nan"], (name, r)
         assert r[name]["err"] <= FP32_LOGITS, (name, r)
-    # qkv_in_decode: the projection GEMV and decode_qkv in place of qkv_rope and decode
-    calls = set(r["in_decode"]["calls"])
-    assert {"gemv_qkv", "decode_qkv"} <= calls and not calls & {"qkv_rope", "decode"}, r
 
 
 def test_bucket_padding():
@@ -219,23 +204,6 @@ def test_launches_per_layer():
     assert per_layer_launches <= 6, r
     assert set(tri) <= {"_qkv_rope_kernel", "_decode_kernel", "_combine_kernel",
                         "_gemv_kernel", "_splitk_finish_kernel"}, r
-
-
-def test_launches_per_layer_qkv_in_decode():
-    """qkv_in_decode: still 5 library calls a layer, the QKV epilogue's own launch gone:
-    4 GEMVs and the decode launch (+ its combine) a layer, no qkv_rope kernel (on sm_90,
-    where the default QKV call is two launches, that is 6 launches a layer against 7)."""
-    r = _child("launches", family="qwen2", in_decode=True)
-    L, steps = r["layers"], r["steps"]
-    per_layer = ("gemv_qkv", "decode_qkv", "gemv_o", "gemv_gate_up", "gemv_down")
-    for counts in r["runner"]:
-        assert counts == {**{k: L for k in per_layer}, "embed": 1, "positions": 1,
-                          "gemv_lm_head": 1}, r
-    tri = r["triton"]
-    assert tri["_decode_kernel"] == L * steps and tri["_gemv_kernel"] == (4 * L + 1) * steps, r
-    assert set(tri) <= {"_decode_kernel", "_combine_kernel", "_gemv_kernel",
-                        "_splitk_finish_kernel"}, r
-    assert (sum(tri.values()) - steps) / (L * steps) <= 6, r
 
 
 def test_prefill_host_lengths():
@@ -336,10 +304,8 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
         step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
         assert late_seen and set(late_seen) == {want}, (families, late_seen)
     for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late")]:
-        with pytest.raises(ValueError, match=r"name the same kernels \(gemv\)"):
+        with pytest.raises(ValueError, match=r"name the same kernels \(the GEMVs\)"):
             runner._pdl_families(both, has_pdl=True)
-    with pytest.raises(ValueError, match=r"name the same kernels \(qkv_rope\)"):
-        runner._pdl_families(("qkv_rope", "qkv_rope:in_decode"), has_pdl=True)
     # the default: every family where the GPU has PDL (the GEMVs' release by rows)
     assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
@@ -433,8 +399,7 @@ def test_call_refusals(monkeypatch):
 
 # --------------------------------------------------------------------------- GPU
 
-def _gpu_engine(graphs=None, pdl=None, layers=4, max_pos=2048, num_pages=512,
-                qkv_in_decode=False):
+def _gpu_engine(graphs=None, pdl=None, layers=4, max_pos=2048, num_pages=512):
     """A bf16 Llama-shaped model (D 64, GQA 4:1, tied embeddings off) on CUDA."""
     import transformers
 
@@ -449,8 +414,7 @@ def _gpu_engine(graphs=None, pdl=None, layers=4, max_pos=2048, num_pages=512,
     model = transformers.LlamaForCausalLM(cfg).eval()
     e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=num_pages,
                page_size=16, buckets=(1, 2, 4, 8))
-    e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl,
-                        qkv_in_decode=qkv_in_decode)
+    e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl)
     return e, model
 
 
@@ -497,23 +461,6 @@ def test_gpu_matches_reference_step():
     ref = Engine(model, dtype=torch.bfloat16, device="cuda", step="reference")
     _, rl = ref.run(ps, 4, return_logits=True)
     assert rel_err(kl[:, 0], rl[:, 0]) <= tol(torch.bfloat16)
-
-
-@pytest.mark.gpu
-def test_gpu_qkv_in_decode():
-    """qkv_in_decode in bf16: graph replay equals its eager step bitwise, PDL on equals
-    off bitwise, and every step's logits stay within bf16 tolerance of the two-launch
-    step's (not bit-identical: the new key joins the softmax last)."""
-    from wsattn.testing import rel_err, tol
-    ps = _gpu_prompts()
-    base_t, base_l = _gpu_engine()[0].run(ps, 8, return_logits=True)
-    runs = {}
-    for name, kw in (("graph", dict(graphs=True)), ("eager", dict(graphs=False, pdl=False))):
-        runs[name] = _gpu_engine(qkv_in_decode=True, **kw)[0].run(ps, 8, return_logits=True)
-    (gt, gl), (et, el) = runs["graph"], runs["eager"]
-    assert all(torch.equal(a, b) for a, b in zip(gt, et)) and torch.equal(gl, el)
-    worst = max(rel_err(gl[:, i], base_l[:, i]) for i in range(gl.shape[1]))
-    assert worst <= tol(torch.bfloat16), worst
 
 
 @pytest.mark.gpu

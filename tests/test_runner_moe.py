@@ -296,7 +296,7 @@ def test_auto_on_cuda_picks_kernels_for_16_bit_models():
 
 # --------------------------------------------------------------------------- GPU
 
-def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None):
+def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True):
     """A bf16 MoE model (hidden 512, D 64, 8/2 heads, 4 layers; Qwen3-MoE 16 experts top-4
     with layer 2 dense, Mixtral 8 experts top-2, or OLMoE 16 experts top-4 with its
     whole-projection QK-norm) on CUDA."""
@@ -322,7 +322,8 @@ def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None):
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=512,
                page_size=16, buckets=(1, 2, 4, 8, 16))
-    e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl)
+    e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl,
+                        moe_one_token=moe_one_token)
     return e, model
 
 
@@ -362,16 +363,16 @@ def test_gpu_moe_pdl_on_equals_off(family, pdl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_gpu_moe_one_token_equals_the_grouping_kernel(family):
-    """One sequence (bucket 1): the kernel-free grouping with PDL (the "moe:one_token"
-    variant, in a graph) gives bitwise the default step's tokens and logits."""
+    """One sequence (bucket 1), PDL on, in a graph: the kernel-free grouping (the default)
+    gives bitwise the tokens and logits of the step with the grouping kernel."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
     ps = _gpu_prompts(1)
-    base_t, base_l = _gpu_engine(family)[0].run(ps, 24, return_logits=True)
-    one_t, one_l = _gpu_engine(family, pdl=("qkv_rope", "decode", "gemv", "moe:one_token"))[0] \
+    group_t, group_l = _gpu_engine(family, pdl=True, moe_one_token=False)[0] \
         .run(ps, 24, return_logits=True)
-    assert all(torch.equal(a, b) for a, b in zip(base_t, one_t))
-    assert torch.equal(base_l, one_l)
+    one_t, one_l = _gpu_engine(family, pdl=True)[0].run(ps, 24, return_logits=True)
+    assert all(torch.equal(a, b) for a, b in zip(group_t, one_t))
+    assert torch.equal(group_l, one_l)
 
 
 @pytest.mark.gpu

@@ -60,15 +60,6 @@ def _decode_impl(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits
                                 pdl=pdl)
 
 
-def decode_qkv(qkv, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, **kw):
-    # the engine's decode with the QKV epilogue inside (decode_triton.decode_qkv's
-    # arguments); like decode(pdl=True), no custom op: the engine calls it under no_grad
-    _interpreter_ready(qkv.device)
-    from .kernels import decode_triton
-    return decode_triton.decode_qkv(qkv, k_cache, v_cache, seqlens, block_table, sm_scale,
-                                    num_splits, **kw)
-
-
 def _merge_impl(outputs, lses):
     _interpreter_ready(outputs.device)
     from .kernels import merge

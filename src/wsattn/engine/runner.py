@@ -121,12 +121,8 @@ __all__ = ["KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
 PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # A/B variants `pdl=` also takes in place of a family: the GEMVs with PDL and the release
 # forced after their weight stream ("gemv:late") or right after their wait ("gemv:early")
-# in every bucket, instead of by rows; the QKV projection's epilogue inside the decode
-# launch ("qkv_rope:in_decode", KernelStep's qkv_in_decode=True, with PDL on the QKV
-# projection's GEMV); the MoE kernels with the one-token grouping at bucket 1
-# ("moe:one_token", KernelStep's moe_one_token=True).
-PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:in_decode": "qkv_rope",
-                "moe:one_token": "moe"}
+# in every bucket, instead of by rows.
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -146,10 +142,9 @@ def _pdl_families(pdl, has_pdl: bool) -> frozenset:
     if unknown:
         raise ValueError(f"pdl: unknown kernel families {unknown}; they are {PDL_FAMILIES} "
                          f"(or the variants {tuple(PDL_VARIANTS)})")
-    for family in PDL_FAMILIES:
-        same = sorted(n for n in names if n == family or PDL_VARIANTS.get(n) == family)
-        if len(same) > 1:
-            raise ValueError(f"pdl: {same} name the same kernels ({family}); give one")
+    gemv_names = sorted(n for n in names if n == "gemv" or PDL_VARIANTS.get(n) == "gemv")
+    if len(gemv_names) > 1:
+        raise ValueError(f"pdl: {gemv_names} name the same kernels (the GEMVs); give one")
     return names
 
 
@@ -165,9 +160,6 @@ class _Buffers:
         self.block_table = torch.zeros(bucket, max_pages, dtype=i32, device=dev)
         self.h = torch.zeros(bucket, cfg.hidden, dtype=dtype, device=dev)
         self.q = torch.zeros(bucket, cfg.heads, cfg.head_dim, dtype=dtype, device=dev)
-        # the QKV projection before its epilogue (KernelStep's qkv_in_decode)
-        self.qkv = torch.zeros(bucket, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim,
-                               dtype=dtype, device=dev)
         dense = len(cfg.moe_layers) < cfg.layers
         self.act = torch.zeros(bucket, cfg.ffn, dtype=dtype, device=dev) if dense else None
         # rows a grouping block in MoE layers: fixed per bucket, so the grouping's static
@@ -201,20 +193,16 @@ class KernelStep:
             takes it (where each measured a gain), off elsewhere; True: every kernel that
             takes it (refused off sm_90+); False: none; or a collection of ``PDL_FAMILIES`` names: on for those kernel
             families only (to measure where PDL pays), "gemv:late" / "gemv:early" in
-            place of "gemv" forcing where the GEMVs release, "qkv_rope:in_decode" in
-            place of "qkv_rope" the next switch (``PDL_VARIANTS``).
-        qkv_in_decode: run the QKV projection's epilogue (bias, QK-norm, RoPE, the cache
-            append) inside the decode launch (``decode_triton.decode_qkv``) instead of a
-            launch of its own: one kernel fewer a layer. Off by default (not yet measured
-            against the two launches on a GPU); layers with a whole-projection QK-norm
-            (OLMoE) keep the two launches.
+            place of "gemv" forcing where the GEMVs release (``PDL_VARIANTS``).
         moe_one_token: at bucket 1, group a MoE layer's (token, slot) pairs without the
-            grouping kernel (``moe.one_token_grouping``: one block a slot; same bits),
-            one launch fewer a MoE layer. Off by default (not yet measured on a GPU).
+            grouping kernel (``moe.one_token_grouping``: one block a slot; same bits), one
+            launch fewer a MoE layer. On by default: the 48-layer Qwen3-30B-A3B step at B1
+            ran 3.378 -> 3.138 ms/token with it (H200, notes/moe.md); False keeps the
+            grouping kernel (the A/B, and the bitwise check against it).
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
-            "qkv_rope", "decode" (or with qkv_in_decode "gemv_qkv", "decode_qkv"), "gemv_o", "gemv_gate_up", "gemv_down", "moe_route",
+            "qkv_rope", "decode", "gemv_o", "gemv_gate_up", "gemv_down", "moe_route",
             "moe_group", "moe_gate_up", "moe_down_combine", "gemv_lm_head",
             "logits_cast"), counted when a step runs eagerly (warm-up and capture
             included, replays not).
@@ -232,7 +220,7 @@ class KernelStep:
     name = "kernels"
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None,
-                 qkv_in_decode=False, moe_one_token=False):
+                 moe_one_token=True):
         # what the fused step does not run, refused by feature before any shape check
         if getattr(cfg, "experts", 0) > MOE_MAX_E:
             raise ValueError(f"step='kernels': {cfg.family} has {cfg.experts} experts; the MoE "
@@ -264,12 +252,9 @@ class KernelStep:
             raise ValueError(f"pdl={pdl!r} needs a CUDA GPU of sm_90 or later; the weights "
                              f"are on {self.device}")
         self.pdl_families = families
-        if qkv_in_decode not in (True, False):
-            raise ValueError(f"qkv_in_decode must be True or False, got {qkv_in_decode!r}")
-        self.qkv_in_decode = qkv_in_decode or "qkv_rope:in_decode" in families
         if moe_one_token not in (True, False):
             raise ValueError(f"moe_one_token must be True or False, got {moe_one_token!r}")
-        self.moe_one_token = moe_one_token or "moe:one_token" in families
+        self.moe_one_token = moe_one_token
 
         rope = cfg.rope
         scaling = None if rope.type == "default" else {
@@ -401,7 +386,7 @@ class KernelStep:
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
-        pdl_qkv, pdl_decode = on("qkv_rope") or on("qkv_rope:in_decode"), on("decode")
+        pdl_qkv, pdl_decode = on("qkv_rope"), on("decode")
         pdl_gemv = on("gemv") or on("gemv:late") or on("gemv:early")
         # None: gemv picks the release by rows; the variants force one
         late = {"pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
@@ -411,33 +396,19 @@ class KernelStep:
         self._count("positions")
         for i, layer in enumerate(w.layers):
             k_pages, v_pages = cache.k[i], cache.v[i]
-            if self.qkv_in_decode and not cfg.qk_norm_whole:
-                # the projection (FlashNorm scale in its epilogue), then decode with the
-                # QKV epilogue inside: one launch fewer than qkv_rope_append + decode
-                gemv(h, layer.wqkv, norm_eps=eps, out=buf.qkv, pdl=pdl_qkv, pdl_late=False)
-                self._count("gemv_qkv")
-                attn = ops.decode_qkv(buf.qkv, k_pages, v_pages, buf.seqlens, buf.block_table,
-                                      1.0 / math.sqrt(cfg.head_dim), 0, heads=cfg.heads,
-                                      inv_freq=self.inv_freq, bias=layer.bqkv,
-                                      q_norm=layer.q_norm, k_norm=layer.k_norm,
-                                      qk_eps=eps if layer.q_norm is not None else None,
-                                      pdl=pdl_decode)[0]  # [n, Hq, D]
-                self._count("decode_qkv")
-            else:
-                qkv_rope_append(h, layer.wqkv, bqkv=layer.bqkv, q_norm=layer.q_norm,
-                                k_norm=layer.k_norm, norm_eps=eps,
-                                qk_eps=eps if layer.q_norm is not None else None,
-                                inv_freq=self.inv_freq, positions=buf.positions,
-                                k_cache=k_pages, v_cache=v_pages, block_table=buf.block_table,
-                                q_out=buf.q, pdl=pdl_qkv, workspace=self._qkv_workspace,
-                                qk_norm_whole=cfg.qk_norm_whole)
-                self._count("qkv_rope")
-                # the launcher through ops (no host checks; PDL, which api.decode does not
-                # take)
-                attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
-                                  buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
-                                  pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
-                self._count("decode")
+            qkv_rope_append(h, layer.wqkv, bqkv=layer.bqkv, q_norm=layer.q_norm,
+                            k_norm=layer.k_norm, norm_eps=eps,
+                            qk_eps=eps if layer.q_norm is not None else None,
+                            inv_freq=self.inv_freq, positions=buf.positions, k_cache=k_pages,
+                            v_cache=v_pages, block_table=buf.block_table, q_out=buf.q,
+                            pdl=pdl_qkv, workspace=self._qkv_workspace,
+                            qk_norm_whole=cfg.qk_norm_whole)
+            self._count("qkv_rope")
+            # the launcher through ops (no host checks; PDL, which api.decode does not take)
+            attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
+                              buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
+                              pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
+            self._count("decode")
             gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl_gemv, **late)
             self._count("gemv_o")
             if layer.router is not None:
@@ -457,7 +428,7 @@ class KernelStep:
     def _moe(self, layer, h, buf):
         """A MoE layer's MLP on the residual stream h [bucket, hidden], in place."""
         cfg, eps = self.cfg, self.eps
-        pdl = "moe" in self.pdl_families or "moe:one_token" in self.pdl_families
+        pdl = "moe" in self.pdl_families
         wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
                          norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
         self._count("moe_route")

@@ -302,97 +302,6 @@ def _decode_entry(name, paged):
             f"Triton split-KV decode, D=128 bf16{', paged' if paged else ''}", None)
 
 
-# decode_qkv: decode with the QKV projection's epilogue inside (bias, QK-norm, RoPE, the
-# new key / value appended at seqlens - 1), paged 16, Qwen3-style norms plus a bias
-
-def _build_decode_qkv(shape, dtype, device, gen):
-    from ..rope import rope_inv_freq
-    dt = _dtype(dtype)
-    B, Hq, Hkv, D = shape["B"], shape["Hq"], shape["Hkv"], shape["D"]
-    L = max(shape["L"])
-    page = 16
-    per = math.ceil(L / page)
-    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(dt)  # noqa: E731
-    width = (Hq + 2 * Hkv) * D
-    k, v = rnd(B * per, page, Hkv, D), rnd(B * per, page, Hkv, D)
-    bt = torch.randperm(B * per, generator=gen).to(torch.int32).reshape(B, per)
-    for b, n in enumerate(shape["L"]):  # NaN where the call must not read
-        for j in range(n - 1, per * page):
-            k[int(bt[b, j // page]), j % page] = float("nan")
-            v[int(bt[b, j // page]), j % page] = float("nan")
-    to = lambda t: t.to(device)  # noqa: E731
-    return {"qkv": to(rnd(B, width)), "k": to(k), "v": to(v), "bt": to(bt),
-            "seqlens": torch.tensor(shape["L"], dtype=torch.int32, device=device),
-            "bias": to(rnd(width, scale=0.3)), "qn": to((torch.rand(D, generator=gen) + 0.5).to(dt)),
-            "kn": to((torch.rand(D, generator=gen) + 0.5).to(dt)),
-            "inv": rope_inv_freq(D, 1e6, device=device), "heads": Hq}
-
-
-def _decode_qkv_run(inp):
-    from ..kernels import decode_triton
-    D = inp["k"].shape[3]
-    return decode_triton.decode_qkv(inp["qkv"], inp["k"], inp["v"], inp["seqlens"], inp["bt"],
-                                    D ** -0.5, 0, heads=inp["heads"], inv_freq=inp["inv"],
-                                    bias=inp["bias"], q_norm=inp["qn"], k_norm=inp["kn"],
-                                    qk_eps=1e-6)[0]
-
-
-def _decode_qkv_torch(inp, dtype=None):
-    """The epilogue, the append and attention in torch (the float64 reference with
-    dtype=float64, the gate-7 peer in the input dtype): q / k / v of each sequence's new
-    token, then SDPA over its keys gathered from the pages (the new one included). Leaves
-    the caches as they were."""
-    import torch.nn.functional as F
-    from .. import reference
-    qkv, k_cache, v_cache, bt, lens = inp["qkv"], inp["k"], inp["v"], inp["bt"], inp["seqlens"]
-    dt = dtype or qkv.dtype
-    Hq, (Hkv, D) = inp["heads"], k_cache.shape[2:]
-    x = (qkv.to(dt) + inp["bias"].to(dt)).view(qkv.shape[0], Hq + 2 * Hkv, D)
-    q, k, v = x[:, :Hq], x[:, Hq:Hq + Hkv], x[:, Hq + Hkv:]
-    q = q * torch.rsqrt((q * q).mean(-1, keepdim=True) + 1e-6) * inp["qn"].to(dt)
-    k = k * torch.rsqrt((k * k).mean(-1, keepdim=True) + 1e-6) * inp["kn"].to(dt)
-    pos = (lens.long() - 1)
-    ang = (pos.float()[:, None] * inp["inv"]).to(dt)[:, None, :]  # [B, 1, D/2]
-    c, s_ = torch.cos(ang), torch.sin(ang)
-
-    def rot(t):
-        lo, hi = t[..., :D // 2], t[..., D // 2:]
-        return torch.cat([lo * c - hi * s_, hi * c + lo * s_], -1)
-    q, k = rot(q), rot(k)
-    L = int(lens.max())
-    kk = reference.gather_paged_kv(k_cache, bt, L).to(dt).clone()  # [B, L, Hkv, D]
-    vv = reference.gather_paged_kv(v_cache, bt, L).to(dt).clone()
-    out = []
-    for b in range(qkv.shape[0]):
-        n = int(lens[b])
-        kb, vb = kk[b, :n].clone(), vv[b, :n].clone()
-        kb[n - 1], vb[n - 1] = k[b], v[b]
-        o = F.scaled_dot_product_attention(q[b][:, None], kb.transpose(0, 1), vb.transpose(0, 1),
-                                           enable_gqa=Hq != Hkv)
-        out.append(o[:, 0])
-    return torch.stack(out)
-
-
-def _decode_qkv_entry(name):
-    run = RunSpec(draw_shape=_draw_decode(True, 128), build=_build_decode_qkv,
-                  run=_decode_qkv_run,
-                  reference=lambda inp: _decode_qkv_torch(inp, torch.float64),
-                  dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),
-                  baseline=_decode_qkv_torch,
-                  baseline_name="torch epilogue + SDPA (gathered keys)",
-                  profile_shapes=({"B": 8, "L": [4096] * 8, "Hq": 32, "Hkv": 8, "D": 128,
-                                   "paged": True},),
-                  sanitizer_shapes=({"B": 2, "L": [17, 60], "Hq": 4, "Hkv": 1, "D": 128,
-                                     "paged": True},
-                                    {"B": 1, "L": [1], "Hq": 2, "Hkv": 2, "D": 64, "paged": True}),
-                  describe=_describe_decode)
-    return (name, "wsattn.kernels.decode_triton", "compile_spec",
-            {"head_dim": 128, "dtype": "bf16", "paged": True, "qkv": True, "bias": True,
-             "qk_norm": True}, run,
-            "Triton split-KV decode with the QKV epilogue inside (bias, QK-norm, RoPE, "
-            "append), D=128 bf16, paged", None)
-
-
 # --------------------------------------------------------------------------- merge
 
 def _draw_merge(rng, small):
@@ -952,7 +861,6 @@ ENTRIES = (
     _paged_entry(),
     _decode_entry("decode_triton", paged=False),
     _decode_entry("decode_triton_paged", paged=True),
-    _decode_qkv_entry("decode_qkv"),
     _merge_entry(),
     _prefill_entry("prefill_gluon", "wsattn.kernels.prefill_gluon", impl="gluon", only_ccs=(90,)),
     _prefill_entry("prefill_gluon_causal", "wsattn.kernels.prefill_gluon", causal=True, impl="gluon",

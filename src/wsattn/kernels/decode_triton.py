@@ -17,11 +17,6 @@ BLOCK_N-aligned share of the real length), and the number of splits is chosen on
 host from the cache capacity, never from seqlens: no host read of device data, so the
 launch is CUDA-graph friendly.
 
-QKV (constexpr; ``decode_qkv``): for one new token a sequence, the kernel reads q from
-the QKV projection before its epilogue and runs that epilogue itself (bias, QK-norm,
-RoPE), and the split holding the new position appends the new key and value to the
-cache and adds their score after its loop: the decode step's QKV epilogue launch goes.
-
 PDL (programmatic dependent launch, sm_90+; the PDL constexpr, off by default): both
 kernels wait (``gdc_wait``) before their first load, since everything they read is the
 previous kernel's (q and this token's K/V from the fused QKV kernel, the workspace from
@@ -54,19 +49,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
                    stride_qb, stride_qt, stride_qh,
                    stride_kb, stride_kl, stride_kh,
                    stride_vb, stride_vl, stride_vh,
-                   stride_btb, bias_ptr, qn_ptr, kn_ptr, inv_freq_ptr, qk_eps,
+                   stride_btb,
                    T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr = 0,
-                   PDL: tl.constexpr = False, QKV: tl.constexpr = False,
-                   BIAS: tl.constexpr = False, QK_NORM: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     # stride_kb / stride_vb step a sequence (contiguous cache) or a page (paged cache).
-    # QKV (T == 1): q_ptr is the QKV projection [B, (Hq + 2 * Hkv) * D] before its
-    # epilogue (stride_qh = D), and this kernel runs that epilogue itself (see decode_qkv):
-    # bias (BIAS), per-head RMSNorm (QK_NORM, weights qn / kn), RoPE at position
-    # seqlens[b] - 1, for its GROUP q heads; the split holding that position also builds
-    # the new key and value, appends them to the cache and adds their score after its
-    # loop, whose loads stop one key short (so nothing it reads is its own store).
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -90,24 +78,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
     row_live = r < T * GROUP
     d = tl.arange(0, D)  # [D]
     q_rows = b.to(tl.int64) * stride_qb + t * stride_qt + head * stride_qh  # [BLOCK_M]
-    seqlen = tl.load(seqlens_ptr + b)
-    if QKV:
-        q = _qkv_head(q_ptr + q_rows[:, None], d, row_live[:, None], head[:, None], bias_ptr,
-                      qn_ptr, inv_freq_ptr, seqlen - 1, qk_eps, D, BIAS, QK_NORM, True)
-        q = q.to(q_ptr.dtype.element_ty)  # rounded as the two-launch path stores it
-    else:
-        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_live[:, None], other=0.0)  # [BLOCK_M, D]
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_live[:, None], other=0.0)  # [BLOCK_M, D]
 
+    seqlen = tl.load(seqlens_ptr + b)
     # this split's BLOCK_N-aligned share [lo, hi) of the keys; empty (lo >= hi) when the
     # sequence is too short to give every split a tile
     tiles_per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
     lo = s * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seqlen)
-    if QKV:
-        # the new key (position seqlen - 1) comes from registers after the loop, in the
-        # split whose range holds it; its cache row is this program's own store
-        owner = (lo <= seqlen - 1) & (seqlen - 1 < hi)
-        hi = tl.minimum(hi, seqlen - 1)
     last_key = seqlen - T + t  # [BLOCK_M] causal among the new tokens: t sees keys j <= last_key
 
     k_head = k_ptr + h * stride_kh
@@ -161,14 +139,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [BLOCK_M, D]
         m_i = m_new
 
-    if QKV:
-        m_i, l_i, acc = _append_new_key(q, q_ptr, k_ptr, v_ptr, bt_ptr, b, h, seqlen, owner,
-                                        m_i, l_i, acc, row_live, qk_scale, HQ, stride_qb,
-                                        stride_kb, stride_kl, stride_kh, stride_vb,
-                                        stride_vl, stride_vh, stride_btb, bias_ptr, kn_ptr,
-                                        inv_freq_ptr, qk_eps, D, PAGED, PAGE_SIZE, BIAS,
-                                        QK_NORM)
-
     # (acc, m, l) is a merge state whose max is in log2 units; in natural units it is m*ln2
     o, lse = merge_finish(acc, m_i * 0.6931471805599453, l_i)  # [BLOCK_M, D], [BLOCK_M]
     rows = (b * T + t).to(tl.int64) * HQ + head  # [BLOCK_M] row of [B, T, Hq]
@@ -180,82 +150,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
         ws_rows = rows * NUM_SPLITS + s  # [BLOCK_M] row of the [B*T*Hq, NUM_SPLITS] workspace
         tl.store(ws_o_ptr + ws_rows[:, None] * D + d[None, :], o, mask=row_live[:, None])
         tl.store(ws_lse_ptr + ws_rows, lse, mask=row_live)
-
-
-@triton.jit
-def _qkv_head(ptrs, d, live, head, bias_ptr, norm_ptr, inv_freq_ptr, pos, qk_eps,
-              D: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr):
-    """One head's epilogue of the QKV projection, in fp32, [R, D] for rows ptrs + d:
-    + bias, per-head RMSNorm times norm weight, then RoPE (rotate-half, the angle an fp32
-    product of position and frequency, as qkv_rope's _epilogue and transformers form it).
-    head [R, 1] is the head's index in the projection (the bias's row). Each element's
-    rotation partner (d + D/2 mod D) is loaded beside it, so no register shuffle is needed."""
-    HALF: tl.constexpr = D // 2
-    e = tl.load(ptrs + d[None, :], mask=live, other=0.0).to(tl.float32)  # [R, D]
-    if ROPE:
-        pd = (d + HALF) % D
-        f = tl.load(ptrs + pd[None, :], mask=live, other=0.0).to(tl.float32)  # partners
-    if BIAS:
-        e += tl.load(bias_ptr + head * D + d[None, :]).to(tl.float32)
-        if ROPE:
-            f += tl.load(bias_ptr + head * D + pd[None, :]).to(tl.float32)
-    if QK_NORM:
-        r = 1.0 / tl.sqrt(tl.sum(e * e, 1) / D + qk_eps)  # [R]
-        e = e * r[:, None] * tl.load(norm_ptr + d).to(tl.float32)[None, :]
-        if ROPE:
-            f = f * r[:, None] * tl.load(norm_ptr + pd).to(tl.float32)[None, :]
-    if ROPE:
-        ang = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % HALF)  # [D]
-        sign = tl.where(d < HALF, -1.0, 1.0)
-        e = e * tl.cos(ang)[None, :] + (sign * tl.sin(ang))[None, :] * f
-    return e
-
-
-@triton.jit
-def _append_new_key(q, qkv_ptr, k_ptr, v_ptr, bt_ptr, b, h, seqlen, owner, m_i, l_i, acc,
-                    row_live, qk_scale, HQ, stride_xb, stride_kb, stride_kl, stride_kh,
-                    stride_vb, stride_vl, stride_vh, stride_btb, bias_ptr, kn_ptr,
-                    inv_freq_ptr, qk_eps, D: tl.constexpr, PAGED: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr):
-    """QKV mode, after the key loop: KV head h's new key and value (position seqlen - 1)
-    from the projection row, rounded to the cache dtype, stored into the cache and folded
-    into (m_i, l_i, acc) as the loop would fold a one-key tile. Every program computes
-    them (a few hundred FMAs); only the owner (the split whose range holds the position)
-    stores them and counts them."""
-    d = tl.arange(0, D)
-    one = tl.arange(0, 1)  # [1]: a one-row tile, so the head epilogue is the q heads' one
-    HKV = tl.num_programs(1)
-    row = qkv_ptr + b.to(tl.int64) * stride_xb + one[:, None] * 0
-    kh = (HQ + h) + one[:, None] * 0  # [1, 1]
-    vh = (HQ + HKV + h) + one[:, None] * 0
-    live = (one < 1)[:, None]
-    cdt = k_ptr.dtype.element_ty
-    kn = _qkv_head(row + kh * D, d, live, kh, bias_ptr, kn_ptr, inv_freq_ptr, seqlen - 1,
-                   qk_eps, D, BIAS, QK_NORM, True).to(cdt)  # [1, D]
-    vn = _qkv_head(row + vh * D, d, live, vh, bias_ptr, kn_ptr, inv_freq_ptr, seqlen - 1,
-                   qk_eps, D, BIAS, False, False).to(cdt)
-    pos = seqlen - 1
-    if PAGED:
-        page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + pos // PAGE_SIZE).to(tl.int64)
-        off = (pos % PAGE_SIZE).to(tl.int64)
-    else:
-        page = b.to(tl.int64)
-        off = pos.to(tl.int64)
-    kdst = k_ptr + page * stride_kb + off * stride_kl + h * stride_kh
-    vdst = v_ptr + page * stride_vb + off * stride_vl + h * stride_vh
-    tl.store(kdst + d[None, :], kn, mask=live & owner)
-    tl.store(vdst + d[None, :], vn, mask=live & owner)
-    # the score as the loop's tl.dot forms it: 16-bit operands, fp32 products and sum
-    qk = tl.sum(q.to(tl.float32) * kn.to(tl.float32), 1) * qk_scale  # [BLOCK_M], log2 units
-    qk = tl.where(owner & row_live, qk, float("-inf"))
-    m_new = tl.maximum(m_i, qk)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk - m_safe)  # [BLOCK_M]
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + p
-    pv = p.to(cdt).to(tl.float32)[:, None] * vn.to(tl.float32)  # P rounded as the loop's
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -459,29 +353,15 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         >>> kc = vc = torch.randn(2, 100, 2, 64, dtype=torch.float16)
         >>> out, lse = decode(q, kc, vc, torch.tensor([100, 37], dtype=torch.int32), None, 0.125, 0)
     """
-    _check_pdl(pdl, q.device)
-    B, T, HQ, D = q.shape
-    return _launch(q, (q.stride(0), q.stride(1), q.stride(2)), B, T, HQ, k_cache, v_cache,
-                   seqlens, block_table, sm_scale, num_splits, settings, pdl)
-
-
-def _check_pdl(pdl, device):
     if pdl not in (True, False):
         raise ValueError(f"pdl must be True or False, got {pdl!r}")
     if pdl:
-        target = target_of(device)
+        target = target_of(q.device)
         if target.backend != "cuda" or target.cc < 90:
             # griddepcontrol is sm_90+ PTX, and the interpreter has no inline assembly
             raise UnsupportedTargetError(f"pdl=True needs CUDA sm_90 or later, got "
                                          f"{target.name}")
-
-
-def _launch(q, q_strides, B, T, HQ, k_cache, v_cache, seqlens, block_table, sm_scale,
-            num_splits, settings, pdl, epilogue=None):
-    """The two launches of decode / decode_qkv. q_strides: (sequence, token, head) strides
-    of q's elements; epilogue: None, or decode_qkv's (bias, q_norm, k_norm, inv_freq,
-    qk_eps) for the QKV build (q is then the projection, T == 1)."""
-    D = k_cache.shape[3]
+    B, T, HQ, D = q.shape
     HKV = k_cache.shape[2]
     group = HQ // HKV
     paged = block_table is not None
@@ -513,119 +393,23 @@ def _launch(q, q_strides, B, T, HQ, k_cache, v_cache, seqlens, block_table, sm_s
     bt = block_table if paged else seqlens  # any int32 pointer when not paged
     # PDL off passes nothing: the default launch (and build) stays as it was
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
-    extra = {}
-    if epilogue is not None:
-        bias, q_norm, k_norm, inv_freq, qk_eps = epilogue
-        extra = {"QKV": True, "BIAS": bias is not None, "QK_NORM": q_norm is not None}
-        bias = bias if bias is not None else inv_freq  # any pointer where unused
-        q_norm = q_norm if q_norm is not None else inv_freq
-        k_norm = k_norm if k_norm is not None else inv_freq
-    else:  # unused: pointers of the types the QKV build takes (one signature)
-        bias = q_norm = k_norm = out
-        inv_freq, qk_eps = lse, 0.0
     _decode_kernel[(B, HKV, splits)](
         q, k_cache, v_cache, seqlens, bt, out, lse, ws_o, ws_lse,
-        sm_scale * LOG2E, HQ, *q_strides,
+        sm_scale * LOG2E, HQ,
+        q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0) if paged else 0, bias, q_norm, k_norm, inv_freq,
-        float(qk_eps or 0.0),
+        block_table.stride(0) if paged else 0,
         T=T, GROUP=group, D=D, BLOCK_M=_block_m(T, group), BLOCK_N=settings.BLOCK_N,
         NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=page_size,
         BT_CHUNK=bt_chunk(settings, capacity, page_size) if paged else 0,
-        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch, **extra)
+        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, D)
         _combine_kernel[(B * T * HQ, D // block_d)](
             ws_o, ws_lse, out, lse, D=D, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=1,
             **launch)
     return out, lse
-
-
-def decode_qkv(qkv, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits=0, *,
-               heads, inv_freq, bias=None, q_norm=None, k_norm=None, qk_eps=None,
-               settings=None, pdl=False):
-    """Decode attention of one new token per sequence, straight from its QKV projection:
-    the projection's epilogue (bias, QK-norm, RoPE, the new key and value's append to the
-    cache) runs inside the decode launch instead of a launch of its own, so a layer has
-    one kernel fewer. The result is the two-launch path's (qkv_rope's epilogue, then
-    decode) up to rounding: q, k and v are rounded to the cache dtype as that path stores
-    them, and the new key's score joins the softmax after the cached keys', not in order.
-
-    Args:
-        qkv: [B, (heads + 2 * Hkv) * D] the projection (FlashNorm scale applied, bias not),
-            the cache's dtype, last dimension contiguous.
-        k_cache, v_cache: as for decode (contiguous [B, L_max, Hkv, D] or paged with
-            block_table); the new token's key and value are written at position
-            seqlens[b] - 1.
-        seqlens: int32 [B], keys per sequence including the new one (its position is
-            seqlens[b] - 1; RoPE uses that position).
-        block_table, sm_scale, num_splits, settings, pdl: as for decode.
-        heads: Hq (a multiple of the cache's Hkv).
-        inv_freq: fp32 [D / 2] RoPE frequencies (wsattn.rope.rope_inv_freq).
-        bias: None or [(heads + 2 * Hkv) * D] (Qwen2's q/k/v bias).
-        q_norm, k_norm: None or [D] each (Qwen3's per-head RMSNorm), with qk_eps.
-
-    Returns:
-        (out [B, heads, D] in qkv's dtype, lse [B, heads] float32).
-    """
-    _check_qkv(qkv, k_cache, v_cache, seqlens, block_table, heads, inv_freq, bias, q_norm,
-               k_norm, qk_eps, pdl)
-    B = qkv.shape[0]
-    D = k_cache.shape[3]
-    out, lse = _launch(qkv, (qkv.stride(0), 0, D), B, 1, heads, k_cache, v_cache, seqlens,
-                       block_table, sm_scale, num_splits, settings, pdl,
-                       epilogue=(bias, q_norm, k_norm, inv_freq, qk_eps))
-    return out[:, 0], lse[:, 0]
-
-
-def _check_qkv(qkv, k_cache, v_cache, seqlens, block_table, heads, inv_freq, bias, q_norm,
-               k_norm, qk_eps, pdl):
-    """decode_qkv's arguments, refused by name before any launch."""
-    _check_pdl(pdl, qkv.device)
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must be one 4-D shape, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    hkv, D = k_cache.shape[2], k_cache.shape[3]
-    if not isinstance(heads, int) or heads < 1 or heads % hkv:
-        raise ValueError(f"heads must be a positive multiple of the cache's {hkv} KV heads, "
-                         f"got {heads!r}")
-    if D % 2 or D & (D - 1):
-        raise ValueError(f"the head dim must be a power of two (RoPE halves), got {D}")
-    width = (heads + 2 * hkv) * D
-    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [B, (heads + 2 * Hkv) * D] = [B, {width}] with a "
-                         f"contiguous last dimension, got {tuple(qkv.shape)}")
-    if qkv.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"qkv and the caches must share one dtype, got {qkv.dtype}, "
-                        f"{k_cache.dtype}, {v_cache.dtype}")
-    B = qkv.shape[0]
-    if seqlens.dtype != torch.int32 or seqlens.shape != (B,):
-        raise ValueError(f"seqlens must be int32 [B] = [{B}], got {seqlens.dtype} "
-                         f"{tuple(seqlens.shape)}")
-    if block_table is not None and (block_table.dtype != torch.int32 or block_table.dim() != 2
-                                    or block_table.shape[0] != B):
-        raise ValueError(f"block_table must be int32 [B, max_pages] with B = {B}, got "
-                         f"{block_table.dtype} {tuple(block_table.shape)}")
-    if block_table is None and k_cache.shape[0] != B:
-        raise ValueError(f"a contiguous cache needs one row per sequence: {k_cache.shape[0]} "
-                         f"rows for B = {B}")
-    if inv_freq.dtype != torch.float32 or inv_freq.shape != (D // 2,):
-        raise ValueError(f"inv_freq must be float32 [D / 2] = [{D // 2}], got {inv_freq.dtype} "
-                         f"{tuple(inv_freq.shape)}")
-    if bias is not None and (bias.shape != (width,) or bias.stride(0) != 1):
-        raise ValueError(f"bias must be a contiguous [{width}], got {tuple(bias.shape)}")
-    if (q_norm is None) != (k_norm is None) or (q_norm is None) != (qk_eps is None):
-        raise ValueError("q_norm, k_norm and qk_eps go together (all or none)")
-    for name, g in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if g is not None and (g.shape != (D,) or g.stride(0) != 1):
-            raise ValueError(f"{name} must be a contiguous [{D}], got {tuple(g.shape)}")
-    for name, t in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("seqlens", seqlens), ("block_table", block_table),
-                    ("inv_freq", inv_freq), ("bias", bias), ("q_norm", q_norm),
-                    ("k_norm", k_norm)):
-        if t is not None and t.device != qkv.device:
-            raise ValueError(f"{name} is on {t.device}, qkv on {qkv.device}")
 
 
 # --------------------------------------------------------------------------- compile specs
@@ -635,14 +419,12 @@ def _check_qkv(qkv, k_cache, v_cache, seqlens, block_table, heads, inv_freq, bia
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool = False,
                  settings: DecodeSettings | None = None, *, T: int = 1, group: int = 4,
                  page_size: int = 16, num_sms: int = 132, kernel: str = "decode",
-                 pdl: bool = False, qkv: bool = False, bias: bool = False,
-                 qk_norm: bool = False) -> dict:
+                 pdl: bool = False) -> dict:
     """What ``triton.compile`` needs to build a decode kernel for compute capability cc.
 
     kernel="decode" gives the main split-KV kernel, kernel="combine" the split combine.
     pdl=True builds the PDL variant (constexpr PDL, option launch_pdl); pdl=False leaves
-    both out, exactly the default build. qkv=True builds decode_qkv's kernel (the QKV
-    epilogue inside; T must be 1), with bias / qk_norm its switches.
+    both out, exactly the default build.
     Settings default to default_settings for a single-token B=1, Hkv=8, L=131072 call
     on a GPU with num_sms SMs (so NUM_SPLITS > 1 and the workspace path is compiled).
 
@@ -685,8 +467,6 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
     for name in ("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
                  "stride_vb", "stride_vl", "stride_vh", "stride_btb"):
         sig[name] = "i32"
-    sig.update({"bias_ptr": f"*{t}", "qn_ptr": f"*{t}", "kn_ptr": f"*{t}",
-                "inv_freq_ptr": "*fp32", "qk_eps": "fp32"})
     const = {"T": T, "GROUP": group, "D": head_dim, "BLOCK_M": _block_m(T, group),
              "BLOCK_N": settings.BLOCK_N, "NUM_SPLITS": settings.num_splits, "PAGED": paged,
              "PAGE_SIZE": page_size if paged else 1,
@@ -695,8 +475,6 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
     if pdl:
         const["PDL"] = True
         options["launch_pdl"] = True
-    if qkv:
-        const.update({"QKV": True, "BIAS": bias, "QK_NORM": qk_norm})
     sig.update({name: "constexpr" for name in const})
     return {"fn": _decode_kernel, "signature": sig, "constexprs": const,
             "attrs": _aligned(_decode_kernel, _DECODE_ALIGNED), "options": options}
@@ -707,8 +485,7 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
 # [.., D] tensors. stride_btb (max_pages) and the sizes are left unknown.
 _DECODE_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "seqlens_ptr", "bt_ptr", "out_ptr", "lse_ptr",
                    "ws_o_ptr", "ws_lse_ptr", "stride_qb", "stride_qt", "stride_qh", "stride_kb",
-                   "stride_kl", "stride_kh", "stride_vb", "stride_vl", "stride_vh",
-                   "bias_ptr", "qn_ptr", "kn_ptr", "inv_freq_ptr")
+                   "stride_kl", "stride_kh", "stride_vb", "stride_vl", "stride_vh")
 _COMBINE_ALIGNED = ("ws_o_ptr", "ws_lse_ptr", "out_ptr", "lse_ptr")
 
 

@@ -92,7 +92,8 @@ def main():
         for kernel, make, name in (("route", route_case, "_route_kernel"),
                                    ("group", group_case, "_group_kernel")):
             base = None
-            for warps in (4,) + tuple(w for w in WARPS if w != 4):  # the default first
+            default = M.ROUTE_NUM_WARPS if kernel == "route" else M.GROUP_NUM_WARPS
+            for warps in (default,) + tuple(w for w in WARPS if w != default):  # default first
                 launch, out = make(T, E, k, warps)
                 if base is None:
                     base = out
@@ -104,7 +105,7 @@ def main():
                     ok = all(torch.equal(a, b) for a, b in zip(out, base))
                 us = kernel_us(launch, name) if ok else None
                 row = {"model": model, "T": T, "E": E, "top_k": k, "kernel": kernel,
-                       "num_warps": warps, "default": warps == 4, "matches_default": ok,
+                       "num_warps": warps, "default": warps == default, "matches_default": ok,
                        "us": us}
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -57,6 +57,12 @@ from .gemv import accumulate
 # Router rows a program of the router-logits kernel takes: 4 rows of H = 2048 is 16 KB,
 # 32 programs for 128 experts at T = 1 (one SM's bandwidth was the whole router's time).
 ROUTER_BLOCK_E = 4
+# Warps of the top-k kernel (one program a token) and of the grouping kernel (one program).
+# H200, side by side (scripts/device_moe_small_kernels.py): top-k over 128 experts 4.1 us at
+# 4 warps, 2.3 at 1 (T 1 / 8 / 64: one warp's reductions need no shared memory or barrier),
+# even over 8 experts; grouping best at 4 (5.7 us at T 8; 6.3-6.9 at 1 / 2 / 8 warps).
+ROUTE_NUM_WARPS = 1
+GROUP_NUM_WARPS = 4
 
 
 def _router_block_h(H: int) -> int:
@@ -524,7 +530,7 @@ def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", 
     _route_kernel[(T,)](
         logits, wts, ids, E, TOP_K=top_k, BLOCK_E=max(16, next_pow2(E)),
         BLOCK_TK=next_pow2(top_k), RENORM=renormalize, SIGMOID=scoring == "sigmoid",
-        PDL=pdl, num_warps=4, **launch)
+        PDL=pdl, num_warps=ROUTE_NUM_WARPS, **launch)
     return wts, ids
 
 
@@ -575,7 +581,7 @@ def group(topk_ids, num_experts, block, *, pdl=None):
     launch = {"launch_pdl": True} if pdl else {}
     _group_kernel[(1,)](topk_ids, pairs, offs, counts, eob, nact, T * k, E, rows, nb,
                         BLOCK=block, BLOCK_E=max(16, next_pow2(E)), CHUNK=GROUP_CHUNK,
-                        TAIL=GROUP_TAIL, PDL=pdl, num_warps=4, **launch)
+                        TAIL=GROUP_TAIL, PDL=pdl, num_warps=GROUP_NUM_WARPS, **launch)
     return Grouping(pairs, offs, eob, nact, counts, block, k, E)
 
 
@@ -898,6 +904,7 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
                  "BLOCK_TK": next_pow2(top_k), "RENORM": renormalize, "SIGMOID": False,
                  "PDL": pdl}
         fn, aligned = _route_kernel, ("logits_ptr", "wts_ptr", "ids_ptr")
+        options = {**options, "num_warps": ROUTE_NUM_WARPS}
     elif kernel == "group":
         sig = {"ids_ptr": "*i32", "pairs_ptr": "*i32", "offs_ptr": "*i32", "counts_ptr": "*i32",
                "eob_ptr": "*i32", "nact_ptr": "*i32", "P": "i32", "E": "i32", "ROWS": "i32",
@@ -906,6 +913,7 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
                  "CHUNK": GROUP_CHUNK, "TAIL": GROUP_TAIL, "PDL": pdl}
         fn, aligned = _group_kernel, ("ids_ptr", "pairs_ptr", "offs_ptr", "counts_ptr",
                                       "eob_ptr", "nact_ptr")
+        options = {**options, "num_warps": GROUP_NUM_WARPS}
     elif kernel in ("gate_up", "down"):
         gate_up = kernel == "gate_up"
         sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "pairs_ptr": "*i32", "eob_ptr": "*i32",

@@ -143,6 +143,40 @@ def test_kernel_equals_varlen_kernel_on_contiguous_keys(interpret):
     assert_lse_close(lse, ref_lse, F16)
 
 
+def test_gather_packs_each_sequences_keys_and_zeroes_the_pad(interpret):
+    """paged_gather.gather_kv: sequence b's keys at rows cu_seqlens_k[b].., exactly the
+    packed keys attention_varlen takes (from shuffled pages whose unused slots, spare
+    pages and spare table entries hold NaN), then PAD_ROWS zero rows; nothing else read."""
+    from wsattn.kernels import paged_gather
+    for case in CASES.values():
+        lq, lk, Hq, Hkv, D, page, causal = case
+        x = paged_inputs(lq, lk, Hq, Hkv, D, page, F16, seed=11)
+        k, v, cu, max_k = paged_gather.gather_kv(x["k_cache"], x["v_cache"], x["seqlens_k"],
+                                                 x["block_table"])
+        total = sum(lk)
+        B, width = x["block_table"].shape
+        assert k.shape == (paged_gather.buffer_rows(B, width, page), Hkv, D) and v.shape == k.shape
+        assert max_k == width * page and torch.equal(cu, x["cu_seqlens_k"])
+        assert torch.equal(k[:total], x["k"]) and torch.equal(v[:total], x["v"])
+        pad = slice(total, total + paged_gather.PAD_ROWS)
+        assert not k[pad].any() and not v[pad].any()
+
+
+@pytest.mark.parametrize("case,dtype", INTERP[:4])
+def test_interpreter_gather_matches_float64_and_the_varlen_kernel(interpret, case, dtype):
+    """gather=True: the gather, then the Triton varlen kernel on the packed keys; within
+    tolerance of float64 and bit for bit attention_varlen on the same keys packed."""
+    lq, lk, Hq, Hkv, D, page, causal = case
+    x = paged_inputs(lq, lk, Hq, Hkv, D, page, dtype, seed=sum(lq) + sum(lk))
+    out, lse = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True, impl="triton",
+                                      gather=True)
+    _check(out, lse, x, case, dtype)
+    ref, ref_lse = wsattn.attention_varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"],
+                                           x["cu_seqlens_k"], causal=causal, return_lse=True,
+                                           impl="triton")
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
 # Both K/V load paths at pages of 16 (one page a tile at BLOCK_N 16, a gathered tile at 32),
 # and a 64-key page holding two 32-key tiles under 32-row query tiles.
 SETTINGS = [
@@ -299,7 +333,14 @@ def _bad_cases():
     case("return_lse-type", TypeError, r"return_lse must be a bool", return_lse="no")
     case("sm_scale", ValueError, r"sm_scale must be a positive finite number", sm_scale=-1.0)
     case("impl", ValueError, r"impl must be one of", impl="cuda")
-    case("impl-gluon", ValueError, r"no paged prefill path", impl="gluon")
+    # impl="gluon" gathers the keys first (its K/V come by TMA from packed rows): refused
+    # here for the device, as a varlen call would be
+    case("impl-gluon", ValueError, r"impl='gluon' runs on sm_90 \(Hopper\) only", impl="gluon")
+    case("impl-gluon-in-place", ValueError, r"impl='gluon' reads a paged cache only through "
+         r"gather=True", impl="gluon", gather=False)
+    case("gather-reference", ValueError, r"gather=True runs the packed-varlen kernels",
+         impl="reference", gather=True)
+    case("gather-type", TypeError, r"gather must be True, False or None", gather="yes")
     case("kernel-head-dim", ValueError, r"head dim .* one of \(64, 128, 256\) for impl='triton'",
          q=lambda x: x["q"][..., :48], k_cache=lambda x: x["k_cache"][..., :48].contiguous(),
          v_cache=lambda x: x["v_cache"][..., :48].contiguous())
@@ -356,6 +397,31 @@ def test_dispatch_resolves_paged_prefill(monkeypatch):
     assert dispatch.resolve("auto", call) == "triton"
     assert "paged prefill" in dispatch.reason("gluon", call)
     assert "attention_paged" in wsattn.__all__ and wsattn.attention_paged is wsattn.api.attention_paged
+    # the gather policy: CUDA only, and only while the buffer fits the limit
+    monkeypatch.setattr(dispatch, "PAGED_GATHER_MAX_BYTES", 1 << 20)
+    cuda = dispatch.Call("prefill_paged", torch.device("cuda"), F16, 64, True)
+    assert dispatch.paged_gather(cuda, 1 << 20) and not dispatch.paged_gather(cuda, (1 << 20) + 1)
+    assert not dispatch.paged_gather(call, 0)
+
+
+def test_auto_gathers_only_where_the_policy_says(interpret, monkeypatch):
+    """gather=None asks dispatch.paged_gather with the buffer's bytes (batch x table width
+    x page_size rows of K and V at Hkv x D), and runs the path it names."""
+    from wsattn.kernels import paged_gather
+    x = _good()
+    asked, ran = [], []
+    monkeypatch.setattr(dispatch, "paged_gather", lambda call, nbytes: asked.append(nbytes) or True)
+    real = paged_gather.gather_kv
+    monkeypatch.setattr(paged_gather, "gather_kv", lambda *a: ran.append(1) or real(*a))
+    out = wsattn.attention_paged(*_args(x), causal=True, impl="triton")
+    B, width = x["block_table"].shape
+    rows = B * width * x["k_cache"].shape[1] + paged_gather.PAD_ROWS
+    assert asked == [2 * rows * 2 * 64 * 2] and ran == [1]
+    ref = reference.attention_paged(*_args(x), True)[0]
+    assert_close(out, ref, F16)
+    monkeypatch.setattr(dispatch, "paged_gather", lambda call, nbytes: False)
+    wsattn.attention_paged(*_args(x), causal=True, impl="triton")
+    assert ran == [1]  # in place: no gather
 
 
 # --------------------------------------------------------------------------- settings, compile
@@ -431,6 +497,23 @@ def test_sm90_tma_build_loads_by_tma_without_spills(head_dim):
     assert kernel.metadata.shared <= SMEM_LIMIT[90]
 
 
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+def test_sm90_gather_build_copies_16_bytes_a_load_without_spills(head_dim):
+    """The gather kernel on sm_90: no spills, no shared memory, 16-byte loads and stores."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from test_prefill_compile import _ptxas_usage
+    from wsattn.kernels import paged_gather
+    spec = paged_gather.compile_spec(90, head_dim, "bf16", page_size=16)
+    src = ASTSource(spec["fn"], spec["signature"], spec["constexprs"], spec["attrs"])
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+    regs, stores, loads = _ptxas_usage(kernel)
+    ptx = kernel.asm["ptx"]
+    assert stores + loads == 0, (regs, stores, loads)
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "16-byte copies"
+
+
 # --------------------------------------------------------------------------- GPU
 
 GPU_CASES = [pytest.param(c, id=n) for n, c in CASES.items()] + [
@@ -475,6 +558,56 @@ def test_gpu_tma_switch_matches_float64_and_reruns_bitwise(head_dim):
     again, lse2 = prefill_paged.prefill_paged(*_args(x), None, True, head_dim ** -0.5,
                                               settings=settings)
     assert torch.equal(out, again) and torch.equal(lse, lse2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "gluon"])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_gather_matches_float64_and_the_varlen_kernel_bitwise(case, dtype, impl):
+    """gather=True on the GPU: within tolerance of float64, bit-identical reruns, and bit
+    for bit attention_varlen (same backend) on the same keys laid out packed."""
+    lq, lk, Hq, Hkv, D, page, causal = case
+    why = dispatch.reason(impl, dispatch.Call("prefill_varlen", torch.device("cuda"), dtype, D,
+                                              causal))
+    if why is not None:  # the Gluon kernel: sm_90 only, D 64 / 128
+        pytest.skip(why)
+    x = paged_inputs(lq, lk, Hq, Hkv, D, page, dtype, device="cuda", seed=41)
+    kw = dict(causal=causal, return_lse=True, impl=impl, gather=True)
+    out, lse = wsattn.attention_paged(*_args(x), **kw)
+    _check(out, lse, x, case, dtype)
+    again, lse2 = wsattn.attention_paged(*_args(x), **kw)
+    assert torch.equal(out, again) and torch.equal(lse, lse2)
+    ref, ref_lse = wsattn.attention_varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"],
+                                           x["cu_seqlens_k"], causal=causal, return_lse=True,
+                                           impl=impl)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.gpu
+def test_gpu_gather_cuda_graph_replay_equals_eager():
+    """gather=True captures (no host read): replays with new q values and a new key count
+    equal eager calls bit for bit."""
+    lq, lk = [17, 1, 64], [100, 33, 64]
+    x = paged_inputs(lq, lk, 16, 2, 128, 16, BF16, device="cuda", seed=43)
+    args = _args(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        wsattn.attention_paged(*args, causal=True, gather=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = wsattn.attention_paged(*args, causal=True, gather=True)
+    for seed in range(2):
+        x["q"].copy_(torch.randn_like(x["q"], dtype=torch.float32).to(BF16))
+        if seed:
+            x["seqlens_k"][1] = 20
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = wsattn.attention_paged(*args, causal=True, gather=True)
+        assert torch.equal(static_out, eager)
+        assert_close(static_out, reference.attention_paged(*args, True)[0], BF16)
 
 
 @pytest.mark.gpu

@@ -547,8 +547,13 @@ def check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, num_pages
 
 
 def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q,
-                causal, sm_scale, impl, validate):
+                causal, sm_scale, impl, validate, gather=None):
+    """The paged call's checks; returns (scale, impl, gather): the backend, and whether the
+    keys are gathered into a packed buffer first (then impl is the varlen backend)."""
     _check_impl(impl)
+    if gather is not None and not isinstance(gather, bool):
+        raise TypeError(f"gather must be True, False or None, got {type(gather).__name__} "
+                        f"{gather!r}")
     _tensor("q", q, 3, "3-D [total_tokens, heads, head_dim]")
     for n in ("k_cache", "v_cache"):
         _tensor(n, k_cache if n == "k_cache" else v_cache, 4,
@@ -590,22 +595,41 @@ def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_s
         check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, k_cache.shape[0],
                                      k_cache.shape[1], Tq, causal, max_seqlen_q)
     scale = _scale(sm_scale, D)
-    call = Call("prefill_paged", q.device, q.dtype, D, causal)
-    return scale, _resolve(impl, call)
+    if gather and impl == "reference":
+        raise ValueError("gather=True runs the packed-varlen kernels on gathered keys; "
+                         "impl='reference' runs no kernel (leave gather None or False)")
+    if gather is False and impl == "gluon":
+        raise ValueError("impl='gluon' reads a paged cache only through gather=True (its K/V "
+                         "come by TMA from packed rows, which cannot follow a block table)")
+    max_q = Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq)
+    cap = block_table.shape[1] * k_cache.shape[1]
+    call = Call("prefill_paged", q.device, q.dtype, D, causal, seqlen_q=max_q, seqlen_k=cap)
+    if impl == "reference":
+        return scale, _resolve(impl, call), False
+    if gather is None:
+        from .kernels.paged_gather import buffer_rows
+        rows = buffer_rows(B, block_table.shape[1], k_cache.shape[1])
+        gather = impl == "gluon" or dispatch.paged_gather(
+            call, 2 * rows * k_cache.shape[2] * D * k_cache.element_size())
+    if gather:  # then the varlen kernels run the call: their backend, their rule
+        return scale, _resolve(impl, Call("prefill_varlen", q.device, q.dtype, D, causal,
+                                          seqlen_q=max_q, seqlen_k=cap)), True
+    return scale, _resolve(impl, call), False
 
 
 def check_attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
                           max_seqlen_q=None, causal=False, sm_scale=None, *, impl="auto",
-                          validate=None) -> None:
+                          validate=None, gather=None) -> None:
     """Every check :func:`attention_paged` runs, and nothing else (ValueError / TypeError)."""
     _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q,
-                causal, sm_scale, impl, validate)
+                causal, sm_scale, impl, validate, gather)
 
 
 def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
                     max_seqlen_q: int | None = None, causal: bool = False,
                     sm_scale: float | None = None, *, return_lse: bool = False,
-                    impl: str = "auto", validate: bool | None = None):
+                    impl: str = "auto", validate: bool | None = None,
+                    gather: bool | None = None):
     """Chunked prefill: packed chunks of new queries against a paged KV cache.
 
     The chunk's own K/V must already be in the cache (appended by the caller), so every
@@ -632,11 +656,20 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
         sm_scale: softmax scale, default 1/sqrt(D).
         return_lse: also return the LSE, natural log, float32, [Hq, Tq] (as
            :func:`attention_varlen`; ``merge_states(..., lse_layout="heads_first")``).
-        impl: "auto", "triton" or "reference" (see the module docstring).
+        impl: "auto", "triton", "gluon" (with gather) or "reference" (see the module
+           docstring).
         validate: read the index tensors on the host and check their values: True,
            False, or None (the default: where free, i.e. CPU tensors, or with
            WSATTN_VALIDATE=1). A default call on CUDA tensors never synchronises, so it
            can be captured in a CUDA graph.
+        gather: True copies each sequence's keys and values out of the cache into one
+           packed buffer first (``kernels/paged_gather.py``: one launch, no host read)
+           and runs the packed-varlen kernels on it, exactly as :func:`attention_varlen`
+           on those keys (impl then names the varlen backend; "gluon" needs it). The
+           buffer holds batch x block_table width x page_size rows of K and of V, freed
+           when the call returns. False reads the cache in place (the Triton paged
+           kernel). None (the default): ``dispatch.paged_gather`` decides from the device
+           and the buffer's size.
 
     A query whose sequence has no key (seqlens_k[b] = 0, not causal) gets out 0 and
     LSE -inf, the empty-part convention of :func:`merge_states` and of
@@ -656,8 +689,9 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
         (torch.Size([5, 4, 64]), torch.Size([4, 5]))
     """
     _flag("return_lse", return_lse)
-    scale, impl = _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
-                              max_seqlen_q, causal, sm_scale, impl, validate)
+    scale, impl, gather = _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k,
+                                      block_table, max_seqlen_q, causal, sm_scale, impl,
+                                      validate, gather)
     # the kernel reads index tensors with unit stride: strided views become small copies
     cu_q, lens_k, table = (t.contiguous() for t in (cu_seqlens_q, seqlens_k, block_table))
     if q.numel() == 0:
@@ -669,10 +703,15 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
                                              scale)
         return _finish(out, lse, q.dtype, return_lse)
     from . import ops
-    from .kernels import prefill_paged
+    from .kernels import paged_gather, prefill_paged
     ops._interpreter_ready(q.device)  # the interpreter work-arounds, as for the other ops
     max_q = None if max_seqlen_q is None else min(int(max_seqlen_q), q.shape[0])
     qk, kc, vc = _run_kernels(impl, q.device, q, k_cache, v_cache)
+    if gather:
+        k, v, cu_k, max_k = paged_gather.gather_kv(kc, vc, lens_k, table)
+        out, lse = ops.prefill(qk, k, v, cu_q, cu_k, q.shape[0] if max_q is None else max_q,
+                               max_k, causal, scale, impl)
+        return _finish(out, lse, q.dtype, return_lse)
     out, lse = prefill_paged.prefill_paged(qk, kc, vc, cu_q, lens_k, table, max_q, causal,
                                            scale)
     return _finish(out, lse, q.dtype, return_lse)

@@ -7,7 +7,7 @@ first that supports the call wins. The API (:mod:`wsattn.api`), the custom ops a
 
 Backends:
   "gluon"     - the sm_90 warp-specialized Gluon prefill (fixed length and varlen, fp16/bf16,
-                D 64/128).
+                D 64/128; a paged prefill call through its gathered keys, see paged_gather).
   "triton"    - the Triton kernels: prefill (fixed, varlen and over a paged cache),
                 split-KV decode, merge;
                 any CUDA GPU, and CPU tensors through the interpreter (TRITON_INTERPRET=1).
@@ -98,6 +98,20 @@ VARLEN_TRITON_FASTER_UP_TO = {**TRITON_FASTER_UP_TO, (64, False): 1024}
 # causal 433 vs 384 TFLOP/s, full 547 vs 414; D64 causal 318 vs 289, full 422 vs 363).
 # Packs of only short sequences are unmeasured; with max_seqlen_q given, the rule sends
 # them to Triton as it does short fixed-length calls.
+
+
+# Paged prefill (chunked prefill over a paged cache): read the cache in place (the Triton
+# paged kernel), or gather each sequence's keys into a packed buffer first
+# (kernels/paged_gather.py, one launch) and run the varlen rule above on it. The buffer
+# is transient but sized from host metadata (batch x block-table width x page_size rows
+# of K and V), so the gather is taken only up to this many bytes of it.
+PAGED_GATHER_MAX_BYTES = 0  # not yet measured on a GPU: in place everywhere
+
+
+def paged_gather(call: Call, buffer_bytes: int) -> bool:
+    """Whether a paged prefill call gathers its keys first (``attention_paged``'s
+    gather=None): on CUDA, while the gather buffer stays within PAGED_GATHER_MAX_BYTES."""
+    return call.device.type == "cuda" and buffer_bytes <= PAGED_GATHER_MAX_BYTES
 
 
 def ranking(call: Call) -> tuple[str, ...]:

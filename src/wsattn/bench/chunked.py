@@ -20,6 +20,11 @@ Columns (``impl``):
 * ``gluon-contiguous``: :func:`wsattn.attention_varlen` with ``impl="gluon"`` (the sm_90
   warp-specialized kernel's varlen build); "not available" with the dispatcher's reason
   off sm_90.
+* ``triton-gather`` / ``gluon-gather``: :func:`wsattn.attention_paged` with ``gather=True``
+  and ``impl="triton"`` / ``"gluon"``: each sequence's keys copied out of the same paged
+  cache into a packed buffer (one launch, ``kernels/paged_gather.py``), then that
+  backend's varlen kernel; timed with the copy. Their ``ratio_contiguous`` is against the
+  same backend's contiguous column ("the same attention with a contiguous prefix").
 * ``flashinfer-paged``: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (backend
   "auto", NHD layout, causal: bottom-right aligned as ours) on the same paged cache and
   page table, planned outside the timing; "not available" where flashinfer does not
@@ -62,8 +67,9 @@ DIMS = (128, 64)
 CHUNK = 2048
 BATCH = 8  # chunks of 2048: 16k chunk tokens a batch, as the prefill benchmark
 HQ, HKV = 32, 8
-IMPLS = ("triton-paged", "triton-contiguous", "gluon-contiguous", "flashinfer-paged")
-WSATTN_IMPLS = ("triton-paged", "triton-contiguous")  # a failure of these exits 1
+IMPLS = ("triton-paged", "triton-gather", "gluon-gather", "triton-contiguous",
+         "gluon-contiguous", "flashinfer-paged")
+WSATTN_IMPLS = ("triton-paged", "triton-gather", "triton-contiguous")  # a failure exits 1
 TARGET_RATIO = 0.95  # the issue's: paged time >= 0.95x as fast as contiguous
 
 ROW_FIELDS = ("op", "impl", "case", "layout", "page_size", "dtype", "causal", "B", "chunk",
@@ -135,7 +141,8 @@ def case_impls(case: ChunkedCase, impls) -> list[str]:
     contiguous case."""
     if case.page is None:
         return [i for i in impls if i.endswith("-contiguous")]
-    return [i for i in impls if i.endswith("-paged") or i.startswith("triton-paged[")]
+    return [i for i in impls if i.endswith(("-paged", "-gather"))
+            or i.startswith("triton-paged[")]
 
 
 def parse_settings(spec: str):
@@ -183,14 +190,16 @@ def _shape_key(row) -> tuple:
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """ratio_contiguous (triton-contiguous's time / this row's, same shape) and the
+    """ratio_contiguous (the contiguous column's time / this row's, same shape: the
+    gluon-contiguous column for gluon-gather, triton-contiguous for the others) and the
     target's met / missed on the timed paged rows, in place."""
-    base = {_shape_key(r): r for r in rows if r.get("op") == "chunked"
-            and r["impl"] == "triton-contiguous" and r["status"] == "ok"}
+    base = {(r["impl"], _shape_key(r)): r for r in rows if r.get("op") == "chunked"
+            and r["impl"].endswith("-contiguous") and r["status"] == "ok"}
     for r in rows:
         if r.get("op") != "chunked" or r["page_size"] is None or r["status"] != "ok":
             continue
-        ref = base.get(_shape_key(r))
+        backend = "gluon" if r["impl"].startswith("gluon-") else "triton"
+        ref = base.get((f"{backend}-contiguous", _shape_key(r)))
         if ref is not None:
             r["ratio_contiguous"] = ref["median_ms"] / r["median_ms"]
             r["target_met"] = "met" if r["ratio_contiguous"] >= TARGET_RATIO else "missed"
@@ -340,6 +349,19 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
         return call, call, None
     if impl == "flashinfer-paged":
         return _flashinfer(case, inp, cache)
+    if impl in ("triton-gather", "gluon-gather"):
+        backend = impl.split("-")[0]
+        why = dispatch.reason(backend, dispatch.Call("prefill_varlen", inp.q.device,
+                                                     inp.q.dtype, case.D, True))
+        if why is not None:
+            raise NotAvailable(why)
+        kc, vc, table = cache
+
+        def call():
+            return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
+                                          max_seqlen_q=case.chunk, causal=True,
+                                          sm_scale=inp.scale, impl=backend, gather=True)
+        return call, call, None
     if impl in ("triton-contiguous", "gluon-contiguous"):
         backend = impl.split("-")[0]
         why = dispatch.reason(backend, dispatch.Call("prefill_varlen", inp.q.device,

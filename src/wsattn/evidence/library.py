@@ -192,11 +192,11 @@ def _build_paged(shape, dtype, device, gen):
             "max_q": max(s["Lq"]), "max_k": max(lens_k)}
 
 
-def _paged_run(inp):
+def _paged_run(inp, gather=False):
     import wsattn
     return wsattn.attention_paged(inp["q"], inp["kc"], inp["vc"], inp["cu_q"], inp["lens_k"],
                                   inp["bt"], inp["max_q"], causal=True, return_lse=True,
-                                  impl="triton")
+                                  impl="triton", gather=gather)
 
 
 def _paged_reference(inp):
@@ -213,8 +213,12 @@ def _paged_contiguous(inp):
                                    inp["max_q"], inp["max_k"], causal=True, impl="triton")
 
 
-def _paged_entry():
-    run = RunSpec(draw_shape=_draw_paged, build=_build_paged, run=_paged_run,
+def _paged_entry(gather=False):
+    # gather: the keys copied out of the cache into a packed buffer (paged_gather.py), then
+    # the Triton varlen kernel; the compile gates build the gather kernel, the run and the
+    # sanitizer gates cover both launches
+    run = RunSpec(draw_shape=_draw_paged, build=_build_paged,
+                  run=functools.partial(_paged_run, gather=gather),
                   reference=_paged_reference, dtypes=("bf16", "fp16"),
                   baseline=_paged_contiguous,
                   baseline_name="wsattn varlen prefill over the same keys, contiguous",
@@ -225,6 +229,11 @@ def _paged_entry():
                                     {"Lq": [65], "P": [3], "Hq": 2, "Hkv": 1, "D": 64,
                                      "page": 64}),
                   describe=_describe_paged)
+    if gather:
+        return ("prefill_paged_gather", "wsattn.kernels.paged_gather", "compile_spec",
+                {"head_dim": 128, "dtype": "bf16", "page_size": 16}, run,
+                "chunked prefill over a paged cache through gathered keys (the gather "
+                "kernel, then the Triton varlen kernel), D=128 bf16, causal", None)
     return ("prefill_paged", "wsattn.kernels.prefill_paged", "compile_spec",
             {"head_dim": 128, "dtype": "bf16", "causal": True, "page_size": 16}, run,
             "Triton chunked prefill over a paged cache, D=128 bf16, causal", None)
@@ -859,6 +868,7 @@ ENTRIES = (
     _prefill_entry("prefill_triton_causal", "wsattn.kernels.prefill_triton", causal=True),
     _prefill_entry("prefill_triton_varlen", "wsattn.kernels.prefill_triton", varlen=True),
     _paged_entry(),
+    _paged_entry(gather=True),
     _decode_entry("decode_triton", paged=False),
     _decode_entry("decode_triton_paged", paged=True),
     _merge_entry(),

@@ -527,12 +527,15 @@ GPU_CASES = [pytest.param(c, id=n) for n, c in CASES.items()] + [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", GPU_CASES)
-def test_gpu_matches_float64_and_reruns_bitwise(case, dtype):
+@pytest.mark.parametrize("gather", [False, None], ids=["in_place", "auto"])
+def test_gpu_matches_float64_and_reruns_bitwise(case, dtype, gather):
+    """The in-place kernel and the default (the dispatch's gather rule)."""
     lq, lk, Hq, Hkv, D, page, causal = case
     x = paged_inputs(lq, lk, Hq, Hkv, D, page, dtype, device="cuda", seed=29)
-    out, lse = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True)
+    out, lse = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True, gather=gather)
     _check(out, lse, x, case, dtype)
-    again, lse2 = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True)
+    again, lse2 = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True,
+                                         gather=gather)
     assert torch.equal(out, again) and torch.equal(lse, lse2)
     ref = wsattn.attention_varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"],
                                   causal=causal)
@@ -613,25 +616,26 @@ def test_gpu_gather_cuda_graph_replay_equals_eager():
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay_equals_eager():
     """A default call (validate=None) reads no index value on the host, so it captures;
-    replays with new q values and new key counts equal eager calls bit for bit."""
+    replays with new q values and new key counts equal eager calls bit for bit (the
+    default's gather path has its own graph test above)."""
     lq, lk = [17, 1, 64], [100, 33, 64]
     x = paged_inputs(lq, lk, 16, 2, 128, 16, BF16, device="cuda", seed=31)
     args = _args(x)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (compile) outside the capture
-        wsattn.attention_paged(*args, causal=True)
+        wsattn.attention_paged(*args, causal=True, gather=False)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = wsattn.attention_paged(*args, causal=True)
+        static_out = wsattn.attention_paged(*args, causal=True, gather=False)
     for seed in range(2):
         x["q"].copy_(torch.randn_like(x["q"], dtype=torch.float32).to(BF16))
         if seed:  # fewer keys for the second sequence: the kernel reads seqlens_k on the device
             x["seqlens_k"][1] = 20
         graph.replay()
         torch.cuda.synchronize()
-        eager = wsattn.attention_paged(*args, causal=True)
+        eager = wsattn.attention_paged(*args, causal=True, gather=False)
         assert torch.equal(static_out, eager)
         ref = reference.attention_paged(*args, True)[0]
         assert_close(static_out, ref, BF16)

@@ -104,7 +104,7 @@ VARLEN_TRITON_FASTER_UP_TO = {**TRITON_FASTER_UP_TO, (64, False): 1024}
 # paged kernel), or gather each sequence's keys into a packed buffer first
 # (kernels/paged_gather.py, one launch) and run the varlen rule above on it. On H200
 # (`wsattn bench chunked`: B 8 chunks of 2048, prefix 0-32k, pages 16 / 64, GQA 32/8,
-# bf16, causal) the gathered path ran 0.95-1.01x the Triton varlen kernel on contiguous
+# bf16, causal) the gathered path ran 0.946-1.009x the Triton varlen kernel on contiguous
 # keys and 0.93-0.99x the Gluon one, and 1.1-2.3x the in-place kernel (0.51-0.87x
 # contiguous) at every shape: the copy is one pass over the keys, the attention reads
 # them once per query tile. The buffer is transient but sized from host metadata (batch

@@ -11,7 +11,8 @@ impl (resolved in :mod:`wsattn.dispatch`):
                 kernels on CPU tensors when TRITON_INTERPRET=1; the reference on CPU
                 otherwise.
   "triton"    - the Triton (``tl``) kernels.
-  "gluon"     - the warp-specialized Gluon kernel (sm_90 only; fixed-length and varlen prefill).
+  "gluon"     - the warp-specialized Gluon kernel (sm_90 only; fixed-length and varlen prefill,
+                and paged prefill through gathered keys).
   "reference" - the PyTorch reference (float64 inside, returns q's dtype).
 
 Value checks and host synchronisation: shapes, dtypes, devices and strides are host

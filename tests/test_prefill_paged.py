@@ -588,54 +588,29 @@ def test_gpu_gather_matches_float64_and_the_varlen_kernel_bitwise(case, dtype, i
 
 
 @pytest.mark.gpu
-def test_gpu_gather_cuda_graph_replay_equals_eager():
-    """gather=True captures (no host read): replays with new q values and a new key count
-    equal eager calls bit for bit."""
-    lq, lk = [17, 1, 64], [100, 33, 64]
-    x = paged_inputs(lq, lk, 16, 2, 128, 16, BF16, device="cuda", seed=43)
-    args = _args(x)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        wsattn.attention_paged(*args, causal=True, gather=True)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = wsattn.attention_paged(*args, causal=True, gather=True)
-    for seed in range(2):
-        x["q"].copy_(torch.randn_like(x["q"], dtype=torch.float32).to(BF16))
-        if seed:
-            x["seqlens_k"][1] = 20
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = wsattn.attention_paged(*args, causal=True, gather=True)
-        assert torch.equal(static_out, eager)
-        assert_close(static_out, reference.attention_paged(*args, True)[0], BF16)
-
-
-@pytest.mark.gpu
-def test_gpu_cuda_graph_replay_equals_eager():
-    """A default call (validate=None) reads no index value on the host, so it captures;
-    replays with new q values and new key counts equal eager calls bit for bit (the
-    default's gather path has its own graph test above)."""
+@pytest.mark.parametrize("gather", [False, True, None], ids=["in_place", "gather", "auto"])
+def test_gpu_cuda_graph_replay_equals_eager(gather):
+    """A default call (validate=None) reads no index value on the host, in place or through
+    gathered keys, so it captures; replays with new q values and new key counts equal
+    eager calls bit for bit."""
     lq, lk = [17, 1, 64], [100, 33, 64]
     x = paged_inputs(lq, lk, 16, 2, 128, 16, BF16, device="cuda", seed=31)
     args = _args(x)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (compile) outside the capture
-        wsattn.attention_paged(*args, causal=True, gather=False)
+        wsattn.attention_paged(*args, causal=True, gather=gather)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = wsattn.attention_paged(*args, causal=True, gather=False)
+        static_out = wsattn.attention_paged(*args, causal=True, gather=gather)
     for seed in range(2):
         x["q"].copy_(torch.randn_like(x["q"], dtype=torch.float32).to(BF16))
-        if seed:  # fewer keys for the second sequence: the kernel reads seqlens_k on the device
+        if seed:  # fewer keys for the second sequence: read on the device, not the host
             x["seqlens_k"][1] = 20
         graph.replay()
         torch.cuda.synchronize()
-        eager = wsattn.attention_paged(*args, causal=True, gather=False)
+        eager = wsattn.attention_paged(*args, causal=True, gather=gather)
         assert torch.equal(static_out, eager)
         ref = reference.attention_paged(*args, True)[0]
         assert_close(static_out, ref, BF16)

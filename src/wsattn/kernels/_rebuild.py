@@ -20,10 +20,21 @@ import triton
 import triton.language as tl
 
 
+_BUILT: dict = {}  # (module, entry, interpret) -> the kernel, built once per process
+
+
 def rebuild(module_globals: dict, names: tuple[str, ...], entry: str, interpret: bool):
     """The ``entry`` kernel of a module (``module_globals``) with every function in
     ``names`` (its @triton.jit functions, callees included) rebuilt as interpreter
-    functions (``interpret``) or JIT functions."""
+    functions (``interpret``) or JIT functions; built on the first call, then the same
+    object (so Triton's compile cache, kept on it, persists)."""
+    key = (module_globals["__name__"], entry, bool(interpret))
+    if key not in _BUILT:
+        _BUILT[key] = _build(module_globals, names, entry, interpret)
+    return _BUILT[key]
+
+
+def _build(module_globals: dict, names: tuple[str, ...], entry: str, interpret: bool):
     from triton.runtime.interpreter import InterpretedFunction
     wrap = InterpretedFunction if interpret else triton.runtime.JITFunction
     ns = dict(module_globals)

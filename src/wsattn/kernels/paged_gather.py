@@ -82,15 +82,12 @@ def _gather_kernel(KC, VC, KO, VO, SEQLENS_K, CU_K, BT, B, HKV,
 
 
 _JIT_NAMES = ("_gather_kernel",)
-_KERNELS: dict = {}
 
 
 def _kernel(interpret: bool):
     """``_gather_kernel`` built for the interpreter or for the compiler, whatever the
     process (why and how: ``_rebuild``)."""
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = rebuild(globals(), _JIT_NAMES, "_gather_kernel", interpret)
-    return _KERNELS[interpret]
+    return rebuild(globals(), _JIT_NAMES, "_gather_kernel", interpret)
 
 
 def buffer_rows(batch: int, max_pages: int, page_size: int) -> int:

@@ -190,15 +190,12 @@ def _prefill_paged_fwd(Q, K, V, O, LSE, CU_Q, TILE_CU, SEQLENS_K, BT, B, NUM_ROW
 
 
 _JIT_NAMES = ("_max_combine", "_sum_combine", "_softmax_step", "_kv_rows", "_paged_inner", "_prefill_paged_fwd")
-_KERNELS: dict = {}
 
 
 def _kernel(interpret: bool):
     """``_prefill_paged_fwd`` built for the interpreter or for the compiler, whatever the
     process (why and how: ``_rebuild``)."""
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = rebuild(globals(), _JIT_NAMES, "_prefill_paged_fwd", interpret)
-    return _KERNELS[interpret]
+    return rebuild(globals(), _JIT_NAMES, "_prefill_paged_fwd", interpret)
 
 
 # --------------------------------------------------------------------------- settings

@@ -189,15 +189,12 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
 # --------------------------------------------------------------------------- launcher
 
 _JIT_NAMES = ("_max_combine", "_sum_combine", "_softmax_step", "_attn_inner", "_attn_fwd")
-_KERNELS: dict = {}
 
 
 def _kernel(interpret: bool):
     """``_attn_fwd`` built for the interpreter or for the compiler, whatever the process
     (why and how: ``_rebuild``)."""
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = rebuild(globals(), _JIT_NAMES, "_attn_fwd", interpret)
-    return _KERNELS[interpret]
+    return rebuild(globals(), _JIT_NAMES, "_attn_fwd", interpret)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ aligned: query i of a chunk sees the prefix and chunk keys 0..i.
 
 Columns (``impl``):
 
-* ``triton-paged``: :func:`wsattn.attention_paged` (``impl="triton"``) over a cache of
-  pages of 16 or of 64 tokens, one row per page size (the case id names it). Each
+* ``triton-paged``: :func:`wsattn.attention_paged` (``impl="triton"``, ``gather=False``:
+  the kernel that reads the cache in place) over a cache of pages of 16 or of 64
+  tokens, one row per page size (the case id names it). Each
   sequence's pages are a random permutation of the cache's pages (seeded per case), so
   the kernel reads scattered pages as it would in a serving engine, not consecutive ones.
 * ``triton-contiguous``: :func:`wsattn.attention_varlen` (``impl="triton"``) on the same
@@ -336,7 +337,7 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
         def call():
             return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
                                           max_seqlen_q=case.chunk, causal=True,
-                                          sm_scale=inp.scale, impl="triton")
+                                          sm_scale=inp.scale, impl="triton", gather=False)
         return call, call, None
     if impl.startswith("triton-paged["):  # the kernel with exactly these settings
         from wsattn.kernels.prefill_paged import prefill_paged

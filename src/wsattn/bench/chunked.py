@@ -331,13 +331,24 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
     import wsattn
     from wsattn import dispatch
 
-    if impl == "triton-paged":
+    def varlen_backend():  # the varlen kernel a column runs, or why it cannot here
+        backend = impl.split("-")[0]
+        why = dispatch.reason(backend, dispatch.Call("prefill_varlen", inp.q.device,
+                                                     inp.q.dtype, case.D, True))
+        if why is not None:
+            raise NotAvailable(why)
+        return backend
+
+    if impl in ("triton-paged", "triton-gather", "gluon-gather"):
+        # in place (the Triton paged kernel), or the keys gathered for a varlen kernel
+        gather = impl.endswith("-gather")
+        backend = varlen_backend() if gather else "triton"
         kc, vc, table = cache
 
         def call():
             return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
                                           max_seqlen_q=case.chunk, causal=True,
-                                          sm_scale=inp.scale, impl="triton", gather=False)
+                                          sm_scale=inp.scale, impl=backend, gather=gather)
         return call, call, None
     if impl.startswith("triton-paged["):  # the kernel with exactly these settings
         from wsattn.kernels.prefill_paged import prefill_paged
@@ -350,25 +361,8 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
         return call, call, None
     if impl == "flashinfer-paged":
         return _flashinfer(case, inp, cache)
-    if impl in ("triton-gather", "gluon-gather"):
-        backend = impl.split("-")[0]
-        why = dispatch.reason(backend, dispatch.Call("prefill_varlen", inp.q.device,
-                                                     inp.q.dtype, case.D, True))
-        if why is not None:
-            raise NotAvailable(why)
-        kc, vc, table = cache
-
-        def call():
-            return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
-                                          max_seqlen_q=case.chunk, causal=True,
-                                          sm_scale=inp.scale, impl=backend, gather=True)
-        return call, call, None
     if impl in ("triton-contiguous", "gluon-contiguous"):
-        backend = impl.split("-")[0]
-        why = dispatch.reason(backend, dispatch.Call("prefill_varlen", inp.q.device,
-                                                     inp.q.dtype, case.D, True))
-        if why is not None:
-            raise NotAvailable(why)
+        backend = varlen_backend()
 
         def call():
             return wsattn.attention_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k,

@@ -471,3 +471,28 @@ def test_gpu_1000_replayed_steps():
     graph = _gpu_engine(graphs=True, layers=2)[0].run(ps, 1000)
     eager = _gpu_engine(graphs=False, layers=2)[0].run(ps, 1000)
     assert all(torch.equal(a, b) for a, b in zip(graph, eager))
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_prefill_through_the_paged_call():
+    """A prompt prefilled in chunks (the later ones through ``attention_paged`` over the
+    cached prefix: gathered keys, then the Gluon varlen kernel past 1,024 queries on sm_90
+    and the Triton one below) gives the first steps' logits of the whole-prompt prefill
+    and of the reference step, within bf16 tolerance."""
+    from wsattn.engine.generate import Engine
+    from wsattn.testing import rel_err, tol
+
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.randint(0, 4096, (n,), generator=g) for n in (37, 5, 2500)]
+    whole, model = _gpu_engine(max_pos=4096)
+    whole.prefill_chunk = 4096
+    _, wl = whole.run(ps, 4, return_logits=True)
+    chunked = _gpu_engine(max_pos=4096)[0]
+    chunked.prefill_chunk = 1100  # chunks 1100 (fresh), 1100 and 300 over the prefix
+    _, cl = chunked.run(ps, 4, return_logits=True)
+    ref = Engine(model, dtype=torch.bfloat16, device="cuda", step="reference")
+    _, rl = ref.run(ps, 4, return_logits=True)
+    assert not cl.isnan().any()
+    for s in range(4):
+        assert rel_err(cl[:, s], wl[:, s]) <= tol(torch.bfloat16), s
+        assert rel_err(cl[:, s], rl[:, s]) <= tol(torch.bfloat16), s

@@ -573,15 +573,14 @@ class KernelStep:
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]  # [T, 1, D]
         fresh = all(s == 0 for s in starts)
         max_q = max(lengths)
-        if not fresh:  # each sequence's whole prefix + chunk, gathered in packed rows
+        if not fresh:
+            # the chunked-prefill call over the paged cache: each sequence's prefix + chunk
+            # (the chunk appended below first). The table narrowed to the pages these
+            # lengths reach, so the gathered buffer attention_paged sizes from its width
+            # holds these sequences' keys, not the cache's whole capacity.
             kv_lens = [s + n for s, n in zip(starts, lengths)]
-            kseq_h = torch.repeat_interleave(torch.arange(B), torch.tensor(kv_lens))
-            kpos_h = torch.cat([torch.arange(n) for n in kv_lens])
-            kseq, kpos = kseq_h.to(dev), kpos_h.to(dev)
-            kpage = block_table[kseq, torch.div(kpos, P, rounding_mode="floor")].long()
-            kslot = kpos % P
-            cu_k = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            cu_k, max_k = cu_k.to(dev), max(kv_lens)
+            seqlens_k = torch.tensor(kv_lens, dtype=torch.int32).to(dev)
+            table = block_table[:, :-(-max(kv_lens) // P)].contiguous()
 
         x = w.embed[tokens]  # [T, hidden], the residual stream in the model dtype
         for i, layer in enumerate(w.layers):
@@ -606,11 +605,10 @@ class KernelStep:
             if fresh:
                 attn = api.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_q, max_q,
                                             causal=True, impl="auto", validate=False)
-            else:
-                kk = self.cache.k[i][kpage, kslot]
-                vv = self.cache.v[i][kpage, kslot]
-                attn = api.attention_varlen(q, kk, vv, cu_seqlens, cu_k, max_q, max_k,
-                                            causal=True, impl="auto", validate=False)
+            else:  # gathered into packed rows on CUDA (dispatch.paged_gather), else in place
+                attn = api.attention_paged(q, self.cache.k[i], self.cache.v[i], cu_seqlens,
+                                           seqlens_k, table, max_q, causal=True,
+                                           impl="auto", validate=False)
             x = (x.float() + (attn.reshape(T, cfg.q_size) @ layer.wo.T).float()).to(dt)
             if layer.router is not None:
                 x = self._moe_prefill(layer, x)

@@ -103,6 +103,36 @@ CHILD = textwrap.dedent(r'''
                         and bool(torch.equal(l0, l1)),
                         "group_calls": [c0.get("moe_group", 0), c1.get("moe_group", 0)]}
 
+    elif case == "prefill_grouped":
+        # KernelStep(moe_prefill_grouped=): the prefill's MoE MLP by torch._grouped_mm (two
+        # calls a MoE layer and chunk) against the per-expert loop, whole and chunked
+        from wsattn.engine.runner import KernelStep
+        calls = [0]
+        gmm = torch._grouped_mm
+
+        def counted_gmm(*a, **k):
+            calls[0] += 1
+            return gmm(*a, **k)
+
+        torch._grouped_mm = counted_gmm
+        for fam in ("qwen3_moe", "mixtral", "olmoe"):
+            m = model(fam)
+            for chunk in (512, 4):
+                runs = {}
+                for on in (False, True):
+                    e = Engine(m, step="kernels", device="cpu", prefill_chunk=chunk,
+                               num_pages=8, page_size=8)
+                    e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets,
+                                        moe_prefill_grouped=on)
+                    calls[0] = 0
+                    t, l = e.run(prompts([11, 5]), 2, return_logits=True)
+                    runs[on] = (t, l, calls[0])
+                (t0, l0, c0), (t1, l1, c1) = runs[False], runs[True]
+                res[f"{fam}/{chunk}"] = {
+                    "tokens": all(torch.equal(a, b) for a, b in zip(t0, t1)),
+                    "err": err(l1, l0), "nan": bool(l1.isnan().any()), "calls": [c0, c1],
+                    "moe_layers": len(e.cfg.moe_layers)}
+
     elif case == "padding":
         m, ps, n = model("qwen3_moe"), prompts([9, 4, 6]), 6
         pad, pad_t, pad_l = run(m, "kernels", ps, n, buckets=(4,), num_pages=8, page_size=8)
@@ -195,6 +225,22 @@ def test_moe_one_token_grouping_in_the_step():
     for fam, v in r.items():
         assert v["equal"] is True, (fam, v)
         assert v["group_calls"][0] > 0 and v["group_calls"][1] == 0, (fam, v)
+
+
+def test_moe_prefill_grouped_mm_matches_the_per_expert_loop():
+    """The prefill's MoE MLP through torch._grouped_mm (the default: no host read of the
+    per-expert counts) gives the tokens and, within fp32 rounding, the logits of the
+    per-expert matmul loop, in one chunk and in chunks of 4 (a chunk of one sequence
+    touches only some experts: empty groups), for Qwen3-MoE (with a dense layer), Mixtral
+    and OLMoE; two grouped calls a MoE layer and chunk, none with the switch off."""
+    r = _child("prefill_grouped")
+    assert len(r) == 6, r
+    for key, v in r.items():
+        assert v["tokens"] and not v["nan"], (key, v)
+        assert v["err"] <= FP32_LOGITS, (key, v)
+        # prefill calls: one packed chunk, or three by 4 ([4, 4], [4, 1], [3])
+        prefills = 1 if key.endswith("/512") else 3
+        assert v["calls"] == [0, 2 * v["moe_layers"] * prefills], (key, v)
 
 
 def test_moe_bucket_padding():
@@ -296,7 +342,8 @@ def test_auto_on_cuda_picks_kernels_for_16_bit_models():
 
 # --------------------------------------------------------------------------- GPU
 
-def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True):
+def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True,
+                moe_prefill_grouped=True):
     """A bf16 MoE model (hidden 512, D 64, 8/2 heads, 4 layers; Qwen3-MoE 16 experts top-4
     with layer 2 dense, Mixtral 8 experts top-2, or OLMoE 16 experts top-4 with its
     whole-projection QK-norm) on CUDA."""
@@ -323,7 +370,7 @@ def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True):
     e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=512,
                page_size=16, buckets=(1, 2, 4, 8, 16))
     e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl,
-                        moe_one_token=moe_one_token)
+                        moe_one_token=moe_one_token, moe_prefill_grouped=moe_prefill_grouped)
     return e, model
 
 
@@ -391,6 +438,25 @@ def test_gpu_moe_matches_reference_step(family):
     assert rel_err(kl[:, 0], rl[:, 0]) <= tol(torch.bfloat16)
     if all(torch.equal(a, b) for a, b in zip(kt, rt)):  # same first token: same step input
         assert rel_err(kl[:, 1], rl[:, 1]) <= tol(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("chunk", [2048, 24])
+def test_gpu_moe_prefill_grouped_mm_matches_the_per_expert_loop(family, chunk):
+    """bf16 on CUDA: the prefill's MoE MLP through torch._grouped_mm (the default) gives
+    the per-expert loop's prefill logits within bf16 tolerance (cuBLAS's grouped and
+    plain GEMMs may sum in different orders), whole and in chunks of 24 tokens."""
+    from wsattn.testing import rel_err, tol
+
+    ps = _gpu_prompts()
+    logits = []
+    for grouped in (True, False):
+        e = _gpu_engine(family, moe_prefill_grouped=grouped)[0]
+        e.prefill_chunk = chunk
+        logits.append(e.run(ps, 1, return_logits=True)[1][:, 0])
+    assert not logits[0].isnan().any()
+    assert rel_err(logits[0], logits[1]) <= tol(torch.bfloat16)
 
 
 @pytest.mark.gpu

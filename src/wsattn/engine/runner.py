@@ -1,6 +1,6 @@
 """The kernel step: a model's decode step as fused Triton launches, one CUDA graph per
 batch bucket, PDL between the launches; prefill of packed chunks through cuBLAS and
-:func:`wsattn.attention_varlen`.
+:func:`wsattn.attention_varlen` / :func:`wsattn.attention_paged`.
 
 :class:`KernelStep` implements the engine's :class:`~wsattn.engine.generate.Step`
 contract over FlashNorm-folded weights (:mod:`wsattn.models.flashnorm`). The kernels live
@@ -74,14 +74,15 @@ Prefill (never captured): projections and the MLP as torch matmuls (M is large, 
 is at its best), the same FlashNorm / QK-norm / RoPE arithmetic as the kernels in fp32,
 k/v scattered into the pages through the block table, then attention of each chunk:
 ``wsattn.attention_varlen`` on the chunk itself when every sequence starts at 0, else
-over each sequence's cached prefix + chunk gathered into packed rows (causal, bottom-right
-aligned, so the chunk's token i sees keys 0..start+i). A MoE layer's MLP in prefill:
+``wsattn.attention_paged`` over each sequence's cached prefix + chunk (causal,
+bottom-right aligned, so the chunk's token i sees keys 0..start+i). A MoE layer's MLP in prefill:
 fp32 router logits, the reference routing (:func:`wsattn.models.moe.select`), the pairs
-sorted by expert, one gate/up and one down matmul per touched expert in the model dtype,
+sorted by expert on the device, gate/up and down as two ``torch._grouped_mm`` calls over
+the per-expert row offsets (bf16 on CUDA, any dtype on the CPU; elsewhere, e.g. fp16 on
+CUDA, one matmul pair per touched expert, which reads the per-expert counts on the host:
+one synchronisation per MoE layer and chunk), the product in the model dtype, then the
 per-pair fp32 results times the routing weight added onto the residual in slot order (the
-decode kernels' arithmetic). Slicing the sorted pairs per expert reads the per-expert
-counts on the host: one synchronisation per MoE layer and chunk (the only device read of
-a prefill given host lengths).
+decode kernels' arithmetic).
 
 Where it runs: CUDA (fp16/bf16; graphs and PDL on sm_90+) or the CPU through the Triton
 interpreter (``TRITON_INTERPRET=1``; fp32 or fp16; eager, no graphs, no PDL).
@@ -220,7 +221,7 @@ class KernelStep:
     name = "kernels"
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None,
-                 moe_one_token=True):
+                 moe_one_token=True, moe_prefill_grouped=True):
         # what the fused step does not run, refused by feature before any shape check
         if getattr(cfg, "experts", 0) > MOE_MAX_E:
             raise ValueError(f"step='kernels': {cfg.family} has {cfg.experts} experts; the MoE "
@@ -255,6 +256,10 @@ class KernelStep:
         if moe_one_token not in (True, False):
             raise ValueError(f"moe_one_token must be True or False, got {moe_one_token!r}")
         self.moe_one_token = moe_one_token
+        if moe_prefill_grouped not in (True, False):
+            raise ValueError(f"moe_prefill_grouped must be True or False, got "
+                             f"{moe_prefill_grouped!r}")
+        self.moe_prefill_grouped = moe_prefill_grouped
 
         rope = cfg.rope
         scaling = None if rope.type == "default" else {
@@ -522,10 +527,11 @@ class KernelStep:
 
         lengths, starts: optional host-side lists of the chunk lengths and the starts (what
         cu_seqlens and start hold), which the caller built them from. Given, no device
-        value is read on the host except, in a MoE model, each MoE layer's per-expert
-        counts (module docstring); omitted, cu_seqlens and start are read once (one
-        synchronisation per chunk; prefill is never captured). They decide the attention
-        path and size the gathered prefix."""
+        value is read on the host (except, in a MoE model where ``torch._grouped_mm``
+        does not take the dtype, each MoE layer's per-expert counts: module docstring);
+        omitted, cu_seqlens and start are read once (one synchronisation per chunk;
+        prefill is never captured). They decide the attention path and narrow the block
+        table to the pages the chunk reaches."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
             raise ValueError(f"tokens must be int64 [T], got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
@@ -621,7 +627,12 @@ class KernelStep:
 
     def _moe_prefill(self, layer, x):
         """A MoE layer's MLP over T packed tokens x [T, hidden] (model dtype), residual
-        included: the decode kernels' arithmetic with torch matmuls per touched expert."""
+        included: the decode kernels' arithmetic (the product rounded to the model dtype,
+        then the FlashNorm scale, SiLU*up, the routing weight and the slot-order combine in
+        fp32) with the pairs grouped by expert on the device, the two projections by
+        ``torch._grouped_mm`` where it runs (no host read), else one matmul pair per touched
+        expert (``grouped=False``, and where ``_grouped_mm`` does not: see
+        :func:`_grouped_mm_ok`)."""
         cfg, dt = self.cfg, self.dtype
         T, k = x.shape[0], cfg.top_k
         scale = _inv_rms(x, self.eps)  # [T, 1] fp32, the FlashNorm scale
@@ -629,22 +640,43 @@ class KernelStep:
         wts, ids = moe_math.select(cfg, logits)  # [T, k] fp32 (no rounding: fp32 logits), int64
         pair_w = wts.reshape(-1)
         order = torch.argsort(ids.reshape(-1), stable=True)  # pairs t*k+j grouped by expert
-        counts = torch.bincount(ids.reshape(-1), minlength=cfg.experts).tolist()  # host read
-        y = torch.zeros(T * k, cfg.hidden, dtype=torch.float32, device=x.device)
-        lo = 0
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            pairs = order[lo:lo + count]
-            lo += count
-            tok = torch.div(pairs, k, rounding_mode="floor")
-            gate, up = ((x[tok] @ layer.w_gate_up[e].T).float() * scale[tok]).chunk(2, -1)
+        tok = torch.div(order, k, rounding_mode="floor")
+        counts = torch.bincount(ids.reshape(-1), minlength=cfg.experts)
+        if self.moe_prefill_grouped and _grouped_mm_ok(x):
+            ends = torch.cumsum(counts, 0, dtype=torch.int32)  # each expert's last row + 1
+            xs = x.index_select(0, tok)  # [T*k, hidden], sorted by expert
+            h = torch._grouped_mm(xs, layer.w_gate_up.transpose(-2, -1), offs=ends)
+            gate, up = (h.float() * scale[tok]).chunk(2, -1)
             act = (F.silu(gate) * up).to(dt)
-            y[pairs] = (act @ layer.w_down[e].T).float() * pair_w[pairs, None]
+            ys = torch._grouped_mm(act, layer.w_down.transpose(-2, -1), offs=ends)
+            y = torch.empty(T * k, cfg.hidden, dtype=torch.float32, device=x.device)
+            y[order] = ys.float() * pair_w[order, None]
+        else:
+            y = torch.zeros(T * k, cfg.hidden, dtype=torch.float32, device=x.device)
+            lo = 0
+            for e, count in enumerate(counts.tolist()):  # host read: one sync a layer
+                if not count:
+                    continue
+                pairs, t = order[lo:lo + count], tok[lo:lo + count]
+                lo += count
+                gate, up = ((x[t] @ layer.w_gate_up[e].T).float() * scale[t]).chunk(2, -1)
+                act = (F.silu(gate) * up).to(dt)
+                y[pairs] = (act @ layer.w_down[e].T).float() * pair_w[pairs, None]
         acc = x.float()
         for yj in y.view(T, k, cfg.hidden).unbind(1):  # slot order, as the combine kernel
             acc = acc + yj
         return acc.to(dt)
+
+
+def _grouped_mm_ok(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes this prefill's grouped projections: present in
+    this torch, and on CUDA only for bf16 on sm_80+ (what its CUDA kernel accepts; fp16
+    there falls back to the per-expert loop). On the CPU it takes every dtype."""
+    if getattr(torch, "_grouped_mm", None) is None:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return x.device.type == "cpu"
 
 
 def _inv_rms(x, eps):

@@ -473,3 +473,121 @@ def test_decode_pdl_off_equals_the_default_call(kernel_device, page):
             assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
         ref, ref_lse = reference.decode(q, k, v, seqlens, table, 0.125)
         assert_close(base[0], ref, torch.float16)
+
+
+# --------------------------------------------------------------------------- PREFETCH
+
+# (B, T, Hq, Hkv, seqlens, page or None, capacity, splits, BLOCK_N): the first tile of a
+# split holding the new keys (lengths below a tile, T = 3 new keys across a tile
+# boundary at 17 = 16 + 1), empty splits, pages shorter than a tile (per-key and
+# preloaded table), pages of whole tiles, the one-split (no workspace) path
+PREFETCH_CASES = {
+    "contig-T1-split3": (3, 1, 8, 2, [70, 1, 33], None, 70, 3, 16, False),
+    "contig-T3-split1": (2, 3, 8, 1, [17, 3], None, 20, 1, 16, False),
+    "contig-T3-split8-empty": (2, 3, 4, 1, [40, 5], None, 40, 8, 16, False),
+    "page7-T3-split3": (3, 3, 8, 1, [45, 3, 17], 7, 49, 3, 16, False),
+    "page5-T2-split4-preload": (3, 2, 8, 2, [70, 2, 33], 5, 75, 4, 16, True),
+    "page32-T1-split2": (2, 1, 4, 1, [70, 33], 32, 96, 2, 16, False),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFETCH_CASES.values()), ids=list(PREFETCH_CASES))
+def test_decode_prefetch_equals_the_default_build(kernel_device, case):
+    """prefetch=True (the first tile's old keys loaded before the PDL wait, the new ones
+    after; here without PDL, the same code with nothing between) gives bit for bit the
+    default build's output and LSE, with NaN in every cache row past each sequence's
+    length (a masked row must not leak), and the reference's answer."""
+    from wsattn.kernels import decode_triton
+    B, T, Hq, Hkv, lens, page, capacity, splits, block_n, preload = case
+    q, k, v, seqlens, table = _cache(B, T, Hq, Hkv, lens, page, capacity, torch.float16,
+                                     kernel_device, sum(lens))
+    for b, n in enumerate(lens):  # poison what no split may read
+        if page is None:
+            k[b, n:], v[b, n:] = float("nan"), float("nan")
+        else:
+            for j in range(n, table.shape[1] * page):
+                k[table[b, j // page], j % page] = float("nan")
+                v[table[b, j // page], j % page] = float("nan")
+    settings = decode_triton.DecodeSettings(BLOCK_N=block_n, num_warps=4, num_stages=1,
+                                            num_splits=splits, bt_preload=preload)
+    base = decode_triton.decode(q, k, v, seqlens, table, D ** -0.5, 0, settings=settings)
+    got = decode_triton.decode(q, k, v, seqlens, table, D ** -0.5, 0, settings=settings,
+                               prefetch=True)
+    assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
+    ref, ref_lse = reference.decode(q, k, v, seqlens, table, D ** -0.5)
+    assert_close(got[0], ref, torch.float16)
+    assert_lse_close(got[1], ref_lse, torch.float16)
+
+
+def test_decode_prefetch_refuses_a_non_bool():
+    from wsattn.kernels import decode_triton
+    q = torch.zeros(1, 1, 4, D, dtype=torch.float16)
+    kc = torch.zeros(1, 8, 1, D, dtype=torch.float16)
+    with pytest.raises(ValueError, match="prefetch must be True or False"):
+        decode_triton.decode(q, kc, kc, torch.ones(1, dtype=torch.int32), None, 0.125, 1,
+                             prefetch="yes")
+    with pytest.raises(ValueError, match="prefetch is a switch of the decode kernel"):
+        decode_triton.compile_spec(90, kernel="combine", prefetch=True)
+
+
+_PREFETCH_SCRIPT = r"""
+import json, re, triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from wsattn.evidence.compile_gate import resource_usage
+from wsattn.kernels import decode_triton
+LOAD = re.compile(r"\bld\.global\S*\s+(\{[^}]*\}|%\S+)")
+facts = {}
+for D in (64, 128):
+    for name, kw in {"contiguous": {}, "paged-16": dict(paged=True, page_size=16),
+                     "paged-64": dict(paged=True, page_size=64)}.items():
+        for pf in (False, True):
+            s = decode_triton.compile_spec(90, head_dim=D, pdl=True, prefetch=pf,
+                                           capacity=4240, **kw)
+            k = triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
+                                         attrs=s["attrs"]),
+                               target=GPUTarget("cuda", 90, 32), options=s["options"])
+            ptx = k.asm["ptx"]
+            wait = ptx.index("griddepcontrol.wait")
+            vec = [m for m in LOAD.finditer(ptx) if ".v4" in m.group(0)]
+            facts[f"D{D}-{name}-{'prefetch' if pf else 'default'}"] = {
+                "v4_before_wait": sum(m.start() < wait for m in vec),
+                "v4_after_wait": sum(m.start() > wait for m in vec),
+                "launch_after_wait": ptx.index("griddepcontrol.launch_dependents") > wait,
+                "cp_async_before_wait": ptx[:wait].count("cp.async.cg"),
+                "BLOCK_N": s["constexprs"]["BLOCK_N"], "warps": s["options"]["num_warps"],
+                "local": (resource_usage(k.asm["cubin"]) or {}).get("local_bytes", -1),
+                "shared": k.metadata.shared}
+print(json.dumps(facts))
+"""
+
+
+def test_sm90_prefetch_loads_the_first_tile_before_the_wait():
+    """The PREFETCH build (PDL on, sm_90, the 1B / 8B step shapes at 4k keys): the first
+    K/V tile's 16-byte loads come before griddepcontrol.wait, every other load (q, the new
+    keys of that tile, the pipelined tiles by cp.async) after it; launch_dependents after
+    the wait; no spills and the default build's shared memory (so as many programs an
+    SM). The default PDL build loads nothing before its wait."""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a compiler build
+    done = subprocess.run([sys.executable, "-c", _PREFETCH_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(facts) == 12
+    for name, f in facts.items():
+        assert f["launch_after_wait"] and f["local"] == 0 and f["cp_async_before_wait"] == 0, \
+            (name, f)
+        D = int(name.split("-")[0][1:])
+        # one K and one V tile of BLOCK_N x D 16-bit values, 16 bytes a load
+        tile_loads = 2 * f["BLOCK_N"] * D * 2 // 16 // (32 * f["warps"])
+        if name.endswith("prefetch"):
+            base = facts[name.replace("prefetch", "default")]
+            assert f["v4_before_wait"] == tile_loads, (name, f)
+            assert f["v4_after_wait"] >= tile_loads, (name, f)  # the new keys' loads
+            assert f["shared"] == base["shared"], (name, f, base)
+        else:
+            assert f["v4_before_wait"] == 0, (name, f)

@@ -304,8 +304,23 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
         step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
         assert late_seen and set(late_seen) == {want}, (families, late_seen)
     for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late")]:
-        with pytest.raises(ValueError, match=r"name the same kernels \(the GEMVs\)"):
+        with pytest.raises(ValueError, match=r"name the same kernels \(gemv\)"):
             runner._pdl_families(both, has_pdl=True)
+    # decode:prefetch: decode with PDL and its first tile before the wait
+    decode_seen = []
+
+    def decode_rec(q, *a, pdl=None, prefetch="unset", **k):
+        decode_seen.append((pdl, prefetch))
+        return (torch.zeros(q.shape[0], 1, cfg.heads, cfg.head_dim),)
+    monkeypatch.setattr(runner.ops, "decode", decode_rec)
+    for families, want in [(("decode:prefetch",), (True, True)), (("decode",), (True, False)),
+                           ((), (False, False))]:
+        decode_seen.clear()
+        step.pdl_families = runner._pdl_families(families, has_pdl=True)
+        step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
+        assert decode_seen and set(decode_seen) == {want}, (families, decode_seen)
+    with pytest.raises(ValueError, match=r"name the same kernels \(decode\)"):
+        runner._pdl_families(("decode", "decode:prefetch"), has_pdl=True)
     # the default: every family where the GPU has PDL (the GEMVs' release by rows)
     assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
@@ -440,9 +455,10 @@ def test_gpu_pdl_on_equals_off():
         pytest.skip("PDL needs sm_90+")
     ps = _gpu_prompts()
     off_t, off_l = _gpu_engine(pdl=False)[0].run(ps, 24, return_logits=True)
-    # every family, the library's default, and both forced GEMV releases (the A/B variants)
+    # every family, the library's default, both forced GEMV releases and decode's first
+    # tile before its wait (the A/B variants)
     for pdl in (True, None, ("qkv_rope", "decode", "gemv:late"),
-                ("qkv_rope", "decode", "gemv:early")):
+                ("qkv_rope", "decode", "gemv:early"), ("qkv_rope", "decode:prefetch", "gemv")):
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl

@@ -122,8 +122,11 @@ __all__ = ["KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
 PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # A/B variants `pdl=` also takes in place of a family: the GEMVs with PDL and the release
 # forced after their weight stream ("gemv:late") or right after their wait ("gemv:early")
-# in every bucket, instead of by rows.
-PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv"}
+# in every bucket, instead of by rows; decode attention with PDL loading each split's first
+# K/V tile (all but the new token's key) before its wait ("decode:prefetch",
+# decode_triton's PREFETCH; safe here because the launch before decode, the QKV kernel,
+# writes only q and the new keys). Not measured yet (notes/decode_triton.md).
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "decode:prefetch": "decode"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -143,9 +146,10 @@ def _pdl_families(pdl, has_pdl: bool) -> frozenset:
     if unknown:
         raise ValueError(f"pdl: unknown kernel families {unknown}; they are {PDL_FAMILIES} "
                          f"(or the variants {tuple(PDL_VARIANTS)})")
-    gemv_names = sorted(n for n in names if n == "gemv" or PDL_VARIANTS.get(n) == "gemv")
-    if len(gemv_names) > 1:
-        raise ValueError(f"pdl: {gemv_names} name the same kernels (the GEMVs); give one")
+    for family in PDL_FAMILIES:
+        same = sorted(n for n in names if n == family or PDL_VARIANTS.get(n) == family)
+        if len(same) > 1:
+            raise ValueError(f"pdl: {same} name the same kernels ({family}); give one")
     return names
 
 
@@ -391,7 +395,8 @@ class KernelStep:
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
-        pdl_qkv, pdl_decode = on("qkv_rope"), on("decode")
+        pdl_qkv, prefetch = on("qkv_rope"), on("decode:prefetch")
+        pdl_decode = on("decode") or prefetch
         pdl_gemv = on("gemv") or on("gemv:late") or on("gemv:early")
         # None: gemv picks the release by rows; the variants force one
         late = {"pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
@@ -412,7 +417,7 @@ class KernelStep:
             # the launcher through ops (no host checks; PDL, which api.decode does not take)
             attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
                               buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
-                              pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
+                              pdl=pdl_decode, prefetch=prefetch)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
             gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl_gemv, **late)
             self._count("gemv_o")

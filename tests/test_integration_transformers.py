@@ -1,8 +1,9 @@
 """The "wsattn" attention implementation inside transformers: tiny random Llama, Qwen2 and
 Qwen3 models built with attn_implementation="wsattn" give the logits and the greedy tokens
 that "sdpa" gives (same weights, fp32, CPU: the float64 reference through impl="auto"),
-with and without left padding, through the dynamic and the static cache; masks wsattn
-cannot express and unsupported features are refused by name. One child process runs the
+with and without left padding, through the dynamic and the static cache, and sequences
+packed into rows; masks wsattn cannot express and unsupported features are refused by
+name. One child process runs the
 kernels through the Triton interpreter (head dim 64)."""
 
 from __future__ import annotations
@@ -211,6 +212,75 @@ def test_analyse_mask_key_ranges():
     assert wt.analyse_mask(empty, 3, 4, 10).hi[1] == 0
 
 
+def _block_mask(rows, S, causal=True):
+    """[B, 1, S, S] bool: row b packs sequences of the lengths rows[b] one after another
+    (then queries that see nothing), each attending only within itself."""
+    m = torch.zeros(len(rows), 1, S, S, dtype=torch.bool)
+    for b, lens in enumerate(rows):
+        a = 0
+        for n in lens:
+            block = torch.ones(n, n, dtype=torch.bool)
+            m[b, 0, a:a + n, a:a + n] = block.tril() if causal else block
+            a += n
+    return m
+
+
+def test_analyse_mask_packed_sequences():
+    """A block-diagonal mask (sequences packed in a row, as transformers builds from
+    position_ids that restart) becomes one varlen sequence per block; a row of one
+    sequence and a row's trailing queries that see nothing fit as well."""
+    m = _block_mask([(3, 5, 2), (4, 6)], 10)
+    r = wt.analyse_mask(m, 2, 10, 10)
+    assert r.causal and r.segments == ((0, 0, 3, 0, 3), (0, 3, 8, 3, 8), (0, 8, 10, 8, 10),
+                                       (1, 0, 4, 0, 4), (1, 4, 10, 4, 10))
+    assert r.packed(10) == r.segments
+    full = wt.analyse_mask(_block_mask([(3, 5, 2), (10,)], 10, causal=False), 2, 10, 10)
+    assert not full.causal and full.segments[-1] == (1, 0, 10, 0, 10)
+    # trailing padding (queries that see nothing) and one-query sequences
+    tail = wt.analyse_mask(_block_mask([(1, 4, 1), (2, 2)], 8), 2, 8, 8)
+    assert tail.causal and tail.segments == ((0, 0, 1, 0, 1), (0, 1, 5, 1, 5), (0, 5, 6, 5, 6),
+                                             (1, 0, 2, 0, 2), (1, 2, 4, 2, 4))
+    # the one-range form needs no segments
+    assert wt.analyse_mask(_bool_mask(2, 4, 6, lo=(0, 2), hi=(6, 6)), 2, 4, 6).segments == ()
+
+
+@pytest.mark.parametrize("what", ["mixed", "overlap", "hole"])
+def test_packed_masks_wsattn_cannot_run_refused(what):
+    m = _block_mask([(3, 5, 2), (4, 6)], 10)
+    if what == "mixed":  # one block causal, another full
+        m[1, 0, 4:10, 4:10] = True
+    elif what == "overlap":  # the second block also sees the first one's last key
+        m[0, 0, 3:8, 2] = True
+    elif what == "hole":
+        m[1, 0, 9, 6] = False
+    with pytest.raises(wt.UnsupportedMask, match="attention_mask"):
+        wt.analyse_mask(m, 2, 10, 10)
+
+
+@pytest.mark.parametrize("family", ["llama_d16", "qwen3"])
+def test_packed_sequences_match_separate_runs(family, calls):
+    """Sequences packed into rows (position_ids restarting at 0, no cache: transformers
+    then builds a block-diagonal mask) give each sequence's logits as if it ran alone, and
+    run as one attention_varlen call a layer."""
+    ours, theirs = _models(family)
+    rows = [(5, 9, 3), (11, 6)]
+    S = 17
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (2, S), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in rows])
+    with torch.no_grad():
+        a = ours(ids, position_ids=pos, use_cache=False).logits
+        assert calls["attention_varlen"] == 2 and calls["attention"] == 0, calls
+        b = theirs(ids, position_ids=pos, use_cache=False).logits
+        for r, lens in enumerate(rows):
+            start = 0
+            for n in lens:
+                alone = theirs(ids[r:r + 1, start:start + n], use_cache=False).logits[0]
+                assert rel_err(a[r, start:start + n], alone) <= LOGITS_TOL, (r, start, n)
+                start += n
+    assert rel_err(a, b) <= LOGITS_TOL
+
+
 @pytest.mark.parametrize("what", ["sliding", "hole", "per_head", "bias", "3d"])
 def test_inexpressible_masks_refused(what):
     m = _bool_mask(2, 6, 6, lo=(0, 2), hi=(6, 6))
@@ -309,6 +379,10 @@ CHILD = textwrap.dedent(r'''
                                             theirs(ids, attention_mask=mask).logits)
             res[name + "_tokens"] = torch.equal(ours.generate(ids, **kw),
                                                 theirs.generate(ids, **kw))
+    pos = torch.cat([torch.arange(4), torch.arange(5)])[None].expand(2, 9)
+    with torch.no_grad():
+        res["packed_logits"] = rel_err(ours(ids, position_ids=pos, use_cache=False).logits,
+                                       theirs(ids, position_ids=pos, use_cache=False).logits)
     res["used"] = sorted(set(used))
     print("RESULT " + json.dumps(res))
 ''')
@@ -323,6 +397,7 @@ def test_kernels_through_the_interpreter():
     for name in ("nopad", "leftpad"):
         assert r[name + "_logits"] <= 2e-3, r     # fp32 kernels: the fp32 row of TOL
         assert r[name + "_tokens"], r
+    assert r["packed_logits"] <= 2e-3, r  # two sequences a row (position_ids restart)
 
 
 @pytest.mark.gpu
@@ -347,3 +422,23 @@ def test_gpu_bf16_llama_d64(pads):
         out = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                             pad_token_id=0)
     assert out.shape == (2, 48)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_packed_sequences():
+    """Sequences packed into rows (position_ids restarting, no cache) on CUDA in bf16:
+    each sequence's logits within the bf16 tolerance of it run alone through sdpa."""
+    ours, theirs = _models("llama_d64")
+    ours, theirs = ours.cuda().bfloat16(), theirs.cuda().bfloat16()
+    rows = [(300, 700, 24), (1024,)]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (2, 1024), generator=g).cuda()
+    pos = torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in rows]).cuda()
+    with torch.no_grad():
+        a = ours(ids, position_ids=pos, use_cache=False).logits
+        for r, lens in enumerate(rows):
+            start = 0
+            for n in lens:
+                alone = theirs(ids[r:r + 1, start:start + n], use_cache=False).logits[0]
+                assert rel_err(a[r, start:start + n], alone) <= 2e-2, (r, start, n)
+                start += n

@@ -32,17 +32,22 @@ How a mask runs:
   queries over L > S keys (only an empty static cache makes that) attend to the first S
   keys; the rest of such a cache is empty.
 * a mask: read once per mask (all layers of a forward share one mask object; on CUDA
-  this is one host synchronisation per forward) and matched exactly against the one
-  pattern wsattn expresses: each batch row b attends to one key range ``[lo_b, hi_b)``,
-  causally (bottom-right aligned: query i sees keys ``lo_b <= j <= i + hi_b - S``) or in
-  full. Left padding (``lo_b`` > 0), a static cache's empty tail (``hi_b`` < L) and
-  padding queries that see no key (output 0, as sdpa gives) all have this form. When
-  every row has the same range the keys are a slice of the cache (no copy); otherwise
-  the queries and the keys of each row are packed (one copy) and run by
-  ``wsattn.attention_varlen``.
-* anything else (sliding windows, chunked or packed-sequence masks, per-head masks,
-  additive bias values) raises :class:`UnsupportedMask`: wsattn never ignores a mask
-  and has no masked fallback; use ``attn_implementation="sdpa"`` for such a model.
+  this is one host synchronisation per forward, two for packed sequences) and matched
+  exactly against the patterns wsattn expresses: each batch row b attends to one key
+  range ``[lo_b, hi_b)``, causally (bottom-right aligned: query i sees keys
+  ``lo_b <= j <= i + hi_b - S``) or in full. Left padding (``lo_b`` > 0), a static
+  cache's empty tail (``hi_b`` < L) and padding queries that see no key (output 0, as
+  sdpa gives) all have this form. When every row has the same range the keys are a
+  slice of the cache (no copy); otherwise the queries and the keys of each row are
+  packed (one copy) and run by ``wsattn.attention_varlen``. Or each row holds several
+  sequences packed one after another (a block-diagonal mask, what transformers builds
+  from ``position_ids`` that restart at 0, and chunked-attention masks): every query
+  attends to one contiguous key range, the rows' ranges do not overlap, and every
+  sequence is causal (or every one full); each sequence is then one sequence of the
+  varlen call.
+* anything else (sliding windows, masks with holes, per-head masks, additive bias
+  values) raises :class:`UnsupportedMask`: wsattn never ignores a mask and has no
+  masked fallback; use ``attn_implementation="sdpa"`` for such a model.
 
 Refused with a ValueError before any attention runs: ``dropout > 0`` (a model in
 training mode with ``attention_dropout > 0``), ``output_attentions=True`` (wsattn never
@@ -82,10 +87,31 @@ class UnsupportedMask(ValueError):
 @dataclass(frozen=True)
 class KeyRanges:
     """A mask in the form wsattn runs: batch row b attends to keys ``[lo[b], hi[b])``,
-    causally (query i of S sees keys ``j <= i + hi[b] - S``) or in full."""
+    causally (query i of S sees keys ``j <= i + hi[b] - S``) or in full.
+
+    segments: for a mask whose rows hold several sequences packed one after another (a
+    block-diagonal mask: transformers builds one from position_ids that restart), every
+    row's sequences as ``(b, q0, q1, k0, k1)``: queries ``[q0, q1)`` of row b attend to
+    keys ``[k0, k1)``, causally (bottom-right aligned) or in full; the key ranges of a
+    row's sequences are disjoint and in order. Empty when each row is one range (then lo
+    and hi say it all)."""
     causal: bool
     lo: tuple[int, ...]
     hi: tuple[int, ...]
+    segments: tuple[tuple[int, int, int, int, int], ...] = ()
+
+    def packed(self, S: int) -> tuple[tuple[int, int, int, int, int], ...]:
+        """The (b, q0, q1, k0, k1) sequences of the varlen call (rows with no key left
+        out: their queries get 0)."""
+        if self.segments:
+            return self.segments
+        out = []
+        for b, (lo, hi) in enumerate(zip(self.lo, self.hi)):
+            n = hi - lo
+            first = (S - min(n, S)) if self.causal else (0 if n else S)
+            if first < S:
+                out.append((b, first, S, lo, hi))
+        return tuple(out)
 
 
 # --------------------------------------------------------------------------- masks
@@ -143,12 +169,54 @@ def analyse_mask(mask: torch.Tensor, B: int, S: int, L: int,
             "wsattn: attention_mask holds per-head patterns or additive bias values (not only "
             "0 and the dtype's minimum); wsattn cannot express them; use "
             "attn_implementation='sdpa' for this model")
-    if not (c or f):
-        raise UnsupportedMask(
-            "wsattn: attention_mask is not one key range per batch row, causal or full (a "
-            "sliding-window, chunked, packed-sequence or other custom mask); wsattn cannot "
-            "express it and never ignores a mask; use attn_implementation='sdpa' for this model")
-    return KeyRanges(bool(c) and (prefer_causal or not f), lo_h, hi_h)
+    if c or f:
+        return KeyRanges(bool(c) and (prefer_causal or not f), lo_h, hi_h)
+    segments, causal = _packed_segments(keep, prefer_causal)
+    return KeyRanges(causal, lo_h, hi_h, segments)
+
+
+_NOT_EXPRESSIBLE = (
+    "wsattn: attention_mask is neither one key range per batch row nor sequences packed "
+    "one after another (a block-diagonal mask), causal or full: {why}; wsattn cannot "
+    "express it and never ignores a mask; use attn_implementation='sdpa' for this model")
+
+
+def _packed_segments(keep: torch.Tensor, prefer_causal: bool):
+    """A block-diagonal mask (keep [B, S, L]): its sequences (b, q0, q1, k0, k1) and
+    whether they are causal. One more host read (each query's first and last key)."""
+    B, S, L = keep.shape
+    has = keep.any(-1)                                           # [B, S]
+    qlo = torch.where(has, keep.to(torch.int8).argmax(-1), 0)    # each query's first key
+    qhi = torch.where(has, L - keep.flip(-1).to(torch.int8).argmax(-1), 0)  # last + 1
+    j = torch.arange(L, device=keep.device)
+    contiguous = (keep == ((j >= qlo[..., None]) & (j < qhi[..., None]))).all()
+    qlo, qhi, has, contiguous = (t.cpu() for t in (qlo, qhi, has, contiguous))
+    if not contiguous:
+        raise UnsupportedMask(_NOT_EXPRESSIBLE.format(why="a query attends to keys that are "
+                                                      "not one contiguous range"))
+    segments, causal_ok, full_ok = [], True, True
+    for b in range(B):
+        # a sequence starts where a query's first key changes (or seeing-nothing begins)
+        start = torch.ones(S, dtype=torch.bool)
+        start[1:] = (qlo[b, 1:] != qlo[b, :-1]) | (has[b, 1:] != has[b, :-1])
+        bounds = start.nonzero().flatten().tolist() + [S]
+        prev_k1 = 0
+        for q0, q1 in zip(bounds, bounds[1:]):
+            if not has[b, q0]:
+                continue  # queries that see no key: output 0
+            k0, k1 = int(qlo[b, q0]), int(qhi[b, q1 - 1])
+            if k0 < prev_k1:
+                raise UnsupportedMask(_NOT_EXPRESSIBLE.format(
+                    why=f"row {b}'s query ranges overlap in their keys (a sliding window?)"))
+            prev_k1 = k1
+            ends = qhi[b, q0:q1]
+            causal_ok &= bool((ends == k1 - torch.arange(q1 - q0 - 1, -1, -1)).all())
+            full_ok &= bool((ends == k1).all())
+            segments.append((b, q0, q1, k0, k1))
+    if not (causal_ok or full_ok):
+        raise UnsupportedMask(_NOT_EXPRESSIBLE.format(
+            why="its sequences are neither all causal nor all full"))
+    return tuple(segments), causal_ok and (prefer_causal or not full_ok)
 
 
 # the last mask analysed: every layer of one forward receives the same mask object, so it
@@ -193,16 +261,17 @@ def _one_range(q, k, v, causal, scale, impl):
 
 
 def _packed(q, k, v, r: KeyRanges, scale, impl):
-    """Rows with different key ranges: pack each row's live queries and its keys, run
-    attention_varlen, scatter back (queries that see nothing get 0)."""
+    """Rows with different key ranges, or rows of packed sequences: pack each sequence's
+    queries and keys, run attention_varlen, scatter back (queries that see nothing get 0)."""
     B, S, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
+    seqs = r.packed(S)
+    if not seqs:  # no query sees a key
+        return torch.zeros_like(q, memory_format=torch.contiguous_format)
     q_idx, k_idx, cu_q, cu_k = [], [], [0], [0]
-    for b, (lo, hi) in enumerate(zip(r.lo, r.hi)):
-        n = hi - lo
-        first = (S - min(n, S)) if r.causal else (0 if n else S)
-        q_idx.extend(range(b * S + first, b * S + S))
-        k_idx.extend(range(b * L + lo, b * L + hi))
+    for b, q0, q1, k0, k1 in seqs:
+        q_idx.extend(range(b * S + q0, b * S + q1))
+        k_idx.extend(range(b * L + k0, b * L + k1))
         cu_q.append(len(q_idx))
         cu_k.append(len(k_idx))
     dev = q.device
@@ -274,7 +343,7 @@ def make_attention_forward(impl: str = "auto"):
             out = _one_range(q, k, v, causal, scaling, impl)
         else:
             r = _ranges(attention_mask, B, S, L, causal)
-            if len(set(r.lo)) == 1 and len(set(r.hi)) == 1:
+            if not r.segments and len(set(r.lo)) == 1 and len(set(r.hi)) == 1:
                 lo, hi = r.lo[0], r.hi[0]
                 out = _one_range(q, k[:, lo:hi], v[:, lo:hi], r.causal, scaling, impl)
             else:

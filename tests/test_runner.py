@@ -321,6 +321,18 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
         assert decode_seen and set(decode_seen) == {want}, (families, decode_seen)
     with pytest.raises(ValueError, match=r"name the same kernels \(decode\)"):
         runner._pdl_families(("decode", "decode:prefetch"), has_pdl=True)
+    # qkv_rope:late: the QKV call with PDL and its projection GEMV's late release
+    qkv_seen = []
+
+    def qkv_rec(*a, pdl=None, pdl_late="unset", **k):
+        qkv_seen.append((pdl, pdl_late))
+    monkeypatch.setattr(runner, "qkv_rope_append", qkv_rec)
+    for families, want in [(("qkv_rope:late",), (True, True)), (("qkv_rope",), (True, False)),
+                           ((), (False, False))]:
+        qkv_seen.clear()
+        step.pdl_families = runner._pdl_families(families, has_pdl=True)
+        step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
+        assert qkv_seen and set(qkv_seen) == {want}, (families, qkv_seen)
     # the default: every family where the GPU has PDL (the GEMVs' release by rows)
     assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
@@ -455,10 +467,11 @@ def test_gpu_pdl_on_equals_off():
         pytest.skip("PDL needs sm_90+")
     ps = _gpu_prompts()
     off_t, off_l = _gpu_engine(pdl=False)[0].run(ps, 24, return_logits=True)
-    # every family, the library's default, both forced GEMV releases and decode's first
-    # tile before its wait (the A/B variants)
+    # every family, the library's default, both forced GEMV releases, decode's first tile
+    # before its wait and the QKV GEMV's late release (the A/B variants)
     for pdl in (True, None, ("qkv_rope", "decode", "gemv:late"),
-                ("qkv_rope", "decode", "gemv:early"), ("qkv_rope", "decode:prefetch", "gemv")):
+                ("qkv_rope", "decode", "gemv:early"), ("qkv_rope", "decode:prefetch", "gemv"),
+                ("qkv_rope:late", "decode", "gemv")):
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl

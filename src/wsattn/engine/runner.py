@@ -125,8 +125,11 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # in every bucket, instead of by rows; decode attention with PDL loading each split's first
 # K/V tile (all but the new token's key) before its wait ("decode:prefetch",
 # decode_triton's PREFETCH; safe here because the launch before decode, the QKV kernel,
-# writes only q and the new keys). Not measured yet (notes/decode_triton.md).
-PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "decode:prefetch": "decode"}
+# writes only q and the new keys); and the QKV call's projection GEMV (the two-launch
+# path) releasing its epilogue kernel after its weight stream ("qkv_rope:late"), where it
+# otherwise releases right after its wait. Neither measured yet (notes/decode_step.md).
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "decode:prefetch": "decode",
+                "qkv_rope:late": "qkv_rope"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -395,7 +398,8 @@ class KernelStep:
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
-        pdl_qkv, prefetch = on("qkv_rope"), on("decode:prefetch")
+        qkv_late = on("qkv_rope:late")
+        pdl_qkv, prefetch = on("qkv_rope") or qkv_late, on("decode:prefetch")
         pdl_decode = on("decode") or prefetch
         pdl_gemv = on("gemv") or on("gemv:late") or on("gemv:early")
         # None: gemv picks the release by rows; the variants force one
@@ -412,7 +416,7 @@ class KernelStep:
                             inv_freq=self.inv_freq, positions=buf.positions, k_cache=k_pages,
                             v_cache=v_pages, block_table=buf.block_table, q_out=buf.q,
                             pdl=pdl_qkv, workspace=self._qkv_workspace,
-                            qk_norm_whole=cfg.qk_norm_whole)
+                            qk_norm_whole=cfg.qk_norm_whole, pdl_late=qkv_late)
             self._count("qkv_rope")
             # the launcher through ops (no host checks; PDL, which api.decode does not take)
             attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,

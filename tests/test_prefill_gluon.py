@@ -307,14 +307,15 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
     """compact_varlen=True (the default): one table launch (cu_seqlens_q, Hq * tile_bound
     tiles, BLOCK_M, causal), then the kernel over exactly that many CTAs with the table and
     VARLEN = VARLEN_COMPACT; nothing read on the host (recorded with both kernels
-    replaced). A fixed-length launch with the same settings takes no table."""
+    replaced). A fixed-length launch with the same settings takes no table; the
+    longest-first setting reaches the table."""
     from wsattn.kernels import varlen_tiles as vt
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     tables = []
 
-    def table(cu, n_tiles, hq, block_m, c):
-        tables.append((cu, n_tiles, hq, block_m, c))
+    def table(cu, n_tiles, hq, block_m, c, longest_first):
+        tables.append((cu, n_tiles, hq, block_m, c, longest_first))
         return torch.zeros(2, n_tiles, dtype=torch.int32)
     monkeypatch.setattr(pg, "varlen_tile_table", table)
     q, k, v, cu_q, cu_k = _pack([0, 300, 17, 5], [4, 310, 17, 9], 14, 2, 128, torch.bfloat16)
@@ -322,12 +323,17 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
     pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, 0.125, settings=s)
     (grid, args, kw), = rec.launches
     n = vt.tile_bound(322, 4, s.BLOCK_M, 322 if max_q is None else max_q) * 14
-    assert tables == [(cu_q, n, 14, s.BLOCK_M, causal)] and grid == (n, )
+    assert tables == [(cu_q, n, 14, s.BLOCK_M, causal, False)] and grid == (n, )
     assert n < -(-(322 if max_q is None else max_q) // s.BLOCK_M) * 4 * 14  # fewer than plain
     assert args[-1].shape == (2, n) and kw["VARLEN"] == pg.VARLEN_COMPACT
     pg.prefill(q.view(1, 322, 14, 128), k[:322].view(1, 322, 2, 128),
                v[:322].view(1, 322, 2, 128), causal, 0.125, settings=s)
     assert len(tables) == 1 and not rec.launches[-1][2].get("VARLEN")
+    # varlen_longest_first asks the table for its longest-first order, nothing else moves
+    pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, 0.125,
+                      settings=pg.settings_for(128, causal, varlen_longest_first=True))
+    assert tables[-1] == (cu_q, n, 14, s.BLOCK_M, causal, True)
+    assert rec.launches[-1][0] == (n, ) and rec.launches[-1][2]["VARLEN"] == pg.VARLEN_COMPACT
 
 
 def test_varlen_launcher_copies_what_tma_cannot_describe(monkeypatch):
@@ -1045,7 +1051,8 @@ def test_sm90_compact_varlen_equals_the_plain_grid(pack, head_dim, causal):
     """compact_varlen=True (the default: the tile-table grid) computes each tile with the
     same code as the plain grid (compact_varlen=False): out and LSE bit-identical to it (so within tolerance of float64 as
     test_sm90_varlen_numerics checks), over reruns, with max_seqlen given and omitted, and
-    every row outside the sequences' (the NaN poison of empty ones) untouched alike."""
+    every row outside the sequences' (the NaN poison of empty ones) untouched alike; so
+    does the table with its sequences longest first (varlen_longest_first)."""
     from wsattn import reference
     q_lens, kv_lens = VARLEN_PACKS[pack]
     dtype = torch.bfloat16
@@ -1058,6 +1065,12 @@ def test_sm90_compact_varlen_equals_the_plain_grid(pack, head_dim, causal):
     for max_q in (max(q_lens), None, max(q_lens), None):
         out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, scale, settings=s)
         assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1]), max_q
+    # the table's sequences longest first: the same tiles, started in another order
+    longest = pg.settings_for(head_dim, causal, varlen_longest_first=True)
+    for max_q in (max(q_lens), None):
+        got = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, scale,
+                                settings=longest)
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), max_q
     ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale)
     _assert_varlen_close(out, lse, ref, ref_lse, cu_q, dtype)
 

@@ -13,11 +13,16 @@ from conftest import interpreter_child
 from wsattn.kernels import varlen_tiles as vt
 
 
-def reference(lengths, hq, block_m, causal, n_tiles):
-    """(sequence per tile, code per tile): sequence by sequence, its heads in turn, a
-    head's row blocks fastest (causal: the last first); -1 / 0 for the spares."""
+def reference(lengths, hq, block_m, causal, n_tiles, longest_first=False):
+    """(sequence per tile, code per tile): sequence by sequence (longest_first: by length,
+    longest first, ties in pack order), its heads in turn, a head's row blocks fastest
+    (causal: the last first); -1 / 0 for the spares."""
     seqs, codes = [], []
-    for b, n in enumerate(lengths):
+    order = range(len(lengths))
+    if longest_first:
+        order = sorted(order, key=lambda b: (-lengths[b], b))
+    for b in order:
+        n = lengths[b]
         nb = -(-n // block_m)
         for h in range(hq):
             for r in range(nb):
@@ -49,18 +54,26 @@ for name, (lengths, hq, bm) in packs.items():
         n = hq * vt.tile_bound(sum(lengths), len(lengths), bm, max(lengths))
         t = vt.varlen_tile_table(cu, n, hq, bm, causal)
         out[f"{name}-{causal}"] = {"n": n, "seq": t[0].tolist(), "code": t[1].tolist()}
+        t = vt.varlen_tile_table(cu, n, hq, bm, causal, longest_first=True)
+        out[f"{name}-{causal}-longest"] = {"n": n, "seq": t[0].tolist(),
+                                           "code": t[1].tolist()}
 print("RESULT " + json.dumps(out))
 """
 
 
 def test_table_kernel_equals_the_enumeration():
+    """Both orders (pack order, and longest_first: the same tiles, sequences by length)
+    against the Python enumeration."""
     got = interpreter_child(CHILD, json.dumps(PACKS), timeout=300)
     for name, (lengths, hq, bm) in PACKS.items():
         for causal in (False, True):
-            r = got[f"{name}-{causal}"]
-            seqs, codes = reference(lengths, hq, bm, causal, r["n"])
-            assert r["seq"] == seqs, (name, causal)
-            assert r["code"] == codes, (name, causal)
+            for longest in (False, True):
+                r = got[f"{name}-{causal}" + ("-longest" if longest else "")]
+                seqs, codes = reference(lengths, hq, bm, causal, r["n"], longest)
+                assert r["seq"] == seqs, (name, causal, longest)
+                assert r["code"] == codes, (name, causal, longest)
+            a, b = got[f"{name}-{causal}"], got[f"{name}-{causal}-longest"]
+            assert sorted(zip(a["seq"], a["code"])) == sorted(zip(b["seq"], b["code"]))
 
 
 def test_bound_holds_every_real_tile_with_at_most_one_spare_a_sequence():
@@ -78,9 +91,11 @@ def test_codes_stay_in_range(tq, hq, fits):
     assert vt.table_fits(tq, hq, 128) is fits
 
 
-@pytest.mark.parametrize("causal, one", [(False, False), (True, False), (True, True)])
-def test_sm90_table_kernel_compiles_without_spills(causal, one):
-    """sm_90 build, no spills; also with n_seq and Hq the constant 1 (a specialization)."""
+@pytest.mark.parametrize("causal, one, longest", [(False, False, False), (True, False, False),
+                                                   (True, True, False), (True, False, True)])
+def test_sm90_table_kernel_compiles_without_spills(causal, one, longest):
+    """sm_90 build, no spills; also with n_seq and Hq the constant 1 (a specialization)
+    and the longest-first order."""
     import os
     import re
     import subprocess
@@ -93,6 +108,9 @@ def test_sm90_table_kernel_compiles_without_spills(causal, one):
            "BLOCK_M": "constexpr", "CAUSAL": "constexpr", "PIDS": "constexpr",
            "SEQS": "constexpr"}
     const = {"BLOCK_M": 128, "CAUSAL": causal, "PIDS": vt.PIDS, "SEQS": vt.SEQS}
+    if longest:
+        sig["LONGEST_FIRST"] = "constexpr"
+        const["LONGEST_FIRST"] = True
     if one:
         sig.update(n_seq="constexpr", Hq="constexpr")
         const.update(n_seq=1, Hq=1)

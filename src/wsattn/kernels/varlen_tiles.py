@@ -17,6 +17,13 @@ and one small kernel writes which (sequence, head, row block) each CTA takes:
 
 in the order the plain grid walks them: sequence by sequence, a sequence's heads in
 turn, a head's row blocks fastest (causal: from the last, which has the most keys).
+
+``longest_first=True`` (constexpr LONGEST_FIRST) orders the sequences by length, longest
+first (ties in pack order), each sequence's tiles in the same order as above. CTAs start
+roughly in table order, so a long sequence packed last no longer leaves its heaviest
+tiles to the end of the launch while most SMs idle; a sequence's tiles stay together,
+so its K/V stays hot in L2 as before. Any order is correct (each tile is computed once,
+on its own): the switch moves only when tiles start.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ _CODE = tl.constexpr(CODE_BASE)
 # 16 would each be another build)
 @triton.jit(do_not_specialize=["n_seq", "n_tiles"])
 def _varlen_tiles_kernel(cu_q, tiles, n_seq, n_tiles, Hq, BLOCK_M: tl.constexpr,
-                         CAUSAL: tl.constexpr, PIDS: tl.constexpr, SEQS: tl.constexpr):
+                         CAUSAL: tl.constexpr, PIDS: tl.constexpr, SEQS: tl.constexpr,
+                         LONGEST_FIRST: tl.constexpr = False):
     # grid (cdiv(n_tiles, PIDS),): tiles t of this program, found in the running prefix of
     # the sequences' tile counts (Hq * their row blocks), SEQS sequences at a time
     t = tl.program_id(0) * PIDS + tl.arange(0, PIDS)  # [PIDS]
@@ -56,8 +64,23 @@ def _varlen_tiles_kernel(cu_q, tiles, n_seq, n_tiles, Hq, BLOCK_M: tl.constexpr,
         length = tl.load(cu_q + i + 1, mask=live, other=0) - tl.load(cu_q + i, mask=live,
                                                                      other=0)
         nb = tl.where(live, (length + BLOCK_M - 1) // BLOCK_M, 0)
-        incl = tl.cumsum(nb * Hq, 0) + carry  # [SEQS]: tiles up to and including i
-        excl = incl - nb * Hq
+        if LONGEST_FIRST:
+            # the tiles of every sequence j placed before i: longer, or as long and
+            # earlier in the pack (a strict order, so the ranges still tile [0, total))
+            excl = tl.zeros([SEQS], dtype=tl.int32)
+            for c2 in range(0, n_seq, SEQS):
+                j = c2 + tl.arange(0, SEQS)  # [SEQS]
+                live_j = j < n_seq
+                len_j = tl.load(cu_q + j + 1, mask=live_j, other=0) - \
+                    tl.load(cu_q + j, mask=live_j, other=0)
+                nb_j = tl.where(live_j, (len_j + BLOCK_M - 1) // BLOCK_M, 0)
+                before = (len_j[None, :] > length[:, None]) | \
+                    ((len_j[None, :] == length[:, None]) & (j[None, :] < i[:, None]))
+                excl += tl.sum(tl.where(before, nb_j[None, :] * Hq, 0), 1)
+            incl = excl + nb * Hq
+        else:
+            incl = tl.cumsum(nb * Hq, 0) + carry  # [SEQS]: tiles up to and including i
+            excl = incl - nb * Hq
         hit = (excl[None, :] <= t[:, None]) & (t[:, None] < incl[None, :])  # [PIDS, SEQS]
         seq += tl.sum(tl.where(hit, i[None, :], 0), 1)
         rank += tl.sum(tl.where(hit, t[:, None] - excl[None, :], 0), 1)
@@ -91,14 +114,17 @@ def table_fits(Tq: int, Hq: int, block_m: int) -> bool:
 
 
 def varlen_tile_table(cu_seqlens_q: torch.Tensor, n_tiles: int, Hq: int, block_m: int,
-                      causal: bool) -> torch.Tensor:
+                      causal: bool, longest_first: bool = False) -> torch.Tensor:
     """int32 [2, n_tiles] on cu_seqlens_q's device (see the module docstring): one launch,
     nothing read on the host. n_tiles: Hq * tile_bound(...) (any bound at least the real
-    count works; the surplus entries are spares)."""
+    count works; the surplus entries are spares). longest_first: the sequences by length,
+    longest first (module docstring)."""
     n_seq = cu_seqlens_q.numel() - 1
     tiles = torch.empty((2, n_tiles), dtype=torch.int32, device=cu_seqlens_q.device)
     if n_tiles:
+        # the default build passes no LONGEST_FIRST: it stays the build it was
+        order = {"LONGEST_FIRST": True} if longest_first else {}
         _varlen_tiles_kernel[(cdiv(n_tiles, PIDS),)](
             cu_seqlens_q, tiles, n_seq, n_tiles, Hq, BLOCK_M=block_m, CAUSAL=bool(causal),
-            PIDS=PIDS, SEQS=SEQS, num_warps=WARPS)
+            PIDS=PIDS, SEQS=SEQS, num_warps=WARPS, **order)
     return tiles

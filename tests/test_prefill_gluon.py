@@ -314,7 +314,8 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     tables = []
 
-    def table(cu, n_tiles, hq, block_m, c, longest_first):
+    def table(cu, n_tiles, hq, block_m, c, longest_first, cu_seqlens_k):
+        assert cu_seqlens_k is cu_k
         tables.append((cu, n_tiles, hq, block_m, c, longest_first))
         return torch.zeros(2, n_tiles, dtype=torch.int32)
     monkeypatch.setattr(pg, "varlen_tile_table", table)

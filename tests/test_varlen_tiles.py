@@ -13,14 +13,15 @@ from conftest import interpreter_child
 from wsattn.kernels import varlen_tiles as vt
 
 
-def reference(lengths, hq, block_m, causal, n_tiles, longest_first=False):
-    """(sequence per tile, code per tile): sequence by sequence (longest_first: by length,
-    longest first, ties in pack order), its heads in turn, a head's row blocks fastest
-    (causal: the last first); -1 / 0 for the spares."""
+def reference(lengths, hq, block_m, causal, n_tiles, longest_first=False, keys=None):
+    """(sequence per tile, code per tile): sequence by sequence (longest_first: by key
+    count, keys or else the lengths, most first, ties in pack order), its heads in turn, a
+    head's row blocks fastest (causal: the last first); -1 / 0 for the spares."""
     seqs, codes = [], []
     order = range(len(lengths))
+    keys = lengths if keys is None else keys
     if longest_first:
-        order = sorted(order, key=lambda b: (-lengths[b], b))
+        order = sorted(order, key=lambda b: (-keys[b], b))
     for b in order:
         n = lengths[b]
         nb = -(-n // block_m)
@@ -57,6 +58,12 @@ for name, (lengths, hq, bm) in packs.items():
         t = vt.varlen_tile_table(cu, n, hq, bm, causal, longest_first=True)
         out[f"{name}-{causal}-longest"] = {"n": n, "seq": t[0].tolist(),
                                            "code": t[1].tolist()}
+        # with keys of their own (a cached prefix, reversed so that the order changes)
+        keys = [3 * x + 7 * (len(lengths) - i) for i, x in enumerate(lengths)]
+        cu_k = torch.tensor([0] + keys, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        t = vt.varlen_tile_table(cu, n, hq, bm, causal, longest_first=True, cu_seqlens_k=cu_k)
+        out[f"{name}-{causal}-keys"] = {"n": n, "seq": t[0].tolist(), "code": t[1].tolist(),
+                                        "keys": keys}
 print("RESULT " + json.dumps(out))
 """
 
@@ -72,6 +79,9 @@ def test_table_kernel_equals_the_enumeration():
                 seqs, codes = reference(lengths, hq, bm, causal, r["n"], longest)
                 assert r["seq"] == seqs, (name, causal, longest)
                 assert r["code"] == codes, (name, causal, longest)
+            r = got[f"{name}-{causal}-keys"]
+            seqs, codes = reference(lengths, hq, bm, causal, r["n"], True, r["keys"])
+            assert r["seq"] == seqs and r["code"] == codes, (name, causal, "keys")
             a, b = got[f"{name}-{causal}"], got[f"{name}-{causal}-longest"]
             assert sorted(zip(a["seq"], a["code"])) == sorted(zip(b["seq"], b["code"]))
 
@@ -109,7 +119,7 @@ def test_sm90_table_kernel_compiles_without_spills(causal, one, longest):
            "SEQS": "constexpr"}
     const = {"BLOCK_M": 128, "CAUSAL": causal, "PIDS": vt.PIDS, "SEQS": vt.SEQS}
     if longest:
-        sig["LONGEST_FIRST"] = "constexpr"
+        sig.update(LONGEST_FIRST="constexpr", cu_k="*i32")
         const["LONGEST_FIRST"] = True
     if one:
         sig.update(n_seq="constexpr", Hq="constexpr")

@@ -95,9 +95,10 @@ class GluonSettings:
     # took the varlen pack from 0.91-0.94 to 0.95-1.01 of the equal-length batch's TFLOP/s
     # (notes/prefill_gluon.md).
     compact_varlen: bool = True
-    # With the table: the pack's sequences longest first (varlen_tiles' longest_first), so
-    # a long sequence packed last does not start its heaviest tiles at the end of the
-    # launch. Off until measured (notes/prefill_gluon.md, "Longest sequence first").
+    # With the table: the pack's sequences by key count, most first (varlen_tiles'
+    # longest_first), so a long sequence packed last does not start its heaviest tiles at
+    # the end of the launch. Off until measured (notes/prefill_gluon.md, "Longest
+    # sequence first").
     varlen_longest_first: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
@@ -308,7 +309,8 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     if s.compact_varlen and table_fits(Tq, Hq, s.BLOCK_M):
         num_tiles = tile_bound(Tq, n_seq, s.BLOCK_M, max_q) * Hq
         tiles = varlen_tile_table(cu_seqlens_q, num_tiles, Hq, s.BLOCK_M, causal,
-                                  longest_first=s.varlen_longest_first)
+                                  longest_first=s.varlen_longest_first,
+                                  cu_seqlens_k=cu_seqlens_k)
         varlen = VARLEN_COMPACT
     else:
         num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq  # one CTA per tile; surplus ones exit

@@ -18,7 +18,8 @@ and one small kernel writes which (sequence, head, row block) each CTA takes:
 in the order the plain grid walks them: sequence by sequence, a sequence's heads in
 turn, a head's row blocks fastest (causal: from the last, which has the most keys).
 
-``longest_first=True`` (constexpr LONGEST_FIRST) orders the sequences by length, longest
+``longest_first=True`` (constexpr LONGEST_FIRST) orders the sequences by their key count
+(with a cached prefix, the longest tiles; in plain prefill, the longest sequence), most
 first (ties in pack order), each sequence's tiles in the same order as above. CTAs start
 roughly in table order, so a long sequence packed last no longer leaves its heaviest
 tiles to the end of the launch while most SMs idle; a sequence's tiles stay together,
@@ -49,7 +50,7 @@ _CODE = tl.constexpr(CODE_BASE)
 @triton.jit(do_not_specialize=["n_seq", "n_tiles"])
 def _varlen_tiles_kernel(cu_q, tiles, n_seq, n_tiles, Hq, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, PIDS: tl.constexpr, SEQS: tl.constexpr,
-                         LONGEST_FIRST: tl.constexpr = False):
+                         LONGEST_FIRST: tl.constexpr = False, cu_k=None):
     # grid (cdiv(n_tiles, PIDS),): tiles t of this program, found in the running prefix of
     # the sequences' tile counts (Hq * their row blocks), SEQS sequences at a time
     t = tl.program_id(0) * PIDS + tl.arange(0, PIDS)  # [PIDS]
@@ -65,17 +66,22 @@ def _varlen_tiles_kernel(cu_q, tiles, n_seq, n_tiles, Hq, BLOCK_M: tl.constexpr,
                                                                      other=0)
         nb = tl.where(live, (length + BLOCK_M - 1) // BLOCK_M, 0)
         if LONGEST_FIRST:
-            # the tiles of every sequence j placed before i: longer, or as long and
-            # earlier in the pack (a strict order, so the ranges still tile [0, total))
+            # the tiles of every sequence j placed before i: more keys (its heaviest tile
+            # is the longest), or as many and earlier in the pack (a strict order, so the
+            # ranges still tile [0, total))
+            key = tl.load(cu_k + i + 1, mask=live, other=0) - tl.load(cu_k + i, mask=live,
+                                                                      other=0)
             excl = tl.zeros([SEQS], dtype=tl.int32)
             for c2 in range(0, n_seq, SEQS):
                 j = c2 + tl.arange(0, SEQS)  # [SEQS]
                 live_j = j < n_seq
                 len_j = tl.load(cu_q + j + 1, mask=live_j, other=0) - \
                     tl.load(cu_q + j, mask=live_j, other=0)
+                key_j = tl.load(cu_k + j + 1, mask=live_j, other=0) - \
+                    tl.load(cu_k + j, mask=live_j, other=0)
                 nb_j = tl.where(live_j, (len_j + BLOCK_M - 1) // BLOCK_M, 0)
-                before = (len_j[None, :] > length[:, None]) | \
-                    ((len_j[None, :] == length[:, None]) & (j[None, :] < i[:, None]))
+                before = (key_j[None, :] > key[:, None]) | \
+                    ((key_j[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
                 excl += tl.sum(tl.where(before, nb_j[None, :] * Hq, 0), 1)
             incl = excl + nb * Hq
         else:
@@ -114,16 +120,20 @@ def table_fits(Tq: int, Hq: int, block_m: int) -> bool:
 
 
 def varlen_tile_table(cu_seqlens_q: torch.Tensor, n_tiles: int, Hq: int, block_m: int,
-                      causal: bool, longest_first: bool = False) -> torch.Tensor:
+                      causal: bool, longest_first: bool = False,
+                      cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [2, n_tiles] on cu_seqlens_q's device (see the module docstring): one launch,
     nothing read on the host. n_tiles: Hq * tile_bound(...) (any bound at least the real
-    count works; the surplus entries are spares). longest_first: the sequences by length,
-    longest first (module docstring)."""
+    count works; the surplus entries are spares). longest_first: the sequences by key
+    count (cu_seqlens_k; None: the query counts), most first (module docstring)."""
     n_seq = cu_seqlens_q.numel() - 1
     tiles = torch.empty((2, n_tiles), dtype=torch.int32, device=cu_seqlens_q.device)
     if n_tiles:
         # the default build passes no LONGEST_FIRST: it stays the build it was
-        order = {"LONGEST_FIRST": True} if longest_first else {}
+        order = {}
+        if longest_first:
+            order = {"LONGEST_FIRST": True,
+                     "cu_k": cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k}
         _varlen_tiles_kernel[(cdiv(n_tiles, PIDS),)](
             cu_seqlens_q, tiles, n_seq, n_tiles, Hq, BLOCK_M=block_m, CAUSAL=bool(causal),
             PIDS=PIDS, SEQS=SEQS, num_warps=WARPS, **order)

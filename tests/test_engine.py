@@ -460,6 +460,77 @@ def test_cli_generate(tmp_path):
 
 
 
+def _word_tokenizer(path, eos="<eos>"):
+    """A word-level tokenizer saved as the folder's own (tokenizer.json): 65 words, ids
+    below the tiny models' vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(60)] + ["the", "cat", "sat"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                            eos_token=eos).save_pretrained(path)
+
+
+def test_cli_generate_text_prompts(tmp_path, capsys):
+    """--prompt (repeated): the texts through the folder's tokenizer, one sequence each, the
+    continuations printed decoded and in the JSON row; greedy, the same tokens as the
+    engine given the encoded ids; sampling flags reach the engine (seeded: reproducible)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from wsattn.cli import main
+    from wsattn.engine.generate import Engine
+
+    # (a llama folder: transformers reads a qwen2 folder's tokenizer.json with its own BPE
+    # class, which this word-level file is not)
+    _hf_model("llama").save_pretrained(tmp_path)
+    _word_tokenizer(tmp_path, eos=None)  # no eos: every row runs its 6 tokens
+    texts = ["the cat sat", "w1 w2 w3 w4 w5 w6 w7"]
+    out_json = tmp_path / "row.json"
+    argv = ["generate", "--model", str(tmp_path), "--new-tokens", "6", "--device", "cpu",
+            "--json", str(out_json)]
+    for t in texts:
+        argv += ["--prompt", t]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    row = json.loads(out_json.read_text())
+    assert row["batch"] == 2 and row["prompt_len"] == [3, 7] and row["prompts"] == "text"
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    ids = [torch.tensor(tok(t)["input_ids"]) for t in texts]
+    want = Engine(str(tmp_path), device="cpu", step="reference").run(ids, 6)
+    for b, t in enumerate(texts):
+        text = tok.decode(want[b][len(ids[b]):].tolist(), skip_special_tokens=True)
+        assert row["completions"][b] == text and f"[{b}] {t}{text}" in printed
+    # sampling: the flags reach the engine, and a seed repeats the draw
+    samples = []
+    for _ in range(2):
+        assert main(argv + ["--temperature", "0.9", "--top-k", "5", "--top-p", "0.9",
+                            "--seed", "7"]) == 0
+        samples.append(json.loads(out_json.read_text()))
+    assert samples[0]["completions"] == samples[1]["completions"]
+    assert samples[0]["temperature"] == 0.9 and samples[0]["top_k"] == 5
+
+
+def test_cli_text_prompts_refusals(tmp_path, capsys):
+    """--prompt without a tokenizer in the folder, with a --batch of another count, or with
+    --prompt-len: exit 2 with the reason, before the model loads."""
+    from wsattn.cli import main
+
+    _hf_model("llama").save_pretrained(tmp_path)
+    base = ["generate", "--model", str(tmp_path), "--new-tokens", "2", "--device", "cpu",
+            "--prompt", "the cat"]
+    assert main(base) == 2
+    assert "--prompt needs a tokenizer" in capsys.readouterr().err
+    _word_tokenizer(tmp_path)
+    assert main(base + ["--batch", "3"]) == 2
+    assert "--batch 3 with 1 --prompt texts" in capsys.readouterr().err
+    assert main(base + ["--prompt-len", "5"]) == 2
+    assert "--prompt-len sizes random prompts" in capsys.readouterr().err
+    assert main(base) == 0
+
+
 def test_cli_not_a_model_folder(tmp_path, capsys):
     from wsattn.cli import main
 

@@ -290,49 +290,38 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
         step._moe(moe_layer, buf.h, buf)
         assert {name for name, _ in seen} == set(runner.PDL_FAMILIES)
         assert all(pdl is (name in families) for name, pdl in seen), (families, seen)
+    def variants(owner, name, kw, cases):
+        """Each pdl= choice reaches owner.name's stand-in as (pdl, its kw argument)."""
+        got = []
+
+        def stand_in(*a, pdl=None, **k):
+            got.append((pdl, k.get(kw, "unset")))
+            if name == "decode":
+                return (torch.zeros(a[0].shape[0], 1, cfg.heads, cfg.head_dim),)
+        monkeypatch.setattr(owner, name, stand_in)
+        for families, want in cases:
+            got.clear()
+            step.pdl_families = runner._pdl_families(families, has_pdl=True)
+            step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
+            assert got and set(got) == {want}, (name, families, got)
+
     # the GEMVs' release: "gemv" leaves it to gemv (by rows, pdl_late=None), the variants
     # force it; nothing else moves
-    late_seen = []
-
-    def gemv_late(*a, pdl=None, pdl_late="unset", **k):
-        late_seen.append((pdl, pdl_late))
-    monkeypatch.setattr(runner, "gemv", gemv_late)
-    for families, want in [(("gemv:late",), (True, True)), (("gemv:early",), (True, False)),
-                           (("gemv",), (True, None)), ((), (False, None))]:
-        late_seen.clear()
-        step.pdl_families = runner._pdl_families(families, has_pdl=True)
-        step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
-        assert late_seen and set(late_seen) == {want}, (families, late_seen)
-    for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late")]:
-        with pytest.raises(ValueError, match=r"name the same kernels \(gemv\)"):
-            runner._pdl_families(both, has_pdl=True)
+    variants(runner, "gemv", "pdl_late", [
+        (("gemv:late",), (True, True)), (("gemv:early",), (True, False)),
+        (("gemv",), (True, None)), ((), (False, None))])
     # decode:prefetch: decode with PDL and its first tile before the wait
-    decode_seen = []
-
-    def decode_rec(q, *a, pdl=None, prefetch="unset", **k):
-        decode_seen.append((pdl, prefetch))
-        return (torch.zeros(q.shape[0], 1, cfg.heads, cfg.head_dim),)
-    monkeypatch.setattr(runner.ops, "decode", decode_rec)
-    for families, want in [(("decode:prefetch",), (True, True)), (("decode",), (True, False)),
-                           ((), (False, False))]:
-        decode_seen.clear()
-        step.pdl_families = runner._pdl_families(families, has_pdl=True)
-        step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
-        assert decode_seen and set(decode_seen) == {want}, (families, decode_seen)
-    with pytest.raises(ValueError, match=r"name the same kernels \(decode\)"):
-        runner._pdl_families(("decode", "decode:prefetch"), has_pdl=True)
+    variants(runner.ops, "decode", "prefetch", [
+        (("decode:prefetch",), (True, True)), (("decode",), (True, False)), ((), (False, False))])
     # qkv_rope:late: the QKV call with PDL and its projection GEMV's late release
-    qkv_seen = []
-
-    def qkv_rec(*a, pdl=None, pdl_late="unset", **k):
-        qkv_seen.append((pdl, pdl_late))
-    monkeypatch.setattr(runner, "qkv_rope_append", qkv_rec)
-    for families, want in [(("qkv_rope:late",), (True, True)), (("qkv_rope",), (True, False)),
-                           ((), (False, False))]:
-        qkv_seen.clear()
-        step.pdl_families = runner._pdl_families(families, has_pdl=True)
-        step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
-        assert qkv_seen and set(qkv_seen) == {want}, (families, qkv_seen)
+    variants(runner, "qkv_rope_append", "pdl_late", [
+        (("qkv_rope:late",), (True, True)), (("qkv_rope",), (True, False)),
+        ((), (False, False))])
+    for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late"),
+                 ("decode", "decode:prefetch"), ("qkv_rope", "qkv_rope:late")]:
+        family = both[0].split(":")[0]
+        with pytest.raises(ValueError, match=rf"name the same kernels \({family}\)"):
+            runner._pdl_families(both, has_pdl=True)
     # the default: every family where the GPU has PDL (the GEMVs' release by rows)
     assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)

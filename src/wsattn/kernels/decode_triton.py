@@ -49,13 +49,20 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _kv_rows(b, start, n, kv_live, bt_ptr, stride_btb, stride_kb, stride_kl, stride_vb,
              stride_vl, bt_row, first_page, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr):
-    """Row offsets [BLOCK_N] of the K and V tile of keys n = start + arange(BLOCK_N)."""
+             PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr, GUARD: tl.constexpr = False):
+    """Row offsets [BLOCK_N] of the K and V tile of keys n = start + arange(BLOCK_N).
+    GUARD: the tile may lie past the split's keys (a tile read outside the loop, which
+    only visits live ones): its block-table entry is then not read."""
     if PAGED and PAGE_SIZE % BLOCK_N == 0:
         # tiles start BLOCK_N-aligned, so a tile lies inside one page: one page index
         # and rows contiguous as in the contiguous cache (the compiler sees
         # base + arange * stride and keeps its wide, pipelined loads)
-        page = tl.load(bt_ptr + b * stride_btb + start // PAGE_SIZE).to(tl.int64)
+        entry = bt_ptr + b * stride_btb + start // PAGE_SIZE
+        if GUARD:  # an empty split's start may lie past the table's width
+            page = tl.load(entry, mask=tl.sum(kv_live.to(tl.int32), 0) > 0,
+                           other=0).to(tl.int64)
+        else:
+            page = tl.load(entry).to(tl.int64)
         in_page = (start % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)  # [BLOCK_N]
         k_rows = page * stride_kb + in_page * stride_kl  # [BLOCK_N]
         v_rows = page * stride_vb + in_page * stride_vl
@@ -164,7 +171,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
         kv_live = n < hi
         k_rows, v_rows = _kv_rows(b, lo, n, kv_live, bt_ptr, stride_btb, stride_kb,
                                   stride_kl, stride_vb, stride_vl, bt_row, first_page,
-                                  BLOCK_N, PAGED, PAGE_SIZE, BT_CHUNK)
+                                  BLOCK_N, PAGED, PAGE_SIZE, BT_CHUNK, GUARD=True)
         old = kv_live & (n < seqlen - T)
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=old[:, None], other=0.0)
         v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=old[:, None], other=0.0)

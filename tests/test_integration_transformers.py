@@ -231,30 +231,58 @@ def test_analyse_mask_packed_sequences():
     sequence and a row's trailing queries that see nothing fit as well."""
     m = _block_mask([(3, 5, 2), (4, 6)], 10)
     r = wt.analyse_mask(m, 2, 10, 10)
-    assert r.causal and r.segments == ((0, 0, 3, 0, 3), (0, 3, 8, 3, 8), (0, 8, 10, 8, 10),
-                                       (1, 0, 4, 0, 4), (1, 4, 10, 4, 10))
+    assert r.segments == ((0, 0, 3, 0, 3, True), (0, 3, 8, 3, 8, True), (0, 8, 10, 8, 10, True),
+                          (1, 0, 4, 0, 4, True), (1, 4, 10, 4, 10, True))
     assert r.packed(10) == r.segments
     full = wt.analyse_mask(_block_mask([(3, 5, 2), (10,)], 10, causal=False), 2, 10, 10)
-    assert not full.causal and full.segments[-1] == (1, 0, 10, 0, 10)
-    # trailing padding (queries that see nothing) and one-query sequences
+    assert full.segments[-1] == (1, 0, 10, 0, 10, False)
+    # trailing queries that see nothing, and one-query sequences (with the causal runs)
     tail = wt.analyse_mask(_block_mask([(1, 4, 1), (2, 2)], 8), 2, 8, 8)
-    assert tail.causal and tail.segments == ((0, 0, 1, 0, 1), (0, 1, 5, 1, 5), (0, 5, 6, 5, 6),
-                                             (1, 0, 2, 0, 2), (1, 2, 4, 2, 4))
+    assert tail.segments == ((0, 0, 1, 0, 1, True), (0, 1, 5, 1, 5, True),
+                             (0, 5, 6, 5, 6, True), (1, 0, 2, 0, 2, True),
+                             (1, 2, 4, 2, 4, True))
+    # one block causal, another full: runs of both kinds
+    mixed = _block_mask([(3, 5, 2), (4, 6)], 10)
+    mixed[1, 0, 4:10, 4:10] = True
+    assert wt.analyse_mask(mixed, 2, 10, 10).segments[-1] == (1, 4, 10, 4, 10, False)
+    # right padding: the padding queries see all of their sequence's keys (sdpa's mask)
+    right = _block_mask([(6,), (4,)], 6)
+    right[1, 0, 4:, :4] = True
+    assert wt.analyse_mask(right, 2, 6, 6).segments == (
+        (0, 0, 6, 0, 6, True), (1, 0, 4, 0, 4, True), (1, 4, 6, 0, 4, False))
     # the one-range form needs no segments
     assert wt.analyse_mask(_bool_mask(2, 4, 6, lo=(0, 2), hi=(6, 6)), 2, 4, 6).segments == ()
 
 
-@pytest.mark.parametrize("what", ["mixed", "overlap", "hole"])
+@pytest.mark.parametrize("what", ["overlap", "hole", "sliding"])
 def test_packed_masks_wsattn_cannot_run_refused(what):
     m = _block_mask([(3, 5, 2), (4, 6)], 10)
-    if what == "mixed":  # one block causal, another full
-        m[1, 0, 4:10, 4:10] = True
+    if what == "sliding":  # each query's window overlaps the previous one's
+        i, j = torch.arange(10)[:, None], torch.arange(10)
+        m = ((j <= i) & (j > i - 3)).expand(2, 1, 10, 10).clone()
     elif what == "overlap":  # the second block also sees the first one's last key
         m[0, 0, 3:8, 2] = True
     elif what == "hole":
         m[1, 0, 9, 6] = False
     with pytest.raises(wt.UnsupportedMask, match="attention_mask"):
         wt.analyse_mask(m, 2, 10, 10)
+
+
+@pytest.mark.parametrize("family", ["llama_d16", "qwen2"])
+def test_right_padding_matches_sdpa(family, calls):
+    """A right-padded batch (the default padding side of many tokenizers): every position's
+    logits as sdpa gives them, the padding positions' included (their queries attend to
+    the whole sequence: a full run), through one causal and one full varlen call."""
+    ours, theirs = _models(family)
+    ids, mask = _batch(3, 11)
+    for b, n in enumerate((11, 6, 3)):
+        mask[b, n:] = 0
+        ids[b, n:] = 0
+    with torch.no_grad():
+        a = ours(ids, attention_mask=mask, use_cache=False).logits
+        b = theirs(ids, attention_mask=mask, use_cache=False).logits
+    assert rel_err(a, b) <= LOGITS_TOL
+    assert calls["attention_varlen"] == 2 * 2, calls  # two calls a layer, two layers
 
 
 @pytest.mark.parametrize("family", ["llama_d16", "qwen3"])

@@ -32,22 +32,24 @@ How a mask runs:
   queries over L > S keys (only an empty static cache makes that) attend to the first S
   keys; the rest of such a cache is empty.
 * a mask: read once per mask (all layers of a forward share one mask object; on CUDA
-  this is one host synchronisation per forward, two for packed sequences) and matched
+  this is one host synchronisation per forward, two for runs of queries) and matched
   exactly against the patterns wsattn expresses: each batch row b attends to one key
   range ``[lo_b, hi_b)``, causally (bottom-right aligned: query i sees keys
   ``lo_b <= j <= i + hi_b - S``) or in full. Left padding (``lo_b`` > 0), a static
   cache's empty tail (``hi_b`` < L) and padding queries that see no key (output 0, as
   sdpa gives) all have this form. When every row has the same range the keys are a
   slice of the cache (no copy); otherwise the queries and the keys of each row are
-  packed (one copy) and run by ``wsattn.attention_varlen``. Or each row holds several
-  sequences packed one after another (a block-diagonal mask, what transformers builds
-  from ``position_ids`` that restart at 0, and chunked-attention masks): every query
-  attends to one contiguous key range, the rows' ranges do not overlap, and every
-  sequence is causal (or every one full); each sequence is then one sequence of the
-  varlen call.
-* anything else (sliding windows, masks with holes, per-head masks, additive bias
-  values) raises :class:`UnsupportedMask`: wsattn never ignores a mask and has no
-  masked fallback; use ``attn_implementation="sdpa"`` for such a model.
+  packed (one copy) and run by ``wsattn.attention_varlen``. Or each row is runs of
+  queries, every query attending to one contiguous key range: sequences packed one
+  after another (a block-diagonal mask, what transformers builds from ``position_ids``
+  that restart at 0, and chunked-attention masks: disjoint key ranges), and right
+  padding (the padding queries after a sequence attend to all of its keys: a full run
+  over the causal run's keys). Each run, causal or full, is one sequence of a varlen
+  call (one call for the causal runs, one for the full ones).
+* anything else (sliding windows, whose query runs overlap in their keys, masks with
+  holes, per-head masks, additive bias values) raises :class:`UnsupportedMask`: wsattn
+  never ignores a mask and has no masked fallback; use ``attn_implementation="sdpa"``
+  for such a model.
 
 Refused with a ValueError before any attention runs: ``dropout > 0`` (a model in
 training mode with ``attention_dropout > 0``), ``output_attentions=True`` (wsattn never
@@ -89,19 +91,20 @@ class KeyRanges:
     """A mask in the form wsattn runs: batch row b attends to keys ``[lo[b], hi[b])``,
     causally (query i of S sees keys ``j <= i + hi[b] - S``) or in full.
 
-    segments: for a mask whose rows hold several sequences packed one after another (a
-    block-diagonal mask: transformers builds one from position_ids that restart), every
-    row's sequences as ``(b, q0, q1, k0, k1)``: queries ``[q0, q1)`` of row b attend to
-    keys ``[k0, k1)``, causally (bottom-right aligned) or in full; the key ranges of a
-    row's sequences are disjoint and in order. Empty when each row is one range (then lo
-    and hi say it all)."""
+    segments: for a mask that is not one range a row, every row's runs of queries as
+    ``(b, q0, q1, k0, k1, causal)``: queries ``[q0, q1)`` of row b attend to keys
+    ``[k0, k1)``, causally (bottom-right aligned) or in full. Sequences packed one after
+    another (a block-diagonal mask: transformers builds one from position_ids that
+    restart) give disjoint key ranges; right padding gives a causal run and then the
+    padding queries' full run over the same keys. ``causal`` then tells nothing. Empty
+    when each row is one range (lo and hi say it all)."""
     causal: bool
     lo: tuple[int, ...]
     hi: tuple[int, ...]
-    segments: tuple[tuple[int, int, int, int, int], ...] = ()
+    segments: tuple[tuple[int, int, int, int, int, bool], ...] = ()
 
-    def packed(self, S: int) -> tuple[tuple[int, int, int, int, int], ...]:
-        """The (b, q0, q1, k0, k1) sequences of the varlen call (rows with no key left
+    def packed(self, S: int) -> tuple[tuple[int, int, int, int, int, bool], ...]:
+        """The (b, q0, q1, k0, k1, causal) runs of the varlen calls (rows with no key left
         out: their queries get 0)."""
         if self.segments:
             return self.segments
@@ -110,7 +113,7 @@ class KeyRanges:
             n = hi - lo
             first = (S - min(n, S)) if self.causal else (0 if n else S)
             if first < S:
-                out.append((b, first, S, lo, hi))
+                out.append((b, first, S, lo, hi, self.causal))
         return tuple(out)
 
 
@@ -171,19 +174,23 @@ def analyse_mask(mask: torch.Tensor, B: int, S: int, L: int,
             "attn_implementation='sdpa' for this model")
     if c or f:
         return KeyRanges(bool(c) and (prefer_causal or not f), lo_h, hi_h)
-    segments, causal = _packed_segments(keep, prefer_causal)
-    return KeyRanges(causal, lo_h, hi_h, segments)
+    return KeyRanges(bool(c), lo_h, hi_h, _segments(keep))
 
 
 _NOT_EXPRESSIBLE = (
-    "wsattn: attention_mask is neither one key range per batch row nor sequences packed "
-    "one after another (a block-diagonal mask), causal or full: {why}; wsattn cannot "
-    "express it and never ignores a mask; use attn_implementation='sdpa' for this model")
+    "wsattn: attention_mask is neither one key range per batch row nor runs of queries over "
+    "one key range each (packed sequences, right padding), causal or full: {why}; wsattn "
+    "cannot express it and never ignores a mask; use attn_implementation='sdpa' for this "
+    "model")
 
 
-def _packed_segments(keep: torch.Tensor, prefer_causal: bool):
-    """A block-diagonal mask (keep [B, S, L]): its sequences (b, q0, q1, k0, k1) and
-    whether they are causal. One more host read (each query's first and last key)."""
+def _segments(keep: torch.Tensor):
+    """The runs (b, q0, q1, k0, k1, causal) of a mask (keep [B, S, L]) whose every query
+    attends to one contiguous key range: a run is a maximal stretch of queries with the
+    same first key whose last key grows by one a query (causal, bottom-right aligned) or
+    stays (full). Consecutive runs of a row must have disjoint key ranges (packed
+    sequences) or the same one (right padding's queries after their sequence); anything
+    else (a sliding window's overlapping ranges) is refused. One more host read."""
     B, S, L = keep.shape
     has = keep.any(-1)                                           # [B, S]
     qlo = torch.where(has, keep.to(torch.int8).argmax(-1), 0)    # each query's first key
@@ -194,29 +201,30 @@ def _packed_segments(keep: torch.Tensor, prefer_causal: bool):
     if not contiguous:
         raise UnsupportedMask(_NOT_EXPRESSIBLE.format(why="a query attends to keys that are "
                                                       "not one contiguous range"))
-    segments, causal_ok, full_ok = [], True, True
+    segments = []
     for b in range(B):
-        # a sequence starts where a query's first key changes (or seeing-nothing begins)
-        start = torch.ones(S, dtype=torch.bool)
-        start[1:] = (qlo[b, 1:] != qlo[b, :-1]) | (has[b, 1:] != has[b, :-1])
-        bounds = start.nonzero().flatten().tolist() + [S]
-        prev_k1 = 0
-        for q0, q1 in zip(bounds, bounds[1:]):
-            if not has[b, q0]:
-                continue  # queries that see no key: output 0
-            k0, k1 = int(qlo[b, q0]), int(qhi[b, q1 - 1])
-            if k0 < prev_k1:
+        lo_b, hi_b, has_b = qlo[b].tolist(), qhi[b].tolist(), has[b].tolist()
+        prev = None  # the row's previous run's key range
+        i = 0
+        while i < S:
+            if not has_b[i]:
+                i += 1  # a query that sees no key: output 0
+                continue
+            end, step = i + 1, None
+            if end < S and has_b[end] and lo_b[end] == lo_b[i] and hi_b[end] - hi_b[i] in (0, 1):
+                step = hi_b[end] - hi_b[i]
+                while end < S and has_b[end] and lo_b[end] == lo_b[i] \
+                        and hi_b[end] - hi_b[end - 1] == step:
+                    end += 1
+            keys = (lo_b[i], hi_b[end - 1])
+            if prev is not None and keys != prev and keys[0] < prev[1]:
                 raise UnsupportedMask(_NOT_EXPRESSIBLE.format(
-                    why=f"row {b}'s query ranges overlap in their keys (a sliding window?)"))
-            prev_k1 = k1
-            ends = qhi[b, q0:q1]
-            causal_ok &= bool((ends == k1 - torch.arange(q1 - q0 - 1, -1, -1)).all())
-            full_ok &= bool((ends == k1).all())
-            segments.append((b, q0, q1, k0, k1))
-    if not (causal_ok or full_ok):
-        raise UnsupportedMask(_NOT_EXPRESSIBLE.format(
-            why="its sequences are neither all causal nor all full"))
-    return tuple(segments), causal_ok and (prefer_causal or not full_ok)
+                    why=f"row {b}'s query runs overlap in their keys (a sliding window?)"))
+            prev = keys
+            # a one-query run is both; it goes with the causal ones (the same attention)
+            segments.append((b, i, end, keys[0], keys[1], step != 0))
+            i = end
+    return tuple(segments)
 
 
 # the last mask analysed: every layer of one forward receives the same mask object, so it
@@ -261,32 +269,33 @@ def _one_range(q, k, v, causal, scale, impl):
 
 
 def _packed(q, k, v, r: KeyRanges, scale, impl):
-    """Rows with different key ranges, or rows of packed sequences: pack each sequence's
-    queries and keys, run attention_varlen, scatter back (queries that see nothing get 0)."""
+    """Rows with different key ranges, or rows of several query runs: pack each run's
+    queries and keys, one attention_varlen call for the causal runs and one for the full
+    ones, scatter back (queries that see nothing get 0)."""
     B, S, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
-    seqs = r.packed(S)
-    if not seqs:  # no query sees a key
-        return torch.zeros_like(q, memory_format=torch.contiguous_format)
-    q_idx, k_idx, cu_q, cu_k = [], [], [0], [0]
-    for b, q0, q1, k0, k1 in seqs:
-        q_idx.extend(range(b * S + q0, b * S + q1))
-        k_idx.extend(range(b * L + k0, b * L + k1))
-        cu_q.append(len(q_idx))
-        cu_k.append(len(k_idx))
-    dev = q.device
-    q_idx = torch.tensor(q_idx, dtype=torch.long).to(dev, non_blocking=True)
-    k_idx = torch.tensor(k_idx, dtype=torch.long).to(dev, non_blocking=True)
-    cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(dev, non_blocking=True)
-    qp = q.reshape(B * S, Hq, D)[q_idx]
-    kp = k.reshape(B * L, Hkv, D)[k_idx]
-    vp = v.reshape(B * L, Hkv, D)[k_idx]
-    max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
-    max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
-    outp = wsattn.attention_varlen(qp, kp, vp, cu[0], cu[1], max_q, max_k, causal=r.causal,
-                                   sm_scale=scale, impl=impl)
     out = q.new_zeros(B * S, Hq, D)
-    out[q_idx] = outp
+    for causal in (True, False):
+        seqs = [x for x in r.packed(S) if x[5] is causal]
+        if not seqs:
+            continue
+        q_idx, k_idx, cu_q, cu_k = [], [], [0], [0]
+        for b, q0, q1, k0, k1, _ in seqs:
+            q_idx.extend(range(b * S + q0, b * S + q1))
+            k_idx.extend(range(b * L + k0, b * L + k1))
+            cu_q.append(len(q_idx))
+            cu_k.append(len(k_idx))
+        dev = q.device
+        q_idx = torch.tensor(q_idx, dtype=torch.long).to(dev, non_blocking=True)
+        k_idx = torch.tensor(k_idx, dtype=torch.long).to(dev, non_blocking=True)
+        cu = torch.tensor([cu_q, cu_k], dtype=torch.int32).to(dev, non_blocking=True)
+        qp = q.reshape(B * S, Hq, D)[q_idx]
+        kp = k.reshape(B * L, Hkv, D)[k_idx]
+        vp = v.reshape(B * L, Hkv, D)[k_idx]
+        max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+        max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+        out[q_idx] = wsattn.attention_varlen(qp, kp, vp, cu[0], cu[1], max_q, max_k,
+                                             causal=causal, sm_scale=scale, impl=impl)
     return out.view(B, S, Hq, D)
 
 

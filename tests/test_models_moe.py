@@ -1,4 +1,5 @@
-"""Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE): configs and refusals, routing
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE with its shared
+expert): configs and refusals, routing
 and the MoE block against transformers' own, loading (object, per-expert and fused
 folders, bad checkpoints), FlashNorm folding into the router and the experts, and the
 reference forward against transformers generate (32 greedy tokens, per-step logits)."""
@@ -40,8 +41,14 @@ CONFIGS = {
                                                            mlp_only_layers=[1]),
     "mixtral": lambda: transformers.MixtralConfig(**BASE, num_local_experts=4),
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),
+    # a shared expert of width 48 beside the routed ones, q/k/v bias, layer 1 dense
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**QWEN3_MOE, shared_expert_intermediate_size=48,
+                                                     norm_topk_prob=True, mlp_only_layers=[1]),
 }
 NAMES = sorted(CONFIGS)
+# each model's seed, fixed per name (a new config must not reseed the others' weights)
+SEEDS = {name: i for i, name in enumerate(["mixtral", "olmoe", "qwen3_moe-dense1", "qwen3_moe-norm",
+                                          "qwen3_moe-unnormed", "qwen2_moe"])}
 LOGITS_TOL = 1e-5  # fp32 transformers against the float64 reference, as tests/test_models.py
 
 
@@ -59,7 +66,7 @@ def tiny_model(name):
     """A tiny random fp32 model with random norm weights (transformers' ones would hide a
     misplaced norm) and weights scaled up, so logits and routing are sharp (no near-ties
     between fp32 and fp64)."""
-    torch.manual_seed(NAMES.index(name))
+    torch.manual_seed(SEEDS[name])
     model = transformers.AutoModelForCausalLM.from_config(
         CONFIGS[name](), dtype=torch.float32, attn_implementation="sdpa").eval()
     with torch.no_grad():
@@ -87,11 +94,13 @@ def test_config_from_object_and_dict_agree(name):
     family = name.split("-")[0]
     assert cfg.family == family and cfg.top_k == 2 and cfg.head_dim == 64
     assert cfg.experts == {"mixtral": 4}.get(family, 8)
-    assert cfg.moe_ffn == {"qwen3_moe": 32, "mixtral": 128, "olmoe": 64}[family]
+    assert cfg.moe_ffn == {"qwen3_moe": 32, "mixtral": 128, "olmoe": 64, "qwen2_moe": 32}[family]
     assert cfg.norm_topk == (name != "qwen3_moe-unnormed" and family != "olmoe")
-    assert cfg.moe_layers == ((0,) if name == "qwen3_moe-dense1" else (0, 1))
+    assert cfg.moe_layers == ((0,) if name in ("qwen3_moe-dense1", "qwen2_moe") else (0, 1))
     assert cfg.moe_layers == tuple(_moe_layers(tiny_model(name)))
     assert cfg.qk_norm == (family == "qwen3_moe") and cfg.qk_norm_whole == (family == "olmoe")
+    assert cfg.shared_ffn == (48 if family == "qwen2_moe" else 0)
+    assert cfg.qkv_bias == (family == "qwen2_moe")
 
 
 def test_config_decoder_sparse_step():
@@ -149,8 +158,9 @@ def _dict(name, **over):
 
 
 REFUSALS = {
-    "qwen2_moe-shared-experts": ({**_dict("qwen3_moe-norm"), "model_type": "qwen2_moe"},
-                                 "shared experts"),
+    "qwen2_moe-shared-expert-unstated": ({k: v for k, v in _dict("qwen2_moe").items()
+                                          if k != "shared_expert_intermediate_size"},
+                                         r"lacks \['shared_expert_intermediate_size'\]"),
     "deepseek_v3": ({**_dict("qwen3_moe-norm"), "model_type": "deepseek_v3"},
                     "DeepSeek-style routing"),
     "shared_expert_intermediate_size": (_dict("qwen3_moe-norm", shared_expert_intermediate_size=64),
@@ -384,10 +394,11 @@ def test_load_config_experts_mismatch(saved):
 
 # --- FlashNorm ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["qwen3_moe-dense1", "mixtral", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen3_moe-dense1", "mixtral", "olmoe", "qwen2_moe"])
 def test_flashnorm_folds_router_and_experts(name):
-    """rmsnorm(x) @ W.T == (x @ W'.T) / rms(x) for the router and every expert's gate/up,
-    and the whole model's logits are unchanged, in fp64."""
+    """rmsnorm(x) @ W.T == (x @ W'.T) / rms(x) for the router, every expert's gate/up and
+    a shared expert's gate/up and gate, and the whole model's logits are unchanged, in
+    fp64."""
     cfg, w = load(tiny_model(name), dtype=torch.float64)
     f = fold(w)
     x = _x(5, cfg.hidden, 1).double()
@@ -401,6 +412,13 @@ def test_flashnorm_folds_router_and_experts(name):
             assert rel_err((x @ lf.w_gate_up[e].T) * inv_rms(x, cfg.rms_eps),
                            ref_in @ lw.w_gate_up[e].T) <= 1e-12
         assert lf.w_down is lw.w_down and lf.mlp_norm is None
+        if cfg.shared_ffn:
+            for name_ in ("w_shared_gate_up", "shared_gate"):
+                assert rel_err((x @ getattr(lf, name_).T) * inv_rms(x, cfg.rms_eps),
+                               ref_in @ getattr(lw, name_).T) <= 1e-12
+            assert lf.w_shared_down is lw.w_shared_down
+        else:
+            assert lf.w_shared_gate_up is lf.shared_gate is lf.w_shared_down is None
         assert rel_err(moe_block(cfg, lf, x), moe_block(cfg, lw, x)) <= 1e-12
     ids = torch.randint(0, cfg.vocab, (2, 7), generator=torch.Generator().manual_seed(2))
     outs = []
@@ -445,7 +463,7 @@ def test_reference_matches_transformers_generate(name):
     assert len(set(tokens.flatten().tolist())) > 2  # not a degenerate one-token loop
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-dense1", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen3_moe-dense1", "olmoe", "qwen2_moe"])
 def test_engine_reference_step_runs_moe(name):
     """wsattn.engine's reference step runs MoE models unchanged (paged cache, folded
     weights, a batch of two prompt lengths): greedy tokens as transformers'."""

@@ -1,8 +1,8 @@
 """The kernel step on mixture-of-experts models (Qwen3-MoE with an interleaved dense layer,
 Mixtral): greedy tokens and per-step logits against the reference step, whole and chunked
 prefill, the FMA (block 1, 4) and tl.dot (block 16) grouping paths, bucket padding,
-launches per MoE layer; OLMoE through the two-launch QKV path; impl="auto" on CUDA picks
-the kernel step for 16-bit models. CPU cases run the kernels through the Triton interpreter in a
+launches per MoE layer; OLMoE through the two-launch QKV path; Qwen2-MoE's shared expert;
+impl="auto" on CUDA picks the kernel step for 16-bit models. CPU cases run the kernels through the Triton interpreter in a
 fresh child process (TRITON_INTERPRET=1, fp32, tiny models: hidden 128, head_dim 64);
 the GPU cases (bf16, graph replay, PDL) carry the gpu marker.
 
@@ -43,6 +43,13 @@ CHILD = textwrap.dedent(r'''
             cfg = transformers.Qwen3MoeConfig(**common, head_dim=64, intermediate_size=256,
                                               moe_intermediate_size=64, num_experts=8,
                                               norm_topk_prob=True, mlp_only_layers=[1])
+        elif family == "qwen2_moe":  # 8 experts top-2, a shared expert of width 96, q/k/v
+            # bias, layer 1 a dense MLP
+            cfg = transformers.Qwen2MoeConfig(**common, head_dim=64, intermediate_size=256,
+                                              moe_intermediate_size=64,
+                                              shared_expert_intermediate_size=96,
+                                              num_experts=8, norm_topk_prob=False,
+                                              mlp_only_layers=[1])
         elif family == "olmoe":  # 8 experts top-2, not renormalised, QK-norm over the
             # whole q and k projections (head_dim 128 / 2 = 64)
             cfg = transformers.OlmoeConfig(**common, intermediate_size=64, num_experts=8,
@@ -196,21 +203,24 @@ RUNS = {
                   ("batch1", [9], 8, {})],
     "mixtral": [("batch2", [11, 5], 12, {}), ("batch6", [5, 9, 3, 7, 4, 6], 8, {})],
     "olmoe": [("batch2", [11, 5], 12, {}), ("chunked", [11, 5], 10, {"prefill_chunk": 4})],
+    "qwen2_moe": [("batch2", [11, 5], 12, {}), ("chunked", [11, 5], 10, {"prefill_chunk": 4})],
 }
 BLOCKS = {("qwen3_moe", "batch2"): {"2": 16}, ("qwen3_moe", "chunked"): {"2": 16},
           ("qwen3_moe", "batch1"): {"1": 16}, ("mixtral", "batch2"): {"2": 16},
           ("mixtral", "batch6"): {"8": 16}, ("olmoe", "batch2"): {"2": 16},
-          ("olmoe", "chunked"): {"2": 16}}
+          ("olmoe", "chunked"): {"2": 16}, ("qwen2_moe", "batch2"): {"2": 16},
+          ("qwen2_moe", "chunked"): {"2": 16}}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 def test_kernels_match_reference_moe(family):
     """Greedy tokens (8-12 new) equal to the reference step's and every step's logits
     within fp32 tolerance: Qwen3-MoE (8 experts top-2 renormalised, QK-norm, layer 1 a
     dense MLP) with one prefill chunk, chunks of 4 and a single sequence; Mixtral (4
     experts top-2) at buckets 2 and 8 (tl.dot block 16); OLMoE (8 experts top-2 not
     renormalised, QK-norm over the whole q/k projection: the two-launch QKV path), whole
-    and chunked prefill."""
+    and chunked prefill; Qwen2-MoE (a sigmoid-gated shared expert beside 8 experts top-2,
+    q/k/v bias, a dense layer), whole and chunked prefill."""
     r = _child("family", family=family, runs=RUNS[family])
     for label, *_ in RUNS[family]:
         assert r[label]["tokens"] and not r[label]["nan"], (label, r)
@@ -345,8 +355,9 @@ def test_auto_on_cuda_picks_kernels_for_16_bit_models():
 def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True,
                 moe_prefill_grouped=True):
     """A bf16 MoE model (hidden 512, D 64, 8/2 heads, 4 layers; Qwen3-MoE 16 experts top-4
-    with layer 2 dense, Mixtral 8 experts top-2, or OLMoE 16 experts top-4 with its
-    whole-projection QK-norm) on CUDA."""
+    with layer 2 dense, Mixtral 8 experts top-2, OLMoE 16 experts top-4 with its
+    whole-projection QK-norm, or Qwen2-MoE 16 experts top-4 with a shared expert and
+    layer 2 dense) on CUDA."""
     import transformers
 
     from wsattn.engine.generate import Engine
@@ -363,6 +374,11 @@ def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True,
     elif family == "olmoe":
         cfg = transformers.OlmoeConfig(**common, intermediate_size=256, num_experts=16,
                                        num_experts_per_tok=4, norm_topk_prob=False)
+    elif family == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(**common, head_dim=64, intermediate_size=1024,
+                                          moe_intermediate_size=256,
+                                          shared_expert_intermediate_size=512, num_experts=16,
+                                          num_experts_per_tok=4, mlp_only_layers=[2])
     else:
         cfg = transformers.MixtralConfig(**common, intermediate_size=512, num_local_experts=8,
                                          num_experts_per_tok=2)
@@ -380,7 +396,7 @@ def _gpu_prompts(n=3):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 @pytest.mark.parametrize("batch", [1, 3, 12])  # blocks 1, 4 and 16 (tl.dot)
 def test_gpu_moe_graph_replay_equals_eager(family, batch):
     """CUDA-graph replay gives bitwise the tokens and logits of the eager step."""
@@ -393,7 +409,7 @@ def test_gpu_moe_graph_replay_equals_eager(family, batch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family, pdl", [
-    ("qwen3_moe", True), ("mixtral", True), ("olmoe", True),
+    ("qwen3_moe", True), ("mixtral", True), ("olmoe", True), ("qwen2_moe", True),
     # PDL on some kernel families only: PDL and plain launches next to each other in a graph
     ("qwen3_moe", ("gemv", "moe")), ("qwen3_moe", ("qkv_rope", "decode"))])
 def test_gpu_moe_pdl_on_equals_off(family, pdl):
@@ -423,7 +439,7 @@ def test_gpu_moe_one_token_equals_the_grouping_kernel(family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 def test_gpu_moe_matches_reference_step(family):
     """bf16 kernels vs the reference step (fp32 compute over the same bf16 weights): the
     first step's logits (prefill) and the next (one decode step) within bf16 tolerance."""
@@ -441,7 +457,7 @@ def test_gpu_moe_matches_reference_step(family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 @pytest.mark.parametrize("chunk", [2048, 24])
 def test_gpu_moe_prefill_grouped_mm_matches_the_per_expert_loop(family, chunk):
     """bf16 on CUDA: the prefill's MoE MLP through torch._grouped_mm (the default) gives

@@ -177,6 +177,11 @@ class _Buffers:
         # before any capture
         self.moe_tables = (one_token_tables(cfg.top_k, self.moe_block, dev)
                            if cfg.is_moe and bucket == 1 else None)
+        # a shared expert's activation and its per-row gate (Qwen2-MoE)
+        shared = cfg.is_moe and cfg.shared_ffn > 0
+        self.shared_act = (torch.zeros(bucket, cfg.shared_ffn, dtype=dtype, device=dev)
+                           if shared else None)
+        self.shared_gate = torch.zeros(bucket, 1, dtype=dtype, device=dev) if shared else None
         self.logits = torch.zeros(bucket, cfg.vocab, dtype=torch.float32, device=dev)
         # the LM head GEMV writes the model dtype; 16-bit models cast into logits after it
         self.logits_model = (self.logits if dtype == torch.float32 else
@@ -453,9 +458,21 @@ class KernelStep:
             self._count("moe_group")
         act = moe_gate_up(h, layer.w_gate_up, grouping, norm_eps=eps, pdl=pdl)
         self._count("moe_gate_up")
+        if layer.w_shared_gate_up is not None:
+            # the shared expert reads h before the combine below adds the routed experts
+            # into it: sigmoid(gate) folded into its activation (the down projection is
+            # linear), then its down projection added onto h after the combine
+            pdl_gemv = any(n == "gemv" or n.startswith("gemv:") for n in self.pdl_families)
+            gemv(h, layer.w_shared_gate_up, norm_eps=eps, silu_mul=True, out=buf.shared_act,
+                 pdl=pdl_gemv)
+            gemv(h, layer.shared_gate, norm_eps=eps, out=buf.shared_gate, pdl=pdl_gemv)
+            buf.shared_act.mul_(torch.sigmoid_(buf.shared_gate))
+            self._count("shared_expert")
         # out may be the residual (moe.py: each element read and written by one program)
         moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl)
         self._count("moe_down_combine")
+        if layer.w_shared_gate_up is not None:
+            gemv(buf.shared_act, layer.w_shared_down, residual=h, out=h, pdl=pdl_gemv)
 
     def _bucket(self, B):
         for b in self.buckets:
@@ -638,7 +655,8 @@ class KernelStep:
         """A MoE layer's MLP over T packed tokens x [T, hidden] (model dtype), residual
         included: the decode kernels' arithmetic (the product rounded to the model dtype,
         then the FlashNorm scale, SiLU*up, the routing weight and the slot-order combine in
-        fp32) with the pairs grouped by expert on the device, the two projections by
+        fp32; a shared expert after it, as in :meth:`_moe`) with the pairs grouped by
+        expert on the device, the two projections by
         ``torch._grouped_mm`` where it runs (no host read), else one matmul pair per touched
         expert (``grouped=False``, and where ``_grouped_mm`` does not: see
         :func:`_grouped_mm_ok`)."""
@@ -674,7 +692,14 @@ class KernelStep:
         acc = x.float()
         for yj in y.view(T, k, cfg.hidden).unbind(1):  # slot order, as the combine kernel
             acc = acc + yj
-        return acc.to(dt)
+        if layer.w_shared_gate_up is None:
+            return acc.to(dt)
+        # the shared expert, as the decode step runs it: sigmoid(gate) in the model dtype
+        # folded into its activation, its down projection added after the routed combine
+        gate, up = ((x @ layer.w_shared_gate_up.T).float() * scale).chunk(2, -1)
+        sig = torch.sigmoid(((x @ layer.shared_gate.T).float() * scale).to(dt))
+        act = (F.silu(gate) * up).to(dt) * sig
+        return (acc.to(dt).float() + (act @ layer.w_shared_down.T).float()).to(dt)
 
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:

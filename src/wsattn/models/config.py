@@ -23,12 +23,17 @@ arithmetic is in :mod:`wsattn.models.moe`):
 * ``olmoe``: OLMoE (``OlmoeForCausalLM``): ``norm_topk_prob`` as Qwen3-MoE; its q/k
   RMSNorm spans the whole projection (``q_norm`` [Hq*D], ``k_norm`` [Hkv*D]), not each
   head (``qk_norm_whole``), so head_dim must be hidden // heads.
+* ``qwen2_moe``: Qwen2-MoE / Qwen1.5-MoE (``Qwen2MoeForCausalLM``): Qwen2's q/k/v bias
+  (``qkv_bias``), routing and dense-layer placement as Qwen3-MoE, and a shared expert
+  beside the routed ones: a SiLU-gated MLP of width ``shared_ffn``
+  (``shared_expert_intermediate_size``) that every token takes, scaled by
+  ``sigmoid(rmsnorm(h) @ shared_expert_gate)`` and added to the routed experts' sum.
 
 Anything else is an :class:`UnsupportedModelError` (a ``ValueError``) naming the feature:
 a sliding window some layer actually uses, a head dim other than 64/128/256, a rope type
 other than default/llama3 (or a partial rotary factor), a bias on the o projection or
 the MLP, an activation other than SiLU, an unknown model type; for mixture-of-experts,
-shared experts (Qwen2-MoE), DeepSeek-style routing (grouped top-k, sigmoid scoring, a
+shared experts outside Qwen2-MoE, DeepSeek-style routing (grouped top-k, sigmoid scoring, a
 routed scaling factor, a router score bias), OLMoE's ``clip_qkv``, a MoE config that does
 not state its routing (``num_experts_per_tok``, the expert width), or experts on a dense
 family.
@@ -47,8 +52,8 @@ __all__ = ["ModelConfig", "RopeConfig", "UnsupportedModelError", "HEAD_DIMS", "F
 HEAD_DIMS = (64, 128, 256)  # what the attention kernels are built for
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-            "olmoe": "OlmoeForCausalLM"}
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+            "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 
 # transformers' defaults for keys a config.json may leave out (the model classes'
 # dataclass defaults); the shape keys have no default here: a config without them is
@@ -63,13 +68,19 @@ _DEFAULTS = {
                     rope_theta=1000000.0),
     "olmoe": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=4096,
                   norm_topk_prob=False),
+    "qwen2_moe": dict(head_dim=None, num_key_value_heads=16, max_position_embeddings=32768,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                      qkv_bias=True),
 }
 # what a MoE config must state itself: the routing is never guessed from a default
 _MOE_REQUIRED = {"qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size"),
-                 "mixtral": ("num_experts_per_tok",), "olmoe": ("num_experts_per_tok",)}
+                 "mixtral": ("num_experts_per_tok",), "olmoe": ("num_experts_per_tok",),
+                 "qwen2_moe": ("num_experts_per_tok", "moe_intermediate_size",
+                               "shared_expert_intermediate_size")}
+# the families whose shared expert the step runs (the config key that sizes it)
+_SHARED_EXPERT_KEY = {"qwen2_moe": "shared_expert_intermediate_size"}
 # model types that are MoE in a way the step does not implement, and what that way is
 _MOE_REFUSED_TYPES = {
-    "qwen2_moe": "shared experts (Qwen2-MoE's shared_expert beside the routed ones)",
     "deepseek_v2": "DeepSeek-style routing (grouped top-k, shared experts)",
     "deepseek_v3": "DeepSeek-style routing (sigmoid scores with a correction bias, grouped "
                    "top-k, shared experts)",
@@ -138,6 +149,8 @@ class ModelConfig:
     the embedding matrix; qkv_bias: q/k/v projections carry a bias (Qwen2); qk_norm:
     per-head RMSNorm on q and k before RoPE (Qwen3); max_positions: the model's
     ``max_position_embeddings``; dtype: the checkpoint's torch dtype, or None if unstated.
+    MoE (experts > 0): experts, top_k, moe_ffn (an expert's width), norm_topk, moe_layers,
+    shared_ffn (the shared expert's width, 0 for none: Qwen2-MoE's).
     """
 
     family: str
@@ -161,6 +174,7 @@ class ModelConfig:
     norm_topk: bool = False
     moe_layers: tuple[int, ...] = ()
     qk_norm_whole: bool = False
+    shared_ffn: int = 0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -186,15 +200,16 @@ class ModelConfig:
         self._check_moe()
 
     def _check_moe(self):
-        for name in ("experts", "top_k", "moe_ffn"):
+        for name in ("experts", "top_k", "moe_ffn", "shared_ffn"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
         if not self.experts:
-            if self.top_k or self.moe_layers or self.moe_ffn:
+            if self.top_k or self.moe_layers or self.moe_ffn or self.shared_ffn:
                 raise ValueError(f"a dense config (experts=0) has top_k={self.top_k}, "
-                                 f"moe_ffn={self.moe_ffn}, moe_layers={self.moe_layers}")
+                                 f"moe_ffn={self.moe_ffn}, moe_layers={self.moe_layers}, "
+                                 f"shared_ffn={self.shared_ffn}")
             return
         if not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k (num_experts_per_tok) must lie in [1, num_experts="
@@ -265,9 +280,9 @@ class ModelConfig:
             raise UnsupportedModelError(
                 "attention_bias=True (a bias on o_proj) is not supported; only Qwen2's "
                 "q/k/v bias is")
-        if model_type in MOE_FAMILIES:
+        if model_type in MOE_FAMILIES and model_type != "qwen2_moe":
             _refuse_moe_sliding_window(model_type, d)
-        else:
+        else:  # Qwen2-MoE decides per layer as Qwen2 does
             _refuse_sliding_window(d)
         if d.get("clip_qkv") is not None:
             raise UnsupportedModelError(f"clip_qkv={d['clip_qkv']} (clamping q, k, v) is not supported")
@@ -292,7 +307,8 @@ class ModelConfig:
             rms_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope=_rope(d),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe"
+                                               and bool(d["qkv_bias"])),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             qk_norm_whole=model_type == "olmoe",
             max_positions=d["max_position_embeddings"],
@@ -328,6 +344,8 @@ def _num_experts(d):
 def _refuse_moe_routing(d):
     model_type = d["model_type"]
     for key, (neutral, feature) in _MOE_REFUSED_KEYS.items():
+        if key == _SHARED_EXPERT_KEY.get(model_type):
+            continue  # this family's shared expert is run
         if d.get(key) not in (None, neutral):
             raise UnsupportedModelError(f"mixture-of-experts with {feature} ({key}={d[key]!r}) "
                                         "is not supported")
@@ -347,19 +365,24 @@ def _moe_fields(model_type, d) -> dict:
     if model_type not in MOE_FAMILIES:
         return {}
     layers, experts = d["num_hidden_layers"], _num_experts(d)
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         step, dense = d["decoder_sparse_step"], set(d["mlp_only_layers"] or ())
         if not isinstance(step, int) or step < 1:
             raise ValueError(f"decoder_sparse_step must be an int >= 1, got {step!r}")
-        # transformers' Qwen3MoeDecoderLayer: MoE unless listed in mlp_only_layers or off
-        # the decoder_sparse_step grid
+        # transformers' Qwen3MoeDecoderLayer (and Qwen2Moe's): MoE unless listed in
+        # mlp_only_layers or off the decoder_sparse_step grid
         moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         moe_ffn = d["moe_intermediate_size"]
     else:
         moe_layers, moe_ffn = tuple(range(layers)), d["intermediate_size"]
+    shared = d[_SHARED_EXPERT_KEY[model_type]] if model_type in _SHARED_EXPERT_KEY else 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0 or \
+            (model_type in _SHARED_EXPERT_KEY and shared == 0):
+        raise ValueError(f"{_SHARED_EXPERT_KEY.get(model_type, 'shared expert width')} must be "
+                         f"a positive int, got {shared!r}")
     return dict(experts=experts, top_k=d["num_experts_per_tok"], moe_ffn=moe_ffn,
                 norm_topk=True if model_type == "mixtral" else bool(d["norm_topk_prob"]),
-                moe_layers=moe_layers)
+                moe_layers=moe_layers, shared_ffn=shared)
 
 
 def _refuse_moe_sliding_window(model_type, d):

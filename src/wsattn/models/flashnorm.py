@@ -19,7 +19,9 @@ scalar 1/rms(x) per row, can be applied in the projection's prologue (to x) or e
   s = 1/rms(x) one scalar per token: router logits = (x @ (R diag g).T) * s and each
   expert's [gate; up] = (x @ (W_e diag g).T) * s, the scalar applied in each product's
   epilogue before anything nonlinear (the softmax, SiLU) sees it. ``w_down`` reads
-  silu(gate) * up, not the norm's output, and is not touched.
+  silu(gate) * up, not the norm's output, and is not touched. A shared expert reads the
+  same normed input: ``w_shared_gate_up`` and ``shared_gate`` take g too (the scalar
+  before the SiLU and before the sigmoid alike).
 
 Qwen3's per-head ``q_norm``/``k_norm`` are *not* folded: they sit between the projection
 and RoPE, and RoPE mixes channel i with channel i + D/2 (x_i cos - x_{i+D/2} sin), so a
@@ -52,7 +54,8 @@ def fold(weights: Weights) -> Weights:
 
     weights: as :func:`wsattn.models.weights.load` returns them (``norms_folded`` False).
     Returns new :class:`Weights` with ``norms_folded=True``: ``wqkv``, ``w_gate_up``,
-    ``router`` (MoE layers) and ``lm_head`` replaced by their folded copies (same shapes,
+    ``router``, ``w_shared_gate_up`` and ``shared_gate`` (MoE layers) and ``lm_head``
+    replaced by their folded copies (same shapes,
     dtype, device), ``attn_norm``/``mlp_norm``/``final_norm`` set to None (they now live in the
     projections; a consumer applies only 1/rms(x) with the model's ``rms_eps``); every
     other tensor is shared with the input, which is not modified.
@@ -72,6 +75,10 @@ def fold(weights: Weights) -> Weights:
             wqkv=fold_columns(layer.wqkv, layer.attn_norm),
             w_gate_up=fold_columns(layer.w_gate_up, layer.mlp_norm),
             router=None if layer.router is None else fold_columns(layer.router, layer.mlp_norm),
+            w_shared_gate_up=None if layer.w_shared_gate_up is None
+            else fold_columns(layer.w_shared_gate_up, layer.mlp_norm),
+            shared_gate=None if layer.shared_gate is None
+            else fold_columns(layer.shared_gate, layer.mlp_norm),
             attn_norm=None,
             mlp_norm=None,
         )

@@ -88,13 +88,22 @@ def route(cfg: ModelConfig, x_normed: torch.Tensor, router: torch.Tensor
 def check_moe_layer(cfg: ModelConfig, layer: LayerWeights, where: str = "layer"):
     """Raise ValueError naming the field if a MoE layer's tensors do not have the shapes
     of ``weights.py``'s layout for ``cfg``."""
-    X, F_, H = cfg.experts, cfg.moe_ffn, cfg.hidden
+    X, F_, H, Fs = cfg.experts, cfg.moe_ffn, cfg.hidden, cfg.shared_ffn
     for name, shape in (("router", (X, H)), ("w_gate_up", (X, 2 * F_, H)), ("w_down", (X, H, F_))):
         t = getattr(layer, name)
         if t is None or tuple(t.shape) != shape:
             raise ValueError(f"{where}.{name} must be {list(shape)} (experts={X}, "
                              f"moe_ffn={F_}, hidden={H}), got "
                              f"{None if t is None else list(t.shape)}")
+    for name, shape in (("w_shared_gate_up", (2 * Fs, H)), ("w_shared_down", (H, Fs)),
+                        ("shared_gate", (1, H))):
+        t = getattr(layer, name)
+        if Fs and (t is None or tuple(t.shape) != shape):
+            raise ValueError(f"{where}.{name} must be {list(shape)} (shared_ffn={Fs}, "
+                             f"hidden={H}), got {None if t is None else list(t.shape)}")
+        if not Fs and t is not None:
+            raise ValueError(f"{where}.{name} is set but the config has no shared expert "
+                             "(shared_ffn=0)")
 
 
 def moe_block(cfg: ModelConfig, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +112,8 @@ def moe_block(cfg: ModelConfig, layer: LayerWeights, x: torch.Tensor) -> torch.T
     (``layer.mlp_norm`` None), only 1/rms(x) after the router's and each expert's gate/up
     product). Returns y [..., hidden] in x's dtype, without the residual; the caller adds
     it. Computes in x's dtype (the weights are cast to it); routing per :func:`select`;
-    experts summed in ascending slot order (module docstring).
+    experts summed in ascending slot order (module docstring), then a shared expert's
+    sigmoid-gated output added where the config has one (Qwen2-MoE).
 
     >>> h = h + moe_block(cfg, weights.layers[i], h)  # doctest: +SKIP
     """
@@ -131,4 +141,11 @@ def moe_block(cfg: ModelConfig, layer: LayerWeights, x: torch.Tensor) -> torch.T
             gate, up = gate_up.chunk(2, dim=-1)
             out = F.linear(F.silu(gate) * up, layer.w_down[e].to(dtype))  # [n, hidden]
             y[rows] += out * weights[rows, k, None].to(dtype)
+    if cfg.shared_ffn:  # every token: sigmoid(gate) * its SiLU-gated MLP
+        gate_up = F.linear(xin, layer.w_shared_gate_up.to(dtype))
+        g = F.linear(xin, layer.shared_gate.to(dtype))  # [T, 1]
+        if scale is not None:
+            gate_up, g = gate_up * scale, g * scale
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = y + torch.sigmoid(g) * F.linear(F.silu(gate) * up, layer.w_shared_down.to(dtype))
     return y.reshape(x.shape)

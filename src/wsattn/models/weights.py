@@ -42,6 +42,15 @@ layers[i].w_gate_up [E, 2 * F, hidden]             expert e's gate rows (F), the
 layers[i].w_down   [E, hidden, F]                  expert e's down projection (``down_proj``)
 =================  ==============================  ==============================================
 
+With a shared expert (``cfg.shared_ffn`` = Fs > 0: Qwen2-MoE's ``mlp.shared_expert`` and
+``mlp.shared_expert_gate``; None otherwise), a MoE layer also holds:
+
+=========================  ==================  ==============================================
+layers[i].w_shared_gate_up [2 * Fs, hidden]    its gate rows, then its up rows
+layers[i].w_shared_down    [hidden, Fs]        its down projection
+layers[i].shared_gate      [1, hidden]         its gate: y += sigmoid(rmsnorm(h) @ g.T) * mlp
+=========================  ==================  ==============================================
+
 Checkpoints hold the experts in one of two layouts, both read by :func:`load`:
 transformers 5's fused parameters (what a model object's ``state_dict()`` holds:
 ``mlp.gate.weight``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) or one
@@ -85,6 +94,9 @@ class LayerWeights:
     attn_norm: torch.Tensor | None
     mlp_norm: torch.Tensor | None
     router: torch.Tensor | None = None
+    w_shared_gate_up: torch.Tensor | None = None
+    w_shared_down: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
 
 
 @dataclass
@@ -135,6 +147,17 @@ def _mlp_names(cfg: ModelConfig, i: int, expert_layout: str) -> dict[str, tuple[
             "w_down": tuple(m + f"experts.{e}.{down}.weight" for e in experts)}
 
 
+def _shared_names(cfg: ModelConfig, i: int) -> dict[str, tuple[str, ...]]:
+    """Layer i's shared expert (a MoE layer of a config with one), else {}."""
+    if not cfg.shared_ffn or i not in cfg.moe_layers:
+        return {}
+    m = f"model.layers.{i}.mlp."
+    return {"w_shared_gate_up": (m + "shared_expert.gate_proj.weight",
+                                 m + "shared_expert.up_proj.weight"),
+            "w_shared_down": (m + "shared_expert.down_proj.weight",),
+            "shared_gate": (m + "shared_expert_gate.weight",)}
+
+
 def expected_tensors(cfg: ModelConfig, expert_layout: str = "fused") -> dict[str, tuple[int, ...]]:
     """The Hugging Face tensor names a checkpoint of ``cfg`` must hold, with their shapes
     (``lm_head.weight`` only when the embeddings are not tied); MoE layers' experts in
@@ -176,6 +199,12 @@ def expected_tensors(cfg: ModelConfig, expert_layout: str = "fused") -> dict[str
             names[mlp["router"][0]] = (X, E)
             names.update({n: (F, E) for n in mlp["w_gate_up"]})
             names.update({n: (E, F) for n in mlp["w_down"]})
+        shared = _shared_names(cfg, i)
+        if shared:
+            Fs = cfg.shared_ffn
+            (gate, up), (down,), (sg,) = (shared[k] for k in ("w_shared_gate_up",
+                                                             "w_shared_down", "shared_gate"))
+            names.update({gate: (Fs, E), up: (Fs, E), down: (E, Fs), sg: (1, E)})
     return names
 
 
@@ -357,12 +386,14 @@ def _assemble(cfg: ModelConfig, source, dtype, device, expert_layout="fused") ->
         names = _mlp_names(cfg, i, expert_layout)
         if "router" not in names:
             return dict(w_gate_up=cat(*names["w_gate_up"]), w_down=get(names["w_down"][0]))
+        shared = {field: cat(*n) if len(n) > 1 else get(n[0])
+                  for field, n in _shared_names(cfg, i).items()}
         if expert_layout == "fused":
-            return {field: get(n) for field, (n,) in names.items()}
+            return {**{field: get(n) for field, (n,) in names.items()}, **shared}
         gate_up, down = names["w_gate_up"], names["w_down"]  # expert e: gate_up[2e:2e+2], down[e]
         return dict(router=get(names["router"][0]),
                     w_gate_up=torch.stack([cat(*gate_up[2 * e:2 * e + 2]) for e in range(cfg.experts)]),
-                    w_down=torch.stack([get(n) for n in down]))
+                    w_down=torch.stack([get(n) for n in down]), **shared)
 
     qk_norm = cfg.qk_norm or cfg.qk_norm_whole
     layers = []

@@ -29,6 +29,11 @@ launches a layer, 10 when decode splits the keys)::
         act = moe_gate_up(h, w_gate_up, g, norm_eps)                          1
         h = moe_down_combine(act, w_down, g, wts, out=h, residual=h)          2 (down, combine)
 
+A shared expert (Qwen2-MoE) adds, around the combine: before it, ``gemv(h, w_shared_gate_up,
+norm_eps, silu_mul=True)`` and ``gemv(h, shared_gate, norm_eps)`` (one output column) with
+``act *= sigmoid(gate)`` (two torch ops); after it, ``gemv(act, w_shared_down,
+residual=h, out=h)``.
+
 ``block`` (rows a grouping block) is the kernels' default for the bucket's row count, a
 Python int fixed per bucket; every grouping tensor has a static upper-bound size
 (``blocks_max``) and the active block count stays on the device, so the step still
@@ -656,10 +661,9 @@ class KernelStep:
         included: the decode kernels' arithmetic (the product rounded to the model dtype,
         then the FlashNorm scale, SiLU*up, the routing weight and the slot-order combine in
         fp32; a shared expert after it, as in :meth:`_moe`) with the pairs grouped by
-        expert on the device, the two projections by
-        ``torch._grouped_mm`` where it runs (no host read), else one matmul pair per touched
-        expert (``grouped=False``, and where ``_grouped_mm`` does not: see
-        :func:`_grouped_mm_ok`)."""
+        expert on the device, the two projections by ``torch._grouped_mm`` where it runs
+        (no host read), else one matmul pair per touched expert (``moe_prefill_grouped=
+        False``, and where ``_grouped_mm`` does not: see :func:`_grouped_mm_ok`)."""
         cfg, dt = self.cfg, self.dtype
         T, k = x.shape[0], cfg.top_k
         scale = _inv_rms(x, self.eps)  # [T, 1] fp32, the FlashNorm scale

@@ -659,7 +659,7 @@ def test_compact_tile_reads_the_table_as_the_plain_grid_tiles(causal):
     compact, plain = [], []
     for pid in range(n):
         tile = _py_twin(parts._tile, pid, n, memory)
-        m, off_b, h, q0, k0, q_len, kv_len = tile(pid, None, 0, 0, hq, CU_Q, CU_K, TILES,
+        m, off_b, h, q0, k0, q_len, kv_len = tile(pid, None, 0, 0, hq, CU_Q, CU_K, TILES, n,
                                                   causal, parts.VARLEN_COMPACT)
         assert off_b == 0
         if m * bm < q_len:
@@ -671,7 +671,7 @@ def test_compact_tile_reads_the_table_as_the_plain_grid_tiles(causal):
     grid = n_m * len(q_lens) * hq
     for pid in range(grid):
         tile = _py_twin(parts._tile, pid, grid, memory)
-        m, off_b, h, q0, k0, q_len, kv_len = tile(pid, n_m, 0, 0, hq, CU_Q, CU_K, None,
+        m, off_b, h, q0, k0, q_len, kv_len = tile(pid, n_m, 0, 0, hq, CU_Q, CU_K, None, grid,
                                                   causal, True)
         if m * bm < q_len:
             plain.append((q0, h, m, k0, q_len, kv_len,

@@ -127,13 +127,16 @@ def test_weight_bytes_match_facts_and_the_models_parameters():
             assert step.weight_bytes(cfg, 0) == 2 * (params - unread), name
             assert step.weight_bytes(cfg, 8) - step.weight_bytes(cfg, 0) == 2 * 8 * h
             continue
-        # MoE: no expert at B = 0; B tokens read the experts they are expected to touch
+        # MoE: no routed expert at B = 0 (a shared one is read by every token); B tokens
+        # read the experts they are expected to touch
         expert = 3 * h * cfg.moe_ffn
         assert step.weight_bytes(cfg, 0) == 2 * (params - unread - cfg.experts * expert
                                                  * len(cfg.moe_layers)), name
-        # the expected counts are the notes' table, printed to 0.1; weight_bytes rounds the
-        # fractional expert count's bytes to a whole byte, hence abs=1 (byte) below
-        for B, hit in ((1, 8.0), (8, 51.6), (64, 125.9)):
+        # Qwen3-30B-A3B's expected counts are the notes' table, printed to 0.1; weight_bytes
+        # rounds the fractional expert count's bytes to a whole byte, hence abs=1 (byte)
+        table = ((1, 8.0), (8, 51.6), (64, 125.9)) if name == "qwen3-30b-a3b" else \
+            ((B, step.experts_hit(cfg.experts, cfg.top_k, B)) for B in (1, 8, 64))
+        for B, hit in table:
             assert step.experts_hit(cfg.experts, cfg.top_k, B) == pytest.approx(hit, abs=0.05)
             assert step.weight_bytes(cfg, B) - step.weight_bytes(cfg, 0) == pytest.approx(
                 2 * (B * h + step.experts_hit(cfg.experts, cfg.top_k, B) * expert
@@ -150,8 +153,9 @@ def test_weight_bytes_match_facts_and_the_models_parameters():
 
 def test_folded_bytes_are_the_engines_new_tensors():
     """The memory guard of a model checked on a cut counts the engine's tensors that are
-    not the model's own: the same bytes as a tiny Qwen3-MoE (with a dense layer) and a
-    tiny Llama engine hold outside the transformers parameters, on the CPU in fp32."""
+    not the model's own: the same bytes as a tiny Qwen3-MoE (with a dense layer), a tiny
+    Qwen2-MoE (its shared expert's gate/up and gate folded too) and a tiny Llama engine
+    hold outside the transformers parameters, on the CPU in fp32."""
     from transformers import AutoModelForCausalLM
     from wsattn.engine.generate import Engine
     from wsattn.models import ModelConfig
@@ -163,7 +167,13 @@ def test_folded_bytes_are_the_engines_new_tensors():
                               mlp_only_layers=[1], vocab_size=128, max_window_layers=2),
             "llama": dict(step.MODELS["llama-3.2-1b"], hidden_size=64, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                          intermediate_size=96, vocab_size=128)}
+                          intermediate_size=96, vocab_size=128),
+            "qwen2_moe": dict(step.MODELS["qwen1.5-moe-a2.7b"], hidden_size=64,
+                              num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=64, intermediate_size=96,
+                              moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                              num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                              vocab_size=128, max_window_layers=2)}
     from transformers import CONFIG_MAPPING
     for kind, d in tiny.items():
         d = dict(d)

@@ -126,6 +126,15 @@ MODELS = {
 # The MoE decode issue's end-to-end model: the 48-layer Qwen3-30B-A3B shape, the same
 # config as one layer of `wsattn bench moe`.
 MODELS["qwen3-30b-a3b"] = dict(MOE_MODELS["qwen3-30b-a3b"])
+# A MoE family with a shared expert beside 60 routed ones (no issue target names it).
+MODELS["qwen1.5-moe-a2.7b"] = dict(
+    model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], hidden_act="silu",
+    hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+    intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+    num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1,
+    mlp_only_layers=[], vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=8192,
+    rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False,
+    sliding_window=None, max_window_layers=21, bos_token_id=151643, eos_token_id=151643)
 
 # The issues' targets on an H200 (ms/token of the wsattn step); what the default run covers.
 TARGETS = {("llama-3.2-1b", 1, 4096): 0.70, ("llama-3.2-1b", 8, 4096): 0.80,
@@ -136,7 +145,7 @@ TARGETS = {("llama-3.2-1b", 1, 4096): 0.70, ("llama-3.2-1b", 8, 4096): 0.80,
 # GB more in fp32): their logits check runs on a model of the same config cut to this
 # many layers (same kernels, same buckets), built, checked and freed before the full
 # model's engine is built and timed; the row's note says so.
-CHECK_LAYERS = {"qwen3-30b-a3b": 4}
+CHECK_LAYERS = {"qwen3-30b-a3b": 4, "qwen1.5-moe-a2.7b": 4}
 PDL_TARGET = 1.05  # graph without PDL / with PDL at the 1B shape, B 1
 KERNELS_PER_LAYER_TARGET = 6
 
@@ -179,10 +188,12 @@ def _attn_params(cfg) -> int:
 
 
 def _mlp_params(cfg, experts: float) -> float:
-    """Every layer's MLP with ``experts`` experts in each MoE layer (router included)."""
+    """Every layer's MLP with ``experts`` experts in each MoE layer (router included, and
+    a shared expert with its gate where the config has one: every token reads it)."""
     h, moe = cfg.hidden, len(cfg.moe_layers)
+    shared = 3 * h * cfg.shared_ffn + h if cfg.shared_ffn else 0
     return ((cfg.layers - moe) * 3 * h * cfg.ffn
-            + moe * (cfg.experts * h + experts * 3 * h * cfg.moe_ffn))
+            + moe * (cfg.experts * h + experts * 3 * h * cfg.moe_ffn + shared))
 
 
 def weight_bytes(cfg, B: int = 1, elt: int = ELT) -> int:
@@ -205,12 +216,15 @@ def param_bytes(cfg, elt: int = ELT) -> int:
 
 def folded_bytes(cfg, elt: int = ELT) -> int:
     """Bytes of the engine's weights that are new tensors rather than the model's own:
-    the fused QKV projections and every weight a norm is folded into (FlashNorm: QKV, the
-    dense gate/up, the router and every expert's gate/up, the LM head)."""
+    the fused QKV projections (and their concatenated biases) and every weight a norm is
+    folded into (FlashNorm: QKV, the dense gate/up, the router, every expert's gate/up, a
+    shared expert's gate/up and gate, the LM head)."""
     h, q, kv = cfg.hidden, cfg.q_size, cfg.kv_size
     moe = len(cfg.moe_layers)
-    return elt * (cfg.layers * h * (q + 2 * kv) + (cfg.layers - moe) * 2 * h * cfg.ffn
-                  + moe * (cfg.experts * h + cfg.experts * 2 * h * cfg.moe_ffn)
+    shared = 2 * h * cfg.shared_ffn + h if cfg.shared_ffn else 0  # its gate/up and gate
+    bias = q + 2 * kv if cfg.qkv_bias else 0  # the q/k/v biases, concatenated
+    return elt * (cfg.layers * (h * (q + 2 * kv) + bias) + (cfg.layers - moe) * 2 * h * cfg.ffn
+                  + moe * (cfg.experts * h + cfg.experts * 2 * h * cfg.moe_ffn + shared)
                   + cfg.vocab * h)
 
 

@@ -403,6 +403,13 @@ class KernelStep:
     def _count(self, name):
         self.launches[name] += 1
 
+    def _gemv_launch(self) -> dict:
+        """The PDL arguments of every GEMV of the step: on with the gemv family (or one of
+        its variants); the release left to gemv (by rows, None) or forced by a variant."""
+        on = self.pdl_families.__contains__
+        return {"pdl": on("gemv") or on("gemv:late") or on("gemv:early"),
+                "pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
+
     def _forward(self, buf: _Buffers):
         """The decode step over a bucket's static buffers (what a graph captures)."""
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
@@ -411,9 +418,7 @@ class KernelStep:
         qkv_late = on("qkv_rope:late")
         pdl_qkv, prefetch = on("qkv_rope") or qkv_late, on("decode:prefetch")
         pdl_decode = on("decode") or prefetch
-        pdl_gemv = on("gemv") or on("gemv:late") or on("gemv:early")
-        # None: gemv picks the release by rows; the variants force one
-        late = {"pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
+        g = self._gemv_launch()
         torch.index_select(w.embed, 0, buf.tokens, out=h)
         self._count("embed")
         torch.sub(buf.seqlens, 1, out=buf.positions)
@@ -433,17 +438,16 @@ class KernelStep:
                               buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
                               pdl=pdl_decode, prefetch=prefetch)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
-            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, pdl=pdl_gemv, **late)
+            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, **g)
             self._count("gemv_o")
             if layer.router is not None:
                 self._moe(layer, h, buf)
                 continue
-            gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, pdl=pdl_gemv,
-                 **late)
+            gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, **g)
             self._count("gemv_gate_up")
-            gemv(buf.act, layer.w_down, residual=h, out=h, pdl=pdl_gemv, **late)
+            gemv(buf.act, layer.w_down, residual=h, out=h, **g)
             self._count("gemv_down")
-        gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, pdl=pdl_gemv, **late)
+        gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, **g)
         self._count("gemv_lm_head")
         if buf.logits_model is not buf.logits:
             buf.logits.copy_(buf.logits_model)
@@ -467,17 +471,17 @@ class KernelStep:
             # the shared expert reads h before the combine below adds the routed experts
             # into it: sigmoid(gate) folded into its activation (the down projection is
             # linear), then its down projection added onto h after the combine
-            pdl_gemv = any(n == "gemv" or n.startswith("gemv:") for n in self.pdl_families)
+            g = self._gemv_launch()
             gemv(h, layer.w_shared_gate_up, norm_eps=eps, silu_mul=True, out=buf.shared_act,
-                 pdl=pdl_gemv)
-            gemv(h, layer.shared_gate, norm_eps=eps, out=buf.shared_gate, pdl=pdl_gemv)
+                 **g)
+            gemv(h, layer.shared_gate, norm_eps=eps, out=buf.shared_gate, **g)
             buf.shared_act.mul_(torch.sigmoid_(buf.shared_gate))
             self._count("shared_expert")
         # out may be the residual (moe.py: each element read and written by one program)
         moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl)
         self._count("moe_down_combine")
         if layer.w_shared_gate_up is not None:
-            gemv(buf.shared_act, layer.w_shared_down, residual=h, out=h, pdl=pdl_gemv)
+            gemv(buf.shared_act, layer.w_shared_down, residual=h, out=h, **g)
 
     def _bucket(self, B):
         for b in self.buckets:

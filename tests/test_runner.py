@@ -497,7 +497,11 @@ def test_gpu_chunked_prefill_through_the_paged_call():
     """A prompt prefilled in chunks (the later ones through ``attention_paged`` over the
     cached prefix: gathered keys, then the Gluon varlen kernel past 1,024 queries on sm_90
     and the Triton one below) gives the first steps' logits of the whole-prompt prefill
-    and of the reference step, within bf16 tolerance."""
+    and of the reference step, within bf16 tolerance. Random weights make the logits flat,
+    so free-running tokens may part at a near tie: the reference (other kernels) is
+    compared on the prefill's logits only, and the later steps against the whole-prompt
+    run (the same decode kernels, reading the cache the chunks wrote) once its tokens so
+    far are checked equal."""
     from wsattn.engine.generate import Engine
     from wsattn.testing import rel_err, tol
 
@@ -505,13 +509,16 @@ def test_gpu_chunked_prefill_through_the_paged_call():
     ps = [torch.randint(0, 4096, (n,), generator=g) for n in (37, 5, 2500)]
     whole, model = _gpu_engine(max_pos=4096)
     whole.prefill_chunk = 4096
-    _, wl = whole.run(ps, 4, return_logits=True)
+    wt, wl = whole.run(ps, 4, return_logits=True)
     chunked = _gpu_engine(max_pos=4096)[0]
     chunked.prefill_chunk = 1100  # chunks 1100 (fresh), 1100 and 300 over the prefix
-    _, cl = chunked.run(ps, 4, return_logits=True)
+    ct, cl = chunked.run(ps, 4, return_logits=True)
     ref = Engine(model, dtype=torch.bfloat16, device="cuda", step="reference")
-    _, rl = ref.run(ps, 4, return_logits=True)
+    _, rl = ref.run(ps, 1, return_logits=True)
     assert not cl.isnan().any()
+    assert rel_err(cl[:, 0], rl[:, 0]) <= tol(torch.bfloat16)
+    ct = torch.stack([t[len(p):] for t, p in zip(ct, ps)])  # the new tokens, [B, 4]
+    wt = torch.stack([t[len(p):] for t, p in zip(wt, ps)])
     for s in range(4):
+        assert torch.equal(ct[:, :s], wt[:, :s]), f"the tokens before step {s} parted"
         assert rel_err(cl[:, s], wl[:, s]) <= tol(torch.bfloat16), s
-        assert rel_err(cl[:, s], rl[:, s]) <= tol(torch.bfloat16), s

@@ -702,36 +702,3 @@ def test_gpu_explicit_workspace_matches_cached_and_replays():
     assert _same_bits(q1, q0) and _same_bits(kc, k0)
     _assert_graph_replays_bitwise(inp, kc, q0, k0, k_cache=kc, v_cache=vc, block_table=bt,
                                   settings=s, workspace=ws)
-
-
-@pytest.mark.parametrize("late", [False, True, None])
-def test_two_launch_passes_pdl_late_to_its_gemv(monkeypatch, late):
-    """qkv_rope_append(pdl_late=) reaches the two-launch path's projection GEMV (False by
-    default: the release measured there); the fused kernel takes the argument and has one
-    release."""
-    from wsattn.kernels import qkv_rope
-
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def gemv_stub(*a, pdl_late="unset", **k):
-        seen.append(pdl_late)
-        raise Stop
-    monkeypatch.setattr(qkv_rope, "gemv", gemv_stub)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    D, Hq, Hkv, K = 64, 4, 2, 64
-    x = torch.randn(1, K)
-    w = torch.randn((Hq + 2 * Hkv) * D, K)
-    kc = torch.zeros(2, 16, Hkv, D)
-    kw = dict(inv_freq=qkv_rope.rope_inv_freq(D, 10000.0),
-              positions=torch.tensor([3], dtype=torch.int32), k_cache=kc,
-              v_cache=torch.zeros_like(kc), block_table=torch.tensor([[0, 1]], dtype=torch.int32),
-              settings=qkv_rope.TwoLaunchSettings(), pdl=False)
-    with pytest.raises(Stop):
-        if late is False:
-            qkv_rope.qkv_rope_append(x, w, **kw)  # the default
-        else:
-            qkv_rope.qkv_rope_append(x, w, pdl_late=late, **kw)
-    assert seen == [late]

@@ -127,14 +127,9 @@ __all__ = ["KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
 PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # A/B variants `pdl=` also takes in place of a family: the GEMVs with PDL and the release
 # forced after their weight stream ("gemv:late") or right after their wait ("gemv:early")
-# in every bucket, instead of by rows; decode attention with PDL loading each split's first
-# K/V tile (all but the new token's key) before its wait ("decode:prefetch",
-# decode_triton's PREFETCH; safe here because the launch before decode, the QKV kernel,
-# writes only q and the new keys); and the QKV call's projection GEMV (the two-launch
-# path) releasing its epilogue kernel after its weight stream ("qkv_rope:late"), where it
-# otherwise releases right after its wait. Neither measured yet (notes/decode_step.md).
-PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "decode:prefetch": "decode",
-                "qkv_rope:late": "qkv_rope"}
+# in every bucket, instead of by rows. Measured and removed (notes/decode_step.md): decode
+# loading its first K/V tile before the wait, and the QKV projection GEMV's late release.
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -415,9 +410,7 @@ class KernelStep:
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
-        qkv_late = on("qkv_rope:late")
-        pdl_qkv, prefetch = on("qkv_rope") or qkv_late, on("decode:prefetch")
-        pdl_decode = on("decode") or prefetch
+        pdl_qkv, pdl_decode = on("qkv_rope"), on("decode")
         g = self._gemv_launch()
         torch.index_select(w.embed, 0, buf.tokens, out=h)
         self._count("embed")
@@ -431,12 +424,12 @@ class KernelStep:
                             inv_freq=self.inv_freq, positions=buf.positions, k_cache=k_pages,
                             v_cache=v_pages, block_table=buf.block_table, q_out=buf.q,
                             pdl=pdl_qkv, workspace=self._qkv_workspace,
-                            qk_norm_whole=cfg.qk_norm_whole, pdl_late=qkv_late)
+                            qk_norm_whole=cfg.qk_norm_whole)
             self._count("qkv_rope")
             # the launcher through ops (no host checks; PDL, which api.decode does not take)
             attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
                               buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
-                              pdl=pdl_decode, prefetch=prefetch)[0][:, 0]  # [n, Hq, D]
+                              pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
             gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, **g)
             self._count("gemv_o")

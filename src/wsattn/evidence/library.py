@@ -306,36 +306,16 @@ def _sdpa_decode(inp):
                                           enable_gqa=q.shape[1] != k.shape[2])
 
 
-def _decode_prefetch_run(inp):
-    # the decode step's PREFETCH build: each split's first K/V tile loaded before the PDL
-    # wait (PDL where the target has it, as the engine launches it; elsewhere the same
-    # code with no wait)
-    from ..kernels import decode_triton
-    from ..target import target_of
-    q = inp["q"]
-    t = target_of(q.device)
-    out, lse = decode_triton.decode(q.unsqueeze(1), inp["k"], inp["v"], inp["seqlens"],
-                                    inp["bt"], q.shape[-1] ** -0.5, 0, prefetch=True,
-                                    pdl=t.backend == "cuda" and t.cc >= 90)
-    return out[:, 0], lse[:, 0]
-
-
-def _decode_entry(name, paged, prefetch=False):
-    run = RunSpec(draw_shape=_draw_decode(paged, 128), build=_build_decode,
-                  run=_decode_prefetch_run if prefetch else _decode_run,
+def _decode_entry(name, paged):
+    run = RunSpec(draw_shape=_draw_decode(paged, 128), build=_build_decode, run=_decode_run,
                   reference=_decode_reference, dtypes=("bf16", "fp16"), baseline=_sdpa_decode,
                   baseline_name="torch SDPA" + (" (contiguous cache)" if paged else ""),
                   profile_shapes=({"B": 8, "L": [65536] * 8, "Hq": 32, "Hkv": 8, "D": 128, "paged": paged},),
                   sanitizer_shapes=({"B": 2, "L": [17, 60], "Hq": 4, "Hkv": 1, "D": 128, "paged": paged},
                                     {"B": 1, "L": [1], "Hq": 2, "Hkv": 2, "D": 64, "paged": paged}),
                   describe=_describe_decode)
-    build = {"head_dim": 128, "dtype": "bf16", "paged": paged}
-    if prefetch:
-        return (name, "wsattn.kernels.decode_triton", "compile_spec",
-                {**build, "pdl": _PDL_BY_TARGET, "prefetch": True}, run,
-                "Triton split-KV decode, D=128 bf16, paged, the first K/V tile loaded before "
-                "the PDL wait (PREFETCH; PDL on sm_90+)", None)
-    return (name, "wsattn.kernels.decode_triton", "compile_spec", build, run,
+    return (name, "wsattn.kernels.decode_triton", "compile_spec",
+            {"head_dim": 128, "dtype": "bf16", "paged": paged}, run,
             f"Triton split-KV decode, D=128 bf16{', paged' if paged else ''}", None)
 
 
@@ -899,7 +879,6 @@ ENTRIES = (
     _paged_entry(gather=True),
     _decode_entry("decode_triton", paged=False),
     _decode_entry("decode_triton_paged", paged=True),
-    _decode_entry("decode_triton_paged_prefetch", paged=True, prefetch=True),
     _merge_entry(),
     _prefill_entry("prefill_gluon", "wsattn.kernels.prefill_gluon", impl="gluon", only_ccs=(90,)),
     _prefill_entry("prefill_gluon_causal", "wsattn.kernels.prefill_gluon", causal=True, impl="gluon",

@@ -23,9 +23,6 @@ previous kernel's (q and this token's K/V from the fused QKV kernel, the workspa
 the decode kernel) or may be, and release their dependents right after the wait, so the
 next kernel (the O-projection GEMV) can take free SM slots and start loading its weights
 while the attention streams. See ``_decode_kernel`` for why this early release is safe.
-The PREFETCH build (``prefetch=True``) instead loads each split's first K/V tile, all but
-the T new keys, before the wait, for a predecessor that writes only q and the new keys
-(the decode step's QKV kernel; the launcher's docstring states the contract).
 """
 
 from __future__ import annotations
@@ -47,58 +44,6 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _kv_rows(b, start, n, kv_live, bt_ptr, stride_btb, stride_kb, stride_kl, stride_vb,
-             stride_vl, bt_row, first_page, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr, GUARD: tl.constexpr = False):
-    """Row offsets [BLOCK_N] of the K and V tile of keys n = start + arange(BLOCK_N).
-    GUARD: the tile may lie past the split's keys (a tile read outside the loop, which
-    only visits live ones): its block-table entry is then not read."""
-    if PAGED and PAGE_SIZE % BLOCK_N == 0:
-        # tiles start BLOCK_N-aligned, so a tile lies inside one page: one page index
-        # and rows contiguous as in the contiguous cache (the compiler sees
-        # base + arange * stride and keeps its wide, pipelined loads)
-        entry = bt_ptr + b * stride_btb + start // PAGE_SIZE
-        if GUARD:  # an empty split's start may lie past the table's width
-            page = tl.load(entry, mask=tl.sum(kv_live.to(tl.int32), 0) > 0,
-                           other=0).to(tl.int64)
-        else:
-            page = tl.load(entry).to(tl.int64)
-        in_page = (start % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)  # [BLOCK_N]
-        k_rows = page * stride_kb + in_page * stride_kl  # [BLOCK_N]
-        v_rows = page * stride_vb + in_page * stride_vl
-    elif PAGED:  # a tile spans pages: gather its rows through the block table
-        if BT_CHUNK > 0:  # from the entries read before the loop (clamped past hi)
-            slot = tl.minimum(n // PAGE_SIZE - first_page, BT_CHUNK - 1)
-            page = tl.gather(bt_row, slot, axis=0)  # [BLOCK_N]
-        else:
-            page = tl.load(bt_ptr + b * stride_btb + n // PAGE_SIZE, mask=kv_live, other=0)  # [BLOCK_N]
-        in_page = (n % PAGE_SIZE).to(tl.int64)
-        k_rows = page.to(tl.int64) * stride_kb + in_page * stride_kl  # [BLOCK_N]
-        v_rows = page.to(tl.int64) * stride_vb + in_page * stride_vl
-    else:
-        k_rows = b.to(tl.int64) * stride_kb + n.to(tl.int64) * stride_kl  # [BLOCK_N]
-        v_rows = b.to(tl.int64) * stride_vb + n.to(tl.int64) * stride_vl
-    return k_rows, v_rows
-
-
-@triton.jit
-def _attend(q, k, v, n, kv_live, last_key, qk_scale, m_i, l_i, acc):
-    """One key tile of the online softmax: (m_i, l_i, acc) after keys n (log2 units)."""
-    qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-    sees = (n[None, :] <= last_key[:, None]) & kv_live[None, :]
-    qk = tl.where(sees, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
-    # a row that has seen no key yet (causal, or a padded row) keeps m = -inf:
-    # shift by 0 there so no -inf - -inf NaN forms
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [BLOCK_M, D]
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
                    ws_o_ptr, ws_lse_ptr, qk_scale, HQ,
                    stride_qb, stride_qt, stride_qh,
@@ -108,12 +53,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
                    T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr = 0,
-                   PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     # stride_kb / stride_vb step a sequence (contiguous cache) or a page (paged cache).
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    if PDL and not PREFETCH:
+    if PDL:
         # Every load below waits: q and this token's K/V are the fused QKV kernel's
         # output. seqlens and the block table are host copies made before the step, but
         # reading them after the wait too costs one dependent load's latency and keeps
@@ -133,8 +78,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
     row_live = r < T * GROUP
     d = tl.arange(0, D)  # [D]
     q_rows = b.to(tl.int64) * stride_qb + t * stride_qt + head * stride_qh  # [BLOCK_M]
-    if not PREFETCH:
-        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_live[:, None], other=0.0)  # [BLOCK_M, D]
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_live[:, None], other=0.0)  # [BLOCK_M, D]
 
     seqlen = tl.load(seqlens_ptr + b)
     # this split's BLOCK_N-aligned share [lo, hi) of the keys; empty (lo >= hi) when the
@@ -146,8 +90,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
 
     k_head = k_ptr + h * stride_kh
     v_head = v_ptr + h * stride_vh
-    first_page = 0
-    bt_row = 0
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running denominator
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     if BT_CHUNK > 0:
         # The split's block-table entries, read once: the K/V addresses in the loop then
         # depend on registers only, not on a load of the same iteration (which keeps the
@@ -155,48 +100,44 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
         first_page = lo // PAGE_SIZE
         pidx = first_page + tl.arange(0, BT_CHUNK)  # [BT_CHUNK]
         bt_row = tl.load(bt_ptr + b * stride_btb + pidx, mask=pidx * PAGE_SIZE < hi, other=0)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running denominator
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    first = lo
-    if PREFETCH:
-        # The split's first K/V tile is loaded before the PDL wait, all of it but the T
-        # new keys [seqlen - T, seqlen), which the previous kernel (the step's QKV
-        # epilogue) writes; those are loaded after the wait. The contract that makes the
-        # early part safe (KernelStep keeps it): the kernel launched right before this one
-        # writes neither seqlens, the block table nor any cache row below seqlen - T. (A
-        # kernel two launches back has completed: ours starts only once the previous one
-        # has passed its own wait.) Without PDL the same code runs, with no wait between.
-        n = lo + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        kv_live = n < hi
-        k_rows, v_rows = _kv_rows(b, lo, n, kv_live, bt_ptr, stride_btb, stride_kb,
-                                  stride_kl, stride_vb, stride_vl, bt_row, first_page,
-                                  BLOCK_N, PAGED, PAGE_SIZE, BT_CHUNK, GUARD=True)
-        old = kv_live & (n < seqlen - T)
-        k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=old[:, None], other=0.0)
-        v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=old[:, None], other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()  # as above
-        new = kv_live & (n >= seqlen - T)
-        k = tl.where(new[:, None], tl.load(k_head + k_rows[:, None] + d[None, :],
-                                           mask=new[:, None], other=0.0), k)
-        v = tl.where(new[:, None], tl.load(v_head + v_rows[:, None] + d[None, :],
-                                           mask=new[:, None], other=0.0), v)
-    if PREFETCH:
-        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_live[:, None], other=0.0)
-        # an empty split (lo >= hi) masks every key: the step leaves (m, l, acc) as they are
-        m_i, l_i, acc = _attend(q, k, v, n, kv_live, last_key, qk_scale, m_i, l_i, acc)
-        first = lo + BLOCK_N
-    for start in range(first, hi, BLOCK_N):  # software-pipelined num_stages deep
+    for start in range(lo, hi, BLOCK_N):  # software-pipelined num_stages deep
         n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         kv_live = n < hi
-        k_rows, v_rows = _kv_rows(b, start, n, kv_live, bt_ptr, stride_btb, stride_kb,
-                                  stride_kl, stride_vb, stride_vl, bt_row, first_page,
-                                  BLOCK_N, PAGED, PAGE_SIZE, BT_CHUNK)
+        if PAGED and PAGE_SIZE % BLOCK_N == 0:
+            # tiles start BLOCK_N-aligned, so a tile lies inside one page: one page index
+            # and rows contiguous as in the contiguous cache (the compiler sees
+            # base + arange * stride and keeps its wide, pipelined loads)
+            page = tl.load(bt_ptr + b * stride_btb + start // PAGE_SIZE).to(tl.int64)
+            in_page = (start % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)  # [BLOCK_N]
+            k_rows = page * stride_kb + in_page * stride_kl  # [BLOCK_N]
+            v_rows = page * stride_vb + in_page * stride_vl
+        elif PAGED:  # a tile spans pages: gather its rows through the block table
+            if BT_CHUNK > 0:  # from the entries read before the loop (clamped past hi)
+                slot = tl.minimum(n // PAGE_SIZE - first_page, BT_CHUNK - 1)
+                page = tl.gather(bt_row, slot, axis=0)  # [BLOCK_N]
+            else:
+                page = tl.load(bt_ptr + b * stride_btb + n // PAGE_SIZE, mask=kv_live, other=0)  # [BLOCK_N]
+            in_page = (n % PAGE_SIZE).to(tl.int64)
+            k_rows = page.to(tl.int64) * stride_kb + in_page * stride_kl  # [BLOCK_N]
+            v_rows = page.to(tl.int64) * stride_vb + in_page * stride_vl
+        else:
+            k_rows = b.to(tl.int64) * stride_kb + n.to(tl.int64) * stride_kl  # [BLOCK_N]
+            v_rows = b.to(tl.int64) * stride_vb + n.to(tl.int64) * stride_vl
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_live[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_live[:, None], other=0.0)  # [BLOCK_N, D]
-        m_i, l_i, acc = _attend(q, k, v, n, kv_live, last_key, qk_scale, m_i, l_i, acc)
+
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        sees = (n[None, :] <= last_key[:, None]) & kv_live[None, :]
+        qk = tl.where(sees, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+        # a row that has seen no key yet (causal, or a padded row) keeps m = -inf:
+        # shift by 0 there so no -inf - -inf NaN forms
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+        alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [BLOCK_M, D]
+        m_i = m_new
 
     # (acc, m, l) is a merge state whose max is in log2 units; in natural units it is m*ln2
     o, lse = merge_finish(acc, m_i * 0.6931471805599453, l_i)  # [BLOCK_M, D], [BLOCK_M]
@@ -384,7 +325,7 @@ COMBINE_BLOCK_D = 32  # one warp, one fp32 a thread per split
 
 
 def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, settings=None,
-           *, pdl=False, prefetch=False):
+           *, pdl=False):
     """Decode attention of T new tokens per sequence against a KV cache (validated by api.py).
 
     Args:
@@ -402,12 +343,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
             launches go out with PDL and wait for the previous kernel inside, and release
             the next kernel early. Every kernel launched after this one with PDL must read
             only weights before its own griddepcontrol.wait (the engine's kernels do).
-        prefetch: the PREFETCH build (False by default): each split loads its first K/V
-            tile, all but the T new keys, before the PDL wait, and the rest after it.
-            With pdl=True the kernel launched right before this one must not write
-            seqlens, block_table or any cache row below seqlens[b] - T (the engine's QKV
-            epilogue writes only q and the new keys); without PDL it is the same
-            computation in another order (bit for bit the default build's result).
 
     Returns:
         (out [B, T, Hq, D] in q's dtype, lse [B, T, Hq] float32, natural log; a row that
@@ -420,8 +355,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     """
     if pdl not in (True, False):
         raise ValueError(f"pdl must be True or False, got {pdl!r}")
-    if not isinstance(prefetch, bool):
-        raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
     if pdl:
         target = target_of(q.device)
         if target.backend != "cuda" or target.cc < 90:
@@ -460,7 +393,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     bt = block_table if paged else seqlens  # any int32 pointer when not paged
     # PDL off passes nothing: the default launch (and build) stays as it was
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
-    early = {"PREFETCH": True} if prefetch else {}
     _decode_kernel[(B, HKV, splits)](
         q, k_cache, v_cache, seqlens, bt, out, lse, ws_o, ws_lse,
         sm_scale * LOG2E, HQ,
@@ -471,7 +403,7 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         T=T, GROUP=group, D=D, BLOCK_M=_block_m(T, group), BLOCK_N=settings.BLOCK_N,
         NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=page_size,
         BT_CHUNK=bt_chunk(settings, capacity, page_size) if paged else 0,
-        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch, **early)
+        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, D)
         _combine_kernel[(B * T * HQ, D // block_d)](
@@ -487,16 +419,14 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool = False,
                  settings: DecodeSettings | None = None, *, T: int = 1, group: int = 4,
                  page_size: int = 16, num_sms: int = 132, kernel: str = "decode",
-                 pdl: bool = False, prefetch: bool = False, capacity: int = 131072) -> dict:
+                 pdl: bool = False) -> dict:
     """What ``triton.compile`` needs to build a decode kernel for compute capability cc.
 
     kernel="decode" gives the main split-KV kernel, kernel="combine" the split combine.
     pdl=True builds the PDL variant (constexpr PDL, option launch_pdl); pdl=False leaves
-    both out, exactly the default build. prefetch=True adds the PREFETCH constexpr (the
-    first tile before the wait; decode kernel only).
-    Settings default to default_settings for a single-token B=1, Hkv=8, L=capacity call
-    on a GPU with num_sms SMs (at the default 131072 keys NUM_SPLITS > 1 and the workspace
-    path is compiled).
+    both out, exactly the default build.
+    Settings default to default_settings for a single-token B=1, Hkv=8, L=131072 call
+    on a GPU with num_sms SMs (so NUM_SPLITS > 1 and the workspace path is compiled).
 
     Returns a dict:
         "fn":         the @triton.jit kernel,
@@ -515,11 +445,9 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
     if settings is None:
         target = Target("cuda", cc, num_sms)
         settings = default_settings(target, batch=1, kv_heads=8, head_dim=head_dim,
-                                    capacity=capacity, dtype=DTYPES[dtype], paged=paged,
+                                    capacity=131072, dtype=DTYPES[dtype], paged=paged,
                                     query_rows=T * group, page_size=page_size if paged else 0)
     if kernel == "combine":
-        if prefetch:
-            raise ValueError("prefetch is a switch of the decode kernel, not of the combine")
         sig = {"ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "out_ptr": f"*{t}", "lse_ptr": "*fp32",
                "D": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_D": "constexpr"}
         const = {"D": head_dim, "NUM_SPLITS": settings.num_splits,
@@ -542,13 +470,11 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
     const = {"T": T, "GROUP": group, "D": head_dim, "BLOCK_M": _block_m(T, group),
              "BLOCK_N": settings.BLOCK_N, "NUM_SPLITS": settings.num_splits, "PAGED": paged,
              "PAGE_SIZE": page_size if paged else 1,
-             "BT_CHUNK": bt_chunk(settings, capacity, page_size) if paged else 0}
+             "BT_CHUNK": bt_chunk(settings, 131072, page_size) if paged else 0}
     options = {"num_warps": settings.num_warps, "num_stages": settings.num_stages}
     if pdl:
         const["PDL"] = True
         options["launch_pdl"] = True
-    if prefetch:
-        const["PREFETCH"] = True
     sig.update({name: "constexpr" for name in const})
     return {"fn": _decode_kernel, "signature": sig, "constexprs": const,
             "attrs": _aligned(_decode_kernel, _DECODE_ALIGNED), "options": options}

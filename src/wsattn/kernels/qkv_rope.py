@@ -651,7 +651,7 @@ def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
 def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=None,
                     qk_eps=None, inv_freq, positions, k_cache, v_cache, block_table=None,
                     seq_index=None, q_out=None, pdl=None, settings=None, workspace=None,
-                    qk_norm_whole=False, pdl_late=False):
+                    qk_norm_whole=False):
     """Projects M rows to q, k, v, applies FlashNorm / bias / QK-norm / RoPE, writes q and
     appends k, v to the KV cache, in one kernel launch.
 
@@ -693,11 +693,6 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
             (FlashNorm scale included) into the model dtype, then one kernel for the
             norm, RoPE, the q store and the append: the TwoLaunchSettings path, whose
             settings.gemv applies when given; QkvRopeSettings and workspace are unused.
-        pdl_late: the two-launch path's projection GEMV releases its dependents (the
-            epilogue kernel) after its weight stream (True), right after its wait
-            (False, the default, the release measured on this path), or by rows (None:
-            gemv's rule); :func:`gemv.gemv`'s ``pdl_late``. The fused kernel has one
-            release and ignores it. The result is the same bit for bit.
 
     Returns:
         q_out [M, Hq, D]. k_cache / v_cache are written in place at the rows' slots only;
@@ -735,7 +730,7 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
                                   positions, k_cache, v_cache, block_table, seq_index, q_out,
                                   bool(pdl), HQ, HKV, D, qk_norm_whole,
                                   settings.gemv if isinstance(settings, TwoLaunchSettings)
-                                  else None, pdl_late)
+                                  else None)
     if not isinstance(settings, QkvRopeSettings):
         raise ValueError(f"settings must be a QkvRopeSettings or TwoLaunchSettings, got "
                          f"{type(settings).__name__}")
@@ -788,17 +783,17 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
 
 def _two_launch_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
                        k_cache, v_cache, block_table, seq_index, q_out, pdl, HQ, HKV, D,
-                       whole, gemv_settings, pdl_late=False):
+                       whole, gemv_settings):
     """qkv_rope_append's two-launch path (inputs checked there): gemv, then the kernel."""
     M = x.shape[0]
     if q_out is None:
         q_out = empty((M, HQ, D), x.dtype, x.device)
     if M == 0:
         return q_out
-    # the early release (the default) is the one measured here: the epilogue kernel is
-    # small and waits on every gemv column anyway
+    # the early release is the one measured here (the epilogue kernel is small and waits
+    # on every gemv column anyway)
     qkv = gemv(x, wqkv, norm_eps=norm_eps, pdl=pdl, settings=gemv_settings,
-               pdl_late=pdl_late)  # [M, (HQ + 2 * HKV) * D]
+               pdl_late=False)  # [M, (HQ + 2 * HKV) * D]
     paged = block_table is not None
     dummy = inv_freq  # for pointers a switched-off variant never reads
     _norm_rope_append_kernel[(cdiv(M, EPILOGUE_BLOCK_M), HQ + 2 * HKV)](

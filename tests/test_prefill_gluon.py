@@ -431,8 +431,7 @@ def test_ladder_varlen_entry_builds_and_runs_the_varlen_launcher(monkeypatch):
 def test_ladder_varlen_entries_build_the_table_grid_and_the_plain_one(monkeypatch):
     """`prefill_gluon_varlen` gates 0-2 on the VARLEN_COMPACT build (the default; tiles an
     argument), `prefill_gluon_varlen_plain` on the plain grid's; the latter's runner calls
-    prefill_varlen with compact_varlen=False, `prefill_gluon_varlen_persistent`'s with
-    persistent and longest-first settings (recorded; nothing runs)."""
+    prefill_varlen with compact_varlen=False (recorded; nothing runs)."""
     from wsattn.evidence import ladder, library
     cs = library.get("prefill_gluon_varlen").compile_spec(90)
     assert cs["constexprs"]["VARLEN"] == pg.VARLEN_COMPACT and cs["signature"]["tiles"] == "*i32"
@@ -453,19 +452,6 @@ def test_ladder_varlen_entries_build_the_table_grid_and_the_plain_one(monkeypatc
                          "cpu", torch.Generator().manual_seed(0))
     out, lse = spec.run.run(inp)
     assert calls == [((18, 4, 64), [0, 17, 18], False, False)]
-    # the persistent walk of the table (causal, longest first)
-    spec = library.get("prefill_gluon_varlen_persistent")
-    assert not spec.unavailable, spec.unavailable
-    cs = spec.compile_spec(90)
-    assert cs["constexprs"]["PERSISTENT"] is True and cs["signature"]["tiles"] == "*i32"
-    assert spec.compile_spec(90, head_dim=64)["constexprs"]["PERSISTENT"] is True
-
-    def varlen_p(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, settings=None):
-        calls.append((settings.persistent, settings.varlen_longest_first, causal))
-        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
-    monkeypatch.setattr(pg, "prefill_varlen", varlen_p)
-    spec.run.run(inp)
-    assert calls[-1] == (True, True, True)
 
 
 def test_api_refuses_gluon_varlen_off_sm90(monkeypatch):
@@ -659,7 +645,7 @@ def test_compact_tile_reads_the_table_as_the_plain_grid_tiles(causal):
     compact, plain = [], []
     for pid in range(n):
         tile = _py_twin(parts._tile, pid, n, memory)
-        m, off_b, h, q0, k0, q_len, kv_len = tile(pid, None, 0, 0, hq, CU_Q, CU_K, TILES, n,
+        m, off_b, h, q0, k0, q_len, kv_len = tile(pid, None, 0, 0, hq, CU_Q, CU_K, TILES,
                                                   causal, parts.VARLEN_COMPACT)
         assert off_b == 0
         if m * bm < q_len:
@@ -671,7 +657,7 @@ def test_compact_tile_reads_the_table_as_the_plain_grid_tiles(causal):
     grid = n_m * len(q_lens) * hq
     for pid in range(grid):
         tile = _py_twin(parts._tile, pid, grid, memory)
-        m, off_b, h, q0, k0, q_len, kv_len = tile(pid, n_m, 0, 0, hq, CU_Q, CU_K, None, grid,
+        m, off_b, h, q0, k0, q_len, kv_len = tile(pid, n_m, 0, 0, hq, CU_Q, CU_K, None,
                                                   causal, True)
         if m * bm < q_len:
             plain.append((q0, h, m, k0, q_len, kv_len,
@@ -805,162 +791,17 @@ def test_default_takes_the_persistent_schedule_where_it_measured_faster(
     assert pg.PERSISTENT_UP_TO == {(64, False): 1024}
 
 
-def test_persistent_varlen_needs_the_table(monkeypatch):
-    """The persistent varlen schedule walks the tile table: persistent=True with
-    compact_varlen=False is refused by name (launcher and compile_spec); a pack too large
-    for the table takes the plain grid, one tile a CTA (recorded; nothing runs)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_persistent_varlen_is_refused_by_name(monkeypatch):
+    """Varlen has no persistent schedule yet: the launcher and compile_spec say so."""
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
-    s = pg.settings_for(64, False, persistent=True, compact_varlen=False)
-    with pytest.raises(ValueError, match=r"persistent=True with compact_varlen=False"):
+    s = pg.settings_for(64, False, persistent=True)
+    with pytest.raises(ValueError, match=r"persistent=True.*varlen is not supported yet"):
         pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, False, 0.125, settings=s)
-    with pytest.raises(ValueError, match=r"persistent=True with compact_varlen=False"):
+    with pytest.raises(ValueError, match=r"persistent=True.*varlen is not supported yet"):
         pg.compile_spec(head_dim=64, settings=s, varlen=True)
     assert rec.launches == []
-    monkeypatch.setattr(pg, "table_fits", lambda *a: False)
-    pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, False, 0.125,
-                      settings=pg.settings_for(64, False, persistent=True))
-    (grid, args, kw), = rec.launches
-    assert kw["PERSISTENT"] is False and kw["VARLEN"] is True and args[-3:] == (None, None, None)
-
-
-def test_persistent_varlen_launcher_grid_and_arguments(monkeypatch):
-    """persistent=True on a pack: the tile table (in the settings' order), then min(tiles,
-    SMs) CTAs (the interpreter target has 4) with n_bh = the table's length and section 0
-    (recorded on CPU tensors with both kernels replaced; nothing runs)."""
-    from wsattn.kernels import varlen_tiles as vt
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    rec = _Recorder()
-    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
-    tables = []
-
-    def table(cu, n_tiles, hq, block_m, c, longest_first, cu_seqlens_k):
-        tables.append((n_tiles, longest_first))
-        return torch.zeros(2, n_tiles, dtype=torch.int32)
-    monkeypatch.setattr(pg, "varlen_tile_table", table)
-    q, k, v, cu_q, cu_k = _pack([0, 300, 17, 5], [4, 310, 17, 9], 14, 2, 128, torch.bfloat16)
-    s = pg.settings_for(128, True, persistent=True, varlen_longest_first=True)
-    pg.prefill_varlen(q, k, v, cu_q, cu_k, 300, None, True, 0.125, settings=s)
-    (grid, args, kw), = rec.launches
-    n = vt.tile_bound(322, 4, s.BLOCK_M, 300) * 14
-    assert tables == [(n, True)] and grid == (4, )
-    assert args[-3:-1] == (n, 0) and args[-1].shape == (2, n)
-    assert kw["PERSISTENT"] is True and kw["VARLEN"] == pg.VARLEN_COMPACT
-    assert kw["UNROLL"] is False  # PER_PERSISTENT
-    # the default varlen call stays one tile a CTA
-    pg.prefill_varlen(q, k, v, cu_q, cu_k, 300, None, True, 0.125)
-    assert rec.launches[-1][2]["PERSISTENT"] is False
-
-
-def _varlen_walks(q_lens, kv_lens, hq, block_m, block_n, causal, grid, longest_first):
-    """Each CTA's tiles [(seq, head, row block, run, unseen, n_total)] from the twins of
-    _persistent_walk and _persistent_varlen_tile over the table test_varlen_tiles
-    enumerates (the helpers the producer and the consumers call)."""
-    from test_varlen_tiles import reference as table_of
-    from wsattn.kernels import prefill_gluon_parts as parts
-    from wsattn.kernels import varlen_tiles as vt
-    n_tiles = hq * vt.tile_bound(sum(q_lens), len(q_lens), block_m, max(q_lens))
-    seqs, codes = table_of(q_lens, hq, block_m, causal, n_tiles, longest_first, kv_lens)
-    cu_q = [0]
-    cu_k = [0]
-    for a, b in zip(q_lens, kv_lens):
-        cu_q.append(cu_q[-1] + a)
-        cu_k.append(cu_k[-1] + b)
-    # memory: the table at 0.., cu_q at 10**6.., cu_k at 2 * 10**6..
-    memory = {i: x for i, x in enumerate(seqs + codes)}
-    memory.update({10 ** 6 + i: x for i, x in enumerate(cu_q)})
-    memory.update({2 * 10 ** 6 + i: x for i, x in enumerate(cu_k)})
-    walks = []
-    for pid in range(grid):
-        first, stride, count = _py_twin(parts._persistent_walk, pid, grid)(n_tiles)
-        tile = _py_twin(parts._persistent_varlen_tile, pid, grid, memory)
-        walk = []
-        for t in (first + i * stride for i in range(count)):
-            m, _, h, q0, k0, q_len, kv_len, n_full, n_total, run, unseen = tile(
-                t, -(-max(q_lens) // block_m), hq, 10 ** 6, 2 * 10 ** 6, 0, n_tiles,
-                block_m, block_n, causal)
-            b = seqs[t]
-            if b >= 0:
-                assert (q0, k0, q_len, kv_len) == (cu_q[b], cu_k[b], q_lens[b], kv_lens[b])
-            walk.append((b, h, m, bool(run), bool(unseen), n_total, t))
-        walks.append(walk)
-    return walks
-
-
-@pytest.mark.parametrize("longest_first", [False, True], ids=["pack-order", "longest"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_persistent_varlen_walk_runs_every_tile_once(causal, longest_first):
-    """Across the CTAs, every (sequence, head, row block) of the pack is run exactly once
-    (run: it has rows and keys), a sequence with no keys is stored as unseen and never run,
-    spares and row blocks past a sequence are neither; with longest_first the runs start
-    with the sequences that have the most keys."""
-    q_lens = [0, 65, 0, 1, 1000, 63, 0, 64, 129, 193, 17]
-    kv_lens = [0, 65, 17, 1, 1100, 63, 0, 64, 300, 193, 2000]
-    if not causal:
-        q_lens, kv_lens = q_lens + [30], kv_lens + [0]  # no keys: unseen
-    hq, bm, bn = 4, 128, 128
-    walks = _varlen_walks(q_lens, kv_lens, hq, bm, bn, causal, 5, longest_first)
-    runs = sorted((b, h, m) for w in walks for b, h, m, run, _, _, _ in w if run)
-    want = sorted((b, h, m) for b, n in enumerate(q_lens) for h in range(hq)
-                  for m in range(-(-n // bm)) if kv_lens[b] > 0)
-    assert runs == want
-    unseen = sorted((b, h, m) for w in walks for b, h, m, _, un, _, _ in w if un)
-    assert unseen == sorted((b, h, m) for b, n in enumerate(q_lens) for h in range(hq)
-                            for m in range(-(-n // bm)) if kv_lens[b] == 0)
-    assert all(n_total > 0 for w in walks for _, _, _, run, _, n_total, _ in w if run)
-    if longest_first:  # in table order (the order the CTAs take them), most keys first
-        by_t = sorted((t, kv_lens[b]) for w in walks for b, _, _, run, _, _, t in w if run)
-        assert [kv for _, kv in by_t] == sorted((kv for _, kv in by_t), reverse=True)
-
-
-def test_persistent_varlen_partitions_share_one_schedule():
-    """In the varlen persistent branch the producer and the consumers read their tiles
-    from the same two helpers (each call site's source, parsed)."""
-    import ast
-    import inspect
-    from wsattn.kernels import prefill_gluon_parts as parts
-
-    def varlen_calls(fn):
-        tree = ast.parse(inspect.getsource(fn.fn))
-        branch = next(n for n in ast.walk(tree) if isinstance(n, ast.If)
-                      and isinstance(n.test, ast.BoolOp)
-                      and [getattr(v, "id", None) for v in n.test.values]
-                      == ["PERSISTENT", "VARLEN"])
-        return sorted(c.func.id for stmt in branch.body for c in ast.walk(stmt)
-                      if isinstance(c, ast.Call) and isinstance(c.func, ast.Name))
-
-    for calls in (varlen_calls(parts._consumer), varlen_calls(parts._producer)):
-        assert calls.count("_persistent_walk") == 1
-        assert calls.count("_persistent_varlen_tile") == 1
-        assert "_tile" not in calls and "_persistent_tile" not in calls
-
-
-# ptxas -v spill bytes (stores, loads) of the persistent varlen builds: the loop carries the
-# table tile's offsets and lengths, and each tile's epilogue has the masked register store
-# of a box past its sequence. Recorded, not judged here: the bench decides.
-PERSISTENT_VARLEN_SPILL_BYTES = {(64, False): [460, 476], (64, True): [60, 60],
-                                 (128, False): [1932, 2604], (128, True): [0, 0]}
-
-
-@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
-def test_sm90_persistent_varlen_structure(head_dim, causal):
-    """persistent=True with the tile table: the default build's partitions, warps and
-    registers, a build of its own, n_bh / section arguments, the table an argument, and
-    the spill bytes recorded above."""
-    s = pg.settings_for(head_dim, causal, persistent=True)
-    k = _compile(head_dim, causal, True, persistent=True)
-    _assert_ws_structure(k, s, head_dim)
-    ptx = k.asm["ptx"]
-    assert ptx != _compile(head_dim, causal, True).asm["ptx"]
-    assert _ptxas_spill_bytes(ptx) == PERSISTENT_VARLEN_SPILL_BYTES[head_dim, causal]
-    assert k.metadata.shared <= pg.SMEM_LIMIT
-    spec = pg.compile_spec(head_dim=head_dim, causal=causal, settings=s, varlen=True)
-    assert spec["signature"]["n_bh"] == spec["signature"]["section"] == "i32"
-    assert spec["signature"]["tiles"] == "*i32"
-    assert spec["constexprs"]["PERSISTENT"] is True
-    assert spec["constexprs"]["VARLEN"] == pg.VARLEN_COMPACT
 
 
 # --------------------------------------------------------------------------- sm_90 GPU
@@ -1256,35 +1097,6 @@ def test_sm90_varlen_schedule_variants(variant, head_dim, causal):
                                  settings=s)
     ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal)
     _assert_varlen_close(out, lse, ref, ref_lse, cu_q, torch.float16)
-
-
-@pytest.mark.sm90
-@pytest.mark.parametrize("longest_first", [False, True], ids=["pack-order", "longest"])
-@pytest.mark.parametrize("pack, head_dim, causal", VARLEN_GPU_CASES)
-def test_sm90_persistent_varlen_numerics(pack, head_dim, causal, longest_first):
-    """persistent=True on a pack (one CTA an SM walking the tile table): out and LSE within
-    tolerance of float64 per sequence, bit-identical over reruns, within tolerance of the
-    one-tile-a-CTA build; a sequence with no keys gets 0 and -inf."""
-    from wsattn import reference
-    q_lens, kv_lens = VARLEN_PACKS[pack]
-    dtype = torch.bfloat16
-    q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, dtype, "cuda",
-                                seed=len(q_lens) + head_dim + 2)
-    scale = head_dim ** -0.5
-    s = pg.settings_for(head_dim, causal, persistent=True, varlen_longest_first=longest_first)
-    out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal, scale,
-                                 settings=s)
-    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale)
-    _assert_varlen_close(out, lse, ref, ref_lse, cu_q, dtype)
-    for _ in range(3):
-        again = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal, scale,
-                                  settings=s)
-        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
-    one, one_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal, scale)
-    live = torch.isfinite(one_lse)
-    assert_close(out.double(), one.double(), dtype, "persistent vs one tile a CTA")
-    assert torch.equal(live, torch.isfinite(lse))
-    assert_close(lse[live].double(), one_lse[live].double(), dtype, "lse")
 
 
 # --------------------------------------------------------------------------- persistent, sm_90 GPU

@@ -88,8 +88,8 @@ SUPPORTS = {"gluon": _gluon_supports, "triton": _triton_supports,
 # launch: 353).
 TRITON_FASTER_UP_TO = {(64, True): 1024, (128, True): 1024}
 # Varlen takes the rule with its longest sequence (Call.seqlen_q: max_seqlen_q, else Tq)
-# in place of Sq, and keeps D64 non-causal on Triton up to 1024: the one-tile launch only
-# tied the Triton kernel there (the persistent walk of a pack is built but not measured).
+# in place of Sq, and keeps D64 non-causal on Triton up to 1024: the persistent schedule is
+# fixed-length only, and the one-tile launch only tied the Triton kernel there.
 VARLEN_TRITON_FASTER_UP_TO = {**TRITON_FASTER_UP_TO, (64, False): 1024}
 # The Gluon varlen build reached the ladder's sanitizer gate (with the
 # warp-specialize dispatch waiver of the other Gluon builds; ladder_sm90_varlen_moe.md)

@@ -70,19 +70,14 @@ def _cumsum(xs):
         yield t
 
 
-# Gluon varlen builds that are kernel settings, not API choices: the plain grid (the
-# fallback of packs the tile table cannot hold) and the persistent walk of the table
-_GLUON_VARLEN_BUILDS = {"plain": {"compact_varlen": False},
-                        "persistent": {"persistent": True, "varlen_longest_first": True}}
-
-
-def _prefill_runner(causal, impl, build=None):
+def _prefill_runner(causal, impl, plain=False):
     def run(inp):
         import wsattn
-        if build is not None:
+        if plain:  # the plain varlen grid (the fallback of packs the tile table cannot
+            # hold) is a kernel setting, not an API choice
             from ..kernels import prefill_gluon
             q = inp["q"]
-            s = prefill_gluon.settings_for(q.shape[-1], causal, **_GLUON_VARLEN_BUILDS[build])
+            s = prefill_gluon.settings_for(q.shape[-1], causal, compact_varlen=False)
             return prefill_gluon.prefill_varlen(q, inp["k"], inp["v"], inp["cu_q"], inp["cu_k"],
                                                 None, None, causal, 1.0 / math.sqrt(q.shape[-1]),
                                                 settings=s)
@@ -130,16 +125,14 @@ _SANITIZER_PREFILL = {
 
 
 def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only_ccs=None,
-                   build=None):
+                   plain=False):
     kwargs = {"head_dim": 128, "dtype": "bf16", "causal": causal}
     if varlen:
         kwargs["varlen"] = True
-    if build == "plain":
+    if plain:
         kwargs["plain_grid"] = True
-    elif build == "persistent":
-        kwargs.update(persistent=True, longest_first=True)
     run = RunSpec(draw_shape=_draw_prefill(causal, varlen, 128), build=_build_prefill,
-                  run=_prefill_runner(causal, impl, build),
+                  run=_prefill_runner(causal, impl, plain),
                   reference=_prefill_reference(causal),
                   dtypes=("bf16", "fp16"), interpreter=impl == "triton",
                   baseline=None if varlen else _sdpa_prefill(causal),
@@ -149,8 +142,7 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                   sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill)
     desc = f"{'Gluon' if impl == 'gluon' else 'Triton'} prefill, D=128 bf16" + \
         (", causal" if causal else "") + (", varlen" if varlen else "") + \
-        {None: "", "plain": ", plain grid (no tile table)",
-         "persistent": ", persistent walk of the tile table, longest first"}[build]
+        (", plain grid (no tile table)" if plain else "")
     return name, module, "compile_spec", kwargs, run, desc, only_ccs
 
 
@@ -886,9 +878,7 @@ ENTRIES = (
     _prefill_entry("prefill_gluon_varlen", "wsattn.kernels.prefill_gluon", varlen=True, impl="gluon",
                    only_ccs=(90,)),
     _prefill_entry("prefill_gluon_varlen_plain", "wsattn.kernels.prefill_gluon", varlen=True,
-                   impl="gluon", only_ccs=(90,), build="plain"),
-    _prefill_entry("prefill_gluon_varlen_persistent", "wsattn.kernels.prefill_gluon",
-                   varlen=True, causal=True, impl="gluon", only_ccs=(90,), build="persistent"),
+                   impl="gluon", only_ccs=(90,), plain=True),
     _gemv_entry("gemv_norm_silu", "norm_silu"),
     _gemv_entry("gemv_residual", "residual"),
     _gemv_entry("gemv_splitk", "residual", split=True),

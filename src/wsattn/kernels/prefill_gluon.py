@@ -80,11 +80,9 @@ class GluonSettings:
     PRODUCER_REGS: int = 24
     CONSUMERS: int = 2  # consumer warpgroups of 64 rows; 3 (BLOCK_M = 192) at head dim 64 only
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
-    # prefill_gluon_parts). Off in settings_for: on the H200 it gained 4-22 % at N = 1024
-    # and lost 2-10 % from N = 4096 on (notes/prefill_gluon.md); a fixed-length call
-    # without settings takes it where PERSISTENT_UP_TO says. Varlen: the CTAs walk the tile
-    # table (compact_varlen; in its order, so with varlen_longest_first longest first);
-    # built, not measured, and never taken without settings.
+    # prefill_gluon_parts); fixed length only. Off in settings_for: on the H200 it gained
+    # 4-22 % at N = 1024 and lost 2-10 % from N = 4096 on (notes/prefill_gluon.md); a call
+    # without settings takes it where PERSISTENT_UP_TO says.
     persistent: bool = False
     # The persistent schedule's L2 budget for one section's K/V (see l2_section): smaller
     # sections keep fewer heads' K/V live, larger ones balance the CTAs' work better.
@@ -212,10 +210,10 @@ def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: in
 
 
 def _refuse_persistent_varlen(s: GluonSettings) -> None:
-    if s.persistent and not s.compact_varlen:
-        raise ValueError("settings.persistent=True with compact_varlen=False: the persistent "
-                         "varlen schedule walks the tile table; use compact_varlen=True (or "
-                         "persistent=False)")
+    if s.persistent:
+        raise ValueError("settings.persistent=True: the persistent schedule covers "
+                         "fixed-length prefill only, varlen is not supported yet; use "
+                         "persistent=False for prefill_varlen")
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):
@@ -308,24 +306,18 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     k_desc = _descriptor(k.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
     v_desc = _descriptor(v.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
     tiles, varlen = None, True
-    grid = walk = section = None
     if s.compact_varlen and table_fits(Tq, Hq, s.BLOCK_M):
         num_tiles = tile_bound(Tq, n_seq, s.BLOCK_M, max_q) * Hq
         tiles = varlen_tile_table(cu_seqlens_q, num_tiles, Hq, s.BLOCK_M, causal,
                                   longest_first=s.varlen_longest_first,
                                   cu_seqlens_k=cu_seqlens_k)
         varlen = VARLEN_COMPACT
-        if s.persistent:  # one CTA per SM at most, walking the table (see attn_fwd_kernel)
-            grid = min(num_tiles, target_of(q.device).num_sms)
-            walk, section = num_tiles, 0
     else:
         num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq  # one CTA per tile; surplus ones exit
-        if s.persistent:  # a pack too large for the table: the plain grid, not persistent
-            s = replace(s, persistent=False)
-    attn_fwd_kernel[(num_tiles if grid is None else grid, )](
-        q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq, sm_scale * math.log2(math.e), out,
-        cu_seqlens_q, cu_seqlens_k, Tq, max_q, walk, section, tiles, num_warps=4,
-        VARLEN=varlen, **_constexprs(D, Hq // Hkv, causal, s))
+    attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
+                                   sm_scale * math.log2(math.e), out, cu_seqlens_q,
+                                   cu_seqlens_k, Tq, max_q, None, None, tiles, num_warps=4,
+                                   VARLEN=varlen, **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
 
@@ -339,23 +331,16 @@ def _tma_ready(t) -> bool:
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
                  settings: GluonSettings | None = None, varlen: bool = False,
-                 plain_grid: bool = False, persistent: bool = False,
-                 longest_first: bool = False) -> dict:
+                 plain_grid: bool = False) -> dict:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
     arguments), else the fixed-length one (they are None constexprs). settings.persistent:
-    n_bh and section are arguments (varlen: the table's length and an unused 0), else
-    None constexprs.
+    n_bh and section are arguments (fixed length only), else None constexprs.
     varlen with settings.compact_varlen (the default): the tile-table build (VARLEN =
     VARLEN_COMPACT, tiles an argument; else a None constexpr); plain_grid=True (or
     compact_varlen=False): the plain grid's build, which packs whose codes do not fit the
-    table take. persistent / longest_first (no settings given): settings_for's with
-    persistent=True / varlen_longest_first=True (the table's order is the launcher's, the
-    build is the same)."""
-    if settings is None and (persistent or longest_first):
-        settings = settings_for(head_dim, causal, persistent=persistent,
-                                varlen_longest_first=longest_first)
+    table take."""
     s = _resolve(settings, head_dim, causal)
     if plain_grid:
         s = replace(s, compact_varlen=False)

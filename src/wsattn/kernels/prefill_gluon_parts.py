@@ -23,12 +23,11 @@ builds on the device (prefill_gluon.varlen_tile_table): the grid then holds the 
 tiles and at most one spare a sequence and head, instead of every sequence padded to the
 longest, whose surplus CTAs each took an SM's whole shared memory to do nothing.
 
-PERSISTENT (constexpr) launches at most one CTA per SM; each walks the tiles pid,
-pid + grid, ... of one order (_persistent_walk; fixed length, _persistent_tile: the
+PERSISTENT (constexpr, fixed length only) launches at most one CTA per SM; each walks
+the tiles pid, pid + grid, ... of one order (_persistent_walk, _persistent_tile: the
 longest causal row blocks first, the heads of a GQA group side by side, in sections
-whose K/V fit L2; varlen, the tile table's order, _persistent_varlen_tile). The producer
-and the consumers call the same helpers, and count the ring index, the Q barriers' phase
-and the ping-pong turns over all the CTA's tiles.
+whose K/V fit L2). The producer and the consumers call the same two helpers, and count
+the ring index, the Q barriers' phase and the ping-pong turns over all the CTA's tiles.
 """
 
 from __future__ import annotations
@@ -111,20 +110,19 @@ def _tile_coords(t, n_m, Hq, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, tiles, n_table, CAUSAL: gl.constexpr,
+def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, tiles, CAUSAL: gl.constexpr,
           VARLEN: gl.constexpr):
     """The one schedule every partition reads: program pid -> (start_m, off_b, off_h, q0,
     k0, q_len, kv_len). off_b is the descriptors' leading coordinate, q0 / k0 the row of
     the sequence's first query / key in them, q_len / kv_len its lengths. Fixed length:
     (b, 0, 0, Sq, Sk). VARLEN: one [1, T, H * D] pack, so off_b = 0 and the rows come from
     cu_q / cu_k; the grid covers the longest sequence (see attn_fwd_kernel). VARLEN ==
-    COMPACT: the tile comes from the launcher's table (tiles: int32 [2, n_table], the
-    sequence, or -1 past the last real tile, then head * CODE_BASE + row block; n_table is
-    the grid, or the persistent walk's tile count), so the grid holds the real tiles and at
-    most one spare a sequence and head (q_len 0 on a spare)."""
+    COMPACT: the tile comes from the launcher's table (tiles: int32 [2, grid], the
+    sequence, or -1 past the last real tile, then head * CODE_BASE + row block), so the grid
+    holds the real tiles and at most one spare a sequence and head (q_len 0 on a spare)."""
     if VARLEN == COMPACT:
         b = gl.load(tiles + pid)
-        code = gl.load(tiles + n_table + pid)
+        code = gl.load(tiles + gl.num_programs(0) + pid)
         live = b >= 0
         b = gl.maximum(b, 0)
         start_m = code % TILE_CODE
@@ -184,25 +182,6 @@ def _persistent_tile(t, n_m, n_bh, section, Sq, Sk, Hq, BLOCK_M: gl.constexpr,
     start_m = _row_block(m_rank, n_m, CAUSAL)
     n_full, n_total = _tile_counts(start_m, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
     return start_m, bh // Hq, bh % Hq, n_full, n_total
-
-
-@gluon.jit
-def _persistent_varlen_tile(t, n_m, Hq, cu_q, cu_k, tiles, n_table, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """The persistent varlen schedule: tile t of the launcher's table (in its order; with
-    longest_first the sequences with the most keys first) -> (start_m, off_b, off_h, q0,
-    k0, q_len, kv_len, n_full, n_total, run, unseen). run: the tile has rows and keys, so
-    the producer loads it and every consumer runs it, and both count it (ring index r0,
-    Q phase); unseen: rows but no keys (full attention over an empty sequence): the
-    consumers store 0 and -inf for them without any load or barrier, and neither side
-    counts it (a tile of no K/V tiles would break the ping-pong turn count r0 - tile_i).
-    Spares (q_len 0) are neither."""
-    start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(t, n_m, 0, 0, Hq, cu_q, cu_k, tiles,
-                                                         n_table, CAUSAL, COMPACT)
-    n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
-    has_rows = start_m * BLOCK_M < q_len
-    return (start_m, off_b, off_h, q0, k0, q_len, kv_len, n_full, n_total,
-            has_rows & (n_total > 0), has_rows & (n_total == 0))
 
 
 @gluon.jit
@@ -457,29 +436,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
     turn_mine = turn_bars.index(WG)
     turn_other = turn_bars.index((WG + 1) % CONSUMERS)
 
-    if PERSISTENT and VARLEN:  # the tile table's tiles pid, pid + grid, ... (n_bh of them)
-        first, stride, count = _persistent_walk(n_bh)
-        r0 = 0  # the ring index of the current tile's first K/V tile
-        done = 0  # tiles run so far: the Q barriers' phase (see _persistent_varlen_tile)
-        for i in range(count):
-            start_m, off_b, off_h, q0, k0, q_len, kv_len, n_full, n_total, run, unseen = \
-                _persistent_varlen_tile(first + i * stride, n_m, Hq, cu_q, cu_k, tiles, n_bh,
-                                        BLOCK_M, BLOCK_N, CAUSAL)
-            if run:
-                _consume_q_tile(WG, start_m, off_b, off_h, q0, q_len, kv_len, n_full, n_total,
-                                r0, done, q, q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready,
-                                kv_empty, turn_mine, turn_other, o_desc, o_ptr, lse_ptr, Tq, Hq,
-                                qk_scale, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, D,
-                                STAGES, CAUSAL, PINGPONG, UNROLL, WG_TILES, VARLEN)
-                r0 += n_total
-                done += 1
-            if unseen:  # a sequence with no keys: its rows get 0 and -inf, nothing loaded
-                m_row0 = start_m * BLOCK_M + WG * WG_M
-                if m_row0 < q_len:
-                    rows = m_row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
-                    _store_unseen_rows(o_ptr, lse_ptr, Tq, off_b, off_h, q0, m_row0, rows,
-                                       q_len, Hq, q_smem.dtype, s_layout, o_layout, D)
-    elif PERSISTENT:  # fixed length
+    if PERSISTENT:  # fixed length only (attn_fwd_kernel asserts it)
         first, stride, count = _persistent_walk(n_m * n_bh)
         r0 = 0  # the ring index of the current tile's first K/V tile
         for i in range(count):
@@ -493,8 +450,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
-                                                             cu_q, cu_k, tiles,
-                                                             gl.num_programs(0), CAUSAL, VARLEN)
+                                                             cu_q, cu_k, tiles, CAUSAL,
+                                                             VARLEN)
         if VARLEN:  # the LSE's row length: [Hq, Tq] or [B, Hq, Sq]
             lse_stride = Tq
         else:
@@ -562,22 +519,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
     schedule the consumers walk, Q once (one 64-row box per consumer into q_bufs[i], all on
     one barrier), then the tile's K and V through the ring, in the consumers' order (the
     tile count from the same _tile / _persistent_tile and _tile_counts the consumers read)."""
-    if PERSISTENT and VARLEN:  # the consumers' walk of the tile table
-        first, stride, count = _persistent_walk(n_bh)
-        r0 = 0
-        done = 0
-        for i in range(count):
-            start_m, off_b, off_h, q0, k0, q_len, kv_len, n_full, n_total, run, unseen = \
-                _persistent_varlen_tile(first + i * stride, n_m, Hq, cu_q, cu_k, tiles, n_bh,
-                                        BLOCK_M, BLOCK_N, CAUSAL)
-            if run:
-                _produce_q_tile(start_m, off_b, off_h, q0, k0, n_total, r0, done,
-                                q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
-                                k_ready, v_ready, kv_empty, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
-                                CONSUMERS, True)
-                r0 += n_total
-                done += 1
-    elif PERSISTENT:  # fixed length
+    if PERSISTENT:
         first, stride, count = _persistent_walk(n_m * n_bh)
         r0 = 0
         for i in range(count):
@@ -590,8 +532,8 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
-                                                             cu_q, cu_k, tiles,
-                                                             gl.num_programs(0), CAUSAL, VARLEN)
+                                                             cu_q, cu_k, tiles, CAUSAL,
+                                                             VARLEN)
         n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
         _produce_q_tile(start_m, off_b, off_h, q0, k0, n_total, 0, 0, q_desc, k_desc, v_desc,
                         q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
@@ -670,28 +612,24 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     elements) for the masked stores; Sq, Sk are unused (0). VARLEN == COMPACT: tiles is
     the launcher's int32 [2, grid] tile table (see _tile), else None.
 
-    PERSISTENT: a grid of at most one CTA per SM, each walking tiles with every barrier
-    phase counted across them. Fixed length: _persistent_tile's order (n_bh = B * Hq
-    pairs in sections of `section`, see there). VARLEN (the tile table only): the table's
-    tiles in its order, n_bh of them (the table's length; section unused), see
-    _persistent_varlen_tile. None for both otherwise."""
+    PERSISTENT (fixed length only): a grid of at most one CTA per SM, each walking the
+    tiles of _persistent_tile's order (n_bh = B * Hq pairs in sections of `section`,
+    see there) with every barrier phase counted across its tiles; None for both
+    otherwise."""
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
-    gl.static_assert(not (PERSISTENT and VARLEN) or VARLEN == COMPACT,
-                     "the persistent varlen schedule walks the tile table")
+    gl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is fixed-length only")
     dtype: gl.constexpr = q_desc.dtype
     if VARLEN:
         n_m = gl.cdiv(max_q, BLOCK_M)
-        if not PERSISTENT:
-            # The grid covers the longest sequence: a row block past this sequence's end
-            # has nothing to do and leaves before any barrier or copy exists, so no
-            # partition can wait on another (the partitions read the same _tile, and would
-            # agree on zero work).
-            start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(
-                gl.program_id(0), n_m, Sq, Sk, Hq, cu_q, cu_k, tiles, gl.num_programs(0),
-                CAUSAL, VARLEN)
-            if start_m * BLOCK_M >= q_len:
-                return
+        # The grid covers the longest sequence: a row block past this sequence's end has
+        # nothing to do and leaves before any barrier or copy exists, so no partition can
+        # wait on another (the partitions read the same _tile, and would agree on zero work).
+        start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
+                                                             cu_q, cu_k, tiles, CAUSAL,
+                                                             VARLEN)
+        if start_m * BLOCK_M >= q_len:
+            return
     else:
         n_m = gl.cdiv(Sq, BLOCK_M)
 

@@ -324,16 +324,16 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
     pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, 0.125, settings=s)
     (grid, args, kw), = rec.launches
     n = vt.tile_bound(322, 4, s.BLOCK_M, 322 if max_q is None else max_q) * 14
-    assert tables == [(cu_q, n, 14, s.BLOCK_M, causal, False)] and grid == (n, )
+    assert tables == [(cu_q, n, 14, s.BLOCK_M, causal, True)] and grid == (n, )
     assert n < -(-(322 if max_q is None else max_q) // s.BLOCK_M) * 4 * 14  # fewer than plain
     assert args[-1].shape == (2, n) and kw["VARLEN"] == pg.VARLEN_COMPACT
     pg.prefill(q.view(1, 322, 14, 128), k[:322].view(1, 322, 2, 128),
                v[:322].view(1, 322, 2, 128), causal, 0.125, settings=s)
     assert len(tables) == 1 and not rec.launches[-1][2].get("VARLEN")
-    # varlen_longest_first asks the table for its longest-first order, nothing else moves
+    # varlen_longest_first=False asks the table for the pack's order, nothing else moves
     pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, 0.125,
-                      settings=pg.settings_for(128, causal, varlen_longest_first=True))
-    assert tables[-1] == (cu_q, n, 14, s.BLOCK_M, causal, True)
+                      settings=pg.settings_for(128, causal, varlen_longest_first=False))
+    assert tables[-1] == (cu_q, n, 14, s.BLOCK_M, causal, False)
     assert rec.launches[-1][0] == (n, ) and rec.launches[-1][2]["VARLEN"] == pg.VARLEN_COMPACT
 
 
@@ -1053,7 +1053,8 @@ def test_sm90_compact_varlen_equals_the_plain_grid(pack, head_dim, causal):
     same code as the plain grid (compact_varlen=False): out and LSE bit-identical to it (so within tolerance of float64 as
     test_sm90_varlen_numerics checks), over reruns, with max_seqlen given and omitted, and
     every row outside the sequences' (the NaN poison of empty ones) untouched alike; so
-    does the table with its sequences longest first (varlen_longest_first)."""
+    does the table with its sequences in pack order (varlen_longest_first=False; the
+    default lists them longest first)."""
     from wsattn import reference
     q_lens, kv_lens = VARLEN_PACKS[pack]
     dtype = torch.bfloat16
@@ -1066,11 +1067,11 @@ def test_sm90_compact_varlen_equals_the_plain_grid(pack, head_dim, causal):
     for max_q in (max(q_lens), None, max(q_lens), None):
         out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, scale, settings=s)
         assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1]), max_q
-    # the table's sequences longest first: the same tiles, started in another order
-    longest = pg.settings_for(head_dim, causal, varlen_longest_first=True)
+    # the table's sequences in pack order: the same tiles, started in another order
+    packorder = pg.settings_for(head_dim, causal, varlen_longest_first=False)
     for max_q in (max(q_lens), None):
         got = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, scale,
-                                settings=longest)
+                                settings=packorder)
         assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), max_q
     ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale)
     _assert_varlen_close(out, lse, ref, ref_lse, cu_q, dtype)

@@ -37,8 +37,9 @@ Columns (``impl``):
   ``prefill_gluon.prefill_varlen``; its equal-length row is ``wsattn-gluon``'s call (the
   setting is varlen-only), so its ``ratio_equal`` against ``wsattn-gluon``'s is the A/B
   of the grid alone.
-* ``wsattn-gluon-longest``: the Gluon kernel with ``varlen_longest_first=True`` (the tile
-  table's sequences longest first), the same way: the A/B of the tile order alone.
+* ``wsattn-gluon-packorder``: the Gluon kernel with ``varlen_longest_first=False`` (the
+  tile table's sequences in pack order, where the default lists them longest first), the
+  same way: the A/B of the tile order alone.
 * ``torch-fa2``: ``torch.ops.aten._flash_attention_forward`` (torch's FlashAttention-2),
   with cu_seqlens for the pack, dense [B, N, H, D] for the batch; GQA native. The op
   allocates its output itself, so its checked call is made right after a NaN buffer of
@@ -89,12 +90,12 @@ MASKS = ("causal", "full")
 EQ_MULTIPLE = 64  # N_eq is a whole number of 64-token tiles, as the prefill shapes
 LAYOUTS = ("varlen", "equal")
 IMPLS = ("wsattn", "wsattn-triton", "wsattn-gluon", "wsattn-gluon-plain",
-         "wsattn-gluon-longest", "torch-fa2", "flashinfer-fa3", "flashinfer-fa2", "fa4")
+         "wsattn-gluon-packorder", "torch-fa2", "flashinfer-fa3", "flashinfer-fa2", "fa4")
 BACKENDS = {"wsattn": "auto", "wsattn-triton": "triton", "wsattn-gluon": "gluon",
-            "wsattn-gluon-plain": "gluon", "wsattn-gluon-longest": "gluon"}
+            "wsattn-gluon-plain": "gluon", "wsattn-gluon-packorder": "gluon"}
 # the Gluon columns that call prefill_varlen with settings of their own
 GLUON_SETTINGS = {"wsattn-gluon-plain": {"compact_varlen": False},
-                  "wsattn-gluon-longest": {"varlen_longest_first": True}}
+                  "wsattn-gluon-packorder": {"varlen_longest_first": False}}
 WSATTN_IMPLS = tuple(BACKENDS)  # a failure of these exits 1
 TARGET_EQUAL = 0.95  # varlen TFLOP/s >= 0.95x the equal-length batch's, same column
 TARGET_TORCH_FA2 = 1.4  # varlen TFLOP/s >= 1.4x torch's FA2 varlen

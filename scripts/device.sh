@@ -48,7 +48,8 @@
 # added to results.tar.gz, so a call cut off by the tool's limit still returns what
 # finished.
 #
-# Rough durations on one H200: tests 3-5 min, ladder 6.5 min (8 kernels, 2,000 stress
+# Rough durations on one H200: tests more than 7 min for all of tests/ (split them with
+# TEST_PATHS: decode/gemv/inputs/integration/paged/runner files alone take ~5 min), ladder 6.5 min (8 kernels, 2,000 stress
 # launches each), bench 2 min, host 1 min, sp-tests 2 min, sp-bench up to 9 min (every
 # shape; SP_ARGS picks fewer), ncu 1-2 min an implementation. One call runs at most 10
 # minutes, so e.g. "tests host bench" is one call and "ladder" another. Nsight Compute
@@ -112,7 +113,9 @@ setup_peers() {  # PEERS=1: the peer wheels, installed as ../shared/peers/README
 ngpus() { python3 -c 'import torch; print(torch.cuda.device_count())'; }
 
 part_tests() {
-  run_part tests "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -rf \
+  # -v names each test's result as it finishes: a part cut off by its limit (pytest killed
+  # before its summary) still shows which tests failed
+  run_part tests "${TESTS_S:-540}" python3 -m pytest -v -p no:cacheprovider -rf --tb=short \
     --timeout "${TEST_TIMEOUT_S:-300}" -m "(gpu or sm90) and not multi_gpu" \
     ${TEST_K:+-k "$TEST_K"} ${TEST_PATHS:-tests/} > "$OUT/gpu_tests.log" 2>&1
   local rc=$?

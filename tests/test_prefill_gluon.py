@@ -797,9 +797,9 @@ def test_persistent_varlen_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
     s = pg.settings_for(64, False, persistent=True)
-    with pytest.raises(ValueError, match=r"persistent=True.*varlen is not supported yet"):
+    with pytest.raises(ValueError, match=r"persistent=True.*fixed-length prefill only"):
         pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, False, 0.125, settings=s)
-    with pytest.raises(ValueError, match=r"persistent=True.*varlen is not supported yet"):
+    with pytest.raises(ValueError, match=r"persistent=True.*fixed-length prefill only"):
         pg.compile_spec(head_dim=64, settings=s, varlen=True)
     assert rec.launches == []
 

@@ -213,8 +213,8 @@ def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: in
 def _refuse_persistent_varlen(s: GluonSettings) -> None:
     if s.persistent:
         raise ValueError("settings.persistent=True: the persistent schedule covers "
-                         "fixed-length prefill only, varlen is not supported yet; use "
-                         "persistent=False for prefill_varlen")
+                         "fixed-length prefill only (a varlen walk measured slower, "
+                         "notes/prefill_gluon.md); use persistent=False for prefill_varlen")
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):

@@ -419,8 +419,10 @@ def test_graph_timer_times_a_copy_and_falls_back_when_capture_fails():
     dst = torch.empty_like(src)
     t = timer(lambda: dst.copy_(src))
     assert t.method == "graph" and 0 < t.q20_ms <= t.median_ms <= t.q80_ms
+    stream = torch.cuda.current_stream()
     syncing = timer(lambda: dst[:1].sum().item())  # a host sync cannot be captured
     assert syncing.method.startswith("eager (graph capture failed")
+    assert torch.cuda.current_stream() == stream  # not the failed capture's side stream
     # the failed capture must leave the CUDA generator usable, eagerly and in a new capture
     assert torch.randn(4, device="cuda").isfinite().all()
     assert timer(lambda: torch.randn(1024, device="cuda")).method == "graph"

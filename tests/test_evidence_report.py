@@ -253,11 +253,17 @@ def test_profile_detail_names_an_eagerly_timed_side():
 @pytest.mark.gpu
 def test_profile_times_graph_replays_and_falls_back_to_eager():
     """A capturable call is timed from a CUDA graph; one with a host read inside is timed
-    eagerly and says so."""
+    eagerly and says so, with the process as it was before the failed capture."""
     import torch
     from wsattn.evidence.profile import _time_ms
     x = torch.randn(1 << 20, device="cuda")
     ms, how = _time_ms(lambda: x.mul(2.0))
     assert how == "graph" and 0 < ms < 1.0
+    stream = torch.cuda.current_stream()
     ms, how = _time_ms(lambda: float(x.sum()))
     assert how == "eager" and ms > 0
+    # the failed capture left nothing behind: the same current stream, and the generator
+    # usable (a failed torch.cuda.graph leaves it marked as capturing, and every later
+    # torch.randn on the device then failed: every GPU test after this one, once)
+    assert torch.cuda.current_stream() == stream
+    assert torch.randn(4, device="cuda").isfinite().all()

@@ -77,6 +77,29 @@ class _RngGuard:
         self.default.graphsafe_set_state(self.saved.graphsafe_get_state())
 
 
+def capture(fn, calls: int):
+    """(graph, None): ``calls`` back-to-back calls of fn captured in one CUDA graph; or
+    (None, why) where fn cannot be captured (a host sync, a library refusing capture),
+    with the process left as it was before the attempt. A failed torch.cuda.graph leaves
+    two things behind: the device's generator marked as capturing (see _RngGuard) and
+    its capture stream as the current stream (its exit raises before it leaves the stream
+    context), so every later launch of the thread would go to that side stream."""
+    import torch
+    rng = _RngGuard(torch)
+    stream = torch.cuda.current_stream()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception as e:
+        torch.cuda.set_stream(stream)
+        rng.restore()
+        torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+    return graph, None
+
+
 def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph",
                samples: int = 20):
     """A timer(fn) -> Timing for CUDA work."""
@@ -98,18 +121,11 @@ def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph"
         calls = max(1, min(1000, round(rep_ms / samples / estimate)))
         launch, used = fn, "eager"
         if method == "graph":
-            rng = _RngGuard(torch)
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(calls):
-                        fn()
+            graph, why = capture(fn, calls)
+            if graph is not None:
                 launch, used = graph.replay, "graph"
-            except Exception as e:  # not capturable: time it eagerly and say why
-                rng.restore()
-                torch.cuda.synchronize()
-                first_line = (str(e).splitlines() or [""])[0][:120]
-                used = f"eager (graph capture failed: {type(e).__name__}: {first_line})"
+            else:  # not capturable: time it eagerly and say why
+                used = f"eager (graph capture failed: {why})"
         per_launch = calls if used == "graph" else 1
         n = calls // per_launch
         warm = max(1, round(warmup_ms / (estimate * per_launch)))

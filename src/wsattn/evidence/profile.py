@@ -42,17 +42,12 @@ def _timer(fn, target_ms=20.0, graph=True):
     torch.cuda.synchronize()
     one = max(_events(torch, fn), 1e-3)
     if graph:
+        from ..bench.timing import capture
         n = max(1, min(GRAPH_MAX_CALLS, int(target_ms / one)))
-        try:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(n):
-                    fn()
+        g, _ = capture(fn, n)  # None: a host read or sync inside, timed eagerly below
+        if g is not None:
             g.replay()
             torch.cuda.synchronize()
-        except Exception:  # a host read or sync inside: timed eagerly below
-            torch.cuda.synchronize()
-        else:
             return (lambda: _events(torch, g.replay) / n), "graph"
     n = max(1, min(1000, int(target_ms / one)))
     return (lambda: _events(torch, fn, n) / n), "eager"

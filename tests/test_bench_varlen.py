@@ -474,7 +474,8 @@ def test_absent_peers_and_a_refusing_gluon_are_not_available(monkeypatch):
     by = {(r["impl"], r["layout"]): r for r in rows}
     assert len(rows) == 2 * len(varlen.IMPLS)
     for layout in varlen.LAYOUTS:
-        for impl in ("wsattn-gluon", "wsattn-gluon-plain", "wsattn-gluon-packorder"):  # checked
+        for impl in ("wsattn-gluon", "wsattn-gluon-plain", "wsattn-gluon-packorder",
+                     "wsattn-gluon-bounded"):  # checked
             assert by[(impl, layout)]["status"] == "not available"  # call validates first
             assert "test refusal" in by[(impl, layout)]["reason"]
         for impl in ("wsattn", "wsattn-triton"):

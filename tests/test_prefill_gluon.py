@@ -130,6 +130,30 @@ def test_sm90_compact_varlen_structure(head_dim, causal):
 
 
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_bounded_v_structure(head_dim, causal):
+    """varlen_bounded_v=True: the tile-table build's partitions, registers and GEMMs, no
+    spills, the default's shared memory, and the producer making one tensor map on the
+    device (tensormap.replace, then the fence that publishes it) for a key tile past its
+    sequence; v_rows is an argument of this build and a None constexpr of every other,
+    whose PTX makes no tensor map."""
+    s = pg.settings_for(head_dim, causal, varlen_bounded_v=True)
+    k = _compile(head_dim, causal, True, varlen_bounded_v=True)
+    _assert_ws_structure(k, s, head_dim)
+    ptx = k.asm["ptx"]
+    assert _ptxas_spill_bytes(ptx) == [0, 0]
+    default = _compile(head_dim, causal, True)
+    assert k.metadata.shared == default.metadata.shared
+    assert "tensormap.replace" in ptx and "fence.proxy.tensormap" in ptx
+    assert "tensormap" not in default.asm["ptx"]
+    spec = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True, bounded_v=True)
+    assert spec["signature"]["v_rows"] == "*bf16" and spec["constexprs"]["BOUNDED_V"] is True
+    plain = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True)
+    assert plain["constexprs"]["v_rows"] is None and plain["constexprs"]["BOUNDED_V"] is False
+    assert pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True,
+                           settings=s) == spec
+
+
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
 def test_sm90_fixed_build_has_no_varlen_code(head_dim, causal):
     """VARLEN=False compiles the varlen code away: no cu_seqlens loads, no early exit, no
     element-wise O store (the fixed build's only global stores are the LSE's 32-bit ones)."""
@@ -286,10 +310,11 @@ def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
     bound = 322 if max_q is None else min(max_q, 322)
     assert grid == (-(-bound // s.BLOCK_M) * 4 * 14, )
     (q_desc, k_desc, v_desc, o_desc, lse_arg, Sq, Sk, Hq, _, o_ptr, cu_q_arg, cu_k_arg, Tq, mq,
-     n_bh, section, tiles) = args
+     n_bh, section, tiles, v_rows) = args
     assert (Sq, Sk, Hq, Tq, mq) == (0, 0, 14, 322, bound)  # Sq, Sk: fixed length only
     assert n_bh is None and section is None  # no persistent schedule for varlen
     assert tiles is None  # the plain grid: no tile table
+    assert v_rows is None and not kw["BOUNDED_V"]  # V through the pack-wide descriptor
     assert list(q_desc.shape) == list(o_desc.shape) == [1, 322, 14 * head_dim]
     assert list(k_desc.shape) == list(v_desc.shape) == [1, 340, 2 * head_dim]
     assert list(q_desc.block_shape) == [1, 64, head_dim]
@@ -326,7 +351,8 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
     n = vt.tile_bound(322, 4, s.BLOCK_M, 322 if max_q is None else max_q) * 14
     assert tables == [(cu_q, n, 14, s.BLOCK_M, causal, True)] and grid == (n, )
     assert n < -(-(322 if max_q is None else max_q) // s.BLOCK_M) * 4 * 14  # fewer than plain
-    assert args[-1].shape == (2, n) and kw["VARLEN"] == pg.VARLEN_COMPACT
+    assert args[-2].shape == (2, n) and kw["VARLEN"] == pg.VARLEN_COMPACT
+    assert args[-1] is None and not kw["BOUNDED_V"]
     pg.prefill(q.view(1, 322, 14, 128), k[:322].view(1, 322, 2, 128),
                v[:322].view(1, 322, 2, 128), causal, 0.125, settings=s)
     assert len(tables) == 1 and not rec.launches[-1][2].get("VARLEN")
@@ -335,6 +361,13 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
                       settings=pg.settings_for(128, causal, varlen_longest_first=False))
     assert tables[-1] == (cu_q, n, 14, s.BLOCK_M, causal, False)
     assert rec.launches[-1][0] == (n, ) and rec.launches[-1][2]["VARLEN"] == pg.VARLEN_COMPACT
+    # varlen_bounded_v passes v's base for the device-made descriptor, nothing else moves
+    pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, 0.125,
+                      settings=pg.settings_for(128, causal, varlen_bounded_v=True))
+    (grid_b, args_b, kw_b) = rec.launches[-1]
+    assert grid_b == (n, ) and kw_b["BOUNDED_V"] and args_b[-1] is v
+    assert [a for a in args_b[:-1] if not hasattr(a, "shape")] == \
+        [a for a in args[:-1] if not hasattr(a, "shape")]
 
 
 def test_varlen_launcher_copies_what_tma_cannot_describe(monkeypatch):
@@ -762,10 +795,11 @@ def test_persistent_launcher_grid_and_arguments(monkeypatch):
     pg.prefill(q, k, v, True, 0.125, settings=replace(s, l2_section_bytes=1))
     (grid, args, kw), (grid0, args0, kw0), (_, args1, _) = rec.launches
     assert grid == (4, ) and grid0 == (3 * 2 * 8, )
-    # (..., n_bh, section, tiles): fixed length has no tile table
-    assert args[-3:] == (16, pg.l2_section(16, 4, 300, 128, 2), None) == (16, 16, None)
-    assert args0[-3:] == (None, None, None)
-    assert args1[-3:-1] == (16, 4)  # one GQA group a section
+    # (..., n_bh, section, tiles, v_rows): fixed length has no tile table, no bounded V
+    assert args[-4:] == (16, pg.l2_section(16, 4, 300, 128, 2), None, None) == (16, 16, None,
+                                                                               None)
+    assert args0[-4:] == (None, None, None, None)
+    assert args1[-4:-2] == (16, 4)  # one GQA group a section
     assert kw["PERSISTENT"] is True and kw0["PERSISTENT"] is False and kw["UNROLL"] is False
     one = _qkv(1, 5, 5, 2, 1, 64, torch.bfloat16)  # fewer tiles than SMs: one CTA a tile
     pg.prefill(*one, False, 0.125, settings=pg.settings_for(64, False, persistent=True))
@@ -1050,25 +1084,31 @@ def test_sm90_varlen_writes_only_its_rows(head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
 def test_sm90_varlen_a_neighbours_nonfinite_v_stays_out(head_dim, causal):
-    """NaN and Inf in every row of v but one sequence's: that sequence's rows equal its own
-    launch's on clean keys (a sequence must not see another request's values, whatever
-    they hold). Expected to fail on the Gluon varlen build until its last key tile stops
-    reading the next sequence's rows (notes/prefill_gluon.md, "Open": 0 * NaN in PV);
-    written to show it, not yet run."""
+    """varlen_bounded_v=True: with NaN and Inf in every row of k and v but one sequence's,
+    that sequence's rows equal its own launch's on clean keys (a sequence must not see
+    another request's values, whatever they hold); on finite inputs the build equals the
+    default bit for bit. The default build (pack-wide V descriptor) does not pass the
+    first part: its last key tile adds 0 * v for the next sequence's rows
+    (notes/prefill_gluon.md). Written, not yet run."""
     q_lens, kv_lens = VARLEN_PACKS["mix"]
     q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, torch.bfloat16,
                                 "cuda", seed=5)
     scale = head_dim ** -0.5
+    bounded = pg.settings_for(head_dim, causal, varlen_bounded_v=True)
+    base = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale)
+    mine = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale, settings=bounded)
+    assert torch.equal(mine[0], base[0]) and torch.equal(mine[1], base[1])
     bq, bk = cu_q.tolist(), cu_k.tolist()
     for i in (1, 4, 8):  # sequences whose last key tile ends inside the pack
         clean, clean_lse = pg.prefill_varlen(q, k, v, cu_q[i:i + 2], cu_k[i:i + 2], None, None,
-                                             causal, scale)
+                                             causal, scale, settings=bounded)
         dirty_v = torch.full_like(v, float("nan"))
         dirty_v[1::2] = float("inf")
         dirty_v[bk[i]:bk[i + 1]] = v[bk[i]:bk[i + 1]]
         dirty_k = torch.full_like(k, float("nan"))
         dirty_k[bk[i]:bk[i + 1]] = k[bk[i]:bk[i + 1]]
-        out, lse = pg.prefill_varlen(q, dirty_k, dirty_v, cu_q, cu_k, None, None, causal, scale)
+        out, lse = pg.prefill_varlen(q, dirty_k, dirty_v, cu_q, cu_k, None, None, causal, scale,
+                                     settings=bounded)
         a, b = bq[i], bq[i + 1]
         assert torch.equal(out[a:b], clean[a:b]), f"sequence {i} saw its neighbours' values"
         assert torch.equal(lse[:, a:b], clean_lse[:, a:b]), f"sequence {i}'s LSE"

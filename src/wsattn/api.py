@@ -345,7 +345,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     sequence's last key tile also holds up to 127 rows of the sequence packed after it.
     Their scores are masked and their probabilities are exactly 0, but a NaN or Inf in
     those rows of v makes 0 * v NaN: that sequence's output rows turn NaN. Finite k and
-    v (the normal case) are unaffected; the Triton kernel bounds each sequence's loads.
+    v (the normal case) are unaffected; the Triton kernel bounds each sequence's loads,
+    and the Gluon setting ``varlen_bounded_v`` (off until measured) bounds that tile's V.
 
     Returns:
         out [Tq, Hq, D], or (out, lse) with lse float32 [Hq, Tq].

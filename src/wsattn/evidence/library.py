@@ -70,14 +70,14 @@ def _cumsum(xs):
         yield t
 
 
-def _prefill_runner(causal, impl, plain=False):
+def _prefill_runner(causal, impl, build=None):
     def run(inp):
         import wsattn
-        if plain:  # the plain varlen grid (the fallback of packs the tile table cannot
-            # hold) is a kernel setting, not an API choice
+        if build:  # Gluon varlen builds that are kernel settings, not API choices: the
+            # plain grid (the fallback of packs the tile table cannot hold), the bounded V
             from ..kernels import prefill_gluon
             q = inp["q"]
-            s = prefill_gluon.settings_for(q.shape[-1], causal, compact_varlen=False)
+            s = prefill_gluon.settings_for(q.shape[-1], causal, **build)
             return prefill_gluon.prefill_varlen(q, inp["k"], inp["v"], inp["cu_q"], inp["cu_k"],
                                                 None, None, causal, 1.0 / math.sqrt(q.shape[-1]),
                                                 settings=s)
@@ -125,14 +125,19 @@ _SANITIZER_PREFILL = {
 
 
 def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only_ccs=None,
-                   plain=False):
+                   plain=False, bounded=False):
     kwargs = {"head_dim": 128, "dtype": "bf16", "causal": causal}
+    build = {}
     if varlen:
         kwargs["varlen"] = True
     if plain:
         kwargs["plain_grid"] = True
+        build["compact_varlen"] = False
+    if bounded:
+        kwargs["bounded_v"] = True
+        build["varlen_bounded_v"] = True
     run = RunSpec(draw_shape=_draw_prefill(causal, varlen, 128), build=_build_prefill,
-                  run=_prefill_runner(causal, impl, plain),
+                  run=_prefill_runner(causal, impl, build),
                   reference=_prefill_reference(causal),
                   dtypes=("bf16", "fp16"), interpreter=impl == "triton",
                   baseline=None if varlen else _sdpa_prefill(causal),
@@ -142,7 +147,8 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                   sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill)
     desc = f"{'Gluon' if impl == 'gluon' else 'Triton'} prefill, D=128 bf16" + \
         (", causal" if causal else "") + (", varlen" if varlen else "") + \
-        (", plain grid (no tile table)" if plain else "")
+        (", plain grid (no tile table)" if plain else "") + \
+        (", V of a key tile past the sequence through its own descriptor" if bounded else "")
     return name, module, "compile_spec", kwargs, run, desc, only_ccs
 
 
@@ -879,6 +885,8 @@ ENTRIES = (
                    only_ccs=(90,)),
     _prefill_entry("prefill_gluon_varlen_plain", "wsattn.kernels.prefill_gluon", varlen=True,
                    impl="gluon", only_ccs=(90,), plain=True),
+    _prefill_entry("prefill_gluon_varlen_bounded", "wsattn.kernels.prefill_gluon", varlen=True,
+                   impl="gluon", only_ccs=(90,), bounded=True),
     _gemv_entry("gemv_norm_silu", "norm_silu"),
     _gemv_entry("gemv_residual", "residual"),
     _gemv_entry("gemv_splitk", "residual", split=True),

@@ -101,6 +101,11 @@ class GluonSettings:
     # four shapes and was even at D128 causal, the same bits (notes/prefill_gluon.md,
     # "Longest sequence first").
     varlen_longest_first: bool = True
+    # Varlen only: a key tile that ends past its sequence loads V through a descriptor of
+    # the sequence's own rows, made on the device (BOUNDED_V in prefill_gluon_parts), so a
+    # NaN or Inf in the next sequence's values cannot reach this sequence's output through
+    # 0 * v. Off until measured on a GPU (notes/prefill_gluon.md, "Open").
+    varlen_bounded_v: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
         return 2 * head_dim * (self.BLOCK_M + 2 * self.STAGES * self.BLOCK_N)
@@ -250,7 +255,8 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
         grid, n_bh, section = num_tiles, None, None
     attn_fwd_kernel[(grid, )](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
                               sm_scale * math.log2(math.e), None, None, None, None, None, n_bh,
-                              section, None, num_warps=4, **_constexprs(D, Hq // Hkv, causal, s))
+                              section, None, None, num_warps=4,
+                              **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
 
@@ -315,10 +321,14 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         varlen = VARLEN_COMPACT
     else:
         num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq  # one CTA per tile; surplus ones exit
+    if s.varlen_bounded_v and q.is_cuda:
+        _alloc.ensure_descriptor_allocator()  # the device-made V descriptors' memory
     attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
                                    sm_scale * math.log2(math.e), out, cu_seqlens_q,
-                                   cu_seqlens_k, Tq, max_q, None, None, tiles, num_warps=4,
-                                   VARLEN=varlen, **_constexprs(D, Hq // Hkv, causal, s))
+                                   cu_seqlens_k, Tq, max_q, None, None, tiles,
+                                   v if s.varlen_bounded_v else None, num_warps=4,
+                                   VARLEN=varlen, BOUNDED_V=s.varlen_bounded_v,
+                                   **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
 
@@ -332,7 +342,7 @@ def _tma_ready(t) -> bool:
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
                  settings: GluonSettings | None = None, varlen: bool = False,
-                 plain_grid: bool = False) -> dict:
+                 plain_grid: bool = False, bounded_v: bool = False) -> dict:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
@@ -341,10 +351,14 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     varlen with settings.compact_varlen (the default): the tile-table build (VARLEN =
     VARLEN_COMPACT, tiles an argument; else a None constexpr); plain_grid=True (or
     compact_varlen=False): the plain grid's build, which packs whose codes do not fit the
-    table take."""
+    table take. varlen with bounded_v=True (or settings.varlen_bounded_v): the build whose
+    last partial key tile loads V through a descriptor made on the device (v_rows an
+    argument; else a None constexpr)."""
     s = _resolve(settings, head_dim, causal)
     if plain_grid:
         s = replace(s, compact_varlen=False)
+    if bounded_v:
+        s = replace(s, varlen_bounded_v=True)
     if varlen:
         _refuse_persistent_varlen(s)
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
@@ -353,19 +367,23 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     packed = {"o_ptr": f"*{dtype}", "cu_q": "*i32", "cu_k": "*i32", "Tq": "i32", "max_q": "i32"}
     walk = {"n_bh": "i32", "section": "i32"}
     compact = bool(varlen and s.compact_varlen)
+    bounded = bool(varlen and s.varlen_bounded_v)
     signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",
                  "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32",
                  **(packed if varlen else dict.fromkeys(packed, "constexpr")),
                  **(walk if s.persistent else dict.fromkeys(walk, "constexpr")),
-                 "tiles": "*i32" if compact else "constexpr"}
+                 "tiles": "*i32" if compact else "constexpr",
+                 "v_rows": f"*{dtype}" if bounded else "constexpr"}
     constexprs = {**_constexprs(head_dim, 1, causal, s),
-                  "VARLEN": VARLEN_COMPACT if compact else bool(varlen)}
+                  "VARLEN": VARLEN_COMPACT if compact else bool(varlen), "BOUNDED_V": bounded}
     if not varlen:
         constexprs.update(dict.fromkeys(packed))
     if not s.persistent:
         constexprs.update(dict.fromkeys(walk))
     if not compact:
         constexprs["tiles"] = None
+    if not bounded:
+        constexprs["v_rows"] = None
     return {"fn": attn_fwd_kernel, "signature": signature, "constexprs": constexprs,
             "options": {"num_warps": 4}}
 

@@ -512,47 +512,57 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
               k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq, n_bh, section,
-              GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              v_rows, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
+              CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
+              BOUNDED_V: gl.constexpr):
     """The TMA producer warp: for the CTA's tile, or (PERSISTENT) each tile of the same
     schedule the consumers walk, Q once (one 64-row box per consumer into q_bufs[i], all on
     one barrier), then the tile's K and V through the ring, in the consumers' order (the
-    tile count from the same _tile / _persistent_tile and _tile_counts the consumers read)."""
+    tile count from the same _tile / _persistent_tile and _tile_counts the consumers read).
+    BOUNDED_V (varlen): see _produce_q_tile."""
     if PERSISTENT:
         first, stride, count = _persistent_walk(n_m * n_bh)
         r0 = 0
         for i in range(count):
             start_m, off_b, off_h, n_full, n_total = _persistent_tile(
                 first + i * stride, n_m, n_bh, section, Sq, Sk, Hq, BLOCK_M, BLOCK_N, CAUSAL)
-            _produce_q_tile(start_m, off_b, off_h, 0, 0, n_total, r0, i,
+            _produce_q_tile(start_m, off_b, off_h, 0, 0, Sk, n_total, r0, i,
                             q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
-                            k_ready, v_ready, kv_empty, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
-                            CONSUMERS, True)
+                            k_ready, v_ready, kv_empty, None, 0, GROUP, BLOCK_M, BLOCK_N, D,
+                            STAGES, CONSUMERS, True, False)
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
                                                              cu_q, cu_k, tiles, CAUSAL,
                                                              VARLEN)
         n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
-        _produce_q_tile(start_m, off_b, off_h, q0, k0, n_total, 0, 0, q_desc, k_desc, v_desc,
-                        q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                        GROUP, BLOCK_M, BLOCK_N, D, STAGES, CONSUMERS, False)
+        _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, 0, 0, q_desc, k_desc,
+                        v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                        kv_empty, v_rows, (Hq // GROUP) * D, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
+                        CONSUMERS, False, BOUNDED_V)
 
 
 @gluon.jit
-def _produce_q_tile(start_m, off_b, off_h, q0, k0, n_total, r0, tile_i, q_desc, k_desc, v_desc,
-                    q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                    GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, q_desc, k_desc,
+                    v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                    v_rows, v_row_len, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                    KV_FIRST: gl.constexpr):
+                    KV_FIRST: gl.constexpr, BOUNDED_V: gl.constexpr):
     """The loads of one query tile (the CTA's tile_i-th; K/V from ring index r0 on).
 
     Q waits for q_empty: every warpgroup has handed back its Q buffer, whose O store of the
     previous tile has completed (see _consume_q_tile). KV_FIRST (persistent) issues K/V
     tile 0 before that wait, so the ring refills while the consumers run the previous
     tile's epilogue; its slot waits only on kv_empty, which the consumers release without
-    the new Q, so nothing can wait on itself."""
+    the new Q, so nothing can wait on itself.
+
+    BOUNDED_V (varlen): the pack-wide V descriptor would fill a key tile that ends past
+    the sequence with the next sequence's rows, whose probabilities are 0 but whose values
+    a NaN or Inf turns into NaN through 0 * v. So a tile that ends past the sequence's
+    kv_len keys loads V through a descriptor made here over the sequence's own rows
+    (v_rows, the packed [Tk, Hkv * D] values, from row k0), whose bounds TMA zero-fills
+    past. K needs none: its scores are masked by a select."""
     off_hkv = off_h // GROUP
     m0 = q0 + start_m * BLOCK_M
     j0 = 0
@@ -568,24 +578,44 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, n_total, r0, tile_i, q_desc, 
     for i in gl.static_range(1, CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [off_b, m0 + i * WG_M, off_h * D], q_bar,
                                         q_bufs[i])
-    for j in range(j0, n_total):
-        _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
-                 k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES)
+    if BOUNDED_V:
+        n_inside = gl.minimum(n_total, kv_len // BLOCK_N)  # tiles that end inside the keys
+        for j in range(j0, n_inside):
+            _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
+                     k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES)
+        if n_inside < n_total:  # the one tile past the keys: the last, partial one
+            v_own = tma.make_tensor_descriptor(
+                v_rows + k0.to(gl.int64) * v_row_len, shape=[1, kv_len, v_row_len],
+                strides=[kv_len.to(gl.int64) * v_row_len, v_row_len, 1],
+                block_shape=v_desc.block_type.shape, layout=v_desc.layout)
+            _load_kv(r0 + n_inside, k0 + n_inside * BLOCK_N, off_b, off_hkv, k_desc, v_own,
+                     k_smem, v_smem, k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES,
+                     v_row=n_inside * BLOCK_N, v_b=0)
+    else:
+        for j in range(j0, n_total):
+            _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
+                     k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES)
 
 
 @gluon.jit
 def _load_kv(r, row, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-             kv_empty, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+             kv_empty, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+             v_row=None, v_b=None):
     """K and V rows [row, row + BLOCK_N) of KV head off_hkv into ring index r, once every
-    consumer has released that slot's previous round."""
+    consumer has released that slot's previous round (V at v_row / batch v_b of v_desc
+    where given: a descriptor of the sequence's own rows)."""
     s = r % STAGES
     mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [off_b, row, off_hkv * D], k_ready.index(s),
                                     k_smem.index(s))
     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hkv * D], v_ready.index(s),
-                                    v_smem.index(s))
+    if v_row is None:
+        tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hkv * D], v_ready.index(s),
+                                        v_smem.index(s))
+    else:
+        tma.async_copy_global_to_shared(v_desc, [v_b, v_row, off_hkv * D], v_ready.index(s),
+                                        v_smem.index(s))
 
 
 # Tq and max_q (VARLEN only) vary with every pack: not specialized on (a value of 1 or a
@@ -593,13 +623,14 @@ def _load_kv(r, row, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem, k_ready, v_
 # (a view such as cu_seqlens[i:] is a valid argument and only read a word at a time).
 @gluon.jit(do_not_specialize=["Tq", "max_q"], do_not_specialize_on_alignment=["cu_q", "cu_k"])
 def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale, o_ptr, cu_q,
-                    cu_k, Tq, max_q, n_bh, section, tiles, GROUP: gl.constexpr,
+                    cu_k, Tq, max_q, n_bh, section, tiles, v_rows, GROUP: gl.constexpr,
                     BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = True,
-                    VARLEN: gl.constexpr = False, PERSISTENT: gl.constexpr = False):
+                    VARLEN: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
+                    BOUNDED_V: gl.constexpr = False):
     """1-D grid over tiles (row block, batch, head), one tile per CTA. q/o descriptors are
     [B, Sq, Hq * D] with box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D];
     GROUP = Hq // Hkv. CONSUMERS (2 or 3) consumer warpgroups of 64 rows each:
@@ -615,10 +646,15 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     PERSISTENT (fixed length only): a grid of at most one CTA per SM, each walking the
     tiles of _persistent_tile's order (n_bh = B * Hq pairs in sections of `section`,
     see there) with every barrier phase counted across its tiles; None for both
-    otherwise."""
+    otherwise.
+
+    BOUNDED_V (varlen only): v_rows is v's base pointer (packed [Tk, Hkv * D]), from which
+    the producer makes a descriptor of the sequence's own rows for a key tile that ends
+    past them (_produce_q_tile); None otherwise."""
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
     gl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is fixed-length only")
+    gl.static_assert(not (BOUNDED_V and PERSISTENT), "BOUNDED_V is a varlen build")
     dtype: gl.constexpr = q_desc.dtype
     if VARLEN:
         n_m = gl.cdiv(max_q, BLOCK_M)
@@ -669,8 +705,8 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
-                         n_bh, section, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN,
-                         PERSISTENT)),
+                         n_bh, section, v_rows, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS,
+                         VARLEN, PERSISTENT, BOUNDED_V)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
@@ -689,6 +725,6 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq,
-                         Sk, Hq, n_bh, section, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS,
-                         VARLEN, PERSISTENT)),
+                         Sk, Hq, n_bh, section, v_rows, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         CONSUMERS, VARLEN, PERSISTENT, BOUNDED_V)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
-from ._alloc import empty
+from ._alloc import empty, ensure_descriptor_allocator
 from ._rebuild import rebuild
 from ._softmax import _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
 from ._intmath import cdiv
@@ -275,8 +275,7 @@ def _launch(q, k_cache, v_cache, out, lse, cu_q, seqlens_k, block_table, max_q, 
         return
     tile_cu = _tile_offsets(cu_q, s.BLOCK_M)
     if s.use_tma and not interpret:
-        from .prefill_triton import _ensure_allocator
-        _ensure_allocator()
+        ensure_descriptor_allocator()
     num_rows = k_cache.shape[0] * k_cache.shape[1]
     _kernel(interpret)[grid](
         q, k_cache, v_cache, out, lse, cu_q, tile_cu, seqlens_k, block_table, B, num_rows,

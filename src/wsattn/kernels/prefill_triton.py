@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
-from ._alloc import empty
+from ._alloc import empty, ensure_descriptor_allocator
 from ._rebuild import rebuild
 from ._softmax import _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
 from ._intmath import cdiv
@@ -304,18 +304,6 @@ def _desc3d(t, rows: int):
                             block_shape=[1, rows, D])
 
 
-def _scratch(size: int, alignment: int, stream):
-    """Global memory for the device-side TMA descriptors (128 bytes each)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator():
-    """Device-side descriptors need a scratch allocator; keep one the caller set."""
-    from triton.runtime import _allocation
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
-
-
 def _launch(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sm_scale, s: PrefillSettings,
             interpret: bool):
     varlen = cu_q is not None
@@ -336,7 +324,7 @@ def _launch(q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sm_scale, s: Pr
     else:
         q_arg, k_arg, v_arg, o_arg = q, k, v, out
         if s.use_tma and not interpret:
-            _ensure_allocator()
+            ensure_descriptor_allocator()
     _kernel(interpret)[grid](
         q_arg, k_arg, v_arg, o_arg, lse, cu_q, cu_k, *qs, *ks, *vs, *os_, *lse_strides,
         max_q, max_k, sm_scale,

@@ -91,7 +91,8 @@ def test_cases_and_ids():
     assert chunked.case_impls(cases[0], chunked.IMPLS) == ["triton-contiguous",
                                                            "gluon-contiguous"]
     assert chunked.case_impls(cases[1], chunked.IMPLS) == ["triton-paged", "triton-gather",
-                                                           "gluon-gather", "flashinfer-paged"]
+                                                           "gluon-gather", "gluon-paged",
+                                                           "flashinfer-paged"]
     assert chunked.chunked_cases([5], [16], [64], batch=2)[1].id == \
         "chunked-B2-C2048-P5-H32-HKV8-D64-page16-bf16"
     for bad, match in ((dict(prefixes=[-1]), "prefix must be"), (dict(pages=[0]), "page must"),
@@ -254,7 +255,7 @@ def test_runner_checks_then_times_on_the_interpreter():
     the import error; a wrong kernel fails and is not timed."""
     r = interpreter_child(CHUNKED_CHILD, timeout=300)
     rows = {(row["prefix"], row["impl"]): row for row in r["rows"]}
-    assert len(r["rows"]) == 2 * 8
+    assert len(r["rows"]) == 2 * 9
     for prefix in (0, 20):
         for impl in ("triton-paged", "triton-gather", "triton-contiguous",
                      "triton-paged[16,16,4,1,1]", "triton-paged[16,32,4,1]"):
@@ -268,7 +269,7 @@ def test_runner_checks_then_times_on_the_interpreter():
         assert paged["target_met"] == "met"
         gather = rows[(prefix, "triton-gather")]  # against the same backend's contiguous
         assert gather["ratio_contiguous"] == pytest.approx(1.0) and gather["target_met"] == "met"
-        for impl in ("gluon-contiguous", "gluon-gather"):
+        for impl in ("gluon-contiguous", "gluon-gather", "gluon-paged"):
             gluon = rows[(prefix, impl)]
             # the Gluon kernel takes varlen now; on CPU tensors the dispatcher names the device
             assert gluon["status"] == "not available" and "sm_90" in gluon["reason"]

@@ -26,6 +26,10 @@ Columns (``impl``):
   cache into a packed buffer (one launch, ``kernels/paged_gather.py``), then that
   backend's varlen kernel; timed with the copy. Their ``ratio_contiguous`` is against the
   same backend's contiguous column ("the same attention with a contiguous prefix").
+* ``gluon-paged``: the Gluon kernel's paged build (``prefill_gluon.prefill_paged``: K/V
+  read from the cache's pages by TMA in place, no copy; not yet behind
+  :func:`wsattn.attention_paged`), "not available" off sm_90 or for a page size it does
+  not take; its ``ratio_contiguous`` is against ``gluon-contiguous``.
 * ``flashinfer-paged``: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (backend
   "auto", NHD layout, causal: bottom-right aligned as ours) on the same paged cache and
   page table, planned outside the timing; "not available" where flashinfer does not
@@ -68,7 +72,7 @@ DIMS = (128, 64)
 CHUNK = 2048
 BATCH = 8  # chunks of 2048: 16k chunk tokens a batch, as the prefill benchmark
 HQ, HKV = 32, 8
-IMPLS = ("triton-paged", "triton-gather", "gluon-gather", "triton-contiguous",
+IMPLS = ("triton-paged", "triton-gather", "gluon-gather", "gluon-paged", "triton-contiguous",
          "gluon-contiguous", "flashinfer-paged")
 WSATTN_IMPLS = ("triton-paged", "triton-gather", "triton-contiguous")  # a failure exits 1
 TARGET_RATIO = 0.95  # the issue's: paged time >= 0.95x as fast as contiguous
@@ -358,6 +362,19 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
         def call():
             return prefill_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table, case.chunk,
                                  True, inp.scale, settings=settings)[0]
+        return call, call, None
+    if impl == "gluon-paged":  # the paged build, called as the kernel (no API route yet)
+        from wsattn.kernels import prefill_gluon
+        varlen_backend()  # "not available" off sm_90, with the dispatcher's reason
+        kc, vc, table = cache
+        settings = prefill_gluon.settings_for(case.D, True)
+        if not prefill_gluon.paged_supported(case.page, settings.BLOCK_N):
+            raise NotAvailable(f"gluon-paged: page size {case.page} not taken")
+
+        def call():
+            return prefill_gluon.prefill_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
+                                               case.chunk, True, inp.scale,
+                                               settings=settings)[0]
         return call, call, None
     if impl == "flashinfer-paged":
         return _flashinfer(case, inp, cache)

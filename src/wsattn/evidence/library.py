@@ -219,6 +219,41 @@ def _paged_contiguous(inp):
                                    inp["max_q"], inp["max_k"], causal=True, impl="triton")
 
 
+def _paged_gluon_run(inp):
+    # the Gluon kernel's paged build, called as the kernel: the API reaches it only through
+    # the gather until it is measured (notes/prefill_triton.md)
+    from ..kernels import prefill_gluon
+    q = inp["q"]
+    return prefill_gluon.prefill_paged(q, inp["kc"], inp["vc"], inp["cu_q"], inp["lens_k"],
+                                       inp["bt"], inp["max_q"], True, q.shape[-1] ** -0.5)
+
+
+def _paged_gluon_contiguous(inp):
+    """The same attention with the keys contiguous through the Gluon varlen kernel (the
+    0.95 target of the paged build is against it)."""
+    import wsattn
+    return wsattn.attention_varlen(inp["q"], inp["k"], inp["v"], inp["cu_q"], inp["cu_k"],
+                                   inp["max_q"], inp["max_k"], causal=True, impl="gluon")
+
+
+def _paged_gluon_entry():
+    run = RunSpec(draw_shape=_draw_paged, build=_build_paged, run=_paged_gluon_run,
+                  reference=_paged_reference, dtypes=("bf16", "fp16"), interpreter=False,
+                  baseline=_paged_gluon_contiguous,
+                  baseline_name="wsattn Gluon varlen prefill over the same keys, contiguous",
+                  profile_shapes=({"Lq": [2048] * 8, "P": [8192] * 8, "Hq": 32, "Hkv": 8,
+                                   "D": 128, "page": 16},),
+                  sanitizer_shapes=({"Lq": [17, 1], "P": [23, 0], "Hq": 4, "Hkv": 2, "D": 128,
+                                     "page": 16},
+                                    {"Lq": [65], "P": [3], "Hq": 2, "Hkv": 1, "D": 64,
+                                     "page": 64}),
+                  describe=_describe_paged)
+    return ("prefill_gluon_paged", "wsattn.kernels.prefill_gluon", "compile_spec",
+            {"head_dim": 128, "dtype": "bf16", "causal": True, "varlen": True, "page": 16},
+            run, "Gluon chunked prefill over a paged cache read in place by TMA (the varlen "
+            "build's PAGE), D=128 bf16, causal, page 16", (90,))
+
+
 def _paged_entry(gather=False):
     # gather: the keys copied out of the cache into a packed buffer (paged_gather.py), then
     # the Triton varlen kernel; the compile gates build the gather kernel, the run and the
@@ -875,6 +910,7 @@ ENTRIES = (
     _prefill_entry("prefill_triton_varlen", "wsattn.kernels.prefill_triton", varlen=True),
     _paged_entry(),
     _paged_entry(gather=True),
+    _paged_gluon_entry(),
     _decode_entry("decode_triton", paged=False),
     _decode_entry("decode_triton_paged", paged=True),
     _merge_entry(),

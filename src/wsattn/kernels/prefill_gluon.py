@@ -255,7 +255,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
         grid, n_bh, section = num_tiles, None, None
     attn_fwd_kernel[(grid, )](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
                               sm_scale * math.log2(math.e), None, None, None, None, None, n_bh,
-                              section, None, None, num_warps=4,
+                              section, None, None, None, None, None, num_warps=4,
                               **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
@@ -326,8 +326,86 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
                                    sm_scale * math.log2(math.e), out, cu_seqlens_q,
                                    cu_seqlens_k, Tq, max_q, None, None, tiles,
-                                   v if s.varlen_bounded_v else None, num_warps=4,
+                                   v if s.varlen_bounded_v else None, None, None, None,
+                                   num_warps=4,
                                    VARLEN=varlen, BOUNDED_V=s.varlen_bounded_v,
+                                   **_constexprs(D, Hq // Hkv, causal, s))
+    return out, lse
+
+
+# Pages the paged build takes: a whole number of 8-row swizzle atoms that tiles a key tile
+# or is tiled by it, so a tile is BLOCK_N / min(page, BLOCK_N) boxes of one page each.
+def paged_supported(page_size: int, block_n: int) -> bool:
+    box = min(page_size, block_n)
+    return box % 8 == 0 and block_n % box == 0 and page_size % box == 0
+
+
+def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
+                  max_seqlen_q, causal: bool, sm_scale: float,
+                  settings: GluonSettings | None = None):
+    """Chunked prefill on sm_90 with the keys read from the paged cache in place (inputs
+    validated by api.py; nothing here reads a device value on the host): the varlen
+    kernel's paged build (PAGE), the same tiles and order as prefill_varlen over the same
+    keys packed, so the same bits.
+
+    Args:
+        q: [Tq, Hq, D] packed chunk queries, fp16/bf16, D in (64, 128).
+        k_cache, v_cache: [num_pages, page_size, Hkv, D] (each page's rows contiguous, as
+            decode writes them), page_size a multiple of 8 that tiles a key tile or is
+            tiled by it (paged_supported).
+        cu_seqlens_q: int32 [batch + 1]; seqlens_k: int32 [batch], keys of each sequence,
+            its chunk included, key j at row j % page_size of page block_table[b, j //
+            page_size]; block_table: int32 [batch, width], only the entries covering
+            seqlens_k[b] keys read.
+        max_seqlen_q, causal, sm_scale, settings: as prefill_varlen (varlen_bounded_v has
+            no effect: the last page's V is always bounded).
+
+    Returns:
+        (out [Tq, Hq, D] like q, lse fp32 [Hq, Tq], natural log).
+    """
+    Tq, Hq, D = q.shape
+    num_pages, page, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    s = _resolve(settings, D, causal)
+    _refuse_persistent_varlen(s)
+    if not paged_supported(page, s.BLOCK_N):
+        raise ValueError(f"the paged Gluon build takes page sizes that are multiples of 8 and "
+                         f"tile or are tiled by BLOCK_N={s.BLOCK_N}, got {page}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not (t.stride(3) == 1 and t.stride(2) == D and t.stride(1) == Hkv * D
+                and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0):
+            raise ValueError(f"{name}: each page's rows must be contiguous "
+                             f"([page_size, Hkv, D] packed) and 16-byte aligned for TMA")
+    out = _alloc.empty((Tq, Hq, D), q.dtype, q.device)
+    lse = _alloc.empty((Hq, Tq), torch.float32, q.device)
+    n_seq = cu_seqlens_q.numel() - 1
+    max_q = Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq)
+    if Tq * Hq == 0 or n_seq <= 0 or max_q == 0:
+        return out, lse
+    if not _tma_ready(q.unsqueeze(0)):
+        q = q.contiguous()
+    cu_k = torch.zeros(n_seq + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum(seqlens_k, 0, out=cu_k[1:])  # on the device: no host read
+    name = DTYPE_NAMES[q.dtype]
+    box = min(page, s.BLOCK_N)
+    q_desc = _descriptor(q.view(1, Tq, Hq * D), [1, WG_M, D], name)
+    o_desc = _descriptor(out.view(1, Tq, Hq * D), [1, WG_M, D], name)
+    k_desc = _descriptor(k_cache.view(num_pages, page, Hkv * D), [1, box, D], name)
+    v_desc = _descriptor(v_cache.view(num_pages, page, Hkv * D), [1, box, D], name)
+    tiles, varlen = None, True
+    if s.compact_varlen and table_fits(Tq, Hq, s.BLOCK_M):
+        num_tiles = tile_bound(Tq, n_seq, s.BLOCK_M, max_q) * Hq
+        tiles = varlen_tile_table(cu_seqlens_q, num_tiles, Hq, s.BLOCK_M, causal,
+                                  longest_first=s.varlen_longest_first, cu_seqlens_k=cu_k)
+        varlen = VARLEN_COMPACT
+    else:
+        num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq
+    if q.is_cuda:
+        _alloc.ensure_descriptor_allocator()  # the last page's V descriptor
+    attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
+                                   sm_scale * math.log2(math.e), out, cu_seqlens_q, cu_k, Tq,
+                                   max_q, None, None, tiles, v_cache, block_table,
+                                   block_table.stride(0), v_cache.stride(0), num_warps=4,
+                                   VARLEN=varlen, PAGE=page,
                                    **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
@@ -342,7 +420,7 @@ def _tma_ready(t) -> bool:
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
                  settings: GluonSettings | None = None, varlen: bool = False,
-                 plain_grid: bool = False, bounded_v: bool = False) -> dict:
+                 plain_grid: bool = False, bounded_v: bool = False, page: int = 0) -> dict:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
@@ -353,7 +431,9 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     compact_varlen=False): the plain grid's build, which packs whose codes do not fit the
     table take. varlen with bounded_v=True (or settings.varlen_bounded_v): the build whose
     last partial key tile loads V through a descriptor made on the device (v_rows an
-    argument; else a None constexpr)."""
+    argument; else a None constexpr). varlen with page > 0: the paged build of that page
+    size (k/v descriptors over the cache's pages; block_table, bt_stride, page_stride and
+    v_rows arguments)."""
     s = _resolve(settings, head_dim, causal)
     if plain_grid:
         s = replace(s, compact_varlen=False)
@@ -362,28 +442,37 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     if varlen:
         _refuse_persistent_varlen(s)
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
-    kv_block = [1, s.BLOCK_N, head_dim]
-    kv = f"tensordesc<{dtype}[1,{s.BLOCK_N},{head_dim}],{_layout(kv_block, dtype)!r}>"
+    if page and not (varlen and paged_supported(page, s.BLOCK_N)):
+        raise ValueError(f"page={page}: the paged build is a varlen build of a page size "
+                         f"that paged_supported takes")
+    rows = min(page, s.BLOCK_N) if page else s.BLOCK_N
+    kv_block = [1, rows, head_dim]
+    kv = f"tensordesc<{dtype}[1,{rows},{head_dim}],{_layout(kv_block, dtype)!r}>"
     packed = {"o_ptr": f"*{dtype}", "cu_q": "*i32", "cu_k": "*i32", "Tq": "i32", "max_q": "i32"}
     walk = {"n_bh": "i32", "section": "i32"}
+    paged = {"block_table": "*i32", "bt_stride": "i32", "page_stride": "i32"}
     compact = bool(varlen and s.compact_varlen)
-    bounded = bool(varlen and s.varlen_bounded_v)
+    bounded = bool(varlen and s.varlen_bounded_v and not page)
     signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",
                  "Sq": "i32", "Sk": "i32", "Hq": "i32", "qk_scale": "fp32",
                  **(packed if varlen else dict.fromkeys(packed, "constexpr")),
                  **(walk if s.persistent else dict.fromkeys(walk, "constexpr")),
                  "tiles": "*i32" if compact else "constexpr",
-                 "v_rows": f"*{dtype}" if bounded else "constexpr"}
+                 "v_rows": f"*{dtype}" if bounded or page else "constexpr",
+                 **(paged if page else dict.fromkeys(paged, "constexpr"))}
     constexprs = {**_constexprs(head_dim, 1, causal, s),
-                  "VARLEN": VARLEN_COMPACT if compact else bool(varlen), "BOUNDED_V": bounded}
+                  "VARLEN": VARLEN_COMPACT if compact else bool(varlen), "BOUNDED_V": bounded,
+                  "PAGE": page}
     if not varlen:
         constexprs.update(dict.fromkeys(packed))
     if not s.persistent:
         constexprs.update(dict.fromkeys(walk))
     if not compact:
         constexprs["tiles"] = None
-    if not bounded:
+    if not (bounded or page):
         constexprs["v_rows"] = None
+    if not page:
+        constexprs.update(dict.fromkeys(paged))
     return {"fn": attn_fwd_kernel, "signature": signature, "constexprs": constexprs,
             "options": {"num_warps": 4}}
 

@@ -149,6 +149,17 @@ def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, tiles, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
+def _tile_seq(pid, n_m, Hq, tiles, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+    """The sequence of program pid's tile in a varlen build (the paged build reads its
+    block-table row by it); _tile's rows come from the same entry."""
+    if VARLEN == COMPACT:
+        b = gl.maximum(gl.load(tiles + pid), 0)
+    else:
+        start_m, b, off_h = _tile_coords(pid, n_m, Hq, CAUSAL)
+    return b
+
+
+@gluon.jit
 def _persistent_walk(num_tiles):
     """(first, stride, count): a persistent CTA takes the count tiles first, first + stride,
     ... below num_tiles of _persistent_tile's order. The producer and every consumer walk
@@ -512,15 +523,17 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
               k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq, n_bh, section,
-              v_rows, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              v_rows, block_table, bt_stride, page_stride, GROUP: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              BOUNDED_V: gl.constexpr):
+              BOUNDED_V: gl.constexpr, PAGE: gl.constexpr):
     """The TMA producer warp: for the CTA's tile, or (PERSISTENT) each tile of the same
     schedule the consumers walk, Q once (one 64-row box per consumer into q_bufs[i], all on
     one barrier), then the tile's K and V through the ring, in the consumers' order (the
     tile count from the same _tile / _persistent_tile and _tile_counts the consumers read).
-    BOUNDED_V (varlen): see _produce_q_tile."""
+    BOUNDED_V (varlen): see _produce_q_tile. PAGE (varlen, the paged build): K/V through
+    the block table, see _load_paged_kv."""
     if PERSISTENT:
         first, stride, count = _persistent_walk(n_m * n_bh)
         r0 = 0
@@ -529,26 +542,32 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
                 first + i * stride, n_m, n_bh, section, Sq, Sk, Hq, BLOCK_M, BLOCK_N, CAUSAL)
             _produce_q_tile(start_m, off_b, off_h, 0, 0, Sk, n_total, r0, i,
                             q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
-                            k_ready, v_ready, kv_empty, None, 0, GROUP, BLOCK_M, BLOCK_N, D,
-                            STAGES, CONSUMERS, True, False)
+                            k_ready, v_ready, kv_empty, None, 0, None, 0, GROUP, BLOCK_M,
+                            BLOCK_N, D, STAGES, CONSUMERS, True, False, 0)
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
                                                              cu_q, cu_k, tiles, CAUSAL,
                                                              VARLEN)
         n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
+        if PAGE:
+            bt_row = block_table + _tile_seq(gl.program_id(0), n_m, Hq, tiles, CAUSAL,
+                                             VARLEN).to(gl.int64) * bt_stride
+        else:
+            bt_row = block_table
         _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, 0, 0, q_desc, k_desc,
                         v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                        kv_empty, v_rows, (Hq // GROUP) * D, GROUP, BLOCK_M, BLOCK_N, D, STAGES,
-                        CONSUMERS, False, BOUNDED_V)
+                        kv_empty, v_rows, (Hq // GROUP) * D, bt_row, page_stride, GROUP,
+                        BLOCK_M, BLOCK_N, D, STAGES, CONSUMERS, False, BOUNDED_V, PAGE)
 
 
 @gluon.jit
 def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, q_desc, k_desc,
                     v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                    v_rows, v_row_len, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    v_rows, v_row_len, bt_row, page_stride, GROUP: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                    KV_FIRST: gl.constexpr, BOUNDED_V: gl.constexpr):
+                    KV_FIRST: gl.constexpr, BOUNDED_V: gl.constexpr, PAGE: gl.constexpr):
     """The loads of one query tile (the CTA's tile_i-th; K/V from ring index r0 on).
 
     Q waits for q_empty: every warpgroup has handed back its Q buffer, whose O store of the
@@ -562,7 +581,10 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
     a NaN or Inf turns into NaN through 0 * v. So a tile that ends past the sequence's
     kv_len keys loads V through a descriptor made here over the sequence's own rows
     (v_rows, the packed [Tk, Hkv * D] values, from row k0), whose bounds TMA zero-fills
-    past. K needs none: its scores are masked by a select."""
+    past. K needs none: its scores are masked by a select.
+
+    PAGE (the paged build): K/V from the cache through the sequence's block-table row
+    bt_row (_load_paged_kv)."""
     off_hkv = off_h // GROUP
     m0 = q0 + start_m * BLOCK_M
     j0 = 0
@@ -578,7 +600,11 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
     for i in gl.static_range(1, CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [off_b, m0 + i * WG_M, off_h * D], q_bar,
                                         q_bufs[i])
-    if BOUNDED_V:
+    if PAGE:
+        _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_rows,
+                       page_stride, v_row_len, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                       BLOCK_N, D, STAGES, PAGE)
+    elif BOUNDED_V:
         n_inside = gl.minimum(n_total, kv_len // BLOCK_N)  # tiles that end inside the keys
         for j in range(j0, n_inside):
             _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
@@ -595,6 +621,84 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
         for j in range(j0, n_total):
             _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
                      k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES)
+
+
+@gluon.jit
+def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_cache, page_stride,
+                   row_len, k_smem, v_smem, k_ready, v_ready, kv_empty, BLOCK_N: gl.constexpr,
+                   D: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr):
+    """The n_total key tiles of a sequence whose keys sit in a paged cache: key j is row
+    j % PAGE of page bt_row[j // PAGE]. k_desc / v_desc describe the cache as
+    [num_pages, PAGE, Hkv * D] with a box of BOX = min(PAGE, BLOCK_N) rows, so a tile is
+    BLOCK_N / BOX boxes, each into its rows of the ring slot (the slot's swizzle repeats
+    every 8 rows, and BOX is a multiple of 8). A tile's table words are one vector load,
+    issued before the slot's wait so it overlaps the consumers' release.
+
+    The tile that reaches past kv_len: rows of the last page past the keys hold whatever
+    the cache holds there (NaN, say), and 0 * NaN would reach P V, so its V comes through
+    a descriptor made here over the last page alone with the valid row count as its bound
+    (TMA fills zeros past it, and the whole box of a slice past the last page is outside
+    it); K's rows there may hold anything (their scores are replaced by the mask), so a
+    slice past the last page re-reads the last page. No table word past the sequence's
+    pages is read."""
+    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    SLICES: gl.constexpr = BLOCK_N // BOX
+    TILE_BYTES: gl.constexpr = BLOCK_N * D * k_desc.dtype.primitive_bitwidth // 8
+    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    slice_i = gl.arange(0, SLICES, layout=idx_layout)
+    col = off_hkv * D
+    n_whole = gl.minimum(n_total, kv_len // BLOCK_N)  # tiles of valid keys only
+    for j in range(n_whole):
+        r = r0 + j
+        s = r % STAGES
+        keys = j * BLOCK_N + slice_i * BOX
+        pages = gl.load(bt_row + keys // PAGE)
+        mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(s), TILE_BYTES)
+        mbarrier.expect(v_ready.index(s), TILE_BYTES)
+        for p in gl.static_range(SLICES):
+            page = gl.sum(gl.where(slice_i == p, pages, 0), axis=0)
+            row = (j * BLOCK_N + p * BOX) % PAGE
+            tma.async_copy_global_to_shared(k_desc, [page, row, col], k_ready.index(s),
+                                            k_smem.index(s).slice(p * BOX, BOX, dim=1))
+            tma.async_copy_global_to_shared(v_desc, [page, row, col], v_ready.index(s),
+                                            v_smem.index(s).slice(p * BOX, BOX, dim=1))
+    if n_whole < n_total:  # the one tile past the keys: the last, partial one
+        last = (kv_len - 1) // PAGE  # the sequence's last page in its table row
+        last_page = gl.load(bt_row + last)
+        valid = kv_len - last * PAGE  # its rows holding keys, 1..PAGE
+        v_last = tma.make_tensor_descriptor(
+            v_cache + last_page.to(gl.int64) * page_stride, shape=[1, valid, row_len],
+            strides=[page_stride, row_len, 1], block_shape=v_desc.block_type.shape,
+            layout=v_desc.layout)
+        j = n_whole
+        r = r0 + j
+        s = r % STAGES
+        keys = j * BLOCK_N + slice_i * BOX
+        pages = gl.load(bt_row + keys // PAGE, mask=keys < kv_len, other=0)
+        mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(s), TILE_BYTES)
+        mbarrier.expect(v_ready.index(s), TILE_BYTES)
+        for p in gl.static_range(SLICES):
+            key = j * BLOCK_N + p * BOX
+            k_dst = k_smem.index(s).slice(p * BOX, BOX, dim=1)
+            v_dst = v_smem.index(s).slice(p * BOX, BOX, dim=1)
+            if key + BOX <= kv_len:  # a whole slice of keys
+                page = gl.sum(gl.where(slice_i == p, pages, 0), axis=0)
+                tma.async_copy_global_to_shared(k_desc, [page, key % PAGE, col],
+                                                k_ready.index(s), k_dst)
+                tma.async_copy_global_to_shared(v_desc, [page, key % PAGE, col],
+                                                v_ready.index(s), v_dst)
+            elif key < kv_len:  # the slice holding the last key, inside the last page
+                tma.async_copy_global_to_shared(k_desc, [last_page, key % PAGE, col],
+                                                k_ready.index(s), k_dst)
+                tma.async_copy_global_to_shared(v_last, [0, key % PAGE, col],
+                                                v_ready.index(s), v_dst)
+            else:  # past the last page: any K rows, V all zeros (wholly outside v_last)
+                tma.async_copy_global_to_shared(k_desc, [last_page, 0, col],
+                                                k_ready.index(s), k_dst)
+                tma.async_copy_global_to_shared(v_last, [0, valid, col],
+                                                v_ready.index(s), v_dst)
 
 
 @gluon.jit
@@ -623,14 +727,15 @@ def _load_kv(r, row, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem, k_ready, v_
 # (a view such as cu_seqlens[i:] is a valid argument and only read a word at a time).
 @gluon.jit(do_not_specialize=["Tq", "max_q"], do_not_specialize_on_alignment=["cu_q", "cu_k"])
 def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale, o_ptr, cu_q,
-                    cu_k, Tq, max_q, n_bh, section, tiles, v_rows, GROUP: gl.constexpr,
+                    cu_k, Tq, max_q, n_bh, section, tiles, v_rows, block_table, bt_stride,
+                    page_stride, GROUP: gl.constexpr,
                     BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = True,
                     VARLEN: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
-                    BOUNDED_V: gl.constexpr = False):
+                    BOUNDED_V: gl.constexpr = False, PAGE: gl.constexpr = 0):
     """1-D grid over tiles (row block, batch, head), one tile per CTA. q/o descriptors are
     [B, Sq, Hq * D] with box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D];
     GROUP = Hq // Hkv. CONSUMERS (2 or 3) consumer warpgroups of 64 rows each:
@@ -650,7 +755,13 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
 
     BOUNDED_V (varlen only): v_rows is v's base pointer (packed [Tk, Hkv * D]), from which
     the producer makes a descriptor of the sequence's own rows for a key tile that ends
-    past them (_produce_q_tile); None otherwise."""
+    past them (_produce_q_tile); None otherwise.
+
+    PAGE (varlen only; 0 otherwise): the paged build, keys from a paged cache. k/v are the
+    caches as [num_pages, PAGE, Hkv * D] with a box of min(PAGE, BLOCK_N) rows, cu_k the
+    cumulative key counts (k0 unused), block_table int32 [batch, width] with row stride
+    bt_stride, v_rows the V cache's base and page_stride its elements a page (for the
+    last page's bounded descriptor, see _load_paged_kv); None for the three otherwise."""
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
     gl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is fixed-length only")
@@ -671,8 +782,10 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
 
     q0_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     q1_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    # [STAGES, 1, BLOCK_N, D]: the descriptors' box (the paged build's may be fewer rows,
+    # a tile then being several boxes; the layout's swizzle is the same)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -705,8 +818,9 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
-                         n_bh, section, v_rows, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS,
-                         VARLEN, PERSISTENT, BOUNDED_V)),
+                         n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP, BLOCK_M,
+                         BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN, PERSISTENT, BOUNDED_V,
+                         PAGE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
@@ -725,6 +839,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq,
-                         Sk, Hq, n_bh, section, v_rows, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         CONSUMERS, VARLEN, PERSISTENT, BOUNDED_V)),
+                         Sk, Hq, n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP,
+                         BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN, PERSISTENT,
+                         BOUNDED_V, PAGE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

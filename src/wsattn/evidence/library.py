@@ -236,33 +236,19 @@ def _paged_gluon_contiguous(inp):
                                    inp["max_q"], inp["max_k"], causal=True, impl="gluon")
 
 
-def _paged_gluon_entry():
-    run = RunSpec(draw_shape=_draw_paged, build=_build_paged, run=_paged_gluon_run,
-                  reference=_paged_reference, dtypes=("bf16", "fp16"), interpreter=False,
-                  baseline=_paged_gluon_contiguous,
-                  baseline_name="wsattn Gluon varlen prefill over the same keys, contiguous",
-                  profile_shapes=({"Lq": [2048] * 8, "P": [8192] * 8, "Hq": 32, "Hkv": 8,
-                                   "D": 128, "page": 16},),
-                  sanitizer_shapes=({"Lq": [17, 1], "P": [23, 0], "Hq": 4, "Hkv": 2, "D": 128,
-                                     "page": 16},
-                                    {"Lq": [65], "P": [3], "Hq": 2, "Hkv": 1, "D": 64,
-                                     "page": 64}),
-                  describe=_describe_paged)
-    return ("prefill_gluon_paged", "wsattn.kernels.prefill_gluon", "compile_spec",
-            {"head_dim": 128, "dtype": "bf16", "causal": True, "varlen": True, "page": 16},
-            run, "Gluon chunked prefill over a paged cache read in place by TMA (the varlen "
-            "build's PAGE), D=128 bf16, causal, page 16", (90,))
-
-
-def _paged_entry(gather=False):
-    # gather: the keys copied out of the cache into a packed buffer (paged_gather.py), then
-    # the Triton varlen kernel; the compile gates build the gather kernel, the run and the
-    # sanitizer gates cover both launches
+def _paged_entry(kind="in_place"):
+    # in_place: the Triton paged kernel; gather: the keys copied out of the cache into a
+    # packed buffer (paged_gather.py), then the Triton varlen kernel (the compile gates
+    # build the gather kernel, the run and the sanitizer gates cover both launches);
+    # gluon: the Gluon varlen kernel's paged build reading the pages in place
+    gluon = kind == "gluon"
     run = RunSpec(draw_shape=_draw_paged, build=_build_paged,
-                  run=functools.partial(_paged_run, gather=gather),
-                  reference=_paged_reference, dtypes=("bf16", "fp16"),
-                  baseline=_paged_contiguous,
-                  baseline_name="wsattn varlen prefill over the same keys, contiguous",
+                  run=_paged_gluon_run if gluon else functools.partial(
+                      _paged_run, gather=kind == "gather"),
+                  reference=_paged_reference, dtypes=("bf16", "fp16"), interpreter=not gluon,
+                  baseline=_paged_gluon_contiguous if gluon else _paged_contiguous,
+                  baseline_name=f"wsattn {'Gluon ' if gluon else ''}varlen prefill over the "
+                                "same keys, contiguous",
                   profile_shapes=({"Lq": [2048] * 8, "P": [8192] * 8, "Hq": 32, "Hkv": 8,
                                    "D": 128, "page": 16},),
                   sanitizer_shapes=({"Lq": [17, 1], "P": [23, 0], "Hq": 4, "Hkv": 2, "D": 128,
@@ -270,7 +256,13 @@ def _paged_entry(gather=False):
                                     {"Lq": [65], "P": [3], "Hq": 2, "Hkv": 1, "D": 64,
                                      "page": 64}),
                   describe=_describe_paged)
-    if gather:
+    if gluon:
+        return ("prefill_gluon_paged", "wsattn.kernels.prefill_gluon", "compile_spec",
+                {"head_dim": 128, "dtype": "bf16", "causal": True, "varlen": True,
+                 "page": 16}, run,
+                "Gluon chunked prefill over a paged cache read in place by TMA (the varlen "
+                "build's PAGE), D=128 bf16, causal, page 16", (90,))
+    if kind == "gather":
         return ("prefill_paged_gather", "wsattn.kernels.paged_gather", "compile_spec",
                 {"head_dim": 128, "dtype": "bf16", "page_size": 16}, run,
                 "chunked prefill over a paged cache through gathered keys (the gather "
@@ -909,8 +901,8 @@ ENTRIES = (
     _prefill_entry("prefill_triton_causal", "wsattn.kernels.prefill_triton", causal=True),
     _prefill_entry("prefill_triton_varlen", "wsattn.kernels.prefill_triton", varlen=True),
     _paged_entry(),
-    _paged_entry(gather=True),
-    _paged_gluon_entry(),
+    _paged_entry("gather"),
+    _paged_entry("gluon"),
     _decode_entry("decode_triton", paged=False),
     _decode_entry("decode_triton_paged", paged=True),
     _merge_entry(),

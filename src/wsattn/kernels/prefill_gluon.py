@@ -298,39 +298,58 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     Tk, Hkv = k.shape[0], k.shape[1]
     s = _resolve(settings, D, causal)
     _refuse_persistent_varlen(s)
-    out = _alloc.empty((Tq, Hq, D), q.dtype, q.device)
-    lse = _alloc.empty((Hq, Tq), torch.float32, q.device)
-    n_seq = cu_seqlens_q.numel() - 1
-    max_q = Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq)
-    if Tq * Hq == 0 or n_seq <= 0 or max_q == 0:
+    out, lse, n_seq, max_q = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q)
+    if max_q == 0:
         return out, lse
     if Tk == 0:  # every sequence has no keys (no TMA descriptor spans zero rows)
         return out.zero_(), lse.fill_(float("-inf"))
     q, k, v = (t if _tma_ready(t.unsqueeze(0)) else t.contiguous() for t in (q, k, v))
     name = DTYPE_NAMES[q.dtype]
-    q_desc = _descriptor(q.view(1, Tq, Hq * D), [1, WG_M, D], name)
-    o_desc = _descriptor(out.view(1, Tq, Hq * D), [1, WG_M, D], name)
     k_desc = _descriptor(k.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
     v_desc = _descriptor(v.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
+    bounded = s.varlen_bounded_v
+    _varlen_launch(q, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, n_seq, max_q, Hkv,
+                   causal, sm_scale, s, (v if bounded else None, None, None, None),
+                   bounded, BOUNDED_V=bounded)
+    return out, lse
+
+
+def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q):
+    """(out, lse, batch, max_q) of a varlen-build launch: max_q 0 where there is nothing
+    to compute (no rows, no heads or no sequence)."""
+    Tq, Hq, D = q.shape
+    out = _alloc.empty((Tq, Hq, D), q.dtype, q.device)
+    lse = _alloc.empty((Hq, Tq), torch.float32, q.device)
+    n_seq = cu_seqlens_q.numel() - 1
+    max_q = Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq)
+    if Tq * Hq == 0 or n_seq <= 0:
+        max_q = 0
+    return out, lse, n_seq, max_q
+
+
+def _varlen_launch(q, k_desc, v_desc, out, lse, cu_q, cu_k, n_seq, max_q, Hkv, causal,
+                   sm_scale, s, tail, device_descriptors, **builds):
+    """The varlen build's launch (prefill_varlen, prefill_paged): q / o descriptors, the
+    tile table over cu_q with keys counted by cu_k (or the plain grid), then the kernel
+    with tail = (v_rows, block_table, bt_stride, page_stride) and the build's constexprs."""
+    Tq, Hq, D = q.shape
+    name = DTYPE_NAMES[q.dtype]
+    q_desc = _descriptor(q.view(1, Tq, Hq * D), [1, WG_M, D], name)
+    o_desc = _descriptor(out.view(1, Tq, Hq * D), [1, WG_M, D], name)
     tiles, varlen = None, True
     if s.compact_varlen and table_fits(Tq, Hq, s.BLOCK_M):
         num_tiles = tile_bound(Tq, n_seq, s.BLOCK_M, max_q) * Hq
-        tiles = varlen_tile_table(cu_seqlens_q, num_tiles, Hq, s.BLOCK_M, causal,
-                                  longest_first=s.varlen_longest_first,
-                                  cu_seqlens_k=cu_seqlens_k)
+        tiles = varlen_tile_table(cu_q, num_tiles, Hq, s.BLOCK_M, causal,
+                                  longest_first=s.varlen_longest_first, cu_seqlens_k=cu_k)
         varlen = VARLEN_COMPACT
     else:
         num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq  # one CTA per tile; surplus ones exit
-    if s.varlen_bounded_v and q.is_cuda:
-        _alloc.ensure_descriptor_allocator()  # the device-made V descriptors' memory
+    if device_descriptors and q.is_cuda:
+        _alloc.ensure_descriptor_allocator()  # the tensor maps the producer makes
     attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
-                                   sm_scale * math.log2(math.e), out, cu_seqlens_q,
-                                   cu_seqlens_k, Tq, max_q, None, None, tiles,
-                                   v if s.varlen_bounded_v else None, None, None, None,
-                                   num_warps=4,
-                                   VARLEN=varlen, BOUNDED_V=s.varlen_bounded_v,
-                                   **_constexprs(D, Hq // Hkv, causal, s))
-    return out, lse
+                                   sm_scale * math.log2(math.e), out, cu_q, cu_k, Tq, max_q,
+                                   None, None, tiles, *tail, num_warps=4, VARLEN=varlen,
+                                   **builds, **_constexprs(D, Hq // Hkv, causal, s))
 
 
 # Pages the paged build takes: a whole number of 8-row swizzle atoms that tiles a key tile
@@ -363,7 +382,7 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
     Returns:
         (out [Tq, Hq, D] like q, lse fp32 [Hq, Tq], natural log).
     """
-    Tq, Hq, D = q.shape
+    D = q.shape[2]
     num_pages, page, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     s = _resolve(settings, D, causal)
     _refuse_persistent_varlen(s)
@@ -375,11 +394,8 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
                 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0):
             raise ValueError(f"{name}: each page's rows must be contiguous "
                              f"([page_size, Hkv, D] packed) and 16-byte aligned for TMA")
-    out = _alloc.empty((Tq, Hq, D), q.dtype, q.device)
-    lse = _alloc.empty((Hq, Tq), torch.float32, q.device)
-    n_seq = cu_seqlens_q.numel() - 1
-    max_q = Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq)
-    if Tq * Hq == 0 or n_seq <= 0 or max_q == 0:
+    out, lse, n_seq, max_q = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q)
+    if max_q == 0:
         return out, lse
     if not _tma_ready(q.unsqueeze(0)):
         q = q.contiguous()
@@ -387,26 +403,11 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
     torch.cumsum(seqlens_k, 0, out=cu_k[1:])  # on the device: no host read
     name = DTYPE_NAMES[q.dtype]
     box = min(page, s.BLOCK_N)
-    q_desc = _descriptor(q.view(1, Tq, Hq * D), [1, WG_M, D], name)
-    o_desc = _descriptor(out.view(1, Tq, Hq * D), [1, WG_M, D], name)
     k_desc = _descriptor(k_cache.view(num_pages, page, Hkv * D), [1, box, D], name)
     v_desc = _descriptor(v_cache.view(num_pages, page, Hkv * D), [1, box, D], name)
-    tiles, varlen = None, True
-    if s.compact_varlen and table_fits(Tq, Hq, s.BLOCK_M):
-        num_tiles = tile_bound(Tq, n_seq, s.BLOCK_M, max_q) * Hq
-        tiles = varlen_tile_table(cu_seqlens_q, num_tiles, Hq, s.BLOCK_M, causal,
-                                  longest_first=s.varlen_longest_first, cu_seqlens_k=cu_k)
-        varlen = VARLEN_COMPACT
-    else:
-        num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq
-    if q.is_cuda:
-        _alloc.ensure_descriptor_allocator()  # the last page's V descriptor
-    attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
-                                   sm_scale * math.log2(math.e), out, cu_seqlens_q, cu_k, Tq,
-                                   max_q, None, None, tiles, v_cache, block_table,
-                                   block_table.stride(0), v_cache.stride(0), num_warps=4,
-                                   VARLEN=varlen, PAGE=page,
-                                   **_constexprs(D, Hq // Hkv, causal, s))
+    _varlen_launch(q, k_desc, v_desc, out, lse, cu_seqlens_q, cu_k, n_seq, max_q, Hkv, causal,
+                   sm_scale, s, (v_cache, block_table, block_table.stride(0),
+                                 v_cache.stride(0)), True, PAGE=page)
     return out, lse
 
 

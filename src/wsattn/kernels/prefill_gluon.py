@@ -310,7 +310,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     bounded = s.varlen_bounded_v
     _varlen_launch(q, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, n_seq, max_q, Hkv,
                    causal, sm_scale, s, (v if bounded else None, None, None, None),
-                   bounded, BOUNDED_V=bounded)
+                   BOUNDED_V=bounded)
     return out, lse
 
 
@@ -328,10 +328,11 @@ def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q):
 
 
 def _varlen_launch(q, k_desc, v_desc, out, lse, cu_q, cu_k, n_seq, max_q, Hkv, causal,
-                   sm_scale, s, tail, device_descriptors, **builds):
+                   sm_scale, s, tail, **builds):
     """The varlen build's launch (prefill_varlen, prefill_paged): q / o descriptors, the
     tile table over cu_q with keys counted by cu_k (or the plain grid), then the kernel
-    with tail = (v_rows, block_table, bt_stride, page_stride) and the build's constexprs."""
+    with tail = (v_rows, block_table, bt_stride, page_stride) and the build's constexprs.
+    A build given v_rows makes tensor maps on the device (BOUNDED_V, PAGE)."""
     Tq, Hq, D = q.shape
     name = DTYPE_NAMES[q.dtype]
     q_desc = _descriptor(q.view(1, Tq, Hq * D), [1, WG_M, D], name)
@@ -344,7 +345,7 @@ def _varlen_launch(q, k_desc, v_desc, out, lse, cu_q, cu_k, n_seq, max_q, Hkv, c
         varlen = VARLEN_COMPACT
     else:
         num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq  # one CTA per tile; surplus ones exit
-    if device_descriptors and q.is_cuda:
+    if tail[0] is not None and q.is_cuda:
         _alloc.ensure_descriptor_allocator()  # the tensor maps the producer makes
     attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
                                    sm_scale * math.log2(math.e), out, cu_q, cu_k, Tq, max_q,
@@ -407,7 +408,7 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
     v_desc = _descriptor(v_cache.view(num_pages, page, Hkv * D), [1, box, D], name)
     _varlen_launch(q, k_desc, v_desc, out, lse, cu_seqlens_q, cu_k, n_seq, max_q, Hkv, causal,
                    sm_scale, s, (v_cache, block_table, block_table.stride(0),
-                                 v_cache.stride(0)), True, PAGE=page)
+                                 v_cache.stride(0)), PAGE=page)
     return out, lse
 
 

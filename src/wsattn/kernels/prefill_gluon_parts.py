@@ -610,10 +610,8 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
             _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
                      k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES)
         if n_inside < n_total:  # the one tile past the keys: the last, partial one
-            v_own = tma.make_tensor_descriptor(
-                v_rows + k0.to(gl.int64) * v_row_len, shape=[1, kv_len, v_row_len],
-                strides=[kv_len.to(gl.int64) * v_row_len, v_row_len, 1],
-                block_shape=v_desc.block_type.shape, layout=v_desc.layout)
+            v_own = _rows_descriptor(v_rows + k0.to(gl.int64) * v_row_len, kv_len, v_row_len,
+                                     v_desc)
             _load_kv(r0 + n_inside, k0 + n_inside * BLOCK_N, off_b, off_hkv, k_desc, v_own,
                      k_smem, v_smem, k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES,
                      v_row=n_inside * BLOCK_N, v_b=0)
@@ -621,6 +619,27 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
         for j in range(j0, n_total):
             _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
                      k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES)
+
+
+@gluon.jit
+def _rows_descriptor(base, rows, row_len, like):
+    """A tensor map made on the device over `rows` rows of row_len elements from base,
+    shaped [1, rows, row_len] with `like`'s box and layout: TMA fills zeros past the rows
+    (the bounded V of BOUNDED_V and of the paged build's last page)."""
+    return tma.make_tensor_descriptor(base, shape=[1, rows, row_len],
+                                      strides=[rows.to(gl.int64) * row_len, row_len, 1],
+                                      block_shape=like.block_type.shape, layout=like.layout)
+
+
+@gluon.jit
+def _claim_slot(r, kv_empty, k_ready, v_ready, nbytes, STAGES: gl.constexpr):
+    """Ring index r's slot once every consumer has released its previous round, with
+    both ready barriers expecting nbytes: the slot's index."""
+    s = r % STAGES
+    mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(s), nbytes)
+    mbarrier.expect(v_ready.index(s), nbytes)
+    return s
 
 
 @gluon.jit
@@ -649,13 +668,9 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_cache
     col = off_hkv * D
     n_whole = gl.minimum(n_total, kv_len // BLOCK_N)  # tiles of valid keys only
     for j in range(n_whole):
-        r = r0 + j
-        s = r % STAGES
         keys = j * BLOCK_N + slice_i * BOX
         pages = gl.load(bt_row + keys // PAGE)
-        mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(s), TILE_BYTES)
-        mbarrier.expect(v_ready.index(s), TILE_BYTES)
+        s = _claim_slot(r0 + j, kv_empty, k_ready, v_ready, TILE_BYTES, STAGES)
         for p in gl.static_range(SLICES):
             page = gl.sum(gl.where(slice_i == p, pages, 0), axis=0)
             row = (j * BLOCK_N + p * BOX) % PAGE
@@ -667,18 +682,12 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_cache
         last = (kv_len - 1) // PAGE  # the sequence's last page in its table row
         last_page = gl.load(bt_row + last)
         valid = kv_len - last * PAGE  # its rows holding keys, 1..PAGE
-        v_last = tma.make_tensor_descriptor(
-            v_cache + last_page.to(gl.int64) * page_stride, shape=[1, valid, row_len],
-            strides=[page_stride, row_len, 1], block_shape=v_desc.block_type.shape,
-            layout=v_desc.layout)
+        v_last = _rows_descriptor(v_cache + last_page.to(gl.int64) * page_stride, valid,
+                                  row_len, v_desc)
         j = n_whole
-        r = r0 + j
-        s = r % STAGES
         keys = j * BLOCK_N + slice_i * BOX
         pages = gl.load(bt_row + keys // PAGE, mask=keys < kv_len, other=0)
-        mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_ready.index(s), TILE_BYTES)
-        mbarrier.expect(v_ready.index(s), TILE_BYTES)
+        s = _claim_slot(r0 + j, kv_empty, k_ready, v_ready, TILE_BYTES, STAGES)
         for p in gl.static_range(SLICES):
             key = j * BLOCK_N + p * BOX
             k_dst = k_smem.index(s).slice(p * BOX, BOX, dim=1)

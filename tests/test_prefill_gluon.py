@@ -119,7 +119,10 @@ def test_sm90_compact_varlen_structure(head_dim, causal):
     assert _ptxas_spill_bytes(ptx) == [0, 0]
     assert ttgir.index("tt.return") < ttgir.index("ttng.init_barrier")
     assert "%nctaid.x" in ptx, "the table's second row starts at the grid size"
-    assert "%nctaid.x" not in _compile(head_dim, causal, True, compact_varlen=False).asm["ptx"]
+    # (the bounded-V build addresses its CTA's tensor-map scratch by the grid, so the plain
+    # grid without it is the build that must not read the grid size)
+    assert "%nctaid.x" not in _compile(head_dim, causal, True, compact_varlen=False,
+                                       varlen_bounded_v=False).asm["ptx"]
     spec = pg.compile_spec(head_dim=head_dim, causal=causal, settings=s, varlen=True)
     assert spec["signature"]["tiles"] == "*i32" and spec["constexprs"]["VARLEN"] == 2
     assert pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True) == spec
@@ -131,26 +134,28 @@ def test_sm90_compact_varlen_structure(head_dim, causal):
 
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
 def test_sm90_bounded_v_structure(head_dim, causal):
-    """varlen_bounded_v=True: the tile-table build's partitions, registers and GEMMs, no
-    spills, the default's shared memory, and the producer making one tensor map on the
-    device (tensormap.replace, then the fence that publishes it) for a key tile past its
-    sequence; v_rows is an argument of this build and a None constexpr of every other,
-    whose PTX makes no tensor map."""
-    s = pg.settings_for(head_dim, causal, varlen_bounded_v=True)
-    k = _compile(head_dim, causal, True, varlen_bounded_v=True)
+    """varlen_bounded_v (the default varlen build): the tile-table build's partitions,
+    registers and GEMMs, no spills, and the producer making one tensor map on the device
+    (tensormap.replace, then the fence that publishes it) for a key tile past its sequence;
+    v_rows is an argument of this build and a None constexpr of the build with the setting
+    off, whose PTX makes no tensor map and whose shared memory is the same."""
+    s = pg.settings_for(head_dim, causal)
+    assert s.varlen_bounded_v
+    k = _compile(head_dim, causal, True)
     _assert_ws_structure(k, s, head_dim)
     ptx = k.asm["ptx"]
     assert _ptxas_spill_bytes(ptx) == [0, 0]
-    default = _compile(head_dim, causal, True)
-    assert k.metadata.shared == default.metadata.shared
+    unbounded = _compile(head_dim, causal, True, varlen_bounded_v=False)
+    assert k.metadata.shared == unbounded.metadata.shared
     assert "tensormap.replace" in ptx and "fence.proxy.tensormap" in ptx
-    assert "tensormap" not in default.asm["ptx"]
-    spec = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True, bounded_v=True)
+    assert "tensormap" not in unbounded.asm["ptx"]
+    spec = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True)
     assert spec["signature"]["v_rows"] == "*bf16" and spec["constexprs"]["BOUNDED_V"] is True
-    plain = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True)
-    assert plain["constexprs"]["v_rows"] is None and plain["constexprs"]["BOUNDED_V"] is False
-    assert pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True,
-                           settings=s) == spec
+    off = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True,
+                          settings=pg.settings_for(head_dim, causal, varlen_bounded_v=False))
+    assert off["constexprs"]["v_rows"] is None and off["constexprs"]["BOUNDED_V"] is False
+    assert pg.compile_spec(head_dim=head_dim, causal=causal, settings=s)["constexprs"][
+        "BOUNDED_V"] is False  # fixed length: 3-D descriptors already bound each sequence
 
 
 # ptxas -v spill bytes (stores, loads) of the paged builds: D128 at page 16 (eight boxes a
@@ -179,8 +184,7 @@ def test_sm90_paged_structure(head_dim, causal, page):
     assert spec["constexprs"]["PAGE"] == page and spec["signature"]["block_table"] == "*i32"
     plain = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True)
     assert plain["constexprs"]["PAGE"] == 0
-    assert all(plain["constexprs"][a] is None
-               for a in ("block_table", "bt_stride", "page_stride", "v_rows"))
+    assert all(plain["constexprs"][a] is None for a in ("block_table", "bt_stride", "page_stride"))
     with pytest.raises(ValueError, match="page=24"):
         pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True, page=24)
 
@@ -361,7 +365,7 @@ def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
     assert (Sq, Sk, Hq, Tq, mq) == (0, 0, 14, 322, bound)  # Sq, Sk: fixed length only
     assert n_bh is None and section is None  # no persistent schedule for varlen
     assert tiles is None  # the plain grid: no tile table
-    assert v_rows is None and not kw["BOUNDED_V"]  # V through the pack-wide descriptor
+    assert v_rows is v and kw["BOUNDED_V"]  # a partial last tile's V: the sequence's rows
     assert (block_table, bt_stride, page_stride) == (None, None, None) and "PAGE" not in kw
     assert list(q_desc.shape) == list(o_desc.shape) == [1, 322, 14 * head_dim]
     assert list(k_desc.shape) == list(v_desc.shape) == [1, 340, 2 * head_dim]
@@ -400,7 +404,7 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
     assert tables == [(cu_q, n, 14, s.BLOCK_M, causal, True)] and grid == (n, )
     assert n < -(-(322 if max_q is None else max_q) // s.BLOCK_M) * 4 * 14  # fewer than plain
     assert args[16].shape == (2, n) and kw["VARLEN"] == pg.VARLEN_COMPACT
-    assert args[17:] == (None, None, None, None) and not kw["BOUNDED_V"]
+    assert args[17] is v and args[18:] == (None, None, None) and kw["BOUNDED_V"]
     pg.prefill(q.view(1, 322, 14, 128), k[:322].view(1, 322, 2, 128),
                v[:322].view(1, 322, 2, 128), causal, 0.125, settings=s)
     assert len(tables) == 1 and not rec.launches[-1][2].get("VARLEN")
@@ -409,12 +413,12 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
                       settings=pg.settings_for(128, causal, varlen_longest_first=False))
     assert tables[-1] == (cu_q, n, 14, s.BLOCK_M, causal, False)
     assert rec.launches[-1][0] == (n, ) and rec.launches[-1][2]["VARLEN"] == pg.VARLEN_COMPACT
-    # varlen_bounded_v passes v's base for the device-made descriptor, nothing else moves
+    # varlen_bounded_v=False passes no v base (no device-made descriptor), nothing else moves
     pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, 0.125,
-                      settings=pg.settings_for(128, causal, varlen_bounded_v=True))
+                      settings=pg.settings_for(128, causal, varlen_bounded_v=False))
     (grid_b, args_b, kw_b) = rec.launches[-1]
-    assert grid_b == (n, ) and kw_b["BOUNDED_V"] and args_b[17] is v
-    assert args_b[18:] == (None, None, None)
+    assert grid_b == (n, ) and not kw_b["BOUNDED_V"]
+    assert args_b[17:] == (None, None, None, None)
     assert [a for a in args_b[:17] if not hasattr(a, "shape")] == \
         [a for a in args[:17] if not hasattr(a, "shape")]
 
@@ -701,8 +705,8 @@ def test_sm90_default_builds_unchanged_by_persistent(head_dim, causal, varlen):
     counts, opcode by opcode, as before the persistent schedule was added."""
     import hashlib
     import json
-    counts = _ptx_opcode_counts(_compile(head_dim, causal, varlen,
-                                         compact_varlen=False).asm["ptx"])
+    counts = _ptx_opcode_counts(_compile(head_dim, causal, varlen, compact_varlen=False,
+                                         varlen_bounded_v=False).asm["ptx"])
     digest = hashlib.sha256(json.dumps(sorted(counts.items())).encode()).hexdigest()[:16]
     assert (sum(counts.values()), digest) == DEFAULT_PTX[head_dim, causal, varlen], counts
 
@@ -1200,18 +1204,20 @@ def test_sm90_varlen_writes_only_its_rows(head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
 def test_sm90_varlen_a_neighbours_nonfinite_v_stays_out(head_dim, causal):
-    """varlen_bounded_v=True: with NaN and Inf in every row of k and v but one sequence's,
-    that sequence's rows equal its own launch's on clean keys (a sequence must not see
-    another request's values, whatever they hold); on finite inputs the build equals the
-    default bit for bit. The default build (pack-wide V descriptor) does not pass the
-    first part: its last key tile adds 0 * v for the next sequence's rows
-    (notes/prefill_gluon.md). Written, not yet run."""
+    """The default varlen build (varlen_bounded_v): with NaN and Inf in every row of k and
+    v but one sequence's, that sequence's rows equal its own launch's on clean keys (a
+    sequence must not see another request's values, whatever they hold); on finite inputs
+    it equals the build with the setting off bit for bit. The build with it off (pack-wide
+    V descriptor) does not pass the first part: its last key tile adds 0 * v for the next
+    sequence's rows (notes/prefill_gluon.md)."""
     q_lens, kv_lens = VARLEN_PACKS["mix"]
     q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, torch.bfloat16,
                                 "cuda", seed=5)
     scale = head_dim ** -0.5
-    bounded = pg.settings_for(head_dim, causal, varlen_bounded_v=True)
-    base = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale)
+    bounded = pg.settings_for(head_dim, causal)
+    assert bounded.varlen_bounded_v
+    base = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale,
+                             settings=pg.settings_for(head_dim, causal, varlen_bounded_v=False))
     mine = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale, settings=bounded)
     assert torch.equal(mine[0], base[0]) and torch.equal(mine[1], base[1])
     bq, bk = cu_q.tolist(), cu_k.tolist()

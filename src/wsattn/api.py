@@ -341,12 +341,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
             default: where free, i.e. CPU tensors, or with WSATTN_VALIDATE=1; see the
             module docstring). A default call on CUDA tensors never synchronises.
 
-    Non-finite inputs: the Gluon kernel (sm_90) reads each key tile whole by TMA, so a
-    sequence's last key tile also holds up to 127 rows of the sequence packed after it.
-    Their scores are masked and their probabilities are exactly 0, but a NaN or Inf in
-    those rows of v makes 0 * v NaN: that sequence's output rows turn NaN. Finite k and
-    v (the normal case) are unaffected; the Triton kernel bounds each sequence's loads,
-    and the Gluon setting ``varlen_bounded_v`` (off until measured) bounds that tile's V.
+    Non-finite inputs: a NaN or Inf in one sequence's k or v does not reach another
+    sequence's output. The Gluon kernel (sm_90) reads each key tile whole by TMA, so a
+    sequence's last key tile also spans rows of the sequence packed after it; their scores
+    are masked, and that tile's V is loaded through a descriptor bounded at the sequence's
+    own rows (zeros past it), since 0 * v would be NaN for a non-finite v. The Gluon
+    setting ``varlen_bounded_v=False`` drops that bound (0.8-4 % faster on the H200) for
+    packs whose values are known finite; the Triton kernel bounds every load.
 
     Returns:
         out [Tq, Hq, D], or (out, lse) with lse float32 [Hq, Tq].

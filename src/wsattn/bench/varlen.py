@@ -40,9 +40,10 @@ Columns (``impl``):
 * ``wsattn-gluon-packorder``: the Gluon kernel with ``varlen_longest_first=False`` (the
   tile table's sequences in pack order, where the default lists them longest first), the
   same way: the A/B of the tile order alone.
-* ``wsattn-gluon-bounded``: the Gluon kernel with ``varlen_bounded_v=True`` (the V of a
-  key tile that ends past its sequence loaded through a descriptor of the sequence's own
-  rows, made on the device), the same way: the A/B of that switch's cost.
+* ``wsattn-gluon-unbounded``: the Gluon kernel with ``varlen_bounded_v=False`` (the V of
+  a key tile that ends past its sequence loaded through the pack-wide descriptor, where
+  the default bounds it by a descriptor of the sequence's own rows), the same way: the A/B
+  of that setting's cost.
 * ``torch-fa2``: ``torch.ops.aten._flash_attention_forward`` (torch's FlashAttention-2),
   with cu_seqlens for the pack, dense [B, N, H, D] for the batch; GQA native. The op
   allocates its output itself, so its checked call is made right after a NaN buffer of
@@ -93,15 +94,15 @@ MASKS = ("causal", "full")
 EQ_MULTIPLE = 64  # N_eq is a whole number of 64-token tiles, as the prefill shapes
 LAYOUTS = ("varlen", "equal")
 IMPLS = ("wsattn", "wsattn-triton", "wsattn-gluon", "wsattn-gluon-plain",
-         "wsattn-gluon-packorder", "wsattn-gluon-bounded", "torch-fa2", "flashinfer-fa3",
+         "wsattn-gluon-packorder", "wsattn-gluon-unbounded", "torch-fa2", "flashinfer-fa3",
          "flashinfer-fa2", "fa4")
 BACKENDS = {"wsattn": "auto", "wsattn-triton": "triton", "wsattn-gluon": "gluon",
             "wsattn-gluon-plain": "gluon", "wsattn-gluon-packorder": "gluon",
-            "wsattn-gluon-bounded": "gluon"}
+            "wsattn-gluon-unbounded": "gluon"}
 # the Gluon columns that call prefill_varlen with settings of their own
 GLUON_SETTINGS = {"wsattn-gluon-plain": {"compact_varlen": False},
                   "wsattn-gluon-packorder": {"varlen_longest_first": False},
-                  "wsattn-gluon-bounded": {"varlen_bounded_v": True}}
+                  "wsattn-gluon-unbounded": {"varlen_bounded_v": False}}
 WSATTN_IMPLS = tuple(BACKENDS)  # a failure of these exits 1
 TARGET_EQUAL = 0.95  # varlen TFLOP/s >= 0.95x the equal-length batch's, same column
 TARGET_TORCH_FA2 = 1.4  # varlen TFLOP/s >= 1.4x torch's FA2 varlen

@@ -74,7 +74,7 @@ def _prefill_runner(causal, impl, build=None):
     def run(inp):
         import wsattn
         if build:  # Gluon varlen builds that are kernel settings, not API choices: the
-            # plain grid (the fallback of packs the tile table cannot hold), the bounded V
+            # plain grid (the fallback of packs the tile table cannot hold)
             from ..kernels import prefill_gluon
             q = inp["q"]
             s = prefill_gluon.settings_for(q.shape[-1], causal, **build)
@@ -125,7 +125,7 @@ _SANITIZER_PREFILL = {
 
 
 def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only_ccs=None,
-                   plain=False, bounded=False):
+                   plain=False):
     kwargs = {"head_dim": 128, "dtype": "bf16", "causal": causal}
     build = {}
     if varlen:
@@ -133,9 +133,6 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
     if plain:
         kwargs["plain_grid"] = True
         build["compact_varlen"] = False
-    if bounded:
-        kwargs["bounded_v"] = True
-        build["varlen_bounded_v"] = True
     run = RunSpec(draw_shape=_draw_prefill(causal, varlen, 128), build=_build_prefill,
                   run=_prefill_runner(causal, impl, build),
                   reference=_prefill_reference(causal),
@@ -147,8 +144,7 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                   sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill)
     desc = f"{'Gluon' if impl == 'gluon' else 'Triton'} prefill, D=128 bf16" + \
         (", causal" if causal else "") + (", varlen" if varlen else "") + \
-        (", plain grid (no tile table)" if plain else "") + \
-        (", V of a key tile past the sequence through its own descriptor" if bounded else "")
+        (", plain grid (no tile table)" if plain else "")
     return name, module, "compile_spec", kwargs, run, desc, only_ccs
 
 
@@ -913,8 +909,6 @@ ENTRIES = (
                    only_ccs=(90,)),
     _prefill_entry("prefill_gluon_varlen_plain", "wsattn.kernels.prefill_gluon", varlen=True,
                    impl="gluon", only_ccs=(90,), plain=True),
-    _prefill_entry("prefill_gluon_varlen_bounded", "wsattn.kernels.prefill_gluon", varlen=True,
-                   impl="gluon", only_ccs=(90,), bounded=True),
     _gemv_entry("gemv_norm_silu", "norm_silu"),
     _gemv_entry("gemv_residual", "residual"),
     _gemv_entry("gemv_splitk", "residual", split=True),

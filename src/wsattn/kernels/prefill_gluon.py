@@ -104,8 +104,11 @@ class GluonSettings:
     # Varlen only: a key tile that ends past its sequence loads V through a descriptor of
     # the sequence's own rows, made on the device (BOUNDED_V in prefill_gluon_parts), so a
     # NaN or Inf in the next sequence's values cannot reach this sequence's output through
-    # 0 * v. Off until measured on a GPU (notes/prefill_gluon.md, "Open").
-    varlen_bounded_v: bool = False
+    # 0 * v (one request's overflow must not turn another's rows NaN). On: on the H200's
+    # 64-8192 pack it cost 0.8-4.1 % of the varlen time, within the pack's run-to-run
+    # spread; False is for packs whose values are known finite (notes/prefill_gluon.md,
+    # "A neighbour's non-finite V").
+    varlen_bounded_v: bool = True
 
     def smem_bytes(self, head_dim: int) -> int:
         return 2 * head_dim * (self.BLOCK_M + 2 * self.STAGES * self.BLOCK_N)
@@ -422,7 +425,7 @@ def _tma_ready(t) -> bool:
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
                  settings: GluonSettings | None = None, varlen: bool = False,
-                 plain_grid: bool = False, bounded_v: bool = False, page: int = 0) -> dict:
+                 plain_grid: bool = False, page: int = 0) -> dict:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
@@ -431,16 +434,14 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     varlen with settings.compact_varlen (the default): the tile-table build (VARLEN =
     VARLEN_COMPACT, tiles an argument; else a None constexpr); plain_grid=True (or
     compact_varlen=False): the plain grid's build, which packs whose codes do not fit the
-    table take. varlen with bounded_v=True (or settings.varlen_bounded_v): the build whose
-    last partial key tile loads V through a descriptor made on the device (v_rows an
-    argument; else a None constexpr). varlen with page > 0: the paged build of that page
+    table take. varlen with settings.varlen_bounded_v (the default): the build whose last
+    partial key tile loads V through a descriptor made on the device (v_rows an argument;
+    else a None constexpr). varlen with page > 0: the paged build of that page
     size (k/v descriptors over the cache's pages; block_table, bt_stride, page_stride and
     v_rows arguments)."""
     s = _resolve(settings, head_dim, causal)
     if plain_grid:
         s = replace(s, compact_varlen=False)
-    if bounded_v:
-        s = replace(s, varlen_bounded_v=True)
     if varlen:
         _refuse_persistent_varlen(s)
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"

@@ -88,11 +88,12 @@ def test_cases_and_ids():
     assert len({c.id for c in cases}) == len(cases)
     assert [len(g) for g in chunked.group_by_shape(cases)] == [3] * 8
     assert cases[-1].seqlen_k == 32768 + 2048
-    assert chunked.case_impls(cases[0], chunked.IMPLS) == ["triton-contiguous",
+    assert chunked.case_impls(cases[0], chunked.IMPLS) == ["wsattn-contiguous",
+                                                           "triton-contiguous",
                                                            "gluon-contiguous"]
-    assert chunked.case_impls(cases[1], chunked.IMPLS) == ["triton-paged", "triton-gather",
-                                                           "gluon-gather", "gluon-paged",
-                                                           "flashinfer-paged"]
+    assert chunked.case_impls(cases[1], chunked.IMPLS) == ["wsattn", "triton-paged",
+                                                           "triton-gather", "gluon-gather",
+                                                           "gluon-paged", "flashinfer-paged"]
     assert chunked.chunked_cases([5], [16], [64], batch=2)[1].id == \
         "chunked-B2-C2048-P5-H32-HKV8-D64-page16-bf16"
     for bad, match in ((dict(prefixes=[-1]), "prefix must be"), (dict(pages=[0]), "page must"),
@@ -249,16 +250,18 @@ print("RESULT " + json.dumps({"rows": rows, "bad": bad, "timed_bad": timer.n - b
 
 
 def test_runner_checks_then_times_on_the_interpreter():
-    """triton-paged and triton-gather (page 16, shuffled pages) and triton-contiguous on a
-    tiny fp32 shape through the interpreter: each output within tolerance of float64, then
-    timed; the Gluon columns are 'not available' with the dispatcher's reason, flashinfer-paged with
-    the import error; a wrong kernel fails and is not timed."""
+    """wsattn (the default route), triton-paged and triton-gather (page 16, shuffled
+    pages), wsattn-contiguous and triton-contiguous on a tiny fp32 shape through the
+    interpreter: each output within tolerance of float64, then timed; the Gluon columns
+    are 'not available' with the dispatcher's reason, flashinfer-paged with the import
+    error; a wrong kernel fails and is not timed."""
     r = interpreter_child(CHUNKED_CHILD, timeout=300)
     rows = {(row["prefix"], row["impl"]): row for row in r["rows"]}
-    assert len(r["rows"]) == 2 * 9
+    assert len(r["rows"]) == 2 * 11
     for prefix in (0, 20):
-        for impl in ("triton-paged", "triton-gather", "triton-contiguous",
-                     "triton-paged[16,16,4,1,1]", "triton-paged[16,32,4,1]"):
+        for impl in ("wsattn", "triton-paged", "triton-gather", "wsattn-contiguous",
+                     "triton-contiguous", "triton-paged[16,16,4,1,1]",
+                     "triton-paged[16,32,4,1]"):
             row = rows[(prefix, impl)]
             assert row["status"] == "ok", row
             assert row["rel_err"] <= 2e-3 and row["check_passed"] and row["median_ms"] == 1.0
@@ -269,6 +272,8 @@ def test_runner_checks_then_times_on_the_interpreter():
         assert paged["target_met"] == "met"
         gather = rows[(prefix, "triton-gather")]  # against the same backend's contiguous
         assert gather["ratio_contiguous"] == pytest.approx(1.0) and gather["target_met"] == "met"
+        default = rows[(prefix, "wsattn")]  # against wsattn-contiguous
+        assert default["ratio_contiguous"] == pytest.approx(1.0)
         for impl in ("gluon-contiguous", "gluon-gather", "gluon-paged"):
             gluon = rows[(prefix, impl)]
             # the Gluon kernel takes varlen now; on CPU tensors the dispatcher names the device
@@ -276,7 +281,7 @@ def test_runner_checks_then_times_on_the_interpreter():
         fi = rows[(prefix, "flashinfer-paged")]  # not installed on the CPU machines
         assert fi["status"] == "not available" and "flashinfer" in fi["reason"]
     assert rows[(20, "triton-paged")]["flops"] == 4 * 64 * 4 * 3 * (17 * 20 + 17 * 18 // 2)
-    assert r["timed"] == 10
+    assert r["timed"] == 14
     assert rows[(20, "triton-paged[16,16,4,1,1]")]["ratio_contiguous"] == pytest.approx(1.0)
     (bad,) = r["bad"]
     assert bad["status"] == "failed" and bad["median_ms"] is None and r["timed_bad"] == 0
@@ -298,7 +303,8 @@ def test_runner_on_the_gpu():
     chunked.add_ratios(rows)
     by = {(r["impl"], r["page_size"]): r for r in rows}
     for key in (("triton-contiguous", None), ("triton-paged", 16), ("triton-paged", 64),
-                ("triton-gather", 16), ("triton-gather", 64)):
+                ("triton-gather", 16), ("triton-gather", 64), ("wsattn-contiguous", None),
+                ("wsattn", 16), ("wsattn", 64)):
         r = by[key]
         assert r["status"] == "ok", r
         assert r["timing"] == "graph" and r["rel_err"] <= r["tol"] and r["tflops"] > 0
@@ -307,5 +313,6 @@ def test_runner_on_the_gpu():
     assert by[("gluon-contiguous", None)]["status"] in ("ok", "not available")
     for page in (16, 64):
         assert by[("gluon-gather", page)]["status"] in ("ok", "not available")
+        assert by[("gluon-paged", page)]["status"] in ("ok", "not available")
     for page in (16, 64):  # the peer wheel may be absent, but a wrong answer is not allowed
         assert by[("flashinfer-paged", page)]["status"] in ("ok", "not available")

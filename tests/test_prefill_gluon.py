@@ -528,7 +528,7 @@ def test_varlen_no_work_launches_nothing(monkeypatch):
 
 def test_varlen_dispatch_accepts_gluon_and_auto_ranks_by_the_longest_sequence():
     """impl="gluon" qualifies varlen prefill on sm_90 (no kv_len check: rows with no key get
-    0 and -inf); the paged prefill stays refused; impl="auto" ranks varlen as fixed-length
+    0 and -inf); the paged prefill where it can box the pages; impl="auto" ranks varlen as fixed-length
     prefill, on the longest sequence."""
     from wsattn import dispatch
     dev = torch.device("cuda", 0)
@@ -542,8 +542,10 @@ def test_varlen_dispatch_accepts_gluon_and_auto_ranks_by_the_longest_sequence():
             "gluon", dispatch.Call("prefill_varlen", dev, torch.bfloat16, 256))
         assert "float16 or bfloat16" in dispatch.reason(
             "gluon", dispatch.Call("prefill_varlen", dev, torch.float32, 128))
-        assert "paged prefill" in dispatch.reason(
+        assert "page_size 0" in dispatch.reason(
             "gluon", dispatch.Call("prefill_paged", dev, torch.bfloat16, 128))
+        assert dispatch.reason("gluon", dispatch.Call(
+            "prefill_paged", dev, torch.bfloat16, 128, page_size=64, tma_pages=True)) is None
         assert "kv_len > 0" in dispatch.reason(
             "gluon", dispatch.Call("prefill", dev, torch.bfloat16, 128, False, 4, 0))
         assert dispatch.resolve("gluon", call) == "gluon"

@@ -333,11 +333,10 @@ def _bad_cases():
     case("return_lse-type", TypeError, r"return_lse must be a bool", return_lse="no")
     case("sm_scale", ValueError, r"sm_scale must be a positive finite number", sm_scale=-1.0)
     case("impl", ValueError, r"impl must be one of", impl="cuda")
-    # impl="gluon" gathers the keys first (its K/V come by TMA from packed rows): refused
-    # here for the device, as a varlen call would be
+    # impl="gluon", gathered or in place: refused here for the device, as a varlen call is
     case("impl-gluon", ValueError, r"impl='gluon' runs on sm_90 \(Hopper\) only", impl="gluon")
-    case("impl-gluon-in-place", ValueError, r"impl='gluon' reads a paged cache only through "
-         r"gather=True", impl="gluon", gather=False)
+    case("impl-gluon-in-place", ValueError, r"impl='gluon' runs on sm_90 \(Hopper\) only",
+         impl="gluon", gather=False)
     case("gather-reference", ValueError, r"gather=True runs the packed-varlen kernels",
          impl="reference", gather=True)
     case("gather-type", TypeError, r"gather must be True, False or None", gather="yes")
@@ -395,13 +394,46 @@ def test_dispatch_resolves_paged_prefill(monkeypatch):
     assert dispatch.resolve("auto", call) == "reference"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert dispatch.resolve("auto", call) == "triton"
-    assert "paged prefill" in dispatch.reason("gluon", call)
+    assert "sm_90" in dispatch.reason("gluon", call)
     assert "attention_paged" in wsattn.__all__ and wsattn.attention_paged is wsattn.api.attention_paged
-    # the gather policy: CUDA only, and only while the buffer fits the limit
+    # the gather policy: CUDA only, and only while the buffer fits the limit, at pages the
+    # Gluon kernel does not read in place (the next test)
     monkeypatch.setattr(dispatch, "PAGED_GATHER_MAX_BYTES", 1 << 20)
-    cuda = dispatch.Call("prefill_paged", torch.device("cuda"), F16, 64, True)
+    cuda = dispatch.Call("prefill_paged", torch.device("cuda"), F16, 64, True, page_size=16,
+                         tma_pages=True)
     assert dispatch.paged_gather(cuda, 1 << 20) and not dispatch.paged_gather(cuda, (1 << 20) + 1)
     assert not dispatch.paged_gather(call, 0)
+
+
+def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
+    """Where the Gluon kernel runs (faked: no sm_90 device here), gather=None reads pages
+    of 64 rows or more in place with it, gathers smaller pages (impl="gluon" too), and
+    gathers any page size the Gluon kernel cannot box or a cache TMA cannot read;
+    gather=False ranks the Gluon in-place build first, with the reason named where it
+    cannot take the call."""
+    from wsattn.kernels import prefill_gluon
+    monkeypatch.setattr(prefill_gluon, "device_supported", lambda device: True)
+    dev = torch.device("cuda")
+
+    def call(page, tma=True, dtype=torch.bfloat16, d=128):
+        return dispatch.Call("prefill_paged", dev, dtype, d, True, seqlen_q=64, seqlen_k=4096,
+                             page_size=page, tma_pages=tma)
+    assert dispatch.PAGED_IN_PLACE_FROM_PAGE == 64
+    for impl in ("auto", "gluon"):
+        assert not dispatch.paged_gather(call(64), 1, impl)
+        assert not dispatch.paged_gather(call(256), 1, impl)
+        assert dispatch.paged_gather(call(16), 1, impl)
+        assert dispatch.paged_gather(call(64, tma=False), 1, impl)
+        assert dispatch.paged_gather(call(48), 1, impl)  # 48 neither tiles nor is tiled by 128
+    assert dispatch.paged_gather(call(64), 1, "triton")  # Triton's own rule: the gather
+    assert not dispatch.paged_gather(call(16), 1 << 40, "auto")  # too large: in place
+    assert dispatch.paged_gather(call(16), 1 << 40, "gluon")  # the only other Gluon route
+    assert dispatch.resolve("auto", call(16)) == "gluon"  # in place, page 16 boxes
+    assert dispatch.resolve("auto", call(64, dtype=torch.float32)) == "triton"
+    assert dispatch.resolve("auto", call(48)) == "triton"
+    assert "page_size 48" in dispatch.reason("gluon", call(48))
+    assert "16-byte aligned" in dispatch.reason("gluon", call(64, tma=False))
+    assert dispatch.reason("gluon", call(8)) is None
 
 
 def test_auto_gathers_only_where_the_policy_says(interpret, monkeypatch):
@@ -410,7 +442,8 @@ def test_auto_gathers_only_where_the_policy_says(interpret, monkeypatch):
     from wsattn.kernels import paged_gather
     x = _good()
     asked, ran = [], []
-    monkeypatch.setattr(dispatch, "paged_gather", lambda call, nbytes: asked.append(nbytes) or True)
+    monkeypatch.setattr(dispatch, "paged_gather",
+                        lambda call, nbytes, impl: asked.append(nbytes) or True)
     real = paged_gather.gather_kv
     monkeypatch.setattr(paged_gather, "gather_kv", lambda *a: ran.append(1) or real(*a))
     out = wsattn.attention_paged(*_args(x), causal=True, impl="triton")
@@ -419,7 +452,7 @@ def test_auto_gathers_only_where_the_policy_says(interpret, monkeypatch):
     assert asked == [2 * rows * 2 * 64 * 2] and ran == [1]
     ref = reference.attention_paged(*_args(x), True)[0]
     assert_close(out, ref, F16)
-    monkeypatch.setattr(dispatch, "paged_gather", lambda call, nbytes: False)
+    monkeypatch.setattr(dispatch, "paged_gather", lambda call, nbytes, impl: False)
     wsattn.attention_paged(*_args(x), causal=True, impl="triton")
     assert ran == [1]  # in place: no gather
 
@@ -527,15 +560,18 @@ GPU_CASES = [pytest.param(c, id=n) for n, c in CASES.items()] + [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", GPU_CASES)
-@pytest.mark.parametrize("gather", [False, None], ids=["in_place", "auto"])
-def test_gpu_matches_float64_and_reruns_bitwise(case, dtype, gather):
-    """The in-place kernel and the default (the dispatch's gather rule)."""
+@pytest.mark.parametrize("impl, gather", [("triton", False), ("auto", False), ("auto", None)],
+                         ids=["triton-in_place", "in_place", "auto"])
+def test_gpu_matches_float64_and_reruns_bitwise(case, dtype, impl, gather):
+    """The Triton in-place kernel, the in-place default (the Gluon paged build on sm_90)
+    and the default (the dispatch's rule: in place from 64-row pages, else the gather)."""
     lq, lk, Hq, Hkv, D, page, causal = case
     x = paged_inputs(lq, lk, Hq, Hkv, D, page, dtype, device="cuda", seed=29)
-    out, lse = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True, gather=gather)
+    out, lse = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True, gather=gather,
+                                      impl=impl)
     _check(out, lse, x, case, dtype)
     again, lse2 = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True,
-                                         gather=gather)
+                                         gather=gather, impl=impl)
     assert torch.equal(out, again) and torch.equal(lse, lse2)
     ref = wsattn.attention_varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"],
                                   causal=causal)

@@ -12,7 +12,7 @@ impl (resolved in :mod:`wsattn.dispatch`):
                 otherwise.
   "triton"    - the Triton (``tl``) kernels.
   "gluon"     - the warp-specialized Gluon kernel (sm_90 only; fixed-length and varlen prefill,
-                and paged prefill through gathered keys).
+                and paged prefill, its pages read in place by TMA or gathered first).
   "reference" - the PyTorch reference (float64 inside, returns q's dtype).
 
 Value checks and host synchronisation: shapes, dtypes, devices and strides are host
@@ -607,23 +607,31 @@ def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_s
     if gather and impl == "reference":
         raise ValueError("gather=True runs the packed-varlen kernels on gathered keys; "
                          "impl='reference' runs no kernel (leave gather None or False)")
-    if gather is False and impl == "gluon":
-        raise ValueError("impl='gluon' reads a paged cache only through gather=True (its K/V "
-                         "come by TMA from packed rows, which cannot follow a block table)")
     max_q = Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq)
-    cap = block_table.shape[1] * k_cache.shape[1]
-    call = Call("prefill_paged", q.device, q.dtype, D, causal, seqlen_q=max_q, seqlen_k=cap)
+    page = k_cache.shape[1]
+    cap = block_table.shape[1] * page
+    call = Call("prefill_paged", q.device, q.dtype, D, causal, seqlen_q=max_q, seqlen_k=cap,
+                page_size=page, tma_pages=_tma_pages(k_cache) and _tma_pages(v_cache))
     if impl == "reference":
         return scale, _resolve(impl, call), False
     if gather is None:
         from .kernels.paged_gather import buffer_rows
-        rows = buffer_rows(B, block_table.shape[1], k_cache.shape[1])
-        gather = impl == "gluon" or dispatch.paged_gather(
-            call, 2 * rows * k_cache.shape[2] * D * k_cache.element_size())
+        rows = buffer_rows(B, block_table.shape[1], page)
+        gather = dispatch.paged_gather(
+            call, 2 * rows * k_cache.shape[2] * D * k_cache.element_size(), impl)
     if gather:  # then the varlen kernels run the call: their backend, their rule
         return scale, _resolve(impl, Call("prefill_varlen", q.device, q.dtype, D, causal,
                                           seqlen_q=max_q, seqlen_k=cap)), True
     return scale, _resolve(impl, call), False
+
+
+def _tma_pages(cache) -> bool:
+    """Can TMA read cache [num_pages, page_size, Hkv, D] page by page: each page's rows
+    packed, its base and page stride 16-byte aligned?"""
+    _, _, h, d = cache.shape
+    return (cache.stride(3) == 1 and cache.stride(2) == d and cache.stride(1) == h * d
+            and (cache.stride(0) * cache.element_size()) % 16 == 0
+            and cache.data_ptr() % 16 == 0)
 
 
 def check_attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
@@ -665,8 +673,7 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
         sm_scale: softmax scale, default 1/sqrt(D).
         return_lse: also return the LSE, natural log, float32, [Hq, Tq] (as
            :func:`attention_varlen`; ``merge_states(..., lse_layout="heads_first")``).
-        impl: "auto", "triton", "gluon" (with gather) or "reference" (see the module
-           docstring).
+        impl: "auto", "triton", "gluon" or "reference" (see the module docstring).
         validate: read the index tensors on the host and check their values: True,
            False, or None (the default: where free, i.e. CPU tensors, or with
            WSATTN_VALIDATE=1). A default call on CUDA tensors never synchronises, so it
@@ -674,11 +681,15 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
         gather: True copies each sequence's keys and values out of the cache into one
            packed buffer first (``kernels/paged_gather.py``: one launch, no host read)
            and runs the packed-varlen kernels on it, exactly as :func:`attention_varlen`
-           on those keys (impl then names the varlen backend; "gluon" needs it). The
-           buffer holds batch x block_table width x page_size rows of K and of V, freed
-           when the call returns. False reads the cache in place (the Triton paged
-           kernel). None (the default): ``dispatch.paged_gather`` decides from the device
-           and the buffer's size.
+           on those keys (impl then names the varlen backend). The buffer holds batch x
+           block_table width x page_size rows of K and of V, freed when the call returns.
+           False reads the cache in place: on sm_90 the Gluon kernel's paged build (TMA
+           boxes of a page; page sizes that are multiples of 8 and tile or are tiled by
+           its 128-row key tile, each page's rows packed), the same bits as the Gluon
+           varlen kernel on the keys gathered; else the Triton paged kernel. None (the
+           default): ``dispatch.paged_gather`` decides from the device, the page size and
+           the buffer's size (in place by the Gluon kernel from 64-row pages, else the
+           gather).
 
     A query whose sequence has no key (seqlens_k[b] = 0, not causal) gets out 0 and
     LSE -inf, the empty-part convention of :func:`merge_states` and of
@@ -712,7 +723,7 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
                                              scale)
         return _finish(out, lse, q.dtype, return_lse)
     from . import ops
-    from .kernels import paged_gather, prefill_paged
+    from .kernels import paged_gather, prefill_gluon, prefill_paged
     ops._interpreter_ready(q.device)  # the interpreter work-arounds, as for the other ops
     max_q = None if max_seqlen_q is None else min(int(max_seqlen_q), q.shape[0])
     qk, kc, vc = _run_kernels(impl, q.device, q, k_cache, v_cache)
@@ -721,8 +732,9 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
         out, lse = ops.prefill(qk, k, v, cu_q, cu_k, q.shape[0] if max_q is None else max_q,
                                max_k, causal, scale, impl)
         return _finish(out, lse, q.dtype, return_lse)
-    out, lse = prefill_paged.prefill_paged(qk, kc, vc, cu_q, lens_k, table, max_q, causal,
-                                           scale)
+    # in place: the pages read where they are, by TMA (Gluon) or by pointer (Triton)
+    run = prefill_gluon.prefill_paged if impl == "gluon" else prefill_paged.prefill_paged
+    out, lse = run(qk, kc, vc, cu_q, lens_k, table, max_q, causal, scale)
     return _finish(out, lse, q.dtype, return_lse)
 
 

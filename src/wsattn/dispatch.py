@@ -7,7 +7,8 @@ first that supports the call wins. The API (:mod:`wsattn.api`), the custom ops a
 
 Backends:
   "gluon"     - the sm_90 warp-specialized Gluon prefill (fixed length and varlen, fp16/bf16,
-                D 64/128; a paged prefill call through its gathered keys, see paged_gather).
+                D 64/128; paged prefill reading the cache's pages in place by TMA, or on
+                its gathered keys, see paged_gather).
   "triton"    - the Triton kernels: prefill (fixed, varlen and over a paged cache),
                 split-KV decode, merge;
                 any CUDA GPU, and CPU tensors through the interpreter (TRITON_INTERPRET=1).
@@ -36,14 +37,15 @@ class Call:
     causal: bool = False
     seqlen_q: int = 0            # fixed-length prefill: Sq; varlen: max_seqlen_q (or Tq)
     seqlen_k: int = 0            # fixed-length prefill: Sk; varlen: max_seqlen_k (or Tk)
+    page_size: int = 0           # paged prefill: the cache's page size
+    tma_pages: bool = False      # paged prefill: each page's rows packed and 16-byte aligned
 
 
 # --------------------------------------------------------------------------- backends
 
 def _gluon_supports(call: Call) -> str | None:
-    if call.op not in ("prefill", "prefill_varlen"):
-        what = {"prefill_paged": "paged prefill"}.get(call.op, call.op)
-        return f"the Gluon kernel has no {what} path (fixed-length and varlen prefill only)"
+    if call.op not in ("prefill", "prefill_varlen", "prefill_paged"):
+        return f"the Gluon kernel has no {call.op} path (prefill only)"
     from .kernels import prefill_gluon
     if not prefill_gluon.device_supported(call.device):
         try:
@@ -57,6 +59,16 @@ def _gluon_supports(call: Call) -> str | None:
         return f"the Gluon kernel takes head dim 64 or 128, got {call.head_dim}"
     if call.op == "prefill" and call.seqlen_k == 0:  # varlen: rows with no key get 0, -inf
         return "the Gluon kernel needs at least one key (kv_len > 0)"
+    if call.op == "prefill_paged":
+        block_n = prefill_gluon.settings_for(call.head_dim, call.causal).BLOCK_N
+        if not prefill_gluon.paged_supported(call.page_size, block_n):
+            return (f"the Gluon kernel reads pages in place at page sizes that are multiples "
+                    f"of 8 and tile or are tiled by {block_n} rows, got page_size "
+                    f"{call.page_size} (gather=True runs it on gathered keys)")
+        if not call.tma_pages:
+            return ("the Gluon kernel reads pages in place by TMA: k_cache and v_cache need "
+                    "each page's rows packed ([page_size, Hkv, D] contiguous) and 16-byte "
+                    "aligned (gather=True runs it on gathered keys)")
     return None
 
 
@@ -100,23 +112,36 @@ VARLEN_TRITON_FASTER_UP_TO = {**TRITON_FASTER_UP_TO, (64, False): 1024}
 # them to Triton as it does short fixed-length calls.
 
 
-# Paged prefill (chunked prefill over a paged cache): read the cache in place (the Triton
-# paged kernel), or gather each sequence's keys into a packed buffer first
-# (kernels/paged_gather.py, one launch) and run the varlen rule above on it. On H200
-# (`wsattn bench chunked`: B 8 chunks of 2048, prefix 0-32k, pages 16 / 64, GQA 32/8,
-# bf16, causal) the gathered path ran 0.946-1.009x the Triton varlen kernel on contiguous
-# keys and 0.93-0.99x the Gluon one, and 1.1-2.3x the in-place kernel (0.51-0.87x
-# contiguous) at every shape: the copy is one pass over the keys, the attention reads
-# them once per query tile. The buffer is transient but sized from host metadata (batch
-# x block-table width x page_size rows of K and V; 1.14 GB at the largest shape there),
-# so the gather is taken up to this many bytes of it and the call reads in place above.
+# Paged prefill (chunked prefill over a paged cache): read the cache in place (the Gluon
+# kernel's paged build, TMA boxes of a page; elsewhere the Triton paged kernel), or gather
+# each sequence's keys into a packed buffer first (kernels/paged_gather.py, one launch)
+# and run the varlen rule above on it. On H200 (`wsattn bench chunked`: B 8 chunks of
+# 2048, prefix 0-32k, GQA 32/8, bf16, causal; x the Gluon varlen kernel on the same keys
+# contiguous, one run): at pages of 64 the Gluon in-place build ran 0.978-1.045x (8 of 8
+# shapes >= 0.95), the gather 0.909-0.982x; at pages of 16 (a tile is eight TMA boxes)
+# the in-place build ran 0.893-0.978x, the gather 0.919-0.980x, ahead at 7 of 8 shapes.
+# Hence in place from PAGED_IN_PLACE_FROM_PAGE rows a page where the Gluon kernel takes the
+# call, else the gather. The Triton in-place kernel ran 0.51-0.87x contiguous, so without
+# the Gluon kernel the gather is taken too. The buffer is transient but sized from host
+# metadata (batch x block-table width x page_size rows of K and V; 1.14 GB at the largest
+# shape there), so the gather is taken up to this many bytes of it and the call reads in
+# place above.
+PAGED_IN_PLACE_FROM_PAGE = 64
 PAGED_GATHER_MAX_BYTES = 2 << 30
 
 
-def paged_gather(call: Call, buffer_bytes: int) -> bool:
+def paged_gather(call: Call, buffer_bytes: int, impl: str = "auto") -> bool:
     """Whether a paged prefill call gathers its keys first (``attention_paged``'s
-    gather=None): on CUDA, while the gather buffer stays within PAGED_GATHER_MAX_BYTES."""
-    return call.device.type == "cuda" and buffer_bytes <= PAGED_GATHER_MAX_BYTES
+    gather=None) when ``impl`` ("auto", "triton" or "gluon") runs it: not where the Gluon
+    kernel reads its pages in place (pages of PAGED_IN_PLACE_FROM_PAGE rows or more);
+    otherwise on CUDA while the gather buffer stays within PAGED_GATHER_MAX_BYTES, and
+    always for impl="gluon" (its other route)."""
+    if call.device.type != "cuda":
+        return False
+    if (impl in ("auto", "gluon") and call.page_size >= PAGED_IN_PLACE_FROM_PAGE
+            and _gluon_supports(call) is None):
+        return False
+    return impl == "gluon" or buffer_bytes <= PAGED_GATHER_MAX_BYTES
 
 
 def ranking(call: Call) -> tuple[str, ...]:
@@ -128,6 +153,8 @@ def ranking(call: Call) -> tuple[str, ...]:
         table = TRITON_FASTER_UP_TO if call.op == "prefill" else VARLEN_TRITON_FASTER_UP_TO
         limit = table.get((call.head_dim, bool(call.causal)), 0)
         return ("triton", "gluon") if call.seqlen_q <= limit else ("gluon", "triton")
+    if call.op == "prefill_paged":  # in place (a gathered call is ranked as varlen)
+        return ("gluon", "triton")
     return ("triton",)
 
 

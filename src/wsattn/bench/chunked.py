@@ -10,6 +10,10 @@ aligned: query i of a chunk sees the prefix and chunk keys 0..i.
 
 Columns (``impl``):
 
+* ``wsattn`` / ``wsattn-contiguous``: :func:`wsattn.attention_paged` /
+  :func:`wsattn.attention_varlen` as a user calls them (``impl="auto"``, ``gather`` left
+  to the dispatcher), the default paths side by side; ``wsattn``'s ``ratio_contiguous``
+  is against ``wsattn-contiguous``.
 * ``triton-paged``: :func:`wsattn.attention_paged` (``impl="triton"``, ``gather=False``:
   the kernel that reads the cache in place) over a cache of pages of 16 or of 64
   tokens, one row per page size (the case id names it). Each
@@ -26,10 +30,11 @@ Columns (``impl``):
   cache into a packed buffer (one launch, ``kernels/paged_gather.py``), then that
   backend's varlen kernel; timed with the copy. Their ``ratio_contiguous`` is against the
   same backend's contiguous column ("the same attention with a contiguous prefix").
-* ``gluon-paged``: the Gluon kernel's paged build (``prefill_gluon.prefill_paged``: K/V
-  read from the cache's pages by TMA in place, no copy; not yet behind
-  :func:`wsattn.attention_paged`), "not available" off sm_90 or for a page size it does
-  not take; its ``ratio_contiguous`` is against ``gluon-contiguous``.
+* ``gluon-paged``: :func:`wsattn.attention_paged` with ``impl="gluon"``, ``gather=False``
+  (the Gluon kernel's paged build, ``prefill_gluon.prefill_paged``: K/V read from the
+  cache's pages by TMA in place, no copy), "not available" with the dispatcher's reason
+  off sm_90 or for a page size it does not take; its ``ratio_contiguous`` is against
+  ``gluon-contiguous``.
 * ``flashinfer-paged``: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (backend
   "auto", NHD layout, causal: bottom-right aligned as ours) on the same paged cache and
   page table, planned outside the timing; "not available" where flashinfer does not
@@ -72,9 +77,11 @@ DIMS = (128, 64)
 CHUNK = 2048
 BATCH = 8  # chunks of 2048: 16k chunk tokens a batch, as the prefill benchmark
 HQ, HKV = 32, 8
-IMPLS = ("triton-paged", "triton-gather", "gluon-gather", "gluon-paged", "triton-contiguous",
-         "gluon-contiguous", "flashinfer-paged")
-WSATTN_IMPLS = ("triton-paged", "triton-gather", "triton-contiguous")  # a failure exits 1
+IMPLS = ("wsattn", "triton-paged", "triton-gather", "gluon-gather", "gluon-paged",
+         "wsattn-contiguous", "triton-contiguous", "gluon-contiguous", "flashinfer-paged")
+# a failure of these exits 1
+WSATTN_IMPLS = ("wsattn", "triton-paged", "triton-gather", "wsattn-contiguous",
+                "triton-contiguous")
 TARGET_RATIO = 0.95  # the issue's: paged time >= 0.95x as fast as contiguous
 
 ROW_FIELDS = ("op", "impl", "case", "layout", "page_size", "dtype", "causal", "B", "chunk",
@@ -146,7 +153,7 @@ def case_impls(case: ChunkedCase, impls) -> list[str]:
     contiguous case."""
     if case.page is None:
         return [i for i in impls if i.endswith("-contiguous")]
-    return [i for i in impls if i.endswith(("-paged", "-gather"))
+    return [i for i in impls if i.endswith(("-paged", "-gather")) or i == "wsattn"
             or i.startswith("triton-paged[")]
 
 
@@ -196,14 +203,16 @@ def _shape_key(row) -> tuple:
 
 def add_ratios(rows: list[dict]) -> list[dict]:
     """ratio_contiguous (the contiguous column's time / this row's, same shape: the
-    gluon-contiguous column for gluon-gather, triton-contiguous for the others) and the
+    column of the row's backend: gluon-contiguous for the gluon columns, wsattn-contiguous
+    for wsattn, triton-contiguous for the others) and the
     target's met / missed on the timed paged rows, in place."""
     base = {(r["impl"], _shape_key(r)): r for r in rows if r.get("op") == "chunked"
             and r["impl"].endswith("-contiguous") and r["status"] == "ok"}
     for r in rows:
         if r.get("op") != "chunked" or r["page_size"] is None or r["status"] != "ok":
             continue
-        backend = "gluon" if r["impl"].startswith("gluon-") else "triton"
+        backend = "wsattn" if r["impl"] == "wsattn" else \
+            "gluon" if r["impl"].startswith("gluon-") else "triton"
         ref = base.get((f"{backend}-contiguous", _shape_key(r)))
         if ref is not None:
             r["ratio_contiguous"] = ref["median_ms"] / r["median_ms"]
@@ -343,11 +352,22 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
             raise NotAvailable(why)
         return backend
 
-    if impl in ("triton-paged", "triton-gather", "gluon-gather"):
-        # in place (the Triton paged kernel), or the keys gathered for a varlen kernel
-        gather = impl.endswith("-gather")
-        backend = varlen_backend() if gather else "triton"
+    if impl in ("wsattn", "triton-paged", "triton-gather", "gluon-gather", "gluon-paged"):
+        # the default route; in place (the Triton paged kernel or the Gluon paged build);
+        # or the keys gathered for a varlen kernel
         kc, vc, table = cache
+        if impl == "wsattn":
+            backend, gather = "auto", None
+        elif impl == "gluon-paged":
+            backend, gather = "gluon", False
+            why = dispatch.reason("gluon", dispatch.Call(
+                "prefill_paged", inp.q.device, inp.q.dtype, case.D, True,
+                page_size=case.page, tma_pages=True))  # the bench's caches are packed
+            if why is not None:
+                raise NotAvailable(why)
+        else:
+            gather = impl.endswith("-gather")
+            backend = varlen_backend() if gather else "triton"
 
         def call():
             return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
@@ -363,23 +383,10 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
             return prefill_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table, case.chunk,
                                  True, inp.scale, settings=settings)[0]
         return call, call, None
-    if impl == "gluon-paged":  # the paged build, called as the kernel (no API route yet)
-        from wsattn.kernels import prefill_gluon
-        varlen_backend()  # "not available" off sm_90, with the dispatcher's reason
-        kc, vc, table = cache
-        settings = prefill_gluon.settings_for(case.D, True)
-        if not prefill_gluon.paged_supported(case.page, settings.BLOCK_N):
-            raise NotAvailable(f"gluon-paged: page size {case.page} not taken")
-
-        def call():
-            return prefill_gluon.prefill_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
-                                               case.chunk, True, inp.scale,
-                                               settings=settings)[0]
-        return call, call, None
     if impl == "flashinfer-paged":
         return _flashinfer(case, inp, cache)
-    if impl in ("triton-contiguous", "gluon-contiguous"):
-        backend = varlen_backend()
+    if impl in ("wsattn-contiguous", "triton-contiguous", "gluon-contiguous"):
+        backend = "auto" if impl == "wsattn-contiguous" else varlen_backend()
 
         def call():
             return wsattn.attention_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k,

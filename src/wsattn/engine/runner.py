@@ -639,7 +639,8 @@ class KernelStep:
             if fresh:
                 attn = api.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_q, max_q,
                                             causal=True, impl="auto", validate=False)
-            else:  # gathered into packed rows on CUDA (dispatch.paged_gather), else in place
+            else:  # dispatch.paged_gather's route: in place by the Gluon kernel from
+                # 64-row pages on sm_90, else gathered into packed rows on CUDA
                 attn = api.attention_paged(q, self.cache.k[i], self.cache.v[i], cu_seqlens,
                                            seqlens_k, table, max_q, causal=True,
                                            impl="auto", validate=False)

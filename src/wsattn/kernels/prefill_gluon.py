@@ -359,6 +359,8 @@ def _varlen_launch(q, k_desc, v_desc, out, lse, cu_q, cu_k, n_seq, max_q, Hkv, c
 # Pages the paged build takes: a whole number of 8-row swizzle atoms that tiles a key tile
 # or is tiled by it, so a tile is BLOCK_N / min(page, BLOCK_N) boxes of one page each.
 def paged_supported(page_size: int, block_n: int) -> bool:
+    if page_size <= 0:
+        return False
     box = min(page_size, block_n)
     return box % 8 == 0 and block_n % box == 0 and page_size % box == 0
 

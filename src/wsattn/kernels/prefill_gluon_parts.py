@@ -610,11 +610,18 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
             _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
                      k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES)
         if n_inside < n_total:  # the one tile past the keys: the last, partial one
+            # K first, then the tensor map, then V: making the map (a global write and the
+            # proxy fence) then overlaps K's load and the consumers' QK^T, which matters
+            # where this tile is the sequence's only one and nothing else hides it
+            s = _claim_slot(r0 + n_inside, kv_empty, k_ready, v_ready,
+                            k_desc.block_type.nbytes, STAGES)
+            tma.async_copy_global_to_shared(k_desc, [off_b, k0 + n_inside * BLOCK_N,
+                                                     off_hkv * D], k_ready.index(s),
+                                            k_smem.index(s))
             v_own = _rows_descriptor(v_rows + k0.to(gl.int64) * v_row_len, kv_len, v_row_len,
                                      v_desc)
-            _load_kv(r0 + n_inside, k0 + n_inside * BLOCK_N, off_b, off_hkv, k_desc, v_own,
-                     k_smem, v_smem, k_ready, v_ready, kv_empty, BLOCK_N, D, STAGES,
-                     v_row=n_inside * BLOCK_N, v_b=0)
+            tma.async_copy_global_to_shared(v_own, [0, n_inside * BLOCK_N, off_hkv * D],
+                                            v_ready.index(s), v_smem.index(s))
     else:
         for j in range(j0, n_total):
             _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
@@ -712,23 +719,17 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_cache
 
 @gluon.jit
 def _load_kv(r, row, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
-             kv_empty, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-             v_row=None, v_b=None):
+             kv_empty, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """K and V rows [row, row + BLOCK_N) of KV head off_hkv into ring index r, once every
-    consumer has released that slot's previous round (V at v_row / batch v_b of v_desc
-    where given: a descriptor of the sequence's own rows)."""
+    consumer has released that slot's previous round."""
     s = r % STAGES
     mbarrier.wait(kv_empty.index(s), ((r // STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [off_b, row, off_hkv * D], k_ready.index(s),
                                     k_smem.index(s))
     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-    if v_row is None:
-        tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hkv * D], v_ready.index(s),
-                                        v_smem.index(s))
-    else:
-        tma.async_copy_global_to_shared(v_desc, [v_b, v_row, off_hkv * D], v_ready.index(s),
-                                        v_smem.index(s))
+    tma.async_copy_global_to_shared(v_desc, [off_b, row, off_hkv * D], v_ready.index(s),
+                                    v_smem.index(s))
 
 
 # Tq and max_q (VARLEN only) vary with every pack: not specialized on (a value of 1 or a

@@ -408,16 +408,17 @@ def test_dispatch_resolves_paged_prefill(monkeypatch):
 def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
     """Where the Gluon kernel runs (faked: no sm_90 device here), gather=None reads pages
     of 64 rows or more in place with it, gathers smaller pages (impl="gluon" too), and
-    gathers any page size the Gluon kernel cannot box or a cache TMA cannot read;
-    gather=False ranks the Gluon in-place build first, with the reason named where it
-    cannot take the call."""
+    gathers any page size the Gluon kernel cannot box or a cache TMA cannot read; "auto"
+    gathers a chunk short enough for the varlen rule to give it to Triton; gather=False
+    ranks the Gluon in-place build first, with the reason named where it cannot take the
+    call."""
     from wsattn.kernels import prefill_gluon
     monkeypatch.setattr(prefill_gluon, "device_supported", lambda device: True)
     dev = torch.device("cuda")
 
-    def call(page, tma=True, dtype=torch.bfloat16, d=128):
-        return dispatch.Call("prefill_paged", dev, dtype, d, True, seqlen_q=64, seqlen_k=4096,
-                             page_size=page, tma_pages=tma)
+    def call(page, tma=True, dtype=torch.bfloat16, d=128, chunk=2048):
+        return dispatch.Call("prefill_paged", dev, dtype, d, True, seqlen_q=chunk,
+                             seqlen_k=4096, page_size=page, tma_pages=tma)
     assert dispatch.PAGED_IN_PLACE_FROM_PAGE == 64
     for impl in ("auto", "gluon"):
         assert not dispatch.paged_gather(call(64), 1, impl)
@@ -426,6 +427,10 @@ def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
         assert dispatch.paged_gather(call(64, tma=False), 1, impl)
         assert dispatch.paged_gather(call(48), 1, impl)  # 48 neither tiles nor is tiled by 128
     assert dispatch.paged_gather(call(64), 1, "triton")  # Triton's own rule: the gather
+    short = dispatch.VARLEN_TRITON_FASTER_UP_TO[(128, True)]
+    assert dispatch.paged_gather(call(64, chunk=short), 1, "auto")  # then Triton varlen
+    assert not dispatch.paged_gather(call(64, chunk=short + 1), 1, "auto")
+    assert not dispatch.paged_gather(call(64, chunk=short), 1, "gluon")
     assert not dispatch.paged_gather(call(16), 1 << 40, "auto")  # too large: in place
     assert dispatch.paged_gather(call(16), 1 << 40, "gluon")  # the only other Gluon route
     assert dispatch.resolve("auto", call(16)) == "gluon"  # in place, page 16 boxes

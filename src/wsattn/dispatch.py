@@ -121,8 +121,10 @@ VARLEN_TRITON_FASTER_UP_TO = {**TRITON_FASTER_UP_TO, (64, False): 1024}
 # shapes >= 0.95), the gather 0.909-0.982x; at pages of 16 (a tile is eight TMA boxes)
 # the in-place build ran 0.893-0.978x, the gather 0.919-0.980x, ahead at 7 of 8 shapes.
 # Hence in place from PAGED_IN_PLACE_FROM_PAGE rows a page where the Gluon kernel takes the
-# call, else the gather. The Triton in-place kernel ran 0.51-0.87x contiguous, so without
-# the Gluon kernel the gather is taken too. The buffer is transient but sized from host
+# call, else the gather. Measured at chunks of 2048 only: for chunks the varlen rule gives
+# to the Triton kernel (up to VARLEN_TRITON_FASTER_UP_TO queries), "auto" gathers, so they
+# run on it. The Triton in-place kernel ran 0.51-0.87x contiguous, so without the Gluon
+# kernel the gather is taken too. The buffer is transient but sized from host
 # metadata (batch x block-table width x page_size rows of K and V; 1.14 GB at the largest
 # shape there), so the gather is taken up to this many bytes of it and the call reads in
 # place above.
@@ -133,14 +135,17 @@ PAGED_GATHER_MAX_BYTES = 2 << 30
 def paged_gather(call: Call, buffer_bytes: int, impl: str = "auto") -> bool:
     """Whether a paged prefill call gathers its keys first (``attention_paged``'s
     gather=None) when ``impl`` ("auto", "triton" or "gluon") runs it: not where the Gluon
-    kernel reads its pages in place (pages of PAGED_IN_PLACE_FROM_PAGE rows or more);
-    otherwise on CUDA while the gather buffer stays within PAGED_GATHER_MAX_BYTES, and
-    always for impl="gluon" (its other route)."""
+    kernel reads its pages in place (pages of PAGED_IN_PLACE_FROM_PAGE rows or more; for
+    "auto" also a chunk the varlen rule gives to Gluon); otherwise on CUDA while the
+    gather buffer stays within PAGED_GATHER_MAX_BYTES, and always for impl="gluon" (its
+    other route)."""
     if call.device.type != "cuda":
         return False
     if (impl in ("auto", "gluon") and call.page_size >= PAGED_IN_PLACE_FROM_PAGE
             and _gluon_supports(call) is None):
-        return False
+        short = VARLEN_TRITON_FASTER_UP_TO.get((call.head_dim, bool(call.causal)), 0)
+        if impl == "gluon" or call.seqlen_q > short:
+            return False
     return impl == "gluon" or buffer_bytes <= PAGED_GATHER_MAX_BYTES
 
 

@@ -79,11 +79,11 @@ def test_spec_parses_and_round_trips(spec, want):
     ("8,4,3,16", "BLOCK_N must be a power of two in [16, 256]"),
     ("64,3,3,16", "num_warps must be a power of two"),
     ("64,4,0,16", "num_stages must be in [1, 8]"),
-    ("64,4,3,0", "num_splits must be in [1, 128]"),
-    ("64,4,3,129", "num_splits must be in [1, 128]"),
+    ("64,4,3,-1", "num_splits must be in [0, 128]"),
+    ("64,4,3,129", "num_splits must be in [0, 128]"),
     ("64,4,3,16,2", "bt_preload must be 0 or 1"),
 ], ids=["too-few", "too-many", "six-fields", "not-int", "block-n-not-pow2", "block-n-small",
-        "warps", "stages", "splits-0", "splits-129", "bt-preload-2"])
+        "warps", "stages", "splits-negative", "splits-129", "bt-preload-2"])
 def test_bad_spec_is_refused_by_name(spec, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
         parse_decode_settings(spec)
@@ -246,6 +246,26 @@ def test_split_count_cut_to_the_key_tiles_is_noted():
     inp = make_inputs(case, "cpu")
     note = settings_note(case, inp, DecodeSettings(16, 4, 1, 64))
     assert note == "launched 16,4,1,3 (num_splits cut to the cache's 3 key tiles)"
+
+
+def test_split_count_0_takes_the_default_rule_at_the_given_block_n(monkeypatch):
+    """num_splits 0 in a spec: the count decode_triton.auto_splits gives the case at the
+    spec's BLOCK_N (then cut to the key tiles, as every launch), named in the note."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the CPU's target: the interpreter's SMs
+    from wsattn.bench.runners import launched_settings, settings_note
+    from wsattn.kernels import decode_triton as dt
+    from wsattn.target import target_of
+
+    assert parse_decode_settings("64,4,4,0").num_splits == 0
+    case = DecodeCase(1, 4096, 32, 8, 64, None, "fp16")
+    inp = make_inputs(case, "cpu")
+    sms = target_of(inp.q.device).num_sms
+    for block_n in (16, 64):
+        got, _ = launched_settings(case, inp, DecodeSettings(block_n, 4, 4, 0))
+        want = min(dt.auto_splits(1, 8, 4096, block_n, sms), -(-4096 // block_n))
+        assert got.num_splits == want >= 1
+    note = settings_note(case, inp, DecodeSettings(64, 4, 4, 0))
+    assert note.startswith("launched 64,4,4,") and note.endswith("(num_splits the default rule's)")
 
 
 # --------------------------------------------------------------------------- on the GPU

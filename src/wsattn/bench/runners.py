@@ -212,14 +212,17 @@ SETTINGS_FIELDS = ("BLOCK_N", "num_warps", "num_stages", "num_splits", "bt_prelo
 SETTINGS_SPEC = ",".join(SETTINGS_FIELDS[:4]) + "[,bt_preload]"
 SETTINGS_RANGES = {"BLOCK_N": "a power of two in [16, 256]",
                    "num_warps": "a power of two in [1, 16]",
-                   "num_stages": "in [1, 8]", "num_splits": "in [1, {max_splits}]",
+                   "num_stages": "in [1, 8]",
+                   "num_splits": "in [0, {max_splits}] (0: the default rule's count)",
                    "bt_preload": "0 or 1"}
 
 
 def parse_decode_settings(spec: str):
     """'BLOCK_N,num_warps,num_stages,num_splits[,bt_preload]' -> DecodeSettings, or a
     ValueError naming the field and what it takes (BLOCK_N >= 16 because both tl.dot
-    operands need 16 rows; bt_preload 0 or 1, default 0)."""
+    operands need 16 rows; num_splits 0: the count the default rule picks for each case at
+    this BLOCK_N, so BLOCK_N / warps / stages can be compared at the default's splits;
+    bt_preload 0 or 1, default 0)."""
     from wsattn.kernels.decode_triton import MAX_SPLITS, DecodeSettings
 
     parts = [p.strip() for p in str(spec).split(",")]
@@ -237,7 +240,7 @@ def parse_decode_settings(spec: str):
     ok = {"BLOCK_N": values["BLOCK_N"] >= 16 and pow2(values["BLOCK_N"], 256),
           "num_warps": pow2(values["num_warps"], 16),
           "num_stages": 1 <= values["num_stages"] <= 8,
-          "num_splits": 1 <= values["num_splits"] <= MAX_SPLITS,
+          "num_splits": 0 <= values["num_splits"] <= MAX_SPLITS,
           "bt_preload": values["bt_preload"] in (0, 1)}
     for name in SETTINGS_FIELDS:
         if not ok[name]:
@@ -256,8 +259,9 @@ def format_decode_settings(settings) -> str:
 
 def launched_settings(case, inp, settings=None):
     """(settings, BT_CHUNK) the decode launcher runs ``inp`` with, resolved as
-    decode_triton.decode does: default_settings where settings is None, num_splits cut to
-    the cache's key tiles."""
+    decode_triton.decode does: default_settings where settings is None, num_splits 0 the
+    default rule's count at settings.BLOCK_N (decode_triton.auto_splits), num_splits cut
+    to the cache's key tiles."""
     from wsattn.kernels import decode_triton as dt
     from wsattn.target import target_of
 
@@ -269,6 +273,9 @@ def launched_settings(case, inp, settings=None):
             target_of(inp.q.device), batch=case.B, kv_heads=case.HKV, head_dim=case.D,
             capacity=capacity, dtype=inp.q.dtype, paged=paged, query_rows=case.HQ // case.HKV,
             page_size=page)
+    elif settings.num_splits == 0:
+        settings = replace(settings, num_splits=dt.auto_splits(
+            case.B, case.HKV, capacity, settings.BLOCK_N, target_of(inp.q.device).num_sms))
     tiles = max(1, -(-capacity // settings.BLOCK_N))
     settings = replace(settings, num_splits=min(settings.num_splits, tiles))
     return settings, (dt.bt_chunk(settings, capacity, page) if paged else 0)
@@ -279,7 +286,9 @@ def settings_note(case, inp, asked=None) -> str:
     changed or ignored what was asked."""
     settings, chunk = launched_settings(case, inp, asked)
     note = f"launched {format_decode_settings(settings)}"
-    if asked is not None and settings.num_splits != asked.num_splits:
+    if asked is not None and asked.num_splits == 0:
+        note += " (num_splits the default rule's)"
+    elif asked is not None and settings.num_splits != asked.num_splits:
         note += f" (num_splits cut to the cache's {settings.num_splits} key tiles)"
     if settings.bt_preload and not chunk:
         note += " (bt_preload inactive: contiguous cache, pages of whole tiles, or the " \
@@ -305,9 +314,11 @@ class DecodeSettingsRunner(Runner):
         q4, kc, vc = api._run_kernels("triton", inp.q.device, inp.q.unsqueeze(1),
                                       inp.k_cache, inp.v_cache)
 
+        settings = launched_settings(case, inp, self.settings)[0]  # num_splits 0 resolved
+
         def call():
             out, _ = decode_triton.decode(q4, kc, vc, inp.seqlens, inp.block_table, inp.scale,
-                                          0, self.settings)
+                                          0, settings)
             return out
 
         def first():

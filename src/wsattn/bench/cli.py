@@ -90,8 +90,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               metavar="SPEC",
                               help="decode: extra columns triton[SPEC], the Triton decode "
                                    "kernel with these settings; SPEC = BLOCK_N,num_warps,"
-                                   "num_stages,num_splits[,bt_preload] (bt_preload 0/1, "
-                                   "default 0), e.g. 64,4,4,16")
+                                   "num_stages,num_splits[,bt_preload] (num_splits 0: "
+                                   "the default rule's count; bt_preload 0/1, default 0), "
+                                   "e.g. 64,4,4,16")
     from . import chunked as chunked_mod, gemv as gemv_mod, moe as moe_mod, step as step_mod
     from . import varlen as varlen_mod
     model_group = p.add_argument_group("step and gemv (decode-step model shapes)")

@@ -496,7 +496,7 @@ def test_varlen_launcher_copies_what_tma_cannot_describe(monkeypatch):
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
     q_t = q.transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, D] view of [H, T, D]
-    assert not pg._tma_ready(q_t.unsqueeze(0))
+    assert not pg.tma_ready(q_t.unsqueeze(0))
     pg.prefill_varlen(q_t, k, v, cu_q, cu_k, None, None, False, 0.125,
                       settings=pg.settings_for(64, False, compact_varlen=False))
     (_, args, _), = rec.launches
@@ -637,10 +637,10 @@ def _qkv(B, Sq, Sk, Hq, Hkv, D, dtype, device="cpu"):
 def test_tma_views_need_packed_heads_and_alignment():
     """Inputs the [B, S, H * D] TMA view cannot describe are copied, not rejected."""
     x = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16)
-    assert pg._tma_ready(x) and pg._tma_ready(x[:, 1:])
-    assert not pg._tma_ready(x.transpose(1, 2))  # heads not packed next to D
+    assert pg.tma_ready(x) and pg.tma_ready(x[:, 1:])
+    assert not pg.tma_ready(x.transpose(1, 2))  # heads not packed next to D
     flat = torch.randn(2 * 5 * 4 * 64 + 1, dtype=torch.bfloat16)
-    assert not pg._tma_ready(flat[1:].view(2, 5, 4, 64))  # base off 16-byte alignment
+    assert not pg.tma_ready(flat[1:].view(2, 5, 4, 64))  # base off 16-byte alignment
 
 
 def test_unsupported_reason():

@@ -610,8 +610,12 @@ def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_s
     max_q = Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq)
     page = k_cache.shape[1]
     cap = block_table.shape[1] * page
+    tma_pages = False  # TMA can read the caches page by page (the Gluon in-place build)
+    if q.device.type == "cuda":
+        from .kernels.prefill_gluon import tma_ready
+        tma_pages = tma_ready(k_cache) and tma_ready(v_cache)
     call = Call("prefill_paged", q.device, q.dtype, D, causal, seqlen_q=max_q, seqlen_k=cap,
-                page_size=page, tma_pages=_tma_pages(k_cache) and _tma_pages(v_cache))
+                page_size=page, tma_pages=tma_pages)
     if impl == "reference":
         return scale, _resolve(impl, call), False
     if gather is None:
@@ -623,15 +627,6 @@ def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_s
         return scale, _resolve(impl, Call("prefill_varlen", q.device, q.dtype, D, causal,
                                           seqlen_q=max_q, seqlen_k=cap)), True
     return scale, _resolve(impl, call), False
-
-
-def _tma_pages(cache) -> bool:
-    """Can TMA read cache [num_pages, page_size, Hkv, D] page by page: each page's rows
-    packed, its base and page stride 16-byte aligned?"""
-    _, _, h, d = cache.shape
-    return (cache.stride(3) == 1 and cache.stride(2) == d and cache.stride(1) == h * d
-            and (cache.stride(0) * cache.element_size()) % 16 == 0
-            and cache.data_ptr() % 16 == 0)
 
 
 def check_attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,

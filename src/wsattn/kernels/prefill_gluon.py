@@ -243,7 +243,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     lse = _alloc.empty((B, Hq, Sq), torch.float32, q.device)
     if B * Sq * Hq == 0:
         return out, lse
-    q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
+    q, k, v = (t if tma_ready(t) else t.contiguous() for t in (q, k, v))
     name = DTYPE_NAMES[q.dtype]
     q_desc = _descriptor(q.view(B, Sq, Hq * D), [1, WG_M, D], name)
     o_desc = _descriptor(out.view(B, Sq, Hq * D), [1, WG_M, D], name)
@@ -306,7 +306,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         return out, lse
     if Tk == 0:  # every sequence has no keys (no TMA descriptor spans zero rows)
         return out.zero_(), lse.fill_(float("-inf"))
-    q, k, v = (t if _tma_ready(t.unsqueeze(0)) else t.contiguous() for t in (q, k, v))
+    q, k, v = (t if tma_ready(t.unsqueeze(0)) else t.contiguous() for t in (q, k, v))
     name = DTYPE_NAMES[q.dtype]
     k_desc = _descriptor(k.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
     v_desc = _descriptor(v.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
@@ -396,14 +396,13 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
         raise ValueError(f"the paged Gluon build takes page sizes that are multiples of 8 and "
                          f"tile or are tiled by BLOCK_N={s.BLOCK_N}, got {page}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not (t.stride(3) == 1 and t.stride(2) == D and t.stride(1) == Hkv * D
-                and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0):
+        if not tma_ready(t):  # [num_pages, page, Hkv, D] read as [num_pages, page, Hkv * D]
             raise ValueError(f"{name}: each page's rows must be contiguous "
                              f"([page_size, Hkv, D] packed) and 16-byte aligned for TMA")
     out, lse, n_seq, max_q = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q)
     if max_q == 0:
         return out, lse
-    if not _tma_ready(q.unsqueeze(0)):
+    if not tma_ready(q.unsqueeze(0)):
         q = q.contiguous()
     cu_k = torch.zeros(n_seq + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(seqlens_k, 0, out=cu_k[1:])  # on the device: no host read
@@ -417,9 +416,10 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
     return out, lse
 
 
-def _tma_ready(t) -> bool:
+def tma_ready(t) -> bool:
     """Can t [B, S, H, D] be viewed as [B, S, H * D] for TMA (H, D packed; base and batch
-    stride 16-byte aligned)? Otherwise the launcher copies it to a contiguous tensor."""
+    stride 16-byte aligned)? Otherwise the launchers copy q / k / v to a contiguous tensor,
+    and a paged cache ([num_pages, page_size, Hkv, D]) cannot be read in place."""
     B, S, H, D = t.shape
     return (t.stride(3) == 1 and t.stride(2) == D and t.stride(1) == H * D
             and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)

@@ -250,6 +250,14 @@ def test_auto_splits_fill_the_gpu_without_reading_seqlens():
     wide = default_settings(h200, batch=64, kv_heads=8, head_dim=128, capacity=8192,
                             dtype=torch.bfloat16)
     assert wide.num_splits == 1
+    # two waves of whole sequences on sm_90: 64-key tiles at D64 too (128 while split)
+    wide64 = default_settings(h200, batch=64, kv_heads=8, head_dim=64, capacity=1024,
+                              dtype=torch.bfloat16)
+    assert (wide64.BLOCK_N, wide64.num_splits) == (64, 1)
+    assert default_settings(h200, batch=8, kv_heads=8, head_dim=64, capacity=4096,
+                            dtype=torch.bfloat16).BLOCK_N == 128
+    assert default_settings(Target("cuda", 100, 148), batch=64, kv_heads=8, head_dim=64,
+                            capacity=1024, dtype=torch.bfloat16).BLOCK_N == 128
     assert auto_splits(8, 8, 65536, 64, 132) > 1
     # few programs (B * Hkv <= SMs / 4): about one program per SM, down to one tile a
     # split (latency-bound launches), never more splits than tiles

@@ -213,6 +213,7 @@ STAGE_BYTES = 32 * 1024  # K + V bytes per pipeline stage
 RESIDENT_PER_SM = 2
 MIN_LAST_WAVE = 0.75
 FEW_PROGRAMS = 4  # see auto_splits: B * Hkv at most a quarter of the SMs
+WIDE_BATCH_BLOCK_N = 64  # keys a tile on sm_90 once B * Hkv fills two waves (default_settings)
 
 
 def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms: int) -> int:
@@ -277,6 +278,13 @@ def default_settings(target: Target, *, batch: int, kv_heads: int, head_dim: int
         # programs per SM on sm_90/sm_100 (228 KB); sm_80 (164 KB) gets 2 buffers (5
         # stages paged), consumer parts (~100 KB) 2 stages.
         block_n = max(16, min(128, STAGE_BYTES // (2 * head_dim * elem)))
+        if target.cc == 90 and batch * kv_heads >= 2 * target.num_sms:
+            # Two waves of whole sequences (no split): half-width tiles halve each
+            # program's ring, so more programs stay resident. H200, D64 B=64 Hkv=8 L=1024,
+            # two runs: 64-key tiles 4-5 % faster contiguous, 10-12 % paged 16; at B=1-8,
+            # where the sequences are split, 128 stayed ahead or even
+            # (notes/decode_triton.md).
+            block_n = min(block_n, WIDE_BATCH_BLOCK_N)
         # 8 warps once the [BLOCK_M, D] fp32 accumulator passes 64 registers a thread
         warps = 8 if _block_m(query_rows, 1) * head_dim > 64 * 128 else 4
         if target.cc >= 120:

@@ -80,6 +80,9 @@ def test_qkv_settings_parse_to_columns():
                    "wsattn[qkv:64,4,8,4]": QkvRopeSettings(64, 4, 8, 4)}
     assert gemv.parse_qkv_settings(None) == {}
     assert gemv.parse_qkv_settings(["gemv"]) == {"wsattn[qkv:gemv]": TwoLaunchSettings()}
+    from wsattn.kernels.qkv_rope import GemvRopeSettings
+    assert gemv.parse_qkv_settings(["gemv-rope"]) == {
+        "wsattn[qkv:gemv-rope]": GemvRopeSettings()}
     args = wsattn.cli.build_parser().parse_args(
         ["bench", "gemv", "--kernels", "qkv_rope", "--qkv-settings", "128,4,8,4", "64,2,4,6"])
     assert args.kernels == ["qkv_rope"] and args.qkv_settings == ["128,4,8,4", "64,2,4,6"]

@@ -150,8 +150,9 @@ def run_case(fam, M, K, Hq, Hkv, D, dt, device, settings=None, seq_index=False, 
 CHILD = textwrap.dedent(r'''
     import json, sys
     import torch
+    from wsattn.kernels.gemv import GemvSettings
     from wsattn.kernels.qkv_rope import (qkv_rope_append, rope_inv_freq, QkvRopeSettings,
-                                         TwoLaunchSettings)
+                                         TwoLaunchSettings, GemvRopeSettings)
     from wsattn.testing import rel_err, tol
 ''') + HELPERS + textwrap.dedent(r'''
     dtype_name, fam_name, fam = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -188,6 +189,18 @@ CHILD = textwrap.dedent(r'''
     s = QkvRopeSettings(BLOCK_K=32, split_k=2, num_warps=4, num_stages=1, use_dot=False)
     out["fma-seq_index-T3-M6"] = run_case(fam, 6, 64, 8, 2, 64, dt, "cpu", settings=s,
                                           seq_index=True)
+    if not fam["qk_norm"] and not fam.get("qk_norm_whole"):
+        # the GEMV-epilogue path (no QK-norm): gemv's defaults (BLOCK_N capped at D), the FMA
+        # rows split K, the dot rows split K (the finish kernel's epilogue), tokens of a few
+        # sequences
+        for D, M, gs in ((64, 1, None), (128, 3, None), (64, 8, None),
+                         (64, 3, GemvSettings(16, 32, 2, False, 4, 1)),
+                         (128, 8, GemvSettings(32, 32, 3, True, 4, 1))):
+            out[f"gemv-rope-D{D}-M{M}-{'split' if gs else 'default'}"] = run_case(
+                fam, M, 64 if D == 64 else 128, 4, 2, D, dt, "cpu",
+                settings=GemvRopeSettings(gemv=gs))
+        out["gemv-rope-seq_index-T3-M6"] = run_case(fam, 6, 64, 8, 2, 64, dt, "cpu",
+                                                    settings=GemvRopeSettings(), seq_index=True)
     print("RESULT " + json.dumps(out))
 ''')
 
@@ -203,13 +216,84 @@ def test_interpreter_against_float64(dtype, family):
     slots other than the rows' own keep their bits (NaN pages too); q_out fully written
     (it starts as NaN); the paged append equals the contiguous one bit for bit."""
     res = _child(dtype, family, json.dumps(FAMILIES[family]))
-    assert len(res) == 21
+    fam = FAMILIES[family]
+    assert len(res) == 21 + (0 if fam["qk_norm"] or fam.get("qk_norm_whole") else 6)
     bad = {}
     for case, r in res.items():
         errs = {k: r[k] for k in ("q", "k", "v") if not r[k] <= r["tol"]}
         if errs or not r["untouched"] or not r["paged_eq_contig"]:
             bad[case] = r
     assert not bad, f"{dtype} {family}: {bad}"
+
+
+EQUAL_CHILD = textwrap.dedent(r'''
+    import json, sys
+    import torch
+    from wsattn.kernels.gemv import GemvSettings
+    from wsattn.kernels.qkv_rope import (qkv_rope_append, rope_inv_freq, GemvRopeSettings,
+                                         TwoLaunchSettings)
+    dt = {"fp32": torch.float32, "fp16": torch.float16}[sys.argv[1]]
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    # (M, K, Hq, Hkv, D, gemv settings, bias); fp32 only on the FMA rows, where the
+    # interpreter's products do not depend on a column's place in the tile (its dot is a
+    # numpy matmul, whose summation order may)
+    cases = [(1, 64, 4, 2, 64, None, False), (3, 128, 4, 2, 128, None, True),
+             (3, 128, 4, 2, 64, GemvSettings(16, 32, 2, False, 4, 1), True)]
+    if dt == torch.float16:
+        cases += [(8, 64, 8, 2, 64, None, True),
+                  (8, 128, 4, 2, 128, GemvSettings(32, 32, 3, True, 4, 1), False)]
+    for M, K, Hq, Hkv, D, gs, bias in cases:
+        N = (Hq + 2 * Hkv) * D
+        x = torch.randn(M, K, generator=g).to(dt)
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dt)
+        b = (torch.randn(N, generator=g) * 0.5).to(dt) if bias else None
+        pos = torch.tensor([15, 16, 37, 0, 47, 48, 20, 63][:M], dtype=torch.int32)
+        bt = torch.randperm(M * 4 + 3, generator=g)[:M * 4].to(torch.int32).view(M, 4)
+        got = []
+        for st in (TwoLaunchSettings(gemv=gs), GemvRopeSettings(gemv=gs)):
+            kc = torch.full((M * 4 + 3, 16, Hkv, D), float("nan"), dtype=dt)
+            vc = kc.clone()
+            q = qkv_rope_append(x, w, bqkv=b, norm_eps=1e-5, inv_freq=rope_inv_freq(D, 1e4),
+                                positions=pos, k_cache=kc, v_cache=vc, block_table=bt,
+                                settings=st)
+            got.append([t.view(torch.int16 if dt == torch.float16 else torch.int32)
+                        for t in (q, kc, vc)])
+        out[f"M{M}-D{D}-{'explicit' if gs else 'default'}"] = all(
+            torch.equal(a, c) for a, c in zip(*got))
+    print("RESULT " + json.dumps(out))
+''')
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_interpreter_gemv_rope_equals_two_launch(dtype):
+    """The GEMV-epilogue path does the two-launch path's arithmetic in the same order
+    (the projection, its FlashNorm scale and rounding, then bias and RoPE), so its q and
+    cache bits equal that path's, one pass and split K, FMA and dot rows."""
+    res = interpreter_child(EQUAL_CHILD, dtype)
+    assert len(res) == (5 if dtype == "fp16" else 3) and all(res.values()), res
+
+
+def test_gemv_rope_refuses_what_it_cannot_do(monkeypatch):
+    """QK-norm (a program sees a few columns of a head), a BLOCK_N that does not divide
+    the head dim, bf16 in the interpreter: each named before any launch."""
+    from wsattn.kernels.gemv import GemvSettings
+    from wsattn.kernels.qkv_rope import GemvRopeSettings
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a = _good()
+    kc_before = a["k_cache"].clone()
+    qn = dict(a, q_norm=torch.ones(64, dtype=torch.float16),
+              k_norm=torch.ones(64, dtype=torch.float16), qk_eps=1e-6)
+    with pytest.raises(ValueError, match="GemvRopeSettings takes no QK-norm"):
+        qkv_rope_append(**qn, settings=GemvRopeSettings())
+    wide = GemvRopeSettings(gemv=GemvSettings(128, 32, 1, True, 4, 1))
+    with pytest.raises(ValueError, match="BLOCK_N 128 must divide the head dim 64"):
+        qkv_rope_append(**a, settings=wide)
+    bf = {k: (v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.dtype == torch.float16
+              else v) for k, v in a.items()}
+    with pytest.raises(ValueError, match="bfloat16 in the Triton interpreter"):
+        qkv_rope_append(**bf, settings=GemvRopeSettings())
+    assert torch.equal(a["k_cache"], kc_before)
 
 
 # --------------------------------------------------------------------------- rope_inv_freq
@@ -429,6 +513,30 @@ def test_sm90_two_launch_kernel_compiles_without_spills(shape, family):
     assert "ld.global" not in ptx[:wait]
 
 
+@pytest.mark.parametrize("rows", [1, 2, 8, 64])
+@pytest.mark.parametrize("shape", ["1B", "8B"])
+def test_sm90_gemv_rope_builds_compile_without_spills(shape, rows):
+    """The GEMV-epilogue path at the Llama-3.2-1B (K 2048, D 64) and Llama-3.1-8B (K 4096,
+    D 128) shapes with bias, PDL on: both launches build without spills; the projection
+    streams W in 16-byte loads, pipelined, loads its first W tile before the PDL wait and
+    reads nothing else before it; the finish waits before its first load."""
+    kw = dict(head_dim=64, hidden=2048) if shape == "1B" else dict(head_dim=128, hidden=4096)
+    s, k = _compile(rows=rows, bias=True, pdl=True, **kw)
+    assert s["fn"] is qkv_rope._gemv_rope_kernel
+    regs, spills = _ptxas_spills(k)
+    assert spills == 0, (shape, rows, regs)
+    ptx = k.asm["ptx"]
+    assert "ld.global.v4" in ptx or "cp.async" in ptx
+    assert "cos.approx" not in ptx and "sin.approx" not in ptx
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global" in ptx[:wait] or "cp.async" in ptx[:wait]  # the first W tile
+    assert s["constexprs"]["BLOCK_N"] <= kw["head_dim"]
+    fs, fk = _compile(rows=rows, bias=True, pdl=True, finish=True, **kw)
+    assert _ptxas_spills(fk)[1] == 0, (shape, rows)
+    fptx = fk.asm["ptx"]
+    assert "ld.global" not in fptx[:fptx.index("griddepcontrol.wait")]
+
+
 def test_sm90_pdl_waits_before_reading_activations():
     _, on = _compile(pdl=True, fused=True)
     ptx = on.asm["ptx"]
@@ -574,17 +682,21 @@ def test_gpu_bf16_against_float64(family, M):
     assert r["untouched"] and r["paged_eq_contig"], r
 
 
-def test_sm90_default_is_the_two_launch_path():
-    """On sm_90 a call without settings takes the two-launch path (measured faster at every
-    shape, notes/decode_step.md); the compile spec follows it, and fused=True builds the
-    fused kernel. Other targets keep the fused kernel."""
+def test_sm90_default_paths():
+    """On sm_90 a call without settings takes the GEMV-epilogue path without QK-norm and
+    the two-launch path with it (notes/decode_step.md); the compile spec follows, and
+    fused=True builds the fused kernel. Other targets keep the fused kernel."""
     from wsattn.target import Target
     kw = dict(rows=8, hidden=4096, heads=48, head_dim=128, dtype=torch.bfloat16)
-    assert qkv_rope.default_settings(Target("cuda", 90, 132), **kw) == qkv_rope.TwoLaunchSettings()
+    h200 = Target("cuda", 90, 132)
+    assert qkv_rope.default_settings(h200, **kw) == qkv_rope.GemvRopeSettings()
+    assert qkv_rope.default_settings(h200, **kw, qk_norm=True) == qkv_rope.TwoLaunchSettings()
     for cc in (80, 100, 120):
         t = Target("cuda", cc, 132)
         assert qkv_rope.default_settings(t, **kw) == qkv_rope.fused_settings(t, **kw)
-    assert qkv_rope.compile_spec(90)["fn"] is qkv_rope._norm_rope_append_kernel
+    assert qkv_rope.compile_spec(90)["fn"] is qkv_rope._gemv_rope_kernel
+    assert qkv_rope.compile_spec(90, finish=True)["fn"] is qkv_rope._rope_finish_kernel
+    assert qkv_rope.compile_spec(90, qk_norm=True)["fn"] is qkv_rope._norm_rope_append_kernel
     assert qkv_rope.compile_spec(90, fused=True)["fn"] is qkv_rope._qkv_rope_kernel
     assert qkv_rope.compile_spec(100)["fn"] is qkv_rope._qkv_rope_kernel
 
@@ -652,6 +764,44 @@ def test_gpu_two_launch_against_float64(family, M):
     inp = ns["make_inputs"](FAMILIES[family], M, 4096, 32, 8, 128, torch.bfloat16, "cuda")
     kc, vc, bt, _, _ = ns["make_caches"](M, 8, 128, torch.bfloat16, "cuda")
     q0 = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, pdl=pdl, settings=s)
+    _assert_graph_replays_bitwise(inp, kc, q0, kc.clone(), k_cache=kc, v_cache=vc,
+                                  block_table=bt, pdl=pdl, settings=s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2, 8, 64])
+@pytest.mark.parametrize("shape", ["1B", "8B"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gpu_gemv_rope_against_float64_and_two_launch(family, shape, M):
+    """The GEMV-epilogue path (the sm_90 default without QK-norm) at the Llama-3.2-1B and
+    Llama-3.1-8B shapes, bf16, with its default settings (split K at 8 and 64 rows):
+    within tolerance of float64, caches untouched elsewhere, paged equal to contiguous;
+    q and the cache bit for bit the two-launch path's; a CUDA-graph replay under PDL
+    bit-identical to the eager call."""
+    ns = _gpu_ns()
+    K, Hq, Hkv, D = (2048, 32, 8, 64) if shape == "1B" else (4096, 32, 8, 128)
+    fam = FAMILIES[family]
+    m = min(M, 8)
+    s = qkv_rope.GemvRopeSettings()
+    r = ns["run_case"](fam, m, K, Hq, Hkv, D, torch.bfloat16, "cuda", settings=s, seed=M)
+    assert all(r[k] <= r["tol"] for k in ("q", "k", "v")), r
+    assert r["untouched"] and r["paged_eq_contig"], r
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    g = torch.Generator(device="cuda").manual_seed(M)
+    inp = ns["make_inputs"](fam, m, K, Hq, Hkv, D, torch.bfloat16, "cuda", seed=M)
+    inp["x"] = torch.randn(M, K, generator=g, device="cuda").to(torch.bfloat16)
+    inp["positions"] = torch.randint(0, 64, (M,), generator=g, device="cuda",
+                                     dtype=torch.int32)
+    pages = M * 4 + 3
+    bt = torch.randperm(pages, device="cuda")[:M * 4].to(torch.int32).view(M, 4)
+    outs = []
+    for st in (qkv_rope.TwoLaunchSettings(), s):
+        kc = torch.full((pages, 16, Hkv, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        vc = kc.clone()
+        q = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, pdl=pdl, settings=st)
+        outs.append((q, kc, vc))
+    assert all(_same_bits(a, b) for a, b in zip(*outs)), "differs from the two-launch path"
+    q0, kc, vc = outs[1]
     _assert_graph_replays_bitwise(inp, kc, q0, kc.clone(), k_cache=kc, v_cache=vc,
                                   block_table=bt, pdl=pdl, settings=s)
 

@@ -322,7 +322,8 @@ def _qkv_calls(case: QkvRopeCase, impl, inp, settings=None):
         if settings is None:
             s = kq.default_settings(target_of(x.device), rows=case.M, hidden=case.K,
                                     heads=case.heads + 2 * case.kv_heads,
-                                    head_dim=case.head_dim, dtype=x.dtype)
+                                    head_dim=case.head_dim, dtype=x.dtype,
+                                    qk_norm=case.qk_norm)
             note = f"default settings {_qkv_spec(s)}"
         else:
             note = None
@@ -390,27 +391,32 @@ QKV_SETTINGS_FIELDS = ("BLOCK_K", "split_k", "num_warps", "num_stages", "use_dot
 
 def _qkv_spec(s) -> str:
     """The spec that builds s: four integers, and ",0" for the FMA path (use_dot=False);
-    "gemv" for the two-launch path."""
-    from wsattn.kernels.qkv_rope import TwoLaunchSettings
+    "gemv" for the two-launch path, "gemv-rope" for the GEMV-epilogue path."""
+    from wsattn.kernels.qkv_rope import GemvRopeSettings, TwoLaunchSettings
     if isinstance(s, TwoLaunchSettings):
         return TWO_LAUNCH_SPEC
+    if isinstance(s, GemvRopeSettings):
+        return GEMV_ROPE_SPEC
     return ",".join(str(getattr(s, f)) for f in QKV_SETTINGS_FIELDS[:4]) + (
         "" if s.use_dot else ",0")
 
 
 TWO_LAUNCH_SPEC = "gemv"  # --qkv-settings' name of TwoLaunchSettings()
+GEMV_ROPE_SPEC = "gemv-rope"  # and of GemvRopeSettings()
 
 
 def parse_qkv_settings(specs) -> dict:
     """``--qkv-settings`` values, each "BLOCK_K,split_k,num_warps,num_stages[,use_dot]"
-    (use_dot 1, the default, or 0: the FMA path, at most 8 rows) or "gemv" (the two-launch
-    path: the projection by gemv, then a (row, head) kernel; TwoLaunchSettings), as
+    (use_dot 1, the default, or 0: the FMA path, at most 8 rows), "gemv" (the two-launch
+    path: the projection by gemv, then a (row, head) kernel; TwoLaunchSettings) or
+    "gemv-rope" (gemv's kernel with RoPE and the append in its epilogue, no QK-norm:
+    an error row on a QK-norm model; GemvRopeSettings), as
     {"wsattn[qkv:SPEC]": QkvRopeSettings}: extra columns of the qkv_rope cases only (PDL
     off). BLOCK_K must also divide the model's hidden size; a column where it does not, or
     whose build does not fit the GPU, is an error row, not a stopped run."""
     import dataclasses
 
-    from wsattn.kernels.qkv_rope import QkvRopeSettings, TwoLaunchSettings
+    from wsattn.kernels.qkv_rope import GemvRopeSettings, QkvRopeSettings, TwoLaunchSettings
 
     assert tuple(f.name for f in dataclasses.fields(QkvRopeSettings)) == QKV_SETTINGS_FIELDS
     out = {}
@@ -418,12 +424,15 @@ def parse_qkv_settings(specs) -> dict:
         if spec.strip() == TWO_LAUNCH_SPEC:
             out[f"wsattn[qkv:{TWO_LAUNCH_SPEC}]"] = TwoLaunchSettings()
             continue
+        if spec.strip() == GEMV_ROPE_SPEC:
+            out[f"wsattn[qkv:{GEMV_ROPE_SPEC}]"] = GemvRopeSettings()
+            continue
         parts = spec.split(",")
         if len(parts) not in (4, 5) or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"--qkv-settings {spec!r}: expected four integers "
                              f"{','.join(QKV_SETTINGS_FIELDS[:4])} and optionally use_dot "
                              f"(0 or 1), e.g. 128,4,8,4 or 64,4,8,4,0, or "
-                             f"{TWO_LAUNCH_SPEC!r}")
+                             f"{TWO_LAUNCH_SPEC!r} or {GEMV_ROPE_SPEC!r}")
         block_k, split_k, warps, stages = (int(p) for p in parts[:4])
         use_dot = int(parts[4]) if len(parts) == 5 else 1
         if use_dot not in (0, 1):
@@ -444,13 +453,14 @@ def parse_qkv_settings(specs) -> dict:
 
 
 def _applies(case, settings) -> bool:
-    """A sweep column runs on the cases its settings are for: QkvRopeSettings and
-    TwoLaunchSettings on the fused case, GemvSettings on the plain GEMVs; the default columns run everywhere."""
+    """A sweep column runs on the cases its settings are for: QkvRopeSettings,
+    TwoLaunchSettings and GemvRopeSettings on the fused case, GemvSettings on the plain
+    GEMVs; the default columns run everywhere."""
     if settings is None:
         return True
-    from wsattn.kernels.qkv_rope import QkvRopeSettings, TwoLaunchSettings
+    from wsattn.kernels.qkv_rope import GemvRopeSettings, QkvRopeSettings, TwoLaunchSettings
 
-    return (isinstance(settings, (QkvRopeSettings, TwoLaunchSettings))
+    return (isinstance(settings, (QkvRopeSettings, TwoLaunchSettings, GemvRopeSettings))
             == isinstance(case, QkvRopeCase))
 
 
@@ -678,4 +688,6 @@ def add_arguments(group) -> None:
                             "each BLOCK_N,BLOCK_K,split_k,use_dot,num_warps,num_stages")
     group.add_argument("--qkv-settings", nargs="+", default=None, metavar="SPEC",
                        help="gemv: extra columns for the qkv_rope cases, the fused kernel (PDL "
-                            "off) with these settings, each BLOCK_K,split_k,num_warps,num_stages")
+                            "off) with these settings, each BLOCK_K,split_k,num_warps,num_stages"
+                            "[,use_dot]; 'gemv' the two-launch path, 'gemv-rope' the "
+                            "GEMV-epilogue path")

@@ -105,7 +105,7 @@ from .. import api, ops
 from ..kernels.gemv import MAX_M as GEMV_MAX_M, gemv
 from ..kernels.moe import MAX_E as MOE_MAX_E, default_block, group, moe_down_combine, \
     moe_gate_up, one_token_grouping, one_token_tables, route
-from ..kernels.qkv_rope import qkv_rope_append, qkv_rope_workspace
+from ..kernels.qkv_rope import TwoLaunchSettings, qkv_rope_append, qkv_rope_workspace
 from ..models import moe as moe_math
 from ..models.config import HEAD_DIMS, ModelConfig
 from ..models.weights import Weights
@@ -127,9 +127,12 @@ __all__ = ["KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
 PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # A/B variants `pdl=` also takes in place of a family: the GEMVs with PDL and the release
 # forced after their weight stream ("gemv:late") or right after their wait ("gemv:early")
-# in every bucket, instead of by rows. Measured and removed (notes/decode_step.md): decode
-# loading its first K/V tile before the wait, and the QKV projection GEMV's late release.
-PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv"}
+# in every bucket, instead of by rows; the QKV call with PDL on the two-launch path (gemv,
+# then the (row, head) epilogue kernel) where the default takes the GEMV-epilogue path
+# ("qkv_rope:two-launch"; the same on Qwen3 and OLMoE, which take two launches anyway).
+# Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
+# the wait, and the QKV projection GEMV's late release.
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:two-launch": "qkv_rope"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -410,7 +413,8 @@ class KernelStep:
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
-        pdl_qkv, pdl_decode = on("qkv_rope"), on("decode")
+        pdl_qkv, pdl_decode = on("qkv_rope") or on("qkv_rope:two-launch"), on("decode")
+        qkv_settings = TwoLaunchSettings() if on("qkv_rope:two-launch") else None
         g = self._gemv_launch()
         torch.index_select(w.embed, 0, buf.tokens, out=h)
         self._count("embed")
@@ -424,7 +428,7 @@ class KernelStep:
                             inv_freq=self.inv_freq, positions=buf.positions, k_cache=k_pages,
                             v_cache=v_pages, block_table=buf.block_table, q_out=buf.q,
                             pdl=pdl_qkv, workspace=self._qkv_workspace,
-                            qk_norm_whole=cfg.qk_norm_whole)
+                            qk_norm_whole=cfg.qk_norm_whole, settings=qkv_settings)
             self._count("qkv_rope")
             # the launcher through ops (no host checks; PDL, which api.decode does not take)
             attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,

@@ -115,20 +115,16 @@ def _finish(gate, up, ss, K, eps, res_ptr, out_ptr, res_offs, out_offs, mask,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
-                 M, NOUT, K, eps,
-                 stride_xm, stride_wn, stride_rm, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
-                 RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False):
-    # grid (cdiv(NOUT, BLOCK_N), SPLIT_K). NOUT = N, or F = N / 2 with SILU_MUL.
-    # PDL_LATE: release the next kernel after the K loop instead of right after the wait
-    # (where each pays: gemv's PDL_LATE_BELOW_M).
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = W rows
-    n_live = n < NOUT
+def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
+             SILU_MUL: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+             PDL_LATE: tl.constexpr):
+    """Stream W rows n [BLOCK_N] (up rows at NOUT + n with SILU_MUL) over split pid_k's
+    share of K against all M rows of x; returns the fp32 accumulators (gate, up)
+    [BLOCK_N, BLOCK_M] and x's sums of squares ss [BLOCK_M] over that share. Written once
+    for this module's kernel and qkv_rope's GEMV with the RoPE epilogue, whose columns n
+    are not contiguous. PDL: the wait and the release are in here (comments below)."""
     mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     kk = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     # this split's BLOCK_K-aligned share [k_lo, k_hi) of K (all of K when SPLIT_K == 1)
@@ -186,40 +182,34 @@ def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
         # the weights are streamed: the next kernel's programs now find the SMs this grid
         # is leaving, not slots freed one by one while its last wave still streams
         tl.extra.cuda.gdc_launch_dependents()
-
-    mask = n_live[:, None] & (mi < M)[None, :]  # [BLOCK_N, BLOCK_M]
-    if SPLIT_K == 1:
-        _finish(acc_g, acc_u, ss[None, :], K, eps, res_ptr, out_ptr,
-                mi[None, :] * stride_rm + n[:, None], mi[None, :] * stride_om + n[:, None],
-                mask, NORM, RESIDUAL, SILU_MUL)
-    else:
-        # fp32 partials: ws [SPLIT_K, M, NW] with NW = N rows of W (up at F + n);
-        # the x^2 sums ss [SPLIT_K, M] once per split, from the first column block
-        NW = NOUT
-        if SILU_MUL:
-            NW = NOUT * 2
-        ws = ws_ptr + pid_k.to(tl.int64) * M * NW + mi[None, :] * NW + n[:, None]
-        tl.store(ws, acc_g, mask=mask)
-        if SILU_MUL:
-            tl.store(ws + NOUT, acc_u, mask=mask)
-        if NORM:
-            tl.store(ss_ptr + pid_k * M + mi, ss, mask=(mi < M) & (pid_n == 0))
+    return acc_g, acc_u, ss
 
 
 @triton.jit
-def _splitk_finish_kernel(ws_ptr, ss_ptr, res_ptr, out_ptr, M, NOUT, K, eps,
-                          stride_rm, stride_om,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SPLIT_K: tl.constexpr, NORM: tl.constexpr,
-                          RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
-    # one program: all M rows x BLOCK_N output columns; the splits added in the fixed
-    # order s = 0..SPLIT_K-1, so reruns are bit-identical
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # everything this kernel reads comes from earlier kernels
-        tl.extra.cuda.gdc_launch_dependents()  # same rule as in _gemv_kernel
+def store_partials(ws_ptr, ss_ptr, acc_g, acc_u, ss, n, mask, pid_n, pid_k, M, NOUT,
+                   BLOCK_M: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
+    """Split pid_k's fp32 partials of columns n: ws [SPLIT_K, M, NW] with NW = N rows of
+    W (up at F + n); the x^2 sums ss [SPLIT_K, M] once per split, from column block 0."""
+    mi = tl.arange(0, BLOCK_M)
+    NW = NOUT
+    if SILU_MUL:
+        NW = NOUT * 2
+    ws = ws_ptr + pid_k.to(tl.int64) * M * NW + mi[None, :] * NW + n[:, None]
+    tl.store(ws, acc_g, mask=mask)
+    if SILU_MUL:
+        tl.store(ws + NOUT, acc_u, mask=mask)
+    if NORM:
+        tl.store(ss_ptr + pid_k * M + mi, ss, mask=(mi < M) & (pid_n == 0))
+
+
+@triton.jit
+def sum_partials(ws_ptr, ss_ptr, n, mask, M, NOUT, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr,
+                 SILU_MUL: tl.constexpr):
+    """store_partials' sums for columns n [BLOCK_N], all M rows: (gate, up) [BLOCK_M,
+    BLOCK_N] and ss [BLOCK_M], the splits added in the fixed order s = 0..SPLIT_K-1, so
+    reruns are bit-identical."""
     mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    mask = (mi < M)[:, None] & (n < NOUT)[None, :]  # [BLOCK_M, BLOCK_N]
     NW = NOUT
     if SILU_MUL:
         NW = NOUT * 2
@@ -233,6 +223,53 @@ def _splitk_finish_kernel(ws_ptr, ss_ptr, res_ptr, out_ptr, M, NOUT, K, eps,
             up += tl.load(ws + NOUT, mask=mask, other=0.0)
         if NORM:
             ss += tl.load(ss_ptr + s * M + mi, mask=mi < M, other=0.0)
+    return gate, up, ss
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
+                 M, NOUT, K, eps,
+                 stride_xm, stride_wn, stride_rm, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
+                 RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False):
+    # grid (cdiv(NOUT, BLOCK_N), SPLIT_K). NOUT = N, or F = N / 2 with SILU_MUL.
+    # PDL_LATE: release the next kernel after the K loop instead of right after the wait
+    # (where each pays: gemv's PDL_LATE_BELOW_M).
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = W rows
+    n_live = n < NOUT
+    mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    acc_g, acc_u, ss = stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm,
+                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, NORM,
+                                SILU_MUL, PDL, STAGES, PDL_LATE)
+    mask = n_live[:, None] & (mi < M)[None, :]  # [BLOCK_N, BLOCK_M]
+    if SPLIT_K == 1:
+        _finish(acc_g, acc_u, ss[None, :], K, eps, res_ptr, out_ptr,
+                mi[None, :] * stride_rm + n[:, None], mi[None, :] * stride_om + n[:, None],
+                mask, NORM, RESIDUAL, SILU_MUL)
+    else:
+        store_partials(ws_ptr, ss_ptr, acc_g, acc_u, ss, n, mask, pid_n, pid_k, M, NOUT,
+                       BLOCK_M, NORM, SILU_MUL)
+
+
+@triton.jit
+def _splitk_finish_kernel(ws_ptr, ss_ptr, res_ptr, out_ptr, M, NOUT, K, eps,
+                          stride_rm, stride_om,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SPLIT_K: tl.constexpr, NORM: tl.constexpr,
+                          RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
+    # one program: all M rows x BLOCK_N output columns
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # everything this kernel reads comes from earlier kernels
+        tl.extra.cuda.gdc_launch_dependents()  # same rule as in _gemv_kernel
+    mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    mask = (mi < M)[:, None] & (n < NOUT)[None, :]  # [BLOCK_M, BLOCK_N]
+    gate, up, ss = sum_partials(ws_ptr, ss_ptr, n, mask, M, NOUT, BLOCK_M, BLOCK_N, SPLIT_K,
+                                NORM, SILU_MUL)
     _finish(gate, up, ss[:, None], K, eps, res_ptr, out_ptr,
             mi[:, None] * stride_rm + n[None, :], mi[:, None] * stride_om + n[None, :],
             mask, NORM, RESIDUAL, SILU_MUL)

@@ -42,7 +42,7 @@ FlashNorm scale into x's dtype, then ``_norm_rope_append_kernel`` runs one progr
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -54,7 +54,8 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from .gemv import GemvSettings, accumulate, gemv
+from . import gemv as _gemv
+from .gemv import GemvSettings, accumulate, gemv, store_partials, stream_w, sum_partials
 
 
 @triton.jit
@@ -90,15 +91,17 @@ def _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live, stride_xm, M, k0, k_hi, w_l
 
 
 @triton.jit
-def _epilogue(h, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
+def _epilogue(h, j, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
               b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
               q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
               stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
               HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
               NORM: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr,
               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr):
+    # Head h's columns j and HALF + j (the rotate_half pairs; j [P] within the half head,
+    # all D/2 of them where QK_NORM, which needs the whole head) for rows [BLOCK_M]:
+    # acc_lo / acc_hi [BLOCK_M, P] fp32 -> scale, bias, QK-norm, RoPE, q store or append.
     HALF: tl.constexpr = D // 2
-    j = tl.arange(0, HALF)  # [D/2] column of each half
     if NORM:
         r = 1.0 / tl.sqrt(ss / K + norm_eps)  # [BLOCK_M]
         acc_lo = acc_lo * r[:, None]
@@ -212,7 +215,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr,
     acc_hi = tl.trans(acc_hi)
 
     if SPLIT_K == 1:
-        _epilogue(h, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
+        _epilogue(h, j, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
                   b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
                   q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
                   stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
@@ -244,7 +247,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr,
                 if NORM:
                     ss += tl.load(ss_tile + t * BLOCK_M + r, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
-            _epilogue(h, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
+            _epilogue(h, j, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
                       b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
                       q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
                       stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
@@ -274,6 +277,18 @@ class TwoLaunchSettings:
     bias, the QK-norm and RoPE and appends to the cache. OLMoE's whole-projection norm
     always takes it; elsewhere it is the A/B against the fused one-launch kernel.
     gemv: the projection's GemvSettings (None: gemv's defaults)."""
+    gemv: GemvSettings | None = None
+
+
+@dataclass(frozen=True)
+class GemvRopeSettings:
+    """The GEMV-epilogue path, for families without QK-norm: gemv's stream of Wqkv with
+    each program's columns chosen as rotate_half pairs of one head, and the bias, RoPE, the
+    q store and the append in its epilogue: one launch, or gemv's two where the settings
+    split K (the finish does the epilogue then). QK-norm needs a whole head's sum of
+    squares, which a GEMV program of a few columns does not see: refused by name.
+    gemv: the projection's GemvSettings (None: gemv's defaults, BLOCK_N capped at the
+    head dim); its BLOCK_N must divide the head dim."""
     gemv: GemvSettings | None = None
 
 
@@ -333,11 +348,114 @@ def _norm_rope_append_kernel(qkv_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_p
             lo = lo * r[:, None] * tl.load(g + j).to(tl.float32)[None, :]
             hi = hi * r[:, None] * tl.load(g + HALF + j).to(tl.float32)[None, :]
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-    _epilogue(h, lo, hi, zero, rows, row_live, 1, 0.0, qk_eps, b_ptr, qn_ptr, kn_ptr,
+    _epilogue(h, j, lo, hi, zero, rows, row_live, 1, 0.0, qk_eps, b_ptr, qn_ptr, kn_ptr,
               inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
               stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
               stride_vh, stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=BIAS,
               QK_NORM=QK_NORM, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SEQ_INDEX=SEQ_INDEX)
+
+
+@triton.jit
+def _rope_store(h, j, lo, hi, ss, M, K, eps, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr,
+                kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh, stride_kb, stride_kl, stride_kh,
+                stride_vb, stride_vl, stride_vh, stride_btb, BLOCK_M: tl.constexpr,
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
+                BIAS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                SEQ_INDEX: tl.constexpr):
+    # The GEMV-epilogue path's last step, for its one-pass kernel and its split-K finish:
+    # lo / hi [BLOCK_M, P] fp32 sums of head h's columns j / HALF + j, ss [BLOCK_M] x's
+    # sums of squares. The two-launch path's arithmetic step for step (gemv's FlashNorm
+    # scale, its rounding into x's dtype, then the epilogue kernel), so the paths agree.
+    if NORM:
+        rstd = tl.rsqrt(ss / K + eps)[:, None]  # as gemv's _finish forms it
+        lo = lo * rstd
+        hi = hi * rstd
+    lo = lo.to(q_ptr.dtype.element_ty).to(tl.float32)
+    hi = hi.to(q_ptr.dtype.element_ty).to(tl.float32)
+    rows = tl.arange(0, BLOCK_M)
+    zero = tl.zeros([BLOCK_M], dtype=tl.float32)
+    _epilogue(h, j, lo, hi, zero, rows, rows < M, 1, 0.0, 0.0, b_ptr, b_ptr, b_ptr,
+              inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
+              stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+              stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=BIAS, QK_NORM=False,
+              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SEQ_INDEX=SEQ_INDEX)
+
+
+@triton.jit
+def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr,
+                      vc_ptr, bt_ptr, ws_ptr, ss_ptr, M, K, eps, stride_xm, stride_wn,
+                      stride_qm, stride_qh, stride_kb, stride_kl, stride_kh, stride_vb,
+                      stride_vl, stride_vh, stride_btb,
+                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
+                      BIAS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                      SEQ_INDEX: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+                      PDL_LATE: tl.constexpr):
+    # The GEMV-epilogue path: grid ((HQ + 2 HKV) * D / BLOCK_N, SPLIT_K), gemv's stream of
+    # W rows, but a program's BLOCK_N rows are P = BLOCK_N / 2 rotate_half pairs of one
+    # head (BLOCK_N <= D): tile rows [0, P) are its columns c0 + i, rows [P, 2P) columns
+    # D/2 + c0 + i. Both halves of every pair sit in one program, so RoPE needs no other
+    # program and the projection, bias, RoPE, the q store and the append are one launch
+    # (with SPLIT_K > 1 the partials go to gemv's workspace and _rope_finish_kernel does
+    # the epilogue). W is read as by gemv: 16-byte loads along K, any row order.
+    P: tl.constexpr = BLOCK_N // 2
+    HALF: tl.constexpr = D // 2
+    NOUT: tl.constexpr = (HQ + 2 * HKV) * D
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    h = pid_n // (HALF // P)
+    c0 = (pid_n % (HALF // P)) * P
+    r = tl.arange(0, BLOCK_N)
+    n = h * D + c0 + r % P + (r // P) * HALF  # [BLOCK_N] the W rows (output columns)
+    n_live = n < NOUT
+    acc, _, ss = stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
+                          BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, NORM, False, PDL,
+                          STAGES, PDL_LATE)
+    if SPLIT_K == 1:
+        # [BLOCK_N, BLOCK_M] -> the halves [P, BLOCK_M] (row r of the tile is (r // P, r % P))
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, [2, P, BLOCK_M]), [1, 2, 0]))
+        _rope_store(h, c0 + tl.arange(0, P), tl.trans(lo), tl.trans(hi), ss, M, K, eps, b_ptr,
+                    inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
+                    stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
+                    stride_vh, stride_btb, BLOCK_M, HQ, HKV, D, NORM, BIAS, PAGED, PAGE_SIZE,
+                    SEQ_INDEX)
+    else:
+        mi = tl.arange(0, BLOCK_M)
+        mask = n_live[:, None] & (mi < M)[None, :]
+        store_partials(ws_ptr, ss_ptr, acc, acc, ss, n, mask, pid_n, pid_k, M, NOUT, BLOCK_M,
+                       NORM, False)
+
+
+@triton.jit
+def _rope_finish_kernel(ws_ptr, ss_ptr, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr,
+                        vc_ptr, bt_ptr, M, K, eps, stride_qm, stride_qh, stride_kb, stride_kl,
+                        stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
+                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, P: tl.constexpr, SPLIT_K: tl.constexpr,
+                        NORM: tl.constexpr, BIAS: tl.constexpr, PAGED: tl.constexpr,
+                        PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr, PDL: tl.constexpr):
+    # The split-K GEMV's second launch on the GEMV-epilogue path, in place of gemv's
+    # _splitk_finish_kernel: grid ((HQ + 2 HKV) * D / (2 P),), P pairs of one head a
+    # program, the splits added in gemv's fixed order, then _rope_store.
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # everything this kernel reads comes from earlier kernels
+        tl.extra.cuda.gdc_launch_dependents()
+    HALF: tl.constexpr = D // 2
+    NOUT: tl.constexpr = (HQ + 2 * HKV) * D
+    pid = tl.program_id(0)
+    h = pid // (HALF // P)
+    j = (pid % (HALF // P)) * P + tl.arange(0, P)  # [P]
+    mi = tl.arange(0, BLOCK_M)
+    mask = (mi < M)[:, None] & (j < HALF)[None, :]  # [BLOCK_M, P]
+    lo, _, ss = sum_partials(ws_ptr, ss_ptr, h * D + j, mask, M, NOUT, BLOCK_M, P, SPLIT_K,
+                             NORM, False)
+    hi, _, _ = sum_partials(ws_ptr, ss_ptr, h * D + HALF + j, mask, M, NOUT, BLOCK_M, P,
+                            SPLIT_K, False, False)
+    _rope_store(h, j, lo, hi, ss, M, K, eps, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr,
+                kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh, stride_kb, stride_kl, stride_kh,
+                stride_vb, stride_vl, stride_vh, stride_btb, BLOCK_M, HQ, HKV, D, NORM, BIAS,
+                PAGED, PAGE_SIZE, SEQ_INDEX)
 
 
 # rows a program of the two-launch path's second kernel takes, and its warps: one row, so
@@ -365,11 +483,14 @@ def _largest_pow2_dividing(n: int, cap: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def default_settings(target: Target, *, rows: int, hidden: int, heads: int, head_dim: int,
-                     dtype: torch.dtype) -> QkvRopeSettings | TwoLaunchSettings:
+                     dtype: torch.dtype, qk_norm: bool = False
+                     ) -> QkvRopeSettings | TwoLaunchSettings | GemvRopeSettings:
     """The path and settings a call without ``settings`` takes, from (target, shape,
-    dtype): rows = M, hidden = K, heads = Hq + 2 Hkv.
+    dtype): rows = M, hidden = K, heads = Hq + 2 Hkv; qk_norm: per-head QK-norm (Qwen3).
 
-    sm_90: the two-launch path. H200, side by side with PDL off (wsattn bench gemv
+    sm_90 without QK-norm: the GEMV-epilogue path (:class:`GemvRopeSettings`), one launch
+    where the two-launch path takes two (notes/decode_step.md). sm_90 with QK-norm: the
+    two-launch path. H200, side by side with PDL off (wsattn bench gemv
     --kernels qkv_rope --qkv-settings gemv; notes/decode_step.md), it beat the fused
     kernel at every measured shape: Llama-3.2-1B (K 2048, 48 heads of 64) 10.0 -> 9.5,
     13.1 -> 10.5, 21.0 -> 16.6 us at 1, 8, 64 rows; Llama-3.1-8B and Qwen3-8B (K 4096,
@@ -379,7 +500,7 @@ def default_settings(target: Target, *, rows: int, hidden: int, heads: int, head
     epilogue kernel costs 2-3 us. Elsewhere (not measured) the fused kernel,
     :func:`fused_settings`."""
     if target.backend == "cuda" and target.cc == 90:
-        return TwoLaunchSettings()
+        return TwoLaunchSettings() if qk_norm else GemvRopeSettings()
     return fused_settings(target, rows=rows, hidden=hidden, heads=heads, head_dim=head_dim,
                           dtype=dtype)
 
@@ -441,8 +562,9 @@ def workspace_size(rows: int, q_heads: int, kv_heads: int, head_dim: int,
                    settings) -> tuple[int, int, int]:
     """(partials, ss, counters) element counts one launch of ``rows`` rows with these
     settings needs; (0, 0, 0) when settings.split_k is 1 or the settings are
-    TwoLaunchSettings (no workspace is read)."""
-    if isinstance(settings, TwoLaunchSettings) or settings.split_k <= 1 or rows <= 0:
+    TwoLaunchSettings or GemvRopeSettings (no workspace is read)."""
+    if (isinstance(settings, (TwoLaunchSettings, GemvRopeSettings)) or settings.split_k <= 1
+            or rows <= 0):
         return 0, 0, 0
     block_m = _block_m(rows, head_dim, settings.use_dot)
     tiles = (q_heads + 2 * kv_heads) * cdiv(rows, block_m)
@@ -471,9 +593,8 @@ def qkv_rope_workspace(device, rows: int, q_heads: int, kv_heads: int, head_dim:
         heads = q_heads + 2 * kv_heads
         pick = lambda m: default_settings(target, rows=m, hidden=hidden, heads=heads,  # noqa: E731
                                           head_dim=head_dim, dtype=dtype)
-    elif not isinstance(settings, (QkvRopeSettings, TwoLaunchSettings)):
-        raise ValueError(f"settings must be a QkvRopeSettings or TwoLaunchSettings, got "
-                         f"{type(settings).__name__}")
+    elif not isinstance(settings, _SETTINGS):
+        raise ValueError(f"settings must be a {_SETTINGS_NAMES}, got {type(settings).__name__}")
     else:
         pick = lambda m: settings  # noqa: E731
     need = [workspace_size(m, q_heads, kv_heads, head_dim, pick(m)) for m in range(1, rows + 1)]
@@ -678,11 +799,14 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
             None: row m is sequence m.
         q_out: optional [M, Hq, D] output (x's dtype); allocated when None.
         pdl: programmatic dependent launch; None: on for CUDA sm_90+, off elsewhere.
-        settings: None for :func:`default_settings` (the two-launch path on sm_90, the
-            fused kernel elsewhere); a QkvRopeSettings for the fused one-launch kernel
-            with these settings; TwoLaunchSettings for the two-launch path (the
-            projection by gemv, then a (row, head) kernel for bias, QK-norm, RoPE and the
-            append; workspace unused).
+        settings: None for :func:`default_settings` (on sm_90 the GEMV-epilogue path
+            without QK-norm and the two-launch path with it; the fused kernel
+            elsewhere); a QkvRopeSettings for the fused one-launch kernel with these
+            settings; TwoLaunchSettings for the two-launch path (the projection by gemv,
+            then a (row, head) kernel for bias, QK-norm, RoPE and the append);
+            GemvRopeSettings for the GEMV-epilogue path (gemv's kernel with bias, RoPE,
+            the q store and the append in its epilogue; no QK-norm). Workspace unused by
+            the last two.
         workspace: a :class:`QkvRopeWorkspace` (from :func:`qkv_rope_workspace`) for the
             split-K partials and counters, checked to be large enough for this launch
             (too small: ValueError naming it); None uses a per-device cached one, grown
@@ -724,7 +848,15 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
         raise UnsupportedTargetError(f"pdl=True needs CUDA sm_90 or later, got {target.name}")
     if settings is None and not qk_norm_whole:
         settings = default_settings(target, rows=M, hidden=K, heads=heads, head_dim=D,
-                                    dtype=x.dtype)
+                                    dtype=x.dtype, qk_norm=q_norm is not None)
+    if isinstance(settings, GemvRopeSettings):
+        if q_norm is not None or qk_norm_whole:
+            raise ValueError("settings: GemvRopeSettings takes no QK-norm (q_norm / k_norm): "
+                             "a GEMV program holds a few columns of a head, not its whole "
+                             "sum of squares; use TwoLaunchSettings or QkvRopeSettings")
+        return _gemv_rope_append(x, wqkv, bqkv, norm_eps, inv_freq, positions, k_cache,
+                                 v_cache, block_table, seq_index, q_out, bool(pdl), HQ, HKV,
+                                 D, settings.gemv, target)
     if qk_norm_whole or isinstance(settings, TwoLaunchSettings):
         return _two_launch_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
                                   positions, k_cache, v_cache, block_table, seq_index, q_out,
@@ -732,8 +864,7 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
                                   settings.gemv if isinstance(settings, TwoLaunchSettings)
                                   else None)
     if not isinstance(settings, QkvRopeSettings):
-        raise ValueError(f"settings must be a QkvRopeSettings or TwoLaunchSettings, got "
-                         f"{type(settings).__name__}")
+        raise ValueError(f"settings must be a {_SETTINGS_NAMES}, got {type(settings).__name__}")
     elif K % settings.BLOCK_K or settings.split_k < 1:
         raise ValueError(f"settings: BLOCK_K {settings.BLOCK_K} must divide K = {K} and "
                          f"split_k {settings.split_k} be >= 1")
@@ -812,6 +943,83 @@ def _two_launch_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq
     return q_out
 
 
+FINISH_PAIRS = 32  # the GEMV-epilogue path's split-K finish: rotate_half pairs a program
+_SETTINGS = (QkvRopeSettings, TwoLaunchSettings, GemvRopeSettings)
+_SETTINGS_NAMES = "QkvRopeSettings, TwoLaunchSettings or GemvRopeSettings"
+
+
+def gemv_rope_settings(target: Target, M: int, K: int, heads: int, D: int, dtype: torch.dtype,
+                       given: GemvSettings | None = None) -> GemvSettings:
+    """The GEMV-epilogue path's projection settings: ``given``, checked, or gemv's
+    default for the [heads * D, K] projection with BLOCK_N capped at D (a program's
+    columns must be whole rotate_half pairs of one head)."""
+    if given is None:
+        s = _gemv.default_settings(target, M=M, N=heads * D, K=K, dtype=dtype)
+        return replace(s, BLOCK_N=min(s.BLOCK_N, D))
+    if not isinstance(given, GemvSettings):
+        raise ValueError(f"settings.gemv must be a GemvSettings or None, got "
+                         f"{type(given).__name__}")
+    if given.BLOCK_N < 2 or D % given.BLOCK_N:
+        raise ValueError(f"settings.gemv.BLOCK_N {given.BLOCK_N} must divide the head dim "
+                         f"{D} (a program holds whole rotate_half pairs of one head)")
+    return given
+
+
+def _gemv_rope_append(x, wqkv, bqkv, norm_eps, inv_freq, positions, k_cache, v_cache,
+                      block_table, seq_index, q_out, pdl, HQ, HKV, D, gemv_settings, target):
+    """qkv_rope_append's GEMV-epilogue path (inputs checked there)."""
+    M, K = x.shape
+    if M > _gemv.MAX_M:
+        raise ValueError(f"x has {M} rows; the GEMV-epilogue path takes 1..{_gemv.MAX_M} "
+                         f"(more is a GEMM: QkvRopeSettings)")
+    if target.backend == "interpreter" and x.dtype == torch.bfloat16:
+        raise ValueError("x: the GEMV-epilogue path does not run bfloat16 in the Triton "
+                         "interpreter (its tl.dot multiplies bf16 as raw bits); use fp16 / "
+                         "fp32 there, or TwoLaunchSettings")
+    if q_out is None:
+        q_out = empty((M, HQ, D), x.dtype, x.device)
+    if M == 0:
+        return q_out
+    heads = HQ + 2 * HKV
+    s = gemv_rope_settings(target, M, K, heads, D, x.dtype, gemv_settings)
+    if not s.use_dot and M > _gemv.FMA_SETTINGS_MAX_M:
+        raise ValueError(f"settings.gemv.use_dot=False takes M <= {_gemv.FMA_SETTINGS_MAX_M}, "
+                         f"got x with {M} rows")
+    tiles = cdiv(K, s.BLOCK_K)
+    split = cdiv(tiles, cdiv(tiles, min(s.split_k, tiles)))  # no split past the last tile
+    N = heads * D
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        ss = torch.empty((split, M), dtype=torch.float32, device=x.device)
+    else:  # unused: the SPLIT_K == 1 branch compiles away
+        ws = ss = inv_freq
+    paged = block_table is not None
+    dummy = inv_freq  # for pointers a switched-off variant never reads
+    common = (bqkv if bqkv is not None else dummy, inv_freq, positions,
+              seq_index if seq_index is not None else positions, q_out, k_cache, v_cache,
+              block_table if paged else positions)
+    strides = (q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
+               k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+               block_table.stride(0) if paged else 0)
+    flags = dict(HQ=HQ, HKV=HKV, D=D, NORM=norm_eps is not None, BIAS=bqkv is not None,
+                 PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+                 SEQ_INDEX=seq_index is not None, PDL=pdl)
+    eps = float(norm_eps or 0.0)
+    launch = {"launch_pdl": True} if pdl else {}
+    _gemv_rope_kernel[(N // s.BLOCK_N, split)](
+        x, wqkv, *common, ws, ss, M, K, eps, x.stride(0), wqkv.stride(0), *strides,
+        BLOCK_M=_gemv.block_m(M, s.use_dot), BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
+        SPLIT_K=split, USE_DOT=s.use_dot, STAGES=s.num_stages,
+        PDL_LATE=pdl and M < _gemv.PDL_LATE_BELOW_M, **flags, num_warps=s.num_warps,
+        num_stages=s.num_stages, **launch)
+    if split > 1:
+        pairs = min(FINISH_PAIRS, D // 2)
+        _rope_finish_kernel[(N // (2 * pairs),)](
+            ws, ss, *common, M, K, eps, *strides, BLOCK_M=next_pow2(M), P=pairs,
+            SPLIT_K=split, **flags, num_warps=4, **launch)
+    return q_out
+
+
 # --------------------------------------------------------------------------- compile specs
 
 
@@ -821,13 +1029,14 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
                  bias: bool = False, qk_norm: bool = False, paged: bool = True,
                  page_size: int = 16, seq_index: bool = False, pdl: bool = False,
                  settings=None, num_sms: int = 132, qk_norm_whole: bool = False,
-                 fused: bool = False) -> dict:
+                 fused: bool = False, finish: bool = False) -> dict:
     """What ``triton.compile`` needs to build the kernel for compute capability cc, by
     default at the Llama-3.1-8B shape (K 4096, Hq 32, Hkv 8, D 128), one row, paged.
-    settings None: what default_settings picks for cc (the two-launch path on sm_90);
-    fused: the fused kernel with fused_settings instead. qk_norm_whole or settings
-    TwoLaunchSettings: the two-launch path's second kernel
-    (_norm_rope_append_kernel; the projection before it is gemv's kernel).
+    settings None: what default_settings picks for cc (on sm_90 the GEMV-epilogue path
+    without QK-norm, the two-launch path with it); fused: the fused kernel with
+    fused_settings instead. qk_norm_whole or settings TwoLaunchSettings: the two-launch
+    path's second kernel (_norm_rope_append_kernel; the projection before it is gemv's
+    kernel). GemvRopeSettings: _gemv_rope_kernel (finish: its split-K finish instead).
 
     Returns {"fn", "signature", "constexprs", "attrs", "options"} as
     decode_triton.compile_spec does; use ``triton.compile(ASTSource(s["fn"],
@@ -838,8 +1047,14 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
     heads = q_heads + 2 * kv_heads
     if settings is None and not qk_norm_whole:
         pick = fused_settings if fused else default_settings
+        kw = {} if fused else {"qk_norm": qk_norm}
         settings = pick(Target("cuda", cc, num_sms), rows=rows, hidden=hidden, heads=heads,
-                        head_dim=head_dim, dtype=DTYPES[dtype])
+                        head_dim=head_dim, dtype=DTYPES[dtype], **kw)
+    if isinstance(settings, GemvRopeSettings):
+        g = gemv_rope_settings(Target("cuda", cc, num_sms), rows, hidden, heads, head_dim,
+                               DTYPES[dtype], settings.gemv)
+        return _gemv_rope_compile_spec(t, g, rows, head_dim, q_heads, kv_heads, norm, bias,
+                                       paged, page_size, seq_index, pdl, finish)
     if qk_norm_whole or isinstance(settings, TwoLaunchSettings):
         return _epilogue_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size,
                                       seq_index, pdl, qk_norm_whole, bias,
@@ -874,6 +1089,45 @@ _ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "qn_ptr", "kn_ptr", "inv_freq_ptr", "pos_
             "seq_ptr", "q_ptr", "kc_ptr", "vc_ptr", "bt_ptr", "ws_ptr", "ss_ws_ptr",
             "count_ptr", "K", "stride_xm", "stride_wn", "stride_qm", "stride_qh", "stride_kb",
             "stride_kl", "stride_kh", "stride_vb", "stride_vl", "stride_vh")
+
+
+def _gemv_rope_compile_spec(t, g, rows, head_dim, q_heads, kv_heads, norm, bias, paged,
+                            page_size, seq_index, pdl, finish):
+    fn = _rope_finish_kernel if finish else _gemv_rope_kernel
+    sig = {"ws_ptr": "*fp32", "ss_ptr": "*fp32"} if finish else {"x_ptr": f"*{t}",
+                                                                  "w_ptr": f"*{t}"}
+    sig.update({"b_ptr": f"*{t}", "inv_freq_ptr": "*fp32", "pos_ptr": "*i32",
+                "seq_ptr": "*i32", "q_ptr": f"*{t}", "kc_ptr": f"*{t}", "vc_ptr": f"*{t}",
+                "bt_ptr": "*i32"})
+    if not finish:
+        sig.update({"ws_ptr": "*fp32", "ss_ptr": "*fp32"})
+    sig.update({"M": "i32", "K": "i32", "eps": "fp32"})
+    if not finish:
+        sig.update({"stride_xm": "i32", "stride_wn": "i32"})
+    for name in ("stride_qm", "stride_qh", "stride_kb", "stride_kl", "stride_kh", "stride_vb",
+                 "stride_vl", "stride_vh", "stride_btb"):
+        sig[name] = "i32"
+    const = {"HQ": q_heads, "HKV": kv_heads, "D": head_dim, "NORM": norm, "BIAS": bias,
+             "PAGED": paged, "PAGE_SIZE": page_size if paged else 1, "SEQ_INDEX": seq_index,
+             "PDL": pdl}
+    if finish:
+        const.update(BLOCK_M=next_pow2(rows), P=min(FINISH_PAIRS, head_dim // 2),
+                     SPLIT_K=max(2, g.split_k))
+        options = {"num_warps": 4, "launch_pdl": pdl}
+    else:
+        const.update(BLOCK_M=_gemv.block_m(rows, g.use_dot), BLOCK_N=g.BLOCK_N,
+                     BLOCK_K=g.BLOCK_K, SPLIT_K=g.split_k, USE_DOT=g.use_dot,
+                     STAGES=g.num_stages, PDL_LATE=pdl and rows < _gemv.PDL_LATE_BELOW_M)
+        options = {"num_warps": g.num_warps, "num_stages": g.num_stages, "launch_pdl": pdl}
+    sig.update({name: "constexpr" for name in const})
+    names = fn.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn", "stride_qm",
+                                              "stride_qh", "stride_kb", "stride_kl",
+                                              "stride_kh", "stride_vb", "stride_vl",
+                                              "stride_vh")}
+    return {"fn": fn, "signature": sig, "constexprs": const, "attrs": attrs,
+            "options": options}
 
 
 def _epilogue_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size, seq_index, pdl,

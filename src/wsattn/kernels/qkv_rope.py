@@ -1006,11 +1006,16 @@ def _gemv_rope_append(x, wqkv, bqkv, norm_eps, inv_freq, positions, k_cache, v_c
                  SEQ_INDEX=seq_index is not None, PDL=pdl)
     eps = float(norm_eps or 0.0)
     launch = {"launch_pdl": True} if pdl else {}
+    # The early release at every row count, as the two-launch path's projection takes it:
+    # decode's programs are then resident when the projection ends. H200 step, the release
+    # by rows (late below 8, as gemv's other GEMVs) against the two-launch path: 1B B1
+    # 1.048 vs 1.032 ms/token, 8B B1 4.453 vs 4.406 (notes/decode_step.md), as the late
+    # release had cost the two-launch path's projection before.
     _gemv_rope_kernel[(N // s.BLOCK_N, split)](
         x, wqkv, *common, ws, ss, M, K, eps, x.stride(0), wqkv.stride(0), *strides,
         BLOCK_M=_gemv.block_m(M, s.use_dot), BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         SPLIT_K=split, USE_DOT=s.use_dot, STAGES=s.num_stages,
-        PDL_LATE=pdl and M < _gemv.PDL_LATE_BELOW_M, **flags, num_warps=s.num_warps,
+        PDL_LATE=False, **flags, num_warps=s.num_warps,
         num_stages=s.num_stages, **launch)
     if split > 1:
         pairs = min(FINISH_PAIRS, D // 2)
@@ -1117,7 +1122,7 @@ def _gemv_rope_compile_spec(t, g, rows, head_dim, q_heads, kv_heads, norm, bias,
     else:
         const.update(BLOCK_M=_gemv.block_m(rows, g.use_dot), BLOCK_N=g.BLOCK_N,
                      BLOCK_K=g.BLOCK_K, SPLIT_K=g.split_k, USE_DOT=g.use_dot,
-                     STAGES=g.num_stages, PDL_LATE=pdl and rows < _gemv.PDL_LATE_BELOW_M)
+                     STAGES=g.num_stages, PDL_LATE=False)
         options = {"num_warps": g.num_warps, "num_stages": g.num_stages, "launch_pdl": pdl}
     sig.update({name: "constexpr" for name in const})
     names = fn.arg_names

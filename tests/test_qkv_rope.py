@@ -521,6 +521,7 @@ def test_sm90_gemv_rope_builds_compile_without_spills(shape, rows):
     streams W in 16-byte loads, pipelined, loads its first W tile before the PDL wait and
     reads nothing else before it; the finish waits before its first load."""
     kw = dict(head_dim=64, hidden=2048) if shape == "1B" else dict(head_dim=128, hidden=4096)
+    kw["settings"] = qkv_rope.GemvRopeSettings()  # the default picks by grid size
     s, k = _compile(rows=rows, bias=True, pdl=True, **kw)
     assert s["fn"] is qkv_rope._gemv_rope_kernel
     regs, spills = _ptxas_spills(k)
@@ -530,7 +531,7 @@ def test_sm90_gemv_rope_builds_compile_without_spills(shape, rows):
     assert "cos.approx" not in ptx and "sin.approx" not in ptx
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global" in ptx[:wait] or "cp.async" in ptx[:wait]  # the first W tile
-    assert s["constexprs"]["BLOCK_N"] <= kw["head_dim"]
+    assert s["constexprs"]["BLOCK_N"] <= kw["head_dim"] and not s["constexprs"]["PDL_LATE"]
     fs, fk = _compile(rows=rows, bias=True, pdl=True, finish=True, **kw)
     assert _ptxas_spills(fk)[1] == 0, (shape, rows)
     fptx = fk.asm["ptx"]
@@ -691,12 +692,20 @@ def test_sm90_default_paths():
     h200 = Target("cuda", 90, 132)
     assert qkv_rope.default_settings(h200, **kw) == qkv_rope.GemvRopeSettings()
     assert qkv_rope.default_settings(h200, **kw, qk_norm=True) == qkv_rope.TwoLaunchSettings()
+    # one row of Llama-3.1-8B: 384 projection programs of 16 columns, more than two an SM
+    # (measured slower there): two launches; Llama-3.2-1B's 192 take the GEMV epilogue
+    one = dict(kw, rows=1)
+    assert qkv_rope.default_settings(h200, **one) == qkv_rope.TwoLaunchSettings()
+    assert qkv_rope.default_settings(h200, **dict(one, hidden=2048, head_dim=64)) == \
+        qkv_rope.GemvRopeSettings()
     for cc in (80, 100, 120):
         t = Target("cuda", cc, 132)
         assert qkv_rope.default_settings(t, **kw) == qkv_rope.fused_settings(t, **kw)
-    assert qkv_rope.compile_spec(90)["fn"] is qkv_rope._gemv_rope_kernel
-    assert qkv_rope.compile_spec(90, finish=True)["fn"] is qkv_rope._rope_finish_kernel
-    assert qkv_rope.compile_spec(90, qk_norm=True)["fn"] is qkv_rope._norm_rope_append_kernel
+    assert qkv_rope.compile_spec(90, rows=8)["fn"] is qkv_rope._gemv_rope_kernel
+    assert qkv_rope.compile_spec(90, rows=8, finish=True)["fn"] is qkv_rope._rope_finish_kernel
+    assert qkv_rope.compile_spec(90)["fn"] is qkv_rope._norm_rope_append_kernel  # 384 programs
+    assert qkv_rope.compile_spec(90, rows=8, qk_norm=True)["fn"] is \
+        qkv_rope._norm_rope_append_kernel
     assert qkv_rope.compile_spec(90, fused=True)["fn"] is qkv_rope._qkv_rope_kernel
     assert qkv_rope.compile_spec(100)["fn"] is qkv_rope._qkv_rope_kernel
 

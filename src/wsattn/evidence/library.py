@@ -557,7 +557,7 @@ def _describe_qkv(s):
     return f"M{s['M']}-K{s['K']}-H{s['Hq']}-HKV{s['Hkv']}-D{s['D']}-L{s['L']}-paged"
 
 
-def _build_qkv(family, fused=False):
+def _build_qkv(family, fused=False, gemv_rope=False):
     bias, qk_norm, whole = _QKV_FAMILIES[family]
 
     def build(shape, dtype, device, gen):
@@ -585,7 +585,7 @@ def _build_qkv(family, fused=False):
                "positions": pos.to(device), "block_table": bt.to(device),
                "k_cache": kc.to(device), "v_cache": vc.to(device),
                "page": page.to(device), "off": off.to(device), "Hq": Hq,
-               "fused": fused}
+               "fused": fused, "gemv_rope": gemv_rope}
         # the cache before any launch: every element but the rows' slots must keep it
         inp["k_before"], inp["v_before"] = inp["k_cache"].clone(), inp["v_cache"].clone()
         keep = torch.ones(pages, _QKV_PAGE, dtype=torch.bool)
@@ -608,8 +608,9 @@ def _qkv_call(inp):
     """The kernel call alone (what the profile gate times)."""
     from ..kernels.qkv_rope import fused_settings, qkv_rope_append
     from ..target import target_of
-    settings = None
-    if inp.get("fused"):  # the fused kernel, not the sm_90 default (the two-launch path)
+    from ..kernels.qkv_rope import GemvRopeSettings
+    settings = GemvRopeSettings() if inp.get("gemv_rope") else None
+    if inp.get("fused"):  # the fused kernel, not the sm_90 default
         x = inp["x"]
         settings = fused_settings(target_of(x.device), rows=x.shape[0], hidden=x.shape[1],
                                   heads=inp["wqkv"].shape[0] // inp["k_cache"].shape[3],
@@ -686,7 +687,7 @@ def _qkv_torch(inp):
     return q
 
 
-def _qkv_entry(name, family, fused=False):
+def _qkv_entry(name, family, fused=False, gemv_rope=False):
     bias, qk_norm, whole = _QKV_FAMILIES[family]
     if family == "qwen3":  # Qwen3-8B: hidden 4096, 32 q heads, 8 kv heads, D 128
         at = {"hidden": 4096, "q_heads": 32, "kv_heads": 8}
@@ -700,7 +701,7 @@ def _qkv_entry(name, family, fused=False):
         at = {"hidden": 3584, "q_heads": 28, "kv_heads": 4}
         profile = ({"M": 1, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096},
                    {"M": 8, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096})
-    run = RunSpec(draw_shape=_draw_qkv, build=_build_qkv(family, fused), run=_qkv_run,
+    run = RunSpec(draw_shape=_draw_qkv, build=_build_qkv(family, fused, gemv_rope), run=_qkv_run,
                   timed=_qkv_call, reference=_qkv_reference, dtypes=("bf16", "fp16"),
                   interpreter_dtypes=("fp16", "fp32"), baseline=_qkv_torch,
                   baseline_name="torch eager (F.linear, norms, RoPE, index_put), input dtype",
@@ -714,12 +715,17 @@ def _qkv_entry(name, family, fused=False):
               "pdl": _PDL_BY_TARGET}
     if whole:  # gates 0-2 read the second launch, the norm + RoPE + append kernel
         kwargs["qk_norm_whole"] = True
-    if fused:  # the fused kernel with its own settings (sm_90's default is two launches)
+    if fused:  # the fused kernel with its own settings (not sm_90's default)
         kwargs["fused"] = True
+    if gemv_rope:  # the GEMV-epilogue path at every shape (sm_90's default picks by grid)
+        from ..kernels.qkv_rope import GemvRopeSettings
+        kwargs["settings"] = GemvRopeSettings()
     what = "whole-projection QK-norm (gemv, then norm" if whole else \
         "fused QKV + " + ("QK-norm" if qk_norm else "bias") if fused else \
+        "QKV GEMV with bias, RoPE and the paged append in its epilogue" if gemv_rope else \
         "QKV (two launches on sm_90: gemv, then " + ("QK-norm" if qk_norm else "bias")
-    desc = (f"Triton {what} + RoPE + paged append{'' if fused else ')'} "
+    desc = (f"Triton {what}{'' if gemv_rope else ' + RoPE + paged append'}"
+            f"{'' if fused or gemv_rope else ')'} "
             f"({family}, K={at['hidden']} Hq={at['q_heads']} Hkv={at['kv_heads']} D=128 bf16)")
     return name, "wsattn.kernels.qkv_rope", "compile_spec", kwargs, run, desc, None
 
@@ -916,6 +922,7 @@ ENTRIES = (
     _qkv_entry("qkv_rope_qwen2", "qwen2"),
     _qkv_entry("qkv_rope_olmoe", "olmoe"),
     _qkv_entry("qkv_rope_fused", "qwen3", fused=True),
+    _qkv_entry("qkv_rope_gemv", "qwen2", gemv_rope=True),
     _moe_entry(),
     _moe_entry("moe_gluon", impl="gluon"),
     _argmax_entry(),

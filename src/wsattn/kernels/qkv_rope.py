@@ -489,8 +489,15 @@ def default_settings(target: Target, *, rows: int, hidden: int, heads: int, head
     dtype): rows = M, hidden = K, heads = Hq + 2 Hkv; qk_norm: per-head QK-norm (Qwen3).
 
     sm_90 without QK-norm: the GEMV-epilogue path (:class:`GemvRopeSettings`), one launch
-    where the two-launch path takes two (notes/decode_step.md). sm_90 with QK-norm: the
-    two-launch path. H200, side by side with PDL off (wsattn bench gemv
+    where the two-launch path takes two, unless its projection grid has more than
+    GEMV_ROPE_MAX_PROGRAMS_PER_SM programs an SM; else, and with QK-norm, the two-launch
+    path. H200 decode step, ms/token GEMV-epilogue / two-launch side by side
+    (notes/decode_step.md): Llama-3.2-1B B1 1.023 / 1.030 (192 programs), B8 1.286 / 1.295,
+    B64 ctx 1k 1.900 / 1.924; Llama-3.1-8B B8 5.747 / 5.747 (192 programs); Llama-3.1-8B
+    B1 4.481 / 4.397 (384 programs: there decode's programs, released early and resident
+    beside the projection with ~105 KB of shared memory each, plausibly leave room for
+    fewer projection programs than its one wave needs; not profiled). The two-launch path
+    against the fused kernel, side by side with PDL off (wsattn bench gemv
     --kernels qkv_rope --qkv-settings gemv; notes/decode_step.md), it beat the fused
     kernel at every measured shape: Llama-3.2-1B (K 2048, 48 heads of 64) 10.0 -> 9.5,
     13.1 -> 10.5, 21.0 -> 16.6 us at 1, 8, 64 rows; Llama-3.1-8B and Qwen3-8B (K 4096,
@@ -500,9 +507,18 @@ def default_settings(target: Target, *, rows: int, hidden: int, heads: int, head
     epilogue kernel costs 2-3 us. Elsewhere (not measured) the fused kernel,
     :func:`fused_settings`."""
     if target.backend == "cuda" and target.cc == 90:
-        return TwoLaunchSettings() if qk_norm else GemvRopeSettings()
+        if qk_norm:
+            return TwoLaunchSettings()
+        g = gemv_rope_settings(target, rows, hidden, heads, head_dim, dtype)
+        programs = heads * head_dim // g.BLOCK_N * g.split_k
+        if programs > GEMV_ROPE_MAX_PROGRAMS_PER_SM * target.num_sms:
+            return TwoLaunchSettings()
+        return GemvRopeSettings()
     return fused_settings(target, rows=rows, hidden=hidden, heads=heads, head_dim=head_dim,
                           dtype=dtype)
+
+
+GEMV_ROPE_MAX_PROGRAMS_PER_SM = 2  # see default_settings
 
 
 @functools.lru_cache(maxsize=1024)

@@ -32,11 +32,17 @@ PDL (sm_90+): the first Wqkv tile is loaded before ``gdc_wait`` (weights do not 
 on the previous kernel; x and positions do), and dependents are released right after the
 wait, since their own ``gdc_wait`` waits for this grid to finish anyway.
 
-The two-launch path (``TwoLaunchSettings``; the default on sm_90, where it measured
-faster at every shape (see :func:`default_settings`), and always for OLMoE's QK-norm over
-the whole projection, which no head's program sees): ``gemv`` projects x with the
-FlashNorm scale into x's dtype, then ``_norm_rope_append_kernel`` runs one program per
-(row, head) for the bias, the QK-norm, RoPE, the q store and the append.
+Two more paths, chosen by :func:`default_settings` on sm_90 (where each measured faster
+than this kernel) or by ``settings``:
+
+* the two-launch path (``TwoLaunchSettings``; always for OLMoE's QK-norm over the whole
+  projection, which no head's program sees): ``gemv`` projects x with the FlashNorm scale
+  into x's dtype, then ``_norm_rope_append_kernel`` runs one program per (row, head) for
+  the bias, the QK-norm, RoPE, the q store and the append;
+* the GEMV-epilogue path (``GemvRopeSettings``; no QK-norm): ``_gemv_rope_kernel`` streams
+  Wqkv as gemv does, each program's columns chosen as rotate_half pairs of one head, and
+  runs the two-launch path's epilogue on its own tile (``_rope_finish_kernel`` does it
+  after a split-K projection): one launch, the two-launch path's bits.
 """
 
 from __future__ import annotations

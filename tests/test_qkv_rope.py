@@ -201,6 +201,15 @@ CHILD = textwrap.dedent(r'''
                 settings=GemvRopeSettings(gemv=gs))
         out["gemv-rope-seq_index-T3-M6"] = run_case(fam, 6, 64, 8, 2, 64, dt, "cpu",
                                                     settings=GemvRopeSettings(), seq_index=True)
+    elif fam["qk_norm"]:
+        # per-head QK-norm on the GEMV-epilogue path: where a program holds whole heads (K
+        # split: the finish kernel's programs; or BLOCK_N = D unsplit)
+        for D, M, gs in ((64, 3, GemvSettings(16, 32, 2, False, 4, 1)),
+                         (128, 8, GemvSettings(32, 32, 3, True, 4, 1)),
+                         (64, 1, GemvSettings(64, 32, 1, False, 4, 1))):
+            out[f"gemv-rope-D{D}-M{M}-split{gs.split_k}"] = run_case(
+                fam, M, 64 if D == 64 else 128, 4, 2, D, dt, "cpu",
+                settings=GemvRopeSettings(gemv=gs))
     print("RESULT " + json.dumps(out))
 ''')
 
@@ -217,7 +226,7 @@ def test_interpreter_against_float64(dtype, family):
     (it starts as NaN); the paged append equals the contiguous one bit for bit."""
     res = _child(dtype, family, json.dumps(FAMILIES[family]))
     fam = FAMILIES[family]
-    assert len(res) == 21 + (0 if fam["qk_norm"] or fam.get("qk_norm_whole") else 6)
+    assert len(res) == 21 + (0 if fam.get("qk_norm_whole") else 3 if fam["qk_norm"] else 6)
     bad = {}
     for case, r in res.items():
         errs = {k: r[k] for k in ("q", "k", "v") if not r[k] <= r["tol"]}
@@ -235,19 +244,24 @@ EQUAL_CHILD = textwrap.dedent(r'''
     dt = {"fp32": torch.float32, "fp16": torch.float16}[sys.argv[1]]
     g = torch.Generator().manual_seed(3)
     out = {}
-    # (M, K, Hq, Hkv, D, gemv settings, bias); fp32 only on the FMA rows, where the
-    # interpreter's products do not depend on a column's place in the tile (its dot is a
-    # numpy matmul, whose summation order may)
-    cases = [(1, 64, 4, 2, 64, None, False), (3, 128, 4, 2, 128, None, True),
-             (3, 128, 4, 2, 64, GemvSettings(16, 32, 2, False, 4, 1), True)]
-    if dt == torch.float16:
-        cases += [(8, 64, 8, 2, 64, None, True),
-                  (8, 128, 4, 2, 128, GemvSettings(32, 32, 3, True, 4, 1), False)]
-    for M, K, Hq, Hkv, D, gs, bias in cases:
+    # FMA rows only (M <= 4 or use_dot=False), where the interpreter's products do not
+    # depend on a column's place in the tile: its dot is a numpy matmul, whose summation
+    # order may (the GPU test compares the dot rows bit for bit)
+    # (M, K, Hq, Hkv, D, gemv settings, bias, per-head QK-norm)
+    cases = [(1, 64, 4, 2, 64, None, False, False), (3, 128, 4, 2, 128, None, True, False),
+             (3, 128, 4, 2, 64, GemvSettings(16, 32, 2, False, 4, 1), True, False),
+             (8, 128, 4, 2, 128, GemvSettings(32, 32, 3, False, 4, 1), False, False),
+             (3, 128, 4, 2, 64, GemvSettings(16, 32, 2, False, 4, 1), False, True),
+             (8, 128, 4, 2, 128, GemvSettings(32, 32, 3, False, 4, 1), True, True),
+             (1, 64, 4, 2, 64, GemvSettings(64, 32, 1, False, 4, 1), False, True)]
+    for M, K, Hq, Hkv, D, gs, bias, qkn in cases:
         N = (Hq + 2 * Hkv) * D
         x = torch.randn(M, K, generator=g).to(dt)
         w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dt)
         b = (torch.randn(N, generator=g) * 0.5).to(dt) if bias else None
+        norms = dict(q_norm=(1 + 0.3 * torch.randn(D, generator=g)).to(dt),
+                     k_norm=(1 + 0.3 * torch.randn(D, generator=g)).to(dt),
+                     qk_eps=1e-6) if qkn else {}
         pos = torch.tensor([15, 16, 37, 0, 47, 48, 20, 63][:M], dtype=torch.int32)
         bt = torch.randperm(M * 4 + 3, generator=g)[:M * 4].to(torch.int32).view(M, 4)
         got = []
@@ -256,10 +270,10 @@ EQUAL_CHILD = textwrap.dedent(r'''
             vc = kc.clone()
             q = qkv_rope_append(x, w, bqkv=b, norm_eps=1e-5, inv_freq=rope_inv_freq(D, 1e4),
                                 positions=pos, k_cache=kc, v_cache=vc, block_table=bt,
-                                settings=st)
+                                settings=st, **norms)
             got.append([t.view(torch.int16 if dt == torch.float16 else torch.int32)
                         for t in (q, kc, vc)])
-        out[f"M{M}-D{D}-{'explicit' if gs else 'default'}"] = all(
+        out[f"M{M}-D{D}-{'explicit' if gs else 'default'}{'-qknorm' if qkn else ''}"] = all(
             torch.equal(a, c) for a, c in zip(*got))
     print("RESULT " + json.dumps(out))
 ''')
@@ -268,15 +282,16 @@ EQUAL_CHILD = textwrap.dedent(r'''
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_interpreter_gemv_rope_equals_two_launch(dtype):
     """The GEMV-epilogue path does the two-launch path's arithmetic in the same order
-    (the projection, its FlashNorm scale and rounding, then bias and RoPE), so its q and
-    cache bits equal that path's, one pass and split K, FMA and dot rows."""
+    (the projection, its FlashNorm scale and rounding, then bias, QK-norm and RoPE), so
+    its q and cache bits equal that path's, one pass and split K, on the FMA rows."""
     res = interpreter_child(EQUAL_CHILD, dtype)
-    assert len(res) == (5 if dtype == "fp16" else 3) and all(res.values()), res
+    assert len(res) == 7 and all(res.values()), res
 
 
 def test_gemv_rope_refuses_what_it_cannot_do(monkeypatch):
-    """QK-norm (a program sees a few columns of a head), a BLOCK_N that does not divide
-    the head dim, bf16 in the interpreter: each named before any launch."""
+    """QK-norm where a program sees a few columns of a head (K unsplit, BLOCK_N < D), the
+    whole-projection QK-norm, a BLOCK_N that does not divide the head dim, bf16 in the
+    interpreter: each named before any launch."""
     from wsattn.kernels.gemv import GemvSettings
     from wsattn.kernels.qkv_rope import GemvRopeSettings
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -284,8 +299,14 @@ def test_gemv_rope_refuses_what_it_cannot_do(monkeypatch):
     kc_before = a["k_cache"].clone()
     qn = dict(a, q_norm=torch.ones(64, dtype=torch.float16),
               k_norm=torch.ones(64, dtype=torch.float16), qk_eps=1e-6)
-    with pytest.raises(ValueError, match="GemvRopeSettings takes no QK-norm"):
-        qkv_rope_append(**qn, settings=GemvRopeSettings())
+    narrow = GemvRopeSettings(gemv=GemvSettings(16, 32, 1, False, 4, 1))
+    with pytest.raises(ValueError, match="QK-norm .* only where a program holds whole heads"):
+        qkv_rope_append(**qn, settings=narrow)
+    whole = dict(a, q_norm=torch.ones(4 * 64, dtype=torch.float16),
+                 k_norm=torch.ones(2 * 64, dtype=torch.float16), qk_eps=1e-6,
+                 qk_norm_whole=True)
+    with pytest.raises(ValueError, match="no QK-norm over the whole projection"):
+        qkv_rope_append(**whole, settings=GemvRopeSettings())
     wide = GemvRopeSettings(gemv=GemvSettings(128, 32, 1, True, 4, 1))
     with pytest.raises(ValueError, match="BLOCK_N 128 must divide the head dim 64"):
         qkv_rope_append(**a, settings=wide)
@@ -536,6 +557,15 @@ def test_sm90_gemv_rope_builds_compile_without_spills(shape, rows):
     assert _ptxas_spills(fk)[1] == 0, (shape, rows)
     fptx = fk.asm["ptx"]
     assert "ld.global" not in fptx[:fptx.index("griddepcontrol.wait")]
+    # per-head QK-norm: the finish holds a whole head; unsplit, BLOCK_N = D
+    _, qk = _compile(rows=rows, qk_norm=True, pdl=True, finish=True, **kw)
+    assert _ptxas_spills(qk)[1] == 0, (shape, rows, "qk_norm finish")
+    if rows <= 2:
+        from wsattn.kernels.gemv import GemvSettings
+        whole = dict(kw, settings=qkv_rope.GemvRopeSettings(
+            gemv=GemvSettings(kw["head_dim"], 32, 1, False, 4, 4)))
+        _, qk1 = _compile(rows=rows, qk_norm=True, pdl=True, **whole)
+        assert _ptxas_spills(qk1)[1] == 0, (shape, rows, "qk_norm unsplit")
 
 
 def test_sm90_pdl_waits_before_reading_activations():
@@ -691,7 +721,11 @@ def test_sm90_default_paths():
     kw = dict(rows=8, hidden=4096, heads=48, head_dim=128, dtype=torch.bfloat16)
     h200 = Target("cuda", 90, 132)
     assert qkv_rope.default_settings(h200, **kw) == qkv_rope.GemvRopeSettings()
-    assert qkv_rope.default_settings(h200, **kw, qk_norm=True) == qkv_rope.TwoLaunchSettings()
+    # QK-norm: where K is split (8 rows here: each finish program holds a head), not at one
+    # row (16-column programs, K whole)
+    assert qkv_rope.default_settings(h200, **kw, qk_norm=True) == qkv_rope.GemvRopeSettings()
+    assert qkv_rope.default_settings(h200, **dict(kw, rows=1, hidden=2048, head_dim=64),
+                                     qk_norm=True) == qkv_rope.TwoLaunchSettings()
     # one row of Llama-3.1-8B: 384 projection programs of 16 columns, more than two an SM
     # (measured slower there): two launches; Llama-3.2-1B's 192 take the GEMV epilogue
     one = dict(kw, rows=1)
@@ -704,7 +738,7 @@ def test_sm90_default_paths():
     assert qkv_rope.compile_spec(90, rows=8)["fn"] is qkv_rope._gemv_rope_kernel
     assert qkv_rope.compile_spec(90, rows=8, finish=True)["fn"] is qkv_rope._rope_finish_kernel
     assert qkv_rope.compile_spec(90)["fn"] is qkv_rope._norm_rope_append_kernel  # 384 programs
-    assert qkv_rope.compile_spec(90, rows=8, qk_norm=True)["fn"] is \
+    assert qkv_rope.compile_spec(90, rows=1, hidden=2048, head_dim=64, qk_norm=True)["fn"] is \
         qkv_rope._norm_rope_append_kernel
     assert qkv_rope.compile_spec(90, fused=True)["fn"] is qkv_rope._qkv_rope_kernel
     assert qkv_rope.compile_spec(100)["fn"] is qkv_rope._qkv_rope_kernel
@@ -780,18 +814,22 @@ def test_gpu_two_launch_against_float64(family, M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 2, 8, 64])
 @pytest.mark.parametrize("shape", ["1B", "8B"])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_gpu_gemv_rope_against_float64_and_two_launch(family, shape, M):
-    """The GEMV-epilogue path (the sm_90 default without QK-norm) at the Llama-3.2-1B and
-    Llama-3.1-8B shapes, bf16, with its default settings (split K at 8 and 64 rows):
-    within tolerance of float64, caches untouched elsewhere, paged equal to contiguous;
-    q and the cache bit for bit the two-launch path's; a CUDA-graph replay under PDL
-    bit-identical to the eager call."""
+    """The GEMV-epilogue path at the Llama-3.2-1B and Llama-3.1-8B shapes, bf16, with its
+    default settings (split K at 8 and 64 rows; with QK-norm at 1 and 2 rows, where the
+    defaults do not split, a whole head a program, BLOCK_N = D): within tolerance of
+    float64, caches untouched elsewhere, paged equal to contiguous; q and the cache bit
+    for bit the two-launch path's; a CUDA-graph replay under PDL bit-identical to the
+    eager call."""
+    from wsattn.kernels.gemv import GemvSettings
     ns = _gpu_ns()
     K, Hq, Hkv, D = (2048, 32, 8, 64) if shape == "1B" else (4096, 32, 8, 128)
     fam = FAMILIES[family]
     m = min(M, 8)
     s = qkv_rope.GemvRopeSettings()
+    if fam["qk_norm"] and M <= 2:
+        s = qkv_rope.GemvRopeSettings(gemv=GemvSettings(D, 32, 1, False, 4, 4))
     r = ns["run_case"](fam, m, K, Hq, Hkv, D, torch.bfloat16, "cuda", settings=s, seed=M)
     assert all(r[k] <= r["tol"] for k in ("q", "k", "v")), r
     assert r["untouched"] and r["paged_eq_contig"], r

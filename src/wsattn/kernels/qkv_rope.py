@@ -291,10 +291,12 @@ class GemvRopeSettings:
     """The GEMV-epilogue path, for families without QK-norm: gemv's stream of Wqkv with
     each program's columns chosen as rotate_half pairs of one head, and the bias, RoPE, the
     q store and the append in its epilogue: one launch, or gemv's two where the settings
-    split K (the finish does the epilogue then). QK-norm needs a whole head's sum of
-    squares, which a GEMV program of a few columns does not see: refused by name.
-    gemv: the projection's GemvSettings (None: gemv's defaults, BLOCK_N capped at the
-    head dim); its BLOCK_N must divide the head dim."""
+    split K (the finish does the epilogue then). Per-head QK-norm (Qwen3) needs a whole
+    head's sum of squares: taken where a program holds whole heads, i.e. where K is split
+    (each finish program holds one head) or BLOCK_N equals the head dim, and refused by
+    name elsewhere; OLMoE's norm over the whole projection is refused. gemv: the
+    projection's GemvSettings (None: gemv's defaults, BLOCK_N capped at the head dim); its
+    BLOCK_N must divide the head dim."""
     gemv: GemvSettings | None = None
 
 
@@ -362,16 +364,17 @@ def _norm_rope_append_kernel(qkv_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_p
 
 
 @triton.jit
-def _rope_store(h, j, lo, hi, ss, M, K, eps, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr,
-                kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh, stride_kb, stride_kl, stride_kh,
-                stride_vb, stride_vl, stride_vh, stride_btb, BLOCK_M: tl.constexpr,
-                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
-                BIAS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                SEQ_INDEX: tl.constexpr):
+def _rope_store(h, j, lo, hi, ss, M, K, eps, qk_eps, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr,
+                pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
+                stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
+                BLOCK_M: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                NORM: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr):
     # The GEMV-epilogue path's last step, for its one-pass kernel and its split-K finish:
-    # lo / hi [BLOCK_M, P] fp32 sums of head h's columns j / HALF + j, ss [BLOCK_M] x's
-    # sums of squares. The two-launch path's arithmetic step for step (gemv's FlashNorm
-    # scale, its rounding into x's dtype, then the epilogue kernel), so the paths agree.
+    # lo / hi [BLOCK_M, P] fp32 sums of head h's columns j / HALF + j (all D/2 of them with
+    # QK_NORM), ss [BLOCK_M] x's sums of squares. The two-launch path's arithmetic step for
+    # step (gemv's FlashNorm scale, its rounding into x's dtype, then the epilogue kernel),
+    # so the paths agree.
     if NORM:
         rstd = tl.rsqrt(ss / K + eps)[:, None]  # as gemv's _finish forms it
         lo = lo * rstd
@@ -380,31 +383,32 @@ def _rope_store(h, j, lo, hi, ss, M, K, eps, b_ptr, inv_freq_ptr, pos_ptr, seq_p
     hi = hi.to(q_ptr.dtype.element_ty).to(tl.float32)
     rows = tl.arange(0, BLOCK_M)
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-    _epilogue(h, j, lo, hi, zero, rows, rows < M, 1, 0.0, 0.0, b_ptr, b_ptr, b_ptr,
+    _epilogue(h, j, lo, hi, zero, rows, rows < M, 1, 0.0, qk_eps, b_ptr, qn_ptr, kn_ptr,
               inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
               stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
-              stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=BIAS, QK_NORM=False,
+              stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=BIAS, QK_NORM=QK_NORM,
               PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SEQ_INDEX=SEQ_INDEX)
 
 
 @triton.jit
-def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr,
-                      vc_ptr, bt_ptr, ws_ptr, ss_ptr, M, K, eps, stride_xm, stride_wn,
-                      stride_qm, stride_qh, stride_kb, stride_kl, stride_kh, stride_vb,
-                      stride_vl, stride_vh, stride_btb,
+def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
+                      q_ptr, kc_ptr, vc_ptr, bt_ptr, ws_ptr, ss_ptr, M, K, eps, qk_eps,
+                      stride_xm, stride_wn, stride_qm, stride_qh, stride_kb, stride_kl,
+                      stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
-                      BIAS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                      SEQ_INDEX: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-                      PDL_LATE: tl.constexpr):
+                      BIAS: tl.constexpr, QK_NORM: tl.constexpr, PAGED: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr, PDL: tl.constexpr,
+                      STAGES: tl.constexpr, PDL_LATE: tl.constexpr):
     # The GEMV-epilogue path: grid ((HQ + 2 HKV) * D / BLOCK_N, SPLIT_K), gemv's stream of
     # W rows, but a program's BLOCK_N rows are P = BLOCK_N / 2 rotate_half pairs of one
     # head (BLOCK_N <= D): tile rows [0, P) are its columns c0 + i, rows [P, 2P) columns
     # D/2 + c0 + i. Both halves of every pair sit in one program, so RoPE needs no other
     # program and the projection, bias, RoPE, the q store and the append are one launch
     # (with SPLIT_K > 1 the partials go to gemv's workspace and _rope_finish_kernel does
-    # the epilogue). W is read as by gemv: 16-byte loads along K, any row order.
+    # the epilogue). W is read as by gemv: 16-byte loads along K, any row order. QK_NORM
+    # needs the whole head's sum of squares: unsplit only with BLOCK_N == D.
     P: tl.constexpr = BLOCK_N // 2
     HALF: tl.constexpr = D // 2
     NOUT: tl.constexpr = (HQ + 2 * HKV) * D
@@ -419,13 +423,14 @@ def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr
                           BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, NORM, False, PDL,
                           STAGES, PDL_LATE)
     if SPLIT_K == 1:
+        tl.static_assert(P == HALF or not QK_NORM, "QK-norm unsplit needs BLOCK_N == D")
         # [BLOCK_N, BLOCK_M] -> the halves [P, BLOCK_M] (row r of the tile is (r // P, r % P))
         lo, hi = tl.split(tl.permute(tl.reshape(acc, [2, P, BLOCK_M]), [1, 2, 0]))
-        _rope_store(h, c0 + tl.arange(0, P), tl.trans(lo), tl.trans(hi), ss, M, K, eps, b_ptr,
-                    inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
-                    stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
-                    stride_vh, stride_btb, BLOCK_M, HQ, HKV, D, NORM, BIAS, PAGED, PAGE_SIZE,
-                    SEQ_INDEX)
+        _rope_store(h, c0 + tl.arange(0, P), tl.trans(lo), tl.trans(hi), ss, M, K, eps,
+                    qk_eps, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr,
+                    kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh, stride_kb, stride_kl,
+                    stride_kh, stride_vb, stride_vl, stride_vh, stride_btb, BLOCK_M, HQ, HKV,
+                    D, NORM, BIAS, QK_NORM, PAGED, PAGE_SIZE, SEQ_INDEX)
     else:
         mi = tl.arange(0, BLOCK_M)
         mask = n_live[:, None] & (mi < M)[None, :]
@@ -434,16 +439,18 @@ def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr
 
 
 @triton.jit
-def _rope_finish_kernel(ws_ptr, ss_ptr, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr,
-                        vc_ptr, bt_ptr, M, K, eps, stride_qm, stride_qh, stride_kb, stride_kl,
-                        stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
-                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+def _rope_finish_kernel(ws_ptr, ss_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
+                        q_ptr, kc_ptr, vc_ptr, bt_ptr, M, K, eps, qk_eps, stride_qm, stride_qh,
+                        stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+                        stride_btb, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                         BLOCK_M: tl.constexpr, P: tl.constexpr, SPLIT_K: tl.constexpr,
-                        NORM: tl.constexpr, BIAS: tl.constexpr, PAGED: tl.constexpr,
-                        PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr, PDL: tl.constexpr):
+                        NORM: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+                        PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr,
+                        PDL: tl.constexpr):
     # The split-K GEMV's second launch on the GEMV-epilogue path, in place of gemv's
     # _splitk_finish_kernel: grid ((HQ + 2 HKV) * D / (2 P),), P pairs of one head a
-    # program, the splits added in gemv's fixed order, then _rope_store.
+    # program (P = D/2, the whole head, with QK_NORM), the splits added in gemv's fixed
+    # order, then _rope_store.
     if PDL:
         tl.extra.cuda.gdc_wait()  # everything this kernel reads comes from earlier kernels
         tl.extra.cuda.gdc_launch_dependents()
@@ -458,10 +465,10 @@ def _rope_finish_kernel(ws_ptr, ss_ptr, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q
                              NORM, False)
     hi, _, _ = sum_partials(ws_ptr, ss_ptr, h * D + HALF + j, mask, M, NOUT, BLOCK_M, P,
                             SPLIT_K, False, False)
-    _rope_store(h, j, lo, hi, ss, M, K, eps, b_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr,
-                kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh, stride_kb, stride_kl, stride_kh,
-                stride_vb, stride_vl, stride_vh, stride_btb, BLOCK_M, HQ, HKV, D, NORM, BIAS,
-                PAGED, PAGE_SIZE, SEQ_INDEX)
+    _rope_store(h, j, lo, hi, ss, M, K, eps, qk_eps, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr,
+                pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
+                stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
+                BLOCK_M, HQ, HKV, D, NORM, BIAS, QK_NORM, PAGED, PAGE_SIZE, SEQ_INDEX)
 
 
 # rows a program of the two-launch path's second kernel takes, and its warps: one row, so
@@ -494,10 +501,11 @@ def default_settings(target: Target, *, rows: int, hidden: int, heads: int, head
     """The path and settings a call without ``settings`` takes, from (target, shape,
     dtype): rows = M, hidden = K, heads = Hq + 2 Hkv; qk_norm: per-head QK-norm (Qwen3).
 
-    sm_90 without QK-norm: the GEMV-epilogue path (:class:`GemvRopeSettings`), one launch
-    where the two-launch path takes two, unless its projection grid has more than
-    GEMV_ROPE_MAX_PROGRAMS_PER_SM programs an SM; else, and with QK-norm, the two-launch
-    path. H200 decode step, ms/token GEMV-epilogue / two-launch side by side
+    sm_90: the GEMV-epilogue path (:class:`GemvRopeSettings`), one launch where the
+    two-launch path takes two (two where that takes three), unless its projection grid has
+    more than GEMV_ROPE_MAX_PROGRAMS_PER_SM programs an SM, or the model has per-head
+    QK-norm and the projection does not split K (then no program holds a whole head); the
+    two-launch path there. H200 decode step, ms/token GEMV-epilogue / two-launch side by side
     (notes/decode_step.md): Llama-3.2-1B B1 1.023 / 1.030 (192 programs), B8 1.286 / 1.295,
     B64 ctx 1k 1.900 / 1.924; Llama-3.1-8B B8 5.747 / 5.747 (192 programs); Llama-3.1-8B
     B1 4.481 / 4.397 (384 programs: there decode's programs, released early and resident
@@ -513,9 +521,9 @@ def default_settings(target: Target, *, rows: int, hidden: int, heads: int, head
     epilogue kernel costs 2-3 us. Elsewhere (not measured) the fused kernel,
     :func:`fused_settings`."""
     if target.backend == "cuda" and target.cc == 90:
-        if qk_norm:
-            return TwoLaunchSettings()
         g = gemv_rope_settings(target, rows, hidden, heads, head_dim, dtype)
+        if qk_norm and g.split_k == 1:
+            return TwoLaunchSettings()  # no program would hold a whole head
         programs = heads * head_dim // g.BLOCK_N * g.split_k
         if programs > GEMV_ROPE_MAX_PROGRAMS_PER_SM * target.num_sms:
             return TwoLaunchSettings()
@@ -872,13 +880,13 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
         settings = default_settings(target, rows=M, hidden=K, heads=heads, head_dim=D,
                                     dtype=x.dtype, qk_norm=q_norm is not None)
     if isinstance(settings, GemvRopeSettings):
-        if q_norm is not None or qk_norm_whole:
-            raise ValueError("settings: GemvRopeSettings takes no QK-norm (q_norm / k_norm): "
-                             "a GEMV program holds a few columns of a head, not its whole "
-                             "sum of squares; use TwoLaunchSettings or QkvRopeSettings")
-        return _gemv_rope_append(x, wqkv, bqkv, norm_eps, inv_freq, positions, k_cache,
-                                 v_cache, block_table, seq_index, q_out, bool(pdl), HQ, HKV,
-                                 D, settings.gemv, target)
+        if qk_norm_whole:
+            raise ValueError("settings: GemvRopeSettings takes no QK-norm over the whole "
+                             "projection (qk_norm_whole): no program sees a whole q or k row; "
+                             "use TwoLaunchSettings")
+        return _gemv_rope_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
+                                 positions, k_cache, v_cache, block_table, seq_index, q_out,
+                                 bool(pdl), HQ, HKV, D, settings.gemv, target)
     if qk_norm_whole or isinstance(settings, TwoLaunchSettings):
         return _two_launch_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
                                   positions, k_cache, v_cache, block_table, seq_index, q_out,
@@ -966,6 +974,12 @@ def _two_launch_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq
 
 
 FINISH_PAIRS = 32  # the GEMV-epilogue path's split-K finish: rotate_half pairs a program
+
+
+def _finish_warps(M: int, pairs: int) -> int:
+    # two [rows, pairs] fp32 halves and RoPE's temporaries: at 64 rows x 64 pairs (QK-norm,
+    # D 128) 4 warps spilled on sm_90 (255 registers), 8 do not (205)
+    return 8 if next_pow2(M) * pairs >= 64 * 64 else 4
 _SETTINGS = (QkvRopeSettings, TwoLaunchSettings, GemvRopeSettings)
 _SETTINGS_NAMES = "QkvRopeSettings, TwoLaunchSettings or GemvRopeSettings"
 
@@ -987,8 +1001,9 @@ def gemv_rope_settings(target: Target, M: int, K: int, heads: int, D: int, dtype
     return given
 
 
-def _gemv_rope_append(x, wqkv, bqkv, norm_eps, inv_freq, positions, k_cache, v_cache,
-                      block_table, seq_index, q_out, pdl, HQ, HKV, D, gemv_settings, target):
+def _gemv_rope_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
+                      k_cache, v_cache, block_table, seq_index, q_out, pdl, HQ, HKV, D,
+                      gemv_settings, target):
     """qkv_rope_append's GEMV-epilogue path (inputs checked there)."""
     M, K = x.shape
     if M > _gemv.MAX_M:
@@ -1009,6 +1024,11 @@ def _gemv_rope_append(x, wqkv, bqkv, norm_eps, inv_freq, positions, k_cache, v_c
                          f"got x with {M} rows")
     tiles = cdiv(K, s.BLOCK_K)
     split = cdiv(tiles, cdiv(tiles, min(s.split_k, tiles)))  # no split past the last tile
+    qk_norm = q_norm is not None
+    if qk_norm and split == 1 and s.BLOCK_N != D:
+        raise ValueError(f"settings: the GEMV-epilogue path takes QK-norm (q_norm / k_norm) "
+                         f"only where a program holds whole heads: K split, or BLOCK_N equal "
+                         f"to the head dim {D}; got BLOCK_N {s.BLOCK_N}, K unsplit")
     N = heads * D
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
@@ -1017,16 +1037,17 @@ def _gemv_rope_append(x, wqkv, bqkv, norm_eps, inv_freq, positions, k_cache, v_c
         ws = ss = inv_freq
     paged = block_table is not None
     dummy = inv_freq  # for pointers a switched-off variant never reads
-    common = (bqkv if bqkv is not None else dummy, inv_freq, positions,
+    common = (bqkv if bqkv is not None else dummy, q_norm if qk_norm else dummy,
+              k_norm if qk_norm else dummy, inv_freq, positions,
               seq_index if seq_index is not None else positions, q_out, k_cache, v_cache,
               block_table if paged else positions)
     strides = (q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
                k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                block_table.stride(0) if paged else 0)
     flags = dict(HQ=HQ, HKV=HKV, D=D, NORM=norm_eps is not None, BIAS=bqkv is not None,
-                 PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+                 QK_NORM=qk_norm, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
                  SEQ_INDEX=seq_index is not None, PDL=pdl)
-    eps = float(norm_eps or 0.0)
+    eps, qeps = float(norm_eps or 0.0), float(qk_eps or 0.0)
     launch = {"launch_pdl": True} if pdl else {}
     # The early release at every row count, as the two-launch path's projection takes it:
     # decode's programs are then resident when the projection ends. H200 step, the release
@@ -1034,16 +1055,16 @@ def _gemv_rope_append(x, wqkv, bqkv, norm_eps, inv_freq, positions, k_cache, v_c
     # 1.048 vs 1.032 ms/token, 8B B1 4.453 vs 4.406 (notes/decode_step.md), as the late
     # release had cost the two-launch path's projection before.
     _gemv_rope_kernel[(N // s.BLOCK_N, split)](
-        x, wqkv, *common, ws, ss, M, K, eps, x.stride(0), wqkv.stride(0), *strides,
+        x, wqkv, *common, ws, ss, M, K, eps, qeps, x.stride(0), wqkv.stride(0), *strides,
         BLOCK_M=_gemv.block_m(M, s.use_dot), BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         SPLIT_K=split, USE_DOT=s.use_dot, STAGES=s.num_stages,
         PDL_LATE=False, **flags, num_warps=s.num_warps,
         num_stages=s.num_stages, **launch)
     if split > 1:
-        pairs = min(FINISH_PAIRS, D // 2)
+        pairs = D // 2 if qk_norm else min(FINISH_PAIRS, D // 2)  # QK-norm: whole heads
         _rope_finish_kernel[(N // (2 * pairs),)](
-            ws, ss, *common, M, K, eps, *strides, BLOCK_M=next_pow2(M), P=pairs,
-            SPLIT_K=split, **flags, num_warps=4, **launch)
+            ws, ss, *common, M, K, eps, qeps, *strides, BLOCK_M=next_pow2(M), P=pairs,
+            SPLIT_K=split, **flags, num_warps=_finish_warps(M, pairs), **launch)
     return q_out
 
 
@@ -1081,7 +1102,7 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
         g = gemv_rope_settings(Target("cuda", cc, num_sms), rows, hidden, heads, head_dim,
                                DTYPES[dtype], settings.gemv)
         return _gemv_rope_compile_spec(t, g, rows, head_dim, q_heads, kv_heads, norm, bias,
-                                       paged, page_size, seq_index, pdl, finish)
+                                       qk_norm, paged, page_size, seq_index, pdl, finish)
     if qk_norm_whole or isinstance(settings, TwoLaunchSettings):
         return _epilogue_compile_spec(t, head_dim, q_heads, kv_heads, paged, page_size,
                                       seq_index, pdl, qk_norm_whole, bias,
@@ -1118,29 +1139,30 @@ _ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "qn_ptr", "kn_ptr", "inv_freq_ptr", "pos_
             "stride_kl", "stride_kh", "stride_vb", "stride_vl", "stride_vh")
 
 
-def _gemv_rope_compile_spec(t, g, rows, head_dim, q_heads, kv_heads, norm, bias, paged,
-                            page_size, seq_index, pdl, finish):
+def _gemv_rope_compile_spec(t, g, rows, head_dim, q_heads, kv_heads, norm, bias, qk_norm,
+                            paged, page_size, seq_index, pdl, finish):
     fn = _rope_finish_kernel if finish else _gemv_rope_kernel
     sig = {"ws_ptr": "*fp32", "ss_ptr": "*fp32"} if finish else {"x_ptr": f"*{t}",
                                                                   "w_ptr": f"*{t}"}
-    sig.update({"b_ptr": f"*{t}", "inv_freq_ptr": "*fp32", "pos_ptr": "*i32",
+    sig.update({"b_ptr": f"*{t}", "qn_ptr": f"*{t}", "kn_ptr": f"*{t}",
+                "inv_freq_ptr": "*fp32", "pos_ptr": "*i32",
                 "seq_ptr": "*i32", "q_ptr": f"*{t}", "kc_ptr": f"*{t}", "vc_ptr": f"*{t}",
                 "bt_ptr": "*i32"})
     if not finish:
         sig.update({"ws_ptr": "*fp32", "ss_ptr": "*fp32"})
-    sig.update({"M": "i32", "K": "i32", "eps": "fp32"})
+    sig.update({"M": "i32", "K": "i32", "eps": "fp32", "qk_eps": "fp32"})
     if not finish:
         sig.update({"stride_xm": "i32", "stride_wn": "i32"})
     for name in ("stride_qm", "stride_qh", "stride_kb", "stride_kl", "stride_kh", "stride_vb",
                  "stride_vl", "stride_vh", "stride_btb"):
         sig[name] = "i32"
     const = {"HQ": q_heads, "HKV": kv_heads, "D": head_dim, "NORM": norm, "BIAS": bias,
-             "PAGED": paged, "PAGE_SIZE": page_size if paged else 1, "SEQ_INDEX": seq_index,
+             "QK_NORM": qk_norm, "PAGED": paged, "PAGE_SIZE": page_size if paged else 1, "SEQ_INDEX": seq_index,
              "PDL": pdl}
     if finish:
-        const.update(BLOCK_M=next_pow2(rows), P=min(FINISH_PAIRS, head_dim // 2),
-                     SPLIT_K=max(2, g.split_k))
-        options = {"num_warps": 4, "launch_pdl": pdl}
+        pairs = head_dim // 2 if qk_norm else min(FINISH_PAIRS, head_dim // 2)
+        const.update(BLOCK_M=next_pow2(rows), P=pairs, SPLIT_K=max(2, g.split_k))
+        options = {"num_warps": _finish_warps(rows, pairs), "launch_pdl": pdl}
     else:
         const.update(BLOCK_M=_gemv.block_m(rows, g.use_dot), BLOCK_N=g.BLOCK_N,
                      BLOCK_K=g.BLOCK_K, SPLIT_K=g.split_k, USE_DOT=g.use_dot,

@@ -820,8 +820,10 @@ def test_gpu_gemv_rope_against_float64_and_two_launch(family, shape, M):
     default settings (split K at 8 and 64 rows; with QK-norm at 1 and 2 rows, where the
     defaults do not split, a whole head a program, BLOCK_N = D): within tolerance of
     float64, caches untouched elsewhere, paged equal to contiguous; q and the cache bit
-    for bit the two-launch path's; a CUDA-graph replay under PDL bit-identical to the
-    eager call."""
+    for bit the two-launch path's without QK-norm, within bf16 rounding with it (the
+    head's sum of squares reduces over another tile shape: [rows, D/2] across 4-8 warps
+    against one row across 2; at 1-2 rows the projection's settings differ too); a
+    CUDA-graph replay under PDL bit-identical to the eager call."""
     from wsattn.kernels.gemv import GemvSettings
     ns = _gpu_ns()
     K, Hq, Hkv, D = (2048, 32, 8, 64) if shape == "1B" else (4096, 32, 8, 128)
@@ -847,7 +849,12 @@ def test_gpu_gemv_rope_against_float64_and_two_launch(family, shape, M):
         vc = kc.clone()
         q = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, pdl=pdl, settings=st)
         outs.append((q, kc, vc))
-    assert all(_same_bits(a, b) for a, b in zip(*outs)), "differs from the two-launch path"
+    if fam["qk_norm"]:
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2,
+                                       equal_nan=True)
+    else:
+        assert all(_same_bits(a, b) for a, b in zip(*outs)), "differs from the two-launch path"
     q0, kc, vc = outs[1]
     _assert_graph_replays_bitwise(inp, kc, q0, kc.clone(), k_cache=kc, v_cache=vc,
                                   block_table=bt, pdl=pdl, settings=s)

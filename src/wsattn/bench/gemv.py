@@ -409,8 +409,8 @@ def parse_qkv_settings(specs) -> dict:
     """``--qkv-settings`` values, each "BLOCK_K,split_k,num_warps,num_stages[,use_dot]"
     (use_dot 1, the default, or 0: the FMA path, at most 8 rows), "gemv" (the two-launch
     path: the projection by gemv, then a (row, head) kernel; TwoLaunchSettings) or
-    "gemv-rope" (gemv's kernel with RoPE and the append in its epilogue, no QK-norm:
-    an error row on a QK-norm model; GemvRopeSettings), as
+    "gemv-rope" (gemv's kernel with RoPE and the append in its epilogue; per-head QK-norm
+    only where K splits, an error row elsewhere; GemvRopeSettings), as
     {"wsattn[qkv:SPEC]": QkvRopeSettings}: extra columns of the qkv_rope cases only (PDL
     off). BLOCK_K must also divide the model's hidden size; a column where it does not, or
     whose build does not fit the GPU, is an error row, not a stopped run."""

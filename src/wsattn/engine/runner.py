@@ -129,7 +129,7 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # forced after their weight stream ("gemv:late") or right after their wait ("gemv:early")
 # in every bucket, instead of by rows; the QKV call with PDL on the two-launch path (gemv,
 # then the (row, head) epilogue kernel) where the default takes the GEMV-epilogue path
-# ("qkv_rope:two-launch"; the same on Qwen3 and OLMoE, which take two launches anyway).
+# ("qkv_rope:two-launch"; the same where the default takes two launches anyway).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:two-launch": "qkv_rope"}

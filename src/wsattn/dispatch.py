@@ -17,7 +17,7 @@ Backends:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -143,8 +143,8 @@ def paged_gather(call: Call, buffer_bytes: int, impl: str = "auto") -> bool:
         return False
     if (impl in ("auto", "gluon") and call.page_size >= PAGED_IN_PLACE_FROM_PAGE
             and _gluon_supports(call) is None):
-        short = VARLEN_TRITON_FASTER_UP_TO.get((call.head_dim, bool(call.causal)), 0)
-        if impl == "gluon" or call.seqlen_q > short:
+        # "auto": in place where the varlen rule would run the gathered call on Gluon
+        if impl == "gluon" or ranking(replace(call, op="prefill_varlen"))[0] == "gluon":
             return False
     return impl == "gluon" or buffer_bytes <= PAGED_GATHER_MAX_BYTES
 

@@ -216,8 +216,8 @@ def _paged_contiguous(inp):
 
 
 def _paged_gluon_run(inp):
-    # the Gluon kernel's paged build, called as the kernel: the API reaches it only through
-    # the gather until it is measured (notes/prefill_triton.md)
+    # the Gluon kernel's paged build, called as the kernel (attention_paged takes it with
+    # gather=False, or by default from 64-row pages: notes/prefill_triton.md)
     from ..kernels import prefill_gluon
     q = inp["q"]
     return prefill_gluon.prefill_paged(q, inp["kc"], inp["vc"], inp["cu_q"], inp["lens_k"],
@@ -606,9 +606,8 @@ def _qkv_outputs(q, k_cache, v_cache, inp):
 
 def _qkv_call(inp):
     """The kernel call alone (what the profile gate times)."""
-    from ..kernels.qkv_rope import fused_settings, qkv_rope_append
+    from ..kernels.qkv_rope import GemvRopeSettings, fused_settings, qkv_rope_append
     from ..target import target_of
-    from ..kernels.qkv_rope import GemvRopeSettings
     settings = GemvRopeSettings() if inp.get("gemv_rope") else None
     if inp.get("fused"):  # the fused kernel, not the sm_90 default
         x = inp["x"]

@@ -588,16 +588,10 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
             return out.copy_(y)
     if settings is None:
         settings = default_settings(target, M=M, N=nout, K=K, dtype=x.dtype, silu_mul=silu_mul)
-    # a split past the last K tile would only add zeros: drop it
-    tiles = cdiv(K, settings.BLOCK_K)
-    split = cdiv(tiles, cdiv(tiles, min(settings.split_k, tiles)))
+    split = launch_split(K, settings)
+    ws, ss = split_workspace(split, M, N, x.device, out)
     bm = block_m(M, settings.use_dot)
     res = residual if residual is not None else out  # any pointer when unused
-    if split > 1:
-        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        ss = torch.empty((split, M), dtype=torch.float32, device=x.device)
-    else:  # unused: the SPLIT_K == 1 branch compiles away
-        ws = ss = out
     eps = float(norm_eps) if norm_eps is not None else 0.0
     launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[(cdiv(nout, settings.BLOCK_N), split)](
@@ -617,6 +611,23 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
 
 
 FINISH_BLOCK_N = 64  # split-K finish: columns per program (4 warps, <= 64 x 64 fp32 tile)
+
+
+def launch_split(K: int, settings: GemvSettings) -> int:
+    """The K splits a launch of _gemv_kernel's stream runs with settings (gemv, qkv_rope's
+    GEMV-epilogue path): a split past the last K tile would only add zeros, so none is."""
+    tiles = cdiv(K, settings.BLOCK_K)
+    return cdiv(tiles, cdiv(tiles, min(settings.split_k, tiles)))
+
+
+def split_workspace(split: int, M: int, N: int, device, unused):
+    """(ws, ss): the fp32 partials [split, M, N] and x^2 sums [split, M] of a split launch
+    (store_partials / sum_partials); ``unused`` for both where split is 1 (the SPLIT_K == 1
+    branch compiles away)."""
+    if split == 1:
+        return unused, unused
+    return (torch.empty((split, M, N), dtype=torch.float32, device=device),
+            torch.empty((split, M), dtype=torch.float32, device=device))
 
 
 def _interpreter_ready():

@@ -1022,19 +1022,14 @@ def _gemv_rope_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
     if not s.use_dot and M > _gemv.FMA_SETTINGS_MAX_M:
         raise ValueError(f"settings.gemv.use_dot=False takes M <= {_gemv.FMA_SETTINGS_MAX_M}, "
                          f"got x with {M} rows")
-    tiles = cdiv(K, s.BLOCK_K)
-    split = cdiv(tiles, cdiv(tiles, min(s.split_k, tiles)))  # no split past the last tile
+    split = _gemv.launch_split(K, s)
     qk_norm = q_norm is not None
     if qk_norm and split == 1 and s.BLOCK_N != D:
         raise ValueError(f"settings: the GEMV-epilogue path takes QK-norm (q_norm / k_norm) "
                          f"only where a program holds whole heads: K split, or BLOCK_N equal "
                          f"to the head dim {D}; got BLOCK_N {s.BLOCK_N}, K unsplit")
     N = heads * D
-    if split > 1:
-        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        ss = torch.empty((split, M), dtype=torch.float32, device=x.device)
-    else:  # unused: the SPLIT_K == 1 branch compiles away
-        ws = ss = inv_freq
+    ws, ss = _gemv.split_workspace(split, M, N, x.device, inv_freq)
     paged = block_table is not None
     dummy = inv_freq  # for pointers a switched-off variant never reads
     common = (bqkv if bqkv is not None else dummy, q_norm if qk_norm else dummy,

@@ -32,16 +32,29 @@ def test_entries_are_registered_with_a_runner_and_sanitizer_shapes():
 
 
 def test_gemv_sanitizer_shapes_reach_the_deep_pipeline_settings():
-    """The third sanitizer shape of each plain GEMV entry takes the 33-64-row unsplit
+    """The last sanitizer shape of each plain GEMV entry takes the 33-64-row unsplit
     settings on an H200 (so gate 6 sees those builds too)."""
     from wsattn.kernels import gemv
     from wsattn.target import Target
     for name, silu in (("gemv_norm_silu", True), ("gemv_residual", False)):
-        s = library.get(name).run.sanitizer_shapes[2]
+        s = library.get(name).run.sanitizer_shapes[-1]
         st = gemv.default_settings(Target("cuda", 90, 132), M=s["M"], N=s["N"], K=s["K"],
                                    dtype=torch.bfloat16, silu_mul=silu)
         assert s["M"] > gemv.DOT_WIDE_MAX_M and st.split_k == 1, (name, st)
         assert st.num_stages >= 3, (name, st)
+
+
+def test_gemv_sanitizer_shapes_reach_the_one_row_fold():
+    """The first sanitizer shape of the residual and split-K entries is one row on the FMA
+    path on an H200 (the row fold of gemv.stream_w), unsplit and split respectively."""
+    from wsattn.kernels import gemv
+    from wsattn.target import Target
+    for name, split in (("gemv_residual", False), ("gemv_splitk", True)):
+        s = library.get(name).run.sanitizer_shapes[0]
+        st = gemv.default_settings(Target("cuda", 90, 132), M=s["M"], N=s["N"], K=s["K"],
+                                   dtype=torch.bfloat16)
+        assert s["M"] == 1 and not st.use_dot, (name, st)
+        assert (gemv.launch_split(s["K"], st) > 1) == split, (name, st)
 
 
 def test_targets_cli_compiles_them_for_every_target(capsys):

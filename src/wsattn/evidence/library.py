@@ -508,7 +508,9 @@ def _gemv_entry(name, variant, split=False):
     if split:  # Qwen2.5-0.5B down_proj (hidden 896, FFN 4864): split in 2 on 132 SMs
         at = {"M": 1, "N": 896, "K": 4864}
         profile = ({"M": 1, "N": 896, "K": 4864}, {"M": 8, "N": 512, "K": 4096})
-        sanitizer = ({"M": 3, "N": 100, "K": 2100}, {"M": 17, "N": 100, "K": 1000})
+        # the first: one row, the FMA path's row fold over two K splits on sm_90
+        sanitizer = ({"M": 1, "N": 100, "K": 2100}, {"M": 3, "N": 100, "K": 2100},
+                     {"M": 17, "N": 100, "K": 1000})
     elif silu:  # Llama-3.2-1B gate/up (hidden 2048, FFN 8192); 8B for the profile
         at = {"M": 1, "N": 8192, "K": 2048}
         profile = ({"M": 1, "N": 14336, "K": 4096}, {"M": 8, "N": 14336, "K": 4096})
@@ -518,9 +520,10 @@ def _gemv_entry(name, variant, split=False):
     else:  # Llama-3.2-1B down_proj; 8B for the profile
         at = {"M": 1, "N": 2048, "K": 8192}
         profile = ({"M": 1, "N": 4096, "K": 14336}, {"M": 8, "N": 4096, "K": 14336})
-        # the third: 33-64 rows unsplit on sm_90 (128 columns, 8 warps, 4 stages)
-        sanitizer = ({"M": 3, "N": 77, "K": 200}, {"M": 9, "N": 40, "K": 136},
-                     {"M": 64, "N": 34000, "K": 128})
+        # the first: one row, the FMA path's row fold (ragged N and K tiles); the fourth: 33-64
+        # rows unsplit on sm_90 (128 columns, 8 warps, 4 stages)
+        sanitizer = ({"M": 1, "N": 1990, "K": 1096}, {"M": 3, "N": 77, "K": 200},
+                     {"M": 9, "N": 40, "K": 136}, {"M": 64, "N": 34000, "K": 128})
     run = RunSpec(draw_shape=_draw_gemv_splitk if split else _draw_gemv,
                   build=_build_gemv(variant), run=_gemv_run(split), reference=_gemv_reference,
                   dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),

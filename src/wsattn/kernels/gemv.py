@@ -19,7 +19,9 @@ Constexpr switches on the one kernel (never copies):
     SILU_MUL  W holds the gate rows then the up rows ([2F, K]); column n of the [M, F]
               output is silu(x . W[n]) * (x . W[F + n]).
     USE_DOT   tl.dot (M padded to 16, W as the MMA's M operand: "swap AB", so a 16..128
-              row W tile is the wide side) or, for M <= 4, an FMA reduction per row.
+              row W tile is the wide side) or, for M <= 4, an FMA reduction per row. At
+              one row the FMA path folds every tile into an elementwise fp32 tile and
+              reduces over K once after the loop (stream_w's ROW_FOLD).
     SPLIT_K   where the output has too few columns to give every SM a program (k/v
               projections, N = 512), the K range is split; each split writes fp32
               partials and a second kernel (_splitk_finish_kernel) adds them in a fixed
@@ -95,6 +97,22 @@ def accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm, M, k, k
 
 
 @triton.jit
+def fold_row(part_g, part_u, sq, wg, wu, x_ptr, k, k_live, NORM: tl.constexpr,
+             GATE_UP: tl.constexpr):
+    """One K tile of a one-row GEMV into elementwise fp32 partials: part_g / part_u
+    [BLOCK_N, BLOCK_K] += W tile * x[k], sq [BLOCK_K] += x[k]^2; the caller reduces over K
+    after its loop. Every element of a thread's tile has its own accumulator, so a tile is
+    loads, converts and independent FMAs: no cross-lane reduction on the loop's path."""
+    xm = tl.load(x_ptr + k, mask=k_live, other=0.0).to(tl.float32)  # [BLOCK_K]
+    part_g += wg.to(tl.float32) * xm[None, :]
+    if GATE_UP:
+        part_u += wu.to(tl.float32) * xm[None, :]
+    if NORM:
+        sq += xm * xm
+    return part_g, part_u, sq
+
+
+@triton.jit
 def _finish(gate, up, ss, K, eps, res_ptr, out_ptr, res_offs, out_offs, mask,
             NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr):
     """The epilogue, shared by the one-pass kernel and the split-K finish: any tile
@@ -127,6 +145,12 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
     are not contiguous. PDL: the wait and the release are in here (comments below)."""
     mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     kk = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    # One row of x on the FMA path: the products stay elementwise in a [BLOCK_N, BLOCK_K]
+    # fp32 tile across the K loop and are reduced over K once, after it, instead of a row
+    # reduction (a warp's shuffle tree) every tile, which sat on the loop's critical path
+    # with one program of four warps an SM (H200: 1B down 14.0 -> 11.2 us,
+    # notes/decode_step.md).
+    ROW_FOLD: tl.constexpr = (not USE_DOT) and BLOCK_M == 1
     # this split's BLOCK_K-aligned share [k_lo, k_hi) of K (all of K when SPLIT_K == 1)
     tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_lo = pid_k * tiles_per_split * BLOCK_K
@@ -134,9 +158,14 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
     g_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     u_rows = w_ptr + (n + NOUT).to(tl.int64)[:, None] * stride_wn  # up rows F + n (SILU_MUL)
 
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ROW_FOLD:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     # The first tile is peeled off the loop so that its W loads can be issued before
     # the PDL wait: weights are never written during a step, so they do not depend on
@@ -164,8 +193,12 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
             tl.extra.cuda.gdc_launch_dependents()
     xoff = mi * stride_xm  # [BLOCK_M] rows of x: contiguous here, gathered in moe.py
     m_live = mi < M
-    acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm, M,
-                                  k, k_live, BLOCK_M, USE_DOT, NORM, SILU_MUL, False)
+    if ROW_FOLD:
+        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg, wu, x_ptr, k, k_live, NORM,
+                                    SILU_MUL)
+    else:
+        acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm,
+                                      M, k, k_live, BLOCK_M, USE_DOT, NORM, SILU_MUL, False)
     # STAGES asked of the loop itself: Triton pipelines only loads that feed a tl.dot
     # unless told, and the FMA path has none (its loads stayed synchronous, sm_90 PTX)
     for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
@@ -176,12 +209,21 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
         wu = wg
         if SILU_MUL:
             wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
-        acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm,
-                                      M, k, k_live, BLOCK_M, USE_DOT, NORM, SILU_MUL, False)
+        if ROW_FOLD:
+            acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg, wu, x_ptr, k, k_live, NORM,
+                                        SILU_MUL)
+        else:
+            acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live,
+                                          stride_xm, M, k, k_live, BLOCK_M, USE_DOT, NORM,
+                                          SILU_MUL, False)
     if PDL and PDL_LATE:
         # the weights are streamed: the next kernel's programs now find the SMs this grid
         # is leaving, not slots freed one by one while its last wave still streams
         tl.extra.cuda.gdc_launch_dependents()
+    if ROW_FOLD:
+        acc_g = tl.sum(acc_g, axis=1)[:, None]  # [BLOCK_N, 1]
+        acc_u = tl.sum(acc_u, axis=1)[:, None]
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.sum(ss, axis=0)  # [1]
     return acc_g, acc_u, ss
 
 

@@ -45,14 +45,15 @@ def test_gemv_sanitizer_shapes_reach_the_deep_pipeline_settings():
 
 
 def test_gemv_sanitizer_shapes_reach_the_one_row_fold():
-    """The first sanitizer shape of the residual and split-K entries is one row on the FMA
-    path on an H200 (the row fold of gemv.stream_w), unsplit and split respectively."""
+    """The first sanitizer shape of each GEMV entry is one row on the FMA path on an H200
+    (the row fold of gemv.stream_w), split where the entry is the split-K path."""
     from wsattn.kernels import gemv
     from wsattn.target import Target
-    for name, split in (("gemv_residual", False), ("gemv_splitk", True)):
+    for name, silu, split in (("gemv_norm_silu", True, False), ("gemv_residual", False, False),
+                              ("gemv_splitk", False, True)):
         s = library.get(name).run.sanitizer_shapes[0]
         st = gemv.default_settings(Target("cuda", 90, 132), M=s["M"], N=s["N"], K=s["K"],
-                                   dtype=torch.bfloat16)
+                                   dtype=torch.bfloat16, silu_mul=silu)
         assert s["M"] == 1 and not st.use_dot, (name, st)
         assert (gemv.launch_split(s["K"], st) > 1) == split, (name, st)
 

@@ -237,9 +237,9 @@ def test_default_settings_table():
         return g.default_settings(t, M=M, N=N, K=K, dtype=torch.bfloat16, silu_mul=silu)
 
     assert not s(1, 2048, 2048).use_dot and s(8, 2048, 2048).use_dot
-    # sm_90: the dot path at every row count, with the wide-tile rule of M 5-32 (64
-    # columns, 3 stages); other targets (and fp32) keep the FMA reduction up to FMA_MAX_M
-    for M in range(1, g.FMA_MAX_M + 1):
+    # sm_90: the dot path from two rows, with the wide-tile rule of M 5-32 (64 columns,
+    # 3 stages); other targets (and fp32) keep the FMA reduction up to FMA_MAX_M
+    for M in range(2, g.FMA_MAX_M + 1):
         st = s(M, 8192, 2048, True)
         assert st.use_dot and (st.BLOCK_N, st.num_stages) == (g.DOT_WIDE_BLOCK_N, 3), (M, st)
         for cc in (80, 120):
@@ -250,12 +250,20 @@ def test_default_settings_table():
                                       silu_mul=True).use_dot
     assert g.default_settings(Target("cuda", 100, 148), M=2, N=8192, K=2048,
                               dtype=torch.bfloat16).use_dot
-    # ... but at one and two rows a shape the dot rule would split (o, down) keeps the FMA
-    # path
+    # ... but at two rows a shape the dot rule would split (o, down) keeps the FMA path
     assert s(3, 2048, 8192).use_dot and s(3, 2048, 8192).split_k > 1
-    for M in (1, 2):
-        assert not s(M, 2048, 8192).use_dot and s(M, 2048, 8192).split_k == 1
-        assert s(M, 128256, 2048).use_dot  # the LM head: unsplit on the dot path
+    assert not s(2, 2048, 8192).use_dot and s(2, 2048, 8192).split_k == 1
+    assert s(2, 128256, 2048).use_dot  # the LM head: unsplit on the dot path
+    # one row: the FMA path's row fold at every shape, 16 rows of 512 bytes, six stages
+    for N, K, silu in ((2048, 8192, False), (128256, 2048, False), (8192, 2048, True),
+                       (14336, 4096, True), (512, 2048, False)):
+        st = s(1, N, K, silu)
+        assert not st.use_dot and (st.BLOCK_N, st.BLOCK_K, st.num_stages) == (
+            g.ONE_ROW_BLOCK_N, 256, g.MAX_STAGES), (N, K, st)
+    for cc in (80, 120):  # not on other targets: the rule above
+        other = g.default_settings(Target("cuda", cc, 108), M=1, N=8192, K=2048,
+                                   dtype=torch.bfloat16, silu_mul=True)
+        assert other.num_stages < g.MAX_STAGES, (cc, other)  # their shared-memory budget
     assert s(1, 512, 2048).split_k > 1  # k/v projections: 32 column blocks only
     assert s(1, 3072, 2048).split_k == 1 and s(1, 128256, 2048).split_k == 1
     assert s(64, 2048, 2048).BLOCK_N >= 64  # BLOCK_N >= M: x re-reads <= W bytes

@@ -354,16 +354,18 @@ class GemvSettings:
 
 MAX_M = 64  # rows one program's accumulator holds; more is a GEMM
 FMA_MAX_M = 4  # up to here the FMA reduction: tl.dot would pad M to 16 (4x the work)
-# ... except on sm_90 / sm_100, where the dot path is the default at every row count but
-# keeps the FMA reduction at one and two rows for the shapes the dot rule would split K
-# (QKV, o, down). H200, Llama-3.2-1B / 3.1-8B shapes, the FMA default against the dot rule
+# ... except on sm_90 / sm_100, where the dot path is the default from two rows but keeps
+# the FMA reduction at two rows for the shapes the dot rule would split K (QKV, o, down),
+# and one row takes the FMA path's row fold at every shape (_one_row_settings). H200, Llama-3.2-1B / 3.1-8B shapes, the FMA default against the dot rule
 # side by side (notes/decode_step.md): at M = 4 the dot rule won every GEMV (1B gate/up
 # 49.4 -> 19.9 us, LM head 322 -> 128; 8B gate/up 132.5 -> 61.5, LM head 669 -> 244); at
 # M = 2 it won the wide ones it runs unsplit (gate/up, LM head) by 17-34 % and lost the
 # narrow split-K ones (8B QKV, o, down by 0.8-1.2 us; 1B o, down by 0.9-1.4; 1B QKV even);
-# at M = 1 likewise (1B gate/up 20.8 -> 19.7, LM head 137.7 -> 124.9; 8B gate/up even,
-# LM head 264.5 -> 243.0; split QKV / o / down 1.5-2.2x slower on the dot path).
+# at M = 1 likewise before the row fold (1B gate/up 20.8 -> 19.7, LM head 137.7 -> 124.9;
+# 8B gate/up even, LM head 264.5 -> 243.0; split QKV / o / down 1.5-2.2x slower on the dot
+# path), which the row fold turned (default_settings).
 FMA_SPLIT_MAX_M_SM90 = 2
+ONE_ROW_BLOCK_N = 16  # W rows a program streams at one row on sm_90 / sm_100 (_one_row_settings)
 DOT_WIDE_MAX_M = 32  # padded rows up to which the dot path takes DOT_WIDE_BLOCK_N columns
 DOT_WIDE_BLOCK_N = 64
 FMA_SETTINGS_MAX_M = 16  # the most rows explicit FMA settings take (the loop is unrolled per row)
@@ -408,17 +410,33 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
     programs per SM, but never below M (every program re-reads all of x from L2, so
     BLOCK_N >= M keeps that traffic at most the W traffic); where the blocks fill fewer
     than SPLIT_BELOW of the SMs, K is split (a power of two, each split >= MIN_SPLIT_TILES
-    tiles) until they fill them. On sm_90/100 in 16 bits the dot path at every M (the FMA reduction
-    for the shapes it would split at M <= FMA_SPLIT_MAX_M_SM90), and where the rule would
-    give it fewer than 64 columns at M <= 32: 64 columns, 3 stages, K split (measured).
+    tiles) until they fill them. On sm_90/100 in 16 bits: one row on the FMA path (its row
+    fold) at every shape; from two rows the dot path (the FMA reduction for the shapes it
+    would split at M <= FMA_SPLIT_MAX_M_SM90), and where the rule would give it fewer than
+    64 columns at M <= 32: 64 columns, 3 stages, K split (measured).
     """
     # 16-bit only: fp32 on the dot path would run TF32, and only bf16 was measured
     wide_dot = 90 <= target.cc < 120 and dtype != torch.float32
+    if wide_dot and M == 1:
+        # one row: the FMA path's row fold at every shape, 16 W rows of 512 bytes a tile,
+        # six stages, K split by the rule. H200, against the dot rule (notes/decode_step.md):
+        # 8B gate/up 61.5 -> 58.1 us, LM heads 125.3 -> 119.4 (1B) and 243.2 -> 237.6 (8B),
+        # 1B gate/up even; the split shapes (QKV, o, down) were on it already
+        return _one_row_settings(target, N, K, dtype)
     use_dot = wide_dot or M > FMA_MAX_M
     s = _settings(target, M, N, K, dtype, silu_mul, use_dot)
     if wide_dot and s.use_dot and s.split_k > 1 and M <= FMA_SPLIT_MAX_M_SM90:
         s = _settings(target, M, N, K, dtype, silu_mul, False)
     return s
+
+
+def _one_row_settings(target: Target, N: int, K: int, dtype: torch.dtype) -> GemvSettings:
+    """default_settings' rule for one row in 16 bits on sm_90 / sm_100 (the row fold)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_k = FMA_TILE_ELEMS * 2 // elem // ONE_ROW_BLOCK_N
+    split = _split_k(cdiv(N, ONE_ROW_BLOCK_N), K, block_k, target.num_sms)
+    return GemvSettings(BLOCK_N=ONE_ROW_BLOCK_N, BLOCK_K=block_k, split_k=split, use_dot=False,
+                        num_warps=4, num_stages=MAX_STAGES)
 
 
 def _settings(target: Target, M: int, N: int, K: int, dtype: torch.dtype, silu_mul: bool,

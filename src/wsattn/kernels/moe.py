@@ -49,7 +49,7 @@ from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from .gemv import accumulate, fold_row
+from .gemv import accumulate
 
 
 # --------------------------------------------------------------------------- kernels
@@ -236,18 +236,9 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
     g_rows = wbase + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     u_rows = wbase + (n + NOUT).to(tl.int64)[:, None] * stride_wn  # up rows (GATE_UP)
     kk = tl.arange(0, BLOCK_K)
-    # block 1: gemv's one-row fold (elementwise partials, one reduction over K after the
-    # loop; gemv.stream_w says why). A block of one has no padding row, so its row is live.
-    ROW_FOLD: tl.constexpr = (not USE_DOT) and BLOCK_M == 1
-    if ROW_FOLD:
-        x_row = x_ptr + tl.sum(xoff, axis=0)  # the block's one row of x
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     # STAGES asked of the loop itself so the FMA path's weight loads are pipelined too
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k = k0 + kk
@@ -257,16 +248,8 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
         wu = wg
         if GATE_UP:
             wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
-        if ROW_FOLD:
-            acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg, wu, x_row, k, k_live, NORM,
-                                        GATE_UP)
-        else:
-            acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, 0, 0,
-                                          k, k_live, BLOCK_M, USE_DOT, NORM, GATE_UP, True)
-    if ROW_FOLD:
-        acc_g = tl.sum(acc_g, axis=1)[:, None]  # [BLOCK_N, 1]
-        acc_u = tl.sum(acc_u, axis=1)[:, None]
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.sum(ss, axis=0)
+        acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, 0, 0, k,
+                                      k_live, BLOCK_M, USE_DOT, NORM, GATE_UP, True)
     mask = n_live[:, None] & m_live[None, :]  # [BLOCK_N, BLOCK_M]
     if GATE_UP:
         gate = acc_g

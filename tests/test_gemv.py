@@ -351,6 +351,33 @@ def test_sm90_pdl_off_has_no_griddepcontrol():
     assert "griddepcontrol" not in _compile(kernel="finish", M=1, N=512, K=2048).asm["ptx"]
 
 
+def _k_loop(ptx):
+    """The PTX of the kernel's (one) K loop: from its header label to the branch back."""
+    header = re.search(r"^(\$L__BB\d+_\d+):\s*// =>This Inner Loop Header", ptx, re.M)
+    assert header, "no loop in the PTX"
+    back = re.search(rf"bra(\.uni)?\s+{re.escape(header.group(1))};", ptx[header.end():])
+    assert back, "no branch back to the loop header"
+    return ptx[header.start():header.end() + back.end()]
+
+
+@pytest.mark.parametrize("kw", [dict(N=2048, K=8192, residual=True),
+                                dict(N=8192, K=2048, silu_mul=True, norm=True),
+                                dict(N=128256, K=2048, norm=True), dict(N=512, K=2048)],
+                         ids=["down", "gate_up", "lm_head", "split-k"])
+def test_sm90_one_row_loop_has_no_cross_lane_reduction(kw):
+    """One row on sm_90 (the FMA path's row fold): the K loop is loads, converts and FMAs;
+    the reduction over K (warp shuffles) happens once, after it. Two rows keep the per-tile
+    reduction (the contrast that shows the check finds one)."""
+    spec = _g().compile_spec(90, M=1, pdl=True, **kw)
+    assert not spec["constexprs"]["USE_DOT"] and spec["constexprs"]["BLOCK_M"] == 1
+    ptx = _compile(M=1, pdl=True, **kw).asm["ptx"]
+    loop = _k_loop(ptx)
+    assert "fma.rn.f32" in loop and "shfl.sync" not in loop
+    assert "shfl.sync" in ptx[ptx.index(loop) + len(loop):]  # the one reduction, after it
+    two = _compile(M=2, N=2048, K=8192, residual=True).asm["ptx"]
+    assert "shfl.sync" in _k_loop(two)
+
+
 @pytest.mark.parametrize("M", [1, 8, 64], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("model", ["1B", "8B"])
 def test_sm90_default_builds_do_not_spill(model, M, record_property):

@@ -356,8 +356,9 @@ MAX_M = 64  # rows one program's accumulator holds; more is a GEMM
 FMA_MAX_M = 4  # up to here the FMA reduction: tl.dot would pad M to 16 (4x the work)
 # ... except on sm_90 / sm_100, where the dot path is the default from two rows but keeps
 # the FMA reduction at two rows for the shapes the dot rule would split K (QKV, o, down),
-# and one row takes the FMA path's row fold at every shape (_one_row_settings). H200, Llama-3.2-1B / 3.1-8B shapes, the FMA default against the dot rule
-# side by side (notes/decode_step.md): at M = 4 the dot rule won every GEMV (1B gate/up
+# and one row takes the FMA path's row fold at every shape (_one_row_settings). H200,
+# Llama-3.2-1B / 3.1-8B shapes, the FMA default against the dot rule side by side
+# (notes/decode_step.md): at M = 4 the dot rule won every GEMV (1B gate/up
 # 49.4 -> 19.9 us, LM head 322 -> 128; 8B gate/up 132.5 -> 61.5, LM head 669 -> 244); at
 # M = 2 it won the wide ones it runs unsplit (gate/up, LM head) by 17-34 % and lost the
 # narrow split-K ones (8B QKV, o, down by 0.8-1.2 us; 1B o, down by 0.9-1.4; 1B QKV even);

@@ -23,6 +23,12 @@
 #   BENCH_ARGS     arguments of `wsattn bench` (default "all"; e.g. "decode --quick"), or
 #                  several runs separated by ';' ("step --batch 1; varlen; moe"), each with
 #                  its own BENCH_S limit and files bench_<n>_<kind>.{json,png}
+#   BENCH_BASE     a folder holding an earlier commit's src/ (written by
+#                  `scripts/ab_base.sh REV`, which also records REV in it; carry it: it is
+#                  ignored by git): each bench run first runs with that src/ in place of
+#                  this tree's, stamped with REV, into bench[_<n>_<kind>]_base.json (no
+#                  plot), then as usual: the "before" column of a change, two processes
+#                  back to back on one GPU, each measuring its own copy ceiling
 #   PEERS          1: before the parts, install the peer wheels (FlashAttention-4 AOT,
 #                  FlashInfer, tvm-ffi) into .peers-site, put it on PYTHONPATH and set
 #                  FLASHINFER_DISABLE_JIT=1, so that the bench (and tests) parts run the
@@ -142,6 +148,13 @@ part_bench() {
     n=$((n + 1)); kind=${words[0]}
     json="$OUT/bench.json"
     [ ${#runs[@]} -gt 1 ] && json="$OUT/bench_${n}_${kind}.json"
+    if [ -n "${BENCH_BASE:-}" ]; then
+      [ -d "$BENCH_BASE/src/wsattn" ] || { echo "device: BENCH_BASE=$BENCH_BASE holds no src/wsattn" >&2; return 1; }
+      PYTHONPATH="${PYTHONPATH//$PWD\/src/$(cd "$BENCH_BASE" && pwd)/src}" \
+      WSATTN_COMMIT="$(cat "$BENCH_BASE/COMMIT" 2>/dev/null || echo "base of ${WSATTN_COMMIT:-unknown}")" \
+        run_part "bench $kind (base)" "${BENCH_S:-300}" python3 -m wsattn.cli bench \
+        --json "${json%.json}_base.json" --no-plot "${words[@]}" || rc=1
+    fi
     run_part "bench $kind" "${BENCH_S:-300}" python3 -m wsattn.cli bench \
       --json "$json" --plot "${json%.json}.png" "${words[@]}" || rc=1
     pack_results

@@ -312,13 +312,17 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
     for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late")]:
         with pytest.raises(ValueError, match=r"name the same kernels \(gemv\)"):
             runner._pdl_families(both, has_pdl=True)
-    # the QKV call: the default path (settings None) or, with the variant, the two-launch one
-    from wsattn.kernels.qkv_rope import TwoLaunchSettings
+    # the QKV call: the default path (settings None) or, with a variant, the two-launch or
+    # the GEMV-epilogue one
+    from wsattn.kernels.qkv_rope import GemvRopeSettings, TwoLaunchSettings
     variants(runner, "qkv_rope_append", "settings", [
-        (("qkv_rope:two-launch",), (True, TwoLaunchSettings())), (("qkv_rope",), (True, None)),
+        (("qkv_rope:two-launch",), (True, TwoLaunchSettings())),
+        (("qkv_rope:gemv-rope",), (True, GemvRopeSettings())), (("qkv_rope",), (True, None)),
         ((), (False, None))])
-    with pytest.raises(ValueError, match=r"name the same kernels \(qkv_rope\)"):
-        runner._pdl_families(("qkv_rope", "qkv_rope:two-launch"), has_pdl=True)
+    for both in [("qkv_rope", "qkv_rope:two-launch"),
+                 ("qkv_rope:gemv-rope", "qkv_rope:two-launch")]:
+        with pytest.raises(ValueError, match=r"name the same kernels \(qkv_rope\)"):
+            runner._pdl_families(both, has_pdl=True)
     # the default: every family where the GPU has PDL (the GEMVs' release by rows)
     assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
@@ -454,10 +458,10 @@ def test_gpu_pdl_on_equals_off():
     ps = _gpu_prompts()
     off_t, off_l = _gpu_engine(pdl=False)[0].run(ps, 24, return_logits=True)
     # every family, the library's default, both forced GEMV releases and the QKV call on
-    # the two-launch path (the A/B variants; the default's GEMV-epilogue path computes the
-    # same bits)
+    # either path (the A/B variants; without QK-norm both paths compute the same bits)
     for pdl in (True, None, ("qkv_rope", "decode", "gemv:late"),
-                ("qkv_rope", "decode", "gemv:early"), ("qkv_rope:two-launch", "decode", "gemv")):
+                ("qkv_rope", "decode", "gemv:early"), ("qkv_rope:two-launch", "decode", "gemv"),
+                ("qkv_rope:gemv-rope", "decode", "gemv")):
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl

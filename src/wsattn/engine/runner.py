@@ -105,7 +105,8 @@ from .. import api, ops
 from ..kernels.gemv import MAX_M as GEMV_MAX_M, gemv
 from ..kernels.moe import MAX_E as MOE_MAX_E, default_block, group, moe_down_combine, \
     moe_gate_up, one_token_grouping, one_token_tables, route
-from ..kernels.qkv_rope import TwoLaunchSettings, qkv_rope_append, qkv_rope_workspace
+from ..kernels.qkv_rope import (GemvRopeSettings, TwoLaunchSettings, qkv_rope_append,
+                                 qkv_rope_workspace)
 from ..models import moe as moe_math
 from ..models.config import HEAD_DIMS, ModelConfig
 from ..models.weights import Weights
@@ -129,10 +130,14 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # forced after their weight stream ("gemv:late") or right after their wait ("gemv:early")
 # in every bucket, instead of by rows; the QKV call with PDL on the two-launch path (gemv,
 # then the (row, head) epilogue kernel) where the default takes the GEMV-epilogue path
-# ("qkv_rope:two-launch"; the same where the default takes two launches anyway).
+# ("qkv_rope:two-launch"; the same where the default takes two launches anyway), or on the
+# GEMV-epilogue path where the default takes two launches ("qkv_rope:gemv-rope": where
+# its grid rule keeps two launches, e.g. Llama-3.1-8B at one row; refused where the call
+# refuses that path).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
-PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:two-launch": "qkv_rope"}
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:two-launch": "qkv_rope",
+                "qkv_rope:gemv-rope": "qkv_rope"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -207,9 +212,11 @@ class KernelStep:
             refused).
         pdl: programmatic dependent launch. None: on CUDA sm_90+ for every kernel that
             takes it (where each measured a gain), off elsewhere; True: every kernel that
-            takes it (refused off sm_90+); False: none; or a collection of ``PDL_FAMILIES`` names: on for those kernel
-            families only (to measure where PDL pays), "gemv:late" / "gemv:early" in
-            place of "gemv" forcing where the GEMVs release (``PDL_VARIANTS``).
+            takes it (refused off sm_90+); False: none; or a collection of
+            ``PDL_FAMILIES`` names: on for those kernel families only (to measure where
+            PDL pays), "gemv:late" / "gemv:early" in place of "gemv" forcing where the
+            GEMVs release, "qkv_rope:two-launch" / "qkv_rope:gemv-rope" in place of
+            "qkv_rope" forcing the QKV call's path (``PDL_VARIANTS``).
         moe_one_token: at bucket 1, group a MoE layer's (token, slot) pairs without the
             grouping kernel (``moe.one_token_grouping``: one block a slot; same bits), one
             launch fewer a MoE layer. On by default: the 48-layer Qwen3-30B-A3B step at B1
@@ -413,8 +420,10 @@ class KernelStep:
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
-        pdl_qkv, pdl_decode = on("qkv_rope") or on("qkv_rope:two-launch"), on("decode")
-        qkv_settings = TwoLaunchSettings() if on("qkv_rope:two-launch") else None
+        pdl_qkv = on("qkv_rope") or on("qkv_rope:two-launch") or on("qkv_rope:gemv-rope")
+        pdl_decode = on("decode")
+        qkv_settings = (TwoLaunchSettings() if on("qkv_rope:two-launch") else
+                        GemvRopeSettings() if on("qkv_rope:gemv-rope") else None)
         g = self._gemv_launch()
         torch.index_select(w.embed, 0, buf.tokens, out=h)
         self._count("embed")

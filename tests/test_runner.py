@@ -338,6 +338,8 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
     ("pdl_families", r"pdl=\('gemv',\) needs a CUDA GPU of sm_90"),
     ("pdl_unknown", r"pdl: unknown kernel families \['norm'\]"),
     ("pdl_str", "pdl must be None, True, False or a collection of"),
+    ("pdl_gemv_rope_whole", r"'qkv_rope:gemv-rope' \(the GEMV-epilogue QKV path\) takes no "
+                            "QK-norm over the whole projection"),
     ("bucket65", "above the 64 the GEMV kernels take"),
     ("bucket_small", "below the cache's max_batch"),
     ("buckets_order", "buckets must be increasing"),
@@ -367,6 +369,9 @@ def test_construction_refusals(monkeypatch, case, match):
         kw["pdl"] = ("gemv", "norm")
     elif case == "pdl_str":
         kw["pdl"] = "gemv"
+    elif case == "pdl_gemv_rope_whole":  # OLMoE's QK-norm: refused before any weight check
+        cfg = dataclasses.replace(cfg, qk_norm_whole=True)
+        kw["pdl"] = ("qkv_rope:gemv-rope", "gemv")
     elif case == "bucket65":
         kw["buckets"] = (1, 65)
     elif case == "bucket_small":

@@ -39,10 +39,11 @@ than this kernel) or by ``settings``:
   projection, which no head's program sees): ``gemv`` projects x with the FlashNorm scale
   into x's dtype, then ``_norm_rope_append_kernel`` runs one program per (row, head) for
   the bias, the QK-norm, RoPE, the q store and the append;
-* the GEMV-epilogue path (``GemvRopeSettings``; no QK-norm): ``_gemv_rope_kernel`` streams
+* the GEMV-epilogue path (``GemvRopeSettings``; per-head QK-norm only where a program
+  holds whole heads, no QK-norm over the whole projection): ``_gemv_rope_kernel`` streams
   Wqkv as gemv does, each program's columns chosen as rotate_half pairs of one head, and
   runs the two-launch path's epilogue on its own tile (``_rope_finish_kernel`` does it
-  after a split-K projection): one launch, the two-launch path's bits.
+  after a split-K projection): one launch, the two-launch path's bits without QK-norm.
 """
 
 from __future__ import annotations
@@ -288,10 +289,10 @@ class TwoLaunchSettings:
 
 @dataclass(frozen=True)
 class GemvRopeSettings:
-    """The GEMV-epilogue path, for families without QK-norm: gemv's stream of Wqkv with
-    each program's columns chosen as rotate_half pairs of one head, and the bias, RoPE, the
-    q store and the append in its epilogue: one launch, or gemv's two where the settings
-    split K (the finish does the epilogue then). Per-head QK-norm (Qwen3) needs a whole
+    """The GEMV-epilogue path: gemv's stream of Wqkv with each program's columns chosen as
+    rotate_half pairs of one head, and the bias, RoPE, the q store and the append in its
+    epilogue: one launch, or gemv's two where the settings split K (the finish does the
+    epilogue then). Per-head QK-norm (Qwen3) needs a whole
     head's sum of squares: taken where a program holds whole heads, i.e. where K is split
     (each finish program holds one head) or BLOCK_N equals the head dim, and refused by
     name elsewhere; OLMoE's norm over the whole projection is refused. gemv: the
@@ -829,13 +830,14 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
             None: row m is sequence m.
         q_out: optional [M, Hq, D] output (x's dtype); allocated when None.
         pdl: programmatic dependent launch; None: on for CUDA sm_90+, off elsewhere.
-        settings: None for :func:`default_settings` (on sm_90 the GEMV-epilogue path
-            without QK-norm and the two-launch path with it; the fused kernel
-            elsewhere); a QkvRopeSettings for the fused one-launch kernel with these
-            settings; TwoLaunchSettings for the two-launch path (the projection by gemv,
-            then a (row, head) kernel for bias, QK-norm, RoPE and the append);
+        settings: None for :func:`default_settings` (on sm_90 the GEMV-epilogue path or,
+            where its rule says so, the two-launch path; the fused kernel elsewhere); a
+            QkvRopeSettings for the fused one-launch kernel with these settings;
+            TwoLaunchSettings for the two-launch path (the projection by gemv, then a
+            (row, head) kernel for bias, QK-norm, RoPE and the append);
             GemvRopeSettings for the GEMV-epilogue path (gemv's kernel with bias, RoPE,
-            the q store and the append in its epilogue; no QK-norm). Workspace unused by
+            the q store and the append in its epilogue; per-head QK-norm only where a
+            program holds whole heads). Workspace unused by
             the last two.
         workspace: a :class:`QkvRopeWorkspace` (from :func:`qkv_rope_workspace`) for the
             split-K partials and counters, checked to be large enough for this launch
@@ -976,10 +978,18 @@ def _two_launch_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq
 FINISH_PAIRS = 32  # the GEMV-epilogue path's split-K finish: rotate_half pairs a program
 
 
+def _finish_pairs(D: int, qk_norm: bool) -> int:
+    """rotate_half pairs a program of the split-K finish takes: the whole head (D / 2)
+    with QK-norm, whose sum of squares spans it; else up to FINISH_PAIRS."""
+    return D // 2 if qk_norm else min(FINISH_PAIRS, D // 2)
+
+
 def _finish_warps(M: int, pairs: int) -> int:
     # two [rows, pairs] fp32 halves and RoPE's temporaries: at 64 rows x 64 pairs (QK-norm,
     # D 128) 4 warps spilled on sm_90 (255 registers), 8 do not (205)
     return 8 if next_pow2(M) * pairs >= 64 * 64 else 4
+
+
 _SETTINGS = (QkvRopeSettings, TwoLaunchSettings, GemvRopeSettings)
 _SETTINGS_NAMES = "QkvRopeSettings, TwoLaunchSettings or GemvRopeSettings"
 
@@ -990,8 +1000,7 @@ def gemv_rope_settings(target: Target, M: int, K: int, heads: int, D: int, dtype
     default for the [heads * D, K] projection with BLOCK_N capped at D (a program's
     columns must be whole rotate_half pairs of one head)."""
     if given is None:
-        s = _gemv.default_settings(target, M=M, N=heads * D, K=K, dtype=dtype)
-        return replace(s, BLOCK_N=min(s.BLOCK_N, D))
+        return _default_gemv_rope_settings(target, M, K, heads, D, dtype)
     if not isinstance(given, GemvSettings):
         raise ValueError(f"settings.gemv must be a GemvSettings or None, got "
                          f"{type(given).__name__}")
@@ -999,6 +1008,14 @@ def gemv_rope_settings(target: Target, M: int, K: int, heads: int, D: int, dtype
         raise ValueError(f"settings.gemv.BLOCK_N {given.BLOCK_N} must divide the head dim "
                          f"{D} (a program holds whole rotate_half pairs of one head)")
     return given
+
+
+@functools.lru_cache(maxsize=1024)
+def _default_gemv_rope_settings(target: Target, M: int, K: int, heads: int, D: int,
+                                dtype: torch.dtype) -> GemvSettings:
+    # asked on every call of the path (and by default_settings): cached as gemv's own is
+    s = _gemv.default_settings(target, M=M, N=heads * D, K=K, dtype=dtype)
+    return replace(s, BLOCK_N=min(s.BLOCK_N, D))
 
 
 def _gemv_rope_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
@@ -1056,7 +1073,7 @@ def _gemv_rope_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
         PDL_LATE=False, **flags, num_warps=s.num_warps,
         num_stages=s.num_stages, **launch)
     if split > 1:
-        pairs = D // 2 if qk_norm else min(FINISH_PAIRS, D // 2)  # QK-norm: whole heads
+        pairs = _finish_pairs(D, qk_norm)
         _rope_finish_kernel[(N // (2 * pairs),)](
             ws, ss, *common, M, K, eps, qeps, *strides, BLOCK_M=next_pow2(M), P=pairs,
             SPLIT_K=split, **flags, num_warps=_finish_warps(M, pairs), **launch)
@@ -1076,7 +1093,7 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", *, rows: int
     """What ``triton.compile`` needs to build the kernel for compute capability cc, by
     default at the Llama-3.1-8B shape (K 4096, Hq 32, Hkv 8, D 128), one row, paged.
     settings None: what default_settings picks for cc (on sm_90 the GEMV-epilogue path
-    without QK-norm, the two-launch path with it); fused: the fused kernel with
+    or the two-launch path, by its rule); fused: the fused kernel with
     fused_settings instead. qk_norm_whole or settings TwoLaunchSettings: the two-launch
     path's second kernel (_norm_rope_append_kernel; the projection before it is gemv's
     kernel). GemvRopeSettings: _gemv_rope_kernel (finish: its split-K finish instead).
@@ -1152,10 +1169,10 @@ def _gemv_rope_compile_spec(t, g, rows, head_dim, q_heads, kv_heads, norm, bias,
                  "stride_vl", "stride_vh", "stride_btb"):
         sig[name] = "i32"
     const = {"HQ": q_heads, "HKV": kv_heads, "D": head_dim, "NORM": norm, "BIAS": bias,
-             "QK_NORM": qk_norm, "PAGED": paged, "PAGE_SIZE": page_size if paged else 1, "SEQ_INDEX": seq_index,
-             "PDL": pdl}
+             "QK_NORM": qk_norm, "PAGED": paged, "PAGE_SIZE": page_size if paged else 1,
+             "SEQ_INDEX": seq_index, "PDL": pdl}
     if finish:
-        pairs = head_dim // 2 if qk_norm else min(FINISH_PAIRS, head_dim // 2)
+        pairs = _finish_pairs(head_dim, qk_norm)
         const.update(BLOCK_M=next_pow2(rows), P=pairs, SPLIT_K=max(2, g.split_k))
         options = {"num_warps": _finish_warps(rows, pairs), "launch_pdl": pdl}
     else:

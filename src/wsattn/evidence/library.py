@@ -704,8 +704,8 @@ def _qkv_entry(name, family, fused=False, gemv_rope=False):
         at = {"hidden": 3584, "q_heads": 28, "kv_heads": 4}
         profile = ({"M": 1, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096},
                    {"M": 8, "K": 3584, "Hq": 28, "Hkv": 4, "D": 128, "L": 4096})
-    run = RunSpec(draw_shape=_draw_qkv, build=_build_qkv(family, fused, gemv_rope), run=_qkv_run,
-                  timed=_qkv_call, reference=_qkv_reference, dtypes=("bf16", "fp16"),
+    run = RunSpec(draw_shape=_draw_qkv, build=_build_qkv(family, fused, gemv_rope),
+                  run=_qkv_run, timed=_qkv_call, reference=_qkv_reference, dtypes=("bf16", "fp16"),
                   interpreter_dtypes=("fp16", "fp32"), baseline=_qkv_torch,
                   baseline_name="torch eager (F.linear, norms, RoPE, index_put), input dtype",
                   profile_shapes=profile,
@@ -723,12 +723,16 @@ def _qkv_entry(name, family, fused=False, gemv_rope=False):
     if gemv_rope:  # the GEMV-epilogue path at every shape (sm_90's default picks by grid)
         from ..kernels.qkv_rope import GemvRopeSettings
         kwargs["settings"] = GemvRopeSettings()
-    what = "whole-projection QK-norm (gemv, then norm" if whole else \
-        "fused QKV + " + ("QK-norm" if qk_norm else "bias") if fused else \
-        "QKV GEMV with bias, RoPE and the paged append in its epilogue" if gemv_rope else \
-        "QKV (two launches on sm_90: gemv, then " + ("QK-norm" if qk_norm else "bias")
-    desc = (f"Triton {what}{'' if gemv_rope else ' + RoPE + paged append'}"
-            f"{'' if fused or gemv_rope else ')'} "
+    norm = "QK-norm" if qk_norm else "bias"
+    if whole:
+        what = "whole-projection QK-norm (gemv, then norm + RoPE + paged append)"
+    elif fused:
+        what = f"fused QKV + {norm} + RoPE + paged append"
+    elif gemv_rope:
+        what = "QKV GEMV with bias, RoPE and the paged append in its epilogue"
+    else:  # the path default_settings picks: on sm_90 the GEMV epilogue or two launches
+        what = f"QKV + {norm} + RoPE + paged append (the default path)"
+    desc = (f"Triton {what} "
             f"({family}, K={at['hidden']} Hq={at['q_heads']} Hkv={at['kv_heads']} D=128 bf16)")
     return name, "wsattn.kernels.qkv_rope", "compile_spec", kwargs, run, desc, None
 

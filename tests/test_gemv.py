@@ -254,17 +254,12 @@ def test_default_settings_table():
     assert s(3, 2048, 8192).use_dot and s(3, 2048, 8192).split_k > 1
     assert not s(2, 2048, 8192).use_dot and s(2, 2048, 8192).split_k == 1
     assert s(2, 128256, 2048).use_dot  # the LM head: unsplit on the dot path
-    # one row: the FMA path's row fold at every shape, 16 rows of 512 bytes, six stages,
-    # eight where the programs (column blocks x K splits) are at most one an SM
-    for N, K, silu, stages in ((2048, 8192, False, g.ONE_ROW_FEW_STAGES),
-                               (4096, 14336, False, g.MAX_STAGES),
-                               (128256, 2048, False, g.MAX_STAGES),
-                               (8192, 2048, True, g.MAX_STAGES),
-                               (14336, 4096, True, g.MAX_STAGES),
-                               (512, 2048, False, g.ONE_ROW_FEW_STAGES)):
+    # one row: the FMA path's row fold at every shape, 16 rows of 512 bytes, six stages
+    for N, K, silu in ((2048, 8192, False), (128256, 2048, False), (8192, 2048, True),
+                       (14336, 4096, True), (512, 2048, False)):
         st = s(1, N, K, silu)
         assert not st.use_dot and (st.BLOCK_N, st.BLOCK_K, st.num_stages) == (
-            g.ONE_ROW_BLOCK_N, 256, stages), (N, K, st)
+            g.ONE_ROW_BLOCK_N, 256, g.MAX_STAGES), (N, K, st)
     for cc in (80, 120):  # not on other targets: the rule above
         other = g.default_settings(Target("cuda", cc, 108), M=1, N=8192, K=2048,
                                    dtype=torch.bfloat16, silu_mul=True)

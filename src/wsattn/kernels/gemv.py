@@ -385,11 +385,6 @@ FMA_TILE_ELEMS = 4096  # W elements of an FMA tile (16-bit; half for fp32)
 PDL_LATE_BELOW_M = 8
 STAGE_BUDGET = 96 * 1024  # shared memory for the pipeline's stages, per program
 MAX_STAGES = 6
-# One row, at most one program an SM: the folded loop is all a program has to hide its
-# loads behind, so it keeps more of them in flight. H200, PDL off, 6 / 8 stages alone
-# (notes/decode_step.md): Llama-3.2-1B down (128 programs) 11.2 -> 10.6 us, o 4.9 -> 4.6;
-# Llama-3.1-8B (256 programs, two an SM) down 29.1 -> 29.5, o 10.8 -> 11.0.
-ONE_ROW_FEW_STAGES = 8
 
 
 def block_m(M: int, use_dot: bool) -> int:
@@ -441,9 +436,8 @@ def _one_row_settings(target: Target, N: int, K: int, dtype: torch.dtype) -> Gem
     elem = torch.empty((), dtype=dtype).element_size()
     block_k = FMA_TILE_ELEMS * 2 // elem // ONE_ROW_BLOCK_N
     split = _split_k(cdiv(N, ONE_ROW_BLOCK_N), K, block_k, target.num_sms)
-    few = cdiv(N, ONE_ROW_BLOCK_N) * split <= target.num_sms
     return GemvSettings(BLOCK_N=ONE_ROW_BLOCK_N, BLOCK_K=block_k, split_k=split, use_dot=False,
-                        num_warps=4, num_stages=ONE_ROW_FEW_STAGES if few else MAX_STAGES)
+                        num_warps=4, num_stages=MAX_STAGES)
 
 
 def _settings(target: Target, M: int, N: int, K: int, dtype: torch.dtype, silu_mul: bool,

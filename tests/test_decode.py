@@ -110,6 +110,10 @@ CASES = {
     # pages of 2 tiles: the one-page-per-tile load path (PAGE_SIZE % BLOCK_N == 0)
     "B2-T1-H4-HKV1-page32-split2": (2, 1, 4, 1, [70, 33], 32, 96, 2),
     "B2-T3-H4-HKV1-page1-split2": (2, 3, 4, 1, [19, 4], 1, 20, 2),
+    # more splits than the combine unrolls whole: a block of 32 and a rest of 8, and two
+    # blocks and no rest
+    "B2-T1-H4-HKV1-L700-contig-split40": (2, 1, 4, 1, [700, 37], None, 700, 40),
+    "B1-T1-H4-HKV1-page16-split64": (1, 1, 4, 1, [1000], 16, 1024, 64),
 }
 # fp16 everywhere; fp32 on a few shapes (each interpreted case costs ~1 s of CI time)
 FP32_CASES = ("B3-T1-H4-HKV1-L70-contig-split3", "B3-T3-H8-HKV1-page7-split3",
@@ -206,6 +210,31 @@ def test_default_settings_preload_the_table_where_it_fits_on_sm90():
     assert not wide.bt_preload and wide.num_stages == 7
     assert not settings(90, 1, 131072, 64).bt_preload  # one table entry per tile already
     assert not settings(100, 1, 131072, 16).bt_preload  # measured on sm_90 only
+
+
+def test_sm90_combine_unrolls_at_most_a_block_of_splits():
+    """The combine unrolls up to COMBINE_UNROLL_MAX splits whole; past that it loops over
+    unrolled blocks, so its build no longer grows with the split count (unrolled whole, 64
+    splits built in ~12 s and 128 in ~90 s on one CPU core)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from wsattn.kernels import decode_triton
+
+    def loops_and_loads(splits):
+        st = decode_triton.DecodeSettings(BLOCK_N=64, num_warps=4, num_stages=4,
+                                          num_splits=splits)
+        s = decode_triton.compile_spec(90, head_dim=64, settings=st, kernel="combine")
+        k = triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
+                                     attrs=s["attrs"]),
+                           target=GPUTarget("cuda", 90, 32), options=s["options"])
+        ttir = k.asm["ttir"]
+        return ttir.count("scf.for"), ttir.count("tt.load")
+
+    block = decode_triton.COMBINE_UNROLL_MAX.value
+    assert loops_and_loads(block) == (0, 2 * block)  # an lse and an o load a split
+    assert loops_and_loads(2 * block) == (1, 2 * block)  # one loop of one block
+    assert loops_and_loads(4 * block + 3) == (1, 2 * block + 2 * 3)  # and the rest unrolled
 
 
 def test_sm90_bt_preload_pipelines_like_the_contiguous_cache():

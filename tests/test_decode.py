@@ -465,55 +465,6 @@ def test_sm90_pdl_waits_before_any_load_and_releases_dependents():
             assert f["first_load_at"] >= 0, (name, f)
 
 
-_PREFETCH_SCRIPT = r"""
-import json, re, triton
-from triton.compiler import ASTSource
-from triton.backends.compiler import GPUTarget
-from wsattn.kernels import decode_triton
-BUILDS = {"contiguous-d64": dict(head_dim=64), "paged-16-d64": dict(head_dim=64, paged=True),
-          "paged-16-d128": dict(paged=True), "paged-64-d128": dict(paged=True, page_size=64)}
-facts = {}
-for name, kw in BUILDS.items():
-    s = decode_triton.compile_spec(90, pdl=True, l2_prefetch=True, **kw)
-    k = triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
-                                 attrs=s["attrs"]),
-                       target=GPUTarget("cuda", 90, 32), options=s["options"])
-    ptx = k.asm["ptx"]
-    before, after = ptx.split("griddepcontrol.wait", 1)
-    facts[name] = {"prefetch_before": before.count("prefetch.global.L2"),
-                   "prefetch_after": after.count("prefetch.global.L2"),
-                   "kv_copies_before": len(re.findall(r"cp\.async", before)),
-                   "pf_keys": s["constexprs"]["PF_KEYS"], "threads": 32 * s["options"]["num_warps"]}
-print(json.dumps(facts))
-"""
-
-
-def test_sm90_l2_prefetch_asks_before_the_wait_only():
-    """l2_prefetch=True: the prefetch requests (one a 128-byte line of every K and V row of
-    PF_KEYS keys, spread over the program's threads) all come before griddepcontrol.wait,
-    no K/V copy does, and none comes after it."""
-    import json
-    import os
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a compiler build
-    done = subprocess.run([sys.executable, "-c", _PREFETCH_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for name, f in json.loads(done.stdout.strip().splitlines()[-1]).items():
-        lines = 1 if name.endswith("d64") else 2  # bf16 rows of 128 / 256 bytes
-        assert f["prefetch_before"] == 2 * lines * f["pf_keys"] // f["threads"], (name, f)
-        assert f["prefetch_after"] == 0 and f["kv_copies_before"] == 0, (name, f)
-
-
-def test_pf_keys_cover_a_split_up_to_the_cap():
-    from wsattn.kernels.decode_triton import PF_MAX_KEYS, DecodeSettings, pf_keys
-    s = DecodeSettings(BLOCK_N=128, num_warps=4, num_stages=4, num_splits=17)
-    assert pf_keys(s, 4096 + 16) == 256  # 33 tiles, 2 a split
-    assert pf_keys(dataclasses.replace(s, num_splits=1), 4096) == PF_MAX_KEYS
-    assert pf_keys(dataclasses.replace(s, BLOCK_N=64, num_splits=64), 4096) == 64
-
-
 def test_compile_spec_pdl_off_is_the_default_build():
     """pdl=False adds no PDL constexpr and no launch option: the default build (and its
     SASS) is the one the library had before the switch existed."""
@@ -543,13 +494,6 @@ def test_decode_pdl_refused_off_sm90_before_any_kernel(kernel_device, monkeypatc
         wsattn.ops.decode(q, k, v, seqlens, None, 0.125, 2, pdl=True)
     with pytest.raises(ValueError, match="pdl must be True or False"):
         decode_triton.decode(q, k, v, seqlens, None, 0.125, 2, pdl=None)
-    # the L2 prefetch runs before the PDL wait: nothing to do without PDL
-    with pytest.raises(ValueError, match="l2_prefetch=True needs pdl=True"):
-        decode_triton.decode(q, k, v, seqlens, None, 0.125, 2, l2_prefetch=True)
-    with pytest.raises(ValueError, match="l2_prefetch=True needs pdl=True"):
-        wsattn.ops.decode(q, k, v, seqlens, None, 0.125, 2, l2_prefetch=True)
-    with pytest.raises(ValueError, match="l2_prefetch must be True or False"):
-        decode_triton.decode(q, k, v, seqlens, None, 0.125, 2, pdl=True, l2_prefetch=1)
 
 
 @pytest.mark.parametrize("page", [None, 7])

@@ -291,13 +291,12 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
         step._moe(moe_layer, buf.h, buf)
         assert {name for name, _ in seen} == set(runner.PDL_FAMILIES)
         assert all(pdl is (name in families) for name, pdl in seen), (families, seen)
-    def variants(owner, name, kw, cases, ret=None):
+    def variants(owner, name, kw, cases):
         """Each pdl= choice reaches owner.name's stand-in as (pdl, its kw argument)."""
         got = []
 
         def stand_in(*a, pdl=None, **k):
             got.append((pdl, k.get(kw, "unset")))
-            return ret(*a) if ret else None
         monkeypatch.setattr(owner, name, stand_in)
         for families, want in cases:
             got.clear()
@@ -324,13 +323,6 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
                  ("qkv_rope:gemv-rope", "qkv_rope:two-launch")]:
         with pytest.raises(ValueError, match=r"name the same kernels \(qkv_rope\)"):
             runner._pdl_families(both, has_pdl=True)
-    # decode: the L2 prefetch with its variant only
-    variants(runner.ops, "decode", "l2_prefetch", [
-        (("decode:l2-prefetch",), (True, True)), (("decode",), (True, False)),
-        ((), (False, False))],
-        ret=lambda q, *a: (torch.zeros(q.shape[0], 1, cfg.heads, cfg.head_dim),))
-    with pytest.raises(ValueError, match=r"name the same kernels \(decode\)"):
-        runner._pdl_families(("decode", "decode:l2-prefetch"), has_pdl=True)
     # the default: every family where the GPU has PDL (the GEMVs' release by rows)
     assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
@@ -470,13 +462,11 @@ def test_gpu_pdl_on_equals_off():
         pytest.skip("PDL needs sm_90+")
     ps = _gpu_prompts()
     off_t, off_l = _gpu_engine(pdl=False)[0].run(ps, 24, return_logits=True)
-    # every family, the library's default, both forced GEMV releases, the QKV call on
-    # either path (the A/B variants; without QK-norm both paths compute the same bits) and
-    # decode's L2 prefetch
+    # every family, the library's default, both forced GEMV releases and the QKV call on
+    # either path (the A/B variants; without QK-norm both paths compute the same bits)
     for pdl in (True, None, ("qkv_rope", "decode", "gemv:late"),
                 ("qkv_rope", "decode", "gemv:early"), ("qkv_rope:two-launch", "decode", "gemv"),
-                ("qkv_rope:gemv-rope", "decode", "gemv"),
-                ("qkv_rope", "decode:l2-prefetch", "gemv")):
+                ("qkv_rope:gemv-rope", "decode", "gemv")):
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl

@@ -133,13 +133,11 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # ("qkv_rope:two-launch"; the same where the default takes two launches anyway), or on the
 # GEMV-epilogue path where the default takes two launches ("qkv_rope:gemv-rope": where
 # its grid rule keeps two launches, e.g. Llama-3.1-8B at one row; refused at construction
-# for QK-norm over the whole projection, OLMoE's, which that path does not take); decode
-# with PDL asking for its splits' older keys in L2 before its wait ("decode:l2-prefetch";
-# the step writes seqlens and the block table before its first layer, as that needs).
+# for QK-norm over the whole projection, OLMoE's, which that path does not take).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:two-launch": "qkv_rope",
-                "qkv_rope:gemv-rope": "qkv_rope", "decode:l2-prefetch": "decode"}
+                "qkv_rope:gemv-rope": "qkv_rope"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -218,9 +216,7 @@ class KernelStep:
             ``PDL_FAMILIES`` names: on for those kernel families only (to measure where
             PDL pays), "gemv:late" / "gemv:early" in place of "gemv" forcing where the
             GEMVs release, "qkv_rope:two-launch" / "qkv_rope:gemv-rope" in place of
-            "qkv_rope" forcing the QKV call's path, "decode:l2-prefetch" in place of
-            "decode" asking for the older keys in L2 before decode's wait
-            (``PDL_VARIANTS``).
+            "qkv_rope" forcing the QKV call's path (``PDL_VARIANTS``).
         moe_one_token: at bucket 1, group a MoE layer's (token, slot) pairs without the
             grouping kernel (``moe.one_token_grouping``: one block a slot; same bits), one
             launch fewer a MoE layer. On by default: the 48-layer Qwen3-30B-A3B step at B1
@@ -431,7 +427,7 @@ class KernelStep:
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
         pdl_qkv = on("qkv_rope") or on("qkv_rope:two-launch") or on("qkv_rope:gemv-rope")
-        pdl_decode = on("decode") or on("decode:l2-prefetch")
+        pdl_decode = on("decode")
         qkv_settings = (TwoLaunchSettings() if on("qkv_rope:two-launch") else
                         GemvRopeSettings() if on("qkv_rope:gemv-rope") else None)
         g = self._gemv_launch()
@@ -452,8 +448,7 @@ class KernelStep:
             # the launcher through ops (no host checks; PDL, which api.decode does not take)
             attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
                               buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
-                              pdl=pdl_decode,
-                              l2_prefetch=on("decode:l2-prefetch"))[0][:, 0]  # [n, Hq, D]
+                              pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
             gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, **g)
             self._count("gemv_o")

@@ -46,45 +46,6 @@ COMBINE_UNROLL_MAX = tl.constexpr(32)
 
 
 @triton.jit
-def _prefetch_l2(ptrs, live):
-    """Ask for the 128-byte line holding each live address to be brought into L2 (PTX
-    prefetch.global.L2, sm_90+ builds only): a hint, nothing waits for it, nothing is
-    written. Its result is unused, so it is marked impure to survive dead-code removal."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, live.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_split(k_head, v_head, seqlens_ptr, bt_ptr, b, s, stride_kb, stride_kl, stride_vb,
-                    stride_vl, stride_btb, T: tl.constexpr, D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr, PF_KEYS: tl.constexpr, ELEM: tl.constexpr):
-    """_decode_kernel's L2 prefetch of split s's first PF_KEYS keys older than the T new
-    ones: the split bounds as the kernel computes them, one gather of the block table, then
-    one line request per 128 bytes of each K and V row."""
-    seqlen = tl.load(seqlens_ptr + b)
-    tiles_per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
-    lo = s * tiles_per_split * BLOCK_N
-    hi = tl.minimum(tl.minimum(lo + tiles_per_split * BLOCK_N, seqlen - T), lo + PF_KEYS)
-    LINE: tl.constexpr = 128 // ELEM if D * ELEM > 128 else D  # elements a request covers
-    n = lo + tl.arange(0, PF_KEYS)  # [PF_KEYS]
-    live = n < hi
-    if PAGED:
-        page = tl.load(bt_ptr + b * stride_btb + n // PAGE_SIZE, mask=live, other=0).to(tl.int64)
-        in_page = (n % PAGE_SIZE).to(tl.int64)
-        k_rows = page * stride_kb + in_page * stride_kl  # [PF_KEYS]
-        v_rows = page * stride_vb + in_page * stride_vl
-    else:
-        k_rows = b.to(tl.int64) * stride_kb + n.to(tl.int64) * stride_kl
-        v_rows = b.to(tl.int64) * stride_vb + n.to(tl.int64) * stride_vl
-    lines = tl.arange(0, D // LINE) * LINE  # [D // LINE]
-    live2 = tl.broadcast_to(live[:, None], [PF_KEYS, D // LINE])
-    _prefetch_l2(k_head + k_rows[:, None] + lines[None, :], live2)
-    _prefetch_l2(v_head + v_rows[:, None] + lines[None, :], live2)
-
-
-@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
                    ws_o_ptr, ws_lse_ptr, qk_scale, HQ,
                    stride_qb, stride_qt, stride_qh,
@@ -94,29 +55,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
                    T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr = 0,
-                   PDL: tl.constexpr = False, PF_KEYS: tl.constexpr = 0):
+                   PDL: tl.constexpr = False):
     # stride_kb / stride_vb step a sequence (contiguous cache) or a page (paged cache).
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     if PDL:
-        if PF_KEYS > 0:
-            # L2 prefetch (decode(l2_prefetch=True)): before the wait, the first PF_KEYS
-            # older keys of this split (never the T new ones, which the kernel before
-            # writes) are requested into L2, so that a program launched while the QKV
-            # call still runs reads them from L2 after the wait. This reads seqlens and
-            # the block table before the wait: the caller guarantees the kernel launched
-            # just before this one does not write them (the decode step writes both
-            # before its first layer).
-            _prefetch_split(k_ptr + h * stride_kh, v_ptr + h * stride_vh, seqlens_ptr, bt_ptr,
-                            b, s, stride_kb, stride_kl, stride_vb, stride_vl, stride_btb,
-                            T, D, BLOCK_N, NUM_SPLITS, PAGED, PAGE_SIZE, PF_KEYS,
-                            k_ptr.dtype.element_ty.primitive_bitwidth // 8)
         # Every load below waits: q and this token's K/V are the fused QKV kernel's
         # output. seqlens and the block table are host copies made before the step, but
         # reading them after the wait too costs one dependent load's latency and keeps
-        # the rule simple: nothing this grid reads is read before the wait (but for the
-        # prefetch above, which only asks for lines).
+        # the rule simple: nothing this grid reads is read before the wait.
         tl.extra.cuda.gdc_wait()
         # Release the next kernel now. Safe because every kernel of the step reads only
         # weights before its own gdc_wait and writes nothing there, and that wait returns
@@ -394,16 +342,6 @@ def bt_chunk(settings: DecodeSettings, capacity: int, page_size: int) -> int:
     return chunk if chunk <= BT_PRELOAD_MAX else 0
 
 
-PF_MAX_KEYS = 512  # keys of a split the L2 prefetch asks for at most (decode's l2_prefetch)
-
-
-def pf_keys(settings: DecodeSettings, capacity: int) -> int:
-    """The PF_KEYS constexpr of decode(l2_prefetch=True): a power of two covering one
-    split's keys at the cache's capacity, at most PF_MAX_KEYS (the split's first keys)."""
-    tiles = cdiv(cdiv(capacity, settings.BLOCK_N), settings.num_splits)
-    return min(next_pow2(tiles * settings.BLOCK_N), PF_MAX_KEYS)
-
-
 def _block_m(T: int, group: int) -> int:
     return max(16, next_pow2(T * group))
 
@@ -415,7 +353,7 @@ COMBINE_BLOCK_D = 32  # one warp, one fp32 a thread per split
 
 
 def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, settings=None,
-           *, pdl=False, l2_prefetch=False):
+           *, pdl=False):
     """Decode attention of T new tokens per sequence against a KV cache (validated by api.py).
 
     Args:
@@ -433,10 +371,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
             launches go out with PDL and wait for the previous kernel inside, and release
             the next kernel early. Every kernel launched after this one with PDL must read
             only weights before its own griddepcontrol.wait (the engine's kernels do).
-        l2_prefetch: with pdl, each program first asks for its split's older keys (up to
-            PF_MAX_KEYS of them) to be brought into L2, then waits; it reads seqlens and
-            block_table for that before the wait, so the kernel launched just before this
-            one must not write them (the decode step's kernels do not).
 
     Returns:
         (out [B, T, Hq, D] in q's dtype, lse [B, T, Hq] float32, natural log; a row that
@@ -449,11 +383,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     """
     if pdl not in (True, False):
         raise ValueError(f"pdl must be True or False, got {pdl!r}")
-    if not isinstance(l2_prefetch, bool):
-        raise ValueError(f"l2_prefetch must be True or False, got {l2_prefetch!r}")
-    if l2_prefetch and not pdl:
-        # without PDL nothing runs before the wait: the requests would only delay the loads
-        raise ValueError("l2_prefetch=True needs pdl=True")
     if pdl:
         target = target_of(q.device)
         if target.backend != "cuda" or target.cc < 90:
@@ -492,7 +421,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     bt = block_table if paged else seqlens  # any int32 pointer when not paged
     # PDL off passes nothing: the default launch (and build) stays as it was
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
-    pf = {"PF_KEYS": pf_keys(settings, capacity)} if l2_prefetch else {}
     _decode_kernel[(B, HKV, splits)](
         q, k_cache, v_cache, seqlens, bt, out, lse, ws_o, ws_lse,
         sm_scale * LOG2E, HQ,
@@ -503,7 +431,7 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         T=T, GROUP=group, D=D, BLOCK_M=_block_m(T, group), BLOCK_N=settings.BLOCK_N,
         NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=page_size,
         BT_CHUNK=bt_chunk(settings, capacity, page_size) if paged else 0,
-        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch, **pf)
+        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, D)
         _combine_kernel[(B * T * HQ, D // block_d)](
@@ -519,13 +447,12 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool = False,
                  settings: DecodeSettings | None = None, *, T: int = 1, group: int = 4,
                  page_size: int = 16, num_sms: int = 132, kernel: str = "decode",
-                 pdl: bool = False, l2_prefetch: bool = False) -> dict:
+                 pdl: bool = False) -> dict:
     """What ``triton.compile`` needs to build a decode kernel for compute capability cc.
 
     kernel="decode" gives the main split-KV kernel, kernel="combine" the split combine.
     pdl=True builds the PDL variant (constexpr PDL, option launch_pdl); pdl=False leaves
-    both out, exactly the default build. l2_prefetch=True (with pdl) adds the L2 prefetch
-    before the wait (constexpr PF_KEYS, from pf_keys at capacity 131072).
+    both out, exactly the default build.
     Settings default to default_settings for a single-token B=1, Hkv=8, L=131072 call
     on a GPU with num_sms SMs (so NUM_SPLITS > 1 and the workspace path is compiled).
 
@@ -576,7 +503,6 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
     if pdl:
         const["PDL"] = True
         options["launch_pdl"] = True
-        const["PF_KEYS"] = pf_keys(settings, 131072) if l2_prefetch else 0
     sig.update({name: "constexpr" for name in const})
     return {"fn": _decode_kernel, "signature": sig, "constexprs": const,
             "attrs": _aligned(_decode_kernel, _DECODE_ALIGNED), "options": options}

@@ -332,8 +332,12 @@ def _decode_entry(name, paged):
                   reference=_decode_reference, dtypes=("bf16", "fp16"), baseline=_sdpa_decode,
                   baseline_name="torch SDPA" + (" (contiguous cache)" if paged else ""),
                   profile_shapes=({"B": 8, "L": [65536] * 8, "Hq": 32, "Hkv": 8, "D": 128, "paged": paged},),
+                  # the last two: one sequence of one KV head splits 33 and 128 ways, the
+                  # combine's loop over blocks of unrolled splits (with and without a rest)
                   sanitizer_shapes=({"B": 2, "L": [17, 60], "Hq": 4, "Hkv": 1, "D": 128, "paged": paged},
-                                    {"B": 1, "L": [1], "Hq": 2, "Hkv": 2, "D": 64, "paged": paged}),
+                                    {"B": 1, "L": [1], "Hq": 2, "Hkv": 2, "D": 64, "paged": paged},
+                                    {"B": 1, "L": [2100], "Hq": 8, "Hkv": 1, "D": 128, "paged": paged},
+                                    {"B": 1, "L": [20000], "Hq": 8, "Hkv": 1, "D": 128, "paged": paged}),
                   describe=_describe_decode)
     return (name, "wsattn.kernels.decode_triton", "compile_spec",
             {"head_dim": 128, "dtype": "bf16", "paged": paged}, run,

@@ -162,7 +162,9 @@ CHILD = textwrap.dedent(r'''
 
         interpreter.InterpretedFunction.run = counted
         m = model("qwen3_moe")
-        e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8)
+        # greedy_in_graph=False: the engine calls step.decode once a step (counted here)
+        e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8,
+                   greedy_in_graph=False)
         step = e.step
         decode = step.decode
         steps = [0]

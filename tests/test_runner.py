@@ -84,37 +84,6 @@ CHILD = textwrap.dedent(r'''
         _, ref_t, _ = run(m, "reference", ps, n)
         res["ref_tokens"] = all(torch.equal(a, b) for a, b in zip(ref_t, t))
 
-    elif case == "chain":
-        from wsattn.engine import runner
-        runner.GREEDY_HISTORY = 3  # the history fills and is copied out twice in 8 steps
-        m, ps, n = model("qwen2"), prompts([9, 4, 6]), 9
-        with torch.no_grad():  # larger weights: greedy tokens that change from step to step
-            for name, p in m.named_parameters():
-                if name.endswith("proj.weight") or name.endswith("embed_tokens.weight"):
-                    p.normal_(0, 0.25)
-
-        def gen(chained, **kw):
-            e = Engine(m, step="kernels", device="cpu", buckets=(4,), num_pages=8,
-                       page_size=8, greedy_in_graph=chained)
-            return e.run(ps, n, **kw)
-
-        (ct, cl), (pt, pl) = gen(True, return_logits=True), gen(False, return_logits=True)
-        res["tokens"] = all(torch.equal(a, b) for a, b in zip(ct, pt))
-        res["logits"] = torch.equal(cl, pl)
-        res["no_logits"] = all(torch.equal(a, b) for a, b in zip(gen(True), pt))
-        # eos: an id row 1 emits mid-way (row 1 stops there, the others run on), then one
-        # of two ids every row emits (the request stops early)
-        new_ids = [t[len(p):] for t, p in zip(pt, ps)]
-        res["varied"] = all(len(set(t.tolist())) > 2 for t in new_ids)
-        mid = int(new_ids[1][4])
-        both = [mid] + [int(t[2]) for t in new_ids]
-        for name, eos in (("eos_one", [mid]), ("eos_all", both)):
-            a, b = gen(True, eos_token_id=eos), gen(False, eos_token_id=eos)
-            res[name] = {"equal": all(torch.equal(x, y) for x, y in zip(a, b)),
-                         "lens": [x.numel() for x in a], "full": [x.numel() for x in pt]}
-        res["eos_over"] = all(torch.equal(x, y) for x, y in zip(
-            gen(True, eos_token_id=list(range(9))), gen(False, eos_token_id=list(range(9)))))
-
     elif case == "launches":
         names = collections.Counter()
         counting = [False]
@@ -127,9 +96,7 @@ CHILD = textwrap.dedent(r'''
 
         interpreter.InterpretedFunction.run = counted
         m = model(arg["family"])
-        # greedy_in_graph=False: the engine calls step.decode once a step (counted here)
-        e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8,
-                   greedy_in_graph=False)
+        e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8)
         step = e.step
         decode = step.decode
         steps = [0]
@@ -215,22 +182,6 @@ def test_bucket_padding():
     assert r["tokens"] and r["ref_tokens"], r
     assert r["err"] <= FP32_LOGITS, r
     assert r["cache_equal"], r
-
-
-def test_greedy_chain_equals_sampling_between_steps():
-    """Greedy decoding inside the step (Engine greedy_in_graph=True, KernelStep's greedy
-    chain) gives the tokens and, bit for bit, the logits of decode + sample between steps:
-    a batch of 3 padded to bucket 4, the on-device history filling twice, eos finishing
-    one row and then the request, and more eos ids than the chain takes (the engine then
-    samples between steps)."""
-    r = _child("chain")
-    assert r["varied"], r  # the tokens change from step to step, so equality says something
-    assert r["tokens"] and r["logits"] and r["no_logits"], r
-    for name in ("eos_one", "eos_all"):
-        assert r[name]["equal"], (name, r)
-    assert r["eos_one"]["lens"] == r["eos_one"]["full"], r  # one row done, the rest ran on
-    assert all(a < b for a, b in zip(r["eos_all"]["lens"], r["eos_all"]["full"])), r
-    assert r["eos_over"], r
 
 
 def test_launches_per_layer():
@@ -519,27 +470,6 @@ def test_gpu_pdl_on_equals_off():
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl
-
-
-@pytest.mark.gpu
-def test_gpu_greedy_chain_equals_sampling_between_steps():
-    """The greedy chain (each step one graph replay that samples and feeds the next
-    tokens itself) gives bit for bit the tokens and logits of decode + sample between
-    steps: a batch of 3 at bucket 4 and a batch of 1, 200 steps (the on-device history
-    fills once), with and without the logits kept, with eos finishing one row."""
-    ps = _gpu_prompts()
-    for prompts in (ps, ps[:1]):
-        chain, plain = _gpu_engine()[0], _gpu_engine()[0]
-        plain.greedy_in_graph = False
-        ct, cl = chain.run(prompts, 200, return_logits=True)
-        pt, pl = plain.run(prompts, 200, return_logits=True)
-        assert all(torch.equal(a, b) for a, b in zip(ct, pt))
-        assert torch.equal(cl, pl)
-        assert all(torch.equal(a, b) for a, b in zip(chain.run(prompts, 200), pt))
-        eos = int(pt[0][prompts[0].numel() + 50])  # row 0 finishes at step 50 or before
-        a, b = chain.run(prompts, 200, eos_token_id=eos), plain.run(prompts, 200,
-                                                                     eos_token_id=eos)
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.gpu

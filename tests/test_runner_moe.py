@@ -162,9 +162,7 @@ CHILD = textwrap.dedent(r'''
 
         interpreter.InterpretedFunction.run = counted
         m = model("qwen3_moe")
-        # greedy_in_graph=False: the engine calls step.decode once a step (counted here)
-        e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8,
-                   greedy_in_graph=False)
+        e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8)
         step = e.step
         decode = step.decode
         steps = [0]

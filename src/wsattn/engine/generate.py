@@ -77,12 +77,7 @@ class Step(Protocol):
         """tokens: int64 [B], one new token per sequence; seqlens: int32 [B], cache length
         *including* the new token (its position is seqlens - 1); block_table: int32
         [B, max_pages]. Returns float32 [B, vocab]. B is at most the largest bucket; a
-        runner pads B up to its bucket itself.
-
-        A step may also offer ``greedy_chain(tokens, seqlens, block_table, *, eos, done,
-        logits)`` and ``greedy_eos_max`` (as ``KernelStep`` does): greedy requests then
-        run through it, each step choosing and feeding its own next tokens (the engine's
-        ``greedy_in_graph``)."""
+        runner pads B up to its bucket itself."""
 
 
 class ReferenceStep:
@@ -254,17 +249,11 @@ class Engine:
         max_seq_len: most tokens per sequence (prompt + new); default: the model's
             max positions.
         prefill_chunk: most prompt tokens per sequence in one prefill call.
-        greedy_in_graph: greedy decoding (temperature 0) on a step that offers it
-            (``step="kernels"``) picks each next token inside the step, so one decode
-            step is one CUDA graph replay with nothing between two (argmax, eos and the
-            next step's inputs on the device); False: the step returns logits and the
-            engine samples them between steps. The same tokens either way.
     """
 
     def __init__(self, model_or_path, *, dtype=None, device=None, step: str = "reference",
                  page_size: int = 16, buckets=BUCKETS, num_pages: int | None = None,
-                 max_seq_len: int | None = None, prefill_chunk: int = 512,
-                 greedy_in_graph: bool = True):
+                 max_seq_len: int | None = None, prefill_chunk: int = 512):
         from ..models import flashnorm
         from ..models.weights import load
 
@@ -277,8 +266,6 @@ class Engine:
         for name, value in (("page_size", page_size), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(greedy_in_graph, bool):
-            raise ValueError(f"greedy_in_graph must be a bool, got {greedy_in_graph!r}")
         if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
             raise ValueError(f"num_pages must be None or a positive int, got {num_pages!r}")
         device = torch.device(device if device is not None else
@@ -288,7 +275,6 @@ class Engine:
         self.device, self.dtype = device, self.weights.dtype
         self.step_name, self.page_size, self.buckets = step, page_size, buckets
         self.prefill_chunk = prefill_chunk
-        self.greedy_in_graph = greedy_in_graph
         self.max_seq_len = cfg.max_positions if max_seq_len is None else int(max_seq_len)
         if not 1 <= self.max_seq_len <= cfg.max_positions:
             raise ValueError(f"max_seq_len must be in [1, {cfg.max_positions}] (the model's "
@@ -383,9 +369,6 @@ class Engine:
         # between-step work (177-303 us a token in the H200 step traces).
         seqlens = cache.seqlens(ids)
         stop = _EosStop(dev)
-        chained = (temperature == 0 and self.greedy_in_graph
-                   and hasattr(self.step, "greedy_chain")
-                   and (eos is None or len(eos) <= self.step.greedy_eos_max))
         for i in range(max_new_tokens):
             if return_logits:
                 all_logits.append(last)
@@ -401,11 +384,6 @@ class Engine:
                 break
             cache.advance(ids, [1] * len(ids))
             seqlens = seqlens + 1
-            if chained:
-                # the rest inside the step: each step samples and feeds the next itself
-                self._chain(i + 1, tok, seqlens, block_table, max_new_tokens, eos, done,
-                            return_logits, new, all_logits, stop, ids)
-                break
             last = self.step.decode(tok, seqlens, block_table)
         clock.mark()
         clock.report(len(new) - 1)
@@ -417,24 +395,6 @@ class Engine:
                 new, all_logits = new[:n + 1], all_logits[:n + 1]
         logits = torch.stack(all_logits, dim=1) if return_logits else None
         return new, logits
-
-    def _chain(self, first, tok, seqlens, block_table, max_new_tokens, eos, done,
-               return_logits, new, all_logits, stop, ids):
-        """Tokens first.. of a greedy request through the step's greedy chain (the same
-        tokens as the loop in _loop; each step one graph replay, nothing between them)."""
-        chain = self.step.greedy_chain(tok, seqlens, block_table, eos=eos,
-                                       done=done if eos is not None else None,
-                                       logits=return_logits)
-        for i in range(first, max_new_tokens):
-            chain.step()
-            if return_logits:
-                all_logits.append(chain.logits())
-            if eos is not None:
-                stop.push(chain.all_done())
-            if i + 1 == max_new_tokens or stop.done_at() is not None:
-                break
-            self.cache.advance(ids, [1] * len(ids))
-        new.extend(chain.tokens())
 
     def _prefill(self, ids, prompts, block_table):
         """Run the prompts through the step in chunks; return float32 [B, vocab], the

@@ -75,14 +75,6 @@ its inputs into those buffers and replays. Before the first capture the fused QK
 kernel's split-K workspace (shared per device, grown on demand) is sized for every
 bucket, so no capture allocates it and no replay reads a freed one.
 
-Greedy decoding in the graph (:meth:`KernelStep.greedy_chain`, what the engine runs for
-temperature 0): the graph of a chain step also takes the argmax of the model-dtype logits
-(no float32 cast unless the logits are kept), masks finished rows to eos, writes the
-next tokens into the token buffer (padding rows: row 0's), advances seqlens and appends
-the tokens to an on-device history, so consecutive steps are consecutive replays with no
-copy, sampling launch or host work between them. The block table stays as given (the
-engine reserves a request's pages before its first token).
-
 Prefill (never captured): projections and the MLP as torch matmuls (M is large, cuBLAS
 is at its best), the same FlashNorm / QK-norm / RoPE arithmetic as the kernels in fp32,
 k/v scattered into the pages through the block table, then attention of each chunk:
@@ -147,11 +139,6 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:two-launch": "qkv_rope",
                 "qkv_rope:gemv-rope": "qkv_rope"}
 
-# The greedy chain (KernelStep.greedy_chain): tokens it keeps on the device before the
-# host takes them (one copy per GREEDY_HISTORY steps), and the most eos ids it takes.
-GREEDY_HISTORY = 128
-EOS_MAX = 8
-
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
 INTERPRETER_DTYPES = (torch.float32, torch.float16)
@@ -207,21 +194,6 @@ class _Buffers:
         # the LM head GEMV writes the model dtype; 16-bit models cast into logits after it
         self.logits_model = (self.logits if dtype == torch.float32 else
                              torch.zeros(bucket, cfg.vocab, dtype=dtype, device=dev))
-        self.rowmap = None  # the greedy chain's state (chain_state)
-
-    def chain_state(self):
-        """The greedy chain's static tensors, made once (before any chain graph captures
-        them): the source row of each row's next token (padding rows: row 0), the chain's
-        token history and its write index, and with eos the finished rows and the ids."""
-        if self.rowmap is not None:
-            return
-        dev, n = self.tokens.device, self.bucket
-        self.rowmap = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.hist = torch.zeros(GREEDY_HISTORY, n, dtype=torch.int64, device=dev)
-        self.step_i = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.done = torch.zeros(n, dtype=torch.bool, device=dev)
-        self.all_done = torch.zeros((), dtype=torch.bool, device=dev)
-        self.eos = torch.zeros(EOS_MAX, dtype=torch.int64, device=dev)
 
 
 class KernelStep:
@@ -270,7 +242,6 @@ class KernelStep:
     """
 
     name = "kernels"
-    greedy_eos_max = EOS_MAX  # the most eos ids greedy_chain takes
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None,
                  moe_one_token=True, moe_prefill_grouped=True):
@@ -331,7 +302,6 @@ class KernelStep:
         self.launches: collections.Counter = collections.Counter()
         self._buffers: dict[int, _Buffers] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._chain_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, eos, logits)
         self._pool = None
         # the fused QKV kernel's split-K scratch, owned by the step so that what a graph
         # captures never moves: sized for every row count up to the largest bucket
@@ -451,9 +421,8 @@ class KernelStep:
         return {"pdl": on("gemv") or on("gemv:late") or on("gemv:early"),
                 "pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
 
-    def _forward(self, buf: _Buffers, cast_logits: bool = True):
-        """The decode step over a bucket's static buffers (what a graph captures).
-        cast_logits=False leaves the logits in the model dtype (buf.logits_model) only."""
+    def _forward(self, buf: _Buffers):
+        """The decode step over a bucket's static buffers (what a graph captures)."""
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
@@ -492,7 +461,7 @@ class KernelStep:
             self._count("gemv_down")
         gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, **g)
         self._count("gemv_lm_head")
-        if cast_logits and buf.logits_model is not buf.logits:
+        if buf.logits_model is not buf.logits:
             buf.logits.copy_(buf.logits_model)
             self._count("logits_cast")
 
@@ -546,7 +515,15 @@ class KernelStep:
         self._graphs[bucket] = graph
         return graph
 
-    def _check_decode_inputs(self, tokens, seqlens, block_table) -> int:
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, seqlens: torch.Tensor,
+               block_table: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence (the :class:`~wsattn.engine.generate.Step` contract).
+
+        tokens: int64 [B]; seqlens: int32 [B], cache length including the new token;
+        block_table: int32 [B, max_pages'] with max_pages' <= the cache's max_pages; all on
+        the step's device, B <= the largest bucket. Index values are never read on the
+        host. Returns float32 [B, vocab] (a new tensor, not the graph's buffer)."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
             raise ValueError(f"tokens must be int64 [B], got "
                              f"{getattr(tokens, 'dtype', type(tokens).__name__)} "
@@ -559,12 +536,8 @@ class KernelStep:
         if width > self.max_pages:
             raise ValueError(f"block_table is {width} pages wide; the cache's sequences hold "
                              f"at most {self.max_pages}")
-        return B
-
-    def _inputs(self, tokens, seqlens, block_table):
-        """Copy one decode's inputs into its bucket's static buffers (checked, B >= 1);
-        returns (bucket, buffers)."""
-        B, width = tokens.shape[0], block_table.shape[1]
+        if B == 0:
+            return torch.empty(0, self.cfg.vocab, dtype=torch.float32, device=self.device)
         bucket = self._bucket(B)
         buf = self._buffers.get(bucket)
         if buf is None:
@@ -579,107 +552,6 @@ class KernelStep:
             buf.tokens[B:].copy_(buf.tokens[:1].expand(bucket - B))
             buf.seqlens[B:].copy_(buf.seqlens[:1].expand(bucket - B))
             buf.block_table[B:].copy_(buf.block_table[:1].expand(bucket - B, -1))
-        return bucket, buf
-
-    @torch.inference_mode()
-    def greedy_chain(self, tokens: torch.Tensor, seqlens: torch.Tensor,
-                     block_table: torch.Tensor, *, eos: list[int] | None = None,
-                     done: torch.Tensor | None = None,
-                     logits: bool = False) -> "_GreedyChain":
-        """Greedy decoding with the sampling inside the step: a chain whose every
-        :meth:`_GreedyChain.step` is one decode step (one graph replay on a GPU) that also
-        picks the next tokens (argmax, lowest id on ties, as :func:`generate.sample`),
-        masks finished rows to eos, and advances the step's own inputs (tokens, seqlens)
-        on the device, so nothing runs between two steps. tokens / seqlens / block_table
-        as :meth:`decode` takes them for the first step; the block table must already hold
-        every page the chain will write (the engine reserves a request's pages up front).
-        eos: ids that finish a row (at most ``EOS_MAX``); done: bool [B], rows already
-        finished (with eos); logits: keep each step's float32 logits for
-        :meth:`_GreedyChain.logits`. Same tokens, bit for bit, as decode + sample."""
-        B = self._check_decode_inputs(tokens, seqlens, block_table)
-        if B == 0:
-            raise ValueError("tokens: a greedy chain needs at least one sequence")
-        if eos is not None:
-            if not eos or len(eos) > EOS_MAX or any(
-                    isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < self.cfg.vocab
-                    for e in eos):
-                raise ValueError(f"eos must be None or 1..{EOS_MAX} ids in "
-                                 f"[0, {self.cfg.vocab}), got {eos!r}")
-            if done is None:
-                raise ValueError("done (bool [B], the rows already finished) is needed with eos")
-            self._check_index("done", done, (B,), torch.bool)
-        elif done is not None:
-            raise ValueError("done applies only with eos")
-        if not isinstance(logits, bool):
-            raise ValueError(f"logits must be a bool, got {logits!r}")
-        bucket, buf = self._inputs(tokens, seqlens, block_table)
-        buf.chain_state()
-        # padding rows take row 0's token after every step (as _inputs placed them)
-        torch.arange(bucket, out=buf.rowmap)
-        buf.rowmap[B:].zero_()
-        buf.step_i.zero_()
-        if eos is not None:
-            # filled on the device id by id (a host tensor copied in would synchronise);
-            # the unused slots repeat the first id
-            buf.eos.fill_(eos[0])
-            for i, e in enumerate(eos):
-                buf.eos[i].fill_(e)
-            buf.done[:B].copy_(done)
-            buf.done[B:].copy_(buf.done[:1].expand(bucket - B))
-        return _GreedyChain(self, buf, B, eos is not None, logits)
-
-    def _chain_body(self, buf: _Buffers, eos: bool, logits: bool):
-        """One chained greedy step over the static buffers (what a chain graph captures)."""
-        from .generate import sample
-
-        self._forward(buf, cast_logits=logits)
-        # the argmax of the model-dtype logits: the float32 cast is exact and monotonic, so
-        # the same ids (and ties) as sampling the float32 logits
-        nxt = sample(buf.logits_model, 0.0).index_select(0, buf.rowmap)
-        if eos:
-            nxt = torch.where(buf.done, buf.eos[0], nxt)
-            buf.done |= (nxt[:, None] == buf.eos[None, :]).any(-1)
-            buf.all_done.copy_(buf.done.all())
-        buf.tokens.copy_(nxt)
-        buf.seqlens.add_(1)
-        buf.hist.index_copy_(0, buf.step_i, nxt[None])
-        buf.step_i.add_(1)
-
-    def _chain_graph(self, buf: _Buffers, eos: bool, logits: bool):
-        from .generate import sample
-
-        key = (buf.bucket, eos, logits)
-        graph = self._chain_graphs.get(key)
-        if graph is None:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                # warm-up without advancing anything: the forward (idempotent, as in
-                # _capture) and the argmax's kernels (compiled before the capture)
-                self._forward(buf, cast_logits=logits)
-                sample(buf.logits_model, 0.0)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._chain_body(buf, eos, logits)
-            self._chain_graphs[key] = graph
-        return graph
-
-    @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, seqlens: torch.Tensor,
-               block_table: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence (the :class:`~wsattn.engine.generate.Step` contract).
-
-        tokens: int64 [B]; seqlens: int32 [B], cache length including the new token;
-        block_table: int32 [B, max_pages'] with max_pages' <= the cache's max_pages; all on
-        the step's device, B <= the largest bucket. Index values are never read on the
-        host. Returns float32 [B, vocab] (a new tensor, not the graph's buffer)."""
-        B = self._check_decode_inputs(tokens, seqlens, block_table)
-        if B == 0:
-            return torch.empty(0, self.cfg.vocab, dtype=torch.float32, device=self.device)
-        bucket, buf = self._inputs(tokens, seqlens, block_table)
         if self.graphs:
             graph = self._graphs.get(bucket)
             if graph is None:
@@ -872,49 +744,3 @@ def _rope(x, cos, sin):
     """transformers' rotate_half RoPE: x [T, H, D] fp32, cos/sin [T, 1, D]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-class _GreedyChain:
-    """Greedy decode steps chained on the device (made by :meth:`KernelStep.greedy_chain`).
-
-    Each :meth:`step` runs one decode step on the current tokens and leaves the next ones
-    in the step's buffers: on a GPU one CUDA graph replay a token, with no copy or launch
-    between two replays. The chosen tokens collect on the device (a history of
-    ``GREEDY_HISTORY`` steps, copied out when full and by :meth:`tokens`)."""
-
-    def __init__(self, step: KernelStep, buf: _Buffers, B: int, eos: bool, logits: bool):
-        self._step, self._buf, self.B = step, buf, B
-        self._eos, self._logits = eos, logits
-        self._steps = 0
-        self._blocks: list[torch.Tensor] = []
-
-    @torch.inference_mode()
-    def step(self) -> None:
-        """One decode step: logits of the current tokens, the next tokens chosen and fed."""
-        buf = self._buf
-        if self._steps and self._steps % GREEDY_HISTORY == 0:  # the history is full
-            self._blocks.append(buf.hist[:, :self.B].clone())
-            buf.step_i.zero_()
-        if self._step.graphs:
-            self._step._chain_graph(buf, self._eos, self._logits).replay()
-        else:
-            self._step._chain_body(buf, self._eos, self._logits)
-        self._steps += 1
-
-    def logits(self) -> torch.Tensor:
-        """float32 [B, vocab]: the last step's logits (a new tensor; logits=True only)."""
-        if not self._logits:
-            raise ValueError("logits: the chain was made with logits=False")
-        return self._buf.logits[:self.B].clone()
-
-    def all_done(self) -> torch.Tensor:
-        """bool [] on the device: every row has emitted an eos (a chain made with eos)."""
-        if not self._eos:
-            raise ValueError("all_done: the chain was made without eos")
-        return self._buf.all_done
-
-    def tokens(self) -> list[torch.Tensor]:
-        """The tokens chosen so far, one int64 [B] tensor a step (new tensors)."""
-        rest = self._steps - GREEDY_HISTORY * len(self._blocks)
-        got = self._blocks + [self._buf.hist[:rest, :self.B].clone()]
-        return list(torch.cat(got).unbind(0)) if self._steps else []

@@ -155,6 +155,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
+def _merge_split(acc, m, den, ws_o_ptr, ws_lse_ptr, ws_row, cols, s, D: tl.constexpr):
+    """The combine's step for split s: its partial (o, lse) from the workspace, merged."""
+    lse_s = tl.load(ws_lse_ptr + ws_row + s)  # [1]
+    o_s = tl.load(ws_o_ptr + (ws_row + s)[:, None] * D + cols[None, :])  # [1, BLOCK_D]
+    return merge_step(acc, m, den, o_s, lse_s)
+
+
+@triton.jit
 def _combine_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, lse_ptr,
                     D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
                     PDL: tl.constexpr = False):
@@ -175,24 +183,19 @@ def _combine_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, lse_ptr,
     # bits from both loops
     if NUM_SPLITS <= COMBINE_UNROLL_MAX:
         for s in tl.static_range(NUM_SPLITS):
-            lse_s = tl.load(ws_lse_ptr + ws_row + s)  # [1]
-            o_s = tl.load(ws_o_ptr + (ws_row + s)[:, None] * D + cols[None, :])  # [1, BLOCK_D]
-            acc, m, den = merge_step(acc, m, den, o_s, lse_s)
+            acc, m, den = _merge_split(acc, m, den, ws_o_ptr, ws_lse_ptr, ws_row, cols, s, D)
     else:
         # Unrolling every split made the build superlinear in them (sm_90, one CPU core:
         # 32 splits 1.9 s, 64 11.5 s, 128 92 s): blocks of COMBINE_UNROLL_MAX unrolled
         # splits in a loop, then the rest unrolled
         for c in range(NUM_SPLITS // COMBINE_UNROLL_MAX):
             for j in tl.static_range(COMBINE_UNROLL_MAX):
-                s = c * COMBINE_UNROLL_MAX + j
-                lse_s = tl.load(ws_lse_ptr + ws_row + s)  # [1]
-                o_s = tl.load(ws_o_ptr + (ws_row + s)[:, None] * D + cols[None, :])
-                acc, m, den = merge_step(acc, m, den, o_s, lse_s)
+                acc, m, den = _merge_split(acc, m, den, ws_o_ptr, ws_lse_ptr, ws_row, cols,
+                                           c * COMBINE_UNROLL_MAX + j, D)
         for j in tl.static_range(NUM_SPLITS - NUM_SPLITS // COMBINE_UNROLL_MAX * COMBINE_UNROLL_MAX):
-            s = NUM_SPLITS // COMBINE_UNROLL_MAX * COMBINE_UNROLL_MAX + j
-            lse_s = tl.load(ws_lse_ptr + ws_row + s)  # [1]
-            o_s = tl.load(ws_o_ptr + (ws_row + s)[:, None] * D + cols[None, :])
-            acc, m, den = merge_step(acc, m, den, o_s, lse_s)
+            acc, m, den = _merge_split(
+                acc, m, den, ws_o_ptr, ws_lse_ptr, ws_row, cols,
+                NUM_SPLITS // COMBINE_UNROLL_MAX * COMBINE_UNROLL_MAX + j, D)
     out, lse = merge_finish(acc, m, den)
     tl.store(out_ptr + row.to(tl.int64) * D + cols[None, :], out.to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + row + zero, lse, mask=tl.program_id(1) == 0)

@@ -113,6 +113,17 @@ def fold_row(part_g, part_u, sq, wg, wu, x_ptr, k, k_live, NORM: tl.constexpr,
 
 
 @triton.jit
+def _stream_tile(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm, M, k, k_live,
+                 BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
+                 SILU_MUL: tl.constexpr, ROW_FOLD: tl.constexpr):
+    """stream_w's step for one W tile: the row fold's elementwise partials, or accumulate."""
+    if ROW_FOLD:
+        return fold_row(acc_g, acc_u, ss, wg, wu, x_ptr, k, k_live, NORM, SILU_MUL)
+    return accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm, M, k, k_live,
+                      BLOCK_M, USE_DOT, NORM, SILU_MUL, False)
+
+
+@triton.jit
 def _finish(gate, up, ss, K, eps, res_ptr, out_ptr, res_offs, out_offs, mask,
             NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr):
     """The epilogue, shared by the one-pass kernel and the split-K finish: any tile
@@ -193,12 +204,8 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
             tl.extra.cuda.gdc_launch_dependents()
     xoff = mi * stride_xm  # [BLOCK_M] rows of x: contiguous here, gathered in moe.py
     m_live = mi < M
-    if ROW_FOLD:
-        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg, wu, x_ptr, k, k_live, NORM,
-                                    SILU_MUL)
-    else:
-        acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm,
-                                      M, k, k_live, BLOCK_M, USE_DOT, NORM, SILU_MUL, False)
+    acc_g, acc_u, ss = _stream_tile(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm,
+                                    M, k, k_live, BLOCK_M, USE_DOT, NORM, SILU_MUL, ROW_FOLD)
     # STAGES asked of the loop itself: Triton pipelines only loads that feed a tl.dot
     # unless told, and the FMA path has none (its loads stayed synchronous, sm_90 PTX)
     for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
@@ -209,13 +216,9 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
         wu = wg
         if SILU_MUL:
             wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
-        if ROW_FOLD:
-            acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg, wu, x_ptr, k, k_live, NORM,
-                                        SILU_MUL)
-        else:
-            acc_g, acc_u, ss = accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live,
-                                          stride_xm, M, k, k_live, BLOCK_M, USE_DOT, NORM,
-                                          SILU_MUL, False)
+        acc_g, acc_u, ss = _stream_tile(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live,
+                                        stride_xm, M, k, k_live, BLOCK_M, USE_DOT, NORM,
+                                        SILU_MUL, ROW_FOLD)
     if PDL and PDL_LATE:
         # the weights are streamed: the next kernel's programs now find the SMs this grid
         # is leaving, not slots freed one by one while its last wave still streams

@@ -510,23 +510,3 @@ def test_decode_pdl_off_equals_the_default_call(kernel_device, page):
             assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
         ref, ref_lse = reference.decode(q, k, v, seqlens, table, 0.125)
         assert_close(base[0], ref, torch.float16)
-
-
-def test_sm90_combine_release_first_releases_before_the_wait():
-    """pdl_combine_first's build of the combine: launch_dependents, then the wait, then the
-    first load of the workspace (the default PDL build waits first)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from wsattn.kernels import decode_triton
-
-    def ptx(**kw):
-        s = decode_triton.compile_spec(90, kernel="combine", pdl=True, **kw)
-        src = ASTSource(s["fn"], s["signature"], s["constexprs"], s["attrs"])
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=s["options"]).asm["ptx"]
-    first, plain = ptx(release_first=True), ptx()
-    load = first.index("ld.global")
-    assert first.index("griddepcontrol.launch_dependents") < first.index("griddepcontrol.wait") < load
-    assert plain.index("griddepcontrol.wait") < plain.index("griddepcontrol.launch_dependents")

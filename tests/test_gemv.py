@@ -191,7 +191,6 @@ def _g():
     (dict(out=torch.randn(16, 2).t()), ValueError, "out needs a contiguous last dimension"),
     (dict(pdl=1), TypeError, "pdl must be None or a bool"),
     (dict(pdl_late=1), TypeError, "pdl_late must be None or a bool"),
-    (dict(prefetch="yes"), TypeError, "prefetch must be a bool"),
     (dict(settings={"BLOCK_N": 16}), TypeError, "settings must be None or a GemvSettings"),
     (dict(x=torch.randn(17, 8), settings="fma"), ValueError, "use_dot=False takes M <= 16"),
 ], ids=lambda v: v if isinstance(v, str) else None)
@@ -343,38 +342,6 @@ def test_sm90_pdl_late_releases_after_the_weight_stream(kw):
     assert not re.search(r"\b(ld\.global|cp\.async)", between)
 
 
-@pytest.mark.parametrize("kw", [dict(M=1), dict(M=1, silu_mul=True, norm=True),
-                                dict(M=8, residual=True)], ids=["M1-fma", "M1-silu", "M8-dot"])
-def test_sm90_prefetch_requests_l2_before_the_wait(kw):
-    """prefetch: bulk L2 prefetches (one per W row, gate and up), all before the PDL wait
-    and predicated on thread 0; no spills; the build without it has none."""
-    k = _compile(N=3072, K=2048, pdl=True, prefetch=True, **kw)
-    ptx = k.asm["ptx"]
-    wait = ptx.index("griddepcontrol.wait")
-    pf = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx)]
-    # the row loop may be unrolled: a request per row, gate and up alike
-    assert pf and len(pf) % (2 if kw.get("silu_mul") else 1) == 0 and max(pf) < wait, pf
-    assert "%tid.x" in ptx[:wait]
-    assert _ptxas_usage(k)[1:] == (0, 0)  # no spill stores or loads
-    plain = _compile(N=3072, K=2048, pdl=True, **kw).asm["ptx"]
-    assert "cp.async.bulk.prefetch" not in plain
-
-
-def test_prefetch_row_bytes():
-    """An equal share of PREFETCH_MAX_BYTES per (row, split), in 16-byte units, at most
-    the row; none for a misaligned row stride."""
-    g = _g()
-    st = g.GemvSettings(16, 256, 1, False, 4, 4)
-    w = torch.empty(2048, 2048, dtype=torch.float16)
-    assert g._prefetch_row_bytes(w, 2048, 2048, 1, st) == 4096  # 8 MB: all of it
-    big = torch.empty(1 << 15, 1024, dtype=torch.float16)  # 64 MB: a share of each row
-    b = g._prefetch_row_bytes(big, 1 << 15, 1024, 1, st)
-    assert b % 16 == 0 and 0 < b < 2048 and b * (1 << 15) <= g.PREFETCH_MAX_BYTES
-    assert g._prefetch_row_bytes(w, 2048, 2048, 4, st) >= 4096 // 4  # each split's K range
-    odd = torch.empty(64, 2049, dtype=torch.float16)[:, :2048]  # rows 4098 bytes apart
-    assert g._prefetch_row_bytes(odd, 64, 2048, 1, st) == 0
-
-
 def test_sm90_pdl_off_has_no_griddepcontrol():
     for kw in (dict(M=1), dict(M=8, norm=True)):
         ptx = _compile(N=3072, K=2048, pdl=False, **kw).asm["ptx"]
@@ -468,9 +435,5 @@ def test_gpu_bf16_against_reference_and_reruns(switch, M):
     other = not M < g.PDL_LATE_BELOW_M
     y4 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings,
                 pdl_late=other)
-    # the L2 prefetch before the wait: a hint, the same bits
-    y5 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings,
-                prefetch=True)
     torch.cuda.synchronize()
     assert torch.equal(y1, y4), f"the PDL release (pdl_late={other}) changed the result"
-    assert torch.equal(y1, y5), "the L2 prefetch changed the result"

@@ -309,39 +309,9 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
     variants(runner, "gemv", "pdl_late", [
         (("gemv:late",), (True, True)), (("gemv:early",), (True, False)),
         (("gemv",), (True, None)), ((), (False, None))])
-    for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late"), ("gemv", "gemv:o-prefetch")]:
+    for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late")]:
         with pytest.raises(ValueError, match=r"name the same kernels \(gemv\)"):
             runner._pdl_families(both, has_pdl=True)
-    # the L2 prefetch: on the o projection only, and only with "gemv:o-prefetch" (the
-    # o projection is each layer's first GEMV, after the decode call)
-    pf = []
-
-    def gemv_pf(*a, pdl=None, prefetch=False, **k):
-        pf.append((pdl, prefetch))
-    monkeypatch.setattr(runner, "gemv", gemv_pf)
-    for families, on in [(("gemv:o-prefetch",), True), (("gemv",), False)]:
-        pf.clear()
-        step.pdl_families = runner._pdl_families(families, has_pdl=True)
-        step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
-        # o, gate/up, down a layer, then the LM head
-        want = [(True, on and i % 3 == 0 and i < 3 * cfg.layers)
-                for i in range(3 * cfg.layers + 1)]
-        assert pf == want, (families, pf)
-    # the split combine's release before its wait: "decode:combine-first" only
-    first = []
-
-    def decode_first(q, *a, pdl=False, pdl_combine_first="unset", **k):
-        first.append((pdl, pdl_combine_first))
-        return (torch.zeros(q.shape[0], 1, cfg.heads, cfg.head_dim),)
-    monkeypatch.setattr(runner.ops, "decode", decode_first)
-    for families, want in [(("decode:combine-first",), (True, True)),
-                           (("decode",), (True, False)), ((), (False, False))]:
-        first.clear()
-        step.pdl_families = runner._pdl_families(families, has_pdl=True)
-        step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
-        assert first and set(first) == {want}, (families, first)
-    with pytest.raises(ValueError, match=r"name the same kernels \(decode\)"):
-        runner._pdl_families(("decode", "decode:combine-first"), has_pdl=True)
     # the QKV call: the default path (settings None) or, with a variant, the two-launch or
     # the GEMV-epilogue one
     from wsattn.kernels.qkv_rope import GemvRopeSettings, TwoLaunchSettings
@@ -496,8 +466,7 @@ def test_gpu_pdl_on_equals_off():
     # either path (the A/B variants; without QK-norm both paths compute the same bits)
     for pdl in (True, None, ("qkv_rope", "decode", "gemv:late"),
                 ("qkv_rope", "decode", "gemv:early"), ("qkv_rope:two-launch", "decode", "gemv"),
-                ("qkv_rope:gemv-rope", "decode", "gemv"),
-                ("qkv_rope", "decode:combine-first", "gemv:o-prefetch")):
+                ("qkv_rope:gemv-rope", "decode", "gemv")):
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl

@@ -133,17 +133,11 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # ("qkv_rope:two-launch"; the same where the default takes two launches anyway), or on the
 # GEMV-epilogue path where the default takes two launches ("qkv_rope:gemv-rope": where
 # its grid rule keeps two launches, e.g. Llama-3.1-8B at one row; refused at construction
-# for QK-norm over the whole projection, OLMoE's, which that path does not take); the
-# o projection's weights asked into L2 before its wait ("gemv:o-prefetch", gemv's
-# prefetch=True on that GEMV only, the others as "gemv") and the split combine releasing
-# the o projection before its own wait ("decode:combine-first", decode's
-# pdl_combine_first), so that the o projection can stream its weights while decode
-# attention leaves HBM mostly idle.
+# for QK-norm over the whole projection, OLMoE's, which that path does not take).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:two-launch": "qkv_rope",
-                "qkv_rope:gemv-rope": "qkv_rope", "gemv:o-prefetch": "gemv",
-                "decode:combine-first": "decode"}
+                "qkv_rope:gemv-rope": "qkv_rope"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -222,9 +216,7 @@ class KernelStep:
             ``PDL_FAMILIES`` names: on for those kernel families only (to measure where
             PDL pays), "gemv:late" / "gemv:early" in place of "gemv" forcing where the
             GEMVs release, "qkv_rope:two-launch" / "qkv_rope:gemv-rope" in place of
-            "qkv_rope" forcing the QKV call's path, "gemv:o-prefetch" the o projection's
-            L2 prefetch, "decode:combine-first" the combine's release before its wait
-            (``PDL_VARIANTS``).
+            "qkv_rope" forcing the QKV call's path (``PDL_VARIANTS``).
         moe_one_token: at bucket 1, group a MoE layer's (token, slot) pairs without the
             grouping kernel (``moe.one_token_grouping``: one block a slot; same bits), one
             launch fewer a MoE layer. On by default: the 48-layer Qwen3-30B-A3B step at B1
@@ -426,7 +418,7 @@ class KernelStep:
         """The PDL arguments of every GEMV of the step: on with the gemv family (or one of
         its variants); the release left to gemv (by rows, None) or forced by a variant."""
         on = self.pdl_families.__contains__
-        return {"pdl": on("gemv") or on("gemv:late") or on("gemv:early") or on("gemv:o-prefetch"),
+        return {"pdl": on("gemv") or on("gemv:late") or on("gemv:early"),
                 "pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
 
     def _forward(self, buf: _Buffers):
@@ -435,7 +427,7 @@ class KernelStep:
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
         pdl_qkv = on("qkv_rope") or on("qkv_rope:two-launch") or on("qkv_rope:gemv-rope")
-        pdl_decode = on("decode") or on("decode:combine-first")
+        pdl_decode = on("decode")
         qkv_settings = (TwoLaunchSettings() if on("qkv_rope:two-launch") else
                         GemvRopeSettings() if on("qkv_rope:gemv-rope") else None)
         g = self._gemv_launch()
@@ -456,11 +448,9 @@ class KernelStep:
             # the launcher through ops (no host checks; PDL, which api.decode does not take)
             attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
                               buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
-                              pdl=pdl_decode,
-                              pdl_combine_first=on("decode:combine-first"))[0][:, 0]  # [n, Hq, D]
+                              pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
-            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h,
-                 prefetch=on("gemv:o-prefetch"), **g)
+            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, **g)
             self._count("gemv_o")
             if layer.router is not None:
                 self._moe(layer, h, buf)

@@ -165,21 +165,13 @@ def _merge_split(acc, m, den, ws_o_ptr, ws_lse_ptr, ws_row, cols, s, D: tl.const
 @triton.jit
 def _combine_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, lse_ptr,
                     D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PDL: tl.constexpr = False, RELEASE_FIRST: tl.constexpr = False):
+                    PDL: tl.constexpr = False):
     # one program: one row of [B*T*Hq] (its NUM_SPLITS partials are contiguous), BLOCK_D
     # columns. Small programs, many of them, the split loop unrolled so that every
     # split's load is in flight at once: with B = 1 there are only Hq rows to merge.
     if PDL:
-        if RELEASE_FIRST:
-            # Release before the wait: the next kernel (the o projection) then launches
-            # while the decode kernel still runs and can start on its weights meanwhile.
-            # Still safe under the rule of _decode_kernel: the next kernel's gdc_wait
-            # returns only once this grid has completed, and this grid completes only
-            # after its own wait, i.e. after the decode kernel.
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # the workspace is the decode kernel's output
-        if not RELEASE_FIRST:
-            tl.extra.cuda.gdc_launch_dependents()  # same rule as in _decode_kernel
+        tl.extra.cuda.gdc_launch_dependents()  # same rule as in _decode_kernel
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     zero = tl.arange(0, 1)  # [1] the helper's row axis
@@ -364,7 +356,7 @@ COMBINE_BLOCK_D = 32  # one warp, one fp32 a thread per split
 
 
 def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, settings=None,
-           *, pdl=False, pdl_combine_first=False):
+           *, pdl=False):
     """Decode attention of T new tokens per sequence against a KV cache (validated by api.py).
 
     Args:
@@ -382,9 +374,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
             launches go out with PDL and wait for the previous kernel inside, and release
             the next kernel early. Every kernel launched after this one with PDL must read
             only weights before its own griddepcontrol.wait (the engine's kernels do).
-        pdl_combine_first: with PDL and splits, the combine launch releases the next
-            kernel before its own wait (so that kernel can start on its weights while the
-            decode kernel runs) instead of after it. The result is the same bit for bit.
 
     Returns:
         (out [B, T, Hq, D] in q's dtype, lse [B, T, Hq] float32, natural log; a row that
@@ -397,8 +386,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     """
     if pdl not in (True, False):
         raise ValueError(f"pdl must be True or False, got {pdl!r}")
-    if pdl_combine_first not in (True, False):
-        raise ValueError(f"pdl_combine_first must be True or False, got {pdl_combine_first!r}")
     if pdl:
         target = target_of(q.device)
         if target.backend != "cuda" or target.cc < 90:
@@ -450,10 +437,9 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, D)
-        first = {"RELEASE_FIRST": True} if pdl and pdl_combine_first else {}
         _combine_kernel[(B * T * HQ, D // block_d)](
             ws_o, ws_lse, out, lse, D=D, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=1,
-            **launch, **first)
+            **launch)
     return out, lse
 
 
@@ -464,13 +450,12 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool = False,
                  settings: DecodeSettings | None = None, *, T: int = 1, group: int = 4,
                  page_size: int = 16, num_sms: int = 132, kernel: str = "decode",
-                 pdl: bool = False, release_first: bool = False) -> dict:
+                 pdl: bool = False) -> dict:
     """What ``triton.compile`` needs to build a decode kernel for compute capability cc.
 
     kernel="decode" gives the main split-KV kernel, kernel="combine" the split combine.
     pdl=True builds the PDL variant (constexpr PDL, option launch_pdl); pdl=False leaves
-    both out, exactly the default build. release_first (combine, with pdl) builds the
-    combine that releases its dependents before its wait (decode's pdl_combine_first).
+    both out, exactly the default build.
     Settings default to default_settings for a single-token B=1, Hkv=8, L=131072 call
     on a GPU with num_sms SMs (so NUM_SPLITS > 1 and the workspace path is compiled).
 
@@ -503,9 +488,6 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
             sig["PDL"] = "constexpr"
             const["PDL"] = True
             options["launch_pdl"] = True
-            if release_first:
-                sig["RELEASE_FIRST"] = "constexpr"
-                const["RELEASE_FIRST"] = True
         return {"fn": _combine_kernel, "signature": sig, "constexprs": const,
                 "attrs": _aligned(_combine_kernel, _COMBINE_ALIGNED), "options": options}
     if kernel != "decode":

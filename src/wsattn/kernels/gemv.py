@@ -272,50 +272,21 @@ def sum_partials(ws_ptr, ss_ptr, n, mask, M, NOUT, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Ask the TMA unit to bring nbytes (a multiple of 16) from ptr (16-byte aligned) into
-    L2 (sm_90+): one bulk request, issued by the program's thread 0 only (every thread
-    runs the scalar code). A hint: nothing waits for it, nothing is written."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
                  M, NOUT, K, eps,
-                 stride_xm, stride_wn, stride_rm, stride_om, pf_row_bytes,
+                 stride_xm, stride_wn, stride_rm, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = False):
+                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False):
     # grid (cdiv(NOUT, BLOCK_N), SPLIT_K). NOUT = N, or F = N / 2 with SILU_MUL.
     # PDL_LATE: release the next kernel after the K loop instead of right after the wait
-    # (where each pays: gemv's PDL_LATE_BELOW_M). PREFETCH (with PDL): before anything
-    # else, the first pf_row_bytes of each of this program's W rows (its K range) are
-    # requested into L2, so that a program launched early, while an earlier kernel that
-    # leaves HBM idle still runs, streams its weights then and reads them from L2 after
-    # its wait.
+    # (where each pays: gemv's PDL_LATE_BELOW_M).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = W rows
     n_live = n < NOUT
     mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    if PDL and PREFETCH:
-        # the host made pf_row_bytes, the row stride and each split's start multiples of 16
-        tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
-        k_lo = pid_k * tiles_per_split * BLOCK_K
-        k_hi = tl.minimum(k_lo + tiles_per_split * BLOCK_K, K)
-        nb = tl.minimum(pf_row_bytes, (k_hi - k_lo) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
-        if nb > 0:
-            for r in tl.range(0, BLOCK_N):
-                row = pid_n * BLOCK_N + r
-                if row < NOUT:
-                    prefetch_l2(w_ptr + row.to(tl.int64) * stride_wn + k_lo, nb)
-                    if SILU_MUL:
-                        prefetch_l2(w_ptr + (row + NOUT).to(tl.int64) * stride_wn + k_lo, nb)
     acc_g, acc_u, ss = stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm,
                                 stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, NORM,
                                 SILU_MUL, PDL, STAGES, PDL_LATE)
@@ -415,9 +386,6 @@ FMA_TILE_ELEMS = 4096  # W elements of an FMA tile (16-bit; half for fp32)
 # 5.655 / 5.670), at B64 even (8B 8.505 early, 8.559 late). Between 1 and 8 rows late, which
 # beat no PDL at both ends.
 PDL_LATE_BELOW_M = 8
-# The L2 prefetch before the PDL wait (gemv's prefetch=): at most this many weight bytes
-# a call, so a prefetched line is still in the H200's 50 MB L2 when the program reaches it.
-PREFETCH_MAX_BYTES = 36 << 20
 STAGE_BUDGET = 96 * 1024  # shared memory for the pipeline's stages, per program
 MAX_STAGES = 6
 
@@ -623,7 +591,7 @@ def _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings):
 
 
 def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=None,
-         settings=None, pdl_late=None, prefetch=False):
+         settings=None, pdl_late=None):
     """y = epilogue(x @ w^T) for a decode step's few rows, reading w once.
 
     Args:
@@ -647,10 +615,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         pdl_late: with PDL, release the next kernel after the weight stream (the K loop)
             instead of right after the wait; None: when M < ``PDL_LATE_BELOW_M`` (where
             each measured faster in the decode step). The result is the same bit for bit.
-        prefetch: with PDL, each program first asks for its weight rows to be brought
-            into L2 (up to ``PREFETCH_MAX_BYTES`` a call, the start of each row's K range
-            first), so that a launch released while an earlier kernel leaves HBM idle
-            streams its weights then. A hint only: the result is the same bit for bit.
 
     Returns:
         out [M, NOUT] in x's dtype. Accumulation is fp32; the norm scale, SiLU and the
@@ -666,8 +630,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         pdl_late = M < PDL_LATE_BELOW_M
     elif not isinstance(pdl_late, bool):
         raise TypeError(f"pdl_late must be None or a bool, got {pdl_late!r}")
-    if not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
     target = target_of(x.device)
     has_pdl = target.backend == "cuda" and target.cc >= 90
     if pdl and not has_pdl:
@@ -686,7 +648,7 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
             # the interpreter's tl.dot multiplies bf16 as raw bits: run in fp32, round once
             y = gemv(x.float(), w.float(), norm_eps=norm_eps, silu_mul=silu_mul,
                      residual=None if residual is None else residual.float(), pdl=pdl,
-                     settings=settings, pdl_late=pdl_late, prefetch=prefetch)
+                     settings=settings, pdl_late=pdl_late)
             return out.copy_(y)
     if settings is None:
         settings = default_settings(target, M=M, N=nout, K=K, dtype=x.dtype, silu_mul=silu_mul)
@@ -696,15 +658,13 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
     res = residual if residual is not None else out  # any pointer when unused
     eps = float(norm_eps) if norm_eps is not None else 0.0
     launch = {"launch_pdl": True} if pdl else {}
-    pf = _prefetch_row_bytes(w, N, K, split, settings) if pdl and prefetch else 0
     _gemv_kernel[(cdiv(nout, settings.BLOCK_N), split)](
         x, w, res, out, ws, ss, M, nout, K, eps,
-        x.stride(0), w.stride(0), res.stride(0), out.stride(0), pf,
+        x.stride(0), w.stride(0), res.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=settings.BLOCK_N, BLOCK_K=settings.BLOCK_K, SPLIT_K=split,
         USE_DOT=settings.use_dot, NORM=norm_eps is not None, RESIDUAL=residual is not None,
         SILU_MUL=silu_mul, PDL=pdl, STAGES=settings.num_stages, PDL_LATE=bool(pdl and pdl_late),
-        PREFETCH=pf > 0, num_warps=settings.num_warps, num_stages=settings.num_stages,
-        **launch)
+        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if split > 1:
         _splitk_finish_kernel[(cdiv(nout, FINISH_BLOCK_N),)](
             ws, ss, res, out, M, nout, K, eps, res.stride(0), out.stride(0),
@@ -715,17 +675,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
 
 
 FINISH_BLOCK_N = 64  # split-K finish: columns per program (4 warps, <= 64 x 64 fp32 tile)
-
-
-def _prefetch_row_bytes(w, N, K, split, settings) -> int:
-    """Bytes of each program's share of a W row to prefetch into L2: an equal share of
-    PREFETCH_MAX_BYTES for every (row, split), a multiple of 16 (the bulk prefetch's unit,
-    with 16-byte aligned starts), at most the row's K range; 0 where W's rows or K tiles
-    do not start on 16 bytes."""
-    elem = w.element_size()
-    if w.data_ptr() % 16 or (w.stride(0) * elem) % 16 or (settings.BLOCK_K * elem) % 16:
-        return 0
-    return min(K * elem, PREFETCH_MAX_BYTES // (N * split)) // 16 * 16
 
 
 def launch_split(K: int, settings: GemvSettings) -> int:
@@ -761,8 +710,7 @@ def _interpreter_ready():
 def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: str = "bf16",
                  norm: bool = False, residual: bool = False, silu_mul: bool = False,
                  pdl: bool = False, settings: GemvSettings | None = None,
-                 num_sms: int = 132, kernel: str = "gemv", pdl_late: bool = False,
-                 prefetch: bool = False) -> dict:
+                 num_sms: int = 132, kernel: str = "gemv", pdl_late: bool = False) -> dict:
     """What ``triton.compile`` needs to build the GEMV kernel for compute capability cc.
 
     N counts output columns (F with silu_mul). kernel="gemv" gives the main kernel,
@@ -797,11 +745,11 @@ def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: st
         sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "res_ptr": f"*{t}", "out_ptr": f"*{t}",
                "ws_ptr": "*fp32", "ss_ptr": "*fp32", "M": "i32", "NOUT": "i32", "K": "i32",
                "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",
-               "stride_om": "i32", "pf_row_bytes": "i32"}
+               "stride_om": "i32"}
         const = {"BLOCK_M": block_m(M, settings.use_dot), "BLOCK_N": settings.BLOCK_N,
                  "BLOCK_K": settings.BLOCK_K, "SPLIT_K": settings.split_k,
                  "USE_DOT": settings.use_dot, **flags, "STAGES": settings.num_stages,
-                 "PDL_LATE": pdl_late, "PREFETCH": prefetch}
+                 "PDL_LATE": pdl_late}
         fn, aligned = _gemv_kernel, ("x_ptr", "w_ptr", "res_ptr", "out_ptr", "ws_ptr", "ss_ptr",
                                      "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")
     else:

@@ -415,6 +415,35 @@ def test_per_step_is_the_difference_of_two_traces():
         step.engine_per_token_ms({"decode_s": 0.0, "decode_steps": 0})
 
 
+def test_critical_time_by_launch():
+    """What each launch moved the end of the GPU's work: a PDL kernel that started early
+    costs only its end past the one before, a kernel inside another costs nothing, an
+    idle gap before a kernel is not its cost; keys carry the grid; critical times plus
+    idle add up to the span; per step as the difference of two traces."""
+    def g(ts, dur, name, grid=None):
+        e = _k(ts, dur, name=name)
+        if grid is not None:
+            e["args"] = {"grid": grid, "block": [128, 1, 1]}
+        return e
+    trace = [g(0, 10, "a", [4, 1, 1]),
+             g(5, 12, "b", [8, 1, 1]),     # PDL: starts under a, ends 7 us after it
+             g(8, 4, "c"),                 # inside b: costs nothing
+             g(20, 5, "a", [4, 1, 1]),     # 3 us idle before: costs its 5
+             g(22, 10, "a", [2, 1, 1])]    # another grid of a
+    c = step.gpu_summary(trace)["critical"]
+    assert c == {"a [4,1,1]": (2, 15.0), "b [8,1,1]": (1, 7.0), "c": (1, 0.0),
+                 "a [2,1,1]": (1, 7.0)}
+    s = step.gpu_summary(trace)
+    assert sum(us for _, us in c.values()) + 3 == s["span_us"]
+    prefill = [g(0, 40, "p")]
+    steps = [g(100 + 50 * i + j * 10, 12, "k", [j + 1, 1, 1]) for i in range(4) for j in range(3)]
+    d = step.per_step(step.gpu_summary(prefill + steps), step.gpu_summary(prefill), 4)
+    assert d["critical_by_launch"] == [
+        {"launch": "k [1,1,1]", "per_step": 1, "critical_us_per_step": 12.0},
+        {"launch": "k [2,1,1]", "per_step": 1, "critical_us_per_step": 10.0},
+        {"launch": "k [3,1,1]", "per_step": 1, "critical_us_per_step": 10.0}]
+
+
 def test_token_marks_time_from_the_first_new_token():
     """The transformers streamer's marks: the prompt's put and the first token's are not
     timed; (last - first token) / steps; fewer than two tokens is an error."""

@@ -38,7 +38,10 @@ The floor is (weight bytes a step reads + KV bytes at the context) / the copy ce
 measured in the same run; ``frac_floor`` = floor / ms per token. Kernels per step and
 GPU busy time come from two torch.profiler traces, of generating 1 and 1 + n tokens: their
 difference over n is one step's share; idle per step = ms per token - GPU busy per step (the union of kernel and
-copy intervals, so kernels overlapped by PDL are not counted twice).
+copy intervals, so kernels overlapped by PDL are not counted twice). A kernel's duration
+in the trace includes its PDL wait, so what each launch costs the step is read from its
+critical time instead (``critical_by_launch``: by kernel name and grid, how far its end
+moved the end of the GPU's work).
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ ROW_FIELDS = ("op", "impl", "case", "model", "B", "ctx", "new_tokens", "dtype", 
               "target_met", "ratio_hf_compile", "pdl_speedup", "kernels_per_step",
               "kernels_per_layer", "copies_per_step", "kernel_us_per_step",
               "busy_us_per_step", "idle_us_per_step", "kernels_by_time", "gaps_by_pair",
-              "profile_steps")
+              "critical_by_launch", "profile_steps")
 
 
 def model_config(name: str):
@@ -294,6 +297,8 @@ def memory_needed(case: StepCase, new_tokens: int) -> int:
 
 TOP_KERNELS = 12  # kernel names (and name pairs) a row lists, by GPU time (idle time) a
 #                   step (durations: with PDL a kernel's time includes its wait)
+CRITICAL_LAUNCHES = 24  # launch shapes a row lists by critical time a step (every GEMV
+#                         shape of a layer, decode, its combine, the QKV epilogue, ...)
 GPU_CATS = {"kernel": "kernels", "gpu_memcpy": "copies", "gpu_memset": "copies"}
 
 
@@ -324,7 +329,33 @@ def gpu_summary(trace) -> dict:
         end = b
     span = (max(b for _, b in spans) - min(a for a, _ in spans)) if spans else 0.0
     return {**counts, "kernel_us": kernel_us, "busy_us": busy, "span_us": span,
-            "by_name": by_name, "gaps": _gaps(events)}
+            "by_name": by_name, "gaps": _gaps(events), "critical": _critical(events)}
+
+
+def _launch_key(e) -> str:
+    """A kernel's name with its grid (``name [x,y,z]``), so that launches of one kernel
+    with different shapes (a layer's GEMVs) are told apart; the name alone without a grid."""
+    grid = (e.get("args") or {}).get("grid")
+    name = e.get("name", "?")
+    return f"{name} [{','.join(str(g) for g in grid)}]" if grid else name
+
+
+def _critical(events) -> dict:
+    """Per launch key (_launch_key), in start order: (count, critical us), where a kernel's
+    or copy's critical time is how far it moved the end of the GPU's work: its end minus
+    the latest end before it, when positive. With PDL a kernel starts (and its duration
+    counts) while the one before still runs, but it cannot finish before it; so in a
+    serial stream the critical times plus the idle gaps add up to the span, and each is
+    what that launch cost the step."""
+    ks = sorted((float(e["ts"]), float(e.get("dur", 0.0)), _launch_key(e)) for e in events
+                if e.get("cat") in GPU_CATS and e.get("ph", "X") == "X")
+    out, end = {}, -math.inf
+    for ts, dur, key in ks:
+        gain = max(0.0, ts + dur - max(end, ts))  # an idle gap before ts is not its cost
+        n, us = out.get(key, (0, 0.0))
+        out[key] = (n + 1, us + gain)
+        end = max(end, ts + dur)
+    return out
 
 
 def _gaps(events) -> dict:
@@ -367,10 +398,18 @@ def per_step(long: dict, short: dict, steps: int, ms_per_token: float | None = N
                           "idle_us_per_step": (idle_us - i0) / steps,
                           "overlap_us_per_step": (over_us - o0) / steps})
     pairs.sort(key=lambda r: -r["idle_us_per_step"])
+    crit = []
+    lc, sc = long.get("critical", {}), short.get("critical", {})
+    for key, (n, us) in lc.items():
+        n0, us0 = sc.get(key, (0, 0.0))
+        if n > n0:
+            crit.append({"launch": key, "per_step": (n - n0) / steps,
+                         "critical_us_per_step": (us - us0) / steps})
+    crit.sort(key=lambda r: -r["critical_us_per_step"])
     return {"kernels_per_step": d["kernels"], "copies_per_step": d["copies"],
             "kernel_us_per_step": d["kernel_us"], "busy_us_per_step": d["busy_us"],
             "idle_us_per_step": idle, "kernels_by_time": names[:TOP_KERNELS],
-            "gaps_by_pair": pairs[:TOP_KERNELS]}
+            "gaps_by_pair": pairs[:TOP_KERNELS], "critical_by_launch": crit[:CRITICAL_LAUNCHES]}
 
 
 class TokenMarks:
@@ -488,6 +527,10 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"  {r['case']} {r['impl']} idle between kernels per step: " + "; ".join(
                 f"{g['after'][:24]} -> {g['next'][:24]} {g['idle_us_per_step']:.1f} us "
                 f"(overlap {g['overlap_us_per_step']:.1f})" for g in r["gaps_by_pair"][:4]))
+        if r.get("critical_by_launch"):
+            lines.append(f"  {r['case']} {r['impl']} critical time per step by launch: " + "; ".join(
+                f"{c['launch'][:48]} x{c['per_step']:.3g} {c['critical_us_per_step']:.1f} us"
+                for c in r["critical_by_launch"][:10]))
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ def _stamp():
 def test_step_shapes_every_combination_both_layouts():
     cases = step_decode_cases()
     sizes = {(1, 1024), (1, 4096), (8, 4096), (64, 1024), (1, 32768)}
-    heads = {(32, 8, 64), (32, 8, 128)}
+    heads = {(32, 8, 64), (32, 8, 128), (32, 4, 128)}
     assert len(cases) == len(sizes) * len(heads) * 2 == len({c.id for c in cases})
     assert {(c.B, c.L, (c.HQ, c.HKV, c.D), c.page_size) for c in cases} == {
         (b, l, h, p) for b, l in sizes for h in heads for p in (None, 16)}
@@ -42,7 +42,7 @@ def test_step_shapes_every_combination_both_layouts():
     assert "decode-B64-L1024-HQ32-HKV8-D128-contiguous-bf16" in {c.id for c in cases}
     quick = step_decode_cases(quick=True, dtype="fp16")
     assert {(c.B, c.L) for c in quick} == {(1, 4096), (8, 4096)}
-    assert all(c.dtype == "fp16" for c in quick) and len(quick) == 8
+    assert all(c.dtype == "fp16" for c in quick) and len(quick) == 12
 
 
 def test_default_decode_cases_unchanged_and_never_rotated():

@@ -294,6 +294,12 @@ def test_auto_splits_fill_the_gpu_without_reading_seqlens():
     assert auto_splits(1, 8, 1024, 128, 132) == 8
     assert auto_splits(1, 8, 4096, 128, 132) == 16
     assert auto_splits(1, 8, 4096 + 64, 128, 132) == 17  # 2 tiles a split, not 3
+    # at most one program an SM: 4 KV heads at B=1, ~4k keys take 33 splits of 2 tiles,
+    # not 64-65 of one (whose combine cost more, notes/decode_triton.md)
+    assert auto_splits(1, 4, 4096, 64, 132) == 33
+    assert auto_splits(1, 4, 4096 + 64, 64, 132) == 33
+    assert auto_splits(1, 4, 1024, 64, 132) == 16  # fewer tiles than SMs: one a split
+    assert auto_splits(1, 2, 4096, 64, 132) == 64  # 66 SMs a head: one tile a split fits
     assert auto_splits(8, 8, 4096, 128, 132) == 4  # 64 programs: the wave rule as before
     assert auto_splits(1, 8, 32768, 64, 132) == 64  # long: the wave rule asks for more
     # the last wave of resident programs (2 per SM) is at least 3/4 full, or the whole

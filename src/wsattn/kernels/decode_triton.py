@@ -258,10 +258,15 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
     # 1 (notes/decode_triton.md). Long contexts keep the wave rule below where it asks for
     # more splits (B=1 L=32768 D64: 32 splits 25.7 us, 16 splits 29).
     # Tiles per split rounded down, so a capacity just past a multiple (4096 keys + a
-    # few new tokens) gives 17 splits of 2 tiles, not 11 of 3: at most 2 programs an SM.
+    # few new tokens) gives 17 splits of 2 tiles, not 11 of 3. Never more splits than one
+    # program an SM, though: with 4 KV heads at B=1 and ~4k keys the rounding gave one
+    # tile a split (65 splits), and the combine over that many partials cost more than
+    # the shorter splits saved (H200, Hq 32 Hkv 4 D128 L4096, us contiguous / paged 16:
+    # 64 splits 10.8 / 11.3, 33 splits 9.1 / 10.0; notes/decode_triton.md).
     floor = 1
     if programs * FEW_PROGRAMS <= num_sms:
-        floor = min(cdiv(tiles, max(1, tiles // (num_sms // programs))), MAX_SPLITS)
+        floor = min(cdiv(tiles, max(1, tiles // (num_sms // programs))),
+                    cdiv(num_sms, programs), MAX_SPLITS)
     want = cdiv(WAVES * num_sms, programs)
     most = max(1, capacity // (MIN_SPLIT_TILES * block_n))
     splits = max(1, min(want, most, MAX_SPLITS))

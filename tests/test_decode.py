@@ -110,10 +110,10 @@ CASES = {
     # pages of 2 tiles: the one-page-per-tile load path (PAGE_SIZE % BLOCK_N == 0)
     "B2-T1-H4-HKV1-page32-split2": (2, 1, 4, 1, [70, 33], 32, 96, 2),
     "B2-T3-H4-HKV1-page1-split2": (2, 3, 4, 1, [19, 4], 1, 20, 2),
-    # more splits than the combine unrolls whole: a block of 32 and a rest of 8, and two
-    # blocks and no rest
+    # many splits: one combine tile of 64 with 24 rows past the splits, and two tiles
+    # (64 + 36)
     "B2-T1-H4-HKV1-L700-contig-split40": (2, 1, 4, 1, [700, 37], None, 700, 40),
-    "B1-T1-H4-HKV1-page16-split64": (1, 1, 4, 1, [1000], 16, 1024, 64),
+    "B1-T1-H4-HKV1-page16-split100": (1, 1, 4, 1, [1700], 16, 1792, 100),
 }
 # fp16 everywhere; fp32 on a few shapes (each interpreted case costs ~1 s of CI time)
 FP32_CASES = ("B3-T1-H4-HKV1-L70-contig-split3", "B3-T3-H8-HKV1-page7-split3",
@@ -212,29 +212,71 @@ def test_default_settings_preload_the_table_where_it_fits_on_sm90():
     assert not settings(100, 1, 131072, 16).bt_preload  # measured on sm_90 only
 
 
-def test_sm90_combine_unrolls_at_most_a_block_of_splits():
-    """The combine unrolls up to COMBINE_UNROLL_MAX splits whole; past that it loops over
-    unrolled blocks, so its build no longer grows with the split count (unrolled whole, 64
-    splits built in ~12 s and 128 in ~90 s on one CPU core)."""
+@pytest.mark.parametrize("splits", [3, 40, 100])
+def test_combine_edge_states_as_merge_states(kernel_device, splits):
+    """The combine's block merge (merge_parts) against merge_states' one-part steps
+    (merge_step) on the same partial states: empty parts (lse -inf, NaN in their output)
+    contribute nothing, an all-empty row gives (0, -inf), a NaN or +inf lse makes its row
+    NaN; one tile (3, 40 splits) and two (100)."""
+    from wsattn.kernels import decode_triton, merge
+    rows, D = 6, 64
+    g = torch.Generator().manual_seed(splits)
+    o = torch.randn(rows, splits, D, generator=g)
+    lse = torch.randn(rows, splits, generator=g) * 4
+    empty = torch.rand(rows, splits, generator=g) < 0.3
+    empty[1] = True  # an all-empty row
+    lse[empty] = float("-inf")
+    o[empty] = float("nan")
+    lse[2, splits // 2] = float("nan")
+    lse[3, splits - 1] = float("inf")
+    ws_o, ws_lse = o.to(kernel_device), lse.to(kernel_device)
+    out = torch.full((rows, D), 7.0, device=kernel_device)
+    out_lse = torch.full((rows,), 7.0, device=kernel_device)
+    decode_triton._combine_kernel[(rows, D // 32)](
+        ws_o, ws_lse, out, out_lse, D=D, NUM_SPLITS=splits, BLOCK_D=32,
+        BLOCK_S=decode_triton.combine_block_s(splits), num_warps=1)
+    want, want_lse = merge.merge_states(ws_o.transpose(0, 1).contiguous(),
+                                        ws_lse.t().contiguous())
+    out, out_lse, want, want_lse = (t.cpu() for t in (out, out_lse, want, want_lse))
+    assert torch.equal(out[1], torch.zeros(D)) and out_lse[1] == float("-inf")
+    for r in (2, 3):
+        assert out[r].isnan().all() and out_lse[r].isnan(), r
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out_lse.isnan(), want_lse.isnan())
+    ok = [0, 4, 5]
+    torch.testing.assert_close(out[ok], want[ok], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_lse[ok], want_lse[ok], rtol=1e-6, atol=1e-5)
+
+
+def test_sm90_combine_build_does_not_grow_with_the_splits():
+    """The combine merges its splits a [BLOCK_S, BLOCK_D] tile at a time (merge_parts), so
+    its build is the same size at any split count: two loads (lse, o) in one loop, no
+    unrolled chain (unrolled, 64 splits built in ~12 s and 128 in ~90 s on one CPU
+    core), no spills."""
     import triton
+    from test_prefill_compile import _ptxas_usage
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from wsattn.kernels import decode_triton
 
-    def loops_and_loads(splits):
+    def build(splits):
         st = decode_triton.DecodeSettings(BLOCK_N=64, num_warps=4, num_stages=4,
                                           num_splits=splits)
         s = decode_triton.compile_spec(90, head_dim=64, settings=st, kernel="combine")
-        k = triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
-                                     attrs=s["attrs"]),
-                           target=GPUTarget("cuda", 90, 32), options=s["options"])
-        ttir = k.asm["ttir"]
-        return ttir.count("scf.for"), ttir.count("tt.load")
+        return triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
+                                        attrs=s["attrs"]),
+                              target=GPUTarget("cuda", 90, 32), options=s["options"])
 
-    block = decode_triton.COMBINE_UNROLL_MAX.value
-    assert loops_and_loads(block) == (0, 2 * block)  # an lse and an o load a split
-    assert loops_and_loads(2 * block) == (1, 2 * block)  # one loop of one block
-    assert loops_and_loads(4 * block + 3) == (1, 2 * block + 2 * 3)  # and the rest unrolled
+    sizes = {}
+    for splits in (2, 17, 33, 64, 128):
+        k = build(splits)
+        ttir, ptx = k.asm["ttir"], k.asm["ptx"]
+        assert ttir.count("tt.load") == 2, splits
+        assert _ptxas_usage(k)[1:] == (0, 0), splits  # no spill stores or loads
+        sizes[splits] = len(ptx.splitlines())
+    assert decode_triton.combine_block_s(128) == decode_triton.COMBINE_BLOCK_S == 64
+    assert decode_triton.combine_block_s(17) == 32 and decode_triton.combine_block_s(1) == 1
+    # the tile grows with the splits up to COMBINE_BLOCK_S, the build no further
+    assert sizes[128] < 1.1 * sizes[64] and sizes[64] < 2.5 * sizes[2], sizes
 
 
 def test_sm90_bt_preload_pipelines_like_the_contiguous_cache():

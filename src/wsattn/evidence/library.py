@@ -333,7 +333,7 @@ def _decode_entry(name, paged):
                   baseline_name="torch SDPA" + (" (contiguous cache)" if paged else ""),
                   profile_shapes=({"B": 8, "L": [65536] * 8, "Hq": 32, "Hkv": 8, "D": 128, "paged": paged},),
                   # the last two: one sequence of one KV head splits 33 and 128 ways, the
-                  # combine's loop over blocks of unrolled splits (with and without a rest)
+                  # combine over one tile of 64 splits and over two
                   sanitizer_shapes=({"B": 2, "L": [17, 60], "Hq": 4, "Hkv": 1, "D": 128, "paged": paged},
                                     {"B": 1, "L": [1], "Hq": 2, "Hkv": 2, "D": 64, "paged": paged},
                                     {"B": 1, "L": [2100], "Hq": 8, "Hkv": 1, "D": 128, "paged": paged},

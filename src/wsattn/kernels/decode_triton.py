@@ -38,11 +38,9 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from .merge import merge_finish, merge_step
+from .merge import merge_finish, merge_parts
 
 LOG2E = 1.4426950408889634
-# splits the combine unrolls whole; more run as a loop over unrolled blocks of this many
-COMBINE_UNROLL_MAX = tl.constexpr(32)
 
 
 @triton.jit
@@ -155,47 +153,33 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _merge_split(acc, m, den, ws_o_ptr, ws_lse_ptr, ws_row, cols, s, D: tl.constexpr):
-    """The combine's step for split s: its partial (o, lse) from the workspace, merged."""
-    lse_s = tl.load(ws_lse_ptr + ws_row + s)  # [1]
-    o_s = tl.load(ws_o_ptr + (ws_row + s)[:, None] * D + cols[None, :])  # [1, BLOCK_D]
-    return merge_step(acc, m, den, o_s, lse_s)
-
-
-@triton.jit
 def _combine_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, lse_ptr,
                     D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     # one program: one row of [B*T*Hq] (its NUM_SPLITS partials are contiguous), BLOCK_D
-    # columns. Small programs, many of them, the split loop unrolled so that every
-    # split's load is in flight at once: with B = 1 there are only Hq rows to merge.
+    # columns. Small programs, many of them (with B = 1 there are only Hq rows to merge).
+    # The splits come BLOCK_S at a time as one [BLOCK_S, BLOCK_D] tile, so a block's loads
+    # are all in flight at once, and merge by reductions over the tile (merge_parts)
+    # rather than a chain of one-split steps; the build is the same size at any count.
     if PDL:
         tl.extra.cuda.gdc_wait()  # the workspace is the decode kernel's output
         tl.extra.cuda.gdc_launch_dependents()  # same rule as in _decode_kernel
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    zero = tl.arange(0, 1)  # [1] the helper's row axis
-    ws_row = row.to(tl.int64) * NUM_SPLITS + zero  # [1]
+    zero = tl.arange(0, 1)  # [1] the helpers' row axis
+    sb = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    ws_row = row.to(tl.int64) * NUM_SPLITS
     acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
     m = tl.full([1], float("-inf"), dtype=tl.float32)
     den = tl.zeros([1], dtype=tl.float32)
-    # fixed order s = 0..NUM_SPLITS-1 whichever loop runs it: deterministic, and the same
-    # bits from both loops
-    if NUM_SPLITS <= COMBINE_UNROLL_MAX:
-        for s in tl.static_range(NUM_SPLITS):
-            acc, m, den = _merge_split(acc, m, den, ws_o_ptr, ws_lse_ptr, ws_row, cols, s, D)
-    else:
-        # Unrolling every split made the build superlinear in them (sm_90, one CPU core:
-        # 32 splits 1.9 s, 64 11.5 s, 128 92 s): blocks of COMBINE_UNROLL_MAX unrolled
-        # splits in a loop, then the rest unrolled
-        for c in range(NUM_SPLITS // COMBINE_UNROLL_MAX):
-            for j in tl.static_range(COMBINE_UNROLL_MAX):
-                acc, m, den = _merge_split(acc, m, den, ws_o_ptr, ws_lse_ptr, ws_row, cols,
-                                           c * COMBINE_UNROLL_MAX + j, D)
-        for j in tl.static_range(NUM_SPLITS - NUM_SPLITS // COMBINE_UNROLL_MAX * COMBINE_UNROLL_MAX):
-            acc, m, den = _merge_split(
-                acc, m, den, ws_o_ptr, ws_lse_ptr, ws_row, cols,
-                NUM_SPLITS // COMBINE_UNROLL_MAX * COMBINE_UNROLL_MAX + j, D)
+    # blocks in the fixed order s = 0, BLOCK_S, ...: deterministic
+    for s0 in tl.range(0, NUM_SPLITS, BLOCK_S):
+        live = s0 + sb < NUM_SPLITS
+        parts = ws_row + s0 + sb  # [BLOCK_S] workspace rows of this block's splits
+        lse_b = tl.load(ws_lse_ptr + parts, mask=live, other=float("-inf"))
+        o_b = tl.load(ws_o_ptr + parts[:, None] * D + cols[None, :], mask=live[:, None],
+                      other=0.0)  # [BLOCK_S, BLOCK_D]
+        acc, m, den = merge_parts(acc, m, den, o_b, lse_b)
     out, lse = merge_finish(acc, m, den)
     tl.store(out_ptr + row.to(tl.int64) * D + cols[None, :], out.to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + row + zero, lse, mask=tl.program_id(1) == 0)
@@ -354,7 +338,13 @@ def _block_m(T: int, group: int) -> int:
     return max(16, next_pow2(T * group))
 
 
-COMBINE_BLOCK_D = 32  # one warp, one fp32 a thread per split
+COMBINE_BLOCK_D = 32  # one warp a program
+COMBINE_BLOCK_S = 64  # splits a combine tile takes ([64, 32] fp32: 64 registers a thread)
+
+
+def combine_block_s(splits: int) -> int:
+    """Splits the combine merges a tile at a time: all of them up to COMBINE_BLOCK_S."""
+    return min(next_pow2(max(1, splits)), COMBINE_BLOCK_S)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -443,8 +433,8 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, D)
         _combine_kernel[(B * T * HQ, D // block_d)](
-            ws_o, ws_lse, out, lse, D=D, NUM_SPLITS=splits, BLOCK_D=block_d, num_warps=1,
-            **launch)
+            ws_o, ws_lse, out, lse, D=D, NUM_SPLITS=splits, BLOCK_D=block_d,
+            BLOCK_S=combine_block_s(splits), num_warps=1, **launch)
     return out, lse
 
 
@@ -485,9 +475,11 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
                                     query_rows=T * group, page_size=page_size if paged else 0)
     if kernel == "combine":
         sig = {"ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "out_ptr": f"*{t}", "lse_ptr": "*fp32",
-               "D": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_D": "constexpr"}
+               "D": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_D": "constexpr",
+               "BLOCK_S": "constexpr"}
         const = {"D": head_dim, "NUM_SPLITS": settings.num_splits,
-                 "BLOCK_D": min(COMBINE_BLOCK_D, head_dim)}
+                 "BLOCK_D": min(COMBINE_BLOCK_D, head_dim),
+                 "BLOCK_S": combine_block_s(settings.num_splits)}
         options = {"num_warps": 1}
         if pdl:
             sig["PDL"] = "constexpr"

@@ -10,10 +10,12 @@ with L in fp32. An empty part (lse_i = -inf) contributes nothing, whatever its o
 holds; all parts empty gives (0, -inf), never NaN. A NaN or +inf lse_i is an invalid
 state: the row's O and L become NaN (never a silently dropped part), as in the reference.
 
-``merge_step`` folds one part into a running (acc, m, den) and ``merge_finish`` turns
-that into (O, L). They are the only place the formula lives: the ``merge_states``
-kernel below and the split-KV decode combine (decode_triton.py) both call them, and
-sequence-parallel prefill/decode call :func:`merge_states`.
+``merge_step`` folds one part into a running (acc, m, den), ``merge_parts`` folds a
+block of parts of one row at once (the same formula as vector operations over the
+block), and ``merge_finish`` turns the state into (O, L). They are the only place the
+formula lives: the ``merge_states`` kernel below and the split-KV decode combine
+(decode_triton.py) call them, and sequence-parallel prefill/decode call
+:func:`merge_states`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,29 @@ def merge_step(acc, m, den, o_i, lse_i):
     contrib = tl.where((w > 0.0)[:, None], w[:, None] * o_i.to(tl.float32), 0.0)  # [R, D]
     acc = acc * alpha[:, None] + contrib
     den = den * alpha + w
+    return acc, m_new, den
+
+
+@triton.jit
+def merge_parts(acc, m, den, o_blk, lse_blk):
+    """Fold a block of S parts of one row into the running state; returns (acc, m, den).
+
+    acc [1, D], m [1], den [1] as in merge_step; o_blk [S, D] (any float dtype), lse_blk
+    [S] fp32, rows past the real parts given lse -inf (empty: their o is never used).
+    The result is merge_step's over the block's parts in any order, up to rounding: the
+    block's weights are summed by a reduction (fixed by the build, so reruns give the same
+    bits). Empty, NaN and +inf parts behave as in merge_step.
+    """
+    nan_in = tl.sum((lse_blk != lse_blk).to(tl.int32), axis=0) > 0
+    m_new = tl.maximum(m, tl.max(lse_blk, axis=0))  # [1]
+    # a NaN part (or state) poisons the row for good, as in merge_step
+    m_new = tl.where((m != m) | nan_in, float("nan"), m_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)  # [1]
+    w = tl.exp(lse_blk - tl.sum(m_safe, axis=0))  # [S]: 0 when empty, NaN when +inf/NaN
+    contrib = tl.where((w > 0.0)[:, None], w[:, None] * o_blk.to(tl.float32), 0.0)  # [S, D]
+    acc = acc * alpha[:, None] + tl.sum(contrib, axis=0)[None, :]
+    den = den * alpha + tl.sum(w, axis=0)
     return acc, m_new, den
 
 

@@ -35,7 +35,7 @@ from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty, ensure_descriptor_allocator
 from ._rebuild import rebuild
-from ._softmax import _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
+from ._softmax import F32_DOT, _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
 from ._intmath import cdiv
 from .prefill_triton import tile_family
 
@@ -88,7 +88,7 @@ def _paged_inner(acc, l_i, m_i, q, k_src, v_src, bt_row, lo, hi, offs_m, seqlen_
                             mask=offs_n[:, None] < seqlen_k, other=0.0)  # [BLOCK_N, D]
             else:
                 k = tl.load(k_src + k_rows[:, None] + offs_d[None, :])  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+        s = tl.dot(q, tl.trans(k), input_precision=F32_DOT)  # [BLOCK_M, BLOCK_N] fp32
         p, m_new, l_i, acc = _softmax_step(s, m_i, l_i, acc, offs_m, offs_n, seqlen_k, diag,
                                            qk_scale, MASK, CAUSAL)
         if USE_TMA:
@@ -103,7 +103,7 @@ def _paged_inner(acc, l_i, m_i, q, k_src, v_src, bt_row, lo, hi, offs_m, seqlen_
                             mask=offs_n[:, None] < seqlen_k, other=0.0)  # [BLOCK_N, D]
             else:
                 v = tl.load(v_src + v_rows[:, None] + offs_d[None, :])  # [BLOCK_N, D]
-        acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, D]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=F32_DOT)  # [BLOCK_M, D]
         m_i = m_new
     return acc, l_i, m_i
 

@@ -29,7 +29,7 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty, ensure_descriptor_allocator
 from ._rebuild import rebuild
-from ._softmax import _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
+from ._softmax import F32_DOT, _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
 from ._intmath import cdiv
 
 LN2 = math.log(2.0)
@@ -65,7 +65,7 @@ def _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
                         mask=offs_n[:, None] < seqlen_k, other=0.0)
         else:
             k = tl.load(k_src + offs_n[:, None] * stride_ks + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32
+        s = tl.dot(q, tl.trans(k), input_precision=F32_DOT)  # [BLOCK_M, BLOCK_N] fp32
         p, m_new, l_i, acc = _softmax_step(s, m_i, l_i, acc, offs_m, offs_n, seqlen_k, diag,
                                            qk_scale, MASK, CAUSAL)
         if HOST_DESC:
@@ -77,7 +77,7 @@ def _attn_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, lo, hi,
                         mask=offs_n[:, None] < seqlen_k, other=0.0)
         else:
             v = tl.load(v_src + offs_n[:, None] * stride_vs + offs_d[None, :])
-        acc = tl.dot(p.to(v.dtype), v, acc)  # [BLOCK_M, D]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=F32_DOT)  # [BLOCK_M, D]
         m_i = m_new
     return acc, l_i, m_i
 

@@ -560,11 +560,15 @@ def test_decode_pdl_off_equals_the_default_call(kernel_device, page):
         assert_close(base[0], ref, torch.float16)
 
 
-@pytest.mark.parametrize("module", ["decode_triton", "prefill_triton", "prefill_paged"])
-def test_sm90_fp32_attention_dots_keep_fp32_accuracy(module):
-    """fp32 operands: every attention tl.dot asks for three TF32 products (tf32x3), not
-    Triton's default single TF32 product (a 10-bit mantissa: fp32 decode's LSE was off by
-    up to 4e-4 relative on the H200); 16-bit builds carry no fp32 precision at all."""
+@pytest.mark.parametrize("module,kw", [
+    ("decode_triton", dict(head_dim=64)), ("prefill_triton", dict(head_dim=64)),
+    ("prefill_paged", dict(head_dim=64)), ("gemv", dict(M=8, N=256, K=256)),
+    ("qkv_rope", dict(rows=8, fused=True))], ids=lambda v: v if isinstance(v, str) else "")
+def test_sm90_fp32_dots_keep_fp32_accuracy(module, kw):
+    """fp32 operands: every tl.dot of the library's Triton kernels asks for three TF32
+    products (tf32x3, kernels/_precision.py), not Triton's default single TF32 product
+    (a 10-bit mantissa: fp32 decode's LSE was off by up to 4e-4 relative on the H200);
+    16-bit builds are unchanged by it (their operands ignore the precision)."""
     import importlib
     import re
     import triton
@@ -573,7 +577,7 @@ def test_sm90_fp32_attention_dots_keep_fp32_accuracy(module):
     mod = importlib.import_module(f"wsattn.kernels.{module}")
 
     def dots(dtype):
-        s = mod.compile_spec(90, head_dim=64, dtype=dtype)
+        s = mod.compile_spec(90, dtype=dtype, **kw)
         k = triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
                                      attrs=s["attrs"]),
                            target=GPUTarget("cuda", 90, 32), options=s["options"])
@@ -581,4 +585,4 @@ def test_sm90_fp32_attention_dots_keep_fp32_accuracy(module):
 
     fp32 = dots("fp32")
     assert fp32 and all("inputPrecision = tf32x3" in d for d in fp32), fp32
-    assert all("inputPrecision" not in d or "tf32x3" in d for d in dots("bf16"))
+    assert dots("bf16")

@@ -1,6 +1,5 @@
 """The online-softmax step shared by the Triton prefill kernels (fixed-length / varlen in
-prefill_triton.py, paged in prefill_paged.py), written once, and the fp32 dot precision
-of every Triton attention kernel (decode_triton.py too).
+prefill_triton.py, paged in prefill_paged.py), written once.
 
 A kernel module that uses these imports all three and lists them in its ``_JIT_NAMES``,
 so that ``_rebuild.rebuild`` rebuilds them in that module's namespace, where the
@@ -9,12 +8,6 @@ interpreter build swaps the two combine functions for Triton's own (see _rebuild
 
 import triton
 import triton.language as tl
-
-# The attention kernels' tl.dot precision for fp32 operands (16-bit operands ignore it):
-# Triton's default runs fp32 as TF32 (10-bit mantissa), which gave fp32 decode an LSE
-# error of up to 4e-4 relative on the H200, past fp32's tolerance; three TF32 products
-# (hi*hi + hi*lo + lo*hi) keep the tensor cores and about fp32's accuracy.
-F32_DOT = tl.constexpr("tf32x3")
 
 
 @triton.jit

@@ -38,7 +38,7 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from ._softmax import F32_DOT
+from ._precision import F32_DOT
 from .merge import merge_finish, merge_parts
 
 LOG2E = 1.4426950408889634

@@ -45,6 +45,7 @@ from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
+from ._precision import F32_DOT
 
 
 @triton.jit
@@ -67,9 +68,9 @@ def accumulate(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm, M, k, k
         x = tl.load(x_ptr + xoff[:, None] + k[None, :],
                     mask=m_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         xt = tl.trans(x)  # [BLOCK_K, BLOCK_M]
-        acc_g = tl.dot(wg, xt, acc_g)  # [BLOCK_N, BLOCK_M]
+        acc_g = tl.dot(wg, xt, acc_g, input_precision=F32_DOT)  # [BLOCK_N, BLOCK_M]
         if GATE_UP:
-            acc_u = tl.dot(wu, xt, acc_u)
+            acc_u = tl.dot(wu, xt, acc_u, input_precision=F32_DOT)
         if NORM:
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)

@@ -29,7 +29,8 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty, ensure_descriptor_allocator
 from ._rebuild import rebuild
-from ._softmax import F32_DOT, _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
+from ._precision import F32_DOT
+from ._softmax import _max_combine, _softmax_step, _sum_combine  # noqa: F401 (_JIT_NAMES)
 from ._intmath import cdiv
 
 LN2 = math.log(2.0)

@@ -61,6 +61,7 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
+from ._precision import F32_DOT
 from . import gemv as _gemv
 from .gemv import GemvSettings, accumulate, gemv, store_partials, stream_w, sum_partials
 
@@ -83,8 +84,8 @@ def _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live, stride_xm, M, k0, k_hi, w_l
                     other=0.0)  # [BLOCK_M, BLOCK_K]
         # "swap AB": the weight tile is the MMA's wide M operand, x^T its narrow N side
         xt = tl.trans(x)  # [BLOCK_K, BLOCK_M]
-        acc_lo = tl.dot(w_lo_t, xt, acc_lo)  # [D/2, BLOCK_M]
-        acc_hi = tl.dot(w_hi_t, xt, acc_hi)
+        acc_lo = tl.dot(w_lo_t, xt, acc_lo, input_precision=F32_DOT)  # [D/2, BLOCK_M]
+        acc_hi = tl.dot(w_hi_t, xt, acc_hi, input_precision=F32_DOT)
         if NORM:  # FlashNorm: x's sum of squares accumulates as x streams
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, 1)  # [BLOCK_M]

@@ -374,6 +374,18 @@ def _gaps(events) -> dict:
     return out
 
 
+def _step_share(long: dict, short: dict, steps: int, key: str, us_key: str) -> list:
+    """{key: (count, us)} of the long trace minus the short one, over steps: rows {key,
+    "per_step", us_key} of the keys the steps added, the most us first."""
+    rows = []
+    for k, (n, us) in long.items():
+        n0, us0 = short.get(k, (0, 0.0))
+        if n > n0:
+            rows.append({key: k, "per_step": (n - n0) / steps, us_key: (us - us0) / steps})
+    rows.sort(key=lambda r: -r[us_key])
+    return rows
+
+
 def per_step(long: dict, short: dict, steps: int, ms_per_token: float | None = None) -> dict:
     """One step's share of the GPU work: the trace of t(1 + steps) minus that of t(1),
     over ``steps``; idle = ms_per_token - busy (when the step time is given)."""
@@ -381,14 +393,8 @@ def per_step(long: dict, short: dict, steps: int, ms_per_token: float | None = N
         raise ValueError(f"steps must be >= 1, got {steps}")
     d = {k: (long[k] - short[k]) / steps for k in ("kernels", "copies", "kernel_us", "busy_us")}
     idle = None if ms_per_token is None else ms_per_token * 1e3 - d["busy_us"]
-    names = []
-    lb, sb = long.get("by_name", {}), short.get("by_name", {})
-    for name, (n, us) in lb.items():
-        n0, us0 = sb.get(name, (0, 0.0))
-        if n > n0:
-            names.append({"name": name, "per_step": (n - n0) / steps,
-                          "us_per_step": (us - us0) / steps})
-    names.sort(key=lambda r: -r["us_per_step"])
+    names = _step_share(long.get("by_name", {}), short.get("by_name", {}), steps, "name",
+                        "us_per_step")
     pairs = []
     lg, sg = long.get("gaps", {}), short.get("gaps", {})
     for (a, b), (n, idle_us, over_us) in lg.items():
@@ -398,14 +404,8 @@ def per_step(long: dict, short: dict, steps: int, ms_per_token: float | None = N
                           "idle_us_per_step": (idle_us - i0) / steps,
                           "overlap_us_per_step": (over_us - o0) / steps})
     pairs.sort(key=lambda r: -r["idle_us_per_step"])
-    crit = []
-    lc, sc = long.get("critical", {}), short.get("critical", {})
-    for key, (n, us) in lc.items():
-        n0, us0 = sc.get(key, (0, 0.0))
-        if n > n0:
-            crit.append({"launch": key, "per_step": (n - n0) / steps,
-                         "critical_us_per_step": (us - us0) / steps})
-    crit.sort(key=lambda r: -r["critical_us_per_step"])
+    crit = _step_share(long.get("critical", {}), short.get("critical", {}), steps, "launch",
+                       "critical_us_per_step")
     return {"kernels_per_step": d["kernels"], "copies_per_step": d["copies"],
             "kernel_us_per_step": d["kernel_us"], "busy_us_per_step": d["busy_us"],
             "idle_us_per_step": idle, "kernels_by_time": names[:TOP_KERNELS],

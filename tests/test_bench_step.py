@@ -74,6 +74,16 @@ def test_options_parse():
     assert step.pdl_of(args.step_impl[0]) == ("qkv_rope", "decode", "gemv:late")
     args = wsattn.cli.build_parser().parse_args(["bench", "gemv", "--m", "1", "--kernels", "o"])
     assert (args.m, args.kernels, args.gemv_impl) == ([1], ["o"], list(gemv.IMPLS))
+    # a wsattn column on an engine of another page size, side by side with the default
+    cols = ["wsattn-graph-pdl", "wsattn-graph-pdl@page64", "wsattn-graph@page64",
+            "wsattn-graph-pdl[gemv,decode]@page32"]
+    args = wsattn.cli.build_parser().parse_args(["bench", "step", "--step-impl", *cols])
+    assert args.step_impl == cols
+    assert [step.split_page(c) for c in cols] == [
+        ("wsattn-graph-pdl", None), ("wsattn-graph-pdl", 64), ("wsattn-graph", 64),
+        ("wsattn-graph-pdl[gemv,decode]", 32)]
+    assert [step.pdl_of(c) for c in cols] == [True, True, False, ("gemv", "decode")]
+    assert all(step.is_wsattn(c) for c in cols)
 
 
 @pytest.mark.parametrize("column, match", [
@@ -82,6 +92,11 @@ def test_options_parse():
     ("wsattn-graph-pdl[]", "distinct names of"),
     ("wsattn-graph-pdl[gemv", "must be one of"),
     ("wsattn-eager", "must be one of"),
+    ("wsattn-graph-pdl@page0", "positive page size"),
+    ("wsattn-graph-pdl@page", "positive page size"),
+    ("wsattn-graph-pdl@page16x", "positive page size"),
+    ("hf-eager@page64", "applies to the wsattn columns"),
+    ("wsattn-graph-pdl[gemv,norm]@page64", "distinct names of"),
 ])
 def test_step_columns_refused_by_name(column, match, capsys):
     with pytest.raises(ValueError, match=match):
@@ -546,7 +561,8 @@ step.MODELS["tiny-llama"] = {**step.MODELS["llama-3.2-1b"], "hidden_size": 128,
 model = step.build_model("tiny-llama", "cpu", "fp32")
 case = step.StepCase("tiny-llama", 2, 33, "fp32")
 args = types.SimpleNamespace(new_tokens=2, check_steps=2, repeats=1)
-rows = step.run_case(case, ["hf-eager", "wsattn-graph"], model, {"gpu": "none"}, "cpu", 4.0, args)
+rows = step.run_case(case, ["hf-eager", "wsattn-graph", "wsattn-graph@page64"], model,
+                     {"gpu": "none"}, "cpu", 4.0, args)
 step.CHECK_LAYERS["tiny-llama"] = 1
 cut = step.run_case(case, ["wsattn-graph"], model, {"gpu": "none"}, "cpu", 4.0, args)
 del step.CHECK_LAYERS["tiny-llama"]
@@ -562,9 +578,13 @@ def test_step_runner_end_to_end_on_a_tiny_llama():
     """transformers eager and the engine's kernel step (interpreter) on a 2-layer Llama:
     the engine's logits checked against transformers' teacher-forced ones, then timed;
     checked on a 1-layer cut where CHECK_LAYERS names the model; a failed check is not
-    timed; a missing runner is 'not available', not an error."""
+    timed; a missing runner is 'not available', not an error; a column on KV pages of
+    64 tokens runs the same way."""
     r = _child(STEP_CHILD)
-    hf, ws = r["rows"]
+    hf, ws, ws64 = r["rows"]
+    # the same engine on KV pages of 64 tokens: checked and timed like the default's 16
+    assert ws["page_size"] == 16 and ws64["page_size"] == 64, (ws, ws64)
+    assert ws64["status"] == "ok" and ws64["check_passed"] and ws64["rel_err"] <= 2e-3, ws64
     assert hf["impl"] == "hf-eager" and hf["status"] == "ok" and hf["rel_err"] is None
     assert ws["impl"] == "wsattn-graph" and ws["status"] == "ok", ws
     assert ws["rel_err"] <= 2e-3 and ws["check_passed"] and ws["check_steps"] == 2
@@ -589,17 +609,19 @@ def test_a_columns_engine_is_freed_before_the_next_is_built(monkeypatch):
 
     from wsattn.bench import step
 
-    built, alive_at_build, pdls = [], [], []
+    built, alive_at_build, pdls, pages = [], [], [], []
 
     class FakeEngine:
         def run(self, ids, tokens, timings=None):
             if timings is not None:
                 timings.update(decode_s=1e-3 * (tokens - 1), decode_steps=tokens - 1)
 
-    def fake_build(model, case, pdl, max_len, device):
+    def fake_build(model, case, pdl, max_len, device, page_size=None):
         alive_at_build.append(sum(r() is not None for r in built))
         pdls.append(pdl)
+        pages.append(page_size)
         engine = FakeEngine()
+        engine.page_size = 16 if page_size is None else page_size
         built.append(weakref.ref(engine))
         return engine, None
 
@@ -608,15 +630,20 @@ def test_a_columns_engine_is_freed_before_the_next_is_built(monkeypatch):
     monkeypatch.setattr(step, "teacher_forced_check", lambda *a, **k: (0.0, 1.0, {}))
     args = types.SimpleNamespace(new_tokens=2, check_steps=2, repeats=1)
     case = step.StepCase("llama-3.2-1b", 1, 8, "fp32")
-    impls = ["wsattn-graph", "wsattn-graph-pdl", "wsattn-graph-pdl[qkv_rope,moe]"]
+    impls = ["wsattn-graph", "wsattn-graph-pdl", "wsattn-graph-pdl[qkv_rope,moe]",
+             "wsattn-graph@page64", "wsattn-graph-pdl@page64"]
     rows = step.run_case(case, impls, object(), {"gpu": "none"}, "cpu", 4.0, args)
-    assert [r["status"] for r in rows] == ["ok"] * 3, rows
-    assert alive_at_build == [0, 0, 0] and len(built) == 3
+    assert [r["status"] for r in rows] == ["ok"] * 5, rows
+    assert alive_at_build == [0] * 5 and len(built) == 5
     assert all(r() is None for r in built)
-    assert pdls == [False, True, ("qkv_rope", "moe")]
-    step.add_ratios(rows)  # both PDL columns against the graph column of the same case
-    assert rows[0]["pdl_speedup"] is None
-    assert all(r["pdl_speedup"] > 0 for r in rows[1:])
+    assert pdls == [False, True, ("qkv_rope", "moe"), False, True]
+    assert pages == [None, None, None, 64, 64]
+    assert [r["page_size"] for r in rows] == [16, 16, 16, 64, 64]
+    rows[3]["ms_per_token"] = 2 * rows[4]["ms_per_token"]
+    step.add_ratios(rows)  # PDL columns against the graph column of the same case and page
+    assert rows[0]["pdl_speedup"] is None and rows[3]["pdl_speedup"] is None
+    assert all(r["pdl_speedup"] > 0 for r in rows[1:3])
+    assert rows[4]["pdl_speedup"] == pytest.approx(2.0)
     assert step.is_wsattn(impls[2]) and not step.is_wsattn("hf-eager")
 
 

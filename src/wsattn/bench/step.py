@@ -66,10 +66,31 @@ CONTEXTS = (1024, 4096, 32768)
 ELT = 2  # bf16
 
 
+PAGE_SUFFIX = "@page"  # + tokens per KV page: a wsattn column on an engine of that page size
+
+
+def split_page(impl: str) -> tuple[str, int | None]:
+    """(the column without its ``@pageN`` suffix, N or None for the engine's default)."""
+    base, sep, n = impl.partition(PAGE_SUFFIX)
+    return (base, int(n)) if sep else (impl, None)
+
+
 def step_impl(text: str) -> str:
     """A ``--step-impl`` column: one of IMPLS, or ``wsattn-graph-pdl[f1,f2,...]`` with
-    names from ``wsattn.engine.runner.PDL_FAMILIES`` or ``PDL_VARIANTS``; ValueError
-    naming what is wrong."""
+    names from ``wsattn.engine.runner.PDL_FAMILIES`` or ``PDL_VARIANTS``; a wsattn column
+    may end in ``@pageN``, its engine's KV pages of N tokens (the engine's default
+    otherwise), so page sizes compare side by side in one run. ValueError naming what is
+    wrong."""
+    base, sep, n = text.partition(PAGE_SUFFIX)
+    if sep:
+        if not (n.isdigit() and int(n) >= 1 and str(int(n)) == n):
+            raise ValueError(f"{text!r}: {PAGE_SUFFIX} takes a positive page size in tokens, "
+                             f"got {n!r}")
+        if not is_wsattn(base):
+            raise ValueError(f"{text!r}: {PAGE_SUFFIX}N applies to the wsattn columns, not "
+                             f"{base!r}")
+        step_impl(base)
+        return text
     if text in IMPLS:
         return text
     if not (text.startswith(PDL_SUBSET) and text.endswith("]")):
@@ -92,12 +113,14 @@ def step_impl(text: str) -> str:
 
 def pdl_of(impl: str):
     """The ``pdl=`` of a wsattn column: False, True, or the tuple of kernel families."""
+    impl = split_page(impl)[0]
     if impl.startswith(PDL_SUBSET):
         return tuple(impl[len(PDL_SUBSET):-1].split(","))
     return impl == "wsattn-graph-pdl"
 
 
 def is_wsattn(impl: str) -> bool:
+    impl = split_page(impl)[0]
     return impl in WSATTN_IMPLS or impl.startswith(PDL_SUBSET)
 
 
@@ -160,7 +183,7 @@ ROW_FIELDS = ("op", "impl", "case", "model", "B", "ctx", "new_tokens", "dtype", 
               "target_met", "ratio_hf_compile", "pdl_speedup", "kernels_per_step",
               "kernels_per_layer", "copies_per_step", "kernel_us_per_step",
               "busy_us_per_step", "idle_us_per_step", "kernels_by_time", "gaps_by_pair",
-              "critical_by_launch", "profile_steps")
+              "critical_by_launch", "profile_steps", "page_size")
 
 
 def model_config(name: str):
@@ -494,8 +517,9 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         peer = timed.get((case, "hf-compile"))
         if peer and peer is not r:
             r["ratio_hf_compile"] = peer["ms_per_token"] / r["ms_per_token"]
-        nopdl = timed.get((case, "wsattn-graph"))
-        if impl.startswith("wsattn-graph-pdl") and nopdl:
+        base, page = split_page(impl)
+        nopdl = timed.get((case, "wsattn-graph" + ("" if page is None else f"{PAGE_SUFFIX}{page}")))
+        if base.startswith("wsattn-graph-pdl") and nopdl:
             r["pdl_speedup"] = nopdl["ms_per_token"] / r["ms_per_token"]
     return rows
 
@@ -599,15 +623,16 @@ def build_model(name: str, device, dtype: str = "bf16", layers: int | None = Non
     return model.eval()
 
 
-def build_engine(model, case: StepCase, pdl, max_seq_len: int, device):
+def build_engine(model, case: StepCase, pdl, max_seq_len: int, device, page_size=None):
     """(wsattn's Engine on the kernel step with PDL on or off, or on for the kernel
     families ``pdl`` names (a tuple, see :func:`pdl_of`), a note or None).
 
     ``Engine(..., pdl=)`` where the engine takes it; otherwise the engine gets a fixed
     pool (never reallocated, so its step is never rebuilt) and its step is replaced by
     ``KernelStep(cfg, weights, cache, buckets=, pdl=)``, the runner's documented
-    constructor. NotAvailable when the runner is missing, rather than timing something
-    else under its name."""
+    constructor. page_size: the engine's KV page in tokens (None: its default).
+    NotAvailable when the runner is missing, rather than timing something else under its
+    name."""
     import importlib
 
     from wsattn.engine.generate import Engine
@@ -623,12 +648,14 @@ def build_engine(model, case: StepCase, pdl, max_seq_len: int, device):
 
     kw = dict(step="kernels", dtype=DTYPES[case.dtype], device=device, buckets=(case.B,),
               max_seq_len=max_seq_len)
+    if page_size is not None:
+        kw["page_size"] = page_size
     try:
         return Engine(model, pdl=pdl, **kw), None
     except TypeError as e:
         if "pdl" not in str(e):
             raise
-    page_size = 16
+    page_size = kw.pop("page_size", 16)
     engine = Engine(model, page_size=page_size,
                     num_pages=case.B * -(-max_seq_len // page_size), **kw)
     engine.step = runner.KernelStep(engine.cfg, engine.weights, engine.cache,
@@ -704,7 +731,8 @@ def fp32_reference(model):
     return copy.deepcopy(model).float().eval()
 
 
-def check_on_cut(case: StepCase, pdl, max_len: int, ids, steps: int, tol, device):
+def check_on_cut(case: StepCase, pdl, max_len: int, ids, steps: int, tol, device,
+                 page_size=None):
     """teacher_forced_check on the case's model cut to CHECK_LAYERS layers (its own random
     weights; the engine built on it as the timed one is on the full model), then freed:
     (rel, tol, detail, note)."""
@@ -714,7 +742,7 @@ def check_on_cut(case: StepCase, pdl, max_len: int, ids, steps: int, tol, device
     cut = build_model(case.model, device, case.dtype, layers=layers)
     engine = ref = None
     try:
-        engine, _ = build_engine(cut, case, pdl, max_len, device)
+        engine, _ = build_engine(cut, case, pdl, max_len, device, page_size)
         ref = fp32_reference(cut)
         rel, tol, detail = teacher_forced_check(cut, engine, ids, steps, case.dtype, tol, ref)
     finally:
@@ -768,14 +796,15 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
                     return marks.per_token_ms()
             else:
                 pdl, max_len = pdl_of(impl), case.ctx + max(n, checks) + 2
+                page = split_page(impl)[1]
                 tol_arg = getattr(args, "check_tol", None)
                 if case.model in CHECK_LAYERS:
                     rel, tol, detail, cut_note = check_on_cut(case, pdl, max_len, ids, checks,
-                                                              tol_arg, device)
-                    engine, note = build_engine(model, case, pdl, max_len, device)
+                                                              tol_arg, device, page)
+                    engine, note = build_engine(model, case, pdl, max_len, device, page)
                     note = "; ".join(filter(None, [note, cut_note]))
                 else:
-                    engine, note = build_engine(model, case, pdl, max_len, device)
+                    engine, note = build_engine(model, case, pdl, max_len, device, page)
                     if ref is None:
                         ref = fp32_reference(model)
                     rel, tol, detail = teacher_forced_check(model, engine, ids, checks,
@@ -809,6 +838,8 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
                                  check_steps=checks if rel is not None else None,
                                  ms_per_token=ms, samples_ms={"per_token": samples},
                                  profile=prof, profile_steps=n, note=note, **common))
+            if engine is not None:
+                rows[-1]["page_size"] = getattr(engine, "page_size", None)
         except NotAvailable as e:
             rows.append(make_row(stamp, case, impl, "not available", reason=str(e)[:300], **common))
         except Exception as e:  # a broken column must not stop the run
@@ -892,7 +923,9 @@ def add_arguments(group) -> None:
                        metavar="IMPL", help=f"step: columns (default all: {' '.join(IMPLS)}; "
                                            f"{PDL_SUBSET}FAMILY,...]: PDL on for those kernel "
                                            f"families of wsattn.engine.runner.PDL_FAMILIES "
-                                           f"only, or its PDL_VARIANTS, e.g. gemv:late)")
+                                           f"only, or its PDL_VARIANTS, e.g. gemv:late; a wsattn "
+                                           f"column + {PAGE_SUFFIX}N: its engine's KV pages of N "
+                                           f"tokens, e.g. wsattn-graph-pdl{PAGE_SUFFIX}64)")
     group.add_argument("--new-tokens", type=int, default=32,
                        help="step: decode steps timed, from the first new token to the "
                             "last of 1 + n (default 32)")

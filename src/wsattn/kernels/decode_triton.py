@@ -127,7 +127,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
         k = tl.load(k_head + k_rows[:, None] + d[None, :], mask=kv_live[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_head + v_rows[:, None] + d[None, :], mask=kv_live[:, None], other=0.0)  # [BLOCK_N, D]
 
-        qk = tl.dot(q, tl.trans(k), input_precision=F32_DOT) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        # [BLOCK_M, BLOCK_N], log2 units
+        qk = tl.dot(q, tl.trans(k), input_precision=F32_DOT) * qk_scale
         sees = (n[None, :] <= last_key[:, None]) & kv_live[None, :]
         qk = tl.where(sees, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
@@ -137,7 +138,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
         p = tl.exp2(qk - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
         alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=F32_DOT)  # [BLOCK_M, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision=F32_DOT)  # [BLOCK_M, D]
         m_i = m_new
 
     # (acc, m, l) is a merge state whose max is in log2 units; in natural units it is m*ln2

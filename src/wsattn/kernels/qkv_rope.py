@@ -293,10 +293,10 @@ class GemvRopeSettings:
     """The GEMV-epilogue path: gemv's stream of Wqkv with each program's columns chosen as
     rotate_half pairs of one head, and the bias, RoPE, the q store and the append in its
     epilogue: one launch, or gemv's two where the settings split K (the finish does the
-    epilogue then). Per-head QK-norm (Qwen3) needs a whole
-    head's sum of squares: taken where a program holds whole heads, i.e. where K is split
-    (each finish program holds one head) or BLOCK_N equals the head dim, and refused by
-    name elsewhere; OLMoE's norm over the whole projection is refused. gemv: the
+    epilogue then). Per-head QK-norm (Qwen3) needs a whole head's sum of squares: taken
+    where a program holds whole heads, i.e. where K is split (each finish program holds
+    one head) or BLOCK_N equals the head dim, and refused by name elsewhere; OLMoE's norm
+    over the whole projection is refused. gemv: the
     projection's GemvSettings (None: gemv's defaults, BLOCK_N capped at the head dim); its
     BLOCK_N must divide the head dim."""
     gemv: GemvSettings | None = None
@@ -838,8 +838,7 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
             (row, head) kernel for bias, QK-norm, RoPE and the append);
             GemvRopeSettings for the GEMV-epilogue path (gemv's kernel with bias, RoPE,
             the q store and the append in its epilogue; per-head QK-norm only where a
-            program holds whole heads). Workspace unused by
-            the last two.
+            program holds whole heads). Workspace unused by the last two.
         workspace: a :class:`QkvRopeWorkspace` (from :func:`qkv_rope_workspace`) for the
             split-K partials and counters, checked to be large enough for this launch
             (too small: ValueError naming it); None uses a per-device cached one, grown

@@ -36,9 +36,9 @@ def test_step_shapes_every_combination_both_layouts():
     heads = {(32, 8, 64), (32, 8, 128), (32, 4, 128)}
     assert len(cases) == len(sizes) * len(heads) * 2 == len({c.id for c in cases})
     assert {(c.B, c.L, (c.HQ, c.HKV, c.D), c.page_size) for c in cases} == {
-        (b, l, h, p) for b, l in sizes for h in heads for p in (None, 16)}
+        (b, l, h, p) for b, l in sizes for h in heads for p in (None, 64)}
     assert all(c.dtype == "bf16" and c.op == "decode" for c in cases)
-    assert "decode-B1-L4096-HQ32-HKV8-D64-paged16-bf16" in {c.id for c in cases}
+    assert "decode-B1-L4096-HQ32-HKV8-D64-paged64-bf16" in {c.id for c in cases}
     assert "decode-B64-L1024-HQ32-HKV8-D128-contiguous-bf16" in {c.id for c in cases}
     quick = step_decode_cases(quick=True, dtype="fp16")
     assert {(c.B, c.L) for c in quick} == {(1, 4096), (8, 4096)}
@@ -51,7 +51,7 @@ def test_default_decode_cases_unchanged_and_never_rotated():
         (b, l, p) for b, l in ((64, 8192), (8, 65536), (1, 131072)) for p in (None, 16, 64)}
     assert all(rotation_copies(c) == 1 for c in decode_cases())
     steps = {c.id: rotation_copies(c) for c in step_decode_cases()}
-    assert steps["decode-B1-L1024-HQ32-HKV8-D64-paged16-bf16"] > 50  # 2 MB of K/V
+    assert steps["decode-B1-L1024-HQ32-HKV8-D64-paged64-bf16"] > 50  # 2 MB of K/V
     assert steps["decode-B64-L1024-HQ32-HKV8-D128-contiguous-bf16"] == 1  # 268 MB
     assert max(steps.values()) <= MAX_COPIES
 
@@ -272,13 +272,13 @@ def test_split_count_0_takes_the_default_rule_at_the_given_block_n(monkeypatch):
 
 @pytest.mark.gpu
 def test_step_shape_case_default_and_explicit_settings_on_cuda(tmp_path):
-    """One step-shape case (1B heads, B 1, L 4096, page 16) with the default launch and one
-    explicit setting, checked then timed on the GPU, over input copies past L2."""
+    """One step-shape case (1B heads, B 1, L 4096, the engine's page of 64) with the default
+    launch and one explicit setting, checked then timed on the GPU, over input copies past L2."""
     from wsattn.bench.runners import WsattnRunner
     from wsattn.bench.timing import cuda_timer
 
     (case,) = [c for c in step_decode_cases()
-               if c.id == "decode-B1-L4096-HQ32-HKV8-D64-paged16-bf16"]
+               if c.id == "decode-B1-L4096-HQ32-HKV8-D64-paged64-bf16"]
     runners = [Rotated(WsattnRunner("triton")),
                Rotated(DecodeSettingsRunner(parse_decode_settings("64,4,3,16")))]
     rows = suite.run_cases([case], runners, cuda_timer(5, 20), _stamp(), "cuda")

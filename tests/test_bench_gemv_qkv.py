@@ -34,7 +34,7 @@ def test_qkv_rope_cases_for_every_model_and_m():
         # the same weight bytes and copies as the plain qkv row of that model and M
         assert c.w_bytes() == plain[(c.model, c.M)].w_bytes()
         assert c.copies() == plain[(c.model, c.M)].copies()
-        assert c.ctx - 1 == 4095 and c.page_size == 16
+        assert c.ctx - 1 == 4095 and c.page_size == 64  # the engine's page
     by_model = {c.model: c for c in cases if c.M == 1}
     assert by_model["llama-3.2-1b"].w_bytes() == 3072 * 2048 * 2  # notes: 12.6 MB
     assert by_model["llama-3.2-1b"].rope.type == "llama3"

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.kv_cache import PAGE_SIZE
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOKENS_PER_BATCH = 16384
 HIDDEN = 2048
@@ -121,11 +123,11 @@ STEP_HEADS = {"llama-3.2-1b": (32, 8, 64), "llama-3.1-8b": (32, 8, 128),
               "qwen3-30b-a3b": (32, 4, 128)}
 STEP_SIZES = ((1, 1024), (1, 4096), (8, 4096), (64, 1024), (1, 32768))
 STEP_QUICK_SIZES = ((1, 4096), (8, 4096))
-STEP_PAGE_SIZE = 16
+STEP_PAGE_SIZE = PAGE_SIZE  # the engine's
 
 
 def step_decode_cases(quick: bool = False, dtype: str = "bf16") -> list[DecodeCase]:
-    """Every (model heads, (B, L), layout) of the decode step, contiguous and paged 16."""
+    """Every (model heads, (B, L), layout) of the decode step, contiguous and on the engine's pages."""
     sizes = STEP_QUICK_SIZES if quick else STEP_SIZES
     return [DecodeCase(b, l, hq, hkv, d, p, dtype)
             for hq, hkv, d in STEP_HEADS.values() for b, l in sizes

@@ -44,13 +44,13 @@ import torch
 from .cases import DTYPES, tbps
 from .report import fmt, status_text
 from .timing import _sync, release
+from ..engine.kv_cache import PAGE_SIZE  # the engine's page
 
 M_VALUES = (1, 8, 64)
 KERNELS = ("qkv", "o", "gate_up", "down", "lm_head")  # the plain GEMVs
 FUSED = ("qkv_rope",)  # the step's fused QKV + RoPE + append, on the qkv weights
 ALL_KERNELS = KERNELS + FUSED  # what the command line runs by default
 QKV_CTX = 4096  # tokens per sequence: the append writes position QKV_CTX - 1
-PAGE_SIZE = 16  # the engine's page
 IMPLS = ("wsattn", "wsattn-nopdl", "cublas")
 TARGET_FRAC = 0.90  # of the copy ceiling, per GEMV on its own (the target)
 L2_BYTES = 50 << 20  # H200

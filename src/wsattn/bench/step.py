@@ -56,6 +56,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from ..engine.kv_cache import PAGE_SIZE
 from .moe import MODELS as MOE_MODELS
 
 IMPLS = ("hf-eager", "hf-compile", "wsattn-graph", "wsattn-graph-pdl")
@@ -655,7 +656,7 @@ def build_engine(model, case: StepCase, pdl, max_seq_len: int, device, page_size
     except TypeError as e:
         if "pdl" not in str(e):
             raise
-    page_size = kw.pop("page_size", 16)
+    page_size = kw.pop("page_size", PAGE_SIZE)
     engine = Engine(model, page_size=page_size,
                     num_pages=case.B * -(-max_seq_len // page_size), **kw)
     engine.step = runner.KernelStep(engine.cfg, engine.weights, engine.cache,

@@ -25,6 +25,8 @@ import json
 import os
 import sys
 
+from .kv_cache import PAGE_SIZE
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -55,7 +57,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--impl", choices=IMPLS, default="auto",
                    help="step function: reference (plain PyTorch), kernels (the GPU runner), "
                         "auto (kernels on CUDA when built, else reference)")
-    p.add_argument("--page-size", type=int, default=16, help="KV page size (default 16)")
+    p.add_argument("--page-size", type=int, default=PAGE_SIZE,
+                   help=f"KV page size in tokens (default {PAGE_SIZE})")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random prompts and of sampling (default 0)")
     p.add_argument("--json", metavar="PATH", help="write the timing row there as JSON")

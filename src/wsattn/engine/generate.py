@@ -36,7 +36,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .kv_cache import PagedKVCache
+from .kv_cache import PAGE_SIZE, PagedKVCache
 
 __all__ = ["Engine", "Step", "generate", "sample", "BUCKETS"]
 
@@ -252,7 +252,7 @@ class Engine:
     """
 
     def __init__(self, model_or_path, *, dtype=None, device=None, step: str = "reference",
-                 page_size: int = 16, buckets=BUCKETS, num_pages: int | None = None,
+                 page_size: int = PAGE_SIZE, buckets=BUCKETS, num_pages: int | None = None,
                  max_seq_len: int | None = None, prefill_chunk: int = 512):
         from ..models import flashnorm
         from ..models.weights import load
@@ -552,7 +552,7 @@ def _resolve_impl(impl, device, dtype=None):
 def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, return_logits: bool = False,
-             page_size: int = 16, buckets=BUCKETS, dtype=None, device=None,
+             page_size: int = PAGE_SIZE, buckets=BUCKETS, dtype=None, device=None,
              impl: str = "auto", seed: int | None = None, prefill_chunk: int = 512):
     """Generate tokens after each prompt with a paged KV cache.
 

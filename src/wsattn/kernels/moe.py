@@ -439,9 +439,13 @@ def token_down_settings(target: Target, dtype: torch.dtype) -> MoeSettings:
         return MoeSettings(block=1, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
     elem = torch.empty((), dtype=dtype).element_size()
     block_n, block_k = 16, 512 // elem
-    stages = max(2, min(MAX_STAGES, STAGE_BUDGET // (block_n * block_k * elem)))
+    stages = max(2, min(TOKEN_DOWN_STAGES, TOKEN_DOWN_BUDGET // (block_n * block_k * elem)))
     return MoeSettings(block=1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
                        num_stages=stages)
+
+
+TOKEN_DOWN_STAGES = 12
+TOKEN_DOWN_BUDGET = 96 * 1024
 
 
 def blocks_max(T: int, top_k: int, num_experts: int, block: int) -> int:

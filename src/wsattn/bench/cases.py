@@ -127,7 +127,8 @@ STEP_PAGE_SIZE = PAGE_SIZE  # the engine's
 
 
 def step_decode_cases(quick: bool = False, dtype: str = "bf16") -> list[DecodeCase]:
-    """Every (model heads, (B, L), layout) of the decode step, contiguous and on the engine's pages."""
+    """Every (model heads, (B, L), layout) of the decode step: contiguous, and on the
+    engine's pages."""
     sizes = STEP_QUICK_SIZES if quick else STEP_SIZES
     return [DecodeCase(b, l, hq, hkv, d, p, dtype)
             for hq, hkv, d in STEP_HEADS.values() for b, l in sizes

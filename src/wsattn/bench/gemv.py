@@ -41,10 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.kv_cache import PAGE_SIZE  # the engine's page
 from .cases import DTYPES, tbps
 from .report import fmt, status_text
 from .timing import _sync, release
-from ..engine.kv_cache import PAGE_SIZE  # the engine's page
 
 M_VALUES = (1, 8, 64)
 KERNELS = ("qkv", "o", "gate_up", "down", "lm_head")  # the plain GEMVs

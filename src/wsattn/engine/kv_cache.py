@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 # The engine's page in tokens. The decode kernel reads a 16-token page at 0.89-0.95x the
-# contiguous cache at the decode step's shapes and a 64-token page as the contiguous one;
+# contiguous cache at the decode step's shapes and a 64-token page at 0.95-1.06x;
 # in the step that is ~1 us a layer at B1 (Llama-3.1-8B B1 4.179 -> 4.133 ms/token, B8
 # 5.745 -> 5.674; notes/decode_step.md). The cost is up to 63 tokens of unused slots per
 # sequence.

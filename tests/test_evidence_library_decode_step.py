@@ -161,3 +161,23 @@ def test_qkv_outputs_catch_a_missing_or_stray_cache_write():
     ref2 = run.reference(inp2)
     err, why = compare(_qkv_outputs(ref2[0].float(), inp2["k_cache"], inp2["v_cache"], inp2), ref2)
     assert err == float("inf") and "NaN" in why
+
+
+def test_decode_ladder_entry_on_the_engines_pages():
+    """decode_triton_paged64 is the decode kernel on the engine's KV pages (one page a tile
+    at D128, two under D64's 128-key tiles, where the block table is preloaded): every
+    shape it draws or sanitizes is on pages of 64, and it climbs the CPU gates."""
+    from wsattn.engine.kv_cache import PAGE_SIZE
+    spec = library.get("decode_triton_paged64")
+    run = spec.run
+    assert PAGE_SIZE == 64 and not spec.unavailable
+    rng = random.Random(0)
+    shapes = [run.draw_shape(rng, small) for small in (True, False) for _ in range(20)]
+    for s in shapes + list(run.sanitizer_shapes) + list(run.profile_shapes):
+        assert s["paged"] and s["page"] == PAGE_SIZE, s
+    assert any(s["D"] == 64 for s in run.sanitizer_shapes)
+    assert spec.compile_spec(90)["constexprs"]["PAGE_SIZE"] == PAGE_SIZE
+    inp = run.build(run.sanitizer_shapes[-1], "fp32", "cpu", torch.Generator().manual_seed(0))
+    assert inp["k"].shape[1] == PAGE_SIZE
+    r = ladder.climb(spec, "sm_90", ladder.Config(interpreter_shapes=1))
+    assert r.highest_gate == 2 and r.extra[0].status == "pass", r.verdict

@@ -270,20 +270,22 @@ def _paged_entry(kind="in_place"):
 
 # --------------------------------------------------------------------------- decode
 
-def _draw_decode(paged, head_dim):
+def _draw_decode(paged, head_dim, page=16):
     def draw(rng, small):
         hkv = rng.choice([1, 2])
         group = rng.choice([1, 4] if small else [1, 4, 8])
         lens = [1, 17, 60] if small else [1, 17, 127, 300, 2000]
         B = rng.choice([1, 2, 3])
-        return {"B": B, "L": [rng.choice(lens) for _ in range(B)], "Hq": hkv * group, "Hkv": hkv,
-                "D": 64 if small else head_dim, "paged": paged}
+        shape = {"B": B, "L": [rng.choice(lens) for _ in range(B)], "Hq": hkv * group,
+                 "Hkv": hkv, "D": 64 if small else head_dim, "paged": paged}
+        return {**shape, "page": page} if paged else shape
     return draw
 
 
 def _describe_decode(s):
+    page = s.get("page", 16)
     return f"B{s['B']}-L{'+'.join(map(str, s['L']))}-H{s['Hq']}-HKV{s['Hkv']}-D{s['D']}" + \
-        ("-paged" if s["paged"] else "")
+        (("-paged" if page == 16 else f"-paged{page}") if s["paged"] else "")
 
 
 def _build_decode(shape, dtype, device, gen):
@@ -296,7 +298,7 @@ def _build_decode(shape, dtype, device, gen):
     if not s["paged"]:
         return {"q": q, "k": rnd(B, L, s["Hkv"], s["D"]), "v": rnd(B, L, s["Hkv"], s["D"]),
                 "seqlens": seqlens, "bt": None}
-    page = 16
+    page = s.get("page", 16)
     per = math.ceil(L / page)
     perm = torch.randperm(B * per, generator=gen).to(torch.int32)
     bt = perm.reshape(B, per).to(device)
@@ -327,21 +329,29 @@ def _sdpa_decode(inp):
                                           enable_gqa=q.shape[1] != k.shape[2])
 
 
-def _decode_entry(name, paged):
-    run = RunSpec(draw_shape=_draw_decode(paged, 128), build=_build_decode, run=_decode_run,
+def _decode_entry(name, paged, page=16):
+    """Decode on a contiguous cache or on pages of ``page`` tokens (16: pages shorter than
+    every tile; 64: the engine's, one page a tile at D128 and two at D64)."""
+    extra = {"page": page} if paged else {}
+    run = RunSpec(draw_shape=_draw_decode(paged, 128, page), build=_build_decode, run=_decode_run,
                   reference=_decode_reference, dtypes=("bf16", "fp16"), baseline=_sdpa_decode,
                   baseline_name="torch SDPA" + (" (contiguous cache)" if paged else ""),
-                  profile_shapes=({"B": 8, "L": [65536] * 8, "Hq": 32, "Hkv": 8, "D": 128, "paged": paged},),
-                  # the last two: one sequence of one KV head splits 33 and 128 ways, the
-                  # combine over one tile of 64 splits and over two
-                  sanitizer_shapes=({"B": 2, "L": [17, 60], "Hq": 4, "Hkv": 1, "D": 128, "paged": paged},
-                                    {"B": 1, "L": [1], "Hq": 2, "Hkv": 2, "D": 64, "paged": paged},
-                                    {"B": 1, "L": [2100], "Hq": 8, "Hkv": 1, "D": 128, "paged": paged},
-                                    {"B": 1, "L": [20000], "Hq": 8, "Hkv": 1, "D": 128, "paged": paged}),
+                  profile_shapes=({"B": 8, "L": [65536] * 8, "Hq": 32, "Hkv": 8, "D": 128,
+                                   "paged": paged, **extra},),
+                  # the third and fourth: one sequence of one KV head splits 33 and 128
+                  # ways, the combine over one tile of 64 splits and over two
+                  sanitizer_shapes=tuple({**sh, "paged": paged, **extra} for sh in (
+                      {"B": 2, "L": [17, 60], "Hq": 4, "Hkv": 1, "D": 128},
+                      {"B": 1, "L": [1], "Hq": 2, "Hkv": 2, "D": 64},
+                      {"B": 1, "L": [2100], "Hq": 8, "Hkv": 1, "D": 128},
+                      {"B": 1, "L": [20000], "Hq": 8, "Hkv": 1, "D": 128}) + (
+                      # pages of 64 under D64's 128-key tiles: the block-table preload
+                      ({"B": 2, "L": [300, 130], "Hq": 4, "Hkv": 1, "D": 64},)
+                      if page != 16 else ())),
                   describe=_describe_decode)
     return (name, "wsattn.kernels.decode_triton", "compile_spec",
-            {"head_dim": 128, "dtype": "bf16", "paged": paged}, run,
-            f"Triton split-KV decode, D=128 bf16{', paged' if paged else ''}", None)
+            {"head_dim": 128, "dtype": "bf16", "paged": paged, **({"page_size": page} if paged else {})},
+            run, f"Triton split-KV decode, D=128 bf16{f', pages of {page}' if paged else ''}", None)
 
 
 # --------------------------------------------------------------------------- merge
@@ -918,6 +928,7 @@ ENTRIES = (
     _paged_entry("gluon"),
     _decode_entry("decode_triton", paged=False),
     _decode_entry("decode_triton_paged", paged=True),
+    _decode_entry("decode_triton_paged64", paged=True, page=64),
     _merge_entry(),
     _prefill_entry("prefill_gluon", "wsattn.kernels.prefill_gluon", impl="gluon", only_ccs=(90,)),
     _prefill_entry("prefill_gluon_causal", "wsattn.kernels.prefill_gluon", causal=True, impl="gluon",

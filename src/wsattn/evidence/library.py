@@ -270,7 +270,10 @@ def _paged_entry(kind="in_place"):
 
 # --------------------------------------------------------------------------- decode
 
-def _draw_decode(paged, head_dim, page=16):
+_DECODE_PAGE = 16  # the paged entries' default page: shorter than every decode tile
+
+
+def _draw_decode(paged, head_dim, page=_DECODE_PAGE):
     def draw(rng, small):
         hkv = rng.choice([1, 2])
         group = rng.choice([1, 4] if small else [1, 4, 8])
@@ -283,9 +286,9 @@ def _draw_decode(paged, head_dim, page=16):
 
 
 def _describe_decode(s):
-    page = s.get("page", 16)
+    page = s.get("page", _DECODE_PAGE)
     return f"B{s['B']}-L{'+'.join(map(str, s['L']))}-H{s['Hq']}-HKV{s['Hkv']}-D{s['D']}" + \
-        (("-paged" if page == 16 else f"-paged{page}") if s["paged"] else "")
+        (("-paged" if page == _DECODE_PAGE else f"-paged{page}") if s["paged"] else "")
 
 
 def _build_decode(shape, dtype, device, gen):
@@ -298,7 +301,7 @@ def _build_decode(shape, dtype, device, gen):
     if not s["paged"]:
         return {"q": q, "k": rnd(B, L, s["Hkv"], s["D"]), "v": rnd(B, L, s["Hkv"], s["D"]),
                 "seqlens": seqlens, "bt": None}
-    page = s.get("page", 16)
+    page = s.get("page", _DECODE_PAGE)
     per = math.ceil(L / page)
     perm = torch.randperm(B * per, generator=gen).to(torch.int32)
     bt = perm.reshape(B, per).to(device)
@@ -329,11 +332,12 @@ def _sdpa_decode(inp):
                                           enable_gqa=q.shape[1] != k.shape[2])
 
 
-def _decode_entry(name, paged, page=16):
+def _decode_entry(name, paged, page=_DECODE_PAGE):
     """Decode on a contiguous cache or on pages of ``page`` tokens (16: pages shorter than
     every tile; 64: the engine's, one page a tile at D128 and two at D64)."""
     extra = {"page": page} if paged else {}
-    run = RunSpec(draw_shape=_draw_decode(paged, 128, page), build=_build_decode, run=_decode_run,
+    run = RunSpec(draw_shape=_draw_decode(paged, 128, page), build=_build_decode,
+                  run=_decode_run,
                   reference=_decode_reference, dtypes=("bf16", "fp16"), baseline=_sdpa_decode,
                   baseline_name="torch SDPA" + (" (contiguous cache)" if paged else ""),
                   profile_shapes=({"B": 8, "L": [65536] * 8, "Hq": 32, "Hkv": 8, "D": 128,
@@ -347,11 +351,11 @@ def _decode_entry(name, paged, page=16):
                       {"B": 1, "L": [20000], "Hq": 8, "Hkv": 1, "D": 128}) + (
                       # pages of 64 under D64's 128-key tiles: the block-table preload
                       ({"B": 2, "L": [300, 130], "Hq": 4, "Hkv": 1, "D": 64},)
-                      if page != 16 else ())),
+                      if page != _DECODE_PAGE else ())),
                   describe=_describe_decode)
     return (name, "wsattn.kernels.decode_triton", "compile_spec",
-            {"head_dim": 128, "dtype": "bf16", "paged": paged, **({"page_size": page} if paged else {})},
-            run, f"Triton split-KV decode, D=128 bf16{f', pages of {page}' if paged else ''}", None)
+            {"head_dim": 128, "dtype": "bf16", "paged": paged,
+             **({"page_size": page} if paged else {})}, run, f"Triton split-KV decode, D=128 bf16{f', pages of {page}' if paged else ''}", None)
 
 
 # --------------------------------------------------------------------------- merge

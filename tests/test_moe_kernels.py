@@ -197,35 +197,6 @@ CHILD = REFERENCE + textwrap.dedent(r'''
                     "equal": bool(torch.equal(outs[0], outs[1])),
                     "err": rel_err(outs[1], ref), "tol": TOL_CHILD[dtn]}
 
-    elif case == "token_down":
-        # one token's down projection + combine in one launch (the default on a one-token
-        # grouping) against the float64 block and the two launches; in place, without a
-        # residual into a NaN-poisoned out, k = 1, H and F not multiples of the tiles
-        for dtn in ("float32", "float16"):
-            dt = getattr(torch, dtn)
-            for E, k, H, F in ((8, 2, 64, 32), (16, 4, 72, 40), (128, 8, 40, 48), (4, 1, 24, 32)):
-                x = torch.randn(1, H).to(dt)
-                rw, wgu, wd = weights(E, H, F, dt)
-                r = torch.randn(1, H).to(dt)
-                w, ids = M.route(x, rw, top_k=k, renormalize=True, norm_eps=1e-5)
-                block = M.default_block(1, k, E)
-                g = M.one_token_grouping(ids, E, block, M.one_token_tables(k, block, "cpu"))
-                act = M.moe_gate_up(x, wgu, g, norm_eps=1e-5)
-                one = M.moe_down_combine(act, wd, g, w, residual=r)
-                again = M.moe_down_combine(act, wd, g, w, residual=r, one_launch=True)
-                two = M.moe_down_combine(act, wd, g, w, residual=r, one_launch=False)
-                inplace = r.clone()
-                M.moe_down_combine(act, wd, g, w, out=inplace, residual=inplace)
-                bare = M.moe_down_combine(act, wd, g, w, out=torch.full_like(r, float("nan")))
-                ref, _, _ = reference_moe(x, rw, wgu, wd, k, True, 1e-5, r)
-                ref0, _, _ = reference_moe(x, rw, wgu, wd, k, True, 1e-5)
-                res[f"{dtn}-E{E}-k{k}-H{H}-F{F}"] = {
-                    "err": rel_err(one, ref), "two_err": rel_err(two, ref),
-                    "bare_err": rel_err(bare, ref0), "tol": TOL_CHILD[dtn],
-                    "rerun": bool(torch.equal(one, again)),
-                    "inplace": bool(torch.equal(one, inplace)),
-                    "finite": bool(torch.isfinite(bare).all())}
-
     elif case == "bf16":
         dt = torch.bfloat16
         x = torch.randn(5, 64).to(dt)
@@ -282,41 +253,6 @@ def test_one_token_grouping_gives_the_grouping_kernels_bits():
     assert len(r) == 8, r
     for key, v in r.items():
         assert v["equal"] is True and v["err"] <= v["tol"], (key, v)
-
-
-def test_one_token_down_and_combine_in_one_launch():
-    """One token on a one-token grouping (the default there): down projection and combine
-    in one kernel, within tolerance of the float64 block like the two launches, bitwise
-    the same on a rerun and in place; without a residual every element of a NaN-poisoned
-    out is written; k = 1, H and F past a multiple of the tiles; fp32 and fp16."""
-    r = _child("token_down")
-    assert len(r) == 8, r
-    for key, v in r.items():
-        assert v["err"] <= v["tol"] and v["two_err"] <= v["tol"], (key, v)
-        assert v["bare_err"] <= v["tol"] and v["finite"], (key, v)
-        assert v["rerun"] and v["inplace"], (key, v)
-
-
-def test_one_launch_down_refuses_what_it_does_not_take():
-    from wsattn.kernels import moe as M
-    ids = torch.tensor([[3, 1]], dtype=torch.int32)
-    w = torch.tensor([[0.6, 0.4]])
-    act = torch.zeros(2 * 16, 8)
-    wd = torch.zeros(4, 12, 8)
-    one = M.one_token_grouping(ids, 4, 16, M.one_token_tables(2, 16, "cpu"))
-    # group()'s kind of grouping (expert order, with offsets and counts); its contents
-    # are not read before the refusal
-    grouped = one._replace(expert_offsets=torch.zeros(5, dtype=torch.int32),
-                           expert_counts=torch.zeros(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="one_launch=True takes one token grouped by "
-                                         "one_token_grouping"):
-        M.moe_down_combine(torch.zeros(grouped.sorted_pairs.shape[0], 8), wd, grouped, w,
-                           one_launch=True)
-    st = M.MoeSettings(block=16, BLOCK_N=16, BLOCK_K=16)
-    with pytest.raises(ValueError, match="settings are the grouped kernel's"):
-        M.moe_down_combine(act, wd, one, w, settings=st, one_launch=True)
-    with pytest.raises(ValueError, match="one_launch must be None, True or False"):
-        M.moe_down_combine(act, wd, one, w, one_launch="yes")
 
 
 def test_one_token_grouping_refuses_bad_input_by_name():
@@ -477,7 +413,7 @@ def test_blocks_max_bounds_every_grouping():
 
 QWEN3_30B = dict(H=2048, E=128, top_k=8, F=768)
 KERNELS = {"router_logits": dict(norm=True), "route": {}, "group": {}, "gate_up": dict(norm=True), "down": {},
-           "combine": dict(residual=True), "token_down": dict(residual=True)}
+           "combine": dict(residual=True)}
 
 
 def _compile(kernel, **kw):
@@ -561,36 +497,6 @@ def test_gpu_bf16_qwen3_30b_shape_against_reference_and_reruns(T):
     from wsattn.testing import assert_close
     assert_close(y1, ref, dt)
     assert torch.equal(y1, y2) and torch.equal(y1, y3)
-
-
-@pytest.mark.gpu
-def test_gpu_bf16_qwen3_30b_one_token_down_in_one_launch():
-    """One token at the Qwen3-30B-A3B shape as the step's bucket 1 runs it (one-token
-    grouping, down + combine in one launch): within bf16 tolerance of the float64 block,
-    bitwise equal on a rerun, with PDL off, and in place on the residual."""
-    m = _m()
-    dt = torch.bfloat16
-    x, rw, wgu, wd, r, k = _qwen3_30b_gpu_layer(1, 1)
-    ns = {"torch": torch}
-    exec(REFERENCE, ns)
-    ref, _, ri = ns["reference_moe"](x.cpu(), rw.cpu(), wgu.cpu(), wd.cpu(), k, True, 1e-6,
-                                     r.cpu())
-    w, ids = m.route(x, rw, top_k=k, renormalize=True, norm_eps=1e-6)
-    assert torch.equal(ids.long().cpu(), ri)
-    block = m.default_block(1, k, 128)
-    g = m.one_token_grouping(ids, 128, block, m.one_token_tables(k, block, "cuda"))
-    act = m.moe_gate_up(x, wgu, g, norm_eps=1e-6)
-    out = torch.full_like(r, float("nan"))
-    y1 = m.moe_down_combine(act, wd, g, w, out=out, residual=r)
-    y2 = m.moe_down_combine(act, wd, g, w, residual=r, one_launch=True)
-    y3 = m.moe_down_combine(act, wd, g, w, residual=r, pdl=False)
-    inplace = r.clone()
-    m.moe_down_combine(act, wd, g, w, out=inplace, residual=inplace)
-    two = m.moe_down_combine(act, wd, g, w, residual=r, one_launch=False)
-    from wsattn.testing import assert_close
-    assert_close(y1, ref, dt)
-    assert_close(two, ref, dt)
-    assert torch.equal(y1, y2) and torch.equal(y1, y3) and torch.equal(y1, inplace)
 
 
 @pytest.mark.gpu

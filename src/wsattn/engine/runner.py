@@ -29,10 +29,6 @@ launches a layer, 10 when decode splits the keys)::
         act = moe_gate_up(h, w_gate_up, g, norm_eps)                          1
         h = moe_down_combine(act, w_down, g, wts, out=h, residual=h)          2 (down, combine)
 
-At bucket 1 (``moe_one_token``, ``moe_token_down``) the grouping needs no launch and the
-down projection and the combine are one: 6 library calls, 7 launches a layer, 8 when
-decode splits the keys.
-
 A shared expert (Qwen2-MoE) adds, around the combine: before it, ``gemv(h, w_shared_gate_up,
 norm_eps, silu_mul=True)`` and ``gemv(h, shared_gate, norm_eps)`` (one output column) with
 ``act *= sigmoid(gate)`` (two torch ops); after it, ``gemv(act, w_shared_down,
@@ -138,12 +134,10 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # GEMV-epilogue path where the default takes two launches ("qkv_rope:gemv-rope": where
 # its grid rule keeps two launches, e.g. Llama-3.1-8B at one row; refused at construction
 # for QK-norm over the whole projection, OLMoE's, which that path does not take).
-# The MoE kernels with PDL and one token's down projection in two launches (the grouped
-# kernel, then the combine) where the default takes one ("moe:two-launch-down", i.e.
-# moe_token_down=False). Measured and removed (notes/decode_step.md): decode loading its
-# first K/V tile before the wait, and the QKV projection GEMV's late release.
+# Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
+# the wait, and the QKV projection GEMV's late release.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:two-launch": "qkv_rope",
-                "qkv_rope:gemv-rope": "qkv_rope", "moe:two-launch-down": "moe"}
+                "qkv_rope:gemv-rope": "qkv_rope"}
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -222,18 +216,12 @@ class KernelStep:
             ``PDL_FAMILIES`` names: on for those kernel families only (to measure where
             PDL pays), "gemv:late" / "gemv:early" in place of "gemv" forcing where the
             GEMVs release, "qkv_rope:two-launch" / "qkv_rope:gemv-rope" in place of
-            "qkv_rope" forcing the QKV call's path, "moe:two-launch-down" in place of
-            "moe" turning moe_token_down off (``PDL_VARIANTS``).
+            "qkv_rope" forcing the QKV call's path (``PDL_VARIANTS``).
         moe_one_token: at bucket 1, group a MoE layer's (token, slot) pairs without the
             grouping kernel (``moe.one_token_grouping``: one block a slot; same bits), one
             launch fewer a MoE layer. On by default: the 48-layer Qwen3-30B-A3B step at B1
             ran 3.378 -> 3.138 ms/token with it (H200, notes/moe.md); False keeps the
             grouping kernel (the A/B, and the bitwise check against it).
-        moe_token_down: with moe_one_token at bucket 1, the down projection and the
-            combine of a MoE layer as one launch (``moe_down_combine(one_launch=True)``:
-            a program sums its output columns over all k experts in slot order), one
-            launch fewer a MoE layer; deterministic, not the two launches' bits. False:
-            the grouped down kernel then the combine.
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
@@ -256,7 +244,7 @@ class KernelStep:
     name = "kernels"
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None,
-                 moe_one_token=True, moe_prefill_grouped=True, moe_token_down=True):
+                 moe_one_token=True, moe_prefill_grouped=True):
         # what the fused step does not run, refused by feature before any shape check
         if getattr(cfg, "experts", 0) > MOE_MAX_E:
             raise ValueError(f"step='kernels': {cfg.family} has {cfg.experts} experts; the MoE "
@@ -296,9 +284,6 @@ class KernelStep:
         if moe_one_token not in (True, False):
             raise ValueError(f"moe_one_token must be True or False, got {moe_one_token!r}")
         self.moe_one_token = moe_one_token
-        if moe_token_down not in (True, False):
-            raise ValueError(f"moe_token_down must be True or False, got {moe_token_down!r}")
-        self.moe_token_down = moe_token_down and "moe:two-launch-down" not in families
         if moe_prefill_grouped not in (True, False):
             raise ValueError(f"moe_prefill_grouped must be True or False, got "
                              f"{moe_prefill_grouped!r}")
@@ -483,12 +468,11 @@ class KernelStep:
     def _moe(self, layer, h, buf):
         """A MoE layer's MLP on the residual stream h [bucket, hidden], in place."""
         cfg, eps = self.cfg, self.eps
-        pdl = "moe" in self.pdl_families or "moe:two-launch-down" in self.pdl_families
+        pdl = "moe" in self.pdl_families
         wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
                          norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
         self._count("moe_route")
-        one_token = self.moe_one_token and buf.moe_tables is not None
-        if one_token:
+        if self.moe_one_token and buf.moe_tables is not None:
             grouping = one_token_grouping(ids, cfg.experts, buf.moe_block, buf.moe_tables)
         else:
             grouping = group(ids, cfg.experts, buf.moe_block, pdl=pdl)
@@ -506,8 +490,7 @@ class KernelStep:
             buf.shared_act.mul_(torch.sigmoid_(buf.shared_gate))
             self._count("shared_expert")
         # out may be the residual (moe.py: each element read and written by one program)
-        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl,
-                         one_launch=one_token and self.moe_token_down)
+        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl)
         self._count("moe_down_combine")
         if layer.w_shared_gate_up is not None:
             gemv(buf.shared_act, layer.w_shared_down, residual=h, out=h, **g)

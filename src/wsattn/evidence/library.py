@@ -786,23 +786,6 @@ def _moe_run(inp, impl="triton"):
                renormalize=True, norm_eps=_MOE_EPS, residual=inp["residual"], impl=impl)
 
 
-def _draw_moe_one_token(rng, small):
-    return {**_draw_moe(rng, small), "T": 1}
-
-
-def _moe_one_token_run(inp):
-    """The decode step's bucket-1 MoE path: route, the kernel-free one-token grouping,
-    gate/up, and the down projection with the combine in one launch (its default there)."""
-    from ..kernels import moe as M
-    x = inp["x"]
-    w, ids = M.route(x, inp["router_w"], top_k=_MOE_K, renormalize=True, norm_eps=_MOE_EPS)
-    block = M.default_block(1, _MOE_K, _MOE_E)
-    g = M.one_token_grouping(ids, _MOE_E, block, M.one_token_tables(_MOE_K, block, x.device))
-    act = M.moe_gate_up(x, inp["w_gate_up"], g, norm_eps=_MOE_EPS)
-    return M.moe_down_combine(act, inp["w_down"], g, w, residual=inp["residual"],
-                              one_launch=True)
-
-
 def _moe_reference(inp):
     """float64 Qwen3-MoE block: RMSNorm (folded), softmax router, the top 4 by a stable
     descending sort, renormalised; residual + sum of w_j * down(silu(gate) * up)."""
@@ -849,25 +832,10 @@ def _moe_gluon_builds(shape):
             for kernel in ("gate_up", "down")]
 
 
-def _moe_entry(name="moe", impl="triton", one_token=False):
+def _moe_entry(name="moe", impl="triton"):
     """The MoE block through moe(impl=...): "triton" (every target) or "gluon" (the sm_90
-    warp-specialized grouped gate/up and down; route, group and combine stay Triton); or,
-    one_token, one token as the decode step's bucket 1 runs it (_moe_one_token_run)."""
+    warp-specialized grouped gate/up and down; route, group and combine stay Triton)."""
     gluon = impl == "gluon"
-    if one_token:
-        run = RunSpec(draw_shape=_draw_moe_one_token, build=_build_moe, run=_moe_one_token_run,
-                      reference=_moe_reference, dtypes=("bf16", "fp16"),
-                      interpreter_dtypes=("fp16", "fp32"), baseline=_moe_torch,
-                      baseline_name="torch eager MoE block (transformers-style)",
-                      profile_shapes=({"T": 1, "H": 2048, "F": 768},),
-                      sanitizer_shapes=({"T": 1, "H": 136, "F": 40}, {"T": 1, "H": 64, "F": 48}),
-                      describe=_describe_moe)
-        kwargs = {"kernel": "token_down", "T": 1, "H": 2048, "E": _MOE_E, "top_k": _MOE_K,
-                  "F": 768, "dtype": "bf16", "residual": True, "pdl": _PDL_BY_TARGET}
-        return (name, "wsattn.kernels.moe", "compile_spec", kwargs, run,
-                f"MoE block for one token (route, one-token grouping, gate/up, down + "
-                f"combine in one launch), Triton, E={_MOE_E} top {_MOE_K}, H=2048 F=768 "
-                f"bf16; gates 0-2 on the down + combine kernel", None)
     run = RunSpec(draw_shape=_draw_moe, build=_build_moe,
                   run=functools.partial(_moe_run, impl=impl), reference=_moe_reference,
                   dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),
@@ -983,7 +951,6 @@ ENTRIES = (
     _qkv_entry("qkv_rope_gemv", "qwen2", gemv_rope=True),
     _moe_entry(),
     _moe_entry("moe_gluon", impl="gluon"),
-    _moe_entry("moe_token_down", one_token=True),
     _argmax_entry(),
 )
 NAMES = tuple(e[0] for e in ENTRIES)

@@ -289,56 +289,6 @@ def _combine_kernel(y_ptr, res_ptr, out_ptr, H, stride_yp, stride_rt, stride_ot,
     tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
-@triton.jit
-def _token_down_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, res_ptr, out_ptr, H, F,
-                       stride_slot, stride_we, stride_wn,
-                       TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                       STAGES: tl.constexpr):
-    # grid (cdiv(H, BLOCK_N),): one token's down projection and combine in one launch,
-    # out[n] = residual[n] + sum_j wts[j] * (Wd_{ids[j]}[n, :] . act[j, :]). A program
-    # owns BLOCK_N output columns and streams those rows of all k experts in one flat
-    # loop over the k * cdiv(F, BLOCK_K) tiles (a loop per slot would drain the pipeline
-    # k times). Token-major on tl.dot: the weight tile is the MMA's M side and slot j's
-    # act row is column j of its N side (the other BLOCK_TK - 1 columns masked to zero),
-    # so column j of the accumulator sums slot j's tiles alone, and the routing weights
-    # and the combine are one row reduction after the loop. Every output element is one
-    # program's sum in a fixed order: deterministic, no combine launch, no per-pair
-    # buffer.
-    pid = tl.program_id(0)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    n_live = n < H
-    kk = tl.arange(0, BLOCK_K)
-    jj = tl.arange(0, BLOCK_TK)
-    if PDL:
-        # which experts to read is the router's output, act the gate/up kernel's
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    rows = n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-    kt = tl.cdiv(F, BLOCK_K)
-    ids = tl.load(ids_ptr + jj, mask=jj < TOP_K, other=0)  # [BLOCK_TK]
-    acc = tl.zeros([BLOCK_N, BLOCK_TK], dtype=tl.float32)
-    dummy = acc
-    ss = tl.zeros([BLOCK_TK], dtype=tl.float32)
-    for t in tl.range(0, TOP_K * kt, num_stages=STAGES):
-        j = t // kt
-        k = (t - j * kt) * BLOCK_K + kk  # [BLOCK_K]
-        k_live = k < F
-        ex = tl.sum(tl.where(jj == j, ids, 0), axis=0).to(tl.int64)
-        w = tl.load(w_ptr + ex * stride_we + rows + k[None, :],
-                    mask=n_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        # slot j's act row (row j * block of act, one_token_grouping's) as column j
-        xoff = tl.zeros([BLOCK_TK], dtype=tl.int64) + j.to(tl.int64) * stride_slot
-        acc, dummy, ss = accumulate(acc, dummy, ss, w, w, act_ptr, xoff, jj == j, 0, 0, k,
-                                    k_live, BLOCK_TK, True, False, False, True)
-    wts = tl.load(wts_ptr + jj, mask=jj < TOP_K, other=0.0)  # [BLOCK_TK] fp32
-    y = tl.sum(acc * wts[None, :], axis=1)  # [BLOCK_N]
-    if RESIDUAL:
-        # read and written by the same program, element for element: out may be residual
-        y += tl.load(res_ptr + n, mask=n_live, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty), mask=n_live)
-
-
 # --------------------------------------------------------------------------- settings
 
 MAX_T = 64  # tokens a call takes; more is a prefill-sized grouped GEMM
@@ -431,31 +381,6 @@ def default_settings(target: Target, *, T: int, top_k: int, num_experts: int,
         stages = 4
     return MoeSettings(block=block, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
                        num_stages=stages)
-
-
-def token_down_columns(top_k: int) -> int:
-    """The one-token down kernel's MMA N side: a column a slot, at least tl.dot's 16."""
-    return max(16, next_pow2(top_k))
-
-
-@functools.lru_cache(maxsize=64)
-def token_down_settings(target: Target, dtype: torch.dtype, top_k: int = 8) -> MoeSettings:
-    """Tiles of the one-token down + combine kernel: 16 weight rows of 512 bytes a tile
-    (the MMA's M side, so that the output's columns spread over H / 16 programs), and as
-    many stages of weight + act tile as fit TOKEN_DOWN_BUDGET, at most TOKEN_DOWN_STAGES.
-    ``block`` is nominal (the kernel's N side is token_down_columns(top_k))."""
-    if target.backend == "interpreter":
-        return MoeSettings(block=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
-    elem = torch.empty((), dtype=dtype).element_size()
-    block_n, block_k = 16, 512 // elem
-    stage = (block_n + token_down_columns(top_k)) * block_k * elem
-    stages = max(2, min(TOKEN_DOWN_STAGES, TOKEN_DOWN_BUDGET // stage))
-    return MoeSettings(block=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-                       num_stages=stages)
-
-
-TOKEN_DOWN_STAGES = 8
-TOKEN_DOWN_BUDGET = 128 * 1024
 
 
 def blocks_max(T: int, top_k: int, num_experts: int, block: int) -> int:
@@ -817,7 +742,7 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
 
 
 def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=None,
-                     pdl=None, settings=None, impl="triton", one_launch=None):
+                     pdl=None, settings=None, impl="triton"):
     """out[t] = residual[t] + sum_j topk_weights[t, j] * (act[row(t, j)] @ Wd_e^T).
 
     Args:
@@ -830,18 +755,11 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         residual: None or [T, H] in act's dtype, last dim contiguous.
         pdl, settings, impl: as in moe_gate_up (impl picks the down projection; the
             combine is the same Triton kernel either way).
-        one_launch: one token's down projection and combine as one kernel
-            (``_token_down_kernel``: a program owns output columns and sums all k
-            experts' rows for them, in slot order). None: where it applies, i.e. a
-            one_token_grouping (one token), impl "triton" and no settings; True: refused
-            elsewhere; False: the grouped kernel and the combine.
 
     Returns:
         out [T, H]. The down projection writes fp32 per-pair results [T*k, H] (each
         element by one program); a second kernel adds a token's k results in slot order
-        onto the residual in fp32 and rounds once: deterministic, no atomics. In one
-        launch, each output element is one program's fp32 sum in a fixed order, rounded
-        once: deterministic too, not the same bits as the two launches.
+        onto the residual in fp32 and rounds once: deterministic, no atomics.
     """
     if not isinstance(act, torch.Tensor) or act.dim() != 2:
         raise ValueError("act must be the [rows, F] tensor moe_gate_up returns")
@@ -875,18 +793,6 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         if t.device != act.device or t.stride(1) != 1:
             raise ValueError(f"{name} must be on {act.device} with a contiguous last dimension")
     _check_impl(impl)
-    if one_launch not in (None, True, False):
-        raise ValueError(f"one_launch must be None, True or False, got {one_launch!r}")
-    fits = grouping.expert_offsets is None and T == 1 and impl == "triton"
-    if one_launch and not fits:
-        raise ValueError("one_launch=True takes one token grouped by one_token_grouping "
-                         f"with impl='triton' (got T={T}, impl={impl!r}, a "
-                         f"{'one-token' if grouping.expert_offsets is None else 'group()'} "
-                         "grouping)")
-    if one_launch is None:
-        one_launch = fits and settings is None
-    if one_launch and settings is not None:
-        raise ValueError("settings are the grouped kernel's; one_launch=True takes none")
     if impl == "gluon":
         _refuse_gluon(act, pdl)
         y = _gluon().down(act, w_down, grouping, topk_weights, settings)
@@ -902,22 +808,10 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
     if target.backend == "interpreter" and act.dtype == torch.bfloat16:
         y = moe_down_combine(act.float(), w_down.float(), grouping, topk_weights,
                              residual=None if residual is None else residual.float(),
-                             pdl=pdl, settings=settings, one_launch=one_launch)
+                             pdl=pdl, settings=settings)
         return out.copy_(y)
-    launch = {"launch_pdl": True} if pdl else {}
-    if one_launch:
-        ts = token_down_settings(target, act.dtype, grouping.top_k)
-        res = residual if residual is not None else out
-        # slot j's act row is j * block (one_token_grouping: block j is slot j's)
-        _token_down_kernel[(cdiv(H, ts.BLOCK_N),)](
-            act, w_down, grouping.expert_of_block, topk_weights, res, out, H, F,
-            grouping.block * act.stride(0), w_down.stride(0), w_down.stride(1),
-            TOP_K=grouping.top_k, BLOCK_TK=token_down_columns(grouping.top_k), BLOCK_N=ts.BLOCK_N,
-            BLOCK_K=ts.BLOCK_K, RESIDUAL=residual is not None, PDL=pdl,
-            STAGES=ts.num_stages, num_warps=ts.num_warps, num_stages=ts.num_stages,
-            **launch)
-        return out
     y = empty((T * grouping.top_k, H), torch.float32, act.device)
+    launch = {"launch_pdl": True} if pdl else {}
     _grouped_kernel[(rows // s.block, cdiv(H, s.BLOCK_N))](
         act, w_down, grouping.sorted_pairs, grouping.expert_of_block,
         grouping.num_active_blocks, topk_weights, y, H, F, 0.0,
@@ -985,9 +879,8 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
                  settings: MoeSettings | None = None, num_sms: int = 132) -> dict:
     """What ``triton.compile`` needs to build one MoE kernel for compute capability cc.
 
-    kernel: "router_logits", "route" (top-k of the logits), "group", "gate_up", "down",
-    "combine" or "token_down" (one token's down + combine in one launch; its tiles are
-    token_down_settings'). Settings default to
+    kernel: "router_logits", "route" (top-k of the logits), "group", "gate_up", "down" or
+    "combine". Settings default to
     default_settings on a GPU with num_sms SMs. Returns {"fn", "signature",
     "constexprs", "attrs", "options"} as gemv.compile_spec does.
     """
@@ -1043,21 +936,9 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
         const = {"TOP_K": top_k, "BLOCK_H": COMBINE_BLOCK_H, "RESIDUAL": residual, "PDL": pdl}
         fn, aligned = _combine_kernel, ("y_ptr", "res_ptr", "out_ptr", "H", "stride_yp",
                                         "stride_rt", "stride_ot")
-    elif kernel == "token_down":
-        ts = token_down_settings(Target("cuda", cc, num_sms), DTYPES[dtype], top_k)
-        sig = {"act_ptr": f"*{t}", "w_ptr": f"*{t}", "ids_ptr": "*i32", "wts_ptr": "*fp32",
-               "res_ptr": f"*{t}", "out_ptr": f"*{t}", "H": "i32", "F": "i32",
-               "stride_slot": "i32", "stride_we": "i32", "stride_wn": "i32"}
-        const = {"TOP_K": top_k, "BLOCK_TK": token_down_columns(top_k), "BLOCK_N": ts.BLOCK_N,
-                 "BLOCK_K": ts.BLOCK_K, "RESIDUAL": residual, "PDL": pdl,
-                 "STAGES": ts.num_stages}
-        options = {**options, "num_warps": ts.num_warps, "num_stages": ts.num_stages}
-        fn, aligned = _token_down_kernel, ("act_ptr", "w_ptr", "ids_ptr", "wts_ptr",
-                                           "res_ptr", "out_ptr", "H", "F", "stride_slot",
-                                           "stride_we", "stride_wn")
     else:
-        raise ValueError(f"kernel must be 'router_logits', 'route', 'group', 'gate_up', "
-                         f"'down', 'combine' or 'token_down', got {kernel!r}")
+        raise ValueError(f"kernel must be 'route', 'group', 'gate_up', 'down' or 'combine', "
+                         f"got {kernel!r}")
     sig.update({name: "constexpr" for name in const})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return {"fn": fn, "signature": sig, "constexprs": const, "attrs": attrs, "options": options}

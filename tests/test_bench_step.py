@@ -715,3 +715,33 @@ def test_teacher_forced_check_measures_both_against_fp32():
         assert tol == pytest.approx(max(2e-2, 2 * d["rel_err_hf"]))
         assert rel == pytest.approx(rel_err(ref + scale * our_noise, ref))
         assert (rel <= tol) == passes, (rel, tol)
+
+
+def test_the_check_forwards_long_prompts_in_chunks_through_a_cache():
+    """Where one forward's attention scores would pass the budget (sdpa's math fallback at
+    32k tokens asked for 128 GiB), the check's transformers forward runs the prompt in
+    chunks through a DynamicCache: the same logits as one forward, in fp32 to rounding."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=97, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    seq = torch.randint(0, 97, (1, 45))
+    with torch.inference_mode():
+        whole = step.last_logits(model, seq, 3)
+        calls = []
+        forward = model.forward
+
+        def counted(*a, **k):
+            calls.append(k["input_ids"].shape[1])
+            return forward(*a, **k)
+
+        model.forward = counted
+        # 4 heads x 45 keys x 4 bytes = 720 bytes a query: 10 queries a chunk
+        chunked = step.last_logits(model, seq, 3, scores_bytes=7200)
+    assert calls == [10, 10, 10, 10, 2, 3], calls
+    assert whole.shape == chunked.shape == (3, 97)
+    assert (chunked - whole).abs().max() <= 1e-5 * whole.abs().max(), (chunked - whole).abs().max()

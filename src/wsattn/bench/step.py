@@ -710,15 +710,41 @@ def teacher_forced_check(model, engine, ids, steps: int, dtype: str = "bf16", to
     for b in sorted({0, ids.shape[0] - 1}):
         seq = tokens[b:b + 1, :S + steps - 1].to(logits.device)
         with torch.inference_mode():
-            theirs.append(model(input_ids=seq, logits_to_keep=steps).logits[0].float())
+            theirs.append(last_logits(model, seq, steps))
             refs.append(theirs[-1] if ref_model is model else
-                        ref_model(input_ids=seq, logits_to_keep=steps).logits[0].float())
+                        last_logits(ref_model, seq, steps))
         outs.append(logits[b].float())
     outs, theirs, refs = torch.stack(outs), torch.stack(theirs), torch.stack(refs)
     hf = rel_err(theirs, refs)
     base = TOL[dtype] if tol is None else tol
     return rel_err(outs, refs), max(base, 2 * hf), {"rel_err_hf": hf,
                                                     "rel_err_vs_hf": rel_err(outs, theirs)}
+
+
+# bytes of attention scores one transformers forward of the check may hold: with grouped
+# heads and fp32 (the reference), or a mask, sdpa falls back to its math kernel, which holds
+# [heads, queries, keys] fp32 scores (128 GiB for 32 heads over 32k tokens)
+CHECK_SCORES_BYTES = 4 << 30
+
+
+def last_logits(model, seq, steps: int, scores_bytes: int = CHECK_SCORES_BYTES):
+    """fp32 logits [steps, vocab] of the last ``steps`` positions of ``seq`` [1, S] by
+    ``model``: one forward where its attention scores fit ``scores_bytes``, else the
+    positions before them in chunks through a transformers DynamicCache and the last
+    ``steps`` in a final forward (the same function: causal attention over the cache)."""
+    S = seq.shape[1]
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    chunk = S if heads is None else max(1, scores_bytes // (4 * heads * S))
+    if chunk >= S:
+        return model(input_ids=seq, logits_to_keep=steps).logits[0].float()
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for start in range(0, S - steps, chunk):
+        model(input_ids=seq[:, start:min(start + chunk, S - steps)], past_key_values=cache,
+              use_cache=True, logits_to_keep=1)
+    return model(input_ids=seq[:, S - steps:], past_key_values=cache, use_cache=True,
+                 logits_to_keep=steps).logits[0].float()
 
 
 def fp32_reference(model):

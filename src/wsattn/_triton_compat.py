@@ -48,11 +48,11 @@ def patch_interpreter_for_numpy_2_4() -> bool:
 
 def patch_interpreter_device_calls() -> bool:
     """Make each interpreted device-function call undo its language patches on return."""
-    from triton.runtime import interpreter
-
     import collections
     import inspect
     import types
+
+    from triton.runtime import interpreter
 
     if getattr(interpreter.InterpretedFunction, "_wsattn_restores", False):
         return False

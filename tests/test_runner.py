@@ -308,8 +308,10 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
     # force it; nothing else moves
     variants(runner, "gemv", "pdl_late", [
         (("gemv:late",), (True, True)), (("gemv:early",), (True, False)),
-        (("gemv",), (True, None)), ((), (False, None))])
-    for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late")]:
+        (("gemv",), (True, None)), (("gemv:cublas-wide",), (True, None)),
+        ((), (False, None))])
+    for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late"),
+                 ("gemv", "gemv:cublas-wide")]:
         with pytest.raises(ValueError, match=r"name the same kernels \(gemv\)"):
             runner._pdl_families(both, has_pdl=True)
     # the QKV call: the default path (settings None) or, with a variant, the two-launch or
@@ -328,6 +330,34 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(None, has_pdl=False) == frozenset()
     assert runner._pdl_families(True, has_pdl=False) == frozenset(runner.PDL_FAMILIES)
+
+
+def test_cublas_wide_variant_takes_the_residual_products_from_its_rows(monkeypatch):
+    """"gemv:cublas-wide": from CUBLAS_WIDE_ROWS rows the o / down projection is one addmm
+    into the residual (h + x @ w^T), below them the GEMV kernel with the step's PDL
+    arguments; the default never leaves the GEMV kernel."""
+    from wsattn.engine import runner
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg, _, w, cache = _parts()
+    step = runner.KernelStep(cfg, w, cache, pdl=False)
+    calls = []
+    monkeypatch.setattr(runner, "gemv", lambda x, wt, **k: calls.append((x.shape[0], k)))
+    g = torch.Generator().manual_seed(0)
+    wt = torch.randn(24, 40, generator=g)
+    for families, rows, kernel in [(("gemv:cublas-wide",), runner.CUBLAS_WIDE_ROWS, False),
+                                   (("gemv:cublas-wide",), 64, False),
+                                   (("gemv:cublas-wide",), runner.CUBLAS_WIDE_ROWS - 1, True),
+                                   (("gemv",), 64, True)]:
+        step.pdl_families = runner._pdl_families(families, has_pdl=True)
+        x, h = torch.randn(rows, 40, generator=g), torch.randn(rows, 24, generator=g)
+        h0 = h.clone()
+        calls.clear()
+        step._residual_gemv(x, wt, h, step._gemv_launch())
+        if kernel:
+            assert calls == [(rows, {"residual": h, "out": h, "pdl": True, "pdl_late": None})]
+        else:
+            assert calls == [] and torch.allclose(h, h0 + x @ wt.T, atol=1e-5)
 
 
 @pytest.mark.parametrize("case, match", [
@@ -421,7 +451,8 @@ def test_call_refusals(monkeypatch):
 
 # --------------------------------------------------------------------------- GPU
 
-def _gpu_engine(graphs=None, pdl=None, layers=4, max_pos=2048, num_pages=512):
+def _gpu_engine(graphs=None, pdl=None, layers=4, max_pos=2048, num_pages=512,
+                buckets=(1, 2, 4, 8)):
     """A bf16 Llama-shaped model (D 64, GQA 4:1, tied embeddings off) on CUDA."""
     import transformers
 
@@ -435,7 +466,7 @@ def _gpu_engine(graphs=None, pdl=None, layers=4, max_pos=2048, num_pages=512):
                                    max_position_embeddings=max_pos)
     model = transformers.LlamaForCausalLM(cfg).eval()
     e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=num_pages,
-               page_size=16, buckets=(1, 2, 4, 8))
+               page_size=16, buckets=buckets)
     e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl)
     return e, model
 
@@ -470,6 +501,26 @@ def test_gpu_pdl_on_equals_off():
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl
+
+
+@pytest.mark.gpu
+def test_gpu_cublas_wide_variant_at_64_rows():
+    """"gemv:cublas-wide" at a bucket of 64 rows (o and down on cuBLAS): the tokens of the
+    default step for 8 steps and logits within bf16 tolerance of it, graph replay = eager
+    bitwise."""
+    from wsattn.testing import rel_err, tol
+
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 4096, (int(n),), generator=g)
+          for n in torch.randint(3, 60, (40,), generator=g)]
+    wide = ("qkv_rope", "decode", "gemv:cublas-wide", "moe")
+    runs = {name: _gpu_engine(graphs=graphs, pdl=pdl, layers=2, buckets=(64,))[0].run(
+                ps, 8, return_logits=True)
+            for name, pdl, graphs in [("default", None, True), ("cublas", wide, True),
+                                      ("cublas-eager", wide, False)]}
+    (dt, dl), (ct, cl), (et, el) = runs["default"], runs["cublas"], runs["cublas-eager"]
+    assert rel_err(cl, dl) <= tol(torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(ct, et)) and torch.equal(cl, el)
 
 
 @pytest.mark.gpu

@@ -134,10 +134,18 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # GEMV-epilogue path where the default takes two launches ("qkv_rope:gemv-rope": where
 # its grid rule keeps two launches, e.g. Llama-3.1-8B at one row; refused at construction
 # for QK-norm over the whole projection, OLMoE's, which that path does not take).
+# "gemv:cublas-wide": the GEMVs as the default, except the o and down projections (a plain
+# product plus the residual, no norm or SiLU epilogue) from CUBLAS_WIDE_ROWS rows on, which
+# run as one cuBLAS addmm into the residual (fp32 accumulate, residual added before the one
+# rounding, as gemv does; no PDL across that launch).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
-PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "qkv_rope:two-launch": "qkv_rope",
-                "qkv_rope:gemv-rope": "qkv_rope"}
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:cublas-wide": "gemv",
+                "qkv_rope:two-launch": "qkv_rope", "qkv_rope:gemv-rope": "qkv_rope"}
+# rows from which "gemv:cublas-wide" hands the o and down projections to cuBLAS: where the
+# GEMV kernel's 33-64-row rule starts (at 64 rows, alone, H200: 1B o 9.0 / down 17.9 us
+# against cuBLAS's 6.2 / 13.6; 8B 15.8 / 41.7 against 12.1 / 35.6; notes/decode_step.md)
+CUBLAS_WIDE_ROWS = 33
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # the interpreter's bf16 tl.dot multiplies raw bits; fp32 and fp16 are exact there
@@ -215,8 +223,9 @@ class KernelStep:
             takes it (refused off sm_90+); False: none; or a collection of
             ``PDL_FAMILIES`` names: on for those kernel families only (to measure where
             PDL pays), "gemv:late" / "gemv:early" in place of "gemv" forcing where the
-            GEMVs release, "qkv_rope:two-launch" / "qkv_rope:gemv-rope" in place of
-            "qkv_rope" forcing the QKV call's path (``PDL_VARIANTS``).
+            GEMVs release, "gemv:cublas-wide" the o and down projections on cuBLAS from
+            ``CUBLAS_WIDE_ROWS`` rows, "qkv_rope:two-launch" / "qkv_rope:gemv-rope" in
+            place of "qkv_rope" forcing the QKV call's path (``PDL_VARIANTS``).
         moe_one_token: at bucket 1, group a MoE layer's (token, slot) pairs without the
             grouping kernel (``moe.one_token_grouping``: one block a slot; same bits), one
             launch fewer a MoE layer. On by default: the 48-layer Qwen3-30B-A3B step at B1
@@ -418,8 +427,17 @@ class KernelStep:
         """The PDL arguments of every GEMV of the step: on with the gemv family (or one of
         its variants); the release left to gemv (by rows, None) or forced by a variant."""
         on = self.pdl_families.__contains__
-        return {"pdl": on("gemv") or on("gemv:late") or on("gemv:early"),
+        return {"pdl": on("gemv") or on("gemv:late") or on("gemv:early")
+                or on("gemv:cublas-wide"),
                 "pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
+
+    def _residual_gemv(self, x, w, h, g):
+        """h += x @ w^T in place (the o and down projections): the GEMV kernel, or one cuBLAS
+        addmm from CUBLAS_WIDE_ROWS rows under the "gemv:cublas-wide" variant."""
+        if "gemv:cublas-wide" in self.pdl_families and h.shape[0] >= CUBLAS_WIDE_ROWS:
+            h.addmm_(x, w.t())
+        else:
+            gemv(x, w, residual=h, out=h, **g)
 
     def _forward(self, buf: _Buffers):
         """The decode step over a bucket's static buffers (what a graph captures)."""
@@ -450,14 +468,14 @@ class KernelStep:
                               buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
                               pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
-            gemv(attn.view(n, cfg.q_size), layer.wo, residual=h, out=h, **g)
+            self._residual_gemv(attn.view(n, cfg.q_size), layer.wo, h, g)
             self._count("gemv_o")
             if layer.router is not None:
                 self._moe(layer, h, buf)
                 continue
             gemv(h, layer.w_gate_up, norm_eps=eps, silu_mul=True, out=buf.act, **g)
             self._count("gemv_gate_up")
-            gemv(buf.act, layer.w_down, residual=h, out=h, **g)
+            self._residual_gemv(buf.act, layer.w_down, h, g)
             self._count("gemv_down")
         gemv(h, w.lm_head, norm_eps=eps, out=buf.logits_model, **g)
         self._count("gemv_lm_head")

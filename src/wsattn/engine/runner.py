@@ -20,6 +20,9 @@ folded into the next projection and only ``1/rms`` applied in the kernel)::
         h = gemv(act, w_down, residual=h, out=h)                               1 (+1)
     logits = gemv(h, lm_head, norm_eps)                  (+ one cast to fp32 for 16-bit models)
 
+From ``CUBLAS_WIDE_ROWS`` rows on sm_90 the o and down projections are one cuBLAS
+``h.addmm_(a, wo.t())`` each instead (measured faster there; the note at the constant).
+
 In a mixture-of-experts layer (``i in cfg.moe_layers``: Qwen3-MoE, Mixtral) the two MLP
 GEMVs are the MoE kernels of :mod:`wsattn.kernels.moe` (7 library calls, 9 Triton
 launches a layer, 10 when decode splits the keys)::
@@ -134,17 +137,20 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # GEMV-epilogue path where the default takes two launches ("qkv_rope:gemv-rope": where
 # its grid rule keeps two launches, e.g. Llama-3.1-8B at one row; refused at construction
 # for QK-norm over the whole projection, OLMoE's, which that path does not take).
-# "gemv:cublas-wide": the GEMVs as the default, except the o and down projections (a plain
-# product plus the residual, no norm or SiLU epilogue) from CUBLAS_WIDE_ROWS rows on, which
-# run as one cuBLAS addmm into the residual (fp32 accumulate, residual added before the one
-# rounding, as gemv does; no PDL across that launch).
+# "gemv:kernel-wide": the GEMVs with PDL as "gemv", and the o and down projections on the
+# GEMV kernel at every row count (the default hands them to cuBLAS from CUBLAS_WIDE_ROWS
+# rows on sm_90; below).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
-PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:cublas-wide": "gemv",
+PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:kernel-wide": "gemv",
                 "qkv_rope:two-launch": "qkv_rope", "qkv_rope:gemv-rope": "qkv_rope"}
-# rows from which "gemv:cublas-wide" hands the o and down projections to cuBLAS: where the
-# GEMV kernel's 33-64-row rule starts (at 64 rows, alone, H200: 1B o 9.0 / down 17.9 us
-# against cuBLAS's 6.2 / 13.6; 8B 15.8 / 41.7 against 12.1 / 35.6; notes/decode_step.md)
+# Rows from which the o and down projections (a plain product plus the residual, no norm
+# or SiLU epilogue) run as one cuBLAS addmm into the residual on sm_90, 16-bit: fp32
+# accumulate and the residual added before the one rounding, as gemv does, but no PDL
+# across that launch. Where the GEMV kernel's 33-64-row rule starts: at 64 rows alone
+# (H200) 1B o 9.0 / down 17.9 us against cuBLAS's 6.2 / 13.6, 8B 15.8 / 41.7 against
+# 12.1 / 35.6; in the step at B64 ctx 1k, same process, 1B 1.841 -> 1.765 ms/token, 8B
+# 7.428 -> 7.186 (notes/decode_step.md). Other targets keep the GEMV kernel (unmeasured).
 CUBLAS_WIDE_ROWS = 33
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
@@ -223,9 +229,10 @@ class KernelStep:
             takes it (refused off sm_90+); False: none; or a collection of
             ``PDL_FAMILIES`` names: on for those kernel families only (to measure where
             PDL pays), "gemv:late" / "gemv:early" in place of "gemv" forcing where the
-            GEMVs release, "gemv:cublas-wide" the o and down projections on cuBLAS from
-            ``CUBLAS_WIDE_ROWS`` rows, "qkv_rope:two-launch" / "qkv_rope:gemv-rope" in
-            place of "qkv_rope" forcing the QKV call's path (``PDL_VARIANTS``).
+            GEMVs release, "gemv:kernel-wide" keeping the o and down projections on the
+            GEMV kernel where the step hands them to cuBLAS (``CUBLAS_WIDE_ROWS``),
+            "qkv_rope:two-launch" / "qkv_rope:gemv-rope" in place of "qkv_rope" forcing
+            the QKV call's path (``PDL_VARIANTS``).
         moe_one_token: at bucket 1, group a MoE layer's (token, slot) pairs without the
             grouping kernel (``moe.one_token_grouping``: one block a slot; same bits), one
             launch fewer a MoE layer. On by default: the 48-layer Qwen3-30B-A3B step at B1
@@ -290,6 +297,9 @@ class KernelStep:
             raise ValueError(f"pdl={pdl!r} needs a CUDA GPU of sm_90 or later; the weights "
                              f"are on {self.device}")
         self.pdl_families = families
+        # where the o and down projections of CUBLAS_WIDE_ROWS rows or more go to cuBLAS
+        self.cublas_wide = (on_cuda and torch.cuda.get_device_capability(self.device)[0] == 9
+                            and self.dtype in (torch.float16, torch.bfloat16))
         if moe_one_token not in (True, False):
             raise ValueError(f"moe_one_token must be True or False, got {moe_one_token!r}")
         self.moe_one_token = moe_one_token
@@ -428,13 +438,15 @@ class KernelStep:
         its variants); the release left to gemv (by rows, None) or forced by a variant."""
         on = self.pdl_families.__contains__
         return {"pdl": on("gemv") or on("gemv:late") or on("gemv:early")
-                or on("gemv:cublas-wide"),
+                or on("gemv:kernel-wide"),
                 "pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
 
     def _residual_gemv(self, x, w, h, g):
-        """h += x @ w^T in place (the o and down projections): the GEMV kernel, or one cuBLAS
-        addmm from CUBLAS_WIDE_ROWS rows under the "gemv:cublas-wide" variant."""
-        if "gemv:cublas-wide" in self.pdl_families and h.shape[0] >= CUBLAS_WIDE_ROWS:
+        """h += x @ w^T in place (the o and down projections): one cuBLAS addmm from
+        CUBLAS_WIDE_ROWS rows where the step takes it (``cublas_wide``, unless the
+        "gemv:kernel-wide" variant), the GEMV kernel otherwise."""
+        if (self.cublas_wide and h.shape[0] >= CUBLAS_WIDE_ROWS
+                and "gemv:kernel-wide" not in self.pdl_families):
             h.addmm_(x, w.t())
         else:
             gemv(x, w, residual=h, out=h, **g)

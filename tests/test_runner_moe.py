@@ -122,7 +122,7 @@ CHILD = textwrap.dedent(r'''
             return gmm(*a, **k)
 
         torch._grouped_mm = counted_gmm
-        for fam in ("qwen3_moe", "mixtral", "olmoe"):
+        for fam in ("qwen3_moe", "mixtral"):  # OLMoE's MoE MLP is the same call
             m = model(fam)
             for chunk in (512, 4):
                 runs = {}
@@ -241,10 +241,11 @@ def test_moe_prefill_grouped_mm_matches_the_per_expert_loop():
     """The prefill's MoE MLP through torch._grouped_mm (the default: no host read of the
     per-expert counts) gives the tokens and, within fp32 rounding, the logits of the
     per-expert matmul loop, in one chunk and in chunks of 4 (a chunk of one sequence
-    touches only some experts: empty groups), for Qwen3-MoE (with a dense layer), Mixtral
-    and OLMoE; two grouped calls a MoE layer and chunk, none with the switch off."""
+    touches only some experts: empty groups), for Qwen3-MoE (with a dense layer) and
+    Mixtral; two grouped calls a MoE layer and chunk, none with the switch off (the GPU
+    test adds OLMoE and Qwen2-MoE)."""
     r = _child("prefill_grouped")
-    assert len(r) == 6, r
+    assert len(r) == 4, r
     for key, v in r.items():
         assert v["tokens"] and not v["nan"], (key, v)
         assert v["err"] <= FP32_LOGITS, (key, v)

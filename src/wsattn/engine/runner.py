@@ -291,15 +291,15 @@ class KernelStep:
         if graphs and not on_cuda:
             raise ValueError("graphs=True needs CUDA tensors (the interpreter has no graphs)")
         self.graphs = on_cuda if graphs is None else graphs
-        has_pdl = on_cuda and torch.cuda.get_device_capability(self.device)[0] >= 9
+        major = torch.cuda.get_device_capability(self.device)[0] if on_cuda else 0
+        has_pdl = major >= 9
         families = _pdl_families(pdl, has_pdl)
         if families and not has_pdl:
             raise ValueError(f"pdl={pdl!r} needs a CUDA GPU of sm_90 or later; the weights "
                              f"are on {self.device}")
         self.pdl_families = families
         # where the o and down projections of CUBLAS_WIDE_ROWS rows or more go to cuBLAS
-        self.cublas_wide = (on_cuda and torch.cuda.get_device_capability(self.device)[0] == 9
-                            and self.dtype in (torch.float16, torch.bfloat16))
+        self.cublas_wide = major == 9 and self.dtype in (torch.float16, torch.bfloat16)
         if moe_one_token not in (True, False):
             raise ValueError(f"moe_one_token must be True or False, got {moe_one_token!r}")
         self.moe_one_token = moe_one_token

@@ -353,9 +353,10 @@ def _decode_entry(name, paged, page=_DECODE_PAGE):
                       ({"B": 2, "L": [300, 130], "Hq": 4, "Hkv": 1, "D": 64},)
                       if page != _DECODE_PAGE else ())),
                   describe=_describe_decode)
+    title = "Triton split-KV decode, D=128 bf16" + (f", pages of {page}" if paged else "")
     return (name, "wsattn.kernels.decode_triton", "compile_spec",
             {"head_dim": 128, "dtype": "bf16", "paged": paged,
-             **({"page_size": page} if paged else {})}, run, f"Triton split-KV decode, D=128 bf16{f', pages of {page}' if paged else ''}", None)
+             **({"page_size": page} if paged else {})}, run, title, None)
 
 
 # --------------------------------------------------------------------------- merge

@@ -540,7 +540,7 @@ def test_gpu_pdl_on_equals_off():
     # either path (the A/B variants; without QK-norm both paths compute the same bits)
     for pdl in (True, None, ("qkv_rope", "decode", "gemv:late"),
                 ("qkv_rope", "decode", "gemv:early"), ("qkv_rope:two-launch", "decode", "gemv"),
-                ("qkv_rope:gemv-rope", "decode", "gemv")):
+                ("qkv_rope:gemv-rope", "decode", "gemv"), ("qkv_rope", "decode", "gemv:pre1")):
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl

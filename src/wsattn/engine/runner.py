@@ -146,8 +146,7 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
 # "gemv:pre1": the GEMVs with PDL as "gemv", each one-row program loading one W tile
-# before its wait (the QKV projection's too) instead of gemv's pre_tiles (the same
-# products; a FlashNorm'd projection's x^2 sum adds in another order).
+# before its wait (the QKV projection's too) instead of gemv's pre_tiles.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:kernel-wide": "gemv",
                 "gemv:pre1": "gemv",
                 "qkv_rope:two-launch": "qkv_rope", "qkv_rope:gemv-rope": "qkv_rope"}

@@ -127,24 +127,6 @@ def _w_tile(g_rows, u_rows, n_live, k0, k_hi, kk, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, k0, k_hi, kk, BLOCK_N: tl.constexpr):
-    """x[k0 + kk] (one row) broadcast over BLOCK_N rows: [BLOCK_N, BLOCK_K], zeros at and
-    past k_hi; laid out as a W tile of that shape, so it multiplies one without moving."""
-    offs = (k0 + kk)[None, :]  # [1, BLOCK_K]
-    return tl.load(x_ptr + offs, mask=offs < k_hi, other=0.0)
-
-
-@triton.jit
-def _fold_held(part_g, part_u, wg, wu, xt, GATE_UP: tl.constexpr):
-    """fold_row's products for a held W tile and its broadcast x tile (_x_tile)."""
-    xf = xt.to(tl.float32)
-    part_g += wg.to(tl.float32) * xf
-    if GATE_UP:
-        part_u += wu.to(tl.float32) * xf
-    return part_g, part_u
-
-
-@triton.jit
 def _stream_tile(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm, M, k, k_live,
                  BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
                  SILU_MUL: tl.constexpr, ROW_FOLD: tl.constexpr):
@@ -215,8 +197,7 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
     # the previous kernel; x (and the residual) do. With PRE > 1 (the one-row fold only)
     # the first PRE tiles are, each in its own registers, so that much of the program's
     # stream runs while the previous kernel finishes; they are folded after the wait in
-    # the loop's order, so the products are the same bit for bit whatever PRE is (with
-    # NORM the sum of x^2 adds in another order).
+    # the loop's order, so the result is the same bit for bit whatever PRE is.
     tl.static_assert(PRE == 1 or ROW_FOLD, "PRE > 1 is the one-row fold's")
     tl.static_assert(PRE == 1 or PRE == 2 or PRE == 4 or PRE == 8, "PRE: 1, 2, 4 or 8")
     wg, wu = _w_tile(g_rows, u_rows, n_live, k_lo, k_hi, kk, SILU_MUL)
@@ -246,42 +227,33 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
             tl.extra.cuda.gdc_launch_dependents()
     xoff = mi * stride_xm  # [BLOCK_M] rows of x: contiguous here, gathered in moe.py
     m_live = mi < M
+    k = k_lo + kk
+    acc_g, acc_u, ss = _stream_tile(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm,
+                                    M, k, k < k_hi, BLOCK_M, USE_DOT, NORM, SILU_MUL, ROW_FOLD)
     if PRE > 1:
-        # x for every held tile in the tiles' own layout ([BLOCK_N, BLOCK_K], each row the
-        # same x: a thread loads the x of its W elements, L1 serving the repeats), all
-        # issued before the first fold. A [BLOCK_K] load per tile, as fold_row does, went
-        # through shared memory and a barrier per tile, and the tiles' x latencies queued
-        # one behind the other (sm_90 SASS; H200: +1.6 us a 1B o projection call).
-        xg = _x_tile(x_ptr, k_lo, k_hi, kk, BLOCK_N)
-        xg1 = _x_tile(x_ptr, k_lo + BLOCK_K, k_hi, kk, BLOCK_N)
-        if PRE > 2:
-            xg2 = _x_tile(x_ptr, k_lo + 2 * BLOCK_K, k_hi, kk, BLOCK_N)
-            xg3 = _x_tile(x_ptr, k_lo + 3 * BLOCK_K, k_hi, kk, BLOCK_N)
-        if PRE > 4:
-            xg4 = _x_tile(x_ptr, k_lo + 4 * BLOCK_K, k_hi, kk, BLOCK_N)
-            xg5 = _x_tile(x_ptr, k_lo + 5 * BLOCK_K, k_hi, kk, BLOCK_N)
-            xg6 = _x_tile(x_ptr, k_lo + 6 * BLOCK_K, k_hi, kk, BLOCK_N)
-            xg7 = _x_tile(x_ptr, k_lo + 7 * BLOCK_K, k_hi, kk, BLOCK_N)
-        if NORM:
-            # the held tiles' x^2 once, as one sum, into the fold's first partial
-            kp = k_lo + tl.arange(0, PRE * BLOCK_K)
-            xp = tl.load(x_ptr + kp, mask=kp < k_hi, other=0.0).to(tl.float32)
-            ss = tl.where(kk == 0, ss + tl.sum(xp * xp, axis=0), ss)
-        acc_g, acc_u = _fold_held(acc_g, acc_u, wg, wu, xg, SILU_MUL)
-        acc_g, acc_u = _fold_held(acc_g, acc_u, wg1, wu1, xg1, SILU_MUL)
-        if PRE > 2:
-            acc_g, acc_u = _fold_held(acc_g, acc_u, wg2, wu2, xg2, SILU_MUL)
-            acc_g, acc_u = _fold_held(acc_g, acc_u, wg3, wu3, xg3, SILU_MUL)
-        if PRE > 4:
-            acc_g, acc_u = _fold_held(acc_g, acc_u, wg4, wu4, xg4, SILU_MUL)
-            acc_g, acc_u = _fold_held(acc_g, acc_u, wg5, wu5, xg5, SILU_MUL)
-            acc_g, acc_u = _fold_held(acc_g, acc_u, wg6, wu6, xg6, SILU_MUL)
-            acc_g, acc_u = _fold_held(acc_g, acc_u, wg7, wu7, xg7, SILU_MUL)
-    else:
-        k = k_lo + kk
-        acc_g, acc_u, ss = _stream_tile(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live,
-                                        stride_xm, M, k, k < k_hi, BLOCK_M, USE_DOT, NORM,
-                                        SILU_MUL, ROW_FOLD)
+        k = k_lo + BLOCK_K + kk
+        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg1, wu1, x_ptr, k, k < k_hi, NORM,
+                                    SILU_MUL)
+    if PRE > 2:
+        k = k_lo + 2 * BLOCK_K + kk
+        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg2, wu2, x_ptr, k, k < k_hi, NORM,
+                                    SILU_MUL)
+        k = k_lo + 3 * BLOCK_K + kk
+        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg3, wu3, x_ptr, k, k < k_hi, NORM,
+                                    SILU_MUL)
+    if PRE > 4:
+        k = k_lo + 4 * BLOCK_K + kk
+        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg4, wu4, x_ptr, k, k < k_hi, NORM,
+                                    SILU_MUL)
+        k = k_lo + 5 * BLOCK_K + kk
+        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg5, wu5, x_ptr, k, k < k_hi, NORM,
+                                    SILU_MUL)
+        k = k_lo + 6 * BLOCK_K + kk
+        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg6, wu6, x_ptr, k, k < k_hi, NORM,
+                                    SILU_MUL)
+        k = k_lo + 7 * BLOCK_K + kk
+        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg7, wu7, x_ptr, k, k < k_hi, NORM,
+                                    SILU_MUL)
     # STAGES asked of the loop itself: Triton pipelines only loads that feed a tl.dot
     # unless told, and the FMA path has none (its loads stayed synchronous, sm_90 PTX)
     for k0 in tl.range(k_lo + PRE * BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):

@@ -442,12 +442,10 @@ FMA_TILE_ELEMS = 4096  # W elements of an FMA tile (16-bit; half for fp32)
 # beat no PDL at both ends.
 PDL_LATE_BELOW_M = 8
 STAGE_BUDGET = 96 * 1024  # shared memory for the pipeline's stages, per program
-# W a one-row program loads before its PDL wait, in registers (pre_tiles): at most 64 KB
-# (128 registers a thread at 4 warps; the builds take 128-168), only where that is the
-# program's whole share and every program of the grid is resident at once
-PRE_BYTES = 64 * 1024
-PRE_MAX_PROGRAMS_PER_SM = 2
-MAX_PRE_TILES = 8  # stream_w's unrolled tiles
+# W a one-row program loads before its PDL wait, in registers (pre_tiles): 32 KB is 64
+# registers a thread at 4 warps; 64 KB where the grid is one wave of one program an SM
+PRE_BYTES = 32 * 1024
+PRE_BYTES_ONE_WAVE = 64 * 1024
 MAX_STAGES = 6
 
 
@@ -508,18 +506,15 @@ def _one_row_settings(target: Target, N: int, K: int, dtype: torch.dtype,
 
 def pre_tiles(target: Target, N: int, K: int, block_k: int, split: int, elem: int,
               silu_mul: bool) -> int:
-    """The one-row fold's tiles before the PDL wait: a split's whole share (rounded up to
-    a power of two; the tiles past it are masked, never read) where it is at most
-    PRE_BYTES of W and the grid at most PRE_MAX_PROGRAMS_PER_SM programs an SM (all
-    resident at once), else 1. Never part of a share: the K loop's pipeline then starts
-    only after the block's loads have landed (H200, notes/decode_step.md)."""
+    """The one-row fold's tiles before the PDL wait: a power of two, at most a split's
+    tiles, within PRE_BYTES of W a program (PRE_BYTES_ONE_WAVE where the grid is at most
+    one program an SM, so no second wave waits on the registers)."""
     tiles = cdiv(cdiv(K, block_k), split)
     programs = cdiv(N, ONE_ROW_BLOCK_N) * split
+    budget = PRE_BYTES_ONE_WAVE if programs <= target.num_sms else PRE_BYTES
     tile_bytes = (2 if silu_mul else 1) * ONE_ROW_BLOCK_N * block_k * elem
-    if (tiles * tile_bytes > PRE_BYTES or programs > PRE_MAX_PROGRAMS_PER_SM * target.num_sms
-            or tiles > MAX_PRE_TILES):
-        return 1
-    return next_pow2(tiles)
+    most = max(1, min(tiles, budget // tile_bytes))
+    return 1 << (most.bit_length() - 1)
 
 
 def _settings(target: Target, M: int, N: int, K: int, dtype: torch.dtype, silu_mul: bool,

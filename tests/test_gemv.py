@@ -11,7 +11,6 @@ W tile's loads issued before the wait, and no default build at the Llama shapes 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import textwrap
@@ -105,26 +104,6 @@ CHILD = REFERENCE + textwrap.dedent(r'''
             res[f"M{M}"] = rel_err(y, reference(x, w, 1e-5, None, True))
             res[f"M{M}-dtype"] = str(y.dtype)
 
-    elif case == "pre":
-        # one row, the first pre_tiles tiles as one block (before the PDL wait on a GPU):
-        # 200 / 32 = 7 K tiles, so a block of 2 or 4 leaves a loop, 8 covers the row and
-        # runs past K; with 3 splits (3, 3, 1 tiles) the block also runs past a split
-        dt = getattr(torch, arg["dtype"])
-        for name, (eps, resid, silu) in SWITCHES.items():
-            x, w, r = inputs(1, 80, 200, dt, silu, resid)
-            ref = reference(x, w, eps, r, silu)
-            for split in (1, 3):
-                for pre in (1, 2, 4, 8):
-                    s = G.GemvSettings(BLOCK_N=16, BLOCK_K=32, split_k=split, use_dot=False,
-                                       num_warps=4, num_stages=1, pre_tiles=pre)
-                    y = G.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=s)
-                    key = f"{name}-split{split}-pre{pre}"
-                    if pre == 1:
-                        y1 = y
-                        res[key] = rel_err(y, ref)
-                    else:  # folded in the loop's order: the same bits
-                        res[key + "-identical"] = bool(torch.equal(y, y1))
-
     elif case == "pdl":
         x = torch.randn(2, 64, dtype=torch.float16)
         w = torch.randn(32, 64, dtype=torch.float16)
@@ -163,20 +142,6 @@ def test_split_k_matches_reference_and_reruns_bit_identical():
             assert value is True, key
         else:
             assert value <= TOL["float16"], (key, value)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_one_row_pre_tiles_match_reference(dtype):
-    """The one-row fold with its first tiles loaded ahead (pre_tiles 2 / 4 / 8, past the
-    split's share and K included), split or not, every switch: bit for bit pre_tiles=1,
-    which is within tolerance of float64."""
-    r = _child("pre", dtype=dtype)
-    assert len(r) == 5 * 2 * 4, r
-    for key, value in r.items():
-        if key.endswith("identical"):
-            assert value is True, key
-        else:
-            assert value <= TOL[dtype], (key, value)
 
 
 def test_residual_in_place():
@@ -260,39 +225,6 @@ def test_settings_refuse_bad_values():
         g.GemvSettings(8, 64, 1, True, 4, 2)
     with pytest.raises(ValueError, match="split_k must be <= 16"):
         g.GemvSettings(16, 64, 32, True, 4, 2)
-    with pytest.raises(ValueError, match="pre_tiles must be a power of two"):
-        g.GemvSettings(16, 64, 1, False, 4, 2, pre_tiles=3)
-    with pytest.raises(ValueError, match="pre_tiles > 1 is the one-row FMA fold's"):
-        g.GemvSettings(16, 64, 1, True, 4, 2, pre_tiles=2)
-    s = g.GemvSettings(16, 64, 1, False, 4, 2, pre_tiles=2)
-    with pytest.raises(ValueError, match="pre_tiles=2 takes one row of x"):
-        g.gemv(torch.randn(2, 64), torch.randn(32, 64), settings=s)
-
-
-def test_pre_tiles_rule():
-    """The one-row tiles loaded before the PDL wait (sm_90, 132 SMs, bf16): the program's
-    whole share up to 64 KB where the grid is one wave of one program an SM, else up to
-    32 KB; gate and up count twice; never more than a split's tiles; 1 off the one-row rule."""
-    g = _g()
-    from wsattn.target import Target
-    t = Target("cuda", 90, 132)
-
-    def pre(M, N, K, silu=False, target=t):
-        return g.default_settings(target, M=M, N=N, K=K, dtype=torch.bfloat16,
-                                  silu_mul=silu).pre_tiles
-
-    assert pre(1, 2048, 2048) == 8  # Llama-3.2-1B o: 128 programs, all 64 KB of each
-    assert pre(1, 2048, 8192) == 8  # 1B down: 64 of its 256 KB
-    assert pre(1, 3072, 2048) == 4  # 1B QKV: 192 programs, 32 KB
-    assert pre(1, 8192, 2048, True) == 2  # 1B gate/up: 2 x (8 KB gate + 8 KB up)
-    assert pre(1, 4096, 4096) == 4 and pre(1, 14336, 4096, True) == 2  # 8B o, gate/up
-    kv = g.default_settings(t, M=1, N=512, K=2048, dtype=torch.bfloat16)
-    assert kv.split_k > 1 and kv.pre_tiles == 8 // kv.split_k  # a split's share at most
-    assert pre(1, 80, 200) == 1  # one tile in all
-    for M in (2, 8, 64):
-        assert pre(M, 2048, 2048) == 1
-    assert pre(1, 2048, 2048, target=Target("cuda", 80, 108)) == 1
-    assert g.default_settings(t, M=1, N=2048, K=2048, dtype=torch.float32).pre_tiles == 1
 
 
 def test_default_settings_table():
@@ -385,20 +317,10 @@ def test_sm90_pdl_wait_after_the_first_weight_loads(kw):
     assert ptx.index("griddepcontrol.launch_dependents") > wait
     before = re.findall(r"\b(ld\.global\.v4|cp\.async)\S*", ptx[:wait])
     assert before and all(op == "ld.global.v4" for op in before), before  # 16-byte W loads
-    # TTGIR: the loads before the wait are exactly the first W tile(s) (gate, and up); at
-    # one row pre_tiles of them, each 16-byte loads of 128 threads
+    # TTGIR: the loads before the wait are exactly the first W tile(s) (gate, and up)
     tw = ttgir.index("griddepcontrol.wait")
-    names = [n.split("_")[0] for n in re.findall(r"(%\w+) = tt\.load", ttgir[:tw])]
-    pre = 1
-    if kw["M"] == 1:
-        s = _g().default_settings(_g().Target("cuda", 90, 132), M=1, N=3072, K=2048,
-                                  dtype=torch.bfloat16, silu_mul=kw.get("silu_mul", False))
-        pre = s.pre_tiles
-        assert pre > 1
-        tile_loads = s.BLOCK_N * s.BLOCK_K * 2 // 16 // 128
-        assert len(before) == tile_loads * len(names), (len(before), s)
-    one = ["%wg", "%wu"] if kw.get("silu_mul") else ["%wg"]
-    assert sorted(set(names)) == one and len(names) == pre * len(one), names
+    names = re.findall(r"(%\w+) = tt\.load", ttgir[:tw])
+    assert [n.split("_")[0] for n in names] == (["%wg", "%wu"] if kw.get("silu_mul") else ["%wg"])
     after = ttgir[tw:]
     assert re.search(r"%x\w* = tt\.load|async_copy_global_to_local", after)  # x only after
 
@@ -500,8 +422,7 @@ def test_gpu_bf16_against_reference_and_reruns(switch, M):
     if switch == "split":
         base = g.default_settings(g.target_of(x.device), M=M, N=N, K=K, dtype=dt)
         settings = g.GemvSettings(base.BLOCK_N, base.BLOCK_K, 4, base.use_dot,
-                                  base.num_warps, base.num_stages,
-                                  pre_tiles=min(base.pre_tiles, 2))
+                                  base.num_warps, base.num_stages)
     ref = reference(x, w, eps, r, silu)
     y1 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings)
     y2 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings)
@@ -516,12 +437,3 @@ def test_gpu_bf16_against_reference_and_reruns(switch, M):
                 pdl_late=other)
     torch.cuda.synchronize()
     assert torch.equal(y1, y4), f"the PDL release (pdl_late={other}) changed the result"
-    if M == 1:
-        # the tiles before the wait (pre_tiles) against one: folded in the same order
-        s = settings or g.default_settings(g.target_of(x.device), M=M, N=N, K=K, dtype=dt,
-                                           silu_mul=silu)
-        assert s.pre_tiles > 1, s
-        y5 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu,
-                    settings=dataclasses.replace(s, pre_tiles=1))
-        torch.cuda.synchronize()
-        assert torch.equal(y1, y5), "pre_tiles changed the result"

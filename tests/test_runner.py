@@ -310,11 +310,8 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
         (("gemv:late",), (True, True)), (("gemv:early",), (True, False)),
         (("gemv",), (True, None)), (("gemv:kernel-wide",), (True, None)),
         ((), (False, None))])
-    # the tiles a one-row GEMV loads before its wait: gemv's (None) unless "gemv:pre1"
-    variants(runner, "gemv", "pre_tiles", [
-        (("gemv:pre1",), (True, 1)), (("gemv",), (True, None)), ((), (False, None))])
     for both in [("gemv", "gemv:late"), ("gemv:early", "gemv:late"),
-                 ("gemv", "gemv:kernel-wide"), ("gemv", "gemv:pre1")]:
+                 ("gemv", "gemv:kernel-wide")]:
         with pytest.raises(ValueError, match=r"name the same kernels \(gemv\)"):
             runner._pdl_families(both, has_pdl=True)
     # the QKV call: the default path (settings None) or, with a variant, the two-launch or
@@ -333,40 +330,6 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(None, has_pdl=False) == frozenset()
     assert runner._pdl_families(True, has_pdl=False) == frozenset(runner.PDL_FAMILIES)
-
-
-def test_pre1_variant_gives_the_qkv_projection_one_tile(monkeypatch):
-    """"gemv:pre1" at one row on sm_90: the QKV call's default path with its projection's
-    pre_tiles at 1 and every other setting the default's (GEMV-epilogue path for Llama;
-    two launches for Qwen3's per-head QK-norm unsplit); nothing above one row."""
-    import dataclasses
-
-    from wsattn.engine import runner
-    from wsattn.kernels import gemv as G
-    from wsattn.kernels import qkv_rope as Q
-    from wsattn.target import Target
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    t = Target("cuda", 90, 132)
-    monkeypatch.setattr(runner, "target_of", lambda device: t)
-    cfg, _, w, cache = _parts()
-    step = runner.KernelStep(cfg, w, cache, pdl=False)
-    heads, K, D = cfg.heads + 2 * cfg.kv_heads, cfg.hidden, cfg.head_dim
-    for dtype in (torch.bfloat16, torch.float16):
-        step.dtype = dtype
-        got = step._qkv_one_tile(1)
-        want = Q.gemv_rope_settings(t, 1, K, heads, D, dtype)
-        assert isinstance(got, Q.GemvRopeSettings), got
-        assert got.gemv == dataclasses.replace(want, pre_tiles=1), (got, want)
-        assert step._qkv_one_tile(2) is None
-        for layer in w.layers:  # per-head QK-norm, K unsplit: the two-launch path
-            layer.q_norm = layer.k_norm = torch.ones(D)
-        assert Q.gemv_rope_settings(t, 1, K, heads, D, dtype).split_k == 1
-        got = step._qkv_one_tile(1)
-        want = G.default_settings(t, M=1, N=heads * D, K=K, dtype=dtype)
-        assert got == Q.TwoLaunchSettings(gemv=dataclasses.replace(want, pre_tiles=1))
-        for layer in w.layers:
-            layer.q_norm = layer.k_norm = None
 
 
 def test_residual_products_go_to_cublas_from_their_rows(monkeypatch):
@@ -397,8 +360,7 @@ def test_residual_products_go_to_cublas_from_their_rows(monkeypatch):
         calls.clear()
         step._residual_gemv(x, wt, h, step._gemv_launch())
         if kernel:
-            assert calls == [(m, {"residual": h, "out": h, "pdl": True, "pdl_late": None,
-                                 "pre_tiles": None})]
+            assert calls == [(m, {"residual": h, "out": h, "pdl": True, "pdl_late": None})]
         else:
             assert calls == [] and torch.allclose(h, h0 + x @ wt.T, atol=1e-5)
 
@@ -540,7 +502,7 @@ def test_gpu_pdl_on_equals_off():
     # either path (the A/B variants; without QK-norm both paths compute the same bits)
     for pdl in (True, None, ("qkv_rope", "decode", "gemv:late"),
                 ("qkv_rope", "decode", "gemv:early"), ("qkv_rope:two-launch", "decode", "gemv"),
-                ("qkv_rope:gemv-rope", "decode", "gemv"), ("qkv_rope", "decode", "gemv:pre1")):
+                ("qkv_rope:gemv-rope", "decode", "gemv")):
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl

@@ -100,24 +100,21 @@ from __future__ import annotations
 
 import collections
 import math
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from .. import api, ops
 from ..kernels.gemv import MAX_M as GEMV_MAX_M, gemv
-from ..kernels.gemv import default_settings as gemv_default_settings
 from ..kernels.moe import MAX_E as MOE_MAX_E, default_block, group, moe_down_combine, \
     moe_gate_up, one_token_grouping, one_token_tables, route
-from ..kernels.qkv_rope import (GemvRopeSettings, TwoLaunchSettings, gemv_rope_settings,
-                                 qkv_rope_append, qkv_rope_workspace)
-from ..kernels.qkv_rope import default_settings as qkv_default_settings
+from ..kernels.qkv_rope import (GemvRopeSettings, TwoLaunchSettings, qkv_rope_append,
+                                 qkv_rope_workspace)
 from ..models import moe as moe_math
 from ..models.config import HEAD_DIMS, ModelConfig
 from ..models.weights import Weights
 from ..rope import rope_inv_freq
-from ..target import interpreting, target_of
+from ..target import interpreting
 from .generate import BUCKETS
 
 __all__ = ["KernelStep", "PDL_FAMILIES", "PDL_VARIANTS"]
@@ -145,10 +142,7 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # rows on sm_90; below).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
-# "gemv:pre1": the GEMVs with PDL as "gemv", each one-row program loading one W tile
-# before its wait (the QKV projection's too) instead of gemv's pre_tiles.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:kernel-wide": "gemv",
-                "gemv:pre1": "gemv",
                 "qkv_rope:two-launch": "qkv_rope", "qkv_rope:gemv-rope": "qkv_rope"}
 # Rows from which the o and down projections (a plain product plus the residual, no norm
 # or SiLU epilogue) run as one cuBLAS addmm into the residual on sm_90, 16-bit: fp32
@@ -444,30 +438,8 @@ class KernelStep:
         its variants); the release left to gemv (by rows, None) or forced by a variant."""
         on = self.pdl_families.__contains__
         return {"pdl": on("gemv") or on("gemv:late") or on("gemv:early")
-                or on("gemv:kernel-wide") or on("gemv:pre1"),
-                "pdl_late": True if on("gemv:late") else False if on("gemv:early") else None,
-                "pre_tiles": 1 if on("gemv:pre1") else None}
-
-    def _qkv_one_tile(self, n: int):
-        """The QKV call's default settings at n rows with its projection's pre_tiles at 1
-        (the "gemv:pre1" variant); None where the default has no one-row GEMV stream (the
-        fused kernel) or is OLMoE's whole-projection norm, which keeps its defaults."""
-        cfg = self.cfg
-        if n != 1 or cfg.qk_norm_whole:
-            return None
-        target = target_of(self.device)
-        heads, K = cfg.heads + 2 * cfg.kv_heads, cfg.hidden
-        path = qkv_default_settings(target, rows=n, hidden=K, heads=heads,
-                                    head_dim=cfg.head_dim, dtype=self.dtype,
-                                    qk_norm=self.weights.layers[0].q_norm is not None)
-        if isinstance(path, GemvRopeSettings):
-            s = gemv_rope_settings(target, n, K, heads, cfg.head_dim, self.dtype)
-            return GemvRopeSettings(gemv=replace(s, pre_tiles=1))
-        if isinstance(path, TwoLaunchSettings):
-            s = gemv_default_settings(target, M=n, N=heads * cfg.head_dim, K=K,
-                                      dtype=self.dtype)
-            return TwoLaunchSettings(gemv=replace(s, pre_tiles=1))
-        return None
+                or on("gemv:kernel-wide"),
+                "pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
 
     def _residual_gemv(self, x, w, h, g):
         """h += x @ w^T in place (the o and down projections): one cuBLAS addmm from
@@ -487,8 +459,7 @@ class KernelStep:
         pdl_qkv = on("qkv_rope") or on("qkv_rope:two-launch") or on("qkv_rope:gemv-rope")
         pdl_decode = on("decode")
         qkv_settings = (TwoLaunchSettings() if on("qkv_rope:two-launch") else
-                        GemvRopeSettings() if on("qkv_rope:gemv-rope") else
-                        self._qkv_one_tile(n) if on("gemv:pre1") else None)
+                        GemvRopeSettings() if on("qkv_rope:gemv-rope") else None)
         g = self._gemv_launch()
         torch.index_select(w.embed, 0, buf.tokens, out=h)
         self._count("embed")

@@ -533,17 +533,15 @@ def _gemv_entry(name, variant, split=False):
     elif silu:  # Llama-3.2-1B gate/up (hidden 2048, FFN 8192); 8B for the profile
         at = {"M": 1, "N": 8192, "K": 2048}
         profile = ({"M": 1, "N": 14336, "K": 4096}, {"M": 8, "N": 14336, "K": 4096})
-        # the first: one row, the FMA path's row fold on sm_90 (five K tiles, the last
-        # ragged: four of them loaded before the PDL wait); the last: 33-64 rows unsplit
-        # on sm_90 (64 columns, 3 stages)
-        sanitizer = ({"M": 1, "N": 77, "K": 1100}, {"M": 3, "N": 77, "K": 200},
+        # the first: one row, the FMA path's row fold on sm_90; the last: 33-64 rows
+        # unsplit on sm_90 (64 columns, 3 stages)
+        sanitizer = ({"M": 1, "N": 77, "K": 200}, {"M": 3, "N": 77, "K": 200},
                      {"M": 9, "N": 40, "K": 136}, {"M": 40, "N": 17000, "K": 128})
     else:  # Llama-3.2-1B down_proj; 8B for the profile
         at = {"M": 1, "N": 2048, "K": 8192}
         profile = ({"M": 1, "N": 4096, "K": 14336}, {"M": 8, "N": 4096, "K": 14336})
-        # the first: one row, the FMA path's row fold (ragged N and K tiles, four of its five
-        # K tiles loaded before the PDL wait); the fourth: 33-64 rows unsplit on sm_90 (128
-        # columns, 8 warps, 4 stages)
+        # the first: one row, the FMA path's row fold (ragged N and K tiles); the fourth: 33-64
+        # rows unsplit on sm_90 (128 columns, 8 warps, 4 stages)
         sanitizer = ({"M": 1, "N": 1990, "K": 1096}, {"M": 3, "N": 77, "K": 200},
                      {"M": 9, "N": 40, "K": 136}, {"M": 64, "N": 34000, "K": 128})
     run = RunSpec(draw_shape=_draw_gemv_splitk if split else _draw_gemv,

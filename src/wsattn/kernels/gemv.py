@@ -35,7 +35,7 @@ through the fused QKV kernel (qkv_rope.py), so gemv takes none.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -114,19 +114,6 @@ def fold_row(part_g, part_u, sq, wg, wu, x_ptr, k, k_live, NORM: tl.constexpr,
 
 
 @triton.jit
-def _w_tile(g_rows, u_rows, n_live, k0, k_hi, kk, SILU_MUL: tl.constexpr):
-    """The W tile [BLOCK_N, BLOCK_K] at K offset k0 (gate, and up with SILU_MUL; wu is wg
-    without), masked to the live rows and to k < k_hi (zeros there)."""
-    k = k0 + kk
-    wmask = n_live[:, None] & (k < k_hi)[None, :]
-    wg = tl.load(g_rows + k[None, :], mask=wmask, other=0.0)
-    wu = wg
-    if SILU_MUL:
-        wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
-    return wg, wu
-
-
-@triton.jit
 def _stream_tile(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm, M, k, k_live,
                  BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
                  SILU_MUL: tl.constexpr, ROW_FOLD: tl.constexpr):
@@ -162,7 +149,7 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
              SILU_MUL: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-             PDL_LATE: tl.constexpr, PRE: tl.constexpr = 1):
+             PDL_LATE: tl.constexpr):
     """Stream W rows n [BLOCK_N] (up rows at NOUT + n with SILU_MUL) over split pid_k's
     share of K against all M rows of x; returns the fp32 accumulators (gate, up)
     [BLOCK_N, BLOCK_M] and x's sums of squares ss [BLOCK_M] over that share. Written once
@@ -194,23 +181,14 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
 
     # The first tile is peeled off the loop so that its W loads can be issued before
     # the PDL wait: weights are never written during a step, so they do not depend on
-    # the previous kernel; x (and the residual) do. With PRE > 1 (the one-row fold only)
-    # the first PRE tiles are, each in its own registers, so that much of the program's
-    # stream runs while the previous kernel finishes; they are folded after the wait in
-    # the loop's order, so the result is the same bit for bit whatever PRE is.
-    tl.static_assert(PRE == 1 or ROW_FOLD, "PRE > 1 is the one-row fold's")
-    tl.static_assert(PRE == 1 or PRE == 2 or PRE == 4 or PRE == 8, "PRE: 1, 2, 4 or 8")
-    wg, wu = _w_tile(g_rows, u_rows, n_live, k_lo, k_hi, kk, SILU_MUL)
-    if PRE > 1:
-        wg1, wu1 = _w_tile(g_rows, u_rows, n_live, k_lo + BLOCK_K, k_hi, kk, SILU_MUL)
-    if PRE > 2:
-        wg2, wu2 = _w_tile(g_rows, u_rows, n_live, k_lo + 2 * BLOCK_K, k_hi, kk, SILU_MUL)
-        wg3, wu3 = _w_tile(g_rows, u_rows, n_live, k_lo + 3 * BLOCK_K, k_hi, kk, SILU_MUL)
-    if PRE > 4:
-        wg4, wu4 = _w_tile(g_rows, u_rows, n_live, k_lo + 4 * BLOCK_K, k_hi, kk, SILU_MUL)
-        wg5, wu5 = _w_tile(g_rows, u_rows, n_live, k_lo + 5 * BLOCK_K, k_hi, kk, SILU_MUL)
-        wg6, wu6 = _w_tile(g_rows, u_rows, n_live, k_lo + 6 * BLOCK_K, k_hi, kk, SILU_MUL)
-        wg7, wu7 = _w_tile(g_rows, u_rows, n_live, k_lo + 7 * BLOCK_K, k_hi, kk, SILU_MUL)
+    # the previous kernel; x (and the residual) do.
+    k = k_lo + kk
+    k_live = k < k_hi
+    wmask = n_live[:, None] & k_live[None, :]
+    wg = tl.load(g_rows + k[None, :], mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K]
+    wu = wg
+    if SILU_MUL:
+        wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
     if PDL:
         # Wait for the previous kernel (and, through its own wait, every earlier one) to
         # finish and flush its writes: nothing below may read x or the residual sooner.
@@ -227,36 +205,11 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
             tl.extra.cuda.gdc_launch_dependents()
     xoff = mi * stride_xm  # [BLOCK_M] rows of x: contiguous here, gathered in moe.py
     m_live = mi < M
-    k = k_lo + kk
     acc_g, acc_u, ss = _stream_tile(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live, stride_xm,
-                                    M, k, k < k_hi, BLOCK_M, USE_DOT, NORM, SILU_MUL, ROW_FOLD)
-    if PRE > 1:
-        k = k_lo + BLOCK_K + kk
-        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg1, wu1, x_ptr, k, k < k_hi, NORM,
-                                    SILU_MUL)
-    if PRE > 2:
-        k = k_lo + 2 * BLOCK_K + kk
-        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg2, wu2, x_ptr, k, k < k_hi, NORM,
-                                    SILU_MUL)
-        k = k_lo + 3 * BLOCK_K + kk
-        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg3, wu3, x_ptr, k, k < k_hi, NORM,
-                                    SILU_MUL)
-    if PRE > 4:
-        k = k_lo + 4 * BLOCK_K + kk
-        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg4, wu4, x_ptr, k, k < k_hi, NORM,
-                                    SILU_MUL)
-        k = k_lo + 5 * BLOCK_K + kk
-        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg5, wu5, x_ptr, k, k < k_hi, NORM,
-                                    SILU_MUL)
-        k = k_lo + 6 * BLOCK_K + kk
-        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg6, wu6, x_ptr, k, k < k_hi, NORM,
-                                    SILU_MUL)
-        k = k_lo + 7 * BLOCK_K + kk
-        acc_g, acc_u, ss = fold_row(acc_g, acc_u, ss, wg7, wu7, x_ptr, k, k < k_hi, NORM,
-                                    SILU_MUL)
+                                    M, k, k_live, BLOCK_M, USE_DOT, NORM, SILU_MUL, ROW_FOLD)
     # STAGES asked of the loop itself: Triton pipelines only loads that feed a tl.dot
     # unless told, and the FMA path has none (its loads stayed synchronous, sm_90 PTX)
-    for k0 in tl.range(k_lo + PRE * BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
         k = k0 + kk
         k_live = k < k_hi
         wmask = n_live[:, None] & k_live[None, :]
@@ -326,8 +279,7 @@ def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False,
-                 PRE: tl.constexpr = 1):
+                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False):
     # grid (cdiv(NOUT, BLOCK_N), SPLIT_K). NOUT = N, or F = N / 2 with SILU_MUL.
     # PDL_LATE: release the next kernel after the K loop instead of right after the wait
     # (where each pays: gemv's PDL_LATE_BELOW_M).
@@ -338,7 +290,7 @@ def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
     mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     acc_g, acc_u, ss = stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm,
                                 stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, NORM,
-                                SILU_MUL, PDL, STAGES, PDL_LATE, PRE)
+                                SILU_MUL, PDL, STAGES, PDL_LATE)
     mask = n_live[:, None] & (mi < M)[None, :]  # [BLOCK_N, BLOCK_M]
     if SPLIT_K == 1:
         _finish(acc_g, acc_u, ss[None, :], K, eps, res_ptr, out_ptr,
@@ -380,8 +332,6 @@ class GemvSettings:
     load per thread per row slice). split_k: K splits (1 = one pass, no workspace).
     use_dot: tl.dot with M padded to >= 16, else the FMA reduction (M <= FMA_MAX_M).
     num_warps / num_stages: as in triton.
-    pre_tiles: K tiles a program loads before its PDL wait (a power of two); more than
-    one only on the one-row fold (use_dot False, M = 1), as one register block.
     """
     BLOCK_N: int
     BLOCK_K: int
@@ -389,14 +339,13 @@ class GemvSettings:
     use_dot: bool
     num_warps: int
     num_stages: int
-    pre_tiles: int = 1
 
     def __post_init__(self):
-        for name in ("BLOCK_N", "BLOCK_K", "split_k", "num_warps", "num_stages", "pre_tiles"):
+        for name in ("BLOCK_N", "BLOCK_K", "split_k", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GemvSettings.{name} must be a positive int, got {value!r}")
-        for name in ("BLOCK_N", "BLOCK_K", "num_warps", "pre_tiles"):
+        for name in ("BLOCK_N", "BLOCK_K", "num_warps"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"GemvSettings.{name} must be a power of two, got {value}")
@@ -405,9 +354,6 @@ class GemvSettings:
                              f"(tl.dot's minimum), got {self.BLOCK_N}, {self.BLOCK_K}")
         if self.split_k > MAX_SPLIT_K:
             raise ValueError(f"GemvSettings.split_k must be <= {MAX_SPLIT_K}, got {self.split_k}")
-        if self.pre_tiles > 1 and self.use_dot:
-            raise ValueError("GemvSettings.pre_tiles > 1 is the one-row FMA fold's; it needs "
-                             f"use_dot=False, got pre_tiles {self.pre_tiles} with use_dot")
 
 
 MAX_M = 64  # rows one program's accumulator holds; more is a GEMM
@@ -442,10 +388,6 @@ FMA_TILE_ELEMS = 4096  # W elements of an FMA tile (16-bit; half for fp32)
 # beat no PDL at both ends.
 PDL_LATE_BELOW_M = 8
 STAGE_BUDGET = 96 * 1024  # shared memory for the pipeline's stages, per program
-# W a one-row program loads before its PDL wait, in registers (pre_tiles): 32 KB is 64
-# registers a thread at 4 warps; 64 KB where the grid is one wave of one program an SM
-PRE_BYTES = 32 * 1024
-PRE_BYTES_ONE_WAVE = 64 * 1024
 MAX_STAGES = 6
 
 
@@ -485,7 +427,7 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
         # six stages, K split by the rule. H200, against the dot rule (notes/decode_step.md):
         # 8B gate/up 61.5 -> 58.1 us, LM heads 125.3 -> 119.4 (1B) and 243.2 -> 237.6 (8B),
         # 1B gate/up even; the split shapes (QKV, o, down) were on it already
-        return _one_row_settings(target, N, K, dtype, silu_mul)
+        return _one_row_settings(target, N, K, dtype)
     use_dot = wide_dot or M > FMA_MAX_M
     s = _settings(target, M, N, K, dtype, silu_mul, use_dot)
     if wide_dot and s.use_dot and s.split_k > 1 and M <= FMA_SPLIT_MAX_M_SM90:
@@ -493,28 +435,13 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
     return s
 
 
-def _one_row_settings(target: Target, N: int, K: int, dtype: torch.dtype,
-                      silu_mul: bool = False) -> GemvSettings:
+def _one_row_settings(target: Target, N: int, K: int, dtype: torch.dtype) -> GemvSettings:
     """default_settings' rule for one row in 16 bits on sm_90 / sm_100 (the row fold)."""
     elem = torch.empty((), dtype=dtype).element_size()
     block_k = FMA_TILE_ELEMS * 2 // elem // ONE_ROW_BLOCK_N
     split = _split_k(cdiv(N, ONE_ROW_BLOCK_N), K, block_k, target.num_sms)
     return GemvSettings(BLOCK_N=ONE_ROW_BLOCK_N, BLOCK_K=block_k, split_k=split, use_dot=False,
-                        num_warps=4, num_stages=MAX_STAGES,
-                        pre_tiles=pre_tiles(target, N, K, block_k, split, elem, silu_mul))
-
-
-def pre_tiles(target: Target, N: int, K: int, block_k: int, split: int, elem: int,
-              silu_mul: bool) -> int:
-    """The one-row fold's tiles before the PDL wait: a power of two, at most a split's
-    tiles, within PRE_BYTES of W a program (PRE_BYTES_ONE_WAVE where the grid is at most
-    one program an SM, so no second wave waits on the registers)."""
-    tiles = cdiv(cdiv(K, block_k), split)
-    programs = cdiv(N, ONE_ROW_BLOCK_N) * split
-    budget = PRE_BYTES_ONE_WAVE if programs <= target.num_sms else PRE_BYTES
-    tile_bytes = (2 if silu_mul else 1) * ONE_ROW_BLOCK_N * block_k * elem
-    most = max(1, min(tiles, budget // tile_bytes))
-    return 1 << (most.bit_length() - 1)
+                        num_warps=4, num_stages=MAX_STAGES)
 
 
 def _settings(target: Target, M: int, N: int, K: int, dtype: torch.dtype, silu_mul: bool,
@@ -661,14 +588,11 @@ def _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings):
             raise TypeError(f"settings must be None or a GemvSettings, got {type(settings).__name__}")
         if not settings.use_dot and M > FMA_SETTINGS_MAX_M:
             raise ValueError(f"settings.use_dot=False takes M <= {FMA_SETTINGS_MAX_M}, got M={M}")
-        if settings.pre_tiles > 1 and M != 1:
-            raise ValueError(f"settings.pre_tiles={settings.pre_tiles} takes one row of x "
-                             f"(the one-row fold), got M={M}")
     return M, N, K, nout
 
 
 def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=None,
-         settings=None, pdl_late=None, pre_tiles=None):
+         settings=None, pdl_late=None):
     """y = epilogue(x @ w^T) for a decode step's few rows, reading w once.
 
     Args:
@@ -692,9 +616,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         pdl_late: with PDL, release the next kernel after the weight stream (the K loop)
             instead of right after the wait; None: when M < ``PDL_LATE_BELOW_M`` (where
             each measured faster in the decode step). The result is the same bit for bit.
-        pre_tiles: None, or the W tiles each program loads before its PDL wait in place
-            of the settings' (GemvSettings.pre_tiles; > 1 needs one row on the FMA path).
-            The result is the same bit for bit.
 
     Returns:
         out [M, NOUT] in x's dtype. Accumulation is fp32; the norm scale, SiLU and the
@@ -732,11 +653,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
             return out.copy_(y)
     if settings is None:
         settings = default_settings(target, M=M, N=nout, K=K, dtype=x.dtype, silu_mul=silu_mul)
-    if pre_tiles is not None and pre_tiles != settings.pre_tiles:
-        settings = replace(settings, pre_tiles=pre_tiles)  # checked by GemvSettings
-        if settings.pre_tiles > 1 and M != 1:
-            raise ValueError(f"pre_tiles={pre_tiles} takes one row of x (the one-row fold), "
-                             f"got M={M}")
     split = launch_split(K, settings)
     ws, ss = split_workspace(split, M, N, x.device, out)
     bm = block_m(M, settings.use_dot)
@@ -749,7 +665,7 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         BLOCK_M=bm, BLOCK_N=settings.BLOCK_N, BLOCK_K=settings.BLOCK_K, SPLIT_K=split,
         USE_DOT=settings.use_dot, NORM=norm_eps is not None, RESIDUAL=residual is not None,
         SILU_MUL=silu_mul, PDL=pdl, STAGES=settings.num_stages, PDL_LATE=bool(pdl and pdl_late),
-        PRE=settings.pre_tiles, num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
+        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if split > 1:
         _splitk_finish_kernel[(cdiv(nout, FINISH_BLOCK_N),)](
             ws, ss, res, out, M, nout, K, eps, res.stride(0), out.stride(0),
@@ -834,7 +750,7 @@ def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: st
         const = {"BLOCK_M": block_m(M, settings.use_dot), "BLOCK_N": settings.BLOCK_N,
                  "BLOCK_K": settings.BLOCK_K, "SPLIT_K": settings.split_k,
                  "USE_DOT": settings.use_dot, **flags, "STAGES": settings.num_stages,
-                 "PDL_LATE": pdl_late, "PRE": settings.pre_tiles}
+                 "PDL_LATE": pdl_late}
         fn, aligned = _gemv_kernel, ("x_ptr", "w_ptr", "res_ptr", "out_ptr", "ws_ptr", "ss_ptr",
                                      "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")
     else:

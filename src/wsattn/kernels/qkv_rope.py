@@ -402,7 +402,7 @@ def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr
                       SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
                       BIAS: tl.constexpr, QK_NORM: tl.constexpr, PAGED: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr, PDL: tl.constexpr,
-                      STAGES: tl.constexpr, PDL_LATE: tl.constexpr, PRE: tl.constexpr = 1):
+                      STAGES: tl.constexpr, PDL_LATE: tl.constexpr):
     # The GEMV-epilogue path: grid ((HQ + 2 HKV) * D / BLOCK_N, SPLIT_K), gemv's stream of
     # W rows, but a program's BLOCK_N rows are P = BLOCK_N / 2 rotate_half pairs of one
     # head (BLOCK_N <= D): tile rows [0, P) are its columns c0 + i, rows [P, 2P) columns
@@ -423,7 +423,7 @@ def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr
     n_live = n < NOUT
     acc, _, ss = stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
                           BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, NORM, False, PDL,
-                          STAGES, PDL_LATE, PRE)
+                          STAGES, PDL_LATE)
     if SPLIT_K == 1:
         tl.static_assert(P == HALF or not QK_NORM, "QK-norm unsplit needs BLOCK_N == D")
         # [BLOCK_N, BLOCK_M] -> the halves [P, BLOCK_M] (row r of the tile is (r // P, r % P))
@@ -1039,9 +1039,6 @@ def _gemv_rope_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
     if not s.use_dot and M > _gemv.FMA_SETTINGS_MAX_M:
         raise ValueError(f"settings.gemv.use_dot=False takes M <= {_gemv.FMA_SETTINGS_MAX_M}, "
                          f"got x with {M} rows")
-    if s.pre_tiles > 1 and M != 1:
-        raise ValueError(f"settings.gemv.pre_tiles={s.pre_tiles} takes one row of x (the "
-                         f"one-row fold), got x with {M} rows")
     split = _gemv.launch_split(K, s)
     qk_norm = q_norm is not None
     if qk_norm and split == 1 and s.BLOCK_N != D:
@@ -1073,7 +1070,7 @@ def _gemv_rope_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
         x, wqkv, *common, ws, ss, M, K, eps, qeps, x.stride(0), wqkv.stride(0), *strides,
         BLOCK_M=_gemv.block_m(M, s.use_dot), BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         SPLIT_K=split, USE_DOT=s.use_dot, STAGES=s.num_stages,
-        PDL_LATE=False, PRE=s.pre_tiles, **flags, num_warps=s.num_warps,
+        PDL_LATE=False, **flags, num_warps=s.num_warps,
         num_stages=s.num_stages, **launch)
     if split > 1:
         pairs = _finish_pairs(D, qk_norm)
@@ -1181,8 +1178,7 @@ def _gemv_rope_compile_spec(t, g, rows, head_dim, q_heads, kv_heads, norm, bias,
     else:
         const.update(BLOCK_M=_gemv.block_m(rows, g.use_dot), BLOCK_N=g.BLOCK_N,
                      BLOCK_K=g.BLOCK_K, SPLIT_K=g.split_k, USE_DOT=g.use_dot,
-                     STAGES=g.num_stages, PDL_LATE=False,
-                     PRE=g.pre_tiles if rows == 1 else 1)
+                     STAGES=g.num_stages, PDL_LATE=False)
         options = {"num_warps": g.num_warps, "num_stages": g.num_stages, "launch_pdl": pdl}
     sig.update({name: "constexpr" for name in const})
     names = fn.arg_names

@@ -433,12 +433,15 @@ class KernelStep:
     def _count(self, name):
         self.launches[name] += 1
 
+    def _family_on(self, family: str) -> bool:
+        """PDL is on for a kernel family: by its name or one of its PDL_VARIANTS."""
+        return any(n == family or PDL_VARIANTS.get(n) == family for n in self.pdl_families)
+
     def _gemv_launch(self) -> dict:
         """The PDL arguments of every GEMV of the step: on with the gemv family (or one of
         its variants); the release left to gemv (by rows, None) or forced by a variant."""
         on = self.pdl_families.__contains__
-        return {"pdl": on("gemv") or on("gemv:late") or on("gemv:early")
-                or on("gemv:kernel-wide"),
+        return {"pdl": self._family_on("gemv"),
                 "pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
 
     def _residual_gemv(self, x, w, h, g):
@@ -456,8 +459,8 @@ class KernelStep:
         cfg, w, cache, eps = self.cfg, self.weights, self.cache, self.eps
         h, n = buf.h, buf.bucket
         on = self.pdl_families.__contains__
-        pdl_qkv = on("qkv_rope") or on("qkv_rope:two-launch") or on("qkv_rope:gemv-rope")
-        pdl_decode = on("decode")
+        pdl_qkv = self._family_on("qkv_rope")
+        pdl_decode = self._family_on("decode")
         qkv_settings = (TwoLaunchSettings() if on("qkv_rope:two-launch") else
                         GemvRopeSettings() if on("qkv_rope:gemv-rope") else None)
         g = self._gemv_launch()
@@ -498,7 +501,7 @@ class KernelStep:
     def _moe(self, layer, h, buf):
         """A MoE layer's MLP on the residual stream h [bucket, hidden], in place."""
         cfg, eps = self.cfg, self.eps
-        pdl = "moe" in self.pdl_families
+        pdl = self._family_on("moe")
         wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
                          norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
         self._count("moe_route")

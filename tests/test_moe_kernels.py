@@ -197,6 +197,59 @@ CHILD = REFERENCE + textwrap.dedent(r'''
                     "equal": bool(torch.equal(outs[0], outs[1])),
                     "err": rel_err(outs[1], ref), "tol": TOL_CHILD[dtn]}
 
+    elif case == "topk_in_gate_up":
+        # route_logits + moe_gate_up(route=) against route() + the one-token grouping: the
+        # same experts in the same slots, the weights within rounding, the output within
+        # rounding of it and within tolerance of float64; softmax / sigmoid, renormalised or
+        # not, FMA and dot blocks, E up to 256; ties (equal router rows) and a NaN logit
+        from wsattn.target import target_of
+        for dtn in ("float32", "float16"):
+            dt = getattr(torch, dtn)
+            for E, k, H, F, block, renorm, scoring in (
+                    (8, 2, 64, 32, 1, True, "softmax"), (16, 4, 96, 40, 4, False, "softmax"),
+                    (12, 3, 72, 36, 16, True, "sigmoid"), (128, 8, 64, 48, 16, True, "softmax"),
+                    (256, 8, 64, 32, 16, False, "sigmoid"), (5, 5, 32, 16, 16, True, "softmax")):
+                x = torch.randn(1, H).to(dt)
+                rw, wgu, wd = weights(E, H, F, dt)
+                rw[E // 2] = rw[0]  # a tie: the lower index must come first
+                r = torch.randn(1, H).to(dt)
+                tables = M.one_token_tables(k, block, "cpu")
+                st = M.default_settings(target_of(x.device), T=1, top_k=k, num_experts=E,
+                                        dtype=dt, block=block)
+                w, ids = M.route(x, rw, top_k=k, renormalize=renorm, norm_eps=1e-5,
+                                 scoring=scoring)
+                g = M.one_token_grouping(ids, E, block, tables)
+                act = M.moe_gate_up(x, wgu, g, norm_eps=1e-5, settings=st)
+                base = M.moe_down_combine(act, wd, g, w, residual=r, settings=st)
+                outs = []
+                for _ in range(2):
+                    rt = M.route_logits(x, rw, top_k=k, renormalize=renorm, norm_eps=1e-5,
+                                        scoring=scoring)
+                    rt.weights.fill_(float("nan"))
+                    rt.ids.fill_(-7)
+                    g2 = M.one_token_grouping(rt.ids, E, block, tables)
+                    act2 = M.moe_gate_up(x, wgu, g2, norm_eps=1e-5, settings=st, route=rt)
+                    outs.append((M.moe_down_combine(act2, wd, g2, rt.weights, residual=r,
+                                                    settings=st), rt))
+                (y, rt), (y2, _) = outs
+                ref, rv, ri = reference_moe(x, rw, wgu, wd, k, renorm, 1e-5, r, scoring)
+                res[f"{dtn}-E{E}-k{k}-b{block}-{scoring}-{renorm}"] = {
+                    "ids_equal": rt.ids.tolist() == ids.tolist() == ri.tolist(),
+                    "weights": (rt.weights - w).abs().max().item(),
+                    "out_vs_route": rel_err(y, base), "err": rel_err(y, ref),
+                    "tol": TOL_CHILD[dtn], "rerun_identical": bool(torch.equal(y, y2))}
+        # a NaN logit: ids 0..k-1 and NaN weights (route's rule), the output row NaN
+        E, k, H, F = 16, 4, 64, 32
+        rw, wgu, wd = weights(E, H, F, torch.float32)
+        x = torch.randn(1, H)
+        x[0, 3] = float("nan")
+        rt = M.route_logits(x, rw, top_k=k, renormalize=True)
+        g = M.one_token_grouping(rt.ids, E, 16, M.one_token_tables(k, 16, "cpu"))
+        y = M.moe_down_combine(M.moe_gate_up(x, wgu, g, route=rt), wd, g, rt.weights)
+        res["nan"] = {"ids": rt.ids[0].tolist() == list(range(k)),
+                      "weights_nan": bool(torch.isnan(rt.weights).all()),
+                      "out_nan": bool(torch.isnan(y).all())}
+
     elif case == "bf16":
         dt = torch.bfloat16
         x = torch.randn(5, 64).to(dt)
@@ -253,6 +306,50 @@ def test_one_token_grouping_gives_the_grouping_kernels_bits():
     assert len(r) == 8, r
     for key, v in r.items():
         assert v["equal"] is True and v["err"] <= v["tol"], (key, v)
+
+
+def test_topk_inside_the_gate_up_launch_routes_as_route_does():
+    """route_logits + moe_gate_up(route=): each gate/up program selects its slot's expert
+    from the logits and writes the ids and weights; the same ids as route() and the
+    float64 sort (ties by lower index), weights within rounding (the renormalising sum
+    runs in another order), output within tolerance of float64 and bit-identical on a
+    rerun; a NaN logit gives route's ids 0..k-1 and NaN weights."""
+    r = _child("topk_in_gate_up")
+    assert len(r) == 13, r
+    nan = r.pop("nan")
+    assert all(nan.values()), nan
+    for key, v in r.items():
+        assert v["ids_equal"] is True, (key, v)
+        assert v["weights"] <= 1e-6, (key, v)  # fp32 weights: a few ulp apart at most
+        assert v["out_vs_route"] <= v["tol"] and v["err"] <= v["tol"], (key, v)
+        assert v["rerun_identical"] is True, (key, v)
+
+
+def test_route_in_gate_up_refuses_what_it_cannot_take():
+    from wsattn.kernels import moe as M
+    E, k, H, F = 8, 2, 32, 16
+    x = torch.randn(1, H)
+    rw = torch.randn(E, H)
+    wgu = torch.randn(E, 2 * F, H)
+    tables = M.one_token_tables(k, 16, "cpu")
+    with pytest.raises(ValueError, match=r"x must be \[1, H\]"):
+        M.route_logits(torch.randn(2, H), rw, top_k=k, renormalize=True)
+    with pytest.raises(ValueError, match="top_k"):
+        M.route_logits(x, rw, top_k=E + 1, renormalize=True)
+    # checked before any launch: a grouping not made from route.ids, the wrong type
+    fake = M.LogitsRoute(torch.zeros(1, E), torch.zeros(1, k), torch.zeros(1, k, dtype=torch.int32),
+                         k, True, False)
+    other = M.one_token_grouping(torch.zeros(1, k, dtype=torch.int32), E, 16, tables)
+    with pytest.raises(ValueError, match=r"one_token_grouping\(route.ids"):
+        M.moe_gate_up(x, wgu, other, route=fake)
+    with pytest.raises(TypeError, match="LogitsRoute"):
+        M.moe_gate_up(x, wgu, other, route=(fake.logits, fake.weights))
+    g = M.one_token_grouping(fake.ids, E, 16, tables)
+    with pytest.raises(ValueError, match="impl 'triton'"):
+        M.moe_gate_up(x, wgu, g, route=fake, impl="gluon")
+    wrong_e = M.LogitsRoute(torch.zeros(1, E + 1), fake.weights, fake.ids, k, True, False)
+    with pytest.raises(ValueError, match="route has logits"):
+        M.moe_gate_up(x, wgu, g, route=wrong_e)
 
 
 def test_one_token_grouping_refuses_bad_input_by_name():
@@ -445,6 +542,20 @@ def test_sm90_qwen3_30b_builds_do_not_spill_and_pdl_waits(T, record_property):
     print("\n".join(rows))
 
 
+def test_sm90_gate_up_with_the_top_k_inside_does_not_spill(record_property):
+    """The one-token gate/up build that selects its slot's expert itself (route=): no
+    spills at the Qwen3-30B-A3B shape, one PDL wait, and the logits read after it."""
+    from test_prefill_compile import _ptxas_usage
+    k = _compile("gate_up", T=1, pdl=True, norm=True, route=True)
+    regs, stores, loads = _ptxas_usage(k)
+    record_property("T1.gate_up_route.registers", regs)
+    assert stores + loads == 0, (regs, stores, loads)
+    ptx = k.asm["ptx"]
+    assert ptx.count("griddepcontrol.wait") == 1
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    assert k.metadata.launch_pdl
+
+
 def test_sm90_router_loads_its_weight_before_the_pdl_wait():
     ttgir = _compile("router_logits", T=8, pdl=True, norm=True).asm["ttgir"]
     tw = ttgir.index("griddepcontrol.wait")
@@ -519,3 +630,37 @@ def test_gpu_moe_captures_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, m.moe(x, rw, wgu, wd, top_k=4, renormalize=True))
     assert not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "nopdl"])
+def test_gpu_topk_inside_gate_up_at_the_qwen3_30b_shape(pdl):
+    """One token at the Qwen3-30B-A3B shape (128 experts, top 8), bf16: route_logits +
+    moe_gate_up(route=) writes route()'s ids and its weights within rounding, and the
+    layer's output is within bf16 tolerance of float64 and bit-identical on a rerun, the
+    weight and id buffers NaN / -1 poisoned before each run."""
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    m = _m()
+    x, rw, wgu, wd, r, k = _qwen3_30b_gpu_layer(1, seed=5)
+    E, block = rw.shape[0], 16
+    ns = {"torch": torch}
+    exec(REFERENCE, ns)
+    ref, rv, ri = ns["reference_moe"](x.cpu(), rw.cpu(), wgu.cpu(), wd.cpu(), k, True, 1e-6,
+                                      r.cpu())
+    w, ids = m.route(x, rw, top_k=k, renormalize=True, norm_eps=1e-6, pdl=pdl)
+    tables = m.one_token_tables(k, block, x.device)
+    outs = []
+    for _ in range(2):
+        rt = m.route_logits(x, rw, top_k=k, renormalize=True, norm_eps=1e-6, pdl=pdl)
+        rt.weights.fill_(float("nan"))
+        rt.ids.fill_(-1)
+        g = m.one_token_grouping(rt.ids, E, block, tables)
+        act = m.moe_gate_up(x, wgu, g, norm_eps=1e-6, pdl=pdl, route=rt)
+        outs.append((m.moe_down_combine(act, wd, g, rt.weights, residual=r, pdl=pdl), rt))
+    (y1, rt), (y2, _) = outs
+    assert torch.equal(rt.ids, ids) and torch.equal(ids.long().cpu(), ri)
+    assert (rt.weights - w).abs().max().item() <= 1e-6
+    from wsattn.testing import assert_close
+    assert_close(y1, ref, torch.bfloat16)
+    assert torch.equal(y1, y2)

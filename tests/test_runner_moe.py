@@ -82,6 +82,21 @@ CHILD = textwrap.dedent(r'''
     def err(a, b):  # worst per-step relative error of [B, n, vocab] logits
         return max(rel_err(a[:, i], b[:, i]) for i in range(a.shape[1]))
 
+    def triton_launches():
+        """A Counter of interpreted Triton launches by module.kernel from now on (the
+        previous counter, if any, stops counting)."""
+        names = collections.Counter()
+        orig = getattr(interpreter.InterpretedFunction, "_wsattn_orig",
+                       interpreter.InterpretedFunction.run)
+
+        def counted(self, *a, **k):
+            names[self.fn.__module__.rsplit(".", 1)[-1] + "." + self.fn.__name__] += 1
+            return orig(self, *a, **k)
+
+        interpreter.InterpretedFunction._wsattn_orig = orig
+        interpreter.InterpretedFunction.run = counted
+        return names
+
     if case == "family":
         m = model(arg["family"])
         for label, lens, n, kw in arg["runs"]:
@@ -99,16 +114,23 @@ CHILD = textwrap.dedent(r'''
         for fam in ("qwen3_moe", "mixtral"):
             m, ps, n = model(fam), prompts([9]), 8
             runs = {}
-            for on in (False, True):
+            for on, topk_in in ((False, False), (True, False), (True, True)):
                 e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8,
                            buckets=(1,))
                 e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets,
-                                    moe_one_token=on)
-                runs[on] = e.run(ps, n, return_logits=True) + (dict(e.step.launches),)
-            (t0, l0, c0), (t1, l1, c1) = runs[False], runs[True]
+                                    moe_one_token=on, moe_topk_in_gate_up=topk_in)
+                launched = triton_launches()
+                runs[on, topk_in] = e.run(ps, n, return_logits=True) + (
+                    dict(e.step.launches), dict(launched))
+            (t0, l0, c0, k0), (t1, l1, c1, _), (t2, l2, _, k2) = runs.values()
             res[fam] = {"equal": all(torch.equal(a, b) for a, b in zip(t0, t1))
                         and bool(torch.equal(l0, l1)),
-                        "group_calls": [c0.get("moe_group", 0), c1.get("moe_group", 0)]}
+                        "group_calls": [c0.get("moe_group", 0), c1.get("moe_group", 0)],
+                        # the top-k inside gate/up: the same tokens, logits within rounding
+                        "topk_in_tokens": all(torch.equal(a, b) for a, b in zip(t0, t2)),
+                        "topk_in_err": err(l2, l0),
+                        "route_launches": [k0.get("moe._route_kernel", 0),
+                                           k2.get("moe._route_kernel", 0)]}
 
     elif case == "prefill_grouped":
         # KernelStep(moe_prefill_grouped=): the prefill's MoE MLP by torch._grouped_mm (two
@@ -235,6 +257,9 @@ def test_moe_one_token_grouping_in_the_step():
     for fam, v in r.items():
         assert v["equal"] is True, (fam, v)
         assert v["group_calls"][0] > 0 and v["group_calls"][1] == 0, (fam, v)
+        # moe_topk_in_gate_up (the default): no top-k launch, the same tokens
+        assert v["topk_in_tokens"] is True and v["topk_in_err"] <= 1e-5, (fam, v)
+        assert v["route_launches"][0] > 0 and v["route_launches"][1] == 0, (fam, v)
 
 
 def test_moe_prefill_grouped_mm_matches_the_per_expert_loop():
@@ -354,7 +379,7 @@ def test_auto_on_cuda_picks_kernels_for_16_bit_models():
 # --------------------------------------------------------------------------- GPU
 
 def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True,
-                moe_prefill_grouped=True):
+                moe_prefill_grouped=True, moe_topk_in_gate_up=True):
     """A bf16 MoE model (hidden 512, D 64, 8/2 heads, 4 layers; Qwen3-MoE 16 experts top-4
     with layer 2 dense, Mixtral 8 experts top-2, OLMoE 16 experts top-4 with its
     whole-projection QK-norm, or Qwen2-MoE 16 experts top-4 with a shared expert and
@@ -387,7 +412,8 @@ def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True,
     e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=512,
                page_size=16, buckets=(1, 2, 4, 8, 16))
     e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl,
-                        moe_one_token=moe_one_token, moe_prefill_grouped=moe_prefill_grouped)
+                        moe_one_token=moe_one_token, moe_prefill_grouped=moe_prefill_grouped,
+                        moe_topk_in_gate_up=moe_topk_in_gate_up)
     return e, model
 
 
@@ -427,16 +453,24 @@ def test_gpu_moe_pdl_on_equals_off(family, pdl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_gpu_moe_one_token_equals_the_grouping_kernel(family):
-    """One sequence (bucket 1), PDL on, in a graph: the kernel-free grouping (the default)
-    gives bitwise the tokens and logits of the step with the grouping kernel."""
+    """One sequence (bucket 1), PDL on, in a graph: the kernel-free grouping gives bitwise
+    the tokens and logits of the step with the grouping kernel; with the top-k inside the
+    gate/up launch as well (the default) the same tokens, logits within rounding of the
+    renormalising sum's order, and bit-identical on a second engine."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
     ps = _gpu_prompts(1)
     group_t, group_l = _gpu_engine(family, pdl=True, moe_one_token=False)[0] \
         .run(ps, 24, return_logits=True)
-    one_t, one_l = _gpu_engine(family, pdl=True)[0].run(ps, 24, return_logits=True)
+    one_t, one_l = _gpu_engine(family, pdl=True, moe_topk_in_gate_up=False)[0] \
+        .run(ps, 24, return_logits=True)
     assert all(torch.equal(a, b) for a, b in zip(group_t, one_t))
     assert torch.equal(group_l, one_l)
+    runs = [_gpu_engine(family, pdl=True)[0].run(ps, 24, return_logits=True) for _ in range(2)]
+    (in_t, in_l), (in_t2, in_l2) = runs
+    assert all(torch.equal(a, b) for a, b in zip(group_t, in_t))
+    assert (in_l.float() - one_l.float()).abs().max().item() <= 2e-2 * one_l.float().abs().max().item()
+    assert all(torch.equal(a, b) for a, b in zip(in_t, in_t2)) and torch.equal(in_l, in_l2)
 
 
 @pytest.mark.gpu

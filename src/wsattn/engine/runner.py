@@ -32,6 +32,12 @@ launches a layer, 10 when decode splits the keys)::
         act = moe_gate_up(h, w_gate_up, g, norm_eps)                          1
         h = moe_down_combine(act, w_down, g, wts, out=h, residual=h)          2 (down, combine)
 
+At bucket 1 (``moe_one_token``) the grouping is ``one_token_grouping`` (no launch), and
+with ``moe_topk_in_gate_up`` the top-k launch goes too: ``route_logits`` computes the
+logits only, and the gate/up launch given ``route=`` selects each block's expert from
+them and writes the ids and weights the down projection and combine read (7 Triton
+launches a MoE layer, 8 with decode's split combine).
+
 A shared expert (Qwen2-MoE) adds, around the combine: before it, ``gemv(h, w_shared_gate_up,
 norm_eps, silu_mul=True)`` and ``gemv(h, shared_gate, norm_eps)`` (one output column) with
 ``act *= sigmoid(gate)`` (two torch ops); after it, ``gemv(act, w_shared_down,
@@ -107,7 +113,7 @@ import torch.nn.functional as F
 from .. import api, ops
 from ..kernels.gemv import MAX_M as GEMV_MAX_M, gemv
 from ..kernels.moe import MAX_E as MOE_MAX_E, default_block, group, moe_down_combine, \
-    moe_gate_up, one_token_grouping, one_token_tables, route
+    moe_gate_up, one_token_grouping, one_token_tables, route, route_logits
 from ..kernels.qkv_rope import (GemvRopeSettings, TwoLaunchSettings, qkv_rope_append,
                                  qkv_rope_workspace)
 from ..models import moe as moe_math
@@ -139,11 +145,13 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # for QK-norm over the whole projection, OLMoE's, which that path does not take).
 # "gemv:kernel-wide": the GEMVs with PDL as "gemv", and the o and down projections on the
 # GEMV kernel at every row count (the default hands them to cuBLAS from CUBLAS_WIDE_ROWS
-# rows on sm_90; below).
+# rows on sm_90; below). "moe:topk-launch": the MoE kernels with PDL as "moe", and at
+# bucket 1 the router's top-k in its own launch (KernelStep's moe_topk_in_gate_up off).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:kernel-wide": "gemv",
-                "qkv_rope:two-launch": "qkv_rope", "qkv_rope:gemv-rope": "qkv_rope"}
+                "qkv_rope:two-launch": "qkv_rope", "qkv_rope:gemv-rope": "qkv_rope",
+                "moe:topk-launch": "moe"}
 # Rows from which the o and down projections (a plain product plus the residual, no norm
 # or SiLU epilogue) run as one cuBLAS addmm into the residual on sm_90, 16-bit: fp32
 # accumulate and the residual added before the one rounding, as gemv does, but no PDL
@@ -238,6 +246,11 @@ class KernelStep:
             launch fewer a MoE layer. On by default: the 48-layer Qwen3-30B-A3B step at B1
             ran 3.378 -> 3.138 ms/token with it (H200, notes/moe.md); False keeps the
             grouping kernel (the A/B, and the bitwise check against it).
+        moe_topk_in_gate_up: with moe_one_token at bucket 1, the router's top-k inside the
+            grouped gate/up launch (``moe.route_logits`` + ``moe_gate_up(route=)``), one
+            launch fewer a MoE layer; the same experts, the weights up to the order of
+            the renormalising sum. False (or the ``pdl`` variant "moe:topk-launch")
+            keeps the top-k launch.
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
@@ -260,7 +273,7 @@ class KernelStep:
     name = "kernels"
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None,
-                 moe_one_token=True, moe_prefill_grouped=True):
+                 moe_one_token=True, moe_prefill_grouped=True, moe_topk_in_gate_up=True):
         # what the fused step does not run, refused by feature before any shape check
         if getattr(cfg, "experts", 0) > MOE_MAX_E:
             raise ValueError(f"step='kernels': {cfg.family} has {cfg.experts} experts; the MoE "
@@ -303,6 +316,10 @@ class KernelStep:
         if moe_one_token not in (True, False):
             raise ValueError(f"moe_one_token must be True or False, got {moe_one_token!r}")
         self.moe_one_token = moe_one_token
+        if moe_topk_in_gate_up not in (True, False):
+            raise ValueError(f"moe_topk_in_gate_up must be True or False, got "
+                             f"{moe_topk_in_gate_up!r}")
+        self.moe_topk_in_gate_up = moe_topk_in_gate_up and "moe:topk-launch" not in families
         if moe_prefill_grouped not in (True, False):
             raise ValueError(f"moe_prefill_grouped must be True or False, got "
                              f"{moe_prefill_grouped!r}")
@@ -502,15 +519,23 @@ class KernelStep:
         """A MoE layer's MLP on the residual stream h [bucket, hidden], in place."""
         cfg, eps = self.cfg, self.eps
         pdl = self._family_on("moe")
-        wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
-                         norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
+        one_token = self.moe_one_token and buf.moe_tables is not None
+        routed = None
+        if one_token and self.moe_topk_in_gate_up:
+            # the top-k runs inside the gate/up launch, which fills routed.ids / .weights
+            routed = route_logits(h, layer.router, top_k=cfg.top_k,
+                                  renormalize=cfg.norm_topk, norm_eps=eps, pdl=pdl)
+            wts, ids = routed.weights, routed.ids
+        else:
+            wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
+                             norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
         self._count("moe_route")
-        if self.moe_one_token and buf.moe_tables is not None:
+        if one_token:
             grouping = one_token_grouping(ids, cfg.experts, buf.moe_block, buf.moe_tables)
         else:
             grouping = group(ids, cfg.experts, buf.moe_block, pdl=pdl)
             self._count("moe_group")
-        act = moe_gate_up(h, layer.w_gate_up, grouping, norm_eps=eps, pdl=pdl)
+        act = moe_gate_up(h, layer.w_gate_up, grouping, norm_eps=eps, pdl=pdl, route=routed)
         self._count("moe_gate_up")
         if layer.w_shared_gate_up is not None:
             # the shared expert reads h before the combine below adds the routed experts

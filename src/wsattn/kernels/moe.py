@@ -105,6 +105,55 @@ def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, H, E, eps, stride_xt, stride
 
 
 @triton.jit
+def _route_scores(logits, e_live, SIGMOID: tl.constexpr):
+    """(scores, selection keys) of one token's fp32 logits [BLOCK_E] (e_live: the real
+    experts): softmax or sigmoid; the key is the score, NaN above every score (scores lie
+    in [0, 1]) and padding lanes below. Shared by both top-k forms, so they select alike."""
+    if SIGMOID:
+        p = tl.sigmoid(logits)
+    else:
+        logits = tl.where(e_live, logits, float("-inf"))
+        ex = tl.exp(logits - tl.max(logits, axis=0))
+        p = ex / tl.sum(ex, axis=0)  # a NaN anywhere makes the sum, so every p, NaN
+    key = tl.where(p != p, 2.0, p)
+    key = tl.where(e_live, key, -1.0)
+    return p, key
+
+
+@triton.jit
+def _slot_route(logits_ptr, wts_ptr, ids_ptr, slot, E, write, TOP_K: tl.constexpr,
+                BLOCK_E: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr):
+    """The expert in top-k slot `slot` of one token, from its E fp32 logits, for a grouped
+    program that needs only its own slot (moe_gate_up(..., route=)): every expert's rank
+    in the selection order (higher key first, equal keys by lower index: _route_kernel's
+    order) counted at once over a [BLOCK_E, BLOCK_E] comparison, instead of top-k rounds
+    of reductions. With `write`, also stores the slot's id and routing weight (as
+    _route_kernel does) for the down projection and combine that follow."""
+    e = tl.arange(0, BLOCK_E)
+    e_live = e < E
+    logits = tl.load(logits_ptr + e, mask=e_live, other=0.0)
+    p, key = _route_scores(logits, e_live, SIGMOID)
+    # one int64 a lane ordering as the selection does: the key's bits (monotone as
+    # integers for the keys' values: padding's -1.0 is the only negative one) above the
+    # complement of the index, so a greater integer is a higher key or, on equal keys, a
+    # lower index; one comparison a pair instead of three
+    order = (key.to(tl.int32, bitcast=True).to(tl.int64) << 8) | (255 - e)
+    # rank[f] = lanes ordered above f, summed over axis 0: Triton lays the tile's lanes
+    # along axis 1 across the threads, so this sum stays within each thread (over axis 1
+    # it was a warp reduction a row, 128 of them)
+    rank = tl.sum((order[:, None] > order[None, :]).to(tl.int32), axis=0)  # [BLOCK_E]
+    hit = rank == slot
+    expert = tl.sum(tl.where(hit, e, 0), axis=0)
+    if write:
+        w = tl.sum(tl.where(hit, p, 0.0), axis=0)
+        if RENORM:
+            w = w / tl.sum(tl.where(rank < TOP_K, p, 0.0), axis=0)
+        tl.store(wts_ptr + slot, w)
+        tl.store(ids_ptr + slot, expert)
+    return expert
+
+
+@triton.jit
 def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_TK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr,
                   PDL: tl.constexpr):
@@ -116,15 +165,7 @@ def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E:
         tl.extra.cuda.gdc_wait()  # the logits come from the kernel before
         tl.extra.cuda.gdc_launch_dependents()
     logits = tl.load(logits_ptr + t * E + e, mask=e_live, other=0.0)
-    if SIGMOID:
-        p = tl.sigmoid(logits)
-    else:
-        logits = tl.where(e_live, logits, float("-inf"))
-        ex = tl.exp(logits - tl.max(logits, axis=0))
-        p = ex / tl.sum(ex, axis=0)  # a NaN anywhere makes the sum, so every p, NaN
-    # selection key: NaN above every score (scores lie in [0, 1]), padding lanes below
-    key = tl.where(p != p, 2.0, p)
-    key = tl.where(e_live, key, -1.0)
+    p, key = _route_scores(logits, e_live, SIGMOID)
     kk = tl.arange(0, BLOCK_TK)  # [BLOCK_TK]
     sel_w = tl.zeros([BLOCK_TK], dtype=tl.float32)
     sel_i = tl.zeros([BLOCK_TK], dtype=tl.int32)
@@ -202,14 +243,19 @@ def _group_kernel(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
 
 @triton.jit
 def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr,
-                    NOUT, K, eps, stride_xt, stride_we, stride_wn, stride_ot,
+                    logits_ptr, NOUT, K, E, eps, stride_xt, stride_we, stride_wn, stride_ot,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, GATE_UP: tl.constexpr,
-                    NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1):
+                    NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1,
+                    ROUTE: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
+                    RENORM: tl.constexpr = False, SIGMOID: tl.constexpr = False):
     # grid (blocks_max, cdiv(NOUT, BLOCK_N)). One block of BLOCK_M grouped rows (one
     # expert), BLOCK_N output columns (weight rows of that expert).
     # GATE_UP: x = the tokens' hidden states gathered through the pairs, W = [E, 2F, H],
     #   out = act [rows, F] by grouped row: silu(gate) * up (FlashNorm scale with NORM).
+    #   ROUTE (one token, one block a slot): block b's expert is the token's top-k slot b,
+    #   selected here from the router logits (logits_ptr, E of them) instead of read from
+    #   eob_ptr; the pid_n == 0 program writes it there and the slot's weight to wts_ptr.
     # else (down): x = act by grouped row, W = [E, H, F], out = per-pair results
     #   [T*k, H] fp32 by pair index, times the pair's routing weight.
     b = tl.program_id(0)
@@ -221,7 +267,11 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
         tl.extra.cuda.gdc_launch_dependents()
     if b >= tl.load(nact_ptr):
         return  # a block past the active ones: static grid, nothing to do
-    ex = tl.load(eob_ptr + b).to(tl.int64)
+    if ROUTE:
+        ex = _slot_route(logits_ptr, wts_ptr, eob_ptr, b, E, pid_n == 0, TOP_K, BLOCK_E,
+                         RENORM, SIGMOID).to(tl.int64)
+    else:
+        ex = tl.load(eob_ptr + b).to(tl.int64)
     mi = tl.arange(0, BLOCK_M)
     r = b * BLOCK_M + mi  # [BLOCK_M] grouped rows
     pair = tl.load(pairs_ptr + r)  # [BLOCK_M], -1 on padding rows
@@ -495,6 +545,26 @@ def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", 
         >>> x = torch.randn(3, 64); rw = torch.randn(8, 64)
         >>> w, ids = route(x, rw, top_k=2, renormalize=True)   # [3, 2] each
     """
+    x, router_w, logits, pdl = _router_logits(x, router_w, top_k, renormalize, norm_eps,
+                                              scoring, pdl)
+    T, E = logits.shape
+    wts = empty((T, top_k), torch.float32, x.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    _route_kernel[(T,)](
+        logits, wts, ids, E, TOP_K=top_k, BLOCK_E=_route_block_e(E),
+        BLOCK_TK=next_pow2(top_k), RENORM=renormalize, SIGMOID=scoring == "sigmoid",
+        PDL=pdl, num_warps=ROUTE_NUM_WARPS, **launch)
+    return wts, ids
+
+
+def _route_block_e(E: int) -> int:
+    return max(16, next_pow2(E))
+
+
+def _router_logits(x, router_w, top_k, renormalize, norm_eps, scoring, pdl):
+    """route()'s checks (ValueError / TypeError naming the argument), then the router-logits
+    launch: (x, router_w as launched, logits fp32 [T, E], pdl resolved)."""
     T, H = _check_x(x)
     if not isinstance(router_w, torch.Tensor) or router_w.dim() != 2:
         raise ValueError("router_w must be a [E, H] torch.Tensor")
@@ -520,18 +590,49 @@ def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", 
     if target.backend == "interpreter" and x.dtype == torch.bfloat16:
         x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
     logits = empty((T, E), torch.float32, x.device)
-    wts = empty((T, top_k), torch.float32, x.device)
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
     launch = {"launch_pdl": True} if pdl else {}
     _router_logits_kernel[(cdiv(E, ROUTER_BLOCK_E), T)](
         x, router_w, logits, H, E, float(norm_eps or 0.0), x.stride(0), router_w.stride(0),
         BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=_router_block_h(H), NORM=norm_eps is not None,
         PDL=pdl, num_warps=4, **launch)
-    _route_kernel[(T,)](
-        logits, wts, ids, E, TOP_K=top_k, BLOCK_E=max(16, next_pow2(E)),
-        BLOCK_TK=next_pow2(top_k), RENORM=renormalize, SIGMOID=scoring == "sigmoid",
-        PDL=pdl, num_warps=ROUTE_NUM_WARPS, **launch)
-    return wts, ids
+    return x, router_w, logits, pdl
+
+
+class LogitsRoute(NamedTuple):
+    """route_logits' result: one token's router logits and the buffers its routing goes
+    to. weights (float32 [1, top_k]) and ids (int32 [1, top_k]) hold nothing until the
+    moe_gate_up call given this route (route=) has run: its programs select the top-k
+    from logits and write them, as route() would have."""
+    logits: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    top_k: int
+    renormalize: bool
+    sigmoid: bool
+
+
+def route_logits(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax",
+                 pdl=None):
+    """route() for one token without its top-k launch: only the router logits are
+    computed here; the top-k selection runs inside the grouped gate/up launch, each
+    program selecting its own slot's expert (moe_gate_up(..., route=)). One launch fewer a
+    MoE layer at one token; the same experts, in the same order, as route() (the same
+    scores and tie rule) and the same weights up to the order of the renormalising sum.
+
+    Args: as route(), with x [1, H] (one token).
+
+    Returns:
+        a LogitsRoute. Use: ``r = route_logits(...)``, ``g = one_token_grouping(r.ids, E,
+        block, tables)``, ``act = moe_gate_up(x, w_gate_up, g, route=r)``, then
+        ``moe_down_combine(act, w_down, g, r.weights, ...)``.
+    """
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] != 1:
+        raise ValueError(f"x must be [1, H] (one token) for route_logits, got {tuple(x.shape)}")
+    x, router_w, logits, pdl = _router_logits(x, router_w, top_k, renormalize, norm_eps,
+                                              scoring, pdl)
+    wts = empty((1, top_k), torch.float32, x.device)
+    ids = torch.empty((1, top_k), dtype=torch.int32, device=x.device)
+    return LogitsRoute(logits, wts, ids, top_k, renormalize, scoring == "sigmoid")
 
 
 def group(topk_ids, num_experts, block, *, pdl=None):
@@ -686,7 +787,7 @@ def _settings_for(settings, grouping, target, T, dtype):
 
 
 def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=None,
-                impl="triton"):
+                impl="triton", route=None):
     """act = silu(x_t @ Wg_e^T) * (x_t @ Wu_e^T) for every grouped (token t, expert e) row.
 
     Args:
@@ -703,6 +804,11 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
             moe_gluon.GluonMoeSettings; refused with a ValueError while
             moe_gluon.VERIFIED_ON_GPU is False, and on other targets). PDL does not
             apply to the Gluon launch (it is launched without it).
+        route: None, or route_logits' LogitsRoute for this one token (impl "triton"):
+            the grouping must then be one_token_grouping(route.ids, ...), whose blocks
+            this launch assigns to experts itself (selecting each slot's from
+            route.logits) while writing route.ids and route.weights for the down
+            projection and combine.
 
     Returns:
         act [rows_max, F] in x's dtype, by grouped row; padding rows are not written.
@@ -717,6 +823,7 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
                          f"{tuple(w_gate_up.shape)}")
     _check_norm_eps(norm_eps)
     _check_impl(impl)
+    _check_route(route, grouping, x, impl)
     if impl == "gluon":
         _refuse_gluon(x, pdl)  # the Gluon launch itself takes no PDL
         return _gluon().gate_up(x, w_gate_up, grouping, norm_eps, settings)
@@ -729,16 +836,44 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
     if target.backend == "interpreter" and x.dtype == torch.bfloat16:
         # the interpreter's tl.dot multiplies bf16 as raw bits: fp32, rounded once
         return act.copy_(moe_gate_up(x.float(), w_gate_up.float(), grouping,
-                                     norm_eps=norm_eps, pdl=pdl, settings=settings))
+                                     norm_eps=norm_eps, pdl=pdl, settings=settings,
+                                     route=route))
     launch = {"launch_pdl": True} if pdl else {}
+    logits, wts = (route.logits, route.weights) if route is not None else (act, act)
     _grouped_kernel[(rows // s.block, cdiv(F, s.BLOCK_N))](
         x, w_gate_up, grouping.sorted_pairs, grouping.expert_of_block,
-        grouping.num_active_blocks, act, act, F, H, float(norm_eps or 0.0),
+        grouping.num_active_blocks, wts, act, logits, F, H, E, float(norm_eps or 0.0),
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
         TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         USE_DOT=s.use_dot, GATE_UP=True, NORM=norm_eps is not None, PDL=pdl,
-        STAGES=s.num_stages, num_warps=s.num_warps, num_stages=s.num_stages, **launch)
+        STAGES=s.num_stages, ROUTE=route is not None, BLOCK_E=_route_block_e(E),
+        RENORM=route is not None and route.renormalize,
+        SIGMOID=route is not None and route.sigmoid,
+        num_warps=s.num_warps, num_stages=s.num_stages, **launch)
     return act
+
+
+def _check_route(route, grouping, x, impl):
+    """ValueError / TypeError unless route is None or a LogitsRoute that this one-token
+    grouping was made from (one_token_grouping(route.ids, ...))."""
+    if route is None:
+        return
+    if not isinstance(route, LogitsRoute):
+        raise TypeError(f"route must be None or route_logits' LogitsRoute, got "
+                        f"{type(route).__name__}")
+    if impl != "triton":
+        raise ValueError(f"route= (the top-k inside the gate/up launch) runs on impl 'triton', "
+                         f"not {impl!r}")
+    if x.shape[0] != 1:
+        raise ValueError(f"route= takes one token; x has T={x.shape[0]}")
+    if route.logits.shape != (1, grouping.num_experts) or route.top_k != grouping.top_k:
+        raise ValueError(f"route has logits {tuple(route.logits.shape)} and top_k="
+                         f"{route.top_k}; the grouping has E={grouping.num_experts}, top_k="
+                         f"{grouping.top_k}")
+    if grouping.expert_offsets is not None or route.ids.device != x.device \
+            or grouping.expert_of_block.data_ptr() != route.ids.data_ptr():
+        raise ValueError("route= needs grouping = one_token_grouping(route.ids, ...): the "
+                         "launch writes each block's expert there")
 
 
 def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=None,
@@ -814,7 +949,7 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
     launch = {"launch_pdl": True} if pdl else {}
     _grouped_kernel[(rows // s.block, cdiv(H, s.BLOCK_N))](
         act, w_down, grouping.sorted_pairs, grouping.expert_of_block,
-        grouping.num_active_blocks, topk_weights, y, H, F, 0.0,
+        grouping.num_active_blocks, topk_weights, y, y, H, F, E, 0.0,
         act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         USE_DOT=s.use_dot, GATE_UP=False, NORM=False, PDL=pdl, STAGES=s.num_stages,
@@ -876,11 +1011,13 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
 def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 128,
                  top_k: int = 8, F: int = 768, dtype: str = "bf16", pdl: bool = False,
                  norm: bool = False, residual: bool = False, renormalize: bool = True,
-                 settings: MoeSettings | None = None, num_sms: int = 132) -> dict:
+                 settings: MoeSettings | None = None, num_sms: int = 132,
+                 route: bool = False) -> dict:
     """What ``triton.compile`` needs to build one MoE kernel for compute capability cc.
 
     kernel: "router_logits", "route" (top-k of the logits), "group", "gate_up", "down" or
-    "combine". Settings default to
+    "combine"; route: the gate/up build that selects its slot's expert itself (one token,
+    moe_gate_up(..., route=)). Settings default to
     default_settings on a GPU with num_sms SMs. Returns {"fn", "signature",
     "constexprs", "attrs", "options"} as gemv.compile_spec does.
     """
@@ -916,19 +1053,26 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
         options = {**options, "num_warps": GROUP_NUM_WARPS}
     elif kernel in ("gate_up", "down"):
         gate_up = kernel == "gate_up"
+        routed = route and gate_up
         sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "pairs_ptr": "*i32", "eob_ptr": "*i32",
-               "nact_ptr": "*i32", "wts_ptr": "*fp32" if not gate_up else f"*{t}",
-               "out_ptr": f"*{t}" if gate_up else "*fp32", "NOUT": "i32", "K": "i32",
+               "nact_ptr": "*i32",
+               "wts_ptr": "*fp32" if not gate_up or routed else f"*{t}",
+               "out_ptr": f"*{t}" if gate_up else "*fp32",
+               "logits_ptr": "*fp32" if routed else ("*fp32" if not gate_up else f"*{t}"),
+               "NOUT": "i32", "K": "i32", "E": "i32",
                "eps": "fp32", "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32",
                "stride_ot": "i32"}
         const = {"TOP_K": top_k, "BLOCK_M": settings.block, "BLOCK_N": settings.BLOCK_N,
                  "BLOCK_K": settings.BLOCK_K, "USE_DOT": settings.use_dot,
                  "GATE_UP": gate_up, "NORM": norm and gate_up, "PDL": pdl,
-                 "STAGES": settings.num_stages}
+                 "STAGES": settings.num_stages, "ROUTE": routed,
+                 "BLOCK_E": _route_block_e(E), "RENORM": renormalize and routed,
+                 "SIGMOID": False}
         options = {**options, "num_warps": settings.num_warps,
                    "num_stages": settings.num_stages}
         fn, aligned = _grouped_kernel, ("x_ptr", "w_ptr", "pairs_ptr", "eob_ptr", "nact_ptr",
-                                        "wts_ptr", "out_ptr", "NOUT", "K", "stride_xt",
+                                        "wts_ptr", "out_ptr", "logits_ptr", "NOUT", "K",
+                                        "stride_xt",
                                         "stride_we", "stride_wn", "stride_ot")
     elif kernel == "combine":
         sig = {"y_ptr": "*fp32", "res_ptr": f"*{t}", "out_ptr": f"*{t}", "H": "i32",

@@ -249,6 +249,34 @@ CHILD = REFERENCE + textwrap.dedent(r'''
         res["nan"] = {"ids": rt.ids[0].tolist() == list(range(k)),
                       "weights_nan": bool(torch.isnan(rt.weights).all()),
                       "out_nan": bool(torch.isnan(y).all())}
+        # chosen logits: ties inside the top-k and across its edge (the exact-order pass),
+        # -inf and +inf logits; ids against the rule (a stable descending sort of the
+        # logits), weights against float64
+        inf = float("inf")
+        cases = {"all_equal": [0.5] * 16, "straddle": [0, 1, 5, 5, 5, 2] + [-1] * 10,
+                 "inside": [3, 9, 9, 1, 7, 0.5] + [-2] * 10,
+                 "neg_inf": [-inf, 2, -inf, -inf, 1] + [-inf] * 11,
+                 "pos_inf": [1, 2, inf, 0] + [-1] * 12}
+        for name, vals in cases.items():
+            for scoring in ("softmax", "sigmoid"):
+                lg = torch.tensor([vals], dtype=torch.float32)
+                rt = M.LogitsRoute(lg, torch.full((1, k), float("nan")),
+                                   torch.full((1, k), -1, dtype=torch.int32), k, True,
+                                   scoring == "sigmoid")
+                g = M.one_token_grouping(rt.ids, E, 16, M.one_token_tables(k, 16, "cpu"))
+                M.moe_gate_up(torch.randn(1, H), wgu, g, route=rt)
+                key = lg[0].double()
+                if scoring == "softmax" and torch.isinf(key).any() and key.max() == inf:
+                    want_ids, want_w = list(range(k)), None  # every probability NaN
+                else:
+                    want_ids = torch.sort(key, descending=True, stable=True)[1][:k].tolist()
+                    sc = torch.softmax(key, 0) if scoring == "softmax" else torch.sigmoid(key)
+                    want_w = sc[want_ids] / sc[want_ids].sum()
+                got_w = rt.weights[0].double()
+                res[f"{name}-{scoring}"] = {
+                    "ids": rt.ids[0].tolist() == want_ids,
+                    "weights": bool(torch.isnan(got_w).all()) if want_w is None
+                    else bool(torch.allclose(got_w, want_w, rtol=1e-6, atol=0))}
 
     elif case == "bf16":
         dt = torch.bfloat16
@@ -315,9 +343,12 @@ def test_topk_inside_the_gate_up_launch_routes_as_route_does():
     runs in another order), output within tolerance of float64 and bit-identical on a
     rerun; a NaN logit gives route's ids 0..k-1 and NaN weights."""
     r = _child("topk_in_gate_up")
-    assert len(r) == 13, r
+    assert len(r) == 23, r
     nan = r.pop("nan")
     assert all(nan.values()), nan
+    chosen = {key: r.pop(key) for key in list(r) if "-" in key and key.split("-")[0] in (
+        "all_equal", "straddle", "inside", "neg_inf", "pos_inf")}
+    assert len(chosen) == 10 and all(all(v.values()) for v in chosen.values()), chosen
     for key, v in r.items():
         assert v["ids_equal"] is True, (key, v)
         assert v["weights"] <= 1e-6, (key, v)  # fp32 weights: a few ulp apart at most

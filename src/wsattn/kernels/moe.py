@@ -30,9 +30,11 @@ runs on the same inputs are bit-identical.
 Tie and NaN rule of the router (torch.topk leaves the order of equal values unspecified:
 on the CPU it returned indices [2, 4, 1] for three equal probabilities): the chosen
 experts are those of ``torch.sort(scores, descending=True, stable=True)[:, :k]``: the
-higher score first, equal scores by lower expert index, NaN above every number. A NaN
-logit makes every softmax probability of its token NaN, so that token gets ids 0..k-1
-and NaN weights, and its MoE output is NaN: the NaN propagates, nothing is dropped.
+higher score first, equal scores by lower expert index, NaN above every number. The
+kernels compare the fp32 logits, whose order softmax and sigmoid keep (scores rounded
+to fp32 could tie where the logits do not). A NaN (or +inf) logit makes every softmax
+probability of its token NaN, so that token gets ids 0..k-1 and NaN weights, and its
+MoE output is NaN: the NaN propagates, nothing is dropped.
 """
 
 from __future__ import annotations
@@ -105,19 +107,33 @@ def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, H, E, eps, stride_xt, stride
 
 
 @triton.jit
-def _route_scores(logits, e_live, SIGMOID: tl.constexpr):
-    """(scores, selection keys) of one token's fp32 logits [BLOCK_E] (e_live: the real
-    experts): softmax or sigmoid; the key is the score, NaN above every score (scores lie
-    in [0, 1]) and padding lanes below. Shared by both top-k forms, so they select alike."""
-    if SIGMOID:
-        p = tl.sigmoid(logits)
-    else:
-        logits = tl.where(e_live, logits, float("-inf"))
-        ex = tl.exp(logits - tl.max(logits, axis=0))
-        p = ex / tl.sum(ex, axis=0)  # a NaN anywhere makes the sum, so every p, NaN
-    key = tl.where(p != p, 2.0, p)
-    key = tl.where(e_live, key, -1.0)
-    return p, key
+def _route_keys(logits, e_live, SIGMOID: tl.constexpr):
+    """Selection keys of one token's fp32 logits [BLOCK_E] (e_live: the real experts), and
+    their max. Softmax and sigmoid keep the logits' order, so the logits are the keys
+    (comparing scores instead would add ties made by rounding them); NaN above every
+    number, padding below. Softmax: a NaN or +inf logit makes every probability NaN, so
+    then every key is equal (ids 0..k-1 by the tie rule). Shared by both top-k forms."""
+    key = tl.where(logits != logits, float("inf"), logits)
+    key = tl.where(e_live, key, float("-inf"))
+    m = tl.max(key, axis=0)
+    if not SIGMOID:
+        key = tl.where(m == float("inf"), tl.where(e_live, 0.0, float("-inf")), key)
+    return key, m
+
+
+@triton.jit
+def _add6(a0, a1, a2, a3, a4, a5, b0, b1, b2, b3, b4, b5):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5
+
+
+@triton.jit
+def _slot_sums(rank, slot, e, x, TOP_K: tl.constexpr):
+    """One reduction over the lanes: (lanes of rank slot, lanes of rank < TOP_K, the
+    slot's lane index, its x, the sum of x over rank < TOP_K, the sum of x)."""
+    hit = rank == slot
+    top = rank < TOP_K
+    return tl.reduce((hit.to(tl.int32), top.to(tl.int32), tl.where(hit, e, 0),
+                      tl.where(hit, x, 0.0), tl.where(top, x, 0.0), x), 0, _add6)
 
 
 @triton.jit
@@ -125,29 +141,37 @@ def _slot_route(logits_ptr, wts_ptr, ids_ptr, slot, E, write, TOP_K: tl.constexp
                 BLOCK_E: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr):
     """The expert in top-k slot `slot` of one token, from its E fp32 logits, for a grouped
     program that needs only its own slot (moe_gate_up(..., route=)): every expert's rank
-    in the selection order (higher key first, equal keys by lower index: _route_kernel's
-    order) counted at once over a [BLOCK_E, BLOCK_E] comparison, instead of top-k rounds
-    of reductions. With `write`, also stores the slot's id and routing weight (as
-    _route_kernel does) for the down projection and combine that follow."""
+    counted at once over a [BLOCK_E, BLOCK_E] comparison of the keys (_route_keys),
+    instead of top-k rounds of reductions. With `write`, also stores the slot's id and
+    routing weight for the down projection and combine that follow."""
     e = tl.arange(0, BLOCK_E)
     e_live = e < E
     logits = tl.load(logits_ptr + e, mask=e_live, other=0.0)
-    p, key = _route_scores(logits, e_live, SIGMOID)
-    # one int64 a lane ordering as the selection does: the key's bits (monotone as
-    # integers for the keys' values: padding's -1.0 is the only negative one) above the
-    # complement of the index, so a greater integer is a higher key or, on equal keys, a
-    # lower index; one comparison a pair instead of three
-    order = (key.to(tl.int32, bitcast=True).to(tl.int64) << 8) | (255 - e)
-    # rank[f] = lanes ordered above f, summed over axis 0: Triton lays the tile's lanes
+    key, m = _route_keys(logits, e_live, SIGMOID)
+    if SIGMOID:
+        x = tl.where(e_live, tl.sigmoid(logits), 0.0)
+    else:
+        x = tl.where(e_live, tl.exp(logits - m), 0.0)  # the softmax's numerators
+    # rank[f] = lanes with a greater key, summed over axis 0: Triton lays the tile's lanes
     # along axis 1 across the threads, so this sum stays within each thread (over axis 1
-    # it was a warp reduction a row, 128 of them)
-    rank = tl.sum((order[:, None] > order[None, :]).to(tl.int32), axis=0)  # [BLOCK_E]
-    hit = rank == slot
-    expert = tl.sum(tl.where(hit, e, 0), axis=0)
+    # it is a warp reduction a row)
+    rank = tl.sum(tl.where(key[:, None] > key[None, :], 1, 0), axis=0)  # [BLOCK_E]
+    n_hit, n_top, expert, x_hit, x_top, x_all = _slot_sums(rank, slot, e, x, TOP_K)
+    if (n_hit != 1) | (n_top != TOP_K):
+        # equal keys at or around this slot: the tie rule (the lower index first) adds
+        # each lane's equal-keyed lanes of lower index; every rank is then distinct
+        rank += tl.sum(tl.where((key[:, None] == key[None, :]) & (e[:, None] < e[None, :]),
+                                1, 0), axis=0)
+        n_hit, n_top, expert, x_hit, x_top, x_all = _slot_sums(rank, slot, e, x, TOP_K)
     if write:
-        w = tl.sum(tl.where(hit, p, 0.0), axis=0)
         if RENORM:
-            w = w / tl.sum(tl.where(rank < TOP_K, p, 0.0), axis=0)
+            w = x_hit / x_top
+        elif SIGMOID:
+            w = x_hit
+        else:
+            w = x_hit / x_all
+        if not SIGMOID:
+            w = tl.where(m == float("inf"), float("nan"), w)  # every probability NaN
         tl.store(wts_ptr + slot, w)
         tl.store(ids_ptr + slot, expert)
     return expert
@@ -165,17 +189,25 @@ def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E:
         tl.extra.cuda.gdc_wait()  # the logits come from the kernel before
         tl.extra.cuda.gdc_launch_dependents()
     logits = tl.load(logits_ptr + t * E + e, mask=e_live, other=0.0)
-    p, key = _route_scores(logits, e_live, SIGMOID)
+    key, m = _route_keys(logits, e_live, SIGMOID)
+    if SIGMOID:
+        p = tl.sigmoid(logits)
+    else:
+        ex = tl.exp(tl.where(e_live, logits, float("-inf")) - m)
+        p = ex / tl.sum(ex, axis=0)  # a NaN or +inf logit makes the sum, so every p, NaN
     kk = tl.arange(0, BLOCK_TK)  # [BLOCK_TK]
     sel_w = tl.zeros([BLOCK_TK], dtype=tl.float32)
     sel_i = tl.zeros([BLOCK_TK], dtype=tl.int32)
+    avail = e >= 0  # lanes not chosen yet (keys span every float, so no key can mark them)
     for j in tl.static_range(TOP_K):
-        best = tl.max(key, axis=0)
-        idx = tl.min(tl.where(key == best, e, BLOCK_E), axis=0)  # the lower index of ties
+        kj = tl.where(avail, key, float("-inf"))
+        best = tl.max(kj, axis=0)
+        # the lower index of ties
+        idx = tl.min(tl.where(avail & (kj == best), e, BLOCK_E), axis=0)
         pj = tl.sum(tl.where(e == idx, p, 0.0), axis=0)
         sel_w = tl.where(kk == j, pj, sel_w)
         sel_i = tl.where(kk == j, idx, sel_i)
-        key = tl.where(e == idx, -2.0, key)
+        avail = avail & (e != idx)
     if RENORM:
         sel_w = sel_w / tl.sum(tl.where(kk < TOP_K, sel_w, 0.0), axis=0)
     tl.store(wts_ptr + t * TOP_K + kk, sel_w, mask=kk < TOP_K)

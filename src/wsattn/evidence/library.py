@@ -826,11 +826,48 @@ def _moe_torch(inp):
     return out
 
 
+def _draw_moe_token(rng, small):
+    return {**_draw_moe(rng, small), "T": 1}
+
+
+def _moe_token_run(inp):
+    """One token as the decode step's bucket 1 runs it: router logits, no grouping kernel,
+    the top-k inside the grouped gate/up launch, then down + combine."""
+    from ..kernels import moe as M
+    x = inp["x"]
+    rt = M.route_logits(x, inp["router_w"], top_k=_MOE_K, renormalize=True, norm_eps=_MOE_EPS)
+    from ..target import target_of
+    block = M.default_settings(target_of(x.device), T=1, top_k=_MOE_K, num_experts=_MOE_E,
+                               dtype=x.dtype).block
+    g = M.one_token_grouping(rt.ids, _MOE_E, block, M.one_token_tables(_MOE_K, block, x.device))
+    act = M.moe_gate_up(x, inp["w_gate_up"], g, norm_eps=_MOE_EPS, route=rt)
+    return M.moe_down_combine(act, inp["w_down"], g, rt.weights, residual=inp["residual"])
+
+
 def _moe_gluon_builds(shape):
     """The Gluon builds moe(impl="gluon") launches for a shape: gate/up and down, each with
     the block and settings its T picks (compile_spec's defaults for T, E and top_k)."""
     return [{"kernel": kernel, "T": shape["T"], "H": shape["H"], "F": shape["F"]}
             for kernel in ("gate_up", "down")]
+
+
+def _moe_token_entry():
+    """One token through route_logits + moe_gate_up(route=): the top-k selected inside
+    the grouped gate/up launch (the decode step's bucket-1 path)."""
+    run = RunSpec(draw_shape=_draw_moe_token, build=_build_moe, run=_moe_token_run,
+                  reference=_moe_reference, dtypes=("bf16", "fp16"),
+                  interpreter_dtypes=("fp16", "fp32"), baseline=_moe_torch,
+                  baseline_name="torch eager MoE block (transformers-style)",
+                  profile_shapes=({"T": 1, "H": 2048, "F": 768},),
+                  sanitizer_shapes=({"T": 1, "H": 136, "F": 40}, {"T": 1, "H": 64, "F": 48}),
+                  describe=_describe_moe)
+    kwargs = {"kernel": "gate_up", "T": 1, "H": 2048, "E": _MOE_E, "top_k": _MOE_K, "F": 768,
+              "dtype": "bf16", "norm": True, "route": True, "renormalize": True,
+              "pdl": _PDL_BY_TARGET}
+    return ("moe_token", "wsattn.kernels.moe", "compile_spec", kwargs, run,
+            f"MoE block for one token, the top-k inside the grouped gate/up launch "
+            f"(router logits, gate/up, down + combine), E={_MOE_E} top {_MOE_K}, H=2048 "
+            f"F=768 bf16; gates 0-2 on that gate/up build", None)
 
 
 def _moe_entry(name="moe", impl="triton"):
@@ -952,6 +989,7 @@ ENTRIES = (
     _qkv_entry("qkv_rope_gemv", "qwen2", gemv_rope=True),
     _moe_entry(),
     _moe_entry("moe_gluon", impl="gluon"),
+    _moe_token_entry(),
     _argmax_entry(),
 )
 NAMES = tuple(e[0] for e in ENTRIES)

@@ -57,8 +57,9 @@ or the chosen weights to the model dtype. transformers computes the router logit
 model dtype (bf16 logits before the fp32 softmax) and Qwen3-MoE rounds the chosen
 weights back to it (Mixtral keeps them fp32), so in bf16 a near-tie can route
 differently from transformers and the weights differ by up to one bf16 rounding; in fp32
-the two agree (the CPU tests are fp32). Exact ties go to the lower expert index here
-(torch.topk's order is unspecified). Prefill routes the same way (fp32 logits, then
+the two agree (the CPU tests are fp32). The decode kernels select on the fp32 logits,
+whose order the probabilities share up to their rounding; exact ties go to the lower
+expert index here (torch.topk's order is unspecified). Prefill routes the same way (fp32 logits, then
 :func:`wsattn.models.moe.select`), so a prompt's tokens and later decode steps follow one
 convention.
 

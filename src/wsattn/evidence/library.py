@@ -728,9 +728,11 @@ def _qkv_entry(name, family, fused=False, gemv_rope=False):
                   interpreter_dtypes=("fp16", "fp32"), baseline=_qkv_torch,
                   baseline_name="torch eager (F.linear, norms, RoPE, index_put), input dtype",
                   profile_shapes=profile,
-                  # K 512 / 1024 split K in 2 on the GPU (counters, fence, last-arriving sum)
+                  # K 512 / 1024 split K in 2 on the GPU (counters, fence, last-arriving sum;
+                  # on the GEMV-epilogue path the finish kernel, two row blocks at 17 rows)
                   sanitizer_shapes=({"M": 3, "K": 512, "Hq": 4, "Hkv": 2, "D": 128, "L": 40},
-                                    {"M": 1, "K": 1024, "Hq": 2, "Hkv": 1, "D": 64, "L": 1}),
+                                    {"M": 1, "K": 1024, "Hq": 2, "Hkv": 1, "D": 64, "L": 1},
+                                    {"M": 17, "K": 1024, "Hq": 2, "Hkv": 1, "D": 64, "L": 40}),
                   describe=_describe_qkv)
     kwargs = {"head_dim": 128, "dtype": "bf16", **at, "norm": True, "bias": bias,
               "qk_norm": qk_norm and not whole, "paged": True, "page_size": _QKV_PAGE,

@@ -249,13 +249,13 @@ def store_partials(ws_ptr, ss_ptr, acc_g, acc_u, ss, n, mask, pid_n, pid_k, M, N
 
 
 @triton.jit
-def sum_partials(ws_ptr, ss_ptr, n, mask, M, NOUT, BLOCK_M: tl.constexpr,
+def sum_partials(ws_ptr, ss_ptr, m0, n, mask, M, NOUT, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr,
                  SILU_MUL: tl.constexpr):
-    """store_partials' sums for columns n [BLOCK_N], all M rows: (gate, up) [BLOCK_M,
-    BLOCK_N] and ss [BLOCK_M], the splits added in the fixed order s = 0..SPLIT_K-1, so
-    reruns are bit-identical."""
-    mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    """store_partials' sums for columns n [BLOCK_N], rows m0 .. m0 + BLOCK_M - 1: (gate,
+    up) [BLOCK_M, BLOCK_N] and ss [BLOCK_M], the splits added in the fixed order
+    s = 0..SPLIT_K-1, so reruns are bit-identical."""
+    mi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     NW = NOUT
     if SILU_MUL:
         NW = NOUT * 2
@@ -307,15 +307,16 @@ def _splitk_finish_kernel(ws_ptr, ss_ptr, res_ptr, out_ptr, M, NOUT, K, eps,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           SPLIT_K: tl.constexpr, NORM: tl.constexpr,
                           RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr):
-    # one program: all M rows x BLOCK_N output columns
+    # one program: BLOCK_M rows (the row block program_id(1)) x BLOCK_N output columns
     if PDL:
         tl.extra.cuda.gdc_wait()  # everything this kernel reads comes from earlier kernels
         tl.extra.cuda.gdc_launch_dependents()  # same rule as in _gemv_kernel
-    mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    m0 = tl.program_id(1) * BLOCK_M
+    mi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     mask = (mi < M)[:, None] & (n < NOUT)[None, :]  # [BLOCK_M, BLOCK_N]
-    gate, up, ss = sum_partials(ws_ptr, ss_ptr, n, mask, M, NOUT, BLOCK_M, BLOCK_N, SPLIT_K,
-                                NORM, SILU_MUL)
+    gate, up, ss = sum_partials(ws_ptr, ss_ptr, m0, n, mask, M, NOUT, BLOCK_M, BLOCK_N,
+                                SPLIT_K, NORM, SILU_MUL)
     _finish(gate, up, ss[:, None], K, eps, res_ptr, out_ptr,
             mi[:, None] * stride_rm + n[None, :], mi[:, None] * stride_om + n[None, :],
             mask, NORM, RESIDUAL, SILU_MUL)
@@ -667,15 +668,26 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         SILU_MUL=silu_mul, PDL=pdl, STAGES=settings.num_stages, PDL_LATE=bool(pdl and pdl_late),
         num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if split > 1:
-        _splitk_finish_kernel[(cdiv(nout, FINISH_BLOCK_N),)](
+        bm = finish_block_m(M)
+        _splitk_finish_kernel[(cdiv(nout, FINISH_BLOCK_N), cdiv(M, bm))](
             ws, ss, res, out, M, nout, K, eps, res.stride(0), out.stride(0),
-            BLOCK_M=next_pow2(M), BLOCK_N=FINISH_BLOCK_N, SPLIT_K=split,
+            BLOCK_M=bm, BLOCK_N=FINISH_BLOCK_N, SPLIT_K=split,
             NORM=norm_eps is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul,
             PDL=pdl, num_warps=4, **launch)
     return out
 
 
 FINISH_BLOCK_N = 64  # split-K finish: columns per program (4 warps, <= 64 x 64 fp32 tile)
+# ... and rows per program: a finish is a chain of dependent loads, adds and (qkv_rope's)
+# sin / cos with nothing to hide its latency but other warps, so at 64 rows one program
+# of all rows (32 elements a thread at 4 warps, one program an SM) ran ~6 us a call in the
+# H200 step; row blocks of 16 give 4x the programs at 64 rows, 4 elements a thread.
+FINISH_BLOCK_M = 16
+
+
+def finish_block_m(M: int) -> int:
+    """Rows a program of a split-K finish (gemv's, qkv_rope's) takes."""
+    return min(next_pow2(M), FINISH_BLOCK_M)
 
 
 def launch_split(K: int, settings: GemvSettings) -> int:
@@ -736,7 +748,7 @@ def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: st
         sig = {"ws_ptr": "*fp32", "ss_ptr": "*fp32", "res_ptr": f"*{t}", "out_ptr": f"*{t}",
                "M": "i32", "NOUT": "i32", "K": "i32", "eps": "fp32",
                "stride_rm": "i32", "stride_om": "i32"}
-        const = {"BLOCK_M": next_pow2(M), "BLOCK_N": FINISH_BLOCK_N,
+        const = {"BLOCK_M": finish_block_m(M), "BLOCK_N": FINISH_BLOCK_N,
                  "SPLIT_K": settings.split_k, **flags}
         fn, aligned = _splitk_finish_kernel, ("ws_ptr", "ss_ptr", "res_ptr", "out_ptr",
                                               "stride_rm", "stride_om")

@@ -371,10 +371,11 @@ def _rope_store(h, j, lo, hi, ss, M, K, eps, qk_eps, b_ptr, qn_ptr, kn_ptr, inv_
                 stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
                 BLOCK_M: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                 NORM: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr):
+                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr,
+                m0=0):
     # The GEMV-epilogue path's last step, for its one-pass kernel and its split-K finish:
     # lo / hi [BLOCK_M, P] fp32 sums of head h's columns j / HALF + j (all D/2 of them with
-    # QK_NORM), ss [BLOCK_M] x's sums of squares. The two-launch path's arithmetic step for
+    # QK_NORM) for rows m0 .., ss [BLOCK_M] x's sums of squares. The two-launch path's arithmetic step for
     # step (gemv's FlashNorm scale, its rounding into x's dtype, then the epilogue kernel),
     # so the paths agree.
     if NORM:
@@ -383,7 +384,7 @@ def _rope_store(h, j, lo, hi, ss, M, K, eps, qk_eps, b_ptr, qn_ptr, kn_ptr, inv_
         hi = hi * rstd
     lo = lo.to(q_ptr.dtype.element_ty).to(tl.float32)
     hi = hi.to(q_ptr.dtype.element_ty).to(tl.float32)
-    rows = tl.arange(0, BLOCK_M)
+    rows = m0 + tl.arange(0, BLOCK_M)
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     _epilogue(h, j, lo, hi, zero, rows, rows < M, 1, 0.0, qk_eps, b_ptr, qn_ptr, kn_ptr,
               inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
@@ -450,9 +451,9 @@ def _rope_finish_kernel(ws_ptr, ss_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos
                         PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr,
                         PDL: tl.constexpr):
     # The split-K GEMV's second launch on the GEMV-epilogue path, in place of gemv's
-    # _splitk_finish_kernel: grid ((HQ + 2 HKV) * D / (2 P),), P pairs of one head a
-    # program (P = D/2, the whole head, with QK_NORM), the splits added in gemv's fixed
-    # order, then _rope_store.
+    # _splitk_finish_kernel: grid ((HQ + 2 HKV) * D / (2 P), cdiv(M, BLOCK_M)), P pairs of
+    # one head and a block of rows a program (P = D/2, the whole head, with QK_NORM), the
+    # splits added in gemv's fixed order, then _rope_store.
     if PDL:
         tl.extra.cuda.gdc_wait()  # everything this kernel reads comes from earlier kernels
         tl.extra.cuda.gdc_launch_dependents()
@@ -461,16 +462,17 @@ def _rope_finish_kernel(ws_ptr, ss_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos
     pid = tl.program_id(0)
     h = pid // (HALF // P)
     j = (pid % (HALF // P)) * P + tl.arange(0, P)  # [P]
-    mi = tl.arange(0, BLOCK_M)
+    m0 = tl.program_id(1) * BLOCK_M
+    mi = m0 + tl.arange(0, BLOCK_M)
     mask = (mi < M)[:, None] & (j < HALF)[None, :]  # [BLOCK_M, P]
-    lo, _, ss = sum_partials(ws_ptr, ss_ptr, h * D + j, mask, M, NOUT, BLOCK_M, P, SPLIT_K,
-                             NORM, False)
-    hi, _, _ = sum_partials(ws_ptr, ss_ptr, h * D + HALF + j, mask, M, NOUT, BLOCK_M, P,
+    lo, _, ss = sum_partials(ws_ptr, ss_ptr, m0, h * D + j, mask, M, NOUT, BLOCK_M, P,
+                             SPLIT_K, NORM, False)
+    hi, _, _ = sum_partials(ws_ptr, ss_ptr, m0, h * D + HALF + j, mask, M, NOUT, BLOCK_M, P,
                             SPLIT_K, False, False)
     _rope_store(h, j, lo, hi, ss, M, K, eps, qk_eps, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr,
                 pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
                 stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
-                BLOCK_M, HQ, HKV, D, NORM, BIAS, QK_NORM, PAGED, PAGE_SIZE, SEQ_INDEX)
+                BLOCK_M, HQ, HKV, D, NORM, BIAS, QK_NORM, PAGED, PAGE_SIZE, SEQ_INDEX, m0)
 
 
 # rows a program of the two-launch path's second kernel takes, and its warps: one row, so
@@ -1074,9 +1076,10 @@ def _gemv_rope_append(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq,
         num_stages=s.num_stages, **launch)
     if split > 1:
         pairs = _finish_pairs(D, qk_norm)
-        _rope_finish_kernel[(N // (2 * pairs),)](
-            ws, ss, *common, M, K, eps, qeps, *strides, BLOCK_M=next_pow2(M), P=pairs,
-            SPLIT_K=split, **flags, num_warps=_finish_warps(M, pairs), **launch)
+        bm = _gemv.finish_block_m(M)
+        _rope_finish_kernel[(N // (2 * pairs), cdiv(M, bm))](
+            ws, ss, *common, M, K, eps, qeps, *strides, BLOCK_M=bm, P=pairs,
+            SPLIT_K=split, **flags, num_warps=_finish_warps(bm, pairs), **launch)
     return q_out
 
 
@@ -1173,8 +1176,9 @@ def _gemv_rope_compile_spec(t, g, rows, head_dim, q_heads, kv_heads, norm, bias,
              "SEQ_INDEX": seq_index, "PDL": pdl}
     if finish:
         pairs = _finish_pairs(head_dim, qk_norm)
-        const.update(BLOCK_M=next_pow2(rows), P=pairs, SPLIT_K=max(2, g.split_k))
-        options = {"num_warps": _finish_warps(rows, pairs), "launch_pdl": pdl}
+        bm = _gemv.finish_block_m(rows)
+        const.update(BLOCK_M=bm, P=pairs, SPLIT_K=max(2, g.split_k))
+        options = {"num_warps": _finish_warps(bm, pairs), "launch_pdl": pdl}
     else:
         const.update(BLOCK_M=_gemv.block_m(rows, g.use_dot), BLOCK_N=g.BLOCK_N,
                      BLOCK_K=g.BLOCK_K, SPLIT_K=g.split_k, USE_DOT=g.use_dot,

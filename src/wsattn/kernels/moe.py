@@ -68,7 +68,10 @@ GROUP_NUM_WARPS = 4
 
 
 def _router_block_h(H: int) -> int:
-    return max(16, min(next_pow2(H), 1024))  # [4, 1024] fp32 products: 32 a thread
+    # up to [4, 2048] fp32 products (64 a thread at 4 warps): at H <= 2048 the whole slice
+    # of the router weight is the tile loaded before the PDL wait, so after it only x's
+    # load and the products remain (at 1024 the second half's load came after the wait)
+    return max(16, min(next_pow2(H), 2048))
 
 
 @triton.jit
@@ -380,6 +383,11 @@ DOT_BLOCKS = (16, 32, 64)  # grouping blocks served by tl.dot (its minimum is 16
 GROUP_CHUNK = 64  # pairs / blocks a pass of the grouping kernel takes at once
 GROUP_TAIL = 1024  # rows past the last expert's a store of the grouping kernel writes
 COMBINE_BLOCK_H = 1024
+# Up to COMBINE_NARROW_T tokens, the combine takes 128 columns a program at one warp (16
+# programs a token at H 2048) instead of 1024 at four: at 1024 one token's combine ran on
+# 2 SMs (Qwen3-30B-A3B B1: 2.8 us a layer of critical time against 1.3 for the decode
+# split combine's 128 programs).
+COMBINE_NARROW_T = 8
 ROW_BYTES = 256  # bytes of a weight row a dot tile covers (as gemv.py)
 FMA_TILE_ELEMS = 4096  # weight elements of an FMA tile (16-bit; half for fp32)
 STAGE_BUDGET = 96 * 1024
@@ -993,11 +1001,16 @@ def _combine(y, out, residual, grouping, T, H, pdl):
     """out[t] = residual[t] + y[t*k] + ... + y[t*k + k-1] (the per-pair fp32 rows)."""
     launch = {"launch_pdl": True} if pdl else {}
     res = residual if residual is not None else out
-    _combine_kernel[(T, cdiv(H, COMBINE_BLOCK_H))](
+    block_h, warps = _combine_launch(T)
+    _combine_kernel[(T, cdiv(H, block_h))](
         y, res, out, H, y.stride(0), res.stride(0), out.stride(0), TOP_K=grouping.top_k,
-        BLOCK_H=COMBINE_BLOCK_H, RESIDUAL=residual is not None, PDL=pdl, num_warps=4,
-        **launch)
+        BLOCK_H=block_h, RESIDUAL=residual is not None, PDL=pdl, num_warps=warps, **launch)
     return out
+
+
+def _combine_launch(T: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) of the combine for T tokens (COMBINE_NARROW_T)."""
+    return (128, 1) if T <= COMBINE_NARROW_T else (COMBINE_BLOCK_H, 4)
 
 
 def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
@@ -1109,7 +1122,9 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
     elif kernel == "combine":
         sig = {"y_ptr": "*fp32", "res_ptr": f"*{t}", "out_ptr": f"*{t}", "H": "i32",
                "stride_yp": "i32", "stride_rt": "i32", "stride_ot": "i32"}
-        const = {"TOP_K": top_k, "BLOCK_H": COMBINE_BLOCK_H, "RESIDUAL": residual, "PDL": pdl}
+        block_h, warps = _combine_launch(T)
+        const = {"TOP_K": top_k, "BLOCK_H": block_h, "RESIDUAL": residual, "PDL": pdl}
+        options["num_warps"] = warps
         fn, aligned = _combine_kernel, ("y_ptr", "res_ptr", "out_ptr", "H", "stride_yp",
                                         "stride_rt", "stride_ot")
     else:

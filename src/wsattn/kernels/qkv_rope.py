@@ -375,9 +375,9 @@ def _rope_store(h, j, lo, hi, ss, M, K, eps, qk_eps, b_ptr, qn_ptr, kn_ptr, inv_
                 m0=0):
     # The GEMV-epilogue path's last step, for its one-pass kernel and its split-K finish:
     # lo / hi [BLOCK_M, P] fp32 sums of head h's columns j / HALF + j (all D/2 of them with
-    # QK_NORM) for rows m0 .., ss [BLOCK_M] x's sums of squares. The two-launch path's arithmetic step for
-    # step (gemv's FlashNorm scale, its rounding into x's dtype, then the epilogue kernel),
-    # so the paths agree.
+    # QK_NORM) for rows m0 .., ss [BLOCK_M] x's sums of squares. The two-launch path's
+    # arithmetic step for step (gemv's FlashNorm scale, its rounding into x's dtype, then
+    # the epilogue kernel), so the paths agree.
     if NORM:
         rstd = tl.rsqrt(ss / K + eps)[:, None]  # as gemv's _finish forms it
         lo = lo * rstd

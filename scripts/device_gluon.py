@@ -57,11 +57,6 @@ VARIANTS = {
     # the CPU model), one GQA group each (fewest heads' K/V live in L2)
     "persistent_one_section": {"persistent": True, "l2_section_bytes": 2 ** 62},
     "persistent_group_sections": {"persistent": True, "l2_section_bytes": 1},
-    # a second Q buffer a warpgroup: the next tile's Q loads while this one runs (at D128
-    # settings_for gives it 2 K/V stages, beside which it fits)
-    "persistent_q2": {"persistent": True, "q_buffers": 2},
-    # the D128 ring of the q2 variant with one Q buffer: what 2 stages alone cost
-    "persistent_s2": {"persistent": True, "STAGES": 2, "D": 128},
 }
 
 

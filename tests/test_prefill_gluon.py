@@ -739,39 +739,6 @@ def test_sm90_persistent_structure(head_dim, causal):
     assert spec["constexprs"]["PERSISTENT"] is True
 
 
-def test_q_buffers_settings():
-    """q_buffers=2 is a persistent setting; at head dim 128 it takes 2 K/V stages
-    (PER_Q_BUFFERS), and with 3 it is refused for its shared memory by name."""
-    s = pg.settings_for(128, False, persistent=True, q_buffers=2)
-    assert (s.q_buffers, s.STAGES) == (2, 2)
-    assert s.smem_bytes(128) == 2 * 128 * (2 * 128 + 2 * 2 * 128) <= pg.SMEM_LIMIT
-    assert pg.settings_for(64, True, persistent=True, q_buffers=2).STAGES == 4
-    with pytest.raises(ValueError, match=r"q_buffers=2 needs persistent=True"):
-        pg.settings_for(64, False, q_buffers=2)
-    with pytest.raises(ValueError, match=r"q_buffers=3: 1 or 2"):
-        pg.settings_for(64, False, persistent=True, q_buffers=3)
-    with pytest.raises(ValueError, match=r"shared memory.*q_buffers=2, STAGES=3"):
-        pg.settings_for(128, False, persistent=True, q_buffers=2, STAGES=3)
-
-
-@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
-def test_sm90_persistent_q2_structure(head_dim, causal):
-    """persistent=True, q_buffers=2: the persistent build's partitions and registers, no
-    spills but the per-tile ones recorded, one more Q-full and Q-free barrier pair than
-    the persistent build with one buffer, and the whole within sm_90's shared memory."""
-    s = pg.settings_for(head_dim, causal, persistent=True, q_buffers=2)
-    k = _compile(head_dim, causal, persistent=True, q_buffers=2)
-    _assert_ws_structure(k, s, head_dim)
-    ptx = k.asm["ptx"]
-    spill = PERSISTENT_SPILL_BYTES.get((head_dim, causal), 0)
-    assert _ptxas_spill_bytes(ptx) == [spill, spill]
-    one = _compile(head_dim, causal, persistent=True, STAGES=s.STAGES).asm["ptx"]
-    assert ptx.count("mbarrier.init") == one.count("mbarrier.init") + 2
-    assert k.metadata.shared <= pg.SMEM_LIMIT
-    assert pg.compile_spec(head_dim=head_dim, causal=causal,
-                           settings=s)["constexprs"]["Q_BUFS"] == 2
-
-
 def _py_twin(fn, pid=0, grid=1, memory=None):
     """The Python function under a @gluon.jit helper, run with plain integers: `gl` is
     replaced by the few integer operations the schedule uses, the jit helpers it calls by
@@ -1374,18 +1341,16 @@ def _persistent_id(c):
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("q_buffers", [1, 2], ids=["q1", "q2"])
 @pytest.mark.parametrize("case", PERSISTENT_GPU_CASES,
                          ids=[_persistent_id(c) for c in PERSISTENT_GPU_CASES])
-def test_sm90_persistent_numerics(case, q_buffers):
-    """persistent=True (one or two Q buffers a warpgroup) against the float64 reference
-    (out and LSE), bit-identical to itself over reruns, and equal to the one-tile-per-CTA
-    kernel within tolerance."""
+def test_sm90_persistent_numerics(case):
+    """persistent=True against the float64 reference (out and LSE), bit-identical to itself
+    over reruns, and equal to the one-tile-per-CTA kernel within tolerance."""
     B, S, Hq, Hkv, D, causal = case
     Sq, Sk = S if isinstance(S, tuple) else (S, S)
     q, k, v = _qkv(B, Sq, Sk, Hq, Hkv, D, torch.bfloat16, "cuda")
-    s = pg.settings_for(D, causal, persistent=True, q_buffers=q_buffers)
-    out, lse = _settings_numerics(q, k, v, causal, s, reruns=5)
+    out, lse = _settings_numerics(q, k, v, causal, pg.settings_for(D, causal, persistent=True),
+                                  reruns=5)
     one, one_lse = pg.prefill(q, k, v, causal, D ** -0.5)
     assert_close(out.double(), one.double(), torch.bfloat16, "persistent vs one tile a CTA")
     assert_close(lse.double(), one_lse.double(), torch.bfloat16, "lse, persistent vs one tile")
@@ -1394,11 +1359,8 @@ def test_sm90_persistent_numerics(case, q_buffers):
 PERSISTENT_VARIANT_CASES = [  # head dim, causal, variant: the tile and turn switches
     (64, True, "default"), (64, True, "pingpong"), (64, True, "all-tiles"),
     (64, True, "two-consumers"), (128, False, "default"), (128, False, "pingpong"),
-    (128, True, "pingpong-all-tiles"), (64, True, "q2"), (64, False, "q2-pingpong"),
-    (128, True, "q2-all-tiles"), (128, False, "q2-pingpong")]
-PERSISTENT_VARIANTS = {"default": {}, **SCHEDULE_VARIANTS, "q2": {"q_buffers": 2},
-                       "q2-pingpong": {"q_buffers": 2, "PINGPONG": True},
-                       "q2-all-tiles": {"q_buffers": 2, "WG_TILES": False}}
+    (128, True, "pingpong-all-tiles")]
+PERSISTENT_VARIANTS = {"default": {}, **SCHEDULE_VARIANTS}
 
 
 @pytest.mark.sm90

@@ -55,9 +55,6 @@ PER_CONSUMERS = {2: {"BLOCK_M": 128, "CONSUMER_REGS": 240},
 # at head dim 128, at the start and end of each tile); without UNROLL nothing spills, and
 # UNROLL measured equal within noise at head dim 128 (notes/prefill_gluon.md).
 PER_PERSISTENT = {"UNROLL": False}
-# What q_buffers=2 changes (settings_for applies it unless overridden): at head dim 128 the
-# second pair of 16 KB Q buffers fits 227 KB beside 2 K/V stages of 64 KB, not 3.
-PER_Q_BUFFERS = {128: {"STAGES": 2}}
 # K/V bytes one section of the persistent schedule may keep in L2 (l2_section): the L2 of
 # an H100 or H200 (50 MB), FlashAttention-4's figure for its causal head sections.
 L2_SECTION_BYTES = 50 * 2 ** 20
@@ -90,12 +87,6 @@ class GluonSettings:
     # The persistent schedule's L2 budget for one section's K/V (see l2_section): smaller
     # sections keep fewer heads' K/V live, larger ones balance the CTAs' work better.
     l2_section_bytes: int = L2_SECTION_BYTES
-    # Persistent only: Q buffers a consumer warpgroup. 2: the producer loads the next
-    # tile's Q while the current tile runs, and a warpgroup starts its next tile while the
-    # previous O store (which leaves through the Q buffer) drains; with 1, each tile
-    # boundary waits for that store and then for the next Q's load. Shared memory: at head
-    # dim 128 two buffers fit beside 2 K/V stages only.
-    q_buffers: int = 1
     # Varlen only (fixed-length launches have no table): the grid holds the pack's real
     # tiles (at most one spare a sequence and head), each CTA reading its tile from a table
     # one small kernel writes on the device (kernels/varlen_tiles.py), instead of every
@@ -120,7 +111,7 @@ class GluonSettings:
     varlen_bounded_v: bool = True
 
     def smem_bytes(self, head_dim: int) -> int:
-        return 2 * head_dim * (self.BLOCK_M * self.q_buffers + 2 * self.STAGES * self.BLOCK_N)
+        return 2 * head_dim * (self.BLOCK_M + 2 * self.STAGES * self.BLOCK_N)
 
     def check(self, head_dim: int) -> None:
         """Raise ValueError for settings the kernel cannot be built or launched with."""
@@ -144,24 +135,17 @@ class GluonSettings:
             raise ValueError(f"CONSUMERS={n} x 128 x CONSUMER_REGS={self.CONSUMER_REGS} + 128 x "
                              f"PRODUCER_REGS={self.PRODUCER_REGS} = {total} registers, more "
                              f"than the {REGISTER_FILE} of an SM")
-        if self.q_buffers not in (1, 2):
-            raise ValueError(f"q_buffers={self.q_buffers}: 1 or 2 Q buffers a warpgroup")
-        if self.q_buffers == 2 and not self.persistent:
-            raise ValueError("q_buffers=2 needs persistent=True: a second Q buffer serves the "
-                             "next tile of a persistent CTA, and one tile a CTA has none")
         if self.smem_bytes(head_dim) > SMEM_LIMIT:
             raise ValueError(f"{self.smem_bytes(head_dim)} bytes of shared memory at head_dim "
-                             f"{head_dim} (BLOCK_M={self.BLOCK_M}, q_buffers={self.q_buffers}, "
-                             f"STAGES={self.STAGES}, BLOCK_N={self.BLOCK_N}); sm_90 has "
-                             f"{SMEM_LIMIT}")
+                             f"{head_dim} (BLOCK_M={self.BLOCK_M}, STAGES={self.STAGES}, "
+                             f"BLOCK_N={self.BLOCK_N}); sm_90 has {SMEM_LIMIT}")
 
 
 def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSettings:
     """Default settings per head dim (H200 measurements in notes/prefill_gluon.md).
 
     Overriding CONSUMERS also applies PER_CONSUMERS (BLOCK_M = 64 * CONSUMERS, registers,
-    UNROLL), persistent=True PER_PERSISTENT and q_buffers=2 PER_Q_BUFFERS, except where
-    those are overridden too.
+    UNROLL) and persistent=True PER_PERSISTENT, except where those are overridden too.
     Raises ValueError for settings that check() refuses."""
     if head_dim == 64:
         # Three consumer warpgroups (192 query rows, 24 + 4 * 32 KB of shared memory), as
@@ -179,8 +163,6 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
             overrides = {**PER_CONSUMERS[n], **overrides}
     if overrides.get("persistent"):
         overrides = {**PER_PERSISTENT, **overrides}
-    if overrides.get("q_buffers", 1) == 2:
-        overrides = {**PER_Q_BUFFERS.get(head_dim, {}), **overrides}
     s = replace(base, **overrides) if overrides else base
     s.check(head_dim)
     return s
@@ -223,8 +205,7 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
     return dict(GROUP=group, BLOCK_M=s.BLOCK_M, BLOCK_N=s.BLOCK_N, D=head_dim, STAGES=s.STAGES,
                 CAUSAL=bool(causal), PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
-                CONSUMERS=s.CONSUMERS, WG_TILES=s.WG_TILES, PERSISTENT=s.persistent,
-                Q_BUFS=s.q_buffers)
+                CONSUMERS=s.CONSUMERS, WG_TILES=s.WG_TILES, PERSISTENT=s.persistent)
 
 
 def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: int,

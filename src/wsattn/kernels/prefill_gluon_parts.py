@@ -327,18 +327,14 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
 @gluon.jit
 def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows, q, q_smem, k2, v2,
                     q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc, o_ptr,
-                    lse_ptr, lse_stride, Sq, Sk, Hq, qk_scale, tile_i, s_layout: gl.constexpr,
+                    lse_ptr, lse_stride, Sq, Sk, Hq, qk_scale, s_layout: gl.constexpr,
                     o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    PINGPONG: gl.constexpr, UNROLL: gl.constexpr, VARLEN: gl.constexpr,
-                    Q_BUFS: gl.constexpr):
+                    PINGPONG: gl.constexpr, UNROLL: gl.constexpr, VARLEN: gl.constexpr):
     """This warpgroup's tiles [0, n_mine) (n_mine >= 1; tiles [0, n_mine_full) unmasked),
-    O and LSE stored. Sq, Sk are this sequence's lengths; rows count from its first query
-    (row q0 of the descriptors); lse_stride is the LSE's row length (the kernel's Sq).
-    r0, pp0: as in _release_tiles. q, q_smem: the CTA's tile_i-th Q buffer of this
-    warpgroup. Q_BUFS == 1: Q released (q_empty) once O's store has read it; Q_BUFS == 2:
-    the previous tile's buffer is released after this tile's first softmax, this one's by
-    the next tile (_release_q)."""
+    O and LSE stored, Q released. Sq, Sk are this sequence's lengths; rows count from its
+    first query (row q0 of the descriptors); lse_stride is the LSE's row length (the
+    kernel's Sq). r0, pp0: as in _release_tiles."""
     dtype: gl.constexpr = q_smem.dtype
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # Prologue: S(0) and its softmax (always masked: one tile, maybe the diagonal).
@@ -353,10 +349,6 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
                                        BLOCK_N, True, CAUSAL)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
-    if Q_BUFS > 1:
-        # The previous tile's O store has had this tile's first QK^T and softmax to drain;
-        # its buffer then takes tile i + 1's Q while this tile runs.
-        _release_q(q_empty, tile_i - 1, Q_BUFS)
 
     # Steady state: softmax of tile j + 1 unmasked while j + 1 < n_mine_full, masked after.
     split = gl.maximum(n_mine_full - 1, 0)
@@ -392,19 +384,8 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(lse_ptr + _lse_offsets(off_b, off_h, q0, rows, Hq, lse_stride), lse,
              mask=rows < Sq)
-    if Q_BUFS == 1:
-        tma.store_wait(0)
-        mbarrier.arrive(q_empty.index(0))  # the O store has read the Q buffer
-
-
-@gluon.jit
-def _release_q(q_empty, t, Q_BUFS: gl.constexpr):
-    """Q_BUFS == 2: hand back the Q buffer of the CTA's tile t (none for t < 0) once the O
-    store that leaves through it has read it; the producer loads tile t + 2's Q there.
-    Only tile t's store can be pending: tile t + 1's is issued after this call."""
-    if t >= 0:
-        tma.store_wait(0)
-        mbarrier.arrive(q_empty.index(t % Q_BUFS))
+    tma.store_wait(0)
+    mbarrier.arrive(q_empty)  # the O store has read the Q buffer
 
 
 @gluon.jit
@@ -443,11 +424,9 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               Hq, n_bh, section, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, CONSUMERS: gl.constexpr,
-              WG_TILES: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              Q_BUFS: gl.constexpr):
+              WG_TILES: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of the CTA's tile,
-    or (PERSISTENT) of each tile the schedule gives the CTA (_persistent_tile). q_smem
-    holds Q_BUFS buffers of its rows (PERSISTENT: tile i takes buffer i % Q_BUFS).
+    or (PERSISTENT) of each tile the schedule gives the CTA (_persistent_tile).
 
     WG_TILES: each warpgroup computes only the K/V tiles its own rows need
     (_wg_tile_counts) and just releases the rest; otherwise all walk the CTA's tiles.
@@ -462,7 +441,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
     flat_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
 
     # The TMA boxes are [1, rows, D]; the leading 1 changes no byte, so view them as 2-D.
-    q2 = q_smem._reinterpret(dtype, [Q_BUFS, WG_M, D], flat_q)  # [Q_BUFS, WG_M, D]
+    q = q_smem._reinterpret(dtype, [WG_M, D], flat_q)  # [WG_M, D]
     k2 = k_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)  # [STAGES, BLOCK_N, D]
     v2 = v_smem._reinterpret(dtype, [STAGES, BLOCK_N, D], flat_kv)
     turn_mine = turn_bars.index(WG)
@@ -474,15 +453,12 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
         for i in range(count):
             start_m, off_b, off_h, n_full, n_total = _persistent_tile(
                 first + i * stride, n_m, n_bh, section, Sq, Sk, Hq, BLOCK_M, BLOCK_N, CAUSAL)
-            _consume_q_tile(WG, start_m, off_b, off_h, 0, Sq, Sk, n_full, n_total, r0, i,
-                            q2.index(i % Q_BUFS), q_smem.index(i % Q_BUFS), k2, v2, q_bar,
-                            q_empty, k_ready, v_ready, kv_empty, turn_mine, turn_other, o_desc,
-                            o_ptr, lse_ptr, Sq, Hq, qk_scale, s_layout, o_layout, p_layout,
-                            BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, UNROLL, WG_TILES,
-                            VARLEN, Q_BUFS)
+            _consume_q_tile(WG, start_m, off_b, off_h, 0, Sq, Sk, n_full, n_total, r0, i, q,
+                            q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready, kv_empty,
+                            turn_mine, turn_other, o_desc, o_ptr, lse_ptr, Sq, Hq, qk_scale,
+                            s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                            PINGPONG, UNROLL, WG_TILES, VARLEN)
             r0 += n_total
-        if Q_BUFS > 1:  # the last tile's O store completes before the CTA exits
-            _release_q(q_empty, count - 1, Q_BUFS)
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
                                                              cu_q, cu_k, tiles, CAUSAL,
@@ -492,11 +468,11 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
         else:
             lse_stride = Sq
         n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
-        _consume_q_tile(WG, start_m, off_b, off_h, q0, q_len, kv_len, n_full, n_total, 0, 0,
-                        q2.index(0), q_smem.index(0), k2, v2, q_bar, q_empty, k_ready, v_ready,
-                        kv_empty, turn_mine, turn_other, o_desc, o_ptr, lse_ptr, lse_stride, Hq,
-                        qk_scale, s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES,
-                        CAUSAL, PINGPONG, UNROLL, WG_TILES, VARLEN, Q_BUFS)
+        _consume_q_tile(WG, start_m, off_b, off_h, q0, q_len, kv_len, n_full, n_total, 0, 0, q,
+                        q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_mine,
+                        turn_other, o_desc, o_ptr, lse_ptr, lse_stride, Hq, qk_scale, s_layout,
+                        o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG,
+                        UNROLL, WG_TILES, VARLEN)
 
 
 @gluon.jit
@@ -507,17 +483,13 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
                     p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     PINGPONG: gl.constexpr, UNROLL: gl.constexpr, WG_TILES: gl.constexpr,
-                    VARLEN: gl.constexpr, Q_BUFS: gl.constexpr):
+                    VARLEN: gl.constexpr):
     """This warpgroup's part of one query tile (row block start_m of (off_b, off_h), the
     CTA's tile_i-th; its n_total K/V tiles, the first n_full unmasked, from ring index r0).
 
-    Q protocol across tiles: buffer b = tile_i % Q_BUFS; q_bar[b] completes once per use
-    (phase (tile_i // Q_BUFS) & 1) and q_empty[b] once every warpgroup has handed the
-    buffer back, after its O store has read it; the producer loads the buffer's next Q
-    only then, so that load never overwrites an O still being stored. With one buffer
-    that is tile i + 1's Q after tile i's store: a load latency a tile with no work under
-    it. With two, tile i's buffer goes back during tile i + 1 (_release_q) and takes tile
-    i + 2's Q, so the next tile's Q has landed when a warpgroup ends this one.
+    Q protocol across tiles: q_bar completes once per tile (phase tile_i & 1) and q_empty
+    once every warpgroup has handed its Q buffer back, after its O store has read it; the
+    producer loads tile i + 1's Q only then, so that load never overwrites O of tile i.
     Every step takes one ping-pong turn and each tile has one step fewer than K/V tiles,
     so the turns taken before this tile are r0 - tile_i."""
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -529,21 +501,17 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
     else:
         n_mine_full = n_full
         n_mine = n_total
-    # Waited even where nothing is computed: q_bar of a buffer's use means every warpgroup
-    # released its previous use, so the q_empty arrival for this use always counts towards
-    # this tile.
-    mbarrier.wait(q_bar.index(tile_i % Q_BUFS), (tile_i // Q_BUFS) & 1)
+    # Waited even where nothing is computed: q_bar of tile i means every warpgroup released
+    # Q of tile i - 1, so the q_empty arrival below always counts towards this tile.
+    mbarrier.wait(q_bar, tile_i & 1)
     if n_mine > 0:
         _compute_q_tile(r0, r0 - tile_i, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows, q,
                         q_smem, k2, v2, q_empty, k_ready, v_ready, kv_empty, turn_mine,
                         turn_other, o_desc, o_ptr, lse_ptr, lse_stride, q_len, kv_len, Hq,
-                        qk_scale, tile_i, s_layout, o_layout, p_layout, BLOCK_N, D, STAGES,
-                        CAUSAL, PINGPONG, UNROLL, VARLEN, Q_BUFS)
-    else:  # rows all past Sq, or (VARLEN) no keys: no Q read
-        if Q_BUFS == 1:
-            mbarrier.arrive(q_empty.index(0))
-        else:  # this tile's buffer goes back with the next tile's release
-            _release_q(q_empty, tile_i - 1, Q_BUFS)
+                        qk_scale, s_layout, o_layout, p_layout, BLOCK_N, D, STAGES, CAUSAL,
+                        PINGPONG, UNROLL, VARLEN)
+    else:
+        mbarrier.arrive(q_empty)  # rows all past Sq, or (VARLEN) no keys: no Q read
         if VARLEN:
             if m_row0 < q_len:  # real rows of a sequence with no keys
                 _store_unseen_rows(o_ptr, lse_ptr, lse_stride, off_b, off_h, q0, m_row0, rows,
@@ -559,10 +527,10 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              BOUNDED_V: gl.constexpr, PAGE: gl.constexpr, Q_BUFS: gl.constexpr):
+              BOUNDED_V: gl.constexpr, PAGE: gl.constexpr):
     """The TMA producer warp: for the CTA's tile, or (PERSISTENT) each tile of the same
-    schedule the consumers walk, Q once (one 64-row box per consumer into buffer
-    tile % Q_BUFS of q_bufs[i], all on that buffer's barrier), then the tile's K and V through the ring, in the consumers' order (the
+    schedule the consumers walk, Q once (one 64-row box per consumer into q_bufs[i], all on
+    one barrier), then the tile's K and V through the ring, in the consumers' order (the
     tile count from the same _tile / _persistent_tile and _tile_counts the consumers read).
     BOUNDED_V (varlen): see _produce_q_tile. PAGE (varlen, the paged build): K/V through
     the block table, see _load_paged_kv."""
@@ -575,7 +543,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
             _produce_q_tile(start_m, off_b, off_h, 0, 0, Sk, n_total, r0, i,
                             q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
                             k_ready, v_ready, kv_empty, None, 0, None, 0, GROUP, BLOCK_M,
-                            BLOCK_N, D, STAGES, CONSUMERS, True, False, 0, Q_BUFS)
+                            BLOCK_N, D, STAGES, CONSUMERS, True, False, 0)
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
@@ -590,7 +558,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
         _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, 0, 0, q_desc, k_desc,
                         v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                         kv_empty, v_rows, (Hq // GROUP) * D, bt_row, page_stride, GROUP,
-                        BLOCK_M, BLOCK_N, D, STAGES, CONSUMERS, False, BOUNDED_V, PAGE, 1)
+                        BLOCK_M, BLOCK_N, D, STAGES, CONSUMERS, False, BOUNDED_V, PAGE)
 
 
 @gluon.jit
@@ -599,12 +567,11 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
                     v_rows, v_row_len, bt_row, page_stride, GROUP: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                    KV_FIRST: gl.constexpr, BOUNDED_V: gl.constexpr, PAGE: gl.constexpr,
-                    Q_BUFS: gl.constexpr):
+                    KV_FIRST: gl.constexpr, BOUNDED_V: gl.constexpr, PAGE: gl.constexpr):
     """The loads of one query tile (the CTA's tile_i-th; K/V from ring index r0 on).
 
-    Q waits for q_empty of its buffer (tile_i % Q_BUFS): every warpgroup has handed the
-    buffer back, whose O store of its previous use has completed (see _consume_q_tile). KV_FIRST (persistent) issues K/V
+    Q waits for q_empty: every warpgroup has handed back its Q buffer, whose O store of the
+    previous tile has completed (see _consume_q_tile). KV_FIRST (persistent) issues K/V
     tile 0 before that wait, so the ring refills while the consumers run the previous
     tile's epilogue; its slot waits only on kv_empty, which the consumers release without
     the new Q, so nothing can wait on itself.
@@ -626,16 +593,13 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
             _load_kv(r0, k0, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
                      kv_empty, BLOCK_N, D, STAGES)
             j0 = 1
-    # On a fresh barrier the wait for the "previous phase" passes at once (a buffer's
-    # first use).
-    qb = tile_i % Q_BUFS
-    mbarrier.wait(q_empty.index(qb), ((tile_i // Q_BUFS) & 1) ^ 1)
-    mbarrier.expect(q_bar.index(qb), CONSUMERS * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h * D], q_bar.index(qb),
-                                    q_bufs[0].index(qb))
+    # On a fresh barrier the wait for the "previous phase" passes at once (the first tile).
+    mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h * D], q_bar, q_bufs[0])
     for i in gl.static_range(1, CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [off_b, m0 + i * WG_M, off_h * D],
-                                        q_bar.index(qb), q_bufs[i].index(qb))
+        tma.async_copy_global_to_shared(q_desc, [off_b, m0 + i * WG_M, off_h * D], q_bar,
+                                        q_bufs[i])
     if PAGE:
         _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_rows,
                        page_stride, v_row_len, k_smem, v_smem, k_ready, v_ready, kv_empty,
@@ -781,8 +745,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = True,
                     VARLEN: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
-                    BOUNDED_V: gl.constexpr = False, PAGE: gl.constexpr = 0,
-                    Q_BUFS: gl.constexpr = 1):
+                    BOUNDED_V: gl.constexpr = False, PAGE: gl.constexpr = 0):
     """1-D grid over tiles (row block, batch, head), one tile per CTA. q/o descriptors are
     [B, Sq, Hq * D] with box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D];
     GROUP = Hq // Hkv. CONSUMERS (2 or 3) consumer warpgroups of 64 rows each:
@@ -798,8 +761,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     PERSISTENT (fixed length only): a grid of at most one CTA per SM, each walking the
     tiles of _persistent_tile's order (n_bh = B * Hq pairs in sections of `section`,
     see there) with every barrier phase counted across its tiles; None for both
-    otherwise. Q_BUFS (PERSISTENT only; 1 otherwise): Q buffers a consumer warpgroup, 2 to
-    load the next tile's Q while the current one runs (_consume_q_tile).
+    otherwise.
 
     BOUNDED_V (varlen only): v_rows is v's base pointer (packed [Tk, Hkv * D]), from which
     the producer makes a descriptor of the sequence's own rows for a key tile that ends
@@ -814,8 +776,6 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
     gl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is fixed-length only")
     gl.static_assert(not (BOUNDED_V and PERSISTENT), "BOUNDED_V is a varlen build")
-    gl.static_assert(Q_BUFS == 1 or (Q_BUFS == 2 and PERSISTENT),
-                     "a second Q buffer is for the persistent walk")
     dtype: gl.constexpr = q_desc.dtype
     if VARLEN:
         n_m = gl.cdiv(max_q, BLOCK_M)
@@ -830,23 +790,20 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     else:
         n_m = gl.cdiv(Sq, BLOCK_M)
 
-    # [Q_BUFS, 1, WG_M, D] a consumer warpgroup: the descriptors' box, Q_BUFS times
-    q_shape: gl.constexpr = [Q_BUFS, 1, WG_M, D]
-    q0_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
-    q1_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
+    q0_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    q1_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     # [STAGES, 1, BLOCK_N, D]: the descriptors' box (the paged build's may be fewer rows,
     # a tile then being several boxes; the layout's swizzle is the same)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(Q_BUFS):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=CONSUMERS)  # every consumer is done with it
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=CONSUMERS)  # every consumer warpgroup is done with its Q
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -864,35 +821,35 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, Q_BUFS)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, Q_BUFS)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
                          n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP, BLOCK_M,
                          BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN, PERSISTENT, BOUNDED_V,
-                         PAGE, Q_BUFS)),
+                         PAGE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        q2_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
+        q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, Q_BUFS)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, Q_BUFS)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, Q_BUFS)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Hq, n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP,
                          BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN, PERSISTENT,
-                         BOUNDED_V, PAGE, Q_BUFS)),
+                         BOUNDED_V, PAGE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -23,9 +23,10 @@ MMA's M operand ("swap AB") for blocks of >= 16. Only touched experts' weights a
 a block belongs to exactly one expert, and experts with no pair own no block.
 
 Determinism: no float atomics anywhere. The grouping is a stable counting sort in one
-program (pairs of an expert in ascending token order), every output element is written
-by one program, and the combine adds a token's k pair results in slot order, so two
-runs on the same inputs are bit-identical.
+launch (pairs of an expert in ascending token order; each of its programs counts every
+pair itself, integer counts, and writes its own pairs' rows), every output element is
+written by one program, and the combine adds a token's k pair results in slot order, so
+two runs on the same inputs are bit-identical.
 
 Tie and NaN rule of the router (torch.topk leaves the order of equal values unspecified:
 on the CPU it returned indices [2, 4, 1] for three equal probabilities): the chosen
@@ -59,12 +60,14 @@ from .gemv import accumulate
 # Router rows a program of the router-logits kernel takes: 4 rows of H = 2048 is 16 KB,
 # 32 programs for 128 experts at T = 1 (one SM's bandwidth was the whole router's time).
 ROUTER_BLOCK_E = 4
-# Warps of the top-k kernel (one program a token) and of the grouping kernel (one program).
+# Warps of the top-k kernel (one program a token) and of a grouping program.
 # H200, side by side (scripts/device_moe_small_kernels.py): top-k over 128 experts 4.1 us at
 # 4 warps, 2.3 at 1 (T 1 / 8 / 64: one warp's reductions need no shared memory or barrier),
-# even over 8 experts; grouping best at 4 (5.7 us at T 8; 6.3-6.9 at 1 / 2 / 8 warps).
+# even over 8 experts. The grouping's histograms, scan and gather are warp-wide too: at one
+# warp none of them crosses warps (a grouping of one 4-warp program, a pass of block-wide
+# reductions after another, took 5.7 us at T 8).
 ROUTE_NUM_WARPS = 1
-GROUP_NUM_WARPS = 4
+GROUP_NUM_WARPS = 1
 
 
 def _router_block_h(H: int) -> int:
@@ -220,60 +223,75 @@ def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E:
 @triton.jit
 def _group_kernel(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
                   P, E, ROWS, NB,
-                  BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                  TAIL: tl.constexpr, PDL: tl.constexpr):
-    # grid (1,): P = T*k <= 64*k pairs, a few passes of [CHUNK, BLOCK_E] one-hot tiles.
-    # Every address is written by exactly one lane, so no barrier orders the passes.
+                  BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                  PAIRS: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
+    # grid (cdiv(P, PAIRS),) of one warp each (_group_launch). Every program counts all
+    # P = T*k pairs by expert itself, so programs share nothing and none waits for another;
+    # then it places its own PAIRS pairs, one a lane. Nothing is reduced across lanes per
+    # pair or per block: a [pairs, experts] one-hot summed over the experts costs a shuffle
+    # tree for each pair (and across warps a barrier), which is what the one-program form
+    # of four such passes spent its 5.7 us on at T = 8 (H200). What is left to cross lanes
+    # is one scan and one sum over the experts and one gather.
+    pid = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the ids come from the router kernel
         tl.extra.cuda.gdc_launch_dependents()
+    c0 = pid * PAIRS  # this program's first pair
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_live = e < E
-    c = tl.arange(0, CHUNK)  # [CHUNK]
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, P, CHUNK):
-        p = p0 + c
-        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # each expert's pairs before pair c0
+    for q0 in range(0, P, BLOCK_P):
+        q = q0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
+        ids = tl.load(ids_ptr + q, mask=q < P, other=-1)
+        live = (ids >= 0) & (ids < E)  # other ids join no expert
+        # a warp histogram: a ballot per bit of the id and a popcount per bin. Triton ends
+        # it with a shared-memory add into this program's own bins, at one warp each lane
+        # into its own: no other program, no contention, integer sums (the same bits).
+        counts += tl.histogram(ids, BLOCK_E, mask=live)
+        before += tl.histogram(ids, BLOCK_E, mask=live & (q < c0))
     padded = (counts + BLOCK - 1) // BLOCK * BLOCK  # [BLOCK_E]
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
+    starts = tl.cumsum(padded, axis=0) - padded
     total = tl.sum(padded, axis=0)
-    tl.store(offs_ptr + e, starts, mask=e_live)
-    tl.store(offs_ptr + E, total)
-    tl.store(counts_ptr + e, counts, mask=e_live)
-    tl.store(nact_ptr, total // BLOCK)
-    # pass 2: pair p goes to row starts[id] + (pairs of the same expert before p): stable
-    run = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for p0 in range(0, P, CHUNK):
-        p = p0 + c
-        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
-        before = tl.cumsum(onehot, axis=0) - onehot + run[None, :]
-        row = tl.sum(onehot * (starts[None, :] + before), axis=1)  # [CHUNK]
-        tl.store(pairs_ptr + row, p, mask=p < P)
-        run += tl.sum(onehot, axis=0)
-    # pass 3: -1 into every row no pair took: each expert's padding (fewer than BLOCK rows
-    # right after its pairs) and the rows past the last expert's. Written where they are,
-    # not found by testing every row against every expert: that [CHUNK, BLOCK_E] pass a
-    # 64-row chunk was 15 of the 26 us this kernel took at T = 8 (1,024 rows) on the H200.
-    j = tl.arange(0, BLOCK)  # [BLOCK]
-    pad = (starts + counts)[:, None] + j[None, :]  # [BLOCK_E, BLOCK]
-    tl.store(pairs_ptr + pad, tl.full([BLOCK_E, BLOCK], -1, tl.int32),
-             mask=e_live[:, None] & (pad < ends[:, None]))
+    nact = total // BLOCK
+    lead = pid == 0
+    tl.store(offs_ptr + e, starts, mask=e_live & lead)
+    tl.store(counts_ptr + e, counts, mask=e_live & lead)
+    if pid == 0:
+        tl.store(offs_ptr + E, total)
+        tl.store(nact_ptr, nact)
+    # pair p goes to row starts[id] + (pairs of its expert before p): stable. The pairs
+    # before this chunk are the second histogram; those in it, a [PAIRS, PAIRS] compare
+    # whose pair axis stays inside each lane (the ids of the chunk are in every lane).
+    j = tl.arange(0, PAIRS)  # [PAIRS]
+    p = c0 + j
+    idp = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    mine = (idp >= 0) & (idp < E)
+    earlier = (idp[:, None] == idp[None, :]) & (j[:, None] < j[None, :])  # [q, p]
+    rank = tl.sum(earlier.to(tl.int32), axis=0)  # [PAIRS]
+    # one gather of two fields, each < 2**15: rows_max <= 64*256 + 256*63 (MAX_T, MAX_E)
+    packed = (starts + before) * 32768 + (counts - before)
+    got = tl.gather(packed, tl.where(mine, idp, 0), 0)
+    row = (got >> 15) + rank
+    left = (got & 32767) - rank  # pairs of its expert from p on
+    tl.store(pairs_ptr + row, p, mask=mine)
+    # written where they are known, so no search over experts: a block's expert by the
+    # pair that opens it (expert starts are multiples of BLOCK), an expert's padding (the
+    # rest of its last block) by its last pair
+    tl.store(eob_ptr + row // BLOCK, idp, mask=mine & (row % BLOCK == 0))
+    pad = row[:, None] + 1 + tl.arange(0, BLOCK)[None, :]  # [PAIRS, BLOCK]
+    block_end = row // BLOCK * BLOCK + BLOCK
+    tl.store(pairs_ptr + pad, tl.full([PAIRS, BLOCK], -1, tl.int32),
+             mask=(mine & (left == 1))[:, None] & (pad < block_end[:, None]))
+    # the rows and blocks past the active ones: -1, a slice of them a program
     rr = tl.arange(0, TAIL)  # [TAIL]
-    for r0 in range(0, ROWS, TAIL):
+    stride = tl.num_programs(0) * TAIL
+    for r0 in range(pid * TAIL, ROWS, stride):
         r = r0 + rr
         tl.store(pairs_ptr + r, tl.full([TAIL], -1, tl.int32), mask=(r >= total) & (r < ROWS))
-    # pass 4: the expert owning each block (-1 past the active blocks)
-    for b0 in range(0, NB, CHUNK):
-        b = b0 + c
-        r = b * BLOCK
-        inside = (starts[None, :] <= r[:, None]) & (r[:, None] < ends[None, :]) \
-            & e_live[None, :]  # [CHUNK, BLOCK_E]: at most one true a row
-        owner = tl.sum(tl.where(inside, e[None, :], 0), axis=1)
-        found = tl.sum(inside.to(tl.int32), axis=1) > 0
-        tl.store(eob_ptr + b, tl.where(found, owner, -1), mask=b < NB)
+    for b0 in range(pid * TAIL, NB, stride):
+        b = b0 + rr
+        tl.store(eob_ptr + b, tl.full([TAIL], -1, tl.int32), mask=(b >= nact) & (b < NB))
 
 
 @triton.jit
@@ -399,7 +417,8 @@ MAX_T = 64  # tokens a call takes; more is a prefill-sized grouped GEMM
 MAX_E = 256  # router logits of one token held in one program's registers
 FMA_BLOCKS = (1, 2, 4)  # grouping blocks served by the FMA reduction (no M padding)
 DOT_BLOCKS = (16, 32, 64)  # grouping blocks served by tl.dot (its minimum is 16)
-GROUP_CHUNK = 64  # pairs / blocks a pass of the grouping kernel takes at once
+GROUP_PAIRS = 32  # pairs a grouping program places: one a lane of its warp
+GROUP_CHUNK = 512  # ids a step of the grouping kernel's count loop reads (16 a lane)
 GROUP_TAIL = 1024  # rows past the last expert's a store of the grouping kernel writes
 COMBINE_BLOCK_H = 1024
 # Up to COMBINE_NARROW_T tokens, the combine takes 128 columns a program at one warp (16
@@ -694,6 +713,21 @@ def route_logits(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="sof
     return LogitsRoute(logits, wts, ids, top_k, renormalize, scoring == "sigmoid")
 
 
+def _group_launch(T: int, top_k: int, num_experts: int, block: int):
+    """(grid, constexprs) of _group_kernel from the static shape alone (a graph captures
+    it): one program a GROUP_PAIRS pairs, the count loop's tile the pairs' power of two up
+    to GROUP_CHUNK (a warp histogram's cost is its elements, masked or not), and the rows
+    past the active ones split evenly over the programs."""
+    P = T * top_k
+    programs = cdiv(P, GROUP_PAIRS)
+    rows = blocks_max(T, top_k, num_experts, block) * block
+    const = {"BLOCK": block, "BLOCK_E": max(16, next_pow2(num_experts)),
+             "BLOCK_P": min(GROUP_CHUNK, max(GROUP_PAIRS, next_pow2(P))),
+             "PAIRS": GROUP_PAIRS,
+             "TAIL": min(GROUP_TAIL, max(32, next_pow2(cdiv(rows, programs))))}
+    return (programs,), const
+
+
 def group(topk_ids, num_experts, block, *, pdl=None):
     """Group the (token, slot) pairs by expert on the device (stable counting sort).
 
@@ -739,9 +773,9 @@ def group(topk_ids, num_experts, block, *, pdl=None):
     eob = torch.empty(nb, dtype=torch.int32, device=dev)
     nact = torch.empty(1, dtype=torch.int32, device=dev)
     launch = {"launch_pdl": True} if pdl else {}
-    _group_kernel[(1,)](topk_ids, pairs, offs, counts, eob, nact, T * k, E, rows, nb,
-                        BLOCK=block, BLOCK_E=max(16, next_pow2(E)), CHUNK=GROUP_CHUNK,
-                        TAIL=GROUP_TAIL, PDL=pdl, num_warps=GROUP_NUM_WARPS, **launch)
+    grid, const = _group_launch(T, k, E, block)
+    _group_kernel[grid](topk_ids, pairs, offs, counts, eob, nact, T * k, E, rows, nb,
+                        PDL=pdl, num_warps=GROUP_NUM_WARPS, **const, **launch)
     return Grouping(pairs, offs, eob, nact, counts, block, k, E)
 
 
@@ -1125,8 +1159,7 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
         sig = {"ids_ptr": "*i32", "pairs_ptr": "*i32", "offs_ptr": "*i32", "counts_ptr": "*i32",
                "eob_ptr": "*i32", "nact_ptr": "*i32", "P": "i32", "E": "i32", "ROWS": "i32",
                "NB": "i32"}
-        const = {"BLOCK": settings.block, "BLOCK_E": max(16, next_pow2(E)),
-                 "CHUNK": GROUP_CHUNK, "TAIL": GROUP_TAIL, "PDL": pdl}
+        const = {**_group_launch(T, top_k, E, settings.block)[1], "PDL": pdl}
         fn, aligned = _group_kernel, ("ids_ptr", "pairs_ptr", "offs_ptr", "counts_ptr",
                                       "eob_ptr", "nact_ptr")
         options = {**options, "num_warps": GROUP_NUM_WARPS}

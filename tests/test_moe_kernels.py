@@ -280,17 +280,13 @@ CHILD = REFERENCE + textwrap.dedent(r'''
                     act2 = M.moe_gate_up(x, wgu, g2, norm_eps=1e-5, settings=st, route=rt)
                     outs.append((M.moe_down_combine(act2, wd, g2, rt.weights, residual=r,
                                                     settings=st), rt))
-                    # the down launch selecting the route itself: the same bits
-                    down_routed = M.moe_down_combine(act2, wd, g2, rt.weights, residual=r,
-                                                     settings=st, route=rt)
                 (y, rt), (y2, _) = outs
                 ref, rv, ri = reference_moe(x, rw, wgu, wd, k, renorm, 1e-5, r, scoring)
                 res[f"{dtn}-E{E}-k{k}-b{block}-{scoring}-{renorm}"] = {
                     "ids_equal": rt.ids.tolist() == ids.tolist() == ri.tolist(),
                     "weights": (rt.weights - w).abs().max().item(),
                     "out_vs_route": rel_err(y, base), "err": rel_err(y, ref),
-                    "tol": TOL_CHILD[dtn], "rerun_identical": bool(torch.equal(y, y2)),
-                    "down_route_equal": bool(torch.equal(down_routed, y2))}
+                    "tol": TOL_CHILD[dtn], "rerun_identical": bool(torch.equal(y, y2))}
         # a NaN logit: ids 0..k-1 and NaN weights (route's rule), the output row NaN
         E, k, H, F = 16, 4, 64, 32
         rw, wgu, wd = weights(E, H, F, torch.float32)
@@ -299,12 +295,9 @@ CHILD = REFERENCE + textwrap.dedent(r'''
         rt = M.route_logits(x, rw, top_k=k, renormalize=True)
         g = M.one_token_grouping(rt.ids, E, 16, M.one_token_tables(k, 16, "cpu"))
         y = M.moe_down_combine(M.moe_gate_up(x, wgu, g, route=rt), wd, g, rt.weights)
-        yr = M.moe_down_combine(M.moe_gate_up(x, wgu, g, route=rt), wd, g, rt.weights,
-                                route=rt)
         res["nan"] = {"ids": rt.ids[0].tolist() == list(range(k)),
                       "weights_nan": bool(torch.isnan(rt.weights).all()),
-                      "out_nan": bool(torch.isnan(y).all()),
-                      "down_route_out_nan": bool(torch.isnan(yr).all())}
+                      "out_nan": bool(torch.isnan(y).all())}
         # chosen logits: ties inside the top-k and across its edge (the exact-order pass),
         # -inf and +inf logits; ids against the rule (a stable descending sort of the
         # logits), weights against float64
@@ -407,8 +400,7 @@ def test_topk_inside_the_gate_up_launch_routes_as_route_does():
     from the logits and writes the ids and weights; the same ids as route() and the
     float64 sort (ties by lower index), weights within rounding (the renormalising sum
     runs in another order), output within tolerance of float64 and bit-identical on a
-    rerun; a NaN logit gives route's ids 0..k-1 and NaN weights. moe_down_combine(route=),
-    selecting the same route itself, gives the same bits as reading the written one."""
+    rerun; a NaN logit gives route's ids 0..k-1 and NaN weights."""
     r = _child("topk_in_gate_up")
     assert len(r) == 23, r
     nan = r.pop("nan")
@@ -421,7 +413,6 @@ def test_topk_inside_the_gate_up_launch_routes_as_route_does():
         assert v["weights"] <= 1e-6, (key, v)  # fp32 weights: a few ulp apart at most
         assert v["out_vs_route"] <= v["tol"] and v["err"] <= v["tol"], (key, v)
         assert v["rerun_identical"] is True, (key, v)
-        assert v["down_route_equal"] is True, (key, v)
 
 
 def test_route_in_gate_up_refuses_what_it_cannot_take():
@@ -449,15 +440,6 @@ def test_route_in_gate_up_refuses_what_it_cannot_take():
     wrong_e = M.LogitsRoute(torch.zeros(1, E + 1), fake.weights, fake.ids, k, True, False)
     with pytest.raises(ValueError, match="route has logits"):
         M.moe_gate_up(x, wgu, g, route=wrong_e)
-    # the down launch's route=: the same checks, and the weights must be route.weights
-    act = torch.randn(k * 16, F)
-    wd = torch.randn(E, H, F)
-    with pytest.raises(ValueError, match=r"topk_weights = route.weights"):
-        M.moe_down_combine(act, wd, g, fake.weights.clone(), route=fake)
-    with pytest.raises(ValueError, match=r"one_token_grouping\(route.ids"):
-        M.moe_down_combine(act, wd, other, fake.weights, route=fake)
-    with pytest.raises(ValueError, match="impl 'triton'"):
-        M.moe_down_combine(act, wd, g, fake.weights, route=fake, impl="gluon")
 
 
 def test_one_token_grouping_refuses_bad_input_by_name():
@@ -664,24 +646,6 @@ def test_sm90_gate_up_with_the_top_k_inside_does_not_spill(record_property):
     assert k.metadata.launch_pdl
 
 
-def test_sm90_down_selects_its_route_before_the_pdl_wait(record_property):
-    """The one-token down build given route=: no spills at the Qwen3-30B-A3B shape, one
-    PDL wait, and the logits (its only global reads before the wait besides the one-token
-    table's active block count) read before it, the weights and act after."""
-    from test_prefill_compile import _ptxas_usage
-    k = _compile("down", T=1, pdl=True, route=True)
-    regs, stores, loads = _ptxas_usage(k)
-    record_property("T1.down_route.registers", regs)
-    assert stores + loads == 0, (regs, stores, loads)
-    assert k.metadata.launch_pdl
-    ttgir = k.asm["ttgir"]
-    assert ttgir.count("griddepcontrol.wait") == 1
-    tw = ttgir.index("griddepcontrol.wait")
-    before = re.findall(r"tt\.load %(\w+)", ttgir[:tw])
-    assert len(before) == 2, before  # num_active_blocks, then the logits
-    assert "tt.dot" not in ttgir[:tw] and "async_copy" not in ttgir[:tw]
-
-
 def test_sm90_router_loads_its_weight_before_the_pdl_wait():
     ttgir = _compile("router_logits", T=8, pdl=True, norm=True).asm["ttgir"]
     tw = ttgir.index("griddepcontrol.wait")
@@ -764,8 +728,7 @@ def test_gpu_topk_inside_gate_up_at_the_qwen3_30b_shape(pdl):
     """One token at the Qwen3-30B-A3B shape (128 experts, top 8), bf16: route_logits +
     moe_gate_up(route=) writes route()'s ids and its weights within rounding, and the
     layer's output is within bf16 tolerance of float64 and bit-identical on a rerun, the
-    weight and id buffers NaN / -1 poisoned before each run; moe_down_combine(route=)
-    gives the same bits as the down launch reading the written route."""
+    weight and id buffers NaN / -1 poisoned before each run."""
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
     m = _m()
@@ -785,10 +748,6 @@ def test_gpu_topk_inside_gate_up_at_the_qwen3_30b_shape(pdl):
         g = m.one_token_grouping(rt.ids, E, block, tables)
         act = m.moe_gate_up(x, wgu, g, norm_eps=1e-6, pdl=pdl, route=rt)
         outs.append((m.moe_down_combine(act, wd, g, rt.weights, residual=r, pdl=pdl), rt))
-        # the down launch selecting the route itself (before its wait under PDL)
-        down_routed = m.moe_down_combine(act, wd, g, rt.weights, residual=r, pdl=pdl,
-                                         route=rt)
-        assert torch.equal(down_routed, outs[-1][0])
     (y1, rt), (y2, _) = outs
     assert torch.equal(rt.ids, ids) and torch.equal(ids.long().cpu(), ri)
     assert (rt.weights - w).abs().max().item() <= 1e-6

@@ -114,17 +114,15 @@ CHILD = textwrap.dedent(r'''
         for fam in ("qwen3_moe", "mixtral"):
             m, ps, n = model(fam), prompts([9]), 8
             runs = {}
-            for on, topk_in, in_down in ((False, False, False), (True, False, False),
-                                         (True, True, True), (True, True, False)):
+            for on, topk_in in ((False, False), (True, False), (True, True)):
                 e = Engine(m, step="kernels", device="cpu", num_pages=8, page_size=8,
                            buckets=(1,))
                 e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets,
-                                    moe_one_token=on, moe_topk_in_gate_up=topk_in,
-                                    moe_route_in_down=in_down)
+                                    moe_one_token=on, moe_topk_in_gate_up=topk_in)
                 launched = triton_launches()
-                runs[on, topk_in, in_down] = e.run(ps, n, return_logits=True) + (
+                runs[on, topk_in] = e.run(ps, n, return_logits=True) + (
                     dict(e.step.launches), dict(launched))
-            (t0, l0, c0, k0), (t1, l1, c1, _), (t2, l2, _, k2), (t3, l3, _, _) = runs.values()
+            (t0, l0, c0, k0), (t1, l1, c1, _), (t2, l2, _, k2) = runs.values()
             res[fam] = {"equal": all(torch.equal(a, b) for a, b in zip(t0, t1))
                         and bool(torch.equal(l0, l1)),
                         "group_calls": [c0.get("moe_group", 0), c1.get("moe_group", 0)],
@@ -132,11 +130,7 @@ CHILD = textwrap.dedent(r'''
                         "topk_in_tokens": all(torch.equal(a, b) for a, b in zip(t0, t2)),
                         "topk_in_err": err(l2, l0),
                         "route_launches": [k0.get("moe._route_kernel", 0),
-                                           k2.get("moe._route_kernel", 0)],
-                        # the down launch selecting the route itself (the default) or
-                        # reading the gate/up launch's: the same bits
-                        "route_in_down_equal": all(torch.equal(a, b) for a, b in zip(t2, t3))
-                        and bool(torch.equal(l2, l3))}
+                                           k2.get("moe._route_kernel", 0)]}
 
     elif case == "prefill_grouped":
         # KernelStep(moe_prefill_grouped=): the prefill's MoE MLP by torch._grouped_mm (two
@@ -266,7 +260,6 @@ def test_moe_one_token_grouping_in_the_step():
         # moe_topk_in_gate_up (the default): no top-k launch, the same tokens
         assert v["topk_in_tokens"] is True and v["topk_in_err"] <= 1e-5, (fam, v)
         assert v["route_launches"][0] > 0 and v["route_launches"][1] == 0, (fam, v)
-        assert v["route_in_down_equal"] is True, (fam, v)
 
 
 def test_moe_prefill_grouped_mm_matches_the_per_expert_loop():
@@ -386,7 +379,7 @@ def test_auto_on_cuda_picks_kernels_for_16_bit_models():
 # --------------------------------------------------------------------------- GPU
 
 def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True,
-                moe_prefill_grouped=True, moe_topk_in_gate_up=True, moe_route_in_down=True):
+                moe_prefill_grouped=True, moe_topk_in_gate_up=True):
     """A bf16 MoE model (hidden 512, D 64, 8/2 heads, 4 layers; Qwen3-MoE 16 experts top-4
     with layer 2 dense, Mixtral 8 experts top-2, OLMoE 16 experts top-4 with its
     whole-projection QK-norm, or Qwen2-MoE 16 experts top-4 with a shared expert and
@@ -420,8 +413,7 @@ def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True,
                page_size=16, buckets=(1, 2, 4, 8, 16))
     e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl,
                         moe_one_token=moe_one_token, moe_prefill_grouped=moe_prefill_grouped,
-                        moe_topk_in_gate_up=moe_topk_in_gate_up,
-                        moe_route_in_down=moe_route_in_down)
+                        moe_topk_in_gate_up=moe_topk_in_gate_up)
     return e, model
 
 
@@ -464,8 +456,7 @@ def test_gpu_moe_one_token_equals_the_grouping_kernel(family):
     """One sequence (bucket 1), PDL on, in a graph: the kernel-free grouping gives bitwise
     the tokens and logits of the step with the grouping kernel; with the top-k inside the
     gate/up launch as well (the default) the same tokens, logits within rounding of the
-    renormalising sum's order, bit-identical on a second engine and with the down launch
-    reading the written route (moe_route_in_down=False)."""
+    renormalising sum's order, and bit-identical on a second engine."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
     ps = _gpu_prompts(1)
@@ -477,10 +468,6 @@ def test_gpu_moe_one_token_equals_the_grouping_kernel(family):
     assert torch.equal(group_l, one_l)
     runs = [_gpu_engine(family, pdl=True)[0].run(ps, 24, return_logits=True) for _ in range(2)]
     (in_t, in_l), (in_t2, in_l2) = runs
-    # the down launch reading the route the gate/up launch wrote: the same bits
-    rd_t, rd_l = _gpu_engine(family, pdl=True, moe_route_in_down=False)[0] \
-        .run(ps, 24, return_logits=True)
-    assert all(torch.equal(a, b) for a, b in zip(rd_t, in_t)) and torch.equal(rd_l, in_l)
     assert all(torch.equal(a, b) for a, b in zip(group_t, in_t))
     assert (in_l.float() - one_l.float()).abs().max().item() <= 2e-2 * one_l.float().abs().max().item()
     assert all(torch.equal(a, b) for a, b in zip(in_t, in_t2)) and torch.equal(in_l, in_l2)

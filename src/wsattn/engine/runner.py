@@ -35,9 +35,8 @@ launches a layer, 10 when decode splits the keys)::
 At bucket 1 (``moe_one_token``) the grouping is ``one_token_grouping`` (no launch), and
 with ``moe_topk_in_gate_up`` the top-k launch goes too: ``route_logits`` computes the
 logits only, and the gate/up launch given ``route=`` selects each block's expert from
-them and writes the ids and weights (7 Triton launches a MoE layer, 8 with decode's
-split combine); with ``moe_route_in_down`` the down launch, given the same ``route=``,
-selects them from the logits as well, before its PDL wait.
+them and writes the ids and weights the down projection and combine read (7 Triton
+launches a MoE layer, 8 with decode's split combine).
 
 A shared expert (Qwen2-MoE) adds, around the combine: before it, ``gemv(h, w_shared_gate_up,
 norm_eps, silu_mul=True)`` and ``gemv(h, shared_gate, norm_eps)`` (one output column) with
@@ -149,15 +148,11 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # GEMV kernel at every row count (the default hands them to cuBLAS from CUBLAS_WIDE_ROWS
 # rows on sm_90; below). "moe:topk-launch": the MoE kernels with PDL as "moe", and at
 # bucket 1 the router's top-k in its own launch (KernelStep's moe_topk_in_gate_up off).
-# "moe:down-reads-ids": the MoE kernels with PDL as "moe", and at bucket 1 the down
-# launch reading the expert ids and weights the gate/up launch wrote, after its wait,
-# instead of selecting them from the logits before it (KernelStep's moe_route_in_down
-# off).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:kernel-wide": "gemv",
                 "qkv_rope:two-launch": "qkv_rope", "qkv_rope:gemv-rope": "qkv_rope",
-                "moe:topk-launch": "moe", "moe:down-reads-ids": "moe"}
+                "moe:topk-launch": "moe"}
 # Rows from which the o and down projections (a plain product plus the residual, no norm
 # or SiLU epilogue) run as one cuBLAS addmm into the residual on sm_90, 16-bit: fp32
 # accumulate and the residual added before the one rounding, as gemv does, but no PDL
@@ -257,11 +252,6 @@ class KernelStep:
             launch fewer a MoE layer; the same experts, the weights up to the order of
             the renormalising sum. False (or the ``pdl`` variant "moe:topk-launch")
             keeps the top-k launch.
-        moe_route_in_down: with moe_topk_in_gate_up, the down launch selects each block's
-            expert and weight from the router logits too (``moe_down_combine(route=)``),
-            before its PDL wait, instead of reading what the gate/up launch wrote after
-            it; the same bits. False (or the ``pdl`` variant "moe:down-reads-ids") reads
-            them.
 
     Attributes:
         launches: ``collections.Counter`` of library calls by name ("embed", "positions",
@@ -284,8 +274,7 @@ class KernelStep:
     name = "kernels"
 
     def __init__(self, cfg, weights, cache, *, buckets=BUCKETS, graphs=None, pdl=None,
-                 moe_one_token=True, moe_prefill_grouped=True, moe_topk_in_gate_up=True,
-                 moe_route_in_down=True):
+                 moe_one_token=True, moe_prefill_grouped=True, moe_topk_in_gate_up=True):
         # what the fused step does not run, refused by feature before any shape check
         if getattr(cfg, "experts", 0) > MOE_MAX_E:
             raise ValueError(f"step='kernels': {cfg.family} has {cfg.experts} experts; the MoE "
@@ -332,11 +321,6 @@ class KernelStep:
             raise ValueError(f"moe_topk_in_gate_up must be True or False, got "
                              f"{moe_topk_in_gate_up!r}")
         self.moe_topk_in_gate_up = moe_topk_in_gate_up and "moe:topk-launch" not in families
-        if moe_route_in_down not in (True, False):
-            raise ValueError(f"moe_route_in_down must be True or False, got "
-                             f"{moe_route_in_down!r}")
-        self.moe_route_in_down = (moe_route_in_down and self.moe_topk_in_gate_up
-                                  and "moe:down-reads-ids" not in families)
         if moe_prefill_grouped not in (True, False):
             raise ValueError(f"moe_prefill_grouped must be True or False, got "
                              f"{moe_prefill_grouped!r}")
@@ -565,8 +549,7 @@ class KernelStep:
             buf.shared_act.mul_(torch.sigmoid_(buf.shared_gate))
             self._count("shared_expert")
         # out may be the residual (moe.py: each element read and written by one program)
-        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl,
-                         route=routed if self.moe_route_in_down else None)
+        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl)
         self._count("moe_down_combine")
         if layer.w_shared_gate_up is not None:
             gemv(buf.shared_act, layer.w_shared_down, residual=h, out=h, **g)

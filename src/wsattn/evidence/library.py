@@ -834,8 +834,7 @@ def _draw_moe_token(rng, small):
 
 def _moe_token_run(inp):
     """One token as the decode step's bucket 1 runs it: router logits, no grouping kernel,
-    the top-k inside the grouped gate/up launch and again inside the down launch, then
-    the combine."""
+    the top-k inside the grouped gate/up launch, then down + combine."""
     from ..kernels import moe as M
     x = inp["x"]
     rt = M.route_logits(x, inp["router_w"], top_k=_MOE_K, renormalize=True, norm_eps=_MOE_EPS)
@@ -844,8 +843,7 @@ def _moe_token_run(inp):
                                dtype=x.dtype).block
     g = M.one_token_grouping(rt.ids, _MOE_E, block, M.one_token_tables(_MOE_K, block, x.device))
     act = M.moe_gate_up(x, inp["w_gate_up"], g, norm_eps=_MOE_EPS, route=rt)
-    return M.moe_down_combine(act, inp["w_down"], g, rt.weights, residual=inp["residual"],
-                              route=rt)
+    return M.moe_down_combine(act, inp["w_down"], g, rt.weights, residual=inp["residual"])
 
 
 def _moe_gluon_builds(shape):
@@ -869,7 +867,7 @@ def _moe_token_entry():
               "dtype": "bf16", "norm": True, "route": True, "renormalize": True,
               "pdl": _PDL_BY_TARGET}
     return ("moe_token", "wsattn.kernels.moe", "compile_spec", kwargs, run,
-            f"MoE block for one token, the top-k inside the grouped gate/up and down launches "
+            f"MoE block for one token, the top-k inside the grouped gate/up launch "
             f"(router logits, gate/up, down + combine), E={_MOE_E} top {_MOE_K}, H=2048 "
             f"F=768 bf16; gates 0-2 on that gate/up build", None)
 

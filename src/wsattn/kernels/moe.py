@@ -148,8 +148,8 @@ def _slot_route(logits_ptr, wts_ptr, ids_ptr, slot, E, write, TOP_K: tl.constexp
     """The expert in top-k slot `slot` of one token, from its E fp32 logits, for a grouped
     program that needs only its own slot (moe_gate_up(..., route=)): every expert's rank
     counted at once over a [BLOCK_E, BLOCK_E] comparison of the keys (_route_keys),
-    instead of top-k rounds of reductions. Returns (expert, routing weight); with
-    `write`, also stores both for the launches that follow."""
+    instead of top-k rounds of reductions. With `write`, also stores the slot's id and
+    routing weight for the down projection and combine that follow."""
     e = tl.arange(0, BLOCK_E)
     e_live = e < E
     logits = tl.load(logits_ptr + e, mask=e_live, other=0.0)
@@ -169,18 +169,18 @@ def _slot_route(logits_ptr, wts_ptr, ids_ptr, slot, E, write, TOP_K: tl.constexp
         rank += tl.sum(tl.where((key[:, None] == key[None, :]) & (e[:, None] < e[None, :]),
                                 1, 0), axis=0)
         n_hit, n_top, expert, x_hit, x_top, x_all = _slot_sums(rank, slot, e, x, TOP_K)
-    if RENORM:
-        w = x_hit / x_top
-    elif SIGMOID:
-        w = x_hit
-    else:
-        w = x_hit / x_all
-    if not SIGMOID:
-        w = tl.where(m == float("inf"), float("nan"), w)  # every probability NaN
     if write:
+        if RENORM:
+            w = x_hit / x_top
+        elif SIGMOID:
+            w = x_hit
+        else:
+            w = x_hit / x_all
+        if not SIGMOID:
+            w = tl.where(m == float("inf"), float("nan"), w)  # every probability NaN
         tl.store(wts_ptr + slot, w)
         tl.store(ids_ptr + slot, expert)
-    return expert, w
+    return expert
 
 
 @triton.jit
@@ -311,36 +311,20 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
     #   eob_ptr; the pid_n == 0 program writes it there and the slot's weight to wts_ptr.
     # else (down): x = act by grouped row, W = [E, H, F], out = per-pair results
     #   [T*k, H] fp32 by pair index, times the pair's routing weight.
-    #   ROUTE: block b's expert and weight selected here from the logits as the gate/up
-    #   launch did (the same function of the same values, so the same bits), before the
-    #   PDL wait: the logits come from the router launch before the gate/up launch, which
-    #   has passed its own wait (so that launch is complete) before it released this one,
-    #   and the one-token tables (nact, pairs) are constants. The ranking then runs while
-    #   the gate/up launch streams, and after the wait only act and the weights remain,
-    #   with no id or weight to load first or last.
     b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    DOWN_ROUTE: tl.constexpr = ROUTE and not GATE_UP
-    if DOWN_ROUTE:
-        if b >= tl.load(nact_ptr):
-            return
-        ex, w_slot = _slot_route(logits_ptr, wts_ptr, eob_ptr, b, E, False, TOP_K, BLOCK_E,
-                                 RENORM, SIGMOID)
-        ex = ex.to(tl.int64)
     if PDL:
         # Unlike a dense GEMV, even the weights wait: which expert's rows to read is the
         # grouping kernel's output. PDL still hides this grid's launch behind the last one.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if not DOWN_ROUTE:
-        if b >= tl.load(nact_ptr):
-            return  # a block past the active ones: static grid, nothing to do
-        if ROUTE:
-            ex, w_slot = _slot_route(logits_ptr, wts_ptr, eob_ptr, b, E, pid_n == 0, TOP_K,
-                                     BLOCK_E, RENORM, SIGMOID)
-            ex = ex.to(tl.int64)
-        else:
-            ex = tl.load(eob_ptr + b).to(tl.int64)
+    if b >= tl.load(nact_ptr):
+        return  # a block past the active ones: static grid, nothing to do
+    if ROUTE:
+        ex = _slot_route(logits_ptr, wts_ptr, eob_ptr, b, E, pid_n == 0, TOP_K, BLOCK_E,
+                         RENORM, SIGMOID).to(tl.int64)
+    else:
+        ex = tl.load(eob_ptr + b).to(tl.int64)
     mi = tl.arange(0, BLOCK_M)
     r = b * BLOCK_M + mi  # [BLOCK_M] grouped rows
     pair = tl.load(pairs_ptr + r)  # [BLOCK_M], -1 on padding rows
@@ -381,10 +365,7 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
         tl.store(out_ptr + r.to(tl.int64)[None, :] * stride_ot + n[:, None],
                  y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        if ROUTE:  # row 0 of block b is slot b's pair, the rest padding
-            wt = tl.where(m_live, w_slot, 0.0)
-        else:
-            wt = tl.load(wts_ptr + pair, mask=m_live, other=0.0)  # [BLOCK_M] fp32
+        wt = tl.load(wts_ptr + pair, mask=m_live, other=0.0)  # [BLOCK_M] fp32
         y = acc_g * wt[None, :]
         tl.store(out_ptr + pair.to(tl.int64)[None, :] * stride_ot + n[:, None], y, mask=mask)
 
@@ -916,7 +897,7 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
                          f"{tuple(w_gate_up.shape)}")
     _check_norm_eps(norm_eps)
     _check_impl(impl)
-    _check_route(route, grouping, T, x.device, impl)
+    _check_route(route, grouping, x, impl)
     if impl == "gluon":
         _refuse_gluon(x, pdl)  # the Gluon launch itself takes no PDL
         return _gluon().gate_up(x, w_gate_up, grouping, norm_eps, settings)
@@ -946,10 +927,9 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
     return act
 
 
-def _check_route(route, grouping, T, device, impl):
+def _check_route(route, grouping, x, impl):
     """ValueError / TypeError unless route is None or a LogitsRoute that this one-token
-    grouping (of a call of T tokens on device) was made from
-    (one_token_grouping(route.ids, ...))."""
+    grouping was made from (one_token_grouping(route.ids, ...))."""
     if route is None:
         return
     if not isinstance(route, LogitsRoute):
@@ -958,20 +938,20 @@ def _check_route(route, grouping, T, device, impl):
     if impl != "triton":
         raise ValueError(f"route= (the top-k inside the gate/up launch) runs on impl 'triton', "
                          f"not {impl!r}")
-    if T != 1:
-        raise ValueError(f"route= takes one token; the call has T={T}")
+    if x.shape[0] != 1:
+        raise ValueError(f"route= takes one token; x has T={x.shape[0]}")
     if route.logits.shape != (1, grouping.num_experts) or route.top_k != grouping.top_k:
         raise ValueError(f"route has logits {tuple(route.logits.shape)} and top_k="
                          f"{route.top_k}; the grouping has E={grouping.num_experts}, top_k="
                          f"{grouping.top_k}")
-    if grouping.expert_offsets is not None or route.ids.device != device \
+    if grouping.expert_offsets is not None or route.ids.device != x.device \
             or grouping.expert_of_block.data_ptr() != route.ids.data_ptr():
         raise ValueError("route= needs grouping = one_token_grouping(route.ids, ...): the "
                          "launch writes each block's expert there")
 
 
 def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=None,
-                     pdl=None, settings=None, impl="triton", route=None):
+                     pdl=None, settings=None, impl="triton"):
     """out[t] = residual[t] + sum_j topk_weights[t, j] * (act[row(t, j)] @ Wd_e^T).
 
     Args:
@@ -984,12 +964,6 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         residual: None or [T, H] in act's dtype, last dim contiguous.
         pdl, settings, impl: as in moe_gate_up (impl picks the down projection; the
             combine is the same Triton kernel either way).
-        route: None, or the LogitsRoute the moe_gate_up call before was given (impl
-            "triton"; topk_weights must then be route.weights): the down launch selects
-            each block's expert and weight from route.logits itself, as that call did,
-            instead of reading what it wrote, and does so before its PDL wait. That
-            read is ordered only if the logits come from a launch at least two back
-            (route_logits, then moe_gate_up(..., route=)), as in the decode step.
 
     Returns:
         out [T, H]. The down projection writes fp32 per-pair results [T*k, H] (each
@@ -1028,10 +1002,6 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         if t.device != act.device or t.stride(1) != 1:
             raise ValueError(f"{name} must be on {act.device} with a contiguous last dimension")
     _check_impl(impl)
-    _check_route(route, grouping, T, act.device, impl)
-    if route is not None and topk_weights is not route.weights:
-        raise ValueError("route= needs topk_weights = route.weights (the buffer the "
-                         "gate/up launch given this route fills)")
     if impl == "gluon":
         _refuse_gluon(act, pdl)
         y = _gluon().down(act, w_down, grouping, topk_weights, settings)
@@ -1047,20 +1017,16 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
     if target.backend == "interpreter" and act.dtype == torch.bfloat16:
         y = moe_down_combine(act.float(), w_down.float(), grouping, topk_weights,
                              residual=None if residual is None else residual.float(),
-                             pdl=pdl, settings=settings, route=route)
+                             pdl=pdl, settings=settings)
         return out.copy_(y)
     y = empty((T * grouping.top_k, H), torch.float32, act.device)
     launch = {"launch_pdl": True} if pdl else {}
     _grouped_kernel[(rows // s.block, cdiv(H, s.BLOCK_N))](
         act, w_down, grouping.sorted_pairs, grouping.expert_of_block,
-        grouping.num_active_blocks, topk_weights, y,
-        route.logits if route is not None else y, H, F, E, 0.0,
+        grouping.num_active_blocks, topk_weights, y, y, H, F, E, 0.0,
         act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         USE_DOT=s.use_dot, GATE_UP=False, NORM=False, PDL=pdl, STAGES=s.num_stages,
-        ROUTE=route is not None, BLOCK_E=_route_block_e(E),
-        RENORM=route is not None and route.renormalize,
-        SIGMOID=route is not None and route.sigmoid,
         num_warps=s.num_warps, num_stages=s.num_stages, **launch)
     return _combine(y, out, residual, grouping, T, H, pdl)
 
@@ -1129,8 +1095,8 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
     """What ``triton.compile`` needs to build one MoE kernel for compute capability cc.
 
     kernel: "router_logits", "route" (top-k of the logits), "group", "gate_up", "down" or
-    "combine"; route: the gate/up or down build that selects its slot's expert itself (one
-    token, moe_gate_up(..., route=), moe_down_combine(..., route=)). Settings default to
+    "combine"; route: the gate/up build that selects its slot's expert itself (one token,
+    moe_gate_up(..., route=)). Settings default to
     default_settings on a GPU with num_sms SMs. Returns {"fn", "signature",
     "constexprs", "attrs", "options"} as gemv.compile_spec does.
     """
@@ -1165,7 +1131,7 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
         options = {**options, "num_warps": GROUP_NUM_WARPS}
     elif kernel in ("gate_up", "down"):
         gate_up = kernel == "gate_up"
-        routed = bool(route)
+        routed = route and gate_up
         sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "pairs_ptr": "*i32", "eob_ptr": "*i32",
                "nact_ptr": "*i32",
                "wts_ptr": "*fp32" if not gate_up or routed else f"*{t}",

@@ -255,10 +255,9 @@ def _group_kernel(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
     starts = tl.cumsum(padded, axis=0) - padded
     total = tl.sum(padded, axis=0)
     nact = total // BLOCK
-    lead = pid == 0
-    tl.store(offs_ptr + e, starts, mask=e_live & lead)
-    tl.store(counts_ptr + e, counts, mask=e_live & lead)
-    if pid == 0:
+    if pid == 0:  # the per-expert tables, which every program holds alike
+        tl.store(offs_ptr + e, starts, mask=e_live)
+        tl.store(counts_ptr + e, counts, mask=e_live)
         tl.store(offs_ptr + E, total)
         tl.store(nact_ptr, nact)
     # pair p goes to row starts[id] + (pairs of its expert before p): stable. The pairs

@@ -22,8 +22,16 @@ def test_qkv_rope_cases_for_every_model_and_m():
              if c.kernel == "qkv_rope"]
     dense = [m for m in step.MODELS if not step.model_config(m).is_moe]
     assert {(c.model, c.M) for c in cases} == {(m, M) for m in dense for M in (1, 8, 64)}
-    with pytest.raises(ValueError, match="qwen3-30b-a3b is a mixture-of-experts model"):
-        gemv.gemv_cases(["qwen3-30b-a3b"])
+    # a MoE model without dense layers: its attention projections and LM head, the fused
+    # QKV case with its per-head QK-norm; its experts are `bench moe`'s
+    moe = gemv.gemv_cases(["qwen3-30b-a3b"], [8], gemv.ALL_KERNELS)
+    assert [(c.kernel, c.N, c.K) for c in moe] == [
+        ("qkv", 5120, 2048), ("qkv_rope", 5120, 2048), ("o", 2048, 4096),
+        ("lm_head", 151936, 2048)]
+    assert moe[1].qk_norm and (moe[1].heads, moe[1].kv_heads, moe[1].head_dim) == (32, 4, 128)
+    with pytest.raises(ValueError, match="qwen3-30b-a3b is a mixture-of-experts model "
+                                         "without a dense layer"):
+        gemv.gemv_cases(["qwen3-30b-a3b"], kernels=["gate_up", "down"])
     plain = {(c.model, c.M): c for c in gemv.gemv_cases(m_values=[1, 8, 64], kernels=["qkv"])}
     for c in cases:
         cfg = step.model_config(c.model)
@@ -83,6 +91,15 @@ def test_qkv_settings_parse_to_columns():
     from wsattn.kernels.qkv_rope import GemvRopeSettings
     assert gemv.parse_qkv_settings(["gemv-rope"]) == {
         "wsattn[qkv:gemv-rope]": GemvRopeSettings()}
+    from wsattn.kernels.gemv import GemvSettings
+    assert gemv.parse_qkv_settings(["gemv-rope:64,128,4,1,4,3"]) == {
+        "wsattn[qkv:gemv-rope:64,128,4,1,4,3]":
+            GemvRopeSettings(gemv=GemvSettings(64, 128, 4, True, 4, 3))}
+    for bad, match in (("gemv-rope:64,128,4,1,4", "six integers"),
+                       ("gemv-rope:64,128,4,2,4,3", "use_dot must be 0 or 1")):
+        with pytest.raises(ValueError, match=match) as e:
+            gemv.parse_qkv_settings([bad])
+        assert f"--qkv-settings {bad!r}" in str(e.value)
     args = wsattn.cli.build_parser().parse_args(
         ["bench", "gemv", "--kernels", "qkv_rope", "--qkv-settings", "128,4,8,4", "64,2,4,6"])
     assert args.kernels == ["qkv_rope"] and args.qkv_settings == ["128,4,8,4", "64,2,4,6"]

@@ -50,6 +50,7 @@ M_VALUES = (1, 8, 64)
 KERNELS = ("qkv", "o", "gate_up", "down", "lm_head")  # the plain GEMVs
 FUSED = ("qkv_rope",)  # the step's fused QKV + RoPE + append, on the qkv weights
 ALL_KERNELS = KERNELS + FUSED  # what the command line runs by default
+DENSE_MLP = ("gate_up", "down")  # absent from a mixture-of-experts model without dense layers
 QKV_CTX = 4096  # tokens per sequence: the append writes position QKV_CTX - 1
 IMPLS = ("wsattn", "wsattn-nopdl", "cublas")
 TARGET_FRAC = 0.90  # of the copy ceiling, per GEMV on its own (the issue's target)
@@ -141,14 +142,18 @@ def qkv_rope_case(model: str, cfg, M: int, dtype: str = "bf16", **kw) -> QkvRope
 def model_gemvs(model: str, cfg, M: int, dtype: str = "bf16") -> list[GemvCase]:
     """The five GEMVs of one decode step of ``cfg`` (a ModelConfig) at M rows, with the
     fused QKV case after the plain one (not for a whole-projection QK-norm, which the
-    fused kernel does not compute)."""
+    fused kernel does not compute); for a mixture-of-experts model without dense layers
+    the three that are dense there (QKV, o, LM head) and the fused QKV case."""
     h, q, kv, f = cfg.hidden, cfg.q_size, cfg.kv_size, cfg.ffn
     spec = {"qkv": (q + 2 * kv, h, True, False, False),
             "o": (h, q, False, True, False),
             "gate_up": (2 * f, h, True, False, True),
             "down": (h, f, False, True, False),
             "lm_head": (cfg.vocab, h, True, False, False)}
-    cases = [GemvCase(model, k, M, *spec[k], dtype) for k in KERNELS]
+    # a mixture-of-experts model's dense MLP runs only in its dense layers (none at
+    # Qwen3-30B-A3B); its expert projections are `wsattn bench moe`'s
+    kernels = [k for k in KERNELS if k not in DENSE_MLP or _has_dense_mlp(cfg)]
+    cases = [GemvCase(model, k, M, *spec[k], dtype) for k in kernels]
     if not cfg.qk_norm_whole:
         cases.insert(1, qkv_rope_case(model, cfg, M, dtype))
     return cases
@@ -159,12 +164,23 @@ def gemv_cases(models=None, m_values=M_VALUES, kernels=KERNELS, dtype="bf16") ->
 
     if models is None:
         models = [m for m in MODELS if not model_config(m).is_moe]
-    for m in models:
-        if m in MODELS and model_config(m).is_moe:
-            raise ValueError(f"gemv: {m} is a mixture-of-experts model: its expert "
-                             "projections are `wsattn bench moe`'s, not a dense GEMV")
-    return [c for name in models for M in m_values
-            for c in model_gemvs(name, model_config(name), M, dtype) if c.kernel in kernels]
+    cases = []
+    for name in models:
+        cfg = model_config(name)
+        mine = [c for M in m_values for c in model_gemvs(name, cfg, M, dtype)
+                if c.kernel in kernels]
+        if not mine and cfg.is_moe:
+            raise ValueError(f"gemv: {name} is a mixture-of-experts model without a dense "
+                             f"layer: of --kernels {' '.join(kernels)} it has none (its "
+                             "expert projections are `wsattn bench moe`'s; its attention "
+                             "projections and LM head are dense GEMVs here)")
+        cases += mine
+    return cases
+
+
+def _has_dense_mlp(cfg) -> bool:
+    """Whether some layer of ``cfg`` runs the dense gate/up and down projections."""
+    return not cfg.is_moe or len(cfg.moe_layers) < cfg.layers
 
 
 # --------------------------------------------------------------------------- GPU work
@@ -396,7 +412,11 @@ def _qkv_spec(s) -> str:
     if isinstance(s, TwoLaunchSettings):
         return TWO_LAUNCH_SPEC
     if isinstance(s, GemvRopeSettings):
-        return GEMV_ROPE_SPEC
+        if s.gemv is None:
+            return GEMV_ROPE_SPEC
+        g = s.gemv
+        return f"{GEMV_ROPE_SPEC}:" + ",".join(str(int(v)) for v in (
+            g.BLOCK_N, g.BLOCK_K, g.split_k, g.use_dot, g.num_warps, g.num_stages))
     return ",".join(str(getattr(s, f)) for f in QKV_SETTINGS_FIELDS[:4]) + (
         "" if s.use_dot else ",0")
 
@@ -410,7 +430,10 @@ def parse_qkv_settings(specs) -> dict:
     (use_dot 1, the default, or 0: the FMA path, at most 8 rows), "gemv" (the two-launch
     path: the projection by gemv, then a (row, head) kernel; TwoLaunchSettings) or
     "gemv-rope" (gemv's kernel with RoPE and the append in its epilogue; per-head QK-norm
-    only where K splits, an error row elsewhere; GemvRopeSettings), as
+    only where K splits, an error row elsewhere; GemvRopeSettings) or
+    "gemv-rope:BLOCK_N,BLOCK_K,split_k,use_dot,num_warps,num_stages" (that path with these
+    projection settings, as --gemv-settings spells them; BLOCK_N must divide the head
+    dim), as
     {"wsattn[qkv:SPEC]": QkvRopeSettings}: extra columns of the qkv_rope cases only (PDL
     off). BLOCK_K must also divide the model's hidden size; a column where it does not, or
     whose build does not fit the GPU, is an error row, not a stopped run."""
@@ -426,6 +449,15 @@ def parse_qkv_settings(specs) -> dict:
             continue
         if spec.strip() == GEMV_ROPE_SPEC:
             out[f"wsattn[qkv:{GEMV_ROPE_SPEC}]"] = GemvRopeSettings()
+            continue
+        if spec.strip().startswith(GEMV_ROPE_SPEC + ":"):
+            inner = spec.strip()[len(GEMV_ROPE_SPEC) + 1:]
+            try:
+                (g,) = parse_settings([inner]).values()
+            except ValueError as e:
+                raise ValueError(f"--qkv-settings {spec!r}: {e}") from None
+            s = GemvRopeSettings(gemv=g)
+            out[f"wsattn[qkv:{_qkv_spec(s)}]"] = s
             continue
         parts = spec.split(",")
         if len(parts) not in (4, 5) or not all(p.strip().isdigit() for p in parts):
@@ -690,4 +722,5 @@ def add_arguments(group) -> None:
                        help="gemv: extra columns for the qkv_rope cases, the fused kernel (PDL "
                             "off) with these settings, each BLOCK_K,split_k,num_warps,num_stages"
                             "[,use_dot]; 'gemv' the two-launch path, 'gemv-rope' the "
-                            "GEMV-epilogue path")
+                            "GEMV-epilogue path, 'gemv-rope:' + a --gemv-settings SPEC that "
+                            "path with those projection settings")

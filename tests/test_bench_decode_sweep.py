@@ -32,7 +32,7 @@ def _stamp():
 
 def test_step_shapes_every_combination_both_layouts():
     cases = step_decode_cases()
-    sizes = {(1, 1024), (1, 4096), (8, 4096), (64, 1024), (1, 32768)}
+    sizes = {(1, 1024), (1, 4096), (8, 4096), (32, 4096), (64, 1024), (1, 32768)}
     heads = {(32, 8, 64), (32, 8, 128), (32, 4, 128)}
     assert len(cases) == len(sizes) * len(heads) * 2 == len({c.id for c in cases})
     assert {(c.B, c.L, (c.HQ, c.HKV, c.D), c.page_size) for c in cases} == {

@@ -4,8 +4,8 @@ Prefill: 16k tokens per batch (B = 16384 / N), hidden 2048 (H = 2048 / D), D in 
 64, N from 1k to 16k, causal and not. Decode: one query token, Hq 32, Hkv 8, D 128, a
 full cache of L keys per sequence, contiguous or paged (page 16 or 64). Decode at the
 decode step's shapes (``wsattn bench decode --step-shapes``): the attention heads of
-Llama-3.2-1B and Llama-3.1-8B at the contexts and batches the step benchmark runs,
-contiguous and paged with the engine's page of 16.
+Llama-3.2-1B, Llama-3.1-8B and Qwen3-30B-A3B at the contexts and batches the step
+benchmark runs, contiguous and paged with the engine's page of 64.
 """
 
 from __future__ import annotations
@@ -117,11 +117,12 @@ def decode_cases(quick: bool = False, dtype: str = "bf16") -> list[DecodeCase]:
 
 # The decode step's attention (wsattn.bench.step): (Hq, Hkv, D) per model (the MoE
 # model's 4 KV heads give half the programs a split of the dense models' 8), (B, L) from a
-# single chat turn to a long document, and the engine's page size. These caches are 2-270 MB,
+# single chat turn to a long document (B=32 one of the engine's mid-size buckets), and the
+# engine's page size. These caches are 2-270 MB,
 # where the default cases' are 0.5-2 GB: the split rule was tuned on the latter.
 STEP_HEADS = {"llama-3.2-1b": (32, 8, 64), "llama-3.1-8b": (32, 8, 128),
               "qwen3-30b-a3b": (32, 4, 128)}
-STEP_SIZES = ((1, 1024), (1, 4096), (8, 4096), (64, 1024), (1, 32768))
+STEP_SIZES = ((1, 1024), (1, 4096), (8, 4096), (32, 4096), (64, 1024), (1, 32768))
 STEP_QUICK_SIZES = ((1, 4096), (8, 4096))
 STEP_PAGE_SIZE = PAGE_SIZE  # the engine's
 

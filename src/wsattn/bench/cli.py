@@ -22,8 +22,8 @@ tokens of lengths drawn from 64-8192, fixed seed) against equal-length batches o
 work and torch's FlashAttention-2 varlen (wsattn.bench.varlen).
 
 `wsattn bench decode --step-shapes` runs the decode step's attention shapes instead of the
-long contexts (Llama-3.2-1B and Llama-3.1-8B heads, B 1-64, L 1k-32k, contiguous and
-page 16); `--decode-settings SPEC ...` adds a column `triton[SPEC]` per SPEC =
+long contexts (Llama-3.2-1B, Llama-3.1-8B and Qwen3-30B-A3B heads, B 1-64, L 1k-32k,
+contiguous and the engine's pages of 64); `--decode-settings SPEC ...` adds a column `triton[SPEC]` per SPEC =
 BLOCK_N,num_warps,num_stages,num_splits[,bt_preload]: the Triton decode kernel launched
 with exactly those settings (num_splits 0: the count the default rule picks for the case
 at that BLOCK_N), checked then timed like `triton`, whose rows note the settings the
@@ -82,10 +82,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="time spent in timed samples per measurement (ms, 20 samples)")
     decode_group = p.add_argument_group("decode (the attention kernel alone)")
     decode_group.add_argument("--step-shapes", action="store_true",
-                              help="decode: the decode step's shapes (Llama-3.2-1B and "
-                                   "Llama-3.1-8B heads; (B, L) in (1, 1k), (1, 4k), (8, 4k), "
-                                   "(64, 1k), (1, 32k); contiguous and page 16) instead of "
-                                   "the long-context cases")
+                              help="decode: the decode step's shapes (Llama-3.2-1B, "
+                                   "Llama-3.1-8B and Qwen3-30B-A3B heads; (B, L) in (1, 1k), "
+                                   "(1, 4k), (8, 4k), (32, 4k), (64, 1k), (1, 32k); contiguous "
+                                   "and the engine's pages of 64) instead of the long-context "
+                                   "cases")
     decode_group.add_argument("--decode-settings", nargs="+", type=_settings_arg, default=None,
                               metavar="SPEC",
                               help="decode: extra columns triton[SPEC], the Triton decode "

@@ -207,21 +207,20 @@ class DecodeSettings:
     bt_preload: bool = False
 
 
-# Auto splitting aims at this many programs per SM once B * Hkv alone cannot fill the
+# Auto splitting fills one wave of resident programs once B * Hkv alone cannot fill the
 # GPU, and gives each split at least MIN_SPLIT_TILES tiles so that the pipeline's
 # prologue and the combine stay small next to the streaming.
-WAVES = 4
 MIN_SPLIT_TILES = 8
 MAX_SPLITS = 128
 STAGE_BYTES = 32 * 1024  # K + V bytes per pipeline stage
 # Programs resident on one SM with the default settings (shared memory: ~105 KB a program
-# on sm_90/sm_100 of 228 KB, ~70 KB on sm_80 of 164 KB), and how full the last wave of
-# resident programs must be. A paged program keeps few bytes in flight (its loads wait on
-# the block table), so a nearly empty last wave leaves HBM idle: on H200, B=8 L=65536 page
-# 16 ran 0.80x contiguous with 9 splits (576 programs = 2 waves of 264 + 48) and 0.97x
-# with 4 (one wave), 0.95x with 16.
+# on sm_90/sm_100 of 228 KB, ~70 KB on sm_80 of 164 KB). The splits stop at one wave of
+# them: a second wave only starts as programs of the first end, and paged programs keep
+# few bytes in flight (their loads wait on the block table). H200: B=8 L=65536 page 16
+# ran 0.80x contiguous with 9 splits (576 programs = 264 + 264 + 48) and 0.97x with 4
+# (one wave), 0.95x with 16; Llama-3.1-8B heads B=8 L=4096 pages of 64, 38 us with 4
+# splits (256 programs) against 42 with 8 (264 + 248) (notes/decode_triton.md).
 RESIDENT_PER_SM = 2
-MIN_LAST_WAVE = 0.75
 FEW_PROGRAMS = 4  # see auto_splits: B * Hkv at most a quarter of the SMs
 WIDE_BATCH_BLOCK_N = 64  # keys a tile on sm_90 once B * Hkv fills two waves (default_settings)
 
@@ -242,8 +241,8 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
     # bandwidth-bound, so one program per SM however few tiles each gets beats long
     # splits. H200, Hkv 8 paged 16: B=1 L=4096 D64 16.0 -> 9.2 us with 16 splits of 2
     # tiles instead of 4 of 8; L=1024 13.8 -> 6.2 us with 8 splits of one tile instead of
-    # 1 (notes/decode_triton.md). Long contexts keep the wave rule below where it asks for
-    # more splits (B=1 L=32768 D64: 32 splits 25.7 us, 16 splits 29).
+    # 1 (notes/decode_triton.md). Long contexts keep the one-wave rule below where it asks
+    # for more splits (B=1 L=32768 D64: 32 splits 25.7 us, 16 splits 29).
     # Tiles per split rounded down, so a capacity just past a multiple (4096 keys + a
     # few new tokens) gives 17 splits of 2 tiles, not 11 of 3. Never more splits than one
     # program an SM, though: with 4 KV heads at B=1 and ~4k keys the rounding gave one
@@ -254,19 +253,11 @@ def auto_splits(batch: int, kv_heads: int, capacity: int, block_n: int, num_sms:
     if programs * FEW_PROGRAMS <= num_sms:
         floor = min(cdiv(tiles, max(1, tiles // (num_sms // programs))),
                     cdiv(num_sms, programs), MAX_SPLITS)
-    want = cdiv(WAVES * num_sms, programs)
     most = max(1, capacity // (MIN_SPLIT_TILES * block_n))
-    splits = max(1, min(want, most, MAX_SPLITS))
+    splits = max(1, min(RESIDENT_PER_SM * num_sms // programs, most, MAX_SPLITS))
     # the kernel gives each split cdiv(tiles, splits) tiles; `used` drops the splits a
-    # full-length sequence would leave empty (131072 keys, 66 wanted: 32 tiles each fill
-    # only 64)
-    # then the largest count at most that whose last wave of resident programs is full
-    # enough (B=8, Hkv=8 on 132 SMs: 9 -> 8 splits, 512 programs = 264 + 248)
-    slots = RESIDENT_PER_SM * num_sms
-    for n in range(splits, 0, -1):
-        last = (programs * used(n)) % slots
-        if last == 0 or last >= MIN_LAST_WAVE * slots or programs * used(n) < slots:
-            return max(used(n), floor)
+    # full-length sequence would leave empty (4160 keys in 64-key tiles, 16 wanted: 5
+    # tiles each fill only 13)
     return max(used(splits), floor)
 
 

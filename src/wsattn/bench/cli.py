@@ -24,10 +24,11 @@ work and torch's FlashAttention-2 varlen (wsattn.bench.varlen).
 `wsattn bench decode --step-shapes` runs the decode step's attention shapes instead of the
 long contexts (Llama-3.2-1B, Llama-3.1-8B and Qwen3-30B-A3B heads, B 1-64, L 1k-32k,
 contiguous and the engine's pages of 64); `--decode-settings SPEC ...` adds a column
-`triton[SPEC]` per SPEC = BLOCK_N,num_warps,num_stages,num_splits[,bt_preload]: the Triton decode kernel launched
-with exactly those settings (num_splits 0: the count the default rule picks for the case
-at that BLOCK_N), checked then timed like `triton`, whose rows note the settings the
-defaults chose. A decode case whose K/V fits in L2 several times over is
+`triton[SPEC]` per SPEC = BLOCK_N,num_warps,num_stages,num_splits[,bt_preload]: the Triton
+decode kernel launched with exactly those settings (num_splits 0: the count the default
+rule picks for the case at that BLOCK_N), checked then timed like `triton`, whose rows
+note the settings the defaults chose. A decode case whose K/V fits in L2 several times
+over is
 timed over copies of its inputs, so that it reads HBM as the decode step does.
 """
 

@@ -28,8 +28,7 @@ contiguous and the engine's pages of 64); `--decode-settings SPEC ...` adds a co
 decode kernel launched with exactly those settings (num_splits 0: the count the default
 rule picks for the case at that BLOCK_N), checked then timed like `triton`, whose rows
 note the settings the defaults chose. A decode case whose K/V fits in L2 several times
-over is
-timed over copies of its inputs, so that it reads HBM as the decode step does.
+over is timed over copies of its inputs, so that it reads HBM as the decode step does.
 """
 
 from __future__ import annotations

@@ -501,6 +501,37 @@ def _ptxas_spills(kernel):
     return regs, st + ld
 
 
+def _before_wait(spec, kernel, params):
+    """What the sm_90 PTX does before its griddepcontrol.wait: (global loads, global loads
+    whose address derives from one of the kernel arguments named in params, global
+    stores). The derivation is followed through every instruction before the wait, in
+    any order (a fixed point), so a register it may reach counts."""
+    ptx = kernel.asm["ptx"]
+    head = ptx[:ptx.index("griddepcontrol.wait")].splitlines()
+    args = [n for n in spec["fn"].arg_names if spec["signature"][n] != "constexpr"]
+    name = spec["fn"].__name__
+    sources = {f"[{name}_param_{args.index(n)}]" for n in params}
+    insn = re.compile(r"\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+(.*);")
+    tainted, changed = set(), True
+    while changed:
+        changed = False
+        for line in head:
+            m = insn.match(line)
+            if not m or m.group(1).startswith(("st.", "bra")):
+                continue
+            dst, _, rest = m.group(2).partition(",")
+            defs = set(re.findall(r"%\w+", dst))
+            if (set(re.findall(r"%\w+", rest)) & tainted
+                    or any(src in rest.replace(" ", "") for src in sources)):
+                if not defs <= tainted:
+                    tainted |= defs
+                    changed = True
+    loads = [line for line in head if re.search(r"\bld\.global", line)]
+    derived = [line for line in loads
+               if set(re.findall(r"%\w+", line.partition("[")[2])) & tainted]
+    return loads, derived, [line for line in head if re.search(r"\bst\.global", line)]
+
+
 @pytest.mark.parametrize("rows", [1, 8, 64])
 @pytest.mark.parametrize("family", FUSED)
 def test_sm90_llama8b_shape_compiles_without_spills(family, rows, record_property):
@@ -524,8 +555,9 @@ def test_sm90_llama8b_shape_compiles_without_spills(family, rows, record_propert
                                    dict(q_heads=32, kv_heads=8, head_dim=64)])
 def test_sm90_two_launch_kernel_compiles_without_spills(shape, family):
     """The two-launch path's second kernel (OLMoE's whole-projection QK-norm; the A/B path
-    of the other families) at sm_90: no spills, and under PDL it waits before its first
-    load (its input is the projection's output)."""
+    of the other families) at sm_90: no spills, and under PDL it reads the position side
+    (positions, block table, inv_freq) before its wait and nothing of its input, the
+    projection's output, and writes nothing there."""
     fam = dict(FAMILIES[family], settings=qkv_rope.TwoLaunchSettings())
     s, k = _compile(**fam, **shape)
     regs, spills = _ptxas_spills(k)
@@ -534,9 +566,9 @@ def test_sm90_two_launch_kernel_compiles_without_spills(shape, family):
     c = s["constexprs"]
     assert (c["WHOLE"], c["QK_NORM"], c["BIAS"]) == (
         bool(fam.get("qk_norm_whole")), fam["qk_norm"], fam["bias"])
-    ptx = _compile(**fam, pdl=True, **shape)[1].asm["ptx"]
-    wait = ptx.index("griddepcontrol.wait")
-    assert "ld.global" not in ptx[:wait]
+    loads, of_projection, stores = _before_wait(*_compile(**fam, pdl=True, **shape),
+                                                ("qkv_ptr",))
+    assert loads and not of_projection and not stores, (of_projection, stores)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8, 64])
@@ -545,7 +577,8 @@ def test_sm90_gemv_rope_builds_compile_without_spills(shape, rows):
     """The GEMV-epilogue path at the Llama-3.2-1B (K 2048, D 64) and Llama-3.1-8B (K 4096,
     D 128) shapes with bias, PDL on: both launches build without spills; the projection
     streams W in 16-byte loads, pipelined, loads its first W tile before the PDL wait and
-    reads nothing else before it; the finish waits before its first load."""
+    reads nothing else before it; the finish reads the position side before its wait and
+    the partials only after it."""
     kw = dict(head_dim=64, hidden=2048) if shape == "1B" else dict(head_dim=128, hidden=4096)
     kw["settings"] = qkv_rope.GemvRopeSettings()  # the default picks by grid size
     s, k = _compile(rows=rows, bias=True, pdl=True, **kw)
@@ -560,8 +593,8 @@ def test_sm90_gemv_rope_builds_compile_without_spills(shape, rows):
     assert s["constexprs"]["BLOCK_N"] <= kw["head_dim"] and not s["constexprs"]["PDL_LATE"]
     fs, fk = _compile(rows=rows, bias=True, pdl=True, finish=True, **kw)
     assert _ptxas_spills(fk)[1] == 0, (shape, rows)
-    fptx = fk.asm["ptx"]
-    assert "ld.global" not in fptx[:fptx.index("griddepcontrol.wait")]
+    loads, of_partials, stores = _before_wait(fs, fk, ("ws_ptr", "ss_ptr"))
+    assert loads and not of_partials and not stores, (shape, rows, of_partials, stores)
     # per-head QK-norm: the finish holds a whole head; unsplit, BLOCK_N = D
     _, qk = _compile(rows=rows, qk_norm=True, pdl=True, finish=True, **kw)
     assert _ptxas_spills(qk)[1] == 0, (shape, rows, "qk_norm finish")
@@ -893,6 +926,54 @@ def test_gpu_split_k_is_deterministic_and_graph_safe(pdl):
         graph.replay()
     torch.cuda.synchronize()
     assert _same_bits(q_out, q0) and _same_bits(kc, k0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["two-launch", "gemv-rope-split"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_pdl_epilogue_reads_positions_written_two_launches_back(family, path):
+    """The two-launch path's epilogue kernel and the GEMV-epilogue path's split-K finish
+    read the positions and the block table before their PDL wait. As in the engine's step,
+    a kernel just before the projection writes the positions (seqlens - 1) inside the
+    captured graph; replays with new seqlens each give the caches and q of an eager call
+    without PDL at those positions, bit for bit (Llama-3.1-8B shape, 8 rows, bf16)."""
+    from wsattn.kernels import gemv as _gemv
+    from wsattn.target import target_of
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    ns = _gpu_ns()
+    fam = FAMILIES[family]
+    M, K, Hq, Hkv, D = 8, 4096, 32, 8, 128
+    if path == "two-launch":
+        s = qkv_rope.TwoLaunchSettings()
+    else:
+        s = qkv_rope.GemvRopeSettings()
+        g = qkv_rope.gemv_rope_settings(target_of(torch.device("cuda")), M, K, Hq + 2 * Hkv,
+                                        D, torch.bfloat16)
+        assert _gemv.launch_split(K, g) > 1  # the finish kernel runs
+    inp = ns["make_inputs"](fam, M, K, Hq, Hkv, D, torch.bfloat16, "cuda")
+    kc, vc, bt, _, _ = ns["make_caches"](M, Hkv, D, torch.bfloat16, "cuda")
+    seqlens = (inp["positions"] + 1).contiguous()
+    positions = torch.empty_like(seqlens)
+    q_out = torch.empty(M, Hq, D, dtype=torch.bfloat16, device="cuda")
+    call = dict(inp, positions=positions, block_table=bt, settings=s)
+    torch.sub(seqlens, 1, out=positions)  # builds before the capture
+    qkv_rope_append(**call, k_cache=kc, v_cache=vc, q_out=q_out, pdl=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.sub(seqlens, 1, out=positions)
+        qkv_rope_append(**call, k_cache=kc, v_cache=vc, q_out=q_out, pdl=True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for _ in range(4):
+        pos = torch.randint(0, 64, (M,), generator=g, device="cuda", dtype=torch.int32)
+        kr, vr = kc.clone(), vc.clone()
+        q_ref = qkv_rope_append(**dict(call, positions=pos), k_cache=kr, v_cache=vr,
+                                pdl=False)
+        seqlens.copy_(pos + 1)
+        q_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_bits(q_out, q_ref) and _same_bits(kc, kr) and _same_bits(vc, vr)
 
 
 @pytest.mark.gpu

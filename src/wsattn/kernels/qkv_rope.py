@@ -30,7 +30,11 @@ overlap, and a captured graph must not outlive a growth of it).
 
 PDL (sm_90+): the first Wqkv tile is loaded before ``gdc_wait`` (weights do not depend
 on the previous kernel; x and positions do), and dependents are released right after the
-wait, since their own ``gdc_wait`` waits for this grid to finish anyway.
+wait, since their own ``gdc_wait`` waits for this grid to finish anyway. The second
+launches below (``_norm_rope_append_kernel``, ``_rope_finish_kernel``) read the positions,
+sequence indices, block table and inv_freq and form cos / sin and the cache slots before
+their wait (``_rope_prep``): their predecessor is the projection, which writes none of
+those and releases them only after its own wait, so whatever wrote them is done.
 
 Two more paths, chosen by :func:`default_settings` on sm_90 (where each measured faster
 than this kernel) or by ``settings``:
@@ -99,51 +103,23 @@ def _tile(acc_lo, acc_hi, ss, x_ptr, rows, row_live, stride_xm, M, k0, k_hi, w_l
 
 
 @triton.jit
-def _epilogue(h, j, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
-              b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
-              q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
-              stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
-              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-              NORM: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-              PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr):
-    # Head h's columns j and HALF + j (the rotate_half pairs; j [P] within the half head,
-    # all D/2 of them where QK_NORM, which needs the whole head) for rows [BLOCK_M]:
-    # acc_lo / acc_hi [BLOCK_M, P] fp32 -> scale, bias, QK-norm, RoPE, q store or append.
-    HALF: tl.constexpr = D // 2
-    if NORM:
-        r = 1.0 / tl.sqrt(ss / K + norm_eps)  # [BLOCK_M]
-        acc_lo = acc_lo * r[:, None]
-        acc_hi = acc_hi * r[:, None]
-    if BIAS:
-        acc_lo += tl.load(b_ptr + h * D + j).to(tl.float32)[None, :]
-        acc_hi += tl.load(b_ptr + h * D + HALF + j).to(tl.float32)[None, :]
+def _rope_prep(h, j, rows, row_live, inv_freq_ptr, pos_ptr, seq_ptr, bt_ptr, stride_kb,
+               stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
+               HQ: tl.constexpr, HKV: tl.constexpr, PAGED: tl.constexpr,
+               PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr):
+    # The part of head h's epilogue that reads only the position side (positions, sequence
+    # indices, the block table, inv_freq), none of the projection, so a kernel whose
+    # projection comes from its predecessor can form it before its PDL wait: the rotary
+    # cos / sin [BLOCK_M, P] of columns j (q and k heads; zeros, never read, for a v head)
+    # and each row's cache slot [BLOCK_M] for head h, an int64 element offset from kc_ptr
+    # (k heads) or vc_ptr (v heads; zeros, never read, for a q head). A q head's q_out row
+    # stays in _epilogue: an offset that came out of this branch would lose what the
+    # compiler knows of its alignment, and with it the q store's 16-byte vectors. The slot
+    # comes first: its page-table load waits on the position load, and the cos / sin
+    # arithmetic then covers its latency.
     pos = tl.load(pos_ptr + rows, mask=row_live, other=0)  # [BLOCK_M] int32
-    if h < HQ + HKV:  # a q or k head: QK-norm, then RoPE
-        if QK_NORM:
-            if h < HQ:
-                g_lo = tl.load(qn_ptr + j).to(tl.float32)
-                g_hi = tl.load(qn_ptr + HALF + j).to(tl.float32)
-            else:
-                g_lo = tl.load(kn_ptr + j).to(tl.float32)
-                g_hi = tl.load(kn_ptr + HALF + j).to(tl.float32)
-            hss = tl.sum(acc_lo * acc_lo, 1) + tl.sum(acc_hi * acc_hi, 1)  # [BLOCK_M]
-            hr = 1.0 / tl.sqrt(hss / D + qk_eps)
-            acc_lo = acc_lo * hr[:, None] * g_lo[None, :]
-            acc_hi = acc_hi * hr[:, None] * g_hi[None, :]
-        # the angle as transformers forms it: an fp32 product of position and frequency
-        ang = pos.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + j)[None, :]  # [BLOCK_M, D/2]
-        c = tl.cos(ang)
-        sn = tl.sin(ang)
-        lo = acc_lo * c - acc_hi * sn
-        hi = acc_hi * c + acc_lo * sn
-    else:
-        lo = acc_lo
-        hi = acc_hi
     if h < HQ:
-        q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm + h * stride_qh
-        tl.store(q_rows + j[None, :], lo.to(q_ptr.dtype.element_ty), mask=row_live[:, None])
-        tl.store(q_rows + HALF + j[None, :], hi.to(q_ptr.dtype.element_ty),
-                 mask=row_live[:, None])
+        slot = tl.zeros([rows.shape[0]], dtype=tl.int64)
     else:
         if SEQ_INDEX:
             b = tl.load(seq_ptr + rows, mask=row_live, other=0)  # [BLOCK_M]
@@ -157,9 +133,69 @@ def _epilogue(h, j, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
             page = b.to(tl.int64)
             off = pos.to(tl.int64)
         if h < HQ + HKV:
-            dst = kc_ptr + page * stride_kb + off * stride_kl + (h - HQ) * stride_kh  # [BLOCK_M]
+            slot = page * stride_kb + off * stride_kl + (h - HQ) * stride_kh
         else:
-            dst = vc_ptr + page * stride_vb + off * stride_vl + (h - HQ - HKV) * stride_vh
+            slot = page * stride_vb + off * stride_vl + (h - HQ - HKV) * stride_vh
+    if h < HQ + HKV:
+        # the angle as transformers forms it: an fp32 product of position and frequency
+        ang = pos.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + j)[None, :]  # [BLOCK_M, P]
+        c = tl.cos(ang)
+        sn = tl.sin(ang)
+    else:
+        c = tl.zeros([rows.shape[0], j.shape[0]], dtype=tl.float32)
+        sn = c
+    return c, sn, slot
+
+
+@triton.jit
+def _epilogue(h, j, acc_lo, acc_hi, ss, c, sn, slot, rows, row_live, K, norm_eps, qk_eps,
+              b_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr, stride_qm, stride_qh,
+              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+              NORM: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr):
+    # Head h's columns j and HALF + j (the rotate_half pairs; j [P] within the half head,
+    # all D/2 of them where QK_NORM, which needs the whole head) for rows [BLOCK_M]:
+    # acc_lo / acc_hi [BLOCK_M, P] fp32 -> scale, bias, QK-norm, RoPE, q store or append,
+    # with c, sn, slot from _rope_prep for the same h, j and rows.
+    HALF: tl.constexpr = D // 2
+    if NORM:
+        r = 1.0 / tl.sqrt(ss / K + norm_eps)  # [BLOCK_M]
+        acc_lo = acc_lo * r[:, None]
+        acc_hi = acc_hi * r[:, None]
+    if BIAS:
+        acc_lo += tl.load(b_ptr + h * D + j).to(tl.float32)[None, :]
+        acc_hi += tl.load(b_ptr + h * D + HALF + j).to(tl.float32)[None, :]
+    if h < HQ + HKV:  # a q or k head: QK-norm, then RoPE
+        if QK_NORM:
+            if h < HQ:
+                g_lo = tl.load(qn_ptr + j).to(tl.float32)
+                g_hi = tl.load(qn_ptr + HALF + j).to(tl.float32)
+            else:
+                g_lo = tl.load(kn_ptr + j).to(tl.float32)
+                g_hi = tl.load(kn_ptr + HALF + j).to(tl.float32)
+            hss = tl.sum(acc_lo * acc_lo, 1) + tl.sum(acc_hi * acc_hi, 1)  # [BLOCK_M]
+            hr = 1.0 / tl.sqrt(hss / D + qk_eps)
+            acc_lo = acc_lo * hr[:, None] * g_lo[None, :]
+            acc_hi = acc_hi * hr[:, None] * g_hi[None, :]
+        # The rotation with its contraction spelled out: left to the compiler, which of the
+        # two products fuses into the FMA depended on the surrounding code (the two-launch
+        # epilogue kernel with cos / sin formed before its wait fused hi's other product,
+        # and its bits left the GEMV-epilogue path's on the H200), so every kernel that
+        # shares this epilogue rounds the same way.
+        lo = tl.fma(acc_lo, c, acc_hi * -sn)  # the product rounded once, as -(acc_hi * sn)
+        hi = tl.fma(acc_hi, c, acc_lo * sn)
+    else:
+        lo = acc_lo
+        hi = acc_hi
+    if h < HQ:
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm + h * stride_qh
+        tl.store(q_rows + j[None, :], lo.to(q_ptr.dtype.element_ty), mask=row_live[:, None])
+        tl.store(q_rows + HALF + j[None, :], hi.to(q_ptr.dtype.element_ty),
+                 mask=row_live[:, None])
+    else:
+        if h < HQ + HKV:
+            dst = kc_ptr + slot  # [BLOCK_M]
+        else:
+            dst = vc_ptr + slot
         tl.store(dst[:, None] + j[None, :], lo.to(kc_ptr.dtype.element_ty),
                  mask=row_live[:, None])
         tl.store(dst[:, None] + HALF + j[None, :], hi.to(kc_ptr.dtype.element_ty),
@@ -223,11 +259,15 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr,
     acc_hi = tl.trans(acc_hi)
 
     if SPLIT_K == 1:
-        _epilogue(h, j, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
-                  b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
-                  q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
-                  stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
-                  HQ, HKV, D, NORM, BIAS, QK_NORM, PAGED, PAGE_SIZE, SEQ_INDEX)
+        # The position side after the loop: cos / sin held across it would cost its
+        # registers, and the wait before the loop guards the positions, which the launch
+        # before this one may have written.
+        c, sn, slot = _rope_prep(h, j, rows, row_live, inv_freq_ptr, pos_ptr, seq_ptr, bt_ptr,
+                                 stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
+                                 stride_vh, stride_btb, HQ, HKV, PAGED, PAGE_SIZE, SEQ_INDEX)
+        _epilogue(h, j, acc_lo, acc_hi, ss, c, sn, slot, rows, row_live, K, norm_eps, qk_eps,
+                  b_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr, stride_qm, stride_qh, HQ, HKV,
+                  D, NORM, BIAS, QK_NORM)
     else:
         r = tl.arange(0, BLOCK_M)
         tile = h * tl.num_programs(2) + mb  # this (head, row block)'s counter
@@ -255,11 +295,13 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr,
                 if NORM:
                     ss += tl.load(ss_tile + t * BLOCK_M + r, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
-            _epilogue(h, j, acc_lo, acc_hi, ss, rows, row_live, K, norm_eps, qk_eps,
-                      b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr,
-                      q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
-                      stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
-                      stride_btb, HQ, HKV, D, NORM, BIAS, QK_NORM, PAGED, PAGE_SIZE, SEQ_INDEX)
+            c, sn, slot = _rope_prep(h, j, rows, row_live, inv_freq_ptr, pos_ptr, seq_ptr,
+                                     bt_ptr, stride_kb, stride_kl, stride_kh, stride_vb,
+                                     stride_vl, stride_vh, stride_btb, HQ, HKV, PAGED,
+                                     PAGE_SIZE, SEQ_INDEX)
+            _epilogue(h, j, acc_lo, acc_hi, ss, c, sn, slot, rows, row_live, K, norm_eps,
+                      qk_eps, b_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr, stride_qm,
+                      stride_qh, HQ, HKV, D, NORM, BIAS, QK_NORM)
 
 
 # --------------------------------------------------------------------------- settings
@@ -329,15 +371,24 @@ def _norm_rope_append_kernel(qkv_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_p
     # waits on another and the heads' epilogues run side by side; one program walking
     # every head in turn chained 48 epilogues' latencies (~0.13 ms a call at the OLMoE
     # shape in the ladder). QW, KW: Hq * D and Hkv * D rounded up to powers of two.
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the rows come from the projection before
-        tl.extra.cuda.gdc_launch_dependents()
     HALF: tl.constexpr = D // 2
     h = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_live = rows < M
     live = row_live[:, None]
     j = tl.arange(0, HALF)  # [D/2]
+    # Before the wait: the position side reads nothing of the projection, only positions,
+    # sequence indices and the block table (copied in, or written by kernels at least two
+    # launches back) and the constant inv_freq. Under PDL this grid launches once every
+    # program of its predecessor (the projection) has released it, which each does after
+    # its own gdc_wait, so every kernel before that one has completed and its writes are
+    # visible: the loads and the cos / sin overlap the projection's tail.
+    c, sn, slot = _rope_prep(h, j, rows, row_live, inv_freq_ptr, pos_ptr, seq_ptr, bt_ptr,
+                             stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+                             stride_btb, HQ, HKV, PAGED, PAGE_SIZE, SEQ_INDEX)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the rows come from the projection before
+        tl.extra.cuda.gdc_launch_dependents()
     base = qkv_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     lo = tl.load(base + h * D + j[None, :], mask=live, other=0.0).to(tl.float32)
     hi = tl.load(base + h * D + HALF + j[None, :], mask=live, other=0.0).to(tl.float32)
@@ -358,39 +409,25 @@ def _norm_rope_append_kernel(qkv_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_p
             lo = lo * r[:, None] * tl.load(g + j).to(tl.float32)[None, :]
             hi = hi * r[:, None] * tl.load(g + HALF + j).to(tl.float32)[None, :]
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-    _epilogue(h, j, lo, hi, zero, rows, row_live, 1, 0.0, qk_eps, b_ptr, qn_ptr, kn_ptr,
-              inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
-              stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
-              stride_vh, stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=BIAS,
-              QK_NORM=QK_NORM, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SEQ_INDEX=SEQ_INDEX)
+    _epilogue(h, j, lo, hi, zero, c, sn, slot, rows, row_live, 1, 0.0, qk_eps, b_ptr, qn_ptr,
+              kn_ptr, q_ptr, kc_ptr, vc_ptr, stride_qm, stride_qh, HQ=HQ, HKV=HKV, D=D,
+              NORM=False, BIAS=BIAS, QK_NORM=QK_NORM)
 
 
 @triton.jit
-def _rope_store(h, j, lo, hi, ss, M, K, eps, qk_eps, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr,
-                pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
-                stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
-                BLOCK_M: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                NORM: tl.constexpr, BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_INDEX: tl.constexpr,
-                m0=0):
-    # The GEMV-epilogue path's last step, for its one-pass kernel and its split-K finish:
-    # lo / hi [BLOCK_M, P] fp32 sums of head h's columns j / HALF + j (all D/2 of them with
-    # QK_NORM) for rows m0 .., ss [BLOCK_M] x's sums of squares. The two-launch path's
-    # arithmetic step for step (gemv's FlashNorm scale, its rounding into x's dtype, then
-    # the epilogue kernel), so the paths agree.
+def _gemv_scale(lo, hi, ss, K, eps, q_ptr, NORM: tl.constexpr):
+    # The GEMV-epilogue path's projection as the two-launch path's gemv leaves it, for its
+    # one-pass kernel and its split-K finish: lo / hi [BLOCK_M, P] fp32 sums, ss [BLOCK_M]
+    # x's sums of squares -> gemv's FlashNorm scale and its rounding into x's dtype, so
+    # that _epilogue then does the epilogue kernel's arithmetic step for step and the
+    # paths agree.
     if NORM:
         rstd = tl.rsqrt(ss / K + eps)[:, None]  # as gemv's _finish forms it
         lo = lo * rstd
         hi = hi * rstd
     lo = lo.to(q_ptr.dtype.element_ty).to(tl.float32)
     hi = hi.to(q_ptr.dtype.element_ty).to(tl.float32)
-    rows = m0 + tl.arange(0, BLOCK_M)
-    zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-    _epilogue(h, j, lo, hi, zero, rows, rows < M, 1, 0.0, qk_eps, b_ptr, qn_ptr, kn_ptr,
-              inv_freq_ptr, pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm,
-              stride_qh, stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
-              stride_btb, HQ=HQ, HKV=HKV, D=D, NORM=False, BIAS=BIAS, QK_NORM=QK_NORM,
-              PAGED=PAGED, PAGE_SIZE=PAGE_SIZE, SEQ_INDEX=SEQ_INDEX)
+    return lo, hi
 
 
 @triton.jit
@@ -429,11 +466,19 @@ def _gemv_rope_kernel(x_ptr, w_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr
         tl.static_assert(P == HALF or not QK_NORM, "QK-norm unsplit needs BLOCK_N == D")
         # [BLOCK_N, BLOCK_M] -> the halves [P, BLOCK_M] (row r of the tile is (r // P, r % P))
         lo, hi = tl.split(tl.permute(tl.reshape(acc, [2, P, BLOCK_M]), [1, 2, 0]))
-        _rope_store(h, c0 + tl.arange(0, P), tl.trans(lo), tl.trans(hi), ss, M, K, eps,
-                    qk_eps, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos_ptr, seq_ptr, q_ptr,
-                    kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh, stride_kb, stride_kl,
-                    stride_kh, stride_vb, stride_vl, stride_vh, stride_btb, BLOCK_M, HQ, HKV,
-                    D, NORM, BIAS, QK_NORM, PAGED, PAGE_SIZE, SEQ_INDEX)
+        lo, hi = _gemv_scale(tl.trans(lo), tl.trans(hi), ss, K, eps, q_ptr, NORM)
+        # The position side after the weight loop, not before the wait as the finish forms
+        # it: the launch before this one may have written the positions, and cos / sin held
+        # across the loop would cost its registers.
+        j = c0 + tl.arange(0, P)
+        rows = tl.arange(0, BLOCK_M)
+        row_live = rows < M
+        c, sn, slot = _rope_prep(h, j, rows, row_live, inv_freq_ptr, pos_ptr, seq_ptr, bt_ptr,
+                                 stride_kb, stride_kl, stride_kh, stride_vb, stride_vl,
+                                 stride_vh, stride_btb, HQ, HKV, PAGED, PAGE_SIZE, SEQ_INDEX)
+        _epilogue(h, j, lo, hi, tl.zeros_like(ss), c, sn, slot, rows, row_live, 1, 0.0, qk_eps,
+                  b_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr, stride_qm, stride_qh, HQ, HKV,
+                  D, False, BIAS, QK_NORM)
     else:
         mi = tl.arange(0, BLOCK_M)
         mask = n_live[:, None] & (mi < M)[None, :]
@@ -453,10 +498,7 @@ def _rope_finish_kernel(ws_ptr, ss_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos
     # The split-K GEMV's second launch on the GEMV-epilogue path, in place of gemv's
     # _splitk_finish_kernel: grid ((HQ + 2 HKV) * D / (2 P), cdiv(M, BLOCK_M)), P pairs of
     # one head and a block of rows a program (P = D/2, the whole head, with QK_NORM), the
-    # splits added in gemv's fixed order, then _rope_store.
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # everything this kernel reads comes from earlier kernels
-        tl.extra.cuda.gdc_launch_dependents()
+    # splits added in gemv's fixed order, then _gemv_scale and _epilogue.
     HALF: tl.constexpr = D // 2
     NOUT: tl.constexpr = (HQ + 2 * HKV) * D
     pid = tl.program_id(0)
@@ -464,15 +506,26 @@ def _rope_finish_kernel(ws_ptr, ss_ptr, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr, pos
     j = (pid % (HALF // P)) * P + tl.arange(0, P)  # [P]
     m0 = tl.program_id(1) * BLOCK_M
     mi = m0 + tl.arange(0, BLOCK_M)
-    mask = (mi < M)[:, None] & (j < HALF)[None, :]  # [BLOCK_M, P]
+    row_live = mi < M
+    # Before the wait, as in _norm_rope_append_kernel: the position side reads only what
+    # copies and kernels at least two launches back wrote (the projection's launch before
+    # this one writes the partials alone), complete once every program of that launch,
+    # each past its own gdc_wait, has released this grid.
+    c, sn, slot = _rope_prep(h, j, mi, row_live, inv_freq_ptr, pos_ptr, seq_ptr, bt_ptr,
+                             stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh,
+                             stride_btb, HQ, HKV, PAGED, PAGE_SIZE, SEQ_INDEX)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the partials come from the launch before
+        tl.extra.cuda.gdc_launch_dependents()
+    mask = row_live[:, None] & (j < HALF)[None, :]  # [BLOCK_M, P]
     lo, _, ss = sum_partials(ws_ptr, ss_ptr, m0, h * D + j, mask, M, NOUT, BLOCK_M, P,
                              SPLIT_K, NORM, False)
     hi, _, _ = sum_partials(ws_ptr, ss_ptr, m0, h * D + HALF + j, mask, M, NOUT, BLOCK_M, P,
                             SPLIT_K, False, False)
-    _rope_store(h, j, lo, hi, ss, M, K, eps, qk_eps, b_ptr, qn_ptr, kn_ptr, inv_freq_ptr,
-                pos_ptr, seq_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, stride_qm, stride_qh,
-                stride_kb, stride_kl, stride_kh, stride_vb, stride_vl, stride_vh, stride_btb,
-                BLOCK_M, HQ, HKV, D, NORM, BIAS, QK_NORM, PAGED, PAGE_SIZE, SEQ_INDEX, m0)
+    lo, hi = _gemv_scale(lo, hi, ss, K, eps, q_ptr, NORM)
+    _epilogue(h, j, lo, hi, tl.zeros_like(ss), c, sn, slot, mi, row_live, 1, 0.0, qk_eps, b_ptr,
+              qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr, stride_qm, stride_qh, HQ, HKV, D, False,
+              BIAS, QK_NORM)
 
 
 # rows a program of the two-launch path's second kernel takes, and its warps: one row, so

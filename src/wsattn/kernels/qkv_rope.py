@@ -176,11 +176,10 @@ def _epilogue(h, j, acc_lo, acc_hi, ss, c, sn, slot, rows, row_live, K, norm_eps
             hr = 1.0 / tl.sqrt(hss / D + qk_eps)
             acc_lo = acc_lo * hr[:, None] * g_lo[None, :]
             acc_hi = acc_hi * hr[:, None] * g_hi[None, :]
-        # The rotation with its contraction spelled out: left to the compiler, which of the
-        # two products fuses into the FMA depended on the surrounding code (the two-launch
-        # epilogue kernel with cos / sin formed before its wait fused hi's other product,
-        # and its bits left the GEMV-epilogue path's on the H200), so every kernel that
-        # shares this epilogue rounds the same way.
+        # The rotation with its contraction spelled out. Left to the compiler, which of the
+        # two products fuses into the FMA follows the surrounding code, and the kernels
+        # sharing this epilogue, whose paths must agree bit for bit, rounded differently
+        # (notes/decode_step.md).
         lo = tl.fma(acc_lo, c, acc_hi * -sn)  # the product rounded once, as -(acc_hi * sn)
         hi = tl.fma(acc_hi, c, acc_lo * sn)
     else:

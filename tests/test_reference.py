@@ -82,3 +82,23 @@ def test_decode_paged_equals_contiguous():
     # token t of sequence 1 sees keys 0..seqlen-T+t: compare to prefill over the prefix
     pre, _ = reference.attention(q[1:2], k[1:2, :17], v[1:2, :17], causal=True)
     assert torch.allclose(a[0][1], pre[0])
+
+
+def test_bits_report_names_what_differs():
+    """wsattn.testing.bits_report: empty for the same bits, NaN-poisoned slots included
+    (torch.equal calls those unequal); otherwise the count, the largest difference and
+    where, down to the last dimension's indices."""
+    from wsattn.testing import bits_report
+    a = torch.full((2, 3, 8), float("nan"), dtype=torch.bfloat16)
+    a[0, 1] = torch.arange(8, dtype=torch.bfloat16)
+    b = a.clone()
+    assert bits_report(a, b) == "" and not torch.equal(a, b)
+    b[0, 1, 5] += 0.5
+    b[1, 2, 7] = 1.0  # a NaN slot written
+    r = bits_report(a, b)
+    assert r.startswith("2 of 48 elements differ, max |difference| 0.5")
+    assert "[[0, 1, 5], [1, 2, 7]]" in r and "last-dimension indices [5, 7]" in r
+    assert bits_report(a, b[:1]).startswith("shape / dtype (2, 3, 8)")
+    assert bits_report(torch.tensor([1, 2]), torch.tensor([1, 3])).startswith("1 of 2")
+    z = torch.zeros(4)
+    assert bits_report(z, -z).startswith("4 of 4 elements differ, max |difference| 0")  # -0.0

@@ -80,3 +80,29 @@ def assert_lse_close(lse, ref, dtype, what="lse"):
     err = lse_err(lse, ref)
     assert err <= t, f"{what}: max error {err:.3e} (relative to max(1, |lse|)) > {t:.0e} " \
                      f"({dtype_name(dtype)}), or its -inf pattern differs from the reference"
+
+
+def bits_report(a: torch.Tensor, b: torch.Tensor, first: int = 6) -> str:
+    """The empty string when a and b hold the same bits (NaN-poisoned slots included,
+    which torch.equal calls unequal), else which elements differ: their count, the largest
+    difference among them, the first ``first`` indices and the last dimension's indices
+    involved (a pattern there, such as one half of a head, points at the arithmetic)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shape / dtype {tuple(a.shape)} {a.dtype} against {tuple(b.shape)} {b.dtype}"
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        ab, bb = a.contiguous().view(bits), b.contiguous().view(bits)
+    else:
+        ab, bb = a, b
+    bad = ab != bb
+    n = int(bad.sum())
+    if n == 0:
+        return ""
+    idx = bad.nonzero()
+    d = (a.double() - b.double()).abs()[bad]
+    d = d[torch.isfinite(d)]
+    big = f"{float(d.max()):.3g}" if d.numel() else "nan"
+    last = sorted(set(idx[:, -1].tolist())) if idx.shape[1] else []
+    return (f"{n} of {a.numel()} elements differ, max |difference| {big}, first at "
+            f"{idx[:first].tolist()}, last-dimension indices {last[:32]}"
+            + (" ..." if len(last) > 32 else ""))

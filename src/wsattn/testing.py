@@ -89,7 +89,7 @@ def bits_report(a: torch.Tensor, b: torch.Tensor, first: int = 6) -> str:
     involved (a pattern there, such as one half of a head, points at the arithmetic)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return f"shape / dtype {tuple(a.shape)} {a.dtype} against {tuple(b.shape)} {b.dtype}"
-    if a.dtype.is_floating_point or a.dtype.is_complex:
+    if a.dtype.is_floating_point:  # compare bits, not values (NaN, -0.0)
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         ab, bb = a.contiguous().view(bits), b.contiguous().view(bits)
     else:

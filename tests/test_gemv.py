@@ -238,11 +238,13 @@ def test_default_settings_table():
         return g.default_settings(t, M=M, N=N, K=K, dtype=torch.bfloat16, silu_mul=silu)
 
     assert not s(1, 2048, 2048).use_dot and s(8, 2048, 2048).use_dot
-    # sm_90: the dot path from two rows, with the wide-tile rule of M 5-32 (64 columns,
-    # 3 stages); other targets (and fp32) keep the FMA reduction up to FMA_MAX_M
+    # sm_90: the dot path from two rows, with the wide-tile rule of M 2-32 (64 columns;
+    # from three rows one wave with deep pipelines, below); other targets (and fp32) keep
+    # the FMA reduction up to FMA_MAX_M
     for M in range(2, g.FMA_MAX_M + 1):
         st = s(M, 8192, 2048, True)
-        assert st.use_dot and (st.BLOCK_N, st.num_stages) == (g.DOT_WIDE_BLOCK_N, 3), (M, st)
+        assert st.use_dot and st.BLOCK_N == g.DOT_WIDE_BLOCK_N, (M, st)
+        assert st.num_stages == (3 if M <= g.FMA_SPLIT_MAX_M_SM90 else 4), (M, st)
         for cc in (80, 120):
             other = g.default_settings(Target("cuda", cc, 108), M=M, N=8192, K=2048,
                                        dtype=torch.bfloat16)
@@ -278,6 +280,43 @@ def test_default_settings_table():
     for M in (1, 4, 8, 64):
         st = s(M, 8192, 2048, True)
         assert 2 <= st.num_stages <= g.MAX_STAGES
+
+
+def test_default_settings_one_wave_deep_pipelines():
+    """3-32 rows on sm_90 (64-column dot tiles): the programs in one wave at one program an
+    SM take as many stages as DEEP_STAGE_BUDGET holds; a split that would give more
+    programs than SMs goes where the tiles alone fill half of them; deep=False (the
+    GEMV-epilogue QKV path's projection) keeps the three-stage split rule."""
+    g = _g()
+    from wsattn.target import Target
+    t = Target("cuda", 90, 132)
+
+    def s(M, N, K, silu=False, deep=True):
+        return g.default_settings(t, M=M, N=N, K=K, dtype=torch.bfloat16, silu_mul=silu,
+                                  deep=deep)
+
+    def cut(st):
+        return st.split_k, st.num_stages
+
+    assert cut(s(8, 4096, 14336)) == (2, 8)  # Llama-3.1-8B down: 64 tiles x 2
+    assert cut(s(8, 4096, 4096)) == (2, 8)  # o
+    assert cut(s(8, 6144, 4096)) == (1, 8)  # QKV: 96 tiles, x 2 would be 192 programs
+    assert cut(s(8, 5120, 2048)) == (1, 8)  # Qwen3-30B-A3B QKV: 80 tiles
+    assert cut(s(8, 2048, 4096)) == (4, 8)  # its o: 32 tiles x 4
+    assert cut(s(8, 3072, 2048)) == (4, 3)  # Llama-3.2-1B QKV: 48 tiles x 4 = 192 stay
+    assert cut(s(8, 8192, 2048, True)) == (1, 4)  # its gate/up: 36 KB stages
+    assert cut(s(32, 4096, 14336)) == (2, 6)  # 32 padded rows: 24 KB stages
+    assert cut(s(8, 14336, 4096, True)) == (1, 3)  # 224 tiles: more than one wave
+    assert cut(s(8, 6144, 4096, deep=False)) == (2, 3)
+    assert cut(s(2, 4096, 4096, True)) == cut(s(2, 4096, 4096, True, deep=False))
+    for M in range(3, 33):
+        for N, K, silu in ((4096, 14336, False), (2048, 2048, False), (8192, 2048, True),
+                           (6144, 4096, False), (512, 4096, False)):
+            st = s(M, N, K, silu)
+            w_rows = st.BLOCK_N * (2 if silu else 1)
+            stage = (w_rows + g.block_m(M, True)) * st.BLOCK_K * 2
+            assert st.num_stages == 3 or st.num_stages * stage <= g.DEEP_STAGE_BUDGET, (M, N, st)
+            assert st.num_stages <= g.DEEP_MAX_STAGES
 
 
 # --------------------------------------------------------------------------- compile-only
@@ -379,7 +418,7 @@ def test_sm90_one_row_loop_has_no_cross_lane_reduction(kw):
     assert "shfl.sync" in _k_loop(two)
 
 
-@pytest.mark.parametrize("M", [1, 8, 64], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("M", [1, 8, 32, 64], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("model", ["1B", "8B"])
 def test_sm90_default_builds_do_not_spill(model, M, record_property):
     rows = []
@@ -438,3 +477,41 @@ def test_gpu_bf16_against_reference_and_reruns(switch, M):
                 pdl_late=other)
     torch.cuda.synchronize()
     assert torch.equal(y1, y4), f"the PDL release (pdl_late={other}) changed the result"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [3, 8, 17, 32], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("shape", ["split-deep", "one-pass-deep", "silu-deep"])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_one_wave_deep_pipelines(shape, M, dt):
+    """The 3-32-row defaults with deep pipelines (default_settings' one-wave rule): K split
+    with 8 (6) stages, one pass after the split went, and gate/up's 36 KB stages, each
+    against float64 from a NaN-poisoned output, rerun bit for bit, PDL on = off, and equal
+    to the three-stage rule's result within rounding."""
+    g = _g()
+    torch.manual_seed(1)
+    dev = "cuda"
+    N, K, silu, res = {"split-deep": (4096, 14336, False, True),
+                       "one-pass-deep": (6144, 4096, False, False),
+                       "silu-deep": (8192, 2048, True, False)}[shape]
+    target = g.target_of(torch.device(dev))
+    st = g.default_settings(target, M=M, N=N, K=K, dtype=dt, silu_mul=silu)
+    if target.cc != 90 or target.num_sms < 132 or st.num_stages == 3:
+        pytest.skip(f"this GPU's defaults take no deep pipeline here ({target.name}, "
+                    f"{target.num_sms} SMs: {st})")
+    x = torch.randn(M, K, dtype=dt, device=dev)
+    w = (torch.randn(2 * N if silu else N, K, device=dev) / K ** 0.5).to(dt)
+    r = torch.randn(M, N, dtype=dt, device=dev) if res else None
+    ref = reference(x, w, None, r, silu)
+    out = torch.full((M, N), float("nan"), dtype=dt, device=dev)
+    y1 = g.gemv(x, w, residual=r, silu_mul=silu, out=out)
+    y2 = g.gemv(x, w, residual=r, silu_mul=silu)
+    y3 = g.gemv(x, w, residual=r, silu_mul=silu, pdl=False)
+    old = g.default_settings(target, M=M, N=N, K=K, dtype=dt, silu_mul=silu, deep=False)
+    y4 = g.gemv(x, w, residual=r, silu_mul=silu, settings=old)
+    torch.cuda.synchronize()
+    assert y1.data_ptr() == out.data_ptr() and not torch.isnan(y1).any()
+    assert_close(y1, ref, dt)
+    assert_close(y4, ref, dt)
+    assert torch.equal(y1, y2), "rerun differs"
+    assert torch.equal(y1, y3), "PDL on and off differ"

@@ -390,6 +390,11 @@ FMA_TILE_ELEMS = 4096  # W elements of an FMA tile (16-bit; half for fp32)
 PDL_LATE_BELOW_M = 8
 STAGE_BUDGET = 96 * 1024  # shared memory for the pipeline's stages, per program
 MAX_STAGES = 6
+# The 64-column dot tiles at 2-32 rows when their programs fit one wave at one program an
+# SM (default_settings): stages up to this much shared memory (8 stages of 20 KB at 16
+# padded rows; sm_90 / sm_100 have 228 KB).
+DEEP_STAGE_BUDGET = 160 * 1024
+DEEP_MAX_STAGES = 8
 
 
 def block_m(M: int, use_dot: bool) -> int:
@@ -409,7 +414,7 @@ def _split_k(programs: int, K: int, block_k: int, num_sms: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dtype,
-                     silu_mul: bool = False) -> GemvSettings:
+                     silu_mul: bool = False, deep: bool = True) -> GemvSettings:
     """Settings from (target, shape, dtype). N counts output columns (F with silu_mul).
 
     Memory-bound choices: BLOCK_N is the largest tile whose column blocks still give two
@@ -419,7 +424,10 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
     tiles) until they fill them. On sm_90/100 in 16 bits: one row on the FMA path (its row
     fold) at every shape; from two rows the dot path (the FMA reduction for the shapes it
     would split at M <= FMA_SPLIT_MAX_M_SM90), and where the rule would give it fewer than
-    64 columns at M <= 32: 64 columns, 3 stages, K split (measured).
+    64 columns at M <= 32: 64 columns, K split, 3 stages, or from three rows with ``deep``
+    one wave of programs with up to DEEP_MAX_STAGES stages (measured). ``deep=False``
+    keeps the three-stage split rule: the GEMV-epilogue QKV path's projection
+    (qkv_rope.py), whose finish launch carries the epilogue, measured slower unsplit.
     """
     # 16-bit only: fp32 on the dot path would run TF32, and only bf16 was measured
     wide_dot = 90 <= target.cc < 120 and dtype != torch.float32
@@ -430,9 +438,11 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
         # 1B gate/up even; the split shapes (QKV, o, down) were on it already
         return _one_row_settings(target, N, K, dtype)
     use_dot = wide_dot or M > FMA_MAX_M
-    s = _settings(target, M, N, K, dtype, silu_mul, use_dot)
+    # two rows keep the rule they were measured with (the FMA reduction where it splits)
+    deep = deep and M > FMA_SPLIT_MAX_M_SM90
+    s = _settings(target, M, N, K, dtype, silu_mul, use_dot, deep)
     if wide_dot and s.use_dot and s.split_k > 1 and M <= FMA_SPLIT_MAX_M_SM90:
-        s = _settings(target, M, N, K, dtype, silu_mul, False)
+        s = _settings(target, M, N, K, dtype, silu_mul, False, False)
     return s
 
 
@@ -446,7 +456,7 @@ def _one_row_settings(target: Target, N: int, K: int, dtype: torch.dtype) -> Gem
 
 
 def _settings(target: Target, M: int, N: int, K: int, dtype: torch.dtype, silu_mul: bool,
-              use_dot: bool) -> GemvSettings:
+              use_dot: bool, deep: bool) -> GemvSettings:
     """default_settings' rule for one path (use_dot)."""
     if target.backend == "interpreter":
         # small tiles, so that small test shapes cross several tiles, masks and blocks
@@ -483,9 +493,28 @@ def _settings(target: Target, M: int, N: int, K: int, dtype: torch.dtype, silu_m
         # keep the 128-column tiles they already read at the ceiling with. sm_90 and
         # sm_100 only: 3 stages of 37 KB need their 228 KB (sm_80 and sm_120 keep the rule).
         block_k = ROW_BYTES // elem
-        split = _split_k(cdiv(N, DOT_WIDE_BLOCK_N), K, block_k, target.num_sms)
+        tiles = cdiv(N, DOT_WIDE_BLOCK_N)
+        split = _split_k(tiles, K, block_k, target.num_sms)
+        stages = 3
+        if deep:
+            # One wave at one program an SM, then the deepest pipeline that fits: what a
+            # memory-bound program keeps in flight is its stages, and 2 of 3 tiles (40 KB)
+            # were too few. Where the split would give more programs than SMs, and the
+            # tiles alone fill half of them, the split goes. H200, M = 8, PDL off, us, the
+            # rule before (split by the rule, 3 stages) -> this one, cuBLAS
+            # (notes/decode_step.md): 8B down 36.0 -> 32.6 (split 2, 8 stages; 31.2), o 14.2
+            # -> 13.3 (12.3), QKV 17.8 -> 17.0 (split 1; 15.4); Qwen3-30B-A3B QKV 10.8 ->
+            # 10.1 (split 1; 7.8), o 9.4 -> 9.0 (split 4; 8.6); 1B down 14.1 -> 13.1 (split 4;
+            # 12.6), o even; 1B QKV (48 tiles, 192 programs) keeps 3 stages: 8.4, where
+            # split 2 and 6 stages took 9.1.
+            if tiles * split > target.num_sms and 2 * tiles >= target.num_sms:
+                split = 1
+            if tiles * split <= target.num_sms:
+                rows_w = DOT_WIDE_BLOCK_N * (2 if silu_mul else 1)
+                stage_bytes = (rows_w + block_m(M, True)) * block_k * elem
+                stages = max(stages, min(DEEP_MAX_STAGES, DEEP_STAGE_BUDGET // stage_bytes))
         return GemvSettings(BLOCK_N=DOT_WIDE_BLOCK_N, BLOCK_K=block_k, split_k=split,
-                            use_dot=True, num_warps=4, num_stages=3)
+                            use_dot=True, num_warps=4, num_stages=stages)
     block_k = block_ks[block_n]
     split = _split_k(cdiv(N, block_n), K, block_k, target.num_sms)
     if use_dot and split == 1 and block_m(M, True) > DOT_WIDE_MAX_M and 90 <= target.cc < 120:

@@ -1068,7 +1068,7 @@ def gemv_rope_settings(target: Target, M: int, K: int, heads: int, D: int, dtype
 def _default_gemv_rope_settings(target: Target, M: int, K: int, heads: int, D: int,
                                 dtype: torch.dtype) -> GemvSettings:
     # asked on every call of the path (and by default_settings): cached as gemv's own is
-    s = _gemv.default_settings(target, M=M, N=heads * D, K=K, dtype=dtype)
+    s = _gemv.default_settings(target, M=M, N=heads * D, K=K, dtype=dtype, deep=False)
     return replace(s, BLOCK_N=min(s.BLOCK_N, D))
 
 

@@ -390,9 +390,10 @@ FMA_TILE_ELEMS = 4096  # W elements of an FMA tile (16-bit; half for fp32)
 PDL_LATE_BELOW_M = 8
 STAGE_BUDGET = 96 * 1024  # shared memory for the pipeline's stages, per program
 MAX_STAGES = 6
-# The 64-column dot tiles at 2-32 rows when their programs fit one wave at one program an
-# SM (default_settings): stages up to this much shared memory (8 stages of 20 KB at 16
-# padded rows; sm_90 / sm_100 have 228 KB).
+# The 64-column dot tiles at 3-32 rows when their programs fit one wave at one program an
+# SM (default_settings' deep rule): stages up to this much shared memory (8 stages of 20
+# KB at 16 padded rows, ~180 KB a program with Triton's own scratch; sm_90 and sm_100 have
+# 228 KB; measured on sm_90 only).
 DEEP_STAGE_BUDGET = 160 * 1024
 DEEP_MAX_STAGES = 8
 

@@ -396,7 +396,7 @@ MAX_STAGES = 6
 # 228 KB; measured on sm_90 only).
 DEEP_STAGE_BUDGET = 160 * 1024
 DEEP_MAX_STAGES = 8
-DEEP_MAX_M = 16
+DEEP_MAX_M = 32
 
 
 def block_m(M: int, use_dot: bool) -> int:

@@ -283,7 +283,7 @@ def test_default_settings_table():
 
 
 def test_default_settings_one_wave_deep_pipelines():
-    """3-16 rows on sm_90 (64-column dot tiles): the programs in one wave at one program an
+    """3-32 rows on sm_90 (64-column dot tiles): the programs in one wave at one program an
     SM take as many stages as DEEP_STAGE_BUDGET holds; a split that would give more
     programs than SMs goes where the tiles alone fill half of them; deep=False (the
     GEMV-epilogue QKV path's projection) keeps the three-stage split rule."""
@@ -485,8 +485,8 @@ def test_gpu_bf16_against_reference_and_reruns(switch, M):
 @pytest.mark.parametrize("shape", ["split-deep", "one-pass-deep", "silu-deep"])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gpu_one_wave_deep_pipelines(shape, M, dt):
-    """The 3-16-row defaults with deep pipelines (default_settings' one-wave rule): K split
-    with 8 stages, one pass after the split went, and gate/up's 36 KB stages, each
+    """The 3-32-row defaults with deep pipelines (default_settings' one-wave rule): K split
+    with 8 (6) stages, one pass after the split went, and gate/up's 36 KB stages, each
     against float64 from a NaN-poisoned output, rerun bit for bit, PDL on = off, and equal
     to the three-stage rule's result within rounding."""
     g = _g()

@@ -390,10 +390,11 @@ FMA_TILE_ELEMS = 4096  # W elements of an FMA tile (16-bit; half for fp32)
 PDL_LATE_BELOW_M = 8
 STAGE_BUDGET = 96 * 1024  # shared memory for the pipeline's stages, per program
 MAX_STAGES = 6
-# The 64-column dot tiles at 3-16 rows when their programs fit one wave at one program an
-# SM (default_settings' deep rule): stages up to this much shared memory (8 stages of 20
-# KB at 16 padded rows, ~180 KB a program with Triton's own scratch; sm_90 and sm_100 have
-# 228 KB; measured on sm_90 only).
+# The 64-column dot tiles at 3..DEEP_MAX_M rows when their programs fit one wave at one
+# program an SM (default_settings' deep rule): stages up to this much shared memory (8
+# stages of 20 KB at 16 padded rows, 6 of 24 KB at 32; ~180 KB a program with Triton's own
+# scratch; sm_90 and sm_100 have 228 KB; measured on sm_90 only). Measured at 8 rows alone
+# and in the B8 and B32 steps (notes/decode_step.md).
 DEEP_STAGE_BUDGET = 160 * 1024
 DEEP_MAX_STAGES = 8
 DEEP_MAX_M = 32
@@ -440,9 +441,7 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
         # 1B gate/up even; the split shapes (QKV, o, down) were on it already
         return _one_row_settings(target, N, K, dtype)
     use_dot = wide_dot or M > FMA_MAX_M
-    # two rows keep the rule they were measured with (the FMA reduction where it splits);
-    # the deep rule was measured at 16 padded rows (8 rows alone, bucket 8 in the step),
-    # so 17-32 rows keep the three-stage rule until measured
+    # two rows keep the rule they were measured with (the FMA reduction where it splits)
     deep = deep and FMA_SPLIT_MAX_M_SM90 < M <= DEEP_MAX_M
     s = _settings(target, M, N, K, dtype, silu_mul, use_dot, deep)
     if wide_dot and s.use_dot and s.split_k > 1 and M <= FMA_SPLIT_MAX_M_SM90:

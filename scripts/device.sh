@@ -62,12 +62,14 @@
 # reads the hardware counters on the Firecracker kinds (nvidia-h200-x2 and larger), not on
 # the single-GPU kind; it runs with --clock-control none (clocks as in the benchmarks).
 #
-# Beside it, two A/B tools for kernel work (same environment, run by hand):
+# Beside it, tools for kernel work (same environment, run by hand):
 #   scripts/device_gluon.py         Gluon prefill settings variants: numerics, stress, timing
 #                                   side by side with cuDNN and the Triton kernel
 #   scripts/device_prefill_sweep.py the Triton prefill's launch-settings sweep
 #   scripts/device_moe_small_kernels.py  the MoE router's top-k and grouping kernels at
 #                                   1 / 2 / 4 / 8 warps, checked against the default
+#   scripts/device_fill_probe.py    the one-token MoE gate/up against its expert count, and
+#                                   the kernels cuBLAS runs at the step's 1-64-row shapes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -26,7 +26,6 @@ import os
 
 import torch
 
-from wsattn.bench.step import gpu_summary
 from wsattn.kernels import gemv as G
 from wsattn.kernels import moe as M
 from wsattn.target import target_of
@@ -124,11 +123,11 @@ def moe_probe(dev) -> list[dict]:
             raise RuntimeError(f"gate/up at top_k {k}: relative error {err:.3g}")
         tr = trace_of(graph_of([lambda gr=gr: M.moe_gate_up(x, w_gu, gr, pdl=False)
                                 for gr in groupings]).replay)
-        gu_us, n, grid = mean_us(tr, "_grouped_kernel")
+        gu_us, _, grid = mean_us(tr, "_grouped_kernel")
         outs = [torch.zeros(1, H, device=dev, dtype=torch.bfloat16) for _ in groupings]
         tr = trace_of(graph_of([lambda a=a, gr=gr, o=o: M.moe_down_combine(a, w_d, gr, wts, o, pdl=False)
                                 for a, gr, o in zip(acts, groupings, outs)]).replay)
-        d_us, dn, dgrid = mean_us(tr, "_grouped_kernel")
+        d_us, _, dgrid = mean_us(tr, "_grouped_kernel")
         gu_mb = k * 2 * F * H * 2 / 1e6
         d_mb = k * H * F * 2 / 1e6
         # MB / us = TB/s

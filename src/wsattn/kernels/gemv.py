@@ -390,14 +390,13 @@ FMA_TILE_ELEMS = 4096  # W elements of an FMA tile (16-bit; half for fp32)
 PDL_LATE_BELOW_M = 8
 STAGE_BUDGET = 96 * 1024  # shared memory for the pipeline's stages, per program
 MAX_STAGES = 6
-# The 64-column dot tiles at 3..DEEP_MAX_M rows when their programs fit one wave at one
+# The 64-column dot tiles (3..DOT_WIDE_MAX_M rows) when their programs fit one wave at one
 # program an SM (default_settings' deep rule): stages up to this much shared memory (8
 # stages of 20 KB at 16 padded rows, 6 of 24 KB at 32; ~180 KB a program with Triton's own
 # scratch; sm_90 and sm_100 have 228 KB; measured on sm_90 only). Measured at 8 rows alone
 # and in the B8 and B32 steps (notes/decode_step.md).
 DEEP_STAGE_BUDGET = 160 * 1024
 DEEP_MAX_STAGES = 8
-DEEP_MAX_M = 32
 
 
 def block_m(M: int, use_dot: bool) -> int:
@@ -427,7 +426,7 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
     tiles) until they fill them. On sm_90/100 in 16 bits: one row on the FMA path (its row
     fold) at every shape; from two rows the dot path (the FMA reduction for the shapes it
     would split at M <= FMA_SPLIT_MAX_M_SM90), and where the rule would give it fewer than
-    64 columns at M <= 32: 64 columns, K split, 3 stages, or at 3..DEEP_MAX_M rows with
+    64 columns at M <= 32: 64 columns, K split, 3 stages, or from three rows with
     ``deep`` one wave of programs with up to DEEP_MAX_STAGES stages (measured). ``deep=False``
     keeps the three-stage split rule: the GEMV-epilogue QKV path's projection
     (qkv_rope.py), whose finish launch carries the epilogue, measured slower unsplit.
@@ -442,7 +441,7 @@ def default_settings(target: Target, *, M: int, N: int, K: int, dtype: torch.dty
         return _one_row_settings(target, N, K, dtype)
     use_dot = wide_dot or M > FMA_MAX_M
     # two rows keep the rule they were measured with (the FMA reduction where it splits)
-    deep = deep and FMA_SPLIT_MAX_M_SM90 < M <= DEEP_MAX_M
+    deep = deep and M > FMA_SPLIT_MAX_M_SM90
     s = _settings(target, M, N, K, dtype, silu_mul, use_dot, deep)
     if wide_dot and s.use_dot and s.split_k > 1 and M <= FMA_SPLIT_MAX_M_SM90:
         s = _settings(target, M, N, K, dtype, silu_mul, False, False)

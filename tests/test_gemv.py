@@ -519,3 +519,40 @@ def test_gpu_one_wave_deep_pipelines(shape, M, dt):
     assert_close(y4, ref, dt)
     assert torch.equal(y1, y2), "rerun differs"
     assert torch.equal(y1, y3), "PDL on and off differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 8, 17, 64], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("switch", ["plain", "norm_residual", "norm_silu", "split"])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_tma_weight_stream_equals_loads_bitwise(dt, switch, M):
+    """W by TMA (gemv(tma=True)) at every row count's default build: from a NaN-poisoned
+    output against float64, and bit for bit the 16-byte-load stream's result (the same
+    tiles in the same order), with PDL on and off; shapes not multiples of the tiles, so
+    the descriptor's zero fill past W's last row and column is what the masks gave."""
+    g = _g()
+    torch.manual_seed(2)
+    dev = "cuda"
+    N, K = 2048 + 80, 4096 + 64
+    silu = switch == "norm_silu"
+    eps = 1e-5 if "norm" in switch else None
+    x = torch.randn(M, K, dtype=dt, device=dev)
+    w = (torch.randn(2 * N if silu else N, K, device=dev) / K ** 0.5).to(dt)
+    r = torch.randn(M, N, dtype=dt, device=dev) if "residual" in switch else None
+    settings = None
+    if switch == "split":
+        base = g.default_settings(g.target_of(x.device), M=M, N=N, K=K, dtype=dt)
+        settings = g.GemvSettings(base.BLOCK_N, base.BLOCK_K, 4, base.use_dot,
+                                  base.num_warps, base.num_stages)
+    ref = reference(x, w, eps, r, silu)
+    out = torch.full((M, N), float("nan"), dtype=dt, device=dev)
+    y1 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings, out=out,
+                tma=True)
+    y2 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings, tma=False)
+    y3 = g.gemv(x, w, norm_eps=eps, residual=r, silu_mul=silu, settings=settings, tma=True,
+                pdl=False)
+    torch.cuda.synchronize()
+    assert y1.data_ptr() == out.data_ptr() and not torch.isnan(y1).any()
+    assert_close(y1, ref, dt)
+    assert torch.equal(y1, y2), "TMA and 16-byte loads differ"
+    assert torch.equal(y1, y3), "PDL on and off differ"

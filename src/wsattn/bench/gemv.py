@@ -215,19 +215,10 @@ def _inputs(case: GemvCase, device, seed=0):
 
 def _calls(case, impl, x, ws, residual, eps, out, settings=None):
     """(first: the checked call on copy 0, fn: the timed call cycling through the copies);
-    ``settings`` (a GemvSettings, or "default+tma": the defaults with W by TMA) replaces
-    the kernel's defaults."""
-    import dataclasses
-
+    ``settings`` (a GemvSettings) replaces the kernel's defaults."""
     import torch.nn.functional as F
 
-    from wsattn.kernels.gemv import default_settings, gemv
-    from wsattn.target import target_of
-
-    if settings == "default+tma":
-        settings = dataclasses.replace(
-            default_settings(target_of(x.device), M=case.M, N=case.nout, K=case.K,
-                             dtype=x.dtype, silu_mul=case.silu_mul), tma=True)
+    from wsattn.kernels.gemv import gemv
 
     if impl == "cublas":
         def call(w):
@@ -390,35 +381,24 @@ def _qkv_calls(case: QkvRopeCase, impl, inp, settings=None):
     return first, fn, check, note
 
 
-SETTINGS_FIELDS = ("BLOCK_N", "BLOCK_K", "split_k", "use_dot", "num_warps", "num_stages",
-                   "tma")
+SETTINGS_FIELDS = ("BLOCK_N", "BLOCK_K", "split_k", "use_dot", "num_warps", "num_stages")
 
 
 def parse_settings(specs) -> dict:
     """``--gemv-settings`` values, each "BLOCK_N,BLOCK_K,split_k,use_dot,num_warps,num_stages"
-    with an optional seventh ",tma" (use_dot and tma 0 or 1), or "default+tma" (each
-    shape's default settings with the W tiles by TMA), as {implementation name:
-    GemvSettings or the string "default+tma"}: the sweep's extra columns."""
+    (use_dot 0 or 1), as {implementation name: GemvSettings}: the sweep's extra columns."""
     from wsattn.kernels.gemv import GemvSettings
 
     out = {}
     for spec in specs or ():
-        if spec == "default+tma":
-            out["wsattn[default+tma]"] = spec
-            continue
         parts = spec.split(",")
-        if (len(parts) not in (len(SETTINGS_FIELDS) - 1, len(SETTINGS_FIELDS))
-                or not all(p.strip().isdigit() for p in parts)):
-            raise ValueError(f"--gemv-settings {spec!r}: expected six or seven integers "
-                             f"{','.join(SETTINGS_FIELDS)} (tma optional), e.g. 32,128,1,0,4,4, "
-                             "or default+tma")
+        if len(parts) != len(SETTINGS_FIELDS) or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"--gemv-settings {spec!r}: expected six integers "
+                             f"{','.join(SETTINGS_FIELDS)}, e.g. 32,128,1,0,4,4")
         v = [int(p) for p in parts]
-        for i in (3, 6):
-            if i < len(v) and v[i] not in (0, 1):
-                raise ValueError(f"--gemv-settings {spec!r}: {SETTINGS_FIELDS[i]} must be 0 "
-                                 f"or 1, got {v[i]}")
-        out[f"wsattn[{spec}]"] = GemvSettings(*v[:3], bool(v[3]), *v[4:6],
-                                              *([bool(v[6])] if len(v) > 6 else []))
+        if v[3] not in (0, 1):
+            raise ValueError(f"--gemv-settings {spec!r}: use_dot must be 0 or 1, got {v[3]}")
+        out[f"wsattn[{spec}]"] = GemvSettings(*v[:3], bool(v[3]), *v[4:])
     return out
 
 
@@ -459,7 +439,6 @@ def parse_qkv_settings(specs) -> dict:
     whose build does not fit the GPU, is an error row, not a stopped run."""
     import dataclasses
 
-    from wsattn.kernels.gemv import GemvSettings
     from wsattn.kernels.qkv_rope import GemvRopeSettings, QkvRopeSettings, TwoLaunchSettings
 
     assert tuple(f.name for f in dataclasses.fields(QkvRopeSettings)) == QKV_SETTINGS_FIELDS
@@ -477,9 +456,6 @@ def parse_qkv_settings(specs) -> dict:
                 (g,) = parse_settings([inner]).values()
             except ValueError as e:
                 raise ValueError(f"--qkv-settings {spec!r}: {e}") from None
-            if not isinstance(g, GemvSettings) or g.tma:
-                raise ValueError(f"--qkv-settings {spec!r}: the GEMV-epilogue path takes "
-                                 "six integers, no tma")
             s = GemvRopeSettings(gemv=g)
             out[f"wsattn[qkv:{_qkv_spec(s)}]"] = s
             continue
@@ -514,8 +490,6 @@ def _applies(case, settings) -> bool:
     GEMVs; the default columns run everywhere."""
     if settings is None:
         return True
-    if settings == "default+tma":
-        return not isinstance(case, QkvRopeCase)
     from wsattn.kernels.qkv_rope import GemvRopeSettings, QkvRopeSettings, TwoLaunchSettings
 
     return (isinstance(settings, (QkvRopeSettings, TwoLaunchSettings, GemvRopeSettings))

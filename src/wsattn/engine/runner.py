@@ -146,13 +146,11 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # for QK-norm over the whole projection, OLMoE's, which that path does not take).
 # "gemv:kernel-wide": the GEMVs with PDL as "gemv", and the o and down projections on the
 # GEMV kernel at every row count (the default hands them to cuBLAS from CUBLAS_WIDE_ROWS
-# rows on sm_90; below). "gemv:tma": the GEMVs with PDL as "gemv", each streaming W by
-# TMA (gemv's ``tma``). "moe:topk-launch": the MoE kernels with PDL as "moe", and at
+# rows on sm_90; below). "moe:topk-launch": the MoE kernels with PDL as "moe", and at
 # bucket 1 the router's top-k in its own launch (KernelStep's moe_topk_in_gate_up off).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:kernel-wide": "gemv",
-                "gemv:tma": "gemv",
                 "qkv_rope:two-launch": "qkv_rope", "qkv_rope:gemv-rope": "qkv_rope",
                 "moe:topk-launch": "moe"}
 # Rows from which the o and down projections (a plain product plus the residual, no norm
@@ -242,7 +240,6 @@ class KernelStep:
             PDL pays), "gemv:late" / "gemv:early" in place of "gemv" forcing where the
             GEMVs release, "gemv:kernel-wide" keeping the o and down projections on the
             GEMV kernel where the step hands them to cuBLAS (``CUBLAS_WIDE_ROWS``),
-            "gemv:tma" streaming every GEMV's weights by TMA,
             "qkv_rope:two-launch" / "qkv_rope:gemv-rope" in place of "qkv_rope" forcing
             the QKV call's path (``PDL_VARIANTS``).
         moe_one_token: at bucket 1, group a MoE layer's (token, slot) pairs without the
@@ -463,8 +460,7 @@ class KernelStep:
         its variants); the release left to gemv (by rows, None) or forced by a variant."""
         on = self.pdl_families.__contains__
         return {"pdl": self._family_on("gemv"),
-                "pdl_late": True if on("gemv:late") else False if on("gemv:early") else None,
-                "tma": True if on("gemv:tma") else None}
+                "pdl_late": True if on("gemv:late") else False if on("gemv:early") else None}
 
     def _residual_gemv(self, x, w, h, g):
         """h += x @ w^T in place (the o and down projections): one cuBLAS addmm from

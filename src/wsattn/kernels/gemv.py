@@ -35,7 +35,7 @@ through the fused QKV kernel (qkv_rope.py), so gemv takes none.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -145,40 +145,16 @@ def _finish(gate, up, ss, K, eps, res_ptr, out_ptr, res_offs, out_offs, mask,
 
 
 @triton.jit
-def _w_tile(w_desc, g_rows, u_rows, n0, n_live, NOUT, k, k_live, k0, SILU_MUL: tl.constexpr,
-            TMA: tl.constexpr):
-    """stream_w's W tile(s) at K offset k0 (k = k0 + arange): gate [BLOCK_N, BLOCK_K] and,
-    with SILU_MUL, up (else gate again)."""
-    if TMA:
-        wg = w_desc.load([n0, k0])
-        wu = wg
-        if SILU_MUL:
-            wu = w_desc.load([NOUT + n0, k0])
-    else:
-        wmask = n_live[:, None] & k_live[None, :]
-        wg = tl.load(g_rows + k[None, :], mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K]
-        wu = wg
-        if SILU_MUL:
-            wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
-    return wg, wu
-
-
-@triton.jit
 def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
              SILU_MUL: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-             PDL_LATE: tl.constexpr, w_desc=None, n0=0, TMA: tl.constexpr = False):
+             PDL_LATE: tl.constexpr):
     """Stream W rows n [BLOCK_N] (up rows at NOUT + n with SILU_MUL) over split pid_k's
     share of K against all M rows of x; returns the fp32 accumulators (gate, up)
     [BLOCK_N, BLOCK_M] and x's sums of squares ss [BLOCK_M] over that share. Written once
     for this module's kernel and qkv_rope's GEMV with the RoPE epilogue, whose columns n
-    are not contiguous. PDL: the wait and the release are in here (comments below).
-    TMA: the W tiles come through w_desc (a [BLOCK_N, BLOCK_K] tensor descriptor of W),
-    rows n0 .. n0 + BLOCK_N - 1 (n must be those rows): one bulk copy a tile into shared
-    memory instead of 16-byte loads a thread; rows and columns past W's end read as
-    zeros, so the tiles need no mask (gate rows past NOUT read up rows, whose results
-    the store's mask drops)."""
+    are not contiguous. PDL: the wait and the release are in here (comments below)."""
     mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     kk = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     # One row of x on the FMA path: the products stay elementwise in a [BLOCK_N, BLOCK_K]
@@ -208,7 +184,11 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
     # the previous kernel; x (and the residual) do.
     k = k_lo + kk
     k_live = k < k_hi
-    wg, wu = _w_tile(w_desc, g_rows, u_rows, n0, n_live, NOUT, k, k_live, k_lo, SILU_MUL, TMA)
+    wmask = n_live[:, None] & k_live[None, :]
+    wg = tl.load(g_rows + k[None, :], mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K]
+    wu = wg
+    if SILU_MUL:
+        wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
     if PDL:
         # Wait for the previous kernel (and, through its own wait, every earlier one) to
         # finish and flush its writes: nothing below may read x or the residual sooner.
@@ -232,8 +212,11 @@ def stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm, stride_wn,
     for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
         k = k0 + kk
         k_live = k < k_hi
-        wg, wu = _w_tile(w_desc, g_rows, u_rows, n0, n_live, NOUT, k, k_live, k0, SILU_MUL,
-                         TMA)
+        wmask = n_live[:, None] & k_live[None, :]
+        wg = tl.load(g_rows + k[None, :], mask=wmask, other=0.0)
+        wu = wg
+        if SILU_MUL:
+            wu = tl.load(u_rows + k[None, :], mask=wmask, other=0.0)
         acc_g, acc_u, ss = _stream_tile(acc_g, acc_u, ss, wg, wu, x_ptr, xoff, m_live,
                                         stride_xm, M, k, k_live, BLOCK_M, USE_DOT, NORM,
                                         SILU_MUL, ROW_FOLD)
@@ -290,18 +273,16 @@ def sum_partials(ws_ptr, ss_ptr, m0, n, mask, M, NOUT, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, w_desc, res_ptr, out_ptr, ws_ptr, ss_ptr,
+def _gemv_kernel(x_ptr, w_ptr, res_ptr, out_ptr, ws_ptr, ss_ptr,
                  M, NOUT, K, eps,
                  stride_xm, stride_wn, stride_rm, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
                  RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False,
-                 TMA: tl.constexpr = False):
+                 STAGES: tl.constexpr = 1, PDL_LATE: tl.constexpr = False):
     # grid (cdiv(NOUT, BLOCK_N), SPLIT_K). NOUT = N, or F = N / 2 with SILU_MUL.
     # PDL_LATE: release the next kernel after the K loop instead of right after the wait
-    # (where each pays: gemv's PDL_LATE_BELOW_M). TMA: W through w_desc (stream_w), which
-    # is None otherwise.
+    # (where each pays: gemv's PDL_LATE_BELOW_M).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = W rows
@@ -309,7 +290,7 @@ def _gemv_kernel(x_ptr, w_ptr, w_desc, res_ptr, out_ptr, ws_ptr, ss_ptr,
     mi = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     acc_g, acc_u, ss = stream_w(x_ptr, w_ptr, n, n_live, pid_k, M, NOUT, K, stride_xm,
                                 stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_DOT, NORM,
-                                SILU_MUL, PDL, STAGES, PDL_LATE, w_desc, pid_n * BLOCK_N, TMA)
+                                SILU_MUL, PDL, STAGES, PDL_LATE)
     mask = n_live[:, None] & (mi < M)[None, :]  # [BLOCK_N, BLOCK_M]
     if SPLIT_K == 1:
         _finish(acc_g, acc_u, ss[None, :], K, eps, res_ptr, out_ptr,
@@ -351,8 +332,7 @@ class GemvSettings:
     BLOCK_K: K elements per tile (256 bytes of a W row for the dot path: one 16-byte
     load per thread per row slice). split_k: K splits (1 = one pass, no workspace).
     use_dot: tl.dot with M padded to >= 16, else the FMA reduction (M <= FMA_MAX_M).
-    num_warps / num_stages: as in triton. tma: W's tiles by TMA bulk copies through a
-    tensor descriptor (sm_90+, or the interpreter) instead of 16-byte loads a thread.
+    num_warps / num_stages: as in triton.
     """
     BLOCK_N: int
     BLOCK_K: int
@@ -360,7 +340,6 @@ class GemvSettings:
     use_dot: bool
     num_warps: int
     num_stages: int
-    tma: bool = False
 
     def __post_init__(self):
         for name in ("BLOCK_N", "BLOCK_K", "split_k", "num_warps", "num_stages"):
@@ -376,8 +355,6 @@ class GemvSettings:
                              f"(tl.dot's minimum), got {self.BLOCK_N}, {self.BLOCK_K}")
         if self.split_k > MAX_SPLIT_K:
             raise ValueError(f"GemvSettings.split_k must be <= {MAX_SPLIT_K}, got {self.split_k}")
-        if not isinstance(self.tma, bool):
-            raise TypeError(f"GemvSettings.tma must be a bool, got {self.tma!r}")
 
 
 MAX_M = 64  # rows one program's accumulator holds; more is a GEMM
@@ -643,15 +620,11 @@ def _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings):
             raise TypeError(f"settings must be None or a GemvSettings, got {type(settings).__name__}")
         if not settings.use_dot and M > FMA_SETTINGS_MAX_M:
             raise ValueError(f"settings.use_dot=False takes M <= {FMA_SETTINGS_MAX_M}, got M={M}")
-        if settings.tma and (w.data_ptr() % 16 or (w.stride(0) * w.element_size()) % 16):
-            raise ValueError("settings.tma needs w's start and row stride 16-byte aligned "
-                             f"(a TMA descriptor's rule), got address {w.data_ptr():#x}, "
-                             f"row stride {w.stride(0)} elements")
     return M, N, K, nout
 
 
 def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=None,
-         settings=None, pdl_late=None, tma=None):
+         settings=None, pdl_late=None):
     """y = epilogue(x @ w^T) for a decode step's few rows, reading w once.
 
     Args:
@@ -675,9 +648,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         pdl_late: with PDL, release the next kernel after the weight stream (the K loop)
             instead of right after the wait; None: when M < ``PDL_LATE_BELOW_M`` (where
             each measured faster in the decode step). The result is the same bit for bit.
-        tma: None (the settings' own ``tma``), or True / False: W's tiles by TMA bulk
-            copies (CUDA sm_90+ or the interpreter) or by 16-byte loads, the settings
-            otherwise unchanged. The result is the same bit for bit.
 
     Returns:
         out [M, NOUT] in x's dtype. Accumulation is fp32; the norm scale, SiLU and the
@@ -689,8 +659,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
         >>> y = gemv(x, w, norm_eps=1e-5, silu_mul=True)   # [3, 80]
     """
     M, N, K, nout = _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings)
-    if tma is not None and not isinstance(tma, bool):
-        raise TypeError(f"tma must be None or a bool, got {tma!r}")
     if pdl_late is None:
         pdl_late = M < PDL_LATE_BELOW_M
     elif not isinstance(pdl_late, bool):
@@ -703,14 +671,6 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
                          f"{target.name}")
     if pdl is None:
         pdl = has_pdl
-    if ((tma or (tma is None and settings is not None and settings.tma))
-            and not (has_pdl or target.backend == "interpreter")):
-        raise ValueError(f"tma (settings.tma) needs a CUDA GPU of sm_90 or later (or the "
-                         f"interpreter); this call runs on {target.name}")
-    if tma and (w.data_ptr() % 16 or (w.stride(0) * w.element_size()) % 16):
-        raise ValueError("tma needs w's start and row stride 16-byte aligned (a TMA "
-                         f"descriptor's rule), got address {w.data_ptr():#x}, row stride "
-                         f"{w.stride(0)} elements")
     if out is None:
         out = empty((M, nout), x.dtype, x.device)
     if M == 0 or nout == 0:
@@ -721,27 +681,23 @@ def gemv(x, w, *, norm_eps=None, residual=None, silu_mul=False, out=None, pdl=No
             # the interpreter's tl.dot multiplies bf16 as raw bits: run in fp32, round once
             y = gemv(x.float(), w.float(), norm_eps=norm_eps, silu_mul=silu_mul,
                      residual=None if residual is None else residual.float(), pdl=pdl,
-                     settings=settings, pdl_late=pdl_late, tma=tma)
+                     settings=settings, pdl_late=pdl_late)
             return out.copy_(y)
     if settings is None:
         settings = default_settings(target, M=M, N=nout, K=K, dtype=x.dtype, silu_mul=silu_mul)
-    if tma is not None and settings.tma != tma:
-        settings = replace(settings, tma=tma)
     split = launch_split(K, settings)
     ws, ss = split_workspace(split, M, N, x.device, out)
     bm = block_m(M, settings.use_dot)
     res = residual if residual is not None else out  # any pointer when unused
     eps = float(norm_eps) if norm_eps is not None else 0.0
     launch = {"launch_pdl": True} if pdl else {}
-    w_desc = w_descriptor(w, settings) if settings.tma else None
     _gemv_kernel[(cdiv(nout, settings.BLOCK_N), split)](
-        x, w, w_desc, res, out, ws, ss, M, nout, K, eps,
+        x, w, res, out, ws, ss, M, nout, K, eps,
         x.stride(0), w.stride(0), res.stride(0), out.stride(0),
         BLOCK_M=bm, BLOCK_N=settings.BLOCK_N, BLOCK_K=settings.BLOCK_K, SPLIT_K=split,
         USE_DOT=settings.use_dot, NORM=norm_eps is not None, RESIDUAL=residual is not None,
         SILU_MUL=silu_mul, PDL=pdl, STAGES=settings.num_stages, PDL_LATE=bool(pdl and pdl_late),
-        TMA=settings.tma, num_warps=settings.num_warps, num_stages=settings.num_stages,
-        **launch)
+        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if split > 1:
         bm = finish_block_m(M)
         _splitk_finish_kernel[(cdiv(nout, FINISH_BLOCK_N), cdiv(M, bm))](
@@ -763,13 +719,6 @@ FINISH_BLOCK_M = 16
 def finish_block_m(M: int) -> int:
     """Rows a program of a split-K finish (gemv's, qkv_rope's) takes."""
     return min(next_pow2(M), FINISH_BLOCK_M)
-
-
-def w_descriptor(w: torch.Tensor, settings: GemvSettings):
-    """The [BLOCK_N, BLOCK_K] tensor descriptor of W a ``settings.tma`` launch streams."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(w, [settings.BLOCK_N, settings.BLOCK_K])
 
 
 def launch_split(K: int, settings: GemvSettings) -> int:
@@ -837,19 +786,14 @@ def compile_spec(cc: int, *, M: int = 1, N: int = 2048, K: int = 2048, dtype: st
         options["num_warps"] = 4
         options.pop("num_stages")
     elif kernel == "gemv":
-        desc = (f"tensordesc<{t}[{settings.BLOCK_N},{settings.BLOCK_K}]>" if settings.tma
-                else "constexpr")
-        sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "w_desc": desc, "res_ptr": f"*{t}",
-               "out_ptr": f"*{t}", "ws_ptr": "*fp32", "ss_ptr": "*fp32", "M": "i32",
-               "NOUT": "i32", "K": "i32",
+        sig = {"x_ptr": f"*{t}", "w_ptr": f"*{t}", "res_ptr": f"*{t}", "out_ptr": f"*{t}",
+               "ws_ptr": "*fp32", "ss_ptr": "*fp32", "M": "i32", "NOUT": "i32", "K": "i32",
                "eps": "fp32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",
                "stride_om": "i32"}
         const = {"BLOCK_M": block_m(M, settings.use_dot), "BLOCK_N": settings.BLOCK_N,
                  "BLOCK_K": settings.BLOCK_K, "SPLIT_K": settings.split_k,
                  "USE_DOT": settings.use_dot, **flags, "STAGES": settings.num_stages,
-                 "PDL_LATE": pdl_late, "TMA": settings.tma}
-        if not settings.tma:
-            const["w_desc"] = None
+                 "PDL_LATE": pdl_late}
         fn, aligned = _gemv_kernel, ("x_ptr", "w_ptr", "res_ptr", "out_ptr", "ws_ptr", "ss_ptr",
                                      "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")
     else:

@@ -1061,9 +1061,6 @@ def gemv_rope_settings(target: Target, M: int, K: int, heads: int, D: int, dtype
     if given.BLOCK_N < 2 or D % given.BLOCK_N:
         raise ValueError(f"settings.gemv.BLOCK_N {given.BLOCK_N} must divide the head dim "
                          f"{D} (a program holds whole rotate_half pairs of one head)")
-    if given.tma:
-        raise ValueError("settings.gemv.tma is not taken by the GEMV-epilogue path: a "
-                         "program's W rows are two runs of a head, not one tile of rows")
     return given
 
 

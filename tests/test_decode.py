@@ -472,25 +472,22 @@ from wsattn.kernels import decode_triton
 BUILDS = {"contiguous": {}, "paged-16": dict(paged=True, page_size=16),
           "paged-64": dict(paged=True, page_size=64), "combine": dict(kernel="combine")}
 LOAD = re.compile(r"\b(ld\.global|cp\.async|ld\.volatile|ld\.relaxed|ld\.acquire)")
-WIDE = re.compile(r"\b(ld\.global\.v|cp\.async)")  # q's and the K/V tiles' loads
 facts = {}
-runs = [(name, kw, pdl, False) for name, kw in BUILDS.items() for pdl in (True, False)]
-runs += [(name, kw, True, True) for name, kw in BUILDS.items() if name != "combine"]
-for name, kw, pdl, early in runs:
-    s = decode_triton.compile_spec(90, pdl=pdl, **kw, **({"early_index": True} if early else {}))
-    k = triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
-                                 attrs=s["attrs"]),
-                       target=GPUTarget("cuda", 90, 32), options=s["options"])
-    ptx = k.asm["ptx"]
-    find = lambda text: ptx.index(text) if text in ptx else -1
-    facts[f"{name}-{'early' if early else 'on' if pdl else 'off'}"] = {
-        "griddepcontrol": ptx.count("griddepcontrol"),
-        "wait": ptx.count("griddepcontrol.wait"), "wait_at": find("griddepcontrol.wait"),
-        "launch": ptx.count("griddepcontrol.launch_dependents"),
-        "launch_at": find("griddepcontrol.launch_dependents"),
-        "first_load_at": min((m.start() for m in LOAD.finditer(ptx)), default=-1),
-        "first_wide_load_at": min((m.start() for m in WIDE.finditer(ptx)), default=-1),
-        "launch_pdl": bool(k.metadata.launch_pdl)}
+for name, kw in BUILDS.items():
+    for pdl in (True, False):
+        s = decode_triton.compile_spec(90, pdl=pdl, **kw)
+        k = triton.compile(ASTSource(s["fn"], s["signature"], constexprs=s["constexprs"],
+                                     attrs=s["attrs"]),
+                           target=GPUTarget("cuda", 90, 32), options=s["options"])
+        ptx = k.asm["ptx"]
+        find = lambda text: ptx.index(text) if text in ptx else -1
+        facts[f"{name}-{'on' if pdl else 'off'}"] = {
+            "griddepcontrol": ptx.count("griddepcontrol"),
+            "wait": ptx.count("griddepcontrol.wait"), "wait_at": find("griddepcontrol.wait"),
+            "launch": ptx.count("griddepcontrol.launch_dependents"),
+            "launch_at": find("griddepcontrol.launch_dependents"),
+            "first_load_at": min((m.start() for m in LOAD.finditer(ptx)), default=-1),
+            "launch_pdl": bool(k.metadata.launch_pdl)}
 print(json.dumps(facts))
 """
 
@@ -499,9 +496,7 @@ def test_sm90_pdl_waits_before_any_load_and_releases_dependents():
     """PDL on: griddepcontrol.wait comes before the first global load (q, seqlens, the
     block table, K/V; the combine's workspace), launch_dependents right after it, and the
     kernel is marked for a PDL launch; contiguous, paged (pages shorter than a tile and
-    of whole tiles) and the combine. Off: neither instruction, no PDL launch. The
-    pdl_early_index builds: seqlens (and the preloaded block table) read before the wait,
-    q and the K/V tiles only after it."""
+    of whole tiles) and the combine. Off: neither instruction, no PDL launch."""
     import json
     import os
     import subprocess
@@ -511,13 +506,9 @@ def test_sm90_pdl_waits_before_any_load_and_releases_dependents():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(facts) == 11
+    assert len(facts) == 8
     for name, f in facts.items():
-        if name.endswith("-early"):
-            assert f["wait"] == 1 and f["launch"] == 1 and f["launch_pdl"], (name, f)
-            assert 0 <= f["first_load_at"] < f["wait_at"] < f["first_wide_load_at"], (name, f)
-            assert f["wait_at"] < f["launch_at"], (name, f)
-        elif name.endswith("-on"):
+        if name.endswith("-on"):
             assert f["wait"] == 1 and f["launch"] == 1 and f["launch_pdl"], (name, f)
             assert 0 <= f["wait_at"] < f["first_load_at"], f"{name}: a load before the wait"
             assert f["wait_at"] < f["launch_at"], (name, f)

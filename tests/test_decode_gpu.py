@@ -108,13 +108,11 @@ def test_decode_cuda_graph_replay():
 
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["wait-first", "early-index"])
 @pytest.mark.parametrize("page", [None, 16, 64])
 @pytest.mark.parametrize("splits", [1, 5, 0])
-def test_decode_pdl_equals_no_pdl_bitwise(page, splits, early):
-    """PDL launches (decode and combine; seqlens and the block table before the wait with
-    pdl_early_index) give bit for bit what plain launches give, eager and replayed from a
-    CUDA graph after a PDL-launched producer of q."""
+def test_decode_pdl_equals_no_pdl_bitwise(page, splits):
+    """PDL launches (decode and combine) give bit for bit what plain launches give, eager
+    and replayed from a CUDA graph after a PDL-launched producer of q."""
     from wsattn.kernels import decode_triton
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+")
@@ -125,15 +123,13 @@ def test_decode_pdl_equals_no_pdl_bitwise(page, splits, early):
         v, _ = _to_paged(v, page, seed=2)
     scale = 128 ** -0.5
     base = decode_triton.decode(q, k, v, seqlens, table, scale, splits)
-    on = decode_triton.decode(q, k, v, seqlens, table, scale, splits, pdl=True,
-                              pdl_early_index=early)
+    on = decode_triton.decode(q, k, v, seqlens, table, scale, splits, pdl=True)
     assert torch.equal(base[0], on[0]) and torch.equal(base[1], on[1])
     q2 = torch.empty_like(q)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         torch.mul(q, 1.0, out=q2)  # a producer the decode kernel must wait for
-        out, lse = decode_triton.decode(q2, k, v, seqlens, table, scale, splits, pdl=True,
-                                        pdl_early_index=early)
+        out, lse = decode_triton.decode(q2, k, v, seqlens, table, scale, splits, pdl=True)
     for _ in range(3):
         q2.zero_()
         graph.replay()

@@ -325,21 +325,6 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
                  ("qkv_rope:gemv-rope", "qkv_rope:two-launch")]:
         with pytest.raises(ValueError, match=r"name the same kernels \(qkv_rope\)"):
             runner._pdl_families(both, has_pdl=True)
-    # decode: seqlens and the block table before the wait only with its variant
-    got = []
-
-    def decode_stand_in(q, *a, pdl=None, pdl_early_index="unset", **k):
-        got.append((pdl, pdl_early_index))
-        return (torch.zeros(q.shape[0], 1, cfg.heads, cfg.head_dim),)
-    monkeypatch.setattr(runner.ops, "decode", decode_stand_in)
-    for families, want in [(("decode:early-index",), (True, True)), (("decode",), (True, False)),
-                           ((), (False, False))]:
-        got.clear()
-        step.pdl_families = runner._pdl_families(families, has_pdl=True)
-        step._forward(runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device))
-        assert got and set(got) == {want}, (families, got)
-    with pytest.raises(ValueError, match=r"name the same kernels \(decode\)"):
-        runner._pdl_families(("decode", "decode:early-index"), has_pdl=True)
     # the default: every family where the GPU has PDL (the GEMVs' release by rows)
     assert runner._pdl_families(None, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
     assert runner._pdl_families(True, has_pdl=True) == frozenset(runner.PDL_FAMILIES)
@@ -518,8 +503,7 @@ def test_gpu_pdl_on_equals_off():
     # either path (the A/B variants; without QK-norm both paths compute the same bits)
     for pdl in (True, None, ("qkv_rope", "decode", "gemv:late"),
                 ("qkv_rope", "decode", "gemv:early"), ("qkv_rope:two-launch", "decode", "gemv"),
-                ("qkv_rope:gemv-rope", "decode", "gemv"),
-                ("qkv_rope", "decode:early-index", "gemv")):
+                ("qkv_rope:gemv-rope", "decode", "gemv")):
         on_t, on_l = _gpu_engine(pdl=pdl)[0].run(ps, 24, return_logits=True)
         assert all(torch.equal(a, b) for a, b in zip(on_t, off_t)), pdl
         assert torch.equal(on_l, off_l), pdl

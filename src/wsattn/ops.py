@@ -53,12 +53,11 @@ def _prefill_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                                   max_seqlen_k, causal, sm_scale)
 
 
-def _decode_impl(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, pdl=False,
-                 pdl_early_index=False):
+def _decode_impl(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, pdl=False):
     _interpreter_ready(q.device)
     from .kernels import decode_triton
     return decode_triton.decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits,
-                                pdl=pdl, pdl_early_index=pdl_early_index)
+                                pdl=pdl)
 
 
 def _merge_impl(outputs, lses):
@@ -129,13 +128,12 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
               sm_scale, impl)
 
 
-def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, *, pdl=False,
-           pdl_early_index=False):
-    # pdl and pdl_early_index (decode_triton.decode's launch switches, for the engine's
-    # decode step) go to the launcher itself: the custom op carries no such argument
+def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, *, pdl=False):
+    # pdl (decode_triton.decode's launch switch, for the engine's decode step) goes to the
+    # launcher itself: the custom op carries no such argument
     if pdl:
         return _decode_impl(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits,
-                            pdl=True, pdl_early_index=pdl_early_index)
+                            pdl=True)
     fn = decode_op if _via_dispatcher(q, k_cache, v_cache) else _decode_impl
     return fn(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits)
 

@@ -148,14 +148,10 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # GEMV kernel at every row count (the default hands them to cuBLAS from CUBLAS_WIDE_ROWS
 # rows on sm_90; below). "moe:topk-launch": the MoE kernels with PDL as "moe", and at
 # bucket 1 the router's top-k in its own launch (KernelStep's moe_topk_in_gate_up off).
-# "decode:early-index": decode with PDL as "decode", reading seqlens and the block table
-# before its wait (decode_triton's pdl_early_index; the QKV launch before it writes
-# neither).
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:kernel-wide": "gemv",
                 "qkv_rope:two-launch": "qkv_rope", "qkv_rope:gemv-rope": "qkv_rope",
-                "decode:early-index": "decode",
                 "moe:topk-launch": "moe"}
 # Rows from which the o and down projections (a plain product plus the residual, no norm
 # or SiLU epilogue) run as one cuBLAS addmm into the residual on sm_90, 16-bit: fp32
@@ -503,9 +499,7 @@ class KernelStep:
             # the launcher through ops (no host checks; PDL, which api.decode does not take)
             attn = ops.decode(buf.q.unsqueeze(1), k_pages, v_pages, buf.seqlens,
                               buf.block_table, 1.0 / math.sqrt(cfg.head_dim), 0,
-                              pdl=pdl_decode,
-                              pdl_early_index="decode:early-index" in self.pdl_families
-                              )[0][:, 0]  # [n, Hq, D]
+                              pdl=pdl_decode)[0][:, 0]  # [n, Hq, D]
             self._count("decode")
             self._residual_gemv(attn.view(n, cfg.q_size), layer.wo, h, g)
             self._count("gemv_o")

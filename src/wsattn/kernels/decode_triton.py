@@ -54,15 +54,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
                    T: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BT_CHUNK: tl.constexpr = 0,
-                   PDL: tl.constexpr = False, EARLY_INDEX: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     # stride_kb / stride_vb step a sequence (contiguous cache) or a page (paged cache).
-    # EARLY_INDEX (with PDL): seqlens and the split's block-table entries are read before
-    # the wait, so after it only q and the K/V stream remain on the critical path; the
-    # caller promises the kernel launched right before this one writes neither (decode()).
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    if PDL and not EARLY_INDEX:
+    if PDL:
         # Every load below waits: q and this token's K/V are the fused QKV kernel's
         # output. seqlens and the block table are host copies made before the step, but
         # reading them after the wait too costs one dependent load's latency and keeps
@@ -82,8 +79,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
     row_live = r < T * GROUP
     d = tl.arange(0, D)  # [D]
     q_rows = b.to(tl.int64) * stride_qb + t * stride_qt + head * stride_qh  # [BLOCK_M]
-    if not EARLY_INDEX:
-        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_live[:, None], other=0.0)  # [BLOCK_M, D]
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_live[:, None], other=0.0)  # [BLOCK_M, D]
 
     seqlen = tl.load(seqlens_ptr + b)
     # this split's BLOCK_N-aligned share [lo, hi) of the keys; empty (lo >= hi) when the
@@ -105,11 +101,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, bt_ptr, out_ptr, lse_ptr,
         first_page = lo // PAGE_SIZE
         pidx = first_page + tl.arange(0, BT_CHUNK)  # [BT_CHUNK]
         bt_row = tl.load(bt_ptr + b * stride_btb + pidx, mask=pidx * PAGE_SIZE < hi, other=0)
-    if EARLY_INDEX:
-        if PDL:  # as above: everything below reads the previous kernels' output
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_live[:, None], other=0.0)
     for start in range(lo, hi, BLOCK_N):  # software-pipelined num_stages deep
         n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         kv_live = n < hi
@@ -354,7 +345,7 @@ def combine_block_s(splits: int) -> int:
 
 
 def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, settings=None,
-           *, pdl=False, pdl_early_index=False):
+           *, pdl=False):
     """Decode attention of T new tokens per sequence against a KV cache (validated by api.py).
 
     Args:
@@ -372,10 +363,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
             launches go out with PDL and wait for the previous kernel inside, and release
             the next kernel early. Every kernel launched after this one with PDL must read
             only weights before its own griddepcontrol.wait (the engine's kernels do).
-        pdl_early_index: with pdl, read seqlens and the block table before the wait
-            (only q and the K/V cache after it). The kernel launched right before this
-            one must not write seqlens or block_table (every earlier one has completed
-            by then, under the rule above). Same result bit for bit.
 
     Returns:
         (out [B, T, Hq, D] in q's dtype, lse [B, T, Hq] float32, natural log; a row that
@@ -388,9 +375,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     """
     if pdl not in (True, False):
         raise ValueError(f"pdl must be True or False, got {pdl!r}")
-    if pdl_early_index not in (True, False) or (pdl_early_index and not pdl):
-        raise ValueError(f"pdl_early_index must be True or False, and True only with pdl, "
-                         f"got {pdl_early_index!r} (pdl={pdl!r})")
     if pdl:
         target = target_of(q.device)
         if target.backend != "cuda" or target.cc < 90:
@@ -429,7 +413,6 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
     bt = block_table if paged else seqlens  # any int32 pointer when not paged
     # PDL off passes nothing: the default launch (and build) stays as it was
     launch = {"PDL": True, "launch_pdl": True} if pdl else {}
-    early = {"EARLY_INDEX": True} if pdl_early_index else {}
     _decode_kernel[(B, HKV, splits)](
         q, k_cache, v_cache, seqlens, bt, out, lse, ws_o, ws_lse,
         sm_scale * LOG2E, HQ,
@@ -440,7 +423,7 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
         T=T, GROUP=group, D=D, BLOCK_M=_block_m(T, group), BLOCK_N=settings.BLOCK_N,
         NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=page_size,
         BT_CHUNK=bt_chunk(settings, capacity, page_size) if paged else 0,
-        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch, **early)
+        num_warps=settings.num_warps, num_stages=settings.num_stages, **launch)
     if splits > 1:
         block_d = min(COMBINE_BLOCK_D, D)
         _combine_kernel[(B * T * HQ, D // block_d)](
@@ -456,13 +439,12 @@ def decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, num_splits, sett
 def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool = False,
                  settings: DecodeSettings | None = None, *, T: int = 1, group: int = 4,
                  page_size: int = 16, num_sms: int = 132, kernel: str = "decode",
-                 pdl: bool = False, early_index: bool = False) -> dict:
+                 pdl: bool = False) -> dict:
     """What ``triton.compile`` needs to build a decode kernel for compute capability cc.
 
     kernel="decode" gives the main split-KV kernel, kernel="combine" the split combine.
     pdl=True builds the PDL variant (constexpr PDL, option launch_pdl); pdl=False leaves
-    both out, exactly the default build. early_index (with pdl, decode kernel):
-    decode()'s pdl_early_index build.
+    both out, exactly the default build.
     Settings default to default_settings for a single-token B=1, Hkv=8, L=131072 call
     on a GPU with num_sms SMs (so NUM_SPLITS > 1 and the workspace path is compiled).
 
@@ -515,10 +497,6 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16", paged: bool 
     if pdl:
         const["PDL"] = True
         options["launch_pdl"] = True
-    if early_index:
-        if not pdl:
-            raise ValueError("early_index builds are PDL builds: pass pdl=True")
-        const["EARLY_INDEX"] = True
     sig.update({name: "constexpr" for name in const})
     return {"fn": _decode_kernel, "signature": sig, "constexprs": const,
             "attrs": _aligned(_decode_kernel, _DECODE_ALIGNED), "options": options}

@@ -265,6 +265,17 @@ def test_memory_guard_arithmetic():
         assert need == step.param_bytes(moe.cfg) + step.folded_bytes(moe.cfg) + \
             3 * step.kv_bytes(moe.cfg, B, 4134) + (4 << 30)
         assert need < 0.9 * 139 * 2**30, need
+    # the caches the columns hold: one paged cache for wsattn columns alone, so the MoE
+    # model's B 32 / 64 steps fit where every column's three caches do not
+    assert step.cache_count(step.IMPLS) == 3
+    assert step.cache_count(["wsattn-graph-pdl", "wsattn-graph-pdl[gemv]@page16"]) == 1
+    assert step.cache_count(["hf-compile", "wsattn-graph"]) == 2
+    for B in (32, 64):
+        moe = step.StepCase("qwen3-30b-a3b", B, 4096)
+        kv = step.kv_bytes(moe.cfg, B, 4134)
+        alone = step.memory_needed(moe, 36, ["wsattn-graph-pdl"])
+        assert alone == step.param_bytes(moe.cfg) + step.folded_bytes(moe.cfg) + kv + (4 << 30)
+        assert alone < 0.9 * 139 * 2**30 < step.memory_needed(moe, 36), (B, alone)
 
 
 def test_gemv_cases_are_the_issue_shapes():

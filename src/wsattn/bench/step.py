@@ -304,14 +304,25 @@ def step_cases(models=None, batches=None, contexts=None) -> list[StepCase]:
             for c in (contexts or CONTEXTS)]
 
 
-def memory_needed(case: StepCase, new_tokens: int) -> int:
+def cache_count(impls) -> int:
+    """KV caches of ctx + new tokens the columns ``impls`` hold: transformers' dynamic one
+    (hf-eager), its static one (hf-compile, kept by the compiled step) and the engine's
+    paged one (any wsattn column; one engine lives at a time)."""
+    impls = list(impls)
+    return (("hf-eager" in impls) + ("hf-compile" in impls)
+            + any(is_wsattn(i) for i in impls))
+
+
+def memory_needed(case: StepCase, new_tokens: int, impls=IMPLS) -> int:
     """Bytes a case holds at once, roughly: transformers' weights, the engine's folded copy
-    and the fp32 reference (twice the bytes), three caches (dynamic, static, paged) of ctx +
-    new tokens, 4 GB of activations. A model checked on a cut (CHECK_LAYERS) holds its
-    weights, the engine's new tensors (``folded_bytes``) and the caches: the cut model and
-    its fp32 copy are freed before the full engine is built."""
+    and the fp32 reference (twice the bytes), the caches the columns ``impls`` hold
+    (``cache_count``: three for every column) of ctx + new tokens, 4 GB of activations. A
+    model checked on a cut (CHECK_LAYERS) holds its weights, the engine's new tensors
+    (``folded_bytes``) and the caches: the cut model and its fp32 copy are freed before
+    the full engine is built."""
     cfg = case.cfg
-    caches = 3 * kv_bytes(cfg, case.B, case.ctx + new_tokens + 2) + (4 << 30)
+    caches = (cache_count(impls) * kv_bytes(cfg, case.B, case.ctx + new_tokens + 2)
+              + (4 << 30))
     if case.model in CHECK_LAYERS:
         return param_bytes(cfg) + folded_bytes(cfg) + caches
     return 4 * param_bytes(cfg) + caches
@@ -794,12 +805,12 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
     g = torch.Generator().manual_seed(case.B * 7919 + case.ctx)
     ids = torch.randint(0, case.cfg.vocab, (case.B, case.ctx), generator=g)
     common = dict(new_tokens=n, copy_tbps=copy_tbps)
-    need = memory_needed(case, max(n, checks))
+    need = memory_needed(case, max(n, checks), impls)
     on_cuda = torch.device(device).type == "cuda"
     total = torch.cuda.get_device_properties(device).total_memory if on_cuda else math.inf
     if need > 0.9 * total:
-        why = (f"needs ~{need / 2**30:.0f} GiB (weights twice + three KV caches), the GPU has "
-               f"{total / 2**30:.0f}")
+        why = (f"needs ~{need / 2**30:.0f} GiB (weights twice + {cache_count(impls)} KV "
+               f"caches for these columns), the GPU has {total / 2**30:.0f}")
         return [make_row(stamp, case, i, "not available", reason=why, **common) for i in impls]
     rows, ref = [], None
     for impl in impls:

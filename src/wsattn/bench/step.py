@@ -809,8 +809,10 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
     on_cuda = torch.device(device).type == "cuda"
     total = torch.cuda.get_device_properties(device).total_memory if on_cuda else math.inf
     if need > 0.9 * total:
-        why = (f"needs ~{need / 2**30:.0f} GiB (weights twice + {cache_count(impls)} KV "
-               f"caches for these columns), the GPU has {total / 2**30:.0f}")
+        held = ("the weights and the engine's folded tensors" if case.model in CHECK_LAYERS
+                else "the weights, the engine's copy and the fp32 reference")
+        why = (f"needs ~{need / 2**30:.0f} GiB ({held} + {cache_count(impls)} KV caches for "
+               f"these columns), the GPU has {total / 2**30:.0f}")
         return [make_row(stamp, case, i, "not available", reason=why, **common) for i in impls]
     rows, ref = [], None
     for impl in impls:

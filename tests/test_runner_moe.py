@@ -424,7 +424,7 @@ def _gpu_prompts(n=3):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
-@pytest.mark.parametrize("batch", [1, 3, 12])  # blocks 1, 4 and 16 (tl.dot)
+@pytest.mark.parametrize("batch", [1, 3, 12])  # buckets 1, 4 and 16 (grouping block 16 at each)
 def test_gpu_moe_graph_replay_equals_eager(family, batch):
     """CUDA-graph replay gives bitwise the tokens and logits of the eager step."""
     ps = _gpu_prompts(batch)

@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from wsattn.bench.step import chrome_trace
 from wsattn.kernels import gemv as G
 from wsattn.kernels import moe as M
 from wsattn.target import target_of
@@ -38,23 +39,6 @@ SHAPES = {  # (N, K) of y = x @ W^T, W [N, K]
     "8b-gate_up": (28672, 4096), "8b-down": (4096, 14336),
     "qwen3-30b-qkv": (5120, 2048), "qwen3-30b-o": (2048, 4096),
 }
-
-
-def trace_of(fn) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-    import tempfile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            return json.load(f)
-    finally:
-        os.unlink(path)
 
 
 def graph_of(launches):
@@ -121,12 +105,14 @@ def moe_probe(dev) -> list[dict]:
         err = float((got - want).norm() / want.norm())
         if not err < 2e-2:
             raise RuntimeError(f"gate/up at top_k {k}: relative error {err:.3g}")
-        tr = trace_of(graph_of([lambda gr=gr: M.moe_gate_up(x, w_gu, gr, pdl=False)
-                                for gr in groupings]).replay)
+        gate_up = graph_of([lambda gr=gr: M.moe_gate_up(x, w_gu, gr, pdl=False)
+                            for gr in groupings])
+        tr = chrome_trace(torch, dev, gate_up.replay)
         gu_us, _, grid = mean_us(tr, "_grouped_kernel")
         outs = [torch.zeros(1, H, device=dev, dtype=torch.bfloat16) for _ in groupings]
-        tr = trace_of(graph_of([lambda a=a, gr=gr, o=o: M.moe_down_combine(a, w_d, gr, wts, o, pdl=False)
-                                for a, gr, o in zip(acts, groupings, outs)]).replay)
+        down = graph_of([lambda a=a, gr=gr, o=o: M.moe_down_combine(a, w_d, gr, wts, o, pdl=False)
+                         for a, gr, o in zip(acts, groupings, outs)])
+        tr = chrome_trace(torch, dev, down.replay)
         d_us, _, dgrid = mean_us(tr, "_grouped_kernel")
         gu_mb = k * 2 * F * H * 2 / 1e6
         d_mb = k * H * F * 2 / 1e6
@@ -158,14 +144,16 @@ def cublas_probe(dev) -> list[dict]:
                 if not err < 1e-2:
                     raise RuntimeError(f"{what} {name} M{Mr}: relative error {err:.3g}")
             seq = [ws[i % copies] for i in range(REPS)]
-            tr = trace_of(graph_of([lambda w=w: torch.matmul(x, w.T) for w in seq]).replay)
+            peer = graph_of([lambda w=w: torch.matmul(x, w.T) for w in seq])
+            tr = chrome_trace(torch, dev, peer.replay)
             ks = kernels_in(tr)
             names = {}
             for k in ks:
                 key = (k["name"][:110], str(k["grid"]), str(k["block"]))
                 n, us = names.get(key, (0, 0.0))
                 names[key] = (n + 1, us + k["us"])
-            tr2 = trace_of(graph_of([lambda w=w: G.gemv(x, w, pdl=False) for w in seq]).replay)
+            ours = graph_of([lambda w=w: G.gemv(x, w, pdl=False) for w in seq])
+            tr2 = chrome_trace(torch, dev, ours.replay)
             mine_us = sum(k["us"] for k in kernels_in(tr2)) / REPS
             s = G.default_settings(target, M=Mr, N=N, K=K, dtype=torch.bfloat16)
             for (kn, grid, block), (n, us) in names.items():

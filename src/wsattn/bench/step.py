@@ -680,8 +680,9 @@ def _sync(torch, device):
         torch.cuda.synchronize(device)
 
 
-def profile_summary(torch, device, fn) -> dict:
-    """gpu_summary of a torch.profiler trace of fn (no GPU events on a CPU device)."""
+def chrome_trace(torch, device, fn) -> dict:
+    """The torch.profiler Chrome trace (its JSON as a dict) of fn, synchronised before it
+    ends (no GPU events on a CPU device)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = torch.device(device).type == "cuda"
@@ -693,9 +694,14 @@ def profile_summary(torch, device, fn) -> dict:
     try:
         prof.export_chrome_trace(path)
         with open(path) as f:
-            return gpu_summary(json.load(f))
+            return json.load(f)
     finally:
         os.unlink(path)
+
+
+def profile_summary(torch, device, fn) -> dict:
+    """gpu_summary of a torch.profiler trace of fn (no GPU events on a CPU device)."""
+    return gpu_summary(chrome_trace(torch, device, fn))
 
 
 def teacher_forced_check(model, engine, ids, steps: int, dtype: str = "bf16", tol=None,

@@ -404,6 +404,13 @@ def block_m(M: int, use_dot: bool) -> int:
     return max(16, next_pow2(M)) if use_dot else next_pow2(M)
 
 
+def _stage_bytes(block_n: int, block_k: int, M: int, use_dot: bool, silu_mul: bool,
+                 elem: int) -> int:
+    """Shared memory of one pipeline stage: a K tile of the program's W rows (gate and up
+    with silu_mul) and of its block_m rows of x."""
+    return ((2 if silu_mul else 1) * block_n + block_m(M, use_dot)) * block_k * elem
+
+
 def _split_k(programs: int, K: int, block_k: int, num_sms: int) -> int:
     """K splits (a power of two, each >= MIN_SPLIT_TILES tiles, <= MAX_SPLIT_K) until the
     programs fill SPLIT_BELOW of the SMs."""
@@ -512,9 +519,8 @@ def _settings(target: Target, M: int, N: int, K: int, dtype: torch.dtype, silu_m
             if tiles * split > target.num_sms and 2 * tiles >= target.num_sms:
                 split = 1
             if tiles * split <= target.num_sms:
-                rows_w = DOT_WIDE_BLOCK_N * (2 if silu_mul else 1)
-                stage_bytes = (rows_w + block_m(M, True)) * block_k * elem
-                stages = max(stages, min(DEEP_MAX_STAGES, DEEP_STAGE_BUDGET // stage_bytes))
+                stage = _stage_bytes(DOT_WIDE_BLOCK_N, block_k, M, True, silu_mul, elem)
+                stages = max(stages, min(DEEP_MAX_STAGES, DEEP_STAGE_BUDGET // stage))
         return GemvSettings(BLOCK_N=DOT_WIDE_BLOCK_N, BLOCK_K=block_k, split_k=split,
                             use_dot=True, num_warps=4, num_stages=stages)
     block_k = block_ks[block_n]
@@ -533,7 +539,7 @@ def _settings(target: Target, M: int, N: int, K: int, dtype: torch.dtype, silu_m
                             num_warps=4, num_stages=3)
     # Bytes in flight: (stages - 1) tiles a program. As many stages as fit
     # STAGE_BUDGET of shared memory (two programs an SM on sm_90's 228 KB), 2..MAX_STAGES.
-    stage_bytes = ((2 if silu_mul else 1) * block_n + block_m(M, use_dot)) * block_k * elem
+    stage_bytes = _stage_bytes(block_n, block_k, M, use_dot, silu_mul, elem)
     budget = STAGE_BUDGET if target.cc < 120 else STAGE_BUDGET // 2  # ~100 KB parts
     if target.cc < 90:
         budget = budget * 3 // 4  # sm_80: 164 KB

@@ -392,6 +392,30 @@ def test_write_only_when_asked(tmp_path):
     assert json.loads(path.read_text())[0]["impl"] == "hf-eager"
 
 
+def test_checkpoint_writes_the_rows_so_far_with_ratios(tmp_path):
+    # main() calls it after every case, so a run stopped by a time limit keeps what finished
+    args = types.SimpleNamespace(json=None, plot=None, no_plot=True, what="step")
+    rows = [_step_row("wsattn-graph", 0.8), _step_row("wsattn-graph-pdl", 0.7)]
+    step.checkpoint(rows, STAMP, args)
+    assert list(tmp_path.iterdir()) == []  # nothing unasked
+    args.json = str(tmp_path / "rows.json")
+    step.checkpoint(rows[:1], STAMP, args)
+    assert [r["impl"] for r in json.loads((tmp_path / "rows.json").read_text())] == \
+        ["wsattn-graph"]
+    step.checkpoint(rows, STAMP, args)
+    back = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["impl"] for r in back] == ["wsattn-graph", "wsattn-graph-pdl"]
+    assert back[1]["pdl_speedup"] == pytest.approx(0.8 / 0.7)
+    # a directory: the conventional name, the same file the end of the run rewrites
+    out = tmp_path / "out"
+    out.mkdir()
+    args.json = str(out)
+    step.checkpoint(rows, STAMP, args)
+    (path,) = out.iterdir()
+    assert path.name.startswith("bench_step_") and gemv.json_path(STAMP, args) == path
+    assert gemv.write(rows, STAMP, args, step.plot_rows) == [path]
+
+
 # --------------------------------------------------------------------------- the trace
 
 def _k(ts, dur, cat="kernel", name="k"):

@@ -12,7 +12,9 @@ bench_<gpu>_<date>_<commit>.json), a PNG plot with --plot PATH, or beside the JS
 CUDA GPU. `wsattn bench sp` runs the sequence-parallel benchmark (wsattn.sp.bench) under
 torchrun, one process per GPU. `wsattn bench gemv` times every GEMV of a decode step at
 model shapes against cuBLAS and the copy ceiling (wsattn.bench.gemv); `wsattn bench step`
-a whole decode step against transformers and the memory floor (wsattn.bench.step);
+a whole decode step against transformers and the memory floor (wsattn.bench.step; it
+rewrites its JSON after every case, so a run stopped by a time limit keeps the cases that
+finished);
 `wsattn bench moe` one MoE layer (Qwen3-30B-A3B, Mixtral-8x7B, OLMoE shapes) against
 transformers' MoE block, torch._grouped_mm and the touched-weight floor (wsattn.bench.moe);
 `wsattn bench chunked` chunked prefill (a chunk of 2048 queries over a paged prefix of

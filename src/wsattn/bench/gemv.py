@@ -679,19 +679,27 @@ def main(args) -> int:
     return exit_status(rows, lambda impl: impl.startswith("wsattn"), "gemv")
 
 
-def write(rows, stamp, args, plot_fn) -> list:
-    """JSON where --json says (a directory: the conventional name), the plot where --plot
-    says or beside the JSON; nothing unasked."""
+def json_path(stamp, args):
+    """Where --json says the rows go (a directory: the conventional name), None unasked."""
     from pathlib import Path
 
     from .env import json_name
+
+    if not args.json:
+        return None
+    path = Path(args.json)
+    return (path / json_name(stamp).replace("bench_", f"bench_{args.what}_", 1)
+            if path.is_dir() else path)
+
+
+def write(rows, stamp, args, plot_fn) -> list:
+    """JSON where --json says (a directory: the conventional name), the plot where --plot
+    says or beside the JSON; nothing unasked."""
     from .report import write_json
 
-    written, path = [], None
-    if args.json:
-        path = Path(args.json)
-        path = write_json(rows, path / json_name(stamp).replace("bench_", f"bench_{args.what}_", 1)
-                          if path.is_dir() else path)
+    written, path = [], json_path(stamp, args)
+    if path is not None:
+        path = write_json(rows, path)
         written.append(path)
         print(f"\nJSON rows written to {path}")
     plot_path = args.plot or (path.with_suffix(".png") if path else None)

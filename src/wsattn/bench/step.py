@@ -902,6 +902,18 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
     return rows
 
 
+def checkpoint(rows: list[dict], stamp, args) -> None:
+    """The rows so far into --json's file (no plot), after every case: a large case takes
+    minutes (~100 s a column at Llama-3.1-8B B64 ctx 4k on an H200), so a run stopped by a
+    time limit keeps the cases that finished. The end of the run rewrites it whole."""
+    from .gemv import json_path
+    from .report import write_json
+
+    path = json_path(stamp, args)
+    if path is not None:
+        write_json(add_ratios(rows), path)
+
+
 def main(args) -> int:
     """Run the step benchmark (a CUDA GPU is checked for by the caller)."""
     import torch
@@ -938,6 +950,7 @@ def main(args) -> int:
             for case in (c for c in cases if c.model == name):
                 bar.set_postfix_str(case.id, refresh=True)
                 rows += run_case(case, impls, model, stamp, device, copy_tbps, args)
+                checkpoint(rows, stamp, args)
                 bar.update(len(impls))
             del model
             torch._dynamo.reset()

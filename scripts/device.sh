@@ -19,7 +19,10 @@
 #
 # Settings (environment):
 #   OUT            where results go (the device tool sets it; default ./device-out)
-#   WSATTN_COMMIT  the commit the rows are stamped with (the device copy has no .git)
+#   WSATTN_COMMIT  the commit the rows are stamped with; always set it (also for a direct
+#                  `wsattn bench` call there): the device copy's git metadata, where it has
+#                  any, need not be this tree's (one such call was stamped with an
+#                  earlier commit plus -dirty)
 #   BENCH_ARGS     arguments of `wsattn bench` (default "all"; e.g. "decode --quick"), or
 #                  several runs separated by ';' ("step --batch 1; varlen; moe"), each with
 #                  its own BENCH_S limit and files bench_<n>_<kind>.{json,png}

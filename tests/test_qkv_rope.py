@@ -858,11 +858,15 @@ def test_gpu_gemv_rope_against_float64_and_two_launch(family, shape, M):
     default settings (split K at 8 and 64 rows; with QK-norm at 1 and 2 rows, where the
     defaults do not split, a whole head a program, BLOCK_N = D): within tolerance of
     float64, caches untouched elsewhere, paged equal to contiguous; q and the cache bit
-    for bit the two-launch path's without QK-norm, within bf16 rounding with it (the
-    head's sum of squares reduces over another tile shape: [rows, D/2] across 4-8 warps
-    against one row across 2; at 1-2 rows the projection's settings differ too); a
-    CUDA-graph replay under PDL bit-identical to the eager call."""
+    for bit the two-launch path's without QK-norm when that path's projection runs the
+    same GEMV settings (the same tiles and K split, so the same sums: the two paths'
+    own defaults differ at 3-32 rows, where plain GEMVs take the deep one-wave rule and
+    the epilogue path keeps the split one, and then differ by bf16 rounding), within
+    bf16 rounding with QK-norm (the head's sum of squares reduces over another tile
+    shape: [rows, D/2] across 4-8 warps against one row across 2); a CUDA-graph replay
+    under PDL bit-identical to the eager call."""
     from wsattn.kernels.gemv import GemvSettings
+    from wsattn.target import target_of
     ns = _gpu_ns()
     K, Hq, Hkv, D = (2048, 32, 8, 64) if shape == "1B" else (4096, 32, 8, 128)
     fam = FAMILIES[family]
@@ -882,7 +886,11 @@ def test_gpu_gemv_rope_against_float64_and_two_launch(family, shape, M):
     pages = M * 4 + 3
     bt = torch.randperm(pages, device="cuda")[:M * 4].to(torch.int32).view(M, 4)
     outs = []
-    for st in (qkv_rope.TwoLaunchSettings(), s):
+    two = qkv_rope.TwoLaunchSettings()
+    if not fam["qk_norm"]:
+        two = qkv_rope.TwoLaunchSettings(gemv=qkv_rope.gemv_rope_settings(
+            target_of(torch.device("cuda")), M, K, Hq + 2 * Hkv, D, torch.bfloat16, s.gemv))
+    for st in (two, s):
         kc = torch.full((pages, 16, Hkv, D), float("nan"), dtype=torch.bfloat16, device="cuda")
         vc = kc.clone()
         q = qkv_rope_append(**inp, k_cache=kc, v_cache=vc, block_table=bt, pdl=pdl, settings=st)

@@ -302,6 +302,33 @@ def test_three_consumer_settings():
         pg.compile_spec(head_dim=128, settings=pg.GluonSettings(CONSUMERS=3, BLOCK_M=192))
 
 
+def test_lane_sums_settings():
+    """LANE_SUMS is refused where ptxas spills and serialises the wgmmas (UNROLL's two P
+    register sets at head dim 128), taken elsewhere."""
+    with pytest.raises(ValueError, match=r"LANE_SUMS with UNROLL at head_dim 128"):
+        pg.settings_for(128, False, LANE_SUMS=True)
+    assert pg.settings_for(128, False, LANE_SUMS=True, UNROLL=False).LANE_SUMS
+    assert pg.settings_for(64, True, LANE_SUMS=True).LANE_SUMS
+
+
+LANE_SUMS_CASES = [pytest.param(64, False, {}, id="D64-full"),
+                   pytest.param(64, True, {}, id="D64-causal"),
+                   pytest.param(128, False, {"UNROLL": False}, id="D128-full-plain")]
+
+
+@pytest.mark.parametrize("head_dim, causal, extra", LANE_SUMS_CASES)
+def test_sm90_packed_p_and_lane_sums(head_dim, causal, extra):
+    """PACK_P + LANE_SUMS: no spills; no PRMT left in SASS (PACK_P) and no shuffle in the
+    steady-state key loop for the row sums (LANE_SUMS: added up once, after the last
+    tile), so fewer shuffles in the whole build than without the two switches."""
+    k = _compile(head_dim, causal, False, PACK_P=True, LANE_SUMS=True, **extra)
+    assert _ptxas_spill_bytes(k.asm["ptx"]) == [0, 0]
+    sass = sass_listing(k.asm["cubin"])
+    assert "HGMMA" in sass and "PRMT" not in sass
+    base = sass_listing(_compile(head_dim, causal, False, **extra).asm["cubin"])
+    assert sass.count("SHFL.BFLY") < base.count("SHFL.BFLY")
+
+
 @pytest.mark.parametrize("consumers, block_m", [(2, 128), (3, 192)], ids=["c2", "c3"])
 def test_launcher_grid_follows_block_m(monkeypatch, consumers, block_m):
     """The launch grid counts BLOCK_M-row tiles and the kernel gets the settings' CONSUMERS

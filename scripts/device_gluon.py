@@ -57,13 +57,8 @@ VARIANTS = {
     # the CPU model), one GQA group each (fewest heads' K/V live in L2)
     "persistent_one_section": {"persistent": True, "l2_section_bytes": 2 ** 62},
     "persistent_group_sections": {"persistent": True, "l2_section_bytes": 1},
-    # P to bf16 by one cvt a register pair (no PRMT half swaps in SASS)
-    "packed": {"PACK_P": True},
-    "packed_plain": {"PACK_P": True, "UNROLL": False, "D": 128},
-    # row sums per lane, added up after the last tile (no shuffles a step)
-    "lane_sums": {"LANE_SUMS": True, "D": 64},
-    "packed_lane_sums": {"PACK_P": True, "LANE_SUMS": True, "D": 64},
-    "packed_lane_sums_plain": {"PACK_P": True, "LANE_SUMS": True, "UNROLL": False, "D": 128},
+    # P to bf16 by one cvt a value (ptxas packs the pairs with PRMT half swaps)
+    "unpacked": {"PACK_P": False},
 }
 
 

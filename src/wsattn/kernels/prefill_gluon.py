@@ -79,11 +79,10 @@ class GluonSettings:
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24
     CONSUMERS: int = 2  # consumer warpgroups of 64 rows; 3 (BLOCK_M = 192) at head dim 64 only
-    # P to the PV wgmma's operand by one cvt a register pair (no PRMT half swaps; same bits)
-    PACK_P: bool = False
-    # Row sums kept per lane, added up after the last tile (no shuffles a tile); not with
-    # UNROLL at head dim 128, where ptxas then spills and serialises the wgmmas (check())
-    LANE_SUMS: bool = False
+    # P to the PV wgmma's operand by one cvt a register pair (no PRMT half swaps; same
+    # bits). On: on the H200 +0.4 to +4.9 % at 15 of 16 bench shapes, -0.9 % at the 16th,
+    # side by side (notes/prefill_gluon.md, "P packed a register pair at a time").
+    PACK_P: bool = True
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
     # prefill_gluon_parts); fixed length only. Off in settings_for: on the H200 it gained
     # 4-22 % at N = 1024 and lost 2-10 % from N = 4096 on (notes/prefill_gluon.md); a call
@@ -129,9 +128,6 @@ class GluonSettings:
                 f"warpgroups get {PER_CONSUMERS[3]['CONSUMER_REGS']} registers a thread, "
                 "which O (64) + S (64) + P (32) alone fill at head_dim 128 (ptxas spills "
                 "~0.9 KB a thread even without UNROLL); use CONSUMERS=2")
-        if self.LANE_SUMS and self.UNROLL and head_dim == 128:
-            raise ValueError("LANE_SUMS with UNROLL at head_dim 128: ptxas spills and "
-                             "serialises the wgmmas (C7512); use UNROLL=False")
         if self.BLOCK_M != WG_M * n:
             raise ValueError(f"BLOCK_M={self.BLOCK_M} must be {WG_M} * CONSUMERS={n}")
         for name in ("CONSUMER_REGS", "PRODUCER_REGS"):
@@ -214,7 +210,7 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
                 CAUSAL=bool(causal), PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
                 CONSUMERS=s.CONSUMERS, WG_TILES=s.WG_TILES, PERSISTENT=s.persistent,
-                PACK_P=s.PACK_P, LANE_SUMS=s.LANE_SUMS)
+                PACK_P=s.PACK_P)
 
 
 def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: int,

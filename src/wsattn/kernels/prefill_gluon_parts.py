@@ -233,15 +233,13 @@ def _release_tiles(j_lo, j_hi, r0, pp0, v_ready, kv_empty, turn_mine, turn_other
 
 @gluon.jit
 def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr,
-                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                  LANE_SUMS: gl.constexpr):
+                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """Online-softmax step on one S tile [WG_M, BLOCK_N] (fp32, raw q.k).
 
     m_i is kept in the log2 domain (scaled by qk_scale = sm_scale * log2 e). Returns the
     unnormalized probabilities p, the factor alpha that rescales everything accumulated
     before this tile, and the new (m_i, l_i). MASK is constexpr so the compare/select
-    compiles away on the tiles that need none. l_i is the row sums [WG_M], or (LANE_SUMS)
-    each lane's share of them [WG_M, 4] (see _lane_sums; _row_sums adds them up).
+    compiles away on the tiles that need none.
     """
     if MASK:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -253,43 +251,19 @@ def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr
     m_new = gl.maximum(m_i, m_tile * qk_scale)  # [WG_M]
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))  # [WG_M, BLOCK_N]
     alpha = gl.exp2(m_i - m_new)  # [WG_M]
-    if LANE_SUMS:
-        part = _lane_sums(p, BLOCK_N)
-        l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, part.type.layout)),
-                                   1) + part
-    else:
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
-
-
-@gluon.jit
-def _lane_sums(p, BLOCK_N: gl.constexpr):
-    """[WG_M, BLOCK_N] -> [WG_M, 4]: each row's sum over the columns one lane holds. In the
-    wgmma accumulator column n = 8 i + 2 t + e sits in lane t of its row's quad, so the
-    reshape's axes 1 and 3 are within a thread and the sums need no shuffle; the quad's
-    four partial sums are added once, after the last tile (_row_sums), as
-    FlashAttention-4 does, instead of two shuffles a row every tile."""
-    x = gl.reshape(p, [WG_M, BLOCK_N // 8, 4, 2])
-    return gl.sum(gl.sum(x, axis=3), axis=1)
-
-
-@gluon.jit
-def _row_sums(l_i, row_layout: gl.constexpr, LANE_SUMS: gl.constexpr):
-    if LANE_SUMS:
-        return gl.convert_layout(gl.sum(l_i, axis=1), row_layout)
-    else:
-        return l_i
 
 
 @gluon.jit
 def _pack_p(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACK_P: gl.constexpr):
     """P (fp32, the QK^T accumulator's layout) to the PV wgmma's register A operand.
 
-    PACK_P: one cvt.rn.{bf16,f16}x2 a register pair, which is the A fragment's order as it
-    stands (the accumulator's two adjacent columns in one 32-bit register). The plain
-    `p.to(dtype)` emits one cvt a value and a pack, which ptxas turned into F2FP plus a
-    PRMT half swap for half of the registers (16-32 PRMT a step). Same rounding (rn), same
-    bits."""
+    PACK_P: one cvt.rn.{bf16,f16}x2 a register pair. The accumulator keeps two adjacent
+    columns of a row in one thread, which is the A fragment's pairing, so each pair packs
+    in place. `p.to(dtype)` (PACK_P=False) emits one cvt a value; ptxas packs those pairs
+    with F2FP but half of them with their halves swapped, then fixes each with a PRMT
+    (16-32 a step in SASS). Same rounding (rn), so the same bits."""
     if not PACK_P:
         return gl.convert_layout(p.to(dtype), p_layout)
     if dtype == gl.bfloat16:
@@ -305,8 +279,7 @@ def _pack_p(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACK_P: gl.constexpr
 def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
           l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr,
-          LANE_SUMS: gl.constexpr):
+          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr):
     """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
     issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
     tensor cores. With PINGPONG the consumer warpgroups take turns (round-robin, turn j
@@ -332,7 +305,7 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
         mbarrier.arrive(turn_other)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))  # QK^T(j+1) done; PV(j) may still run
     p, alpha, m_i, l_i = _softmax_tile(s, nxt, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
-                                       BLOCK_N, MASK, CAUSAL, LANE_SUMS)
+                                       BLOCK_N, MASK, CAUSAL)
     # P(j + 1) is packed before waiting for PV(j), which still reads P(j) from registers.
     p_nxt = _pack_p(p, q.dtype, p_layout, PACK_P)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
@@ -346,8 +319,7 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
                    turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
                    s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                   PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PACK_P: gl.constexpr,
-                   LANE_SUMS: gl.constexpr):
+                   PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PACK_P: gl.constexpr):
     """Iterations j in [j_lo, j_hi), unrolled by two (UNROLL) so that P(j) and P(j + 1) can
     live in two register sets: with one loop-carried set, ptxas packs P(j + 1) into the
     registers the in-flight PV(j) still reads and so waits for PV(j) before the softmax.
@@ -359,16 +331,16 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
         p_b, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                    kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq,
                                    Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                   CAUSAL, PINGPONG, PACK_P, LANE_SUMS)
+                                   CAUSAL, PINGPONG, PACK_P)
         p_op, m_i, l_i, acc = _step(j + 1, r0 + j + 1, pp0 + j + 1, q, k_smem, v_smem, k_ready,
                                     v_ready, kv_empty, turn_mine, turn_other, p_b, m_i, l_i, acc,
                                     rows, Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES,
-                                    MASK, CAUSAL, PINGPONG, PACK_P, LANE_SUMS)
+                                    MASK, CAUSAL, PINGPONG, PACK_P)
     for j in range(j_lo + 2 * n_pairs, j_hi):  # the odd one out, or all without UNROLL
         p_op, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                     kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
                                     Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                    CAUSAL, PINGPONG, PACK_P, LANE_SUMS)
+                                    CAUSAL, PINGPONG, PACK_P)
     return p_op, m_i, l_i, acc
 
 
@@ -379,7 +351,7 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
                     o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     PINGPONG: gl.constexpr, UNROLL: gl.constexpr, VARLEN: gl.constexpr,
-                    PACK_P: gl.constexpr, LANE_SUMS: gl.constexpr):
+                    PACK_P: gl.constexpr):
     """This warpgroup's tiles [0, n_mine) (n_mine >= 1; tiles [0, n_mine_full) unmasked),
     O and LSE stored, Q released. Sq, Sk are this sequence's lengths; rows count from its
     first query (row q0 of the descriptors); lse_stride is the LSE's row length (the
@@ -393,12 +365,9 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
                           is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     m_i = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
-    if LANE_SUMS:
-        l_i = gl.zeros_like(_lane_sums(s, BLOCK_N))
-    else:
-        l_i = gl.zeros([WG_M], gl.float32, row_layout)
+    l_i = gl.zeros([WG_M], gl.float32, row_layout)
     p, alpha, m_i, l_i = _softmax_tile(s, 0, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
-                                       BLOCK_N, True, CAUSAL, LANE_SUMS)
+                                       BLOCK_N, True, CAUSAL)
     p_op = _pack_p(p, dtype, p_layout, PACK_P)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
 
@@ -407,13 +376,12 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
     p_op, m_i, l_i, acc = _consume_tiles(0, split, r0, pp0, q, k2, v2, k_ready, v_ready,
                                          kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc,
                                          rows, Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N,
-                                         STAGES, False, CAUSAL, PINGPONG, UNROLL, PACK_P,
-                                         LANE_SUMS)
+                                         STAGES, False, CAUSAL, PINGPONG, UNROLL, PACK_P)
     p_op, m_i, l_i, acc = _consume_tiles(split, n_mine - 1, r0, pp0, q, k2, v2, k_ready,
                                          v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
                                          l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
-                                         BLOCK_N, STAGES, True, CAUSAL, PINGPONG, False, PACK_P,
-                                         LANE_SUMS)
+                                         BLOCK_N, STAGES, True, CAUSAL, PINGPONG, False,
+                                         PACK_P)
 
     # Epilogue: PV of the last tile.
     r_last = r0 + n_mine - 1
@@ -425,7 +393,6 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
 
     # O = acc / l, written through this warpgroup's own Q buffer (Q is no longer read), or
     # (VARLEN, a box past the sequence's end) from registers with a row mask.
-    l_i = _row_sums(l_i, row_layout, LANE_SUMS)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = (acc / gl.expand_dims(l_o, 1)).to(dtype)
     if VARLEN:
@@ -480,7 +447,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, CONSUMERS: gl.constexpr,
               WG_TILES: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              PACK_P: gl.constexpr, LANE_SUMS: gl.constexpr):
+              PACK_P: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of the CTA's tile,
     or (PERSISTENT) of each tile the schedule gives the CTA (_persistent_tile).
 
@@ -513,7 +480,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                             q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready, kv_empty,
                             turn_mine, turn_other, o_desc, o_ptr, lse_ptr, Sq, Hq, qk_scale,
                             s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                            PINGPONG, UNROLL, WG_TILES, VARLEN, PACK_P, LANE_SUMS)
+                            PINGPONG, UNROLL, WG_TILES, VARLEN, PACK_P)
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
@@ -528,7 +495,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_mine,
                         turn_other, o_desc, o_ptr, lse_ptr, lse_stride, Hq, qk_scale, s_layout,
                         o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG,
-                        UNROLL, WG_TILES, VARLEN, PACK_P, LANE_SUMS)
+                        UNROLL, WG_TILES, VARLEN, PACK_P)
 
 
 @gluon.jit
@@ -539,7 +506,7 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
                     p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     PINGPONG: gl.constexpr, UNROLL: gl.constexpr, WG_TILES: gl.constexpr,
-                    VARLEN: gl.constexpr, PACK_P: gl.constexpr, LANE_SUMS: gl.constexpr):
+                    VARLEN: gl.constexpr, PACK_P: gl.constexpr):
     """This warpgroup's part of one query tile (row block start_m of (off_b, off_h), the
     CTA's tile_i-th; its n_total K/V tiles, the first n_full unmasked, from ring index r0).
 
@@ -565,7 +532,7 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
                         q_smem, k2, v2, q_empty, k_ready, v_ready, kv_empty, turn_mine,
                         turn_other, o_desc, o_ptr, lse_ptr, lse_stride, q_len, kv_len, Hq,
                         qk_scale, s_layout, o_layout, p_layout, BLOCK_N, D, STAGES, CAUSAL,
-                        PINGPONG, UNROLL, VARLEN, PACK_P, LANE_SUMS)
+                        PINGPONG, UNROLL, VARLEN, PACK_P)
     else:
         mbarrier.arrive(q_empty)  # rows all past Sq, or (VARLEN) no keys: no Q read
         if VARLEN:
@@ -802,7 +769,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                     CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = True,
                     VARLEN: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
                     BOUNDED_V: gl.constexpr = False, PAGE: gl.constexpr = 0,
-                    PACK_P: gl.constexpr = False, LANE_SUMS: gl.constexpr = False):
+                    PACK_P: gl.constexpr = True):
     """1-D grid over tiles (row block, batch, head), one tile per CTA. q/o descriptors are
     [B, Sq, Hq * D] with box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D];
     GROUP = Hq // Hkv. CONSUMERS (2 or 3) consumer warpgroups of 64 rows each:
@@ -878,13 +845,13 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, PACK_P,
-                         LANE_SUMS)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
+                         PACK_P)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, PACK_P,
-                         LANE_SUMS)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
+                         PACK_P)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
                          n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP, BLOCK_M,
@@ -897,18 +864,18 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, PACK_P,
-                         LANE_SUMS)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
+                         PACK_P)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, PACK_P,
-                         LANE_SUMS)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
+                         PACK_P)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT, PACK_P,
-                         LANE_SUMS)),
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
+                         PACK_P)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Hq, n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP,

@@ -727,3 +727,36 @@ def test_moe_gluon_h200_hazards_are_the_dispatch_handoff_of_its_builds():
         assert any(sanitizer._dispatch_hazard(h, w, 0x400) is None for w in ws), h
     out = sanitizer.waive(dict(r), ws, _h200_probe())
     assert not out["ok"] and "read from the log for 119 racecheck errors" in out["not_waived"]
+
+
+def test_prefill_gluon_sanitizer_builds_are_the_launched_ones():
+    """The fixed-length Gluon prefill's sanitizer shapes launch two builds: D128's default
+    and, for the D64 one-row shape, the persistent schedule (PERSISTENT_UP_TO), whose
+    shared-memory layout and so dispatch bytes differ from the D64 default build's. Every
+    hazard of the H200 racecheck run (tests/data/racecheck_prefill_gluon_h200.json, 47
+    printed hazards + 2 race reports = its 49 errors) lies on the dispatch bytes of one of
+    the two, and with the H200 probe the waiver holds; with the D64 default build in place
+    of the persistent one (what the entry compiled before) it does not."""
+    import json
+    from wsattn.evidence import ladder, library
+    from wsattn.evidence.compile_gate import compile_kernel
+    spec = library.get("prefill_gluon")
+    cs = spec.compile_spec(90)
+    comp = compile_kernel(cs["fn"], cs["signature"], dict(cs["constexprs"]),
+                          dict(cs["options"]), 90, cs.get("attrs"))
+    primary = sanitizer.dispatch_bytes(comp.stages["ptx"], comp.metadata["shared"],
+                                       comp.metadata["num_warps"], 4)
+    others = ladder._other_builds_dispatch(spec, 90, cs, 4)
+    assert (primary["lo"], primary["hi"]) == (0x38158, 0x38160)
+    assert {(w["lo"], w["hi"]) for w in others} == {(0x38158, 0x38160), (0x26188, 0x26194)}
+    r = json.loads((DATA / "racecheck_prefill_gluon_h200.json").read_text())
+    out = sanitizer.waive(dict(r), [primary] + others, _h200_probe())
+    assert out["ok"], out.get("not_waived")
+    from wsattn.kernels import prefill_gluon as pg
+    cs64 = spec.compile_spec(90, head_dim=64, settings=pg.settings_for(64, False))
+    c64 = compile_kernel(cs64["fn"], cs64["signature"], dict(cs64["constexprs"]),
+                         dict(cs64["options"]), 90, cs64.get("attrs"))
+    d64 = sanitizer.dispatch_bytes(c64.stages["ptx"], c64.metadata["shared"],
+                                   c64.metadata["num_warps"], 4)
+    out = sanitizer.waive(dict(r), [primary, d64], _h200_probe())
+    assert not out["ok"] and "outside the dispatch bytes" in out["not_waived"]

@@ -124,6 +124,17 @@ _SANITIZER_PREFILL = {
 }
 
 
+def _gluon_prefill_builds(causal):
+    """The Gluon builds a fixed-length sanitizer shape launches: the call's own settings,
+    which take the persistent schedule for short D64 non-causal shapes (PERSISTENT_UP_TO),
+    a build with its own shared-memory layout and so its own warp-dispatch bytes."""
+    def builds(shape):
+        from ..kernels import prefill_gluon
+        return [{"head_dim": shape["D"],
+                 "settings": prefill_gluon.call_settings(shape["D"], causal, shape["Sq"])}]
+    return builds
+
+
 def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only_ccs=None,
                    plain=False):
     kwargs = {"head_dim": 128, "dtype": "bf16", "causal": causal}
@@ -141,7 +152,9 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                   baseline_name=None if varlen else "torch SDPA (cuDNN/flash)",
                   profile_shapes=() if varlen else (
                       {"B": 4, "Sq": 4096, "Sk": 4096, "Hq": 16, "Hkv": 16, "D": 128},),
-                  sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill)
+                  sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill,
+                  sanitizer_builds=_gluon_prefill_builds(causal)
+                  if impl == "gluon" and not varlen else None)
     desc = f"{'Gluon' if impl == 'gluon' else 'Triton'} prefill, D=128 bf16" + \
         (", causal" if causal else "") + (", varlen" if varlen else "") + \
         (", plain grid (no tile table)" if plain else "")

@@ -353,7 +353,9 @@ def waive(r: dict, ws, probe=None) -> dict:
             return no(f"hazard at {h['addr']:#x}: {h['kind']} hazard")
     pairs = {tuple(sorted((a[0], a[4]) for a in h["accesses"])) for h in errs}
     for race in race_errs:
-        first, rest = race["accesses"][0], race["accesses"][1:]
+        # tuples: a result read back from JSON holds its pairs as lists
+        acc = [tuple(a) for a in race["accesses"]]
+        first, rest = acc[0], acc[1:]
         for other in rest or [None]:
             if other is None or tuple(sorted((first, other))) not in pairs:
                 return no(f"a race report between {first} and {other} is not the dispatch handoff")

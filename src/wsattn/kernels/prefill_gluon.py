@@ -188,6 +188,13 @@ def _default_settings(head_dim: int, causal: bool, persistent: bool = False) -> 
     return settings_for(head_dim, causal, persistent=persistent)
 
 
+def call_settings(head_dim: int, causal: bool, seqlen_q: int | None = None) -> GluonSettings:
+    """The settings a fixed-length call without settings builds with: the defaults, on the
+    persistent schedule where PERSISTENT_UP_TO covers seqlen_q (what an evidence check must
+    compile to look at the build a call launches)."""
+    return _resolve(None, head_dim, causal, seqlen_q)
+
+
 def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool,
              seqlen_q: int | None = None) -> GluonSettings:
     """The settings to build with: the defaults (checked when made; seqlen_q, a fixed-length

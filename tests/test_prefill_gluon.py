@@ -1019,6 +1019,22 @@ def test_sm90_numerics(case, dtype):
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (64, True), (128, False), (128, True)],
+                         ids=["D64-full", "D64-causal", "D128-full", "D128-causal"])
+def test_sm90_packed_p_same_bits(head_dim, causal, dtype):
+    """P packed by one cvt.rn a register pair (the default) rounds as p.to(dtype) does:
+    output and LSE bit-identical to the PACK_P=False build."""
+    from wsattn.kernels import prefill_gluon as pg
+    q, k, v = _qkv(2, 777, 777, 8, 2, head_dim, dtype, "cuda")
+    scale = 1 / math.sqrt(head_dim)
+    packed = pg.prefill(q, k, v, causal, scale, settings=pg.settings_for(head_dim, causal))
+    plain = pg.prefill(q, k, v, causal, scale,
+                       settings=pg.settings_for(head_dim, causal, PACK_P=False))
+    assert torch.equal(packed[0], plain[0]) and torch.equal(packed[1], plain[1])
+
+
+@pytest.mark.sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_strided_inputs(causal):
     """BHSD tensors seen as BSHD (last dim contiguous only) go through a copy, same answer."""

@@ -80,8 +80,9 @@ class GluonSettings:
     PRODUCER_REGS: int = 24
     CONSUMERS: int = 2  # consumer warpgroups of 64 rows; 3 (BLOCK_M = 192) at head dim 64 only
     # P to the PV wgmma's operand by one cvt a register pair (no PRMT half swaps; same
-    # bits). On: on the H200 +0.4 to +4.9 % at 15 of 16 bench shapes, -0.9 % at the 16th,
-    # side by side (notes/prefill_gluon.md, "P packed a register pair at a time").
+    # bits). On: on the H200, side by side in two runs of the 16 bench shapes, 1.00-1.05x
+    # the build without it at 31 of 32, 0.99x at one (notes/prefill_gluon.md, "P packed a
+    # register pair at a time").
     PACK_P: bool = True
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
     # prefill_gluon_parts); fixed length only. Off in settings_for: on the H200 it gained

@@ -740,12 +740,15 @@ def test_prefill_gluon_sanitizer_builds_are_the_launched_ones():
     import json
     from wsattn.evidence import ladder, library
     from wsattn.evidence.compile_gate import compile_kernel
+
+    def dispatch_of(cs):
+        comp = compile_kernel(cs["fn"], cs["signature"], dict(cs["constexprs"]),
+                              dict(cs["options"]), 90, cs.get("attrs"))
+        return sanitizer.dispatch_bytes(comp.stages["ptx"], comp.metadata["shared"],
+                                        comp.metadata["num_warps"], 4)
     spec = library.get("prefill_gluon")
     cs = spec.compile_spec(90)
-    comp = compile_kernel(cs["fn"], cs["signature"], dict(cs["constexprs"]),
-                          dict(cs["options"]), 90, cs.get("attrs"))
-    primary = sanitizer.dispatch_bytes(comp.stages["ptx"], comp.metadata["shared"],
-                                       comp.metadata["num_warps"], 4)
+    primary = dispatch_of(cs)
     others = ladder._other_builds_dispatch(spec, 90, cs, 4)
     assert (primary["lo"], primary["hi"]) == (0x38158, 0x38160)
     assert {(w["lo"], w["hi"]) for w in others} == {(0x38158, 0x38160), (0x26188, 0x26194)}
@@ -753,10 +756,6 @@ def test_prefill_gluon_sanitizer_builds_are_the_launched_ones():
     out = sanitizer.waive(dict(r), [primary] + others, _h200_probe())
     assert out["ok"], out.get("not_waived")
     from wsattn.kernels import prefill_gluon as pg
-    cs64 = spec.compile_spec(90, head_dim=64, settings=pg.settings_for(64, False))
-    c64 = compile_kernel(cs64["fn"], cs64["signature"], dict(cs64["constexprs"]),
-                         dict(cs64["options"]), 90, cs64.get("attrs"))
-    d64 = sanitizer.dispatch_bytes(c64.stages["ptx"], c64.metadata["shared"],
-                                   c64.metadata["num_warps"], 4)
+    d64 = dispatch_of(spec.compile_spec(90, head_dim=64, settings=pg.settings_for(64, False)))
     out = sanitizer.waive(dict(r), [primary, d64], _h200_probe())
     assert not out["ok"] and "outside the dispatch bytes" in out["not_waived"]

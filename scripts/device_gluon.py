@@ -38,6 +38,7 @@ VARIANTS = {
     "default": {},
     "pingpong": {"PINGPONG": True},
     "plain": {"UNROLL": False},  # no step pairs (one P register set)
+    "unroll": {"UNROLL": True, "D": 128},  # step pairs (the D128 default without a mask)
     "plain_s3": {"UNROLL": False, "STAGES": 3, "BLOCK_N": 128, "D": 128},
     "bn64_s4": {"UNROLL": True, "STAGES": 4, "BLOCK_N": 64, "D": 128},
     "plain_s4": {"UNROLL": False, "STAGES": 4, "BLOCK_N": 128, "D": 64},

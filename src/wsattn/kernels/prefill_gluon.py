@@ -162,9 +162,10 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
         base = GluonSettings(BLOCK_N=128, STAGES=4, CONSUMERS=n, PINGPONG=n == 3 and not causal,
                              **PER_CONSUMERS.get(n, {}))
     else:  # 32 + 3 * 64 KB; with 2 stages ptxas spills in the unrolled loop (0.6x cuDNN)
-        # Causal without UNROLL: on the H200 with PACK_P, side by side, the plain loop ran
-        # 1.16 / 1.12 / 1.03 / 1.00x the unrolled one at N 1k / 4k / 8k / 16k causal, and
-        # 0.98-1.01x without a mask, where UNROLL stays (notes/prefill_gluon.md).
+        # Causal without UNROLL: on the H200 with PACK_P, side by side in two runs, the plain
+        # loop ran 1.15-1.16x the unrolled one at N = 1024, 1.05-1.12x at 4k and 1.00-1.03x
+        # at 8k / 16k causal, 0.98-1.01x without a mask, where UNROLL stays
+        # (notes/prefill_gluon.md, "D128 causal on the plain loop").
         base = GluonSettings(BLOCK_N=128, STAGES=3, UNROLL=not causal)
         n = overrides.get("CONSUMERS", base.CONSUMERS)
         if n != base.CONSUMERS and n in PER_CONSUMERS:

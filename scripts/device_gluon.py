@@ -60,6 +60,8 @@ VARIANTS = {
     "persistent_group_sections": {"persistent": True, "l2_section_bytes": 1},
     # P to bf16 by one cvt a value (ptxas packs the pairs with PRMT half swaps)
     "unpacked": {"PACK_P": False},
+    # the masked tiles in the unmasked loop's body (one copy of the step's code a consumer)
+    "one_loop": {"ONE_LOOP": True},
 }
 
 

@@ -86,6 +86,22 @@ def test_sm90_no_spills(head_dim, causal, varlen):
     assert len(spills) <= 2, f"{len(spills)} local-memory (spill) instructions in SASS"
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
+def test_sm90_one_loop_structure(head_dim, varlen):
+    """ONE_LOOP (causal): the default's partitions, registers and GEMMs, no spills (ptxas
+    -v), and one softmax body a consumer fewer: the prologue and one loop body where the
+    default has the prologue, the unmasked loop and the masked loop (exponentials in the
+    PTX, two thirds of the default's)."""
+    s = pg.settings_for(head_dim, True, ONE_LOOP=True)
+    k = _compile(head_dim, True, varlen, ONE_LOOP=True)
+    _assert_ws_structure(k, s, head_dim)
+    ptx = k.asm["ptx"]
+    assert _ptxas_spill_bytes(ptx) == [0, 0]
+    ex2 = ptx.count("ex2.approx")
+    assert ex2 > 0 and 3 * ex2 == 2 * _compile(head_dim, True, varlen).asm["ptx"].count("ex2.approx")
+
+
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
 def test_sm90_varlen_structure(head_dim, causal):
     """The VARLEN build of the plain grid (compact_varlen=False: what packs too large for
@@ -1017,6 +1033,21 @@ def test_sm90_numerics(case, dtype):
     ref, ref_lse = reference.attention(q, k, v, causal)
     assert_close(out, ref, dtype)
     assert_lse_close(lse, ref_lse, dtype)
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (64, True), (128, False), (128, True)],
+                         ids=["D64-full", "D64-causal", "D128-full", "D128-causal"])
+def test_sm90_one_loop_same_bits(head_dim, causal):
+    """The masked tiles in the unmasked loop's body (ONE_LOOP) compute what the masked loop
+    does, in the same order: output and LSE bit-identical to the default build (777 rows:
+    a partial last key tile without a mask, the diagonal with one)."""
+    q, k, v = _qkv(2, 777, 777, 8, 2, head_dim, torch.bfloat16, "cuda")
+    scale = 1 / math.sqrt(head_dim)
+    one = pg.prefill(q, k, v, causal, scale,
+                     settings=pg.settings_for(head_dim, causal, ONE_LOOP=True))
+    two = pg.prefill(q, k, v, causal, scale, settings=pg.settings_for(head_dim, causal))
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
 @pytest.mark.sm90

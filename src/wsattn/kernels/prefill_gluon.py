@@ -84,6 +84,11 @@ class GluonSettings:
     # the build without it at 31 of 32, 0.99x at one (notes/prefill_gluon.md, "P packed a
     # register pair at a time").
     PACK_P: bool = True
+    # The masked key tiles (the diagonal, a partial last tile) in the unmasked tiles' loop
+    # body, masked at run time, so a consumer has one copy of the step's code instead of
+    # two (ONE_LOOP in prefill_gluon_parts). Off: not measured yet (notes/prefill_gluon.md,
+    # "The instruction footprint").
+    ONE_LOOP: bool = False
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
     # prefill_gluon_parts); fixed length only. Off in settings_for: on the H200 it gained
     # 4-22 % at N = 1024 and lost 2-10 % from N = 4096 on (notes/prefill_gluon.md); a call
@@ -222,7 +227,7 @@ def _constexprs(head_dim, group, causal, s: GluonSettings):
                 CAUSAL=bool(causal), PINGPONG=s.PINGPONG, UNROLL=s.UNROLL,
                 CONSUMER_REGS=s.CONSUMER_REGS, PRODUCER_REGS=s.PRODUCER_REGS,
                 CONSUMERS=s.CONSUMERS, WG_TILES=s.WG_TILES, PERSISTENT=s.persistent,
-                PACK_P=s.PACK_P)
+                PACK_P=s.PACK_P, ONE_LOOP=s.ONE_LOOP)
 
 
 def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: int,

@@ -232,21 +232,34 @@ def _release_tiles(j_lo, j_hi, r0, pp0, v_ready, kv_empty, turn_mine, turn_other
 
 
 @gluon.jit
+def _mask_tile(s, j, rows, Sq, Sk, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    """S tile j with the keys past Sk (and, CAUSAL, after each row's diagonal, bottom-right
+    aligned) set to -inf."""
+    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    keep = gl.expand_dims(cols < Sk, 0)
+    if CAUSAL:
+        keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (Sk - Sq), 1))
+    return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
 def _softmax_tile(s, j, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout: gl.constexpr,
-                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, j_mask,
+                  MASK_RT: gl.constexpr):
     """Online-softmax step on one S tile [WG_M, BLOCK_N] (fp32, raw q.k).
 
     m_i is kept in the log2 domain (scaled by qk_scale = sm_scale * log2 e). Returns the
     unnormalized probabilities p, the factor alpha that rescales everything accumulated
     before this tile, and the new (m_i, l_i). MASK is constexpr so the compare/select
-    compiles away on the tiles that need none.
+    compiles away on the tiles that need none. MASK_RT (with MASK off): the mask is
+    applied at run time from tile j_mask on, so one loop body serves both kinds of tile.
     """
     if MASK:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = gl.expand_dims(cols < Sk, 0)
-        if CAUSAL:
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (Sk - Sq), 1))
-        s = gl.where(keep, s, -float("inf"))
+        s = _mask_tile(s, j, rows, Sq, Sk, s_layout, BLOCK_N, CAUSAL)
+    elif MASK_RT:
+        if j >= j_mask:
+            s = _mask_tile(s, j, rows, Sq, Sk, s_layout, BLOCK_N, CAUSAL)
     m_tile = gl.max(s, axis=1)
     m_new = gl.maximum(m_i, m_tile * qk_scale)  # [WG_M]
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))  # [WG_M, BLOCK_N]
@@ -279,7 +292,8 @@ def _pack_p(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACK_P: gl.constexpr
 def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
           l_i, acc, rows, Sq, Sk, qk_scale, s_layout: gl.constexpr, p_layout: gl.constexpr,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr):
+          CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, j_mask,
+          MASK_RT: gl.constexpr):
     """One iteration: PV of tile j (its P already in registers) and QK^T of tile j + 1 are
     issued back to back, then the softmax of tile j + 1 runs while PV(j) is still on the
     tensor cores. With PINGPONG the consumer warpgroups take turns (round-robin, turn j
@@ -305,7 +319,7 @@ def _step(j, r, pp, q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn_mine, tu
         mbarrier.arrive(turn_other)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))  # QK^T(j+1) done; PV(j) may still run
     p, alpha, m_i, l_i = _softmax_tile(s, nxt, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
-                                       BLOCK_N, MASK, CAUSAL)
+                                       BLOCK_N, MASK, CAUSAL, j_mask, MASK_RT)
     # P(j + 1) is packed before waiting for PV(j), which still reads P(j) from registers.
     p_nxt = _pack_p(p, q.dtype, p_layout, PACK_P)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
@@ -319,7 +333,8 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
                    turn_other, p_op, m_i, l_i, acc, rows, Sq, Sk, qk_scale,
                    s_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                   PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PACK_P: gl.constexpr):
+                   PINGPONG: gl.constexpr, UNROLL: gl.constexpr, PACK_P: gl.constexpr,
+                   j_mask, MASK_RT: gl.constexpr):
     """Iterations j in [j_lo, j_hi), unrolled by two (UNROLL) so that P(j) and P(j + 1) can
     live in two register sets: with one loop-carried set, ptxas packs P(j + 1) into the
     registers the in-flight PV(j) still reads and so waits for PV(j) before the softmax.
@@ -331,16 +346,16 @@ def _consume_tiles(j_lo, j_hi, r0, pp0, q, k_smem, v_smem, k_ready, v_ready, kv_
         p_b, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                    kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows, Sq,
                                    Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                   CAUSAL, PINGPONG, PACK_P)
+                                   CAUSAL, PINGPONG, PACK_P, j_mask, MASK_RT)
         p_op, m_i, l_i, acc = _step(j + 1, r0 + j + 1, pp0 + j + 1, q, k_smem, v_smem, k_ready,
                                     v_ready, kv_empty, turn_mine, turn_other, p_b, m_i, l_i, acc,
                                     rows, Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES,
-                                    MASK, CAUSAL, PINGPONG, PACK_P)
+                                    MASK, CAUSAL, PINGPONG, PACK_P, j_mask, MASK_RT)
     for j in range(j_lo + 2 * n_pairs, j_hi):  # the odd one out, or all without UNROLL
         p_op, m_i, l_i, acc = _step(j, r0 + j, pp0 + j, q, k_smem, v_smem, k_ready, v_ready,
                                     kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc, rows,
                                     Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N, STAGES, MASK,
-                                    CAUSAL, PINGPONG, PACK_P)
+                                    CAUSAL, PINGPONG, PACK_P, j_mask, MASK_RT)
     return p_op, m_i, l_i, acc
 
 
@@ -351,11 +366,13 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
                     o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     PINGPONG: gl.constexpr, UNROLL: gl.constexpr, VARLEN: gl.constexpr,
-                    PACK_P: gl.constexpr):
+                    PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr):
     """This warpgroup's tiles [0, n_mine) (n_mine >= 1; tiles [0, n_mine_full) unmasked),
     O and LSE stored, Q released. Sq, Sk are this sequence's lengths; rows count from its
     first query (row q0 of the descriptors); lse_stride is the LSE's row length (the
-    kernel's Sq). r0, pp0: as in _release_tiles."""
+    kernel's Sq). r0, pp0: as in _release_tiles. ONE_LOOP: the masked tiles run in the
+    unmasked tiles' loop body with the mask applied at run time, one copy of the step's
+    code instead of two (the instruction footprint; notes/prefill_gluon.md)."""
     dtype: gl.constexpr = q_smem.dtype
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # Prologue: S(0) and its softmax (always masked: one tile, maybe the diagonal).
@@ -367,21 +384,29 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
     m_i = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
     l_i = gl.zeros([WG_M], gl.float32, row_layout)
     p, alpha, m_i, l_i = _softmax_tile(s, 0, rows, m_i, l_i, Sq, Sk, qk_scale, s_layout,
-                                       BLOCK_N, True, CAUSAL)
+                                       BLOCK_N, True, CAUSAL, 0, False)
     p_op = _pack_p(p, dtype, p_layout, PACK_P)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
 
     # Steady state: softmax of tile j + 1 unmasked while j + 1 < n_mine_full, masked after.
-    split = gl.maximum(n_mine_full - 1, 0)
-    p_op, m_i, l_i, acc = _consume_tiles(0, split, r0, pp0, q, k2, v2, k_ready, v_ready,
-                                         kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc,
-                                         rows, Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N,
-                                         STAGES, False, CAUSAL, PINGPONG, UNROLL, PACK_P)
-    p_op, m_i, l_i, acc = _consume_tiles(split, n_mine - 1, r0, pp0, q, k2, v2, k_ready,
-                                         v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
-                                         l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
-                                         BLOCK_N, STAGES, True, CAUSAL, PINGPONG, False,
-                                         PACK_P)
+    if ONE_LOOP:
+        p_op, m_i, l_i, acc = _consume_tiles(0, n_mine - 1, r0, pp0, q, k2, v2, k_ready,
+                                             v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
+                                             l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
+                                             BLOCK_N, STAGES, False, CAUSAL, PINGPONG, UNROLL,
+                                             PACK_P, n_mine_full, True)
+    else:
+        split = gl.maximum(n_mine_full - 1, 0)
+        p_op, m_i, l_i, acc = _consume_tiles(0, split, r0, pp0, q, k2, v2, k_ready, v_ready,
+                                             kv_empty, turn_mine, turn_other, p_op, m_i, l_i,
+                                             acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
+                                             BLOCK_N, STAGES, False, CAUSAL, PINGPONG, UNROLL,
+                                             PACK_P, 0, False)
+        p_op, m_i, l_i, acc = _consume_tiles(split, n_mine - 1, r0, pp0, q, k2, v2, k_ready,
+                                             v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
+                                             l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
+                                             BLOCK_N, STAGES, True, CAUSAL, PINGPONG, False,
+                                             PACK_P, 0, False)
 
     # Epilogue: PV of the last tile.
     r_last = r0 + n_mine - 1
@@ -447,7 +472,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, CONSUMERS: gl.constexpr,
               WG_TILES: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              PACK_P: gl.constexpr):
+              PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of the CTA's tile,
     or (PERSISTENT) of each tile the schedule gives the CTA (_persistent_tile).
 
@@ -480,7 +505,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                             q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready, kv_empty,
                             turn_mine, turn_other, o_desc, o_ptr, lse_ptr, Sq, Hq, qk_scale,
                             s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                            PINGPONG, UNROLL, WG_TILES, VARLEN, PACK_P)
+                            PINGPONG, UNROLL, WG_TILES, VARLEN, PACK_P, ONE_LOOP)
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
@@ -495,7 +520,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_mine,
                         turn_other, o_desc, o_ptr, lse_ptr, lse_stride, Hq, qk_scale, s_layout,
                         o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG,
-                        UNROLL, WG_TILES, VARLEN, PACK_P)
+                        UNROLL, WG_TILES, VARLEN, PACK_P, ONE_LOOP)
 
 
 @gluon.jit
@@ -506,7 +531,7 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
                     p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     PINGPONG: gl.constexpr, UNROLL: gl.constexpr, WG_TILES: gl.constexpr,
-                    VARLEN: gl.constexpr, PACK_P: gl.constexpr):
+                    VARLEN: gl.constexpr, PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr):
     """This warpgroup's part of one query tile (row block start_m of (off_b, off_h), the
     CTA's tile_i-th; its n_total K/V tiles, the first n_full unmasked, from ring index r0).
 
@@ -532,7 +557,7 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
                         q_smem, k2, v2, q_empty, k_ready, v_ready, kv_empty, turn_mine,
                         turn_other, o_desc, o_ptr, lse_ptr, lse_stride, q_len, kv_len, Hq,
                         qk_scale, s_layout, o_layout, p_layout, BLOCK_N, D, STAGES, CAUSAL,
-                        PINGPONG, UNROLL, VARLEN, PACK_P)
+                        PINGPONG, UNROLL, VARLEN, PACK_P, ONE_LOOP)
     else:
         mbarrier.arrive(q_empty)  # rows all past Sq, or (VARLEN) no keys: no Q read
         if VARLEN:
@@ -769,7 +794,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                     CONSUMERS: gl.constexpr = 2, WG_TILES: gl.constexpr = True,
                     VARLEN: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
                     BOUNDED_V: gl.constexpr = False, PAGE: gl.constexpr = 0,
-                    PACK_P: gl.constexpr = True):
+                    PACK_P: gl.constexpr = True, ONE_LOOP: gl.constexpr = False):
     """1-D grid over tiles (row block, batch, head), one tile per CTA. q/o descriptors are
     [B, Sq, Hq * D] with box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D];
     GROUP = Hq // Hkv. CONSUMERS (2 or 3) consumer warpgroups of 64 rows each:
@@ -846,12 +871,12 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P)),
+                         PACK_P, ONE_LOOP)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P)),
+                         PACK_P, ONE_LOOP)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
                          n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP, BLOCK_M,
@@ -865,17 +890,17 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P)),
+                         PACK_P, ONE_LOOP)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P)),
+                         PACK_P, ONE_LOOP)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P)),
+                         PACK_P, ONE_LOOP)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Hq, n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP,

@@ -130,14 +130,17 @@ def test_ratios_to_cudnn_triton_ceilings_and_contiguous():
     dec = DecodeCase(64, 8192, 32, 8, 128, None)
     paged = DecodeCase(64, 8192, 32, 8, 128, 16)
     rows = [_ok(pre, "sdpa-cudnn", 1.0), _ok(pre, "triton", 1.25), _ok(pre, "gluon", 0.8),
-            _ok(dec, "sdpa-cudnn", 0.5), _ok(dec, "triton", 0.55), _ok(paged, "triton", 0.6)]
+            _ok(dec, "sdpa-cudnn", 0.5), _ok(dec, "triton", 0.55), _ok(paged, "triton", 0.6),
+            _ok(pre, "fa4", 0.9)]
     ceilings = {"matmul": Ceiling("matmul", "", TIMING, 700.0, "TFLOP/s"),
                 "copy": Ceiling("copy", "", TIMING, 4.0, "TB/s")}
     report.add_ratios(rows, ceilings)
-    cudnn, triton, gluon, dcudnn, dtriton, dpaged = rows
+    cudnn, triton, gluon, dcudnn, dtriton, dpaged, fa4 = rows
     assert triton["ratio_cudnn"] == pytest.approx(0.8)
     assert gluon["ratio_cudnn"] == pytest.approx(1.25) and gluon["ratio_triton"] == pytest.approx(1.5625)
     assert triton["ratio_triton"] is None, "a row is not compared with itself"
+    assert gluon["ratio_fa4"] == pytest.approx(0.9 / 0.8) and fa4["ratio_fa4"] is None
+    assert dtriton["ratio_fa4"] is None  # prefill only
     assert gluon["ratio_matmul"] == pytest.approx(gluon["tflops"] / 700.0)
     assert dtriton["ratio_cudnn"] == pytest.approx(0.5 / 0.55)
     assert dtriton["frac_copy"] == pytest.approx(dtriton["tbps"] / 4.0)

@@ -232,7 +232,7 @@ def _bench(args, torch) -> int:
     # an explicit setting may not fit the GPU (an 'error' row, part of a sweep), but a
     # wrong answer from one is a kernel bug like any other
     broken = [r for r in rows
-              if (r["impl"] in ("triton", "gluon") and r["status"] in ("failed", "error"))
+              if (r["impl"] in ("wsattn", "triton", "gluon") and r["status"] in ("failed", "error"))
               or (r["impl"].startswith("triton[") and r["status"] == "failed")]
     for r in broken:
         print(f"wsattn {r['impl']} {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)

@@ -14,7 +14,8 @@ from .cases import tbps, tflops
 
 STATUSES = ("ok", "failed", "not available", "error")
 RESULT_FIELDS = ("median_ms", "q20_ms", "q80_ms", "reps", "calls", "timing", "tflops", "tbps",
-                 "ratio_cudnn", "ratio_triton", "ratio_matmul", "frac_copy", "ratio_contiguous")
+                 "ratio_cudnn", "ratio_triton", "ratio_fa4", "ratio_matmul", "frac_copy",
+                 "ratio_contiguous")
 
 
 def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=None,
@@ -62,7 +63,7 @@ def _key(row, **override):
 
 
 def add_ratios(rows: list[dict], ceilings: dict | None = None) -> list[dict]:
-    """Fill ratio_cudnn, ratio_triton, ratio_matmul (prefill), frac_copy and
+    """Fill ratio_cudnn, ratio_triton, ratio_fa4 and ratio_matmul (prefill), frac_copy and
     ratio_contiguous (decode) on the timed rows, in place."""
     ok = {_key(r): r for r in rows if r.get("status") == "ok" and r["op"] in ("prefill", "decode")}
     ceilings = ceilings or {}
@@ -75,8 +76,10 @@ def add_ratios(rows: list[dict], ceilings: dict | None = None) -> list[dict]:
 
         r["ratio_cudnn"] = ratio(impl="sdpa-cudnn", page_size=None)
         r["ratio_triton"] = ratio(impl="triton", page_size=None)
-        if r["op"] == "prefill" and "matmul" in ceilings:
-            r["ratio_matmul"] = r["tflops"] / ceilings["matmul"].value
+        if r["op"] == "prefill":
+            r["ratio_fa4"] = ratio(impl="fa4")
+            if "matmul" in ceilings:
+                r["ratio_matmul"] = r["tflops"] / ceilings["matmul"].value
         if r["op"] == "decode":
             if "copy" in ceilings:
                 r["frac_copy"] = r["tbps"] / ceilings["copy"].value
@@ -107,7 +110,8 @@ def target_text(goal, met, spec: str = ".2f") -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Prefill: TFLOP/s, x cuDNN, x matmul ceiling. Decode: time, TB/s, x cuDNN, of copy."""
+    """Prefill: TFLOP/s, x cuDNN, x triton, x FA4, x matmul ceiling. Decode: time, TB/s,
+    x cuDNN, x triton, of copy."""
     lines = []
     for r in (r for r in rows if r["op"] == "ceiling"):
         value = f"{r['tbps']:.2f} TB/s" if r["tbps"] is not None else f"{r['tflops']:.0f} TFLOP/s"
@@ -119,7 +123,7 @@ def format_table(rows: list[dict]) -> str:
             continue
         last = "x matmul" if op == "prefill" else "of copy"
         head = (f"{'case':<48} {'impl':<20} {'median ms':>10} {'q20-q80 ms':>17} {unit:>8} "
-                f"{'x cuDNN':>8} {'x triton':>8} {last:>8} {'rel err':>8}  status")
+                f"{'x cuDNN':>8} {'x triton':>8} {'x FA4':>8} {last:>8} {'rel err':>8}  status")
         lines += ["", head, "-" * len(head)]
         for r in sel:
             thr = r["tflops"] if op == "prefill" else r["tbps"]
@@ -133,7 +137,7 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"{r['case']:<48} {r['impl']:<20} {_fmt(r['median_ms'], '.3f'):>10} "
                          f"{spread:>17} {_fmt(thr, '.1f' if op == 'prefill' else '.2f'):>8} "
                          f"{_fmt(r['ratio_cudnn'], '.3f'):>8} {_fmt(r['ratio_triton'], '.3f'):>8} "
-                         f"{_fmt(frac, '.3f'):>8} {_fmt(r['rel_err'], '.1e'):>8}  {status[:160]}")
+                         f"{_fmt(r['ratio_fa4'], '.3f'):>8} {_fmt(frac, '.3f'):>8} {_fmt(r['rel_err'], '.1e'):>8}  {status[:160]}")
     return "\n".join(lines)
 
 

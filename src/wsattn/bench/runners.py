@@ -176,8 +176,8 @@ class Runner:
 class WsattnRunner(Runner):
     """wsattn.attention / wsattn.decode with impl=<impl>; a ValueError means 'not here'."""
 
-    def __init__(self, impl: str, ops=("prefill", "decode")):
-        self.impl, self.name, self.ops = impl, impl, ops
+    def __init__(self, impl: str, ops=("prefill", "decode"), name: str | None = None):
+        self.impl, self.name, self.ops = impl, name or impl, ops
 
     def prepare(self, case, inp):
         impl = self.impl
@@ -474,7 +474,9 @@ def all_runners() -> list[Runner]:
     # imported here because wsattn.bench.peers imports this module
     from .peers import peer_runners
 
-    return [WsattnRunner("triton"), WsattnRunner("gluon", ops=("prefill",)),
+    # "wsattn": impl="auto", what a user's call runs and what the prefill targets are about
+    return [WsattnRunner("auto", ops=("prefill",), name="wsattn"), WsattnRunner("triton"),
+            WsattnRunner("gluon", ops=("prefill",)),
             SdpaRunner("sdpa-cudnn", "CUDNN_ATTENTION"),
             SdpaRunner("sdpa-flash", "FLASH_ATTENTION"), *peer_runners()]
 

@@ -99,7 +99,8 @@ def test_sm90_one_loop_structure(head_dim, varlen):
     ptx = k.asm["ptx"]
     assert _ptxas_spill_bytes(ptx) == [0, 0]
     ex2 = ptx.count("ex2.approx")
-    assert ex2 > 0 and 3 * ex2 == 2 * _compile(head_dim, True, varlen).asm["ptx"].count("ex2.approx")
+    default_ex2 = _compile(head_dim, True, varlen).asm["ptx"].count("ex2.approx")
+    assert ex2 > 0 and 3 * ex2 == 2 * default_ex2
 
 
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)

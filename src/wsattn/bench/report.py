@@ -137,7 +137,8 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"{r['case']:<48} {r['impl']:<20} {_fmt(r['median_ms'], '.3f'):>10} "
                          f"{spread:>17} {_fmt(thr, '.1f' if op == 'prefill' else '.2f'):>8} "
                          f"{_fmt(r['ratio_cudnn'], '.3f'):>8} {_fmt(r['ratio_triton'], '.3f'):>8} "
-                         f"{_fmt(r['ratio_fa4'], '.3f'):>8} {_fmt(frac, '.3f'):>8} {_fmt(r['rel_err'], '.1e'):>8}  {status[:160]}")
+                         f"{_fmt(r['ratio_fa4'], '.3f'):>8} {_fmt(frac, '.3f'):>8} "
+                         f"{_fmt(r['rel_err'], '.1e'):>8}  {status[:160]}")
     return "\n".join(lines)
 
 

@@ -388,20 +388,18 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
     p_op = _pack_p(p, dtype, p_layout, PACK_P)
     acc = gl.zeros([WG_M, D], gl.float32, o_layout)
 
-    # Steady state: softmax of tile j + 1 unmasked while j + 1 < n_mine_full, masked after.
+    # Steady state: softmax of tile j + 1 unmasked while j + 1 < n_mine_full, masked after
+    # (ONE_LOOP: every step in the first loop, masked at run time from n_mine_full on).
     if ONE_LOOP:
-        p_op, m_i, l_i, acc = _consume_tiles(0, n_mine - 1, r0, pp0, q, k2, v2, k_ready,
-                                             v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
-                                             l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
-                                             BLOCK_N, STAGES, False, CAUSAL, PINGPONG, UNROLL,
-                                             PACK_P, n_mine_full, True)
+        split = n_mine - 1
     else:
         split = gl.maximum(n_mine_full - 1, 0)
-        p_op, m_i, l_i, acc = _consume_tiles(0, split, r0, pp0, q, k2, v2, k_ready, v_ready,
-                                             kv_empty, turn_mine, turn_other, p_op, m_i, l_i,
-                                             acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,
-                                             BLOCK_N, STAGES, False, CAUSAL, PINGPONG, UNROLL,
-                                             PACK_P, 0, False)
+    p_op, m_i, l_i, acc = _consume_tiles(0, split, r0, pp0, q, k2, v2, k_ready, v_ready,
+                                         kv_empty, turn_mine, turn_other, p_op, m_i, l_i, acc,
+                                         rows, Sq, Sk, qk_scale, s_layout, p_layout, BLOCK_N,
+                                         STAGES, False, CAUSAL, PINGPONG, UNROLL, PACK_P,
+                                         n_mine_full, ONE_LOOP)
+    if not ONE_LOOP:
         p_op, m_i, l_i, acc = _consume_tiles(split, n_mine - 1, r0, pp0, q, k2, v2, k_ready,
                                              v_ready, kv_empty, turn_mine, turn_other, p_op, m_i,
                                              l_i, acc, rows, Sq, Sk, qk_scale, s_layout, p_layout,

@@ -53,8 +53,10 @@ PER_CONSUMERS = {2: {"BLOCK_M": 128, "CONSUMER_REGS": 240},
 # the tile loop keeps a few more values live across each tile, and with UNROLL's two P
 # register sets the two-consumer consumers then spill (ptxas -v: 28-32 B of spill stores
 # at head dim 128, at the start and end of each tile); without UNROLL nothing spills, and
-# UNROLL measured equal within noise at head dim 128 (notes/prefill_gluon.md).
-PER_PERSISTENT = {"UNROLL": False}
+# UNROLL measured equal within noise at head dim 128 (notes/prefill_gluon.md). ONE_LOOP
+# (the D64 causal default) puts 16 B of spills a thread (ptxas -v) inside the persistent key
+# loop, where the two-loop build spills 24 B once a tile: off with it (not measured).
+PER_PERSISTENT = {"UNROLL": False, "ONE_LOOP": False}
 # K/V bytes one section of the persistent schedule may keep in L2 (l2_section): the L2 of
 # an H100 or H200 (50 MB), FlashAttention-4's figure for its causal head sections.
 L2_SECTION_BYTES = 50 * 2 ** 20
@@ -86,8 +88,10 @@ class GluonSettings:
     PACK_P: bool = True
     # The masked key tiles (the diagonal, a partial last tile) in the unmasked tiles' loop
     # body, masked at run time, so a consumer has one copy of the step's code instead of
-    # two (ONE_LOOP in prefill_gluon_parts). Off: not measured yet (notes/prefill_gluon.md,
-    # "The instruction footprint").
+    # two (ONE_LOOP in prefill_gluon_parts). settings_for turns it on at D64 causal only:
+    # on the H200, x the two-loop build at N 1k/4k/8k/16k, D64 causal 1.06/1.04/1.04/1.05,
+    # D128 causal 0.99-1.01, D64 non-causal 0.99-1.02, D128 non-causal 0.77-0.81 (ptxas
+    # spills 96 B beside UNROLL) (notes/prefill_gluon.md, "The instruction footprint").
     ONE_LOOP: bool = False
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
     # prefill_gluon_parts); fixed length only. Off in settings_for: on the H200 it gained
@@ -163,9 +167,11 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
         # H200, x cuDNN at N 4096/8192/16384: non-causal 1.03/1.08/1.10 (two consumers:
         # 0.95/0.97/1.01), causal 0.84/0.99/1.07 (two: 0.86/0.96/1.03; with ping-pong
         # 0.84/0.97/1.08); notes/prefill_gluon.md.
+        # Causal: the masked tiles in the unmasked loop (ONE_LOOP), 1.04-1.06x the build
+        # with a masked loop of its own at N 1k-16k.
         n = overrides.get("CONSUMERS", 3)
         base = GluonSettings(BLOCK_N=128, STAGES=4, CONSUMERS=n, PINGPONG=n == 3 and not causal,
-                             **PER_CONSUMERS.get(n, {}))
+                             ONE_LOOP=causal, **PER_CONSUMERS.get(n, {}))
     else:  # 32 + 3 * 64 KB; with 2 stages ptxas spills in the unrolled loop (0.6x cuDNN)
         # Causal without UNROLL: on the H200 with PACK_P, side by side in two runs, the plain
         # loop ran 1.15-1.16x the unrolled one at N = 1024, 1.05-1.12x at 4k and 1.00-1.03x

@@ -88,10 +88,9 @@ class GluonSettings:
     PACK_P: bool = True
     # The masked key tiles (the diagonal, a partial last tile) in the unmasked tiles' loop
     # body, masked at run time, so a consumer has one copy of the step's code instead of
-    # two (ONE_LOOP in prefill_gluon_parts). settings_for turns it on at D64 causal only:
-    # on the H200, x the two-loop build at N 1k/4k/8k/16k, D64 causal 1.06/1.04/1.04/1.05,
-    # D128 causal 0.99-1.01, D64 non-causal 0.99-1.02, D128 non-causal 0.77-0.81 (ptxas
-    # spills 96 B beside UNROLL) (notes/prefill_gluon.md, "The instruction footprint").
+    # two (ONE_LOOP in prefill_gluon_parts). On in settings_for at D64 causal only, the one
+    # shape where it measured faster (notes/prefill_gluon.md, "The masked tiles in the
+    # unmasked loop").
     ONE_LOOP: bool = False
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
     # prefill_gluon_parts); fixed length only. Off in settings_for: on the H200 it gained
@@ -168,7 +167,8 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
         # 0.95/0.97/1.01), causal 0.84/0.99/1.07 (two: 0.86/0.96/1.03; with ping-pong
         # 0.84/0.97/1.08); notes/prefill_gluon.md.
         # Causal: the masked tiles in the unmasked loop (ONE_LOOP), 1.04-1.06x the build
-        # with a masked loop of its own at N 1k-16k.
+        # with a masked loop of its own at N 1k-16k on the H200; elsewhere it measured
+        # 0.99-1.02x (D128 causal, D64 non-causal) or spilled beside UNROLL (D128, 0.77-0.81x).
         n = overrides.get("CONSUMERS", 3)
         base = GluonSettings(BLOCK_N=128, STAGES=4, CONSUMERS=n, PINGPONG=n == 3 and not causal,
                              ONE_LOOP=causal, **PER_CONSUMERS.get(n, {}))

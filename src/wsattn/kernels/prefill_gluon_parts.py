@@ -372,7 +372,7 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
     first query (row q0 of the descriptors); lse_stride is the LSE's row length (the
     kernel's Sq). r0, pp0: as in _release_tiles. ONE_LOOP: the masked tiles run in the
     unmasked tiles' loop body with the mask applied at run time, one copy of the step's
-    code instead of two (the instruction footprint; notes/prefill_gluon.md)."""
+    code instead of two (faster at D64 causal; notes/prefill_gluon.md)."""
     dtype: gl.constexpr = q_smem.dtype
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # Prologue: S(0) and its softmax (always masked: one tile, maybe the diagonal).

@@ -31,7 +31,13 @@
 #                  ignored by git): each bench run first runs with that src/ in place of
 #                  this tree's, stamped with REV, into bench[_<n>_<kind>]_base.json (no
 #                  plot), then as usual: the "before" column of a change, two processes
-#                  back to back on one GPU, each measuring its own copy ceiling
+#                  back to back on one GPU, each measuring its own copy ceiling; then
+#                  `python3 -m wsattn.bench.compare` of the two sides -> ..._compare.json
+#   BENCH_ROUNDS   with BENCH_BASE: this many base / new process pairs a run, alternating
+#                  (default 1), files ..._base_r<i>.json / ..._r<i>.json, the plot of the
+#                  last; the comparison calls a row faster or slower only when the two
+#                  sides' ranges over the rounds do not overlap (one pair cannot tell a few
+#                  percent from the spread between processes)
 #   PEERS          1: before the parts, install the peer wheels (FlashAttention-4 AOT,
 #                  FlashInfer, tvm-ffi) into .peers-site, put it on PYTHONPATH and set
 #                  FLASHINFER_DISABLE_JIT=1, so that the bench (and tests) parts run the
@@ -153,15 +159,37 @@ part_bench() {
     n=$((n + 1)); kind=${words[0]}
     json="$OUT/bench.json"
     [ ${#runs[@]} -gt 1 ] && json="$OUT/bench_${n}_${kind}.json"
+    local rounds=1 r sfx plot bases=() news=()
     if [ -n "${BENCH_BASE:-}" ]; then
       [ -d "$BENCH_BASE/src/wsattn" ] || { echo "device: BENCH_BASE=$BENCH_BASE holds no src/wsattn" >&2; return 1; }
-      PYTHONPATH="${PYTHONPATH//$PWD\/src/$(cd "$BENCH_BASE" && pwd)/src}" \
-      WSATTN_COMMIT="$(cat "$BENCH_BASE/COMMIT" 2>/dev/null || echo "base of ${WSATTN_COMMIT:-unknown}")" \
-        run_part "bench $kind (base)" "${BENCH_S:-300}" python3 -m wsattn.cli bench \
-        --json "${json%.json}_base.json" --no-plot "${words[@]}" || rc=1
+      rounds=${BENCH_ROUNDS:-1}
+      [[ "$rounds" =~ ^[1-9][0-9]*$ ]] \
+        || { echo "device: BENCH_ROUNDS must be a positive integer, got '$rounds'" >&2; return 1; }
     fi
-    run_part "bench $kind" "${BENCH_S:-300}" python3 -m wsattn.cli bench \
-      --json "$json" --plot "${json%.json}.png" "${words[@]}" || rc=1
+    for ((r = 1; r <= rounds; r++)); do
+      sfx=""
+      [ "$rounds" -gt 1 ] && sfx="_r$r"
+      if [ -n "${BENCH_BASE:-}" ]; then
+        PYTHONPATH="${PYTHONPATH//$PWD\/src/$(cd "$BENCH_BASE" && pwd)/src}" \
+        WSATTN_COMMIT="$(cat "$BENCH_BASE/COMMIT" 2>/dev/null || echo "base of ${WSATTN_COMMIT:-unknown}")" \
+          run_part "bench $kind (base$sfx)" "${BENCH_S:-300}" python3 -m wsattn.cli bench \
+          --json "${json%.json}_base$sfx.json" --no-plot "${words[@]}" || rc=1
+        bases+=("${json%.json}_base$sfx.json")
+      fi
+      plot=(--no-plot)
+      [ "$r" -eq "$rounds" ] && plot=(--plot "${json%.json}.png")
+      run_part "bench $kind$sfx" "${BENCH_S:-300}" python3 -m wsattn.cli bench \
+        --json "${json%.json}$sfx.json" "${plot[@]}" "${words[@]}" || rc=1
+      news+=("${json%.json}$sfx.json")
+    done
+    if [ -n "${BENCH_BASE:-}" ]; then  # the sides' files that were written
+      mapfile -t bases < <(for f in "${bases[@]}"; do [ -f "$f" ] && echo "$f"; done)
+      mapfile -t news < <(for f in "${news[@]}"; do [ -f "$f" ] && echo "$f"; done)
+      if [ ${#bases[@]} -gt 0 ] && [ ${#news[@]} -gt 0 ]; then
+        run_part "compare $kind" 60 python3 -m wsattn.bench.compare --base "${bases[@]}" \
+          --new "${news[@]}" --json "${json%.json}_compare.json" || rc=1
+      fi
+    fi
     pack_results
   done
   return "$rc"

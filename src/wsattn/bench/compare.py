@@ -1,0 +1,129 @@
+"""Before / after one change from `wsattn bench` JSON files: each (case, impl) row's metric
+in every base file against every new file, e.g. the rounds `scripts/device.sh bench` runs
+with BENCH_BASE and BENCH_ROUNDS (the previous commit's src/ and this tree's, alternating
+processes on one GPU).
+
+A single pair of processes cannot tell a change of a few percent from the spread between
+processes (a column with no code change moved 6 % between two processes of one device
+call), so the verdict is by ranges: a row is "faster" / "slower" (for times; "higher" /
+"lower" for another metric) only when every new value lies beyond every base value, else
+"within spread". Rows that failed their check (status other than ok) or have no value
+are left out of the ranges and listed as such; ceilings are skipped.
+
+    python3 -m wsattn.bench.compare --base base_r1.json base_r2.json \\
+        --new new_r1.json new_r2.json [--metric median_ms] [--json compare.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+TIME_METRICS = ("median_ms", "q20_ms", "q80_ms")
+
+
+def load_rows(path) -> list[dict]:
+    """The rows of one `wsattn bench --json` file (a list of rows, or {"rows": [...]})."""
+    with open(path) as f:
+        doc = json.load(f)
+    rows = doc.get("rows") if isinstance(doc, dict) else doc
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: not a `wsattn bench --json` file (no list of rows)")
+    return rows
+
+
+def _values(files: list[list[dict]], metric: str) -> tuple[dict, dict, set]:
+    """(values per (case, impl): one per file where the row passed; failures per key: the
+    statuses of rows that did not; the commits the rows name)."""
+    values, failed, commits = {}, {}, set()
+    for rows in files:
+        for r in rows:
+            if r.get("op") == "ceiling" or "case" not in r or "impl" not in r:
+                continue
+            key = (r["case"], r["impl"])
+            commits.add(str(r.get("commit", "unknown")))
+            v = r.get(metric)
+            if r.get("status", "ok") != "ok" or not isinstance(v, (int, float)):
+                failed.setdefault(key, []).append(str(r.get("status", f"no {metric}")))
+                continue
+            values.setdefault(key, []).append(float(v))
+    return values, failed, commits
+
+
+def compare(base: list[list[dict]], new: list[list[dict]], metric: str = "median_ms") -> dict:
+    """{"metric", "base_commits", "new_commits", "rows"}: one row per (case, impl) in either
+    side, in the order first seen, with both sides' values, their medians, new / base of the
+    medians and the verdict (see the module docstring)."""
+    b_vals, b_fail, b_commits = _values(base, metric)
+    n_vals, n_fail, n_commits = _values(new, metric)
+    lower_better = metric in TIME_METRICS
+    keys = list(dict.fromkeys([*b_vals, *b_fail, *n_vals, *n_fail]))
+    rows = []
+    for case, impl in keys:
+        b, n = b_vals.get((case, impl), []), n_vals.get((case, impl), [])
+        row = {"case": case, "impl": impl, "base": b, "new": n,
+               "base_failed": b_fail.get((case, impl), []),
+               "new_failed": n_fail.get((case, impl), []),
+               "base_median": statistics.median(b) if b else None,
+               "new_median": statistics.median(n) if n else None, "ratio": None}
+        if not b or not n:
+            row["verdict"] = "only in new" if n else "only in base" if b else "failed"
+        else:
+            row["ratio"] = row["new_median"] / row["base_median"]
+            if min(n) > max(b):
+                row["verdict"] = "slower" if lower_better else "higher"
+            elif max(n) < min(b):
+                row["verdict"] = "faster" if lower_better else "lower"
+            else:
+                row["verdict"] = "within spread"
+        rows.append(row)
+    return {"metric": metric, "base_commits": sorted(b_commits),
+            "new_commits": sorted(n_commits), "rows": rows}
+
+
+def _span(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{min(values):.4g}" if len(values) == 1 else f"{min(values):.4g}-{max(values):.4g}"
+
+
+def format_table(result: dict) -> str:
+    rows = result["rows"]
+    width = max([len(r["case"]) for r in rows] + [4])
+    head = (f"{'case':<{width}} {'impl':<18} {'base':>15} {'new':>15} {'new/base':>8}  verdict "
+            f"({result['metric']}; base {', '.join(result['base_commits'])}, new "
+            f"{', '.join(result['new_commits'])})")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        extra = "".join(f"; {side} failed: {', '.join(r[side + '_failed'])}"
+                        for side in ("base", "new") if r[side + "_failed"])
+        lines.append(f"{r['case']:<{width}} {r['impl']:<18} {_span(r['base']):>15} "
+                     f"{_span(r['new']):>15} {ratio:>8}  {r['verdict']}{extra}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m wsattn.bench.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", nargs="+", required=True, metavar="JSON",
+                   help="the base side's `wsattn bench --json` files (one a process)")
+    p.add_argument("--new", nargs="+", required=True, metavar="JSON",
+                   help="the new side's files")
+    p.add_argument("--metric", default="median_ms",
+                   help="the row field compared (default median_ms; e.g. ratio_contiguous)")
+    p.add_argument("--json", metavar="PATH", help="also write the comparison as JSON")
+    args = p.parse_args(argv)
+    result = compare([load_rows(f) for f in args.base], [load_rows(f) for f in args.new],
+                     args.metric)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -169,6 +169,48 @@ def test_markdown_from_an_earlier_json(tmp_path, capsys):
     assert "gpu NVIDIA H200" in env_line and "torch 2.11.0+cu130" in env_line
 
 
+def test_from_json_merges_several_runs(tmp_path, capsys):
+    """Several runs' JSON (one ladder climbed in several calls): each kernel's row from the
+    last file holding it, the runs listed with their commits; the Markdown of the merge
+    equals that of its rows; runs of different settings, or no --json, are refused."""
+    a, b, merged = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "m.json"
+    for path, kernel, commit in ((a, "merge_states", "c0"), (b, "argmax", "c1")):
+        main(["ladder", kernel, "--target", "sm_90", "--max-gate", "2", "--no-interpreter",
+              "--json", str(path)])
+        doc = json.loads(path.read_text())
+        doc["environment"]["git_commit"] = commit
+        path.write_text(json.dumps(doc))
+    # b also holds a later merge_states row, which must win
+    doc_b = json.loads(b.read_text())
+    later = json.loads(a.read_text())["results"][0]
+    later["verdict"] = "the later run's verdict"
+    doc_b["results"].append(later)
+    b.write_text(json.dumps(doc_b))
+    capsys.readouterr()
+    md = tmp_path / "m.md"
+    assert main(["ladder", "--from-json", str(a), str(b), "--json", str(merged),
+                 "--markdown", str(md)]) == 0
+    doc = json.loads(merged.read_text())
+    assert [r["kernel"] for r in doc["results"]] == ["merge_states", "argmax"]
+    assert doc["results"][0]["verdict"] == "the later run's verdict"
+    assert doc["environment"]["git_commit"] == "c0 + c1" and doc["complete"] is True
+    assert [(r["file"], r["commit"]) for r in doc["runs"]] == [("a.json", "c0"), ("b.json", "c1")]
+    assert doc["runs"][1]["kernels"] == ["argmax sm_90", "merge_states sm_90"]
+    out = capsys.readouterr().out
+    assert f"wrote {merged}" in out and "argmax" in out
+    md2 = tmp_path / "m2.md"
+    assert main(["ladder", "--from-json", str(merged), "--markdown", str(md2)]) == 0
+    assert md.read_text() == md2.read_text()
+    # refusals
+    assert main(["ladder", "--from-json", str(a), str(b)]) == 2
+    assert "name the merged file with --json" in capsys.readouterr().err
+    doc_b["config"]["stress_launches"] = 7
+    b.write_text(json.dumps(doc_b))
+    assert main(["ladder", "--from-json", str(a), str(b), "--json", str(merged)]) == 2
+    err = capsys.readouterr().err
+    assert "b.json: its ladder config differs from" in err and "stress_launches" in err
+
+
 def test_targets_cli_ledger(tmp_path, capsys):
     out = tmp_path / "targets.json"
     rc = main(["targets", "wsattn.evidence.demo:matmul_ws_8w", "--target", "sm_90", "--target",

@@ -93,10 +93,22 @@ def run_ladder(args) -> int:
     from . import report
     from .ladder import FAIL, Config
     if args.from_json:  # report only: no kernel is built or run
-        results, doc = report.from_json(args.from_json)
+        source = args.from_json[0]
+        if len(args.from_json) > 1:  # several runs: one document, written where --json says
+            if not args.json:
+                return _usage_error("--from-json with several files merges them: name the "
+                                    "merged file with --json PATH")
+            try:
+                report.merge_json(args.from_json, args.json)
+            except ValueError as e:
+                return _usage_error(e)
+            print(f"wrote {args.json}")
+            source = args.json
+        results, doc = report.from_json(source)
         print(report.table(results))
         if not doc.get("complete", True):
-            print(f"note: {args.from_json} is a partial run (stopped before its last kernel)")
+            print(f"note: {source} is (or merges) a partial run (stopped before its last "
+                  "kernel)")
         if args.markdown:
             report.to_markdown(results, args.markdown, env=doc.get("environment"))
             print(f"wrote {args.markdown}")
@@ -201,8 +213,10 @@ def add_parser(subparsers):
     p.add_argument("--spec", action="append", metavar="FILE", help="a .py or .toml kernel spec file")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write a Markdown report (+ a PNG chart)")
-    p.add_argument("--from-json", metavar="PATH",
-                   help="climb nothing: report (table, --markdown) from an earlier run's --json")
+    p.add_argument("--from-json", metavar="PATH", nargs="+",
+                   help="climb nothing: report (table, --markdown) from an earlier run's --json; "
+                        "several files are merged into the one --json names, each kernel's "
+                        "row from the last file that holds it (runs of one config only)")
     p.add_argument("--max-gate", type=int, default=7, choices=range(8), help="stop after this gate")
     p.add_argument("--numerics-shapes", type=int, default=32, help="random shapes per dtype (GPU)")
     p.add_argument("--interpreter-shapes", type=int, default=3,

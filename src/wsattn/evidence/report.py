@@ -108,6 +108,45 @@ def from_json(path) -> tuple[list, dict]:
     return results, doc
 
 
+def merge_json(paths, out_path) -> dict:
+    """One ladder document from several runs' ``to_json`` files (e.g. one library ladder
+    climbed in several device calls): each (kernel, target) row from the last file that
+    holds it, in the order rows first appear; refused (ValueError) when the runs' configs
+    differ, since their verdicts would not mean the same. The environment is the last
+    run's, its git_commit every run's commit joined by " + "; "runs" lists each file's
+    commit, date and kernels, "complete" holds when every run was. Written to out_path
+    and returned (from_json reads it back)."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append((str(path), json.load(f)))
+    first_path, first = docs[0]
+    rows, runs = {}, []
+    for path, doc in docs:
+        if doc.get("config") != first.get("config"):
+            diff = sorted(k for k in {**doc.get("config", {}), **first.get("config", {})}
+                          if doc.get("config", {}).get(k) != first.get("config", {}).get(k))
+            raise ValueError(f"{path}: its ladder config differs from {first_path}'s in "
+                             f"{', '.join(diff)}; runs with different settings are not merged")
+        env = doc.get("environment", {})
+        runs.append({"file": os.path.basename(path), "commit": env.get("git_commit"),
+                     "date": env.get("date"),
+                     "kernels": [f"{r['kernel']} {r['target']}" for r in doc["results"]]})
+        for r in doc["results"]:
+            rows[(r["kernel"], r["target"])] = r
+    commits = list(dict.fromkeys(str(r["commit"]) for r in runs))
+    merged = {"environment": {**docs[-1][1].get("environment", {}),
+                              "git_commit": " + ".join(commits)},
+              "gate_names": first.get("gate_names", list(GATES)),
+              "targets": list(dict.fromkeys(t for _, d in docs for t in d.get("targets", []))),
+              "config": first.get("config"),
+              "complete": all(d.get("complete", True) for _, d in docs),
+              "runs": runs, "results": list(rows.values())}
+    with open(out_path, "w") as f:
+        json.dump(merged, f, indent=2)
+    return merged
+
+
 def _renumbered(g: dict) -> dict:
     return {**g, "gate": GATES.index(g["name"])} if g.get("name") in GATES else g
 

@@ -174,21 +174,18 @@ part_bench() {
         WSATTN_COMMIT="$(cat "$BENCH_BASE/COMMIT" 2>/dev/null || echo "base of ${WSATTN_COMMIT:-unknown}")" \
           run_part "bench $kind (base$sfx)" "${BENCH_S:-300}" python3 -m wsattn.cli bench \
           --json "${json%.json}_base$sfx.json" --no-plot "${words[@]}" || rc=1
-        bases+=("${json%.json}_base$sfx.json")
+        [ -f "${json%.json}_base$sfx.json" ] && bases+=("${json%.json}_base$sfx.json")
       fi
       plot=(--no-plot)
       [ "$r" -eq "$rounds" ] && plot=(--plot "${json%.json}.png")
       run_part "bench $kind$sfx" "${BENCH_S:-300}" python3 -m wsattn.cli bench \
         --json "${json%.json}$sfx.json" "${plot[@]}" "${words[@]}" || rc=1
-      news+=("${json%.json}$sfx.json")
+      [ -f "${json%.json}$sfx.json" ] && news+=("${json%.json}$sfx.json")
     done
-    if [ -n "${BENCH_BASE:-}" ]; then  # the sides' files that were written
-      mapfile -t bases < <(for f in "${bases[@]}"; do [ -f "$f" ] && echo "$f"; done)
-      mapfile -t news < <(for f in "${news[@]}"; do [ -f "$f" ] && echo "$f"; done)
-      if [ ${#bases[@]} -gt 0 ] && [ ${#news[@]} -gt 0 ]; then
-        run_part "compare $kind" 60 python3 -m wsattn.bench.compare --base "${bases[@]}" \
-          --new "${news[@]}" --json "${json%.json}_compare.json" || rc=1
-      fi
+    # the files each side wrote (a process cut off by its limit may leave none)
+    if [ ${#bases[@]} -gt 0 ] && [ ${#news[@]} -gt 0 ]; then
+      run_part "compare $kind" 60 python3 -m wsattn.bench.compare --base "${bases[@]}" \
+        --new "${news[@]}" --json "${json%.json}_compare.json" || rc=1
     fi
     pack_results
   done

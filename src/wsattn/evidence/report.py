@@ -122,10 +122,11 @@ def merge_json(paths, out_path) -> dict:
             docs.append((str(path), json.load(f)))
     first_path, first = docs[0]
     rows, runs = {}, []
+    config = first.get("config", {})
     for path, doc in docs:
-        if doc.get("config") != first.get("config"):
-            diff = sorted(k for k in {**doc.get("config", {}), **first.get("config", {})}
-                          if doc.get("config", {}).get(k) != first.get("config", {}).get(k))
+        if doc.get("config", {}) != config:
+            mine = doc.get("config", {})
+            diff = sorted(k for k in mine.keys() | config.keys() if mine.get(k) != config.get(k))
             raise ValueError(f"{path}: its ladder config differs from {first_path}'s in "
                              f"{', '.join(diff)}; runs with different settings are not merged")
         env = doc.get("environment", {})
@@ -139,7 +140,7 @@ def merge_json(paths, out_path) -> dict:
                               "git_commit": " + ".join(commits)},
               "gate_names": first.get("gate_names", list(GATES)),
               "targets": list(dict.fromkeys(t for _, d in docs for t in d.get("targets", []))),
-              "config": first.get("config"),
+              "config": config,
               "complete": all(d.get("complete", True) for _, d in docs),
               "runs": runs, "results": list(rows.values())}
     with open(out_path, "w") as f:

@@ -187,8 +187,8 @@ def test_sm90_paged_structure(head_dim, causal, page):
     """The paged build (page > 0): the varlen build's partitions, registers and GEMMs, its
     shared memory within 32 bytes, the spills recorded above only, min(page, BLOCK_N)-row
     boxes (BLOCK_N / that many TMA loads of K and of V a tile), the last page's tensor map
-    made on the device; block_table, bt_stride, page_stride and v_rows are arguments of
-    this build and None constexprs of every other."""
+    made on the device; block_table, bt_stride, page_stride and v_rows are
+    arguments of this build and None constexprs of every other."""
     spec = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True, page=page)
     k = _compile_spec(spec)
     s = pg.settings_for(head_dim, causal)
@@ -407,7 +407,7 @@ def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
     assert n_bh is None and section is None  # no persistent schedule for varlen
     assert tiles is None  # the plain grid: no tile table
     assert v_rows is v and kw["BOUNDED_V"]  # a partial last tile's V: the sequence's rows
-    assert (block_table, bt_stride, page_stride) == (None, None, None) and "PAGE" not in kw
+    assert (block_table, bt_stride, page_stride) == (None,) * 3 and "PAGE" not in kw
     assert list(q_desc.shape) == list(o_desc.shape) == [1, 322, 14 * head_dim]
     assert list(k_desc.shape) == list(v_desc.shape) == [1, 340, 2 * head_dim]
     assert list(q_desc.block_shape) == [1, 64, head_dim]
@@ -432,8 +432,8 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     tables = []
 
-    def table(cu, n_tiles, hq, block_m, c, longest_first, cu_seqlens_k):
-        assert cu_seqlens_k is cu_k
+    def table(cu, n_tiles, hq, block_m, c, longest_first, cu_seqlens_k, key_counts=False):
+        assert cu_seqlens_k is cu_k and not key_counts
         tables.append((cu, n_tiles, hq, block_m, c, longest_first))
         return torch.zeros(2, n_tiles, dtype=torch.int32)
     monkeypatch.setattr(pg, "varlen_tile_table", table)
@@ -459,7 +459,7 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
                       settings=pg.settings_for(128, causal, varlen_bounded_v=False))
     (grid_b, args_b, kw_b) = rec.launches[-1]
     assert grid_b == (n, ) and not kw_b["BOUNDED_V"]
-    assert args_b[17:] == (None, None, None, None)
+    assert args_b[17:] == (None,) * 4
     assert [a for a in args_b[:17] if not hasattr(a, "shape")] == \
         [a for a in args[:17] if not hasattr(a, "shape")]
 
@@ -493,7 +493,8 @@ def _paged(k, v, kv_lens, page, seed=0):
 @pytest.mark.parametrize("page", [16, 256])
 def test_paged_launcher_grid_and_arguments(monkeypatch, page):
     """prefill_paged launches the varlen build's grid over the same tile table (keys counted
-    by a device cumsum of seqlens_k, no host read) with PAGE, k/v descriptors over the cache
+    by seqlens_k itself: the table and the kernel take counts, no prefix sum, no host
+    read) with PAGE, k/v descriptors over the cache
     as [num_pages, page, Hkv * D] in min(page, BLOCK_N)-row boxes, the block table, its row
     stride, the V cache and its page stride (recorded on CPU tensors; nothing runs);
     refuses a page size it does not take and pages whose rows are not packed."""
@@ -501,8 +502,8 @@ def test_paged_launcher_grid_and_arguments(monkeypatch, page):
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     tables = []
 
-    def table_of(cu, n_tiles, hq, block_m, c, longest_first, cu_seqlens_k):
-        tables.append((cu, n_tiles, longest_first, cu_seqlens_k.clone()))
+    def table_of(cu, n_tiles, hq, block_m, c, longest_first, cu_seqlens_k, key_counts=False):
+        tables.append((cu, n_tiles, longest_first, cu_seqlens_k, key_counts))
         return torch.full((2, n_tiles), len(tables), dtype=torch.int32)
     monkeypatch.setattr(pg, "varlen_tile_table", table_of)
     kv_lens = [4, 310, 17, 9]
@@ -513,10 +514,10 @@ def test_paged_launcher_grid_and_arguments(monkeypatch, page):
     pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, True, 0.125, settings=s)
     (grid, args, kw), (vgrid, vargs, vkw) = rec.launches
     assert grid == vgrid and kw["PAGE"] == page and vkw.get("PAGE", 0) == 0
-    # the same table request, keys counted by the device cumsum of seqlens_k
+    # the same table request, the paged one with the key counts themselves
     assert [t[:3] for t in tables] == [(cu_q, grid[0], True)] * 2
-    assert torch.equal(tables[0][3], cu_k) and torch.equal(tables[1][3], cu_k)
-    assert torch.equal(args[11], cu_k) and args[16][0, 0] == 1
+    assert tables[0][3] is lens and tables[0][4] and tables[1][3] is cu_k and not tables[1][4]
+    assert args[11] is lens and vargs[11] is cu_k and args[16][0, 0] == 1
     assert args[17] is vc and args[18] is table
     assert args[19:] == (table.stride(0), vc.stride(0))
     box = min(page, s.BLOCK_N)
@@ -798,7 +799,7 @@ def _py_twin(fn, pid=0, grid=1, memory=None):
             glb[name] = _py_twin(glb[name], pid, grid, memory)
         elif isinstance(glb.get(name), gl.constexpr):  # a module constant: its value
             glb[name] = glb[name].value
-    return types.FunctionType(fn.fn.__code__, glb, fn.fn.__name__)
+    return types.FunctionType(fn.fn.__code__, glb, fn.fn.__name__, fn.fn.__defaults__)
 
 
 def _walk(B, Sq, Sk, Hq, group, grid, section, block_m, block_n, causal):
@@ -824,7 +825,8 @@ def test_compact_tile_reads_the_table_as_the_plain_grid_tiles(causal):
     """The twin of the kernel's _tile with VARLEN == COMPACT, over a table from the Python
     enumeration of tests/test_varlen_tiles.py: the real CTAs get exactly the plain grid's
     live (sequence, head, row block) tiles with their rows and key counts, each once; the
-    spares get q_len 0, which the kernel's prologue exits on."""
+    spares get q_len 0, which the kernel's prologue exits on. The paged build (PAGE) reads
+    the same tiles with each sequence's key count from seqlens_k and k0 = 0."""
     from test_varlen_tiles import reference
 
     from wsattn.kernels import prefill_gluon_parts as parts
@@ -834,9 +836,10 @@ def test_compact_tile_reads_the_table_as_the_plain_grid_tiles(causal):
     cu_k = [0] + list(itertools.accumulate(kv_lens))
     n = hq * vt.tile_bound(sum(q_lens), len(q_lens), bm, max(q_lens))
     seqs, codes = reference(q_lens, hq, bm, causal, n)
-    CU_Q, CU_K, TILES = 0, 100, 1000  # addresses in the twin's memory
+    CU_Q, CU_K, LENS_K, TILES = 0, 100, 200, 1000  # addresses in the twin's memory
     memory = {**{CU_Q + i: x for i, x in enumerate(cu_q)},
               **{CU_K + i: x for i, x in enumerate(cu_k)},
+              **{LENS_K + i: x for i, x in enumerate(kv_lens)},
               **{TILES + i: x for i, x in enumerate(seqs + codes)}}
     compact, plain = [], []
     for pid in range(n):
@@ -844,6 +847,9 @@ def test_compact_tile_reads_the_table_as_the_plain_grid_tiles(causal):
         m, off_b, h, q0, k0, q_len, kv_len = tile(pid, None, 0, 0, hq, CU_Q, CU_K, TILES,
                                                   causal, parts.VARLEN_COMPACT)
         assert off_b == 0
+        paged = tile(pid, None, 0, 0, hq, CU_Q, LENS_K, TILES, causal, parts.VARLEN_COMPACT,
+                     64)
+        assert paged == (m, 0, h, q0, 0, q_len, kv_len)
         if m * bm < q_len:
             compact.append((q0, h, m, k0, q_len, kv_len,
                             _py_twin(parts._tile_counts)(m, q_len, kv_len, bm, bn, causal)))

@@ -64,6 +64,11 @@ for name, (lengths, hq, bm) in packs.items():
         t = vt.varlen_tile_table(cu, n, hq, bm, causal, longest_first=True, cu_seqlens_k=cu_k)
         out[f"{name}-{causal}-keys"] = {"n": n, "seq": t[0].tolist(), "code": t[1].tolist(),
                                         "keys": keys}
+        # the same keys as counts (the paged build's seqlens_k), not their running sum
+        t = vt.varlen_tile_table(cu, n, hq, bm, causal, longest_first=True,
+                                 cu_seqlens_k=torch.tensor(keys, dtype=torch.int32),
+                                 key_counts=True)
+        out[f"{name}-{causal}-counts"] = {"seq": t[0].tolist(), "code": t[1].tolist()}
 print("RESULT " + json.dumps(out))
 """
 
@@ -82,6 +87,8 @@ def test_table_kernel_equals_the_enumeration():
             r = got[f"{name}-{causal}-keys"]
             seqs, codes = reference(lengths, hq, bm, causal, r["n"], True, r["keys"])
             assert r["seq"] == seqs and r["code"] == codes, (name, causal, "keys")
+            c = got[f"{name}-{causal}-counts"]
+            assert c["seq"] == seqs and c["code"] == codes, (name, causal, "counts")
             a, b = got[f"{name}-{causal}"], got[f"{name}-{causal}-longest"]
             assert sorted(zip(a["seq"], a["code"])) == sorted(zip(b["seq"], b["code"]))
 

@@ -361,8 +361,9 @@ def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q):
 def _varlen_launch(q, k_desc, v_desc, out, lse, cu_q, cu_k, n_seq, max_q, Hkv, causal,
                    sm_scale, s, tail, **builds):
     """The varlen build's launch (prefill_varlen, prefill_paged): q / o descriptors, the
-    tile table over cu_q with keys counted by cu_k (or the plain grid), then the kernel
-    with tail = (v_rows, block_table, bt_stride, page_stride) and the build's constexprs.
+    tile table over cu_q with keys counted by cu_k (the paged build: key counts, not their
+    running sum) or the plain grid, then the kernel with tail = (v_rows, block_table,
+    bt_stride, page_stride) and the build's constexprs.
     A build given v_rows makes tensor maps on the device (BOUNDED_V, PAGE)."""
     Tq, Hq, D = q.shape
     name = DTYPE_NAMES[q.dtype]
@@ -372,7 +373,8 @@ def _varlen_launch(q, k_desc, v_desc, out, lse, cu_q, cu_k, n_seq, max_q, Hkv, c
     if s.compact_varlen and table_fits(Tq, Hq, s.BLOCK_M):
         num_tiles = tile_bound(Tq, n_seq, s.BLOCK_M, max_q) * Hq
         tiles = varlen_tile_table(cu_q, num_tiles, Hq, s.BLOCK_M, causal,
-                                  longest_first=s.varlen_longest_first, cu_seqlens_k=cu_k)
+                                  longest_first=s.varlen_longest_first, cu_seqlens_k=cu_k,
+                                  key_counts=bool(builds.get("PAGE")))
         varlen = VARLEN_COMPACT
     else:
         num_tiles = cdiv(max_q, s.BLOCK_M) * n_seq * Hq  # one CTA per tile; surplus ones exit
@@ -432,15 +434,14 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
         return out, lse
     if not tma_ready(q.unsqueeze(0)):
         q = q.contiguous()
-    cu_k = torch.zeros(n_seq + 1, dtype=torch.int32, device=q.device)
-    torch.cumsum(seqlens_k, 0, out=cu_k[1:])  # on the device: no host read
     name = DTYPE_NAMES[q.dtype]
     box = min(page, s.BLOCK_N)
     k_desc = _descriptor(k_cache.view(num_pages, page, Hkv * D), [1, box, D], name)
     v_desc = _descriptor(v_cache.view(num_pages, page, Hkv * D), [1, box, D], name)
-    _varlen_launch(q, k_desc, v_desc, out, lse, cu_seqlens_q, cu_k, n_seq, max_q, Hkv, causal,
-                   sm_scale, s, (v_cache, block_table, block_table.stride(0),
-                                 v_cache.stride(0)), PAGE=page)
+    # the kernel and the tile table read each sequence's key count itself (no prefix sum)
+    _varlen_launch(q, k_desc, v_desc, out, lse, cu_seqlens_q, seqlens_k, n_seq, max_q, Hkv,
+                   causal, sm_scale, s, (v_cache, block_table, block_table.stride(0),
+                                         v_cache.stride(0)), PAGE=page)
     return out, lse
 
 

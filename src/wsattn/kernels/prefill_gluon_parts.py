@@ -111,7 +111,7 @@ def _tile_coords(t, n_m, Hq, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, tiles, CAUSAL: gl.constexpr,
-          VARLEN: gl.constexpr):
+          VARLEN: gl.constexpr, PAGE: gl.constexpr = 0):
     """The one schedule every partition reads: program pid -> (start_m, off_b, off_h, q0,
     k0, q_len, kv_len). off_b is the descriptors' leading coordinate, q0 / k0 the row of
     the sequence's first query / key in them, q_len / kv_len its lengths. Fixed length:
@@ -119,7 +119,9 @@ def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, tiles, CAUSAL: gl.constexpr,
     cu_q / cu_k; the grid covers the longest sequence (see attn_fwd_kernel). VARLEN ==
     COMPACT: the tile comes from the launcher's table (tiles: int32 [2, grid], the
     sequence, or -1 past the last real tile, then head * CODE_BASE + row block), so the grid
-    holds the real tiles and at most one spare a sequence and head (q_len 0 on a spare)."""
+    holds the real tiles and at most one spare a sequence and head (q_len 0 on a spare).
+    PAGE (the paged build): cu_k holds each sequence's key count, not the running sum (its
+    keys are found through the block table, so k0 is 0 and no prefix sum is launched)."""
     if VARLEN == COMPACT:
         b = gl.load(tiles + pid)
         code = gl.load(tiles + gl.num_programs(0) + pid)
@@ -129,15 +131,13 @@ def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, tiles, CAUSAL: gl.constexpr,
         off_h = code // TILE_CODE
         q0 = gl.load(cu_q + b)
         q_len = gl.where(live, gl.load(cu_q + b + 1) - q0, 0)
-        k0 = gl.load(cu_k + b)
-        kv_len = gl.load(cu_k + b + 1) - k0
+        k0, kv_len = _keys(cu_k, b, PAGE)
         return start_m, 0, off_h, q0, k0, q_len, kv_len
     start_m, b, off_h = _tile_coords(pid, n_m, Hq, CAUSAL)
     if VARLEN:
         q0 = gl.load(cu_q + b)
         q_len = gl.load(cu_q + b + 1) - q0
-        k0 = gl.load(cu_k + b)
-        kv_len = gl.load(cu_k + b + 1) - k0
+        k0, kv_len = _keys(cu_k, b, PAGE)
         off_b = 0
     else:
         q0 = 0
@@ -146,6 +146,19 @@ def _tile(pid, n_m, Sq, Sk, Hq, cu_q, cu_k, tiles, CAUSAL: gl.constexpr,
         kv_len = Sk
         off_b = b
     return start_m, off_b, off_h, q0, k0, q_len, kv_len
+
+
+@gluon.jit
+def _keys(cu_k, b, PAGE: gl.constexpr):
+    """(k0, kv_len) of sequence b: from the running key counts cu_k, or (PAGE) from its
+    key count cu_k[b] with k0 = 0."""
+    if PAGE:
+        k0 = 0
+        kv_len = gl.load(cu_k + b)
+    else:
+        k0 = gl.load(cu_k + b)
+        kv_len = gl.load(cu_k + b + 1) - k0
+    return k0, kv_len
 
 
 @gluon.jit
@@ -470,7 +483,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, CONSUMERS: gl.constexpr,
               WG_TILES: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr):
+              PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr, PAGE: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of the CTA's tile,
     or (PERSISTENT) of each tile the schedule gives the CTA (_persistent_tile).
 
@@ -508,7 +521,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
                                                              cu_q, cu_k, tiles, CAUSAL,
-                                                             VARLEN)
+                                                             VARLEN, PAGE)
         if VARLEN:  # the LSE's row length: [Hq, Tq] or [B, Hq, Sq]
             lse_stride = Tq
         else:
@@ -594,7 +607,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
                                                              cu_q, cu_k, tiles, CAUSAL,
-                                                             VARLEN)
+                                                             VARLEN, PAGE)
         n_full, n_total = _tile_counts(start_m, q_len, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
         if PAGE:
             bt_row = block_table + _tile_seq(gl.program_id(0), n_m, Hq, tiles, CAUSAL,
@@ -815,8 +828,9 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     past them (_produce_q_tile); None otherwise.
 
     PAGE (varlen only; 0 otherwise): the paged build, keys from a paged cache. k/v are the
-    caches as [num_pages, PAGE, Hkv * D] with a box of min(PAGE, BLOCK_N) rows, cu_k the
-    cumulative key counts (k0 unused), block_table int32 [batch, width] with row stride
+    caches as [num_pages, PAGE, Hkv * D] with a box of min(PAGE, BLOCK_N) rows, cu_k each
+    sequence's key count (seqlens_k, int32 [batch]; see _keys), block_table int32
+    [batch, width] with row stride
     bt_stride, v_rows the V cache's base and page_stride its elements a page (for the
     last page's bounded descriptor, see _load_paged_kv); None for the three otherwise."""
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
@@ -831,7 +845,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
         # wait on another (the partitions read the same _tile, and would agree on zero work).
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
                                                              cu_q, cu_k, tiles, CAUSAL,
-                                                             VARLEN)
+                                                             VARLEN, PAGE)
         if start_m * BLOCK_M >= q_len:
             return
     else:
@@ -869,12 +883,12 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP)),
+                         PACK_P, ONE_LOOP, PAGE)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP)),
+                         PACK_P, ONE_LOOP, PAGE)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
                          n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP, BLOCK_M,
@@ -888,17 +902,17 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP)),
+                         PACK_P, ONE_LOOP, PAGE)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP)),
+                         PACK_P, ONE_LOOP, PAGE)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP)),
+                         PACK_P, ONE_LOOP, PAGE)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Hq, n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP,

@@ -50,7 +50,8 @@ _CODE = tl.constexpr(CODE_BASE)
 @triton.jit(do_not_specialize=["n_seq", "n_tiles"])
 def _varlen_tiles_kernel(cu_q, tiles, n_seq, n_tiles, Hq, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, PIDS: tl.constexpr, SEQS: tl.constexpr,
-                         LONGEST_FIRST: tl.constexpr = False, cu_k=None):
+                         LONGEST_FIRST: tl.constexpr = False, cu_k=None,
+                         KEY_COUNTS: tl.constexpr = False):
     # grid (cdiv(n_tiles, PIDS),): tiles t of this program, found in the running prefix of
     # the sequences' tile counts (Hq * their row blocks), SEQS sequences at a time
     t = tl.program_id(0) * PIDS + tl.arange(0, PIDS)  # [PIDS]
@@ -69,16 +70,14 @@ def _varlen_tiles_kernel(cu_q, tiles, n_seq, n_tiles, Hq, BLOCK_M: tl.constexpr,
             # the tiles of every sequence j placed before i: more keys (its heaviest tile
             # is the longest), or as many and earlier in the pack (a strict order, so the
             # ranges still tile [0, total))
-            key = tl.load(cu_k + i + 1, mask=live, other=0) - tl.load(cu_k + i, mask=live,
-                                                                      other=0)
+            key = _key_count(cu_k, i, live, KEY_COUNTS)
             excl = tl.zeros([SEQS], dtype=tl.int32)
             for c2 in range(0, n_seq, SEQS):
                 j = c2 + tl.arange(0, SEQS)  # [SEQS]
                 live_j = j < n_seq
                 len_j = tl.load(cu_q + j + 1, mask=live_j, other=0) - \
                     tl.load(cu_q + j, mask=live_j, other=0)
-                key_j = tl.load(cu_k + j + 1, mask=live_j, other=0) - \
-                    tl.load(cu_k + j, mask=live_j, other=0)
+                key_j = _key_count(cu_k, j, live_j, KEY_COUNTS)
                 nb_j = tl.where(live_j, (len_j + BLOCK_M - 1) // BLOCK_M, 0)
                 before = (key_j[None, :] > key[:, None]) | \
                     ((key_j[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
@@ -104,6 +103,15 @@ def _varlen_tiles_kernel(cu_q, tiles, n_seq, n_tiles, Hq, BLOCK_M: tl.constexpr,
     tl.store(tiles + n_tiles + t, tl.where(real, h * _CODE + m, 0), mask=mine)
 
 
+@triton.jit
+def _key_count(cu_k, i, live, KEY_COUNTS: tl.constexpr):
+    # sequence i's keys: cu_k[i] itself (KEY_COUNTS: the paged build's seqlens_k), or the
+    # difference of the running counts
+    if KEY_COUNTS:
+        return tl.load(cu_k + i, mask=live, other=0)
+    return tl.load(cu_k + i + 1, mask=live, other=0) - tl.load(cu_k + i, mask=live, other=0)
+
+
 def tile_bound(Tq: int, n_seq: int, block_m: int, max_seqlen_q: int | None = None) -> int:
     """Row blocks a head that hold every real tile of a pack of n_seq sequences and Tq
     tokens: cdiv(Tq, block_m) + n_seq, or fewer when every sequence is at most
@@ -121,11 +129,13 @@ def table_fits(Tq: int, Hq: int, block_m: int) -> bool:
 
 def varlen_tile_table(cu_seqlens_q: torch.Tensor, n_tiles: int, Hq: int, block_m: int,
                       causal: bool, longest_first: bool = False,
-                      cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+                      cu_seqlens_k: torch.Tensor | None = None,
+                      key_counts: bool = False) -> torch.Tensor:
     """int32 [2, n_tiles] on cu_seqlens_q's device (see the module docstring): one launch,
     nothing read on the host. n_tiles: Hq * tile_bound(...) (any bound at least the real
     count works; the surplus entries are spares). longest_first: the sequences by key
-    count (cu_seqlens_k; None: the query counts), most first (module docstring)."""
+    count (cu_seqlens_k; None: the query counts), most first (module docstring).
+    key_counts: cu_seqlens_k holds each sequence's key count, not the running sum."""
     n_seq = cu_seqlens_q.numel() - 1
     tiles = torch.empty((2, n_tiles), dtype=torch.int32, device=cu_seqlens_q.device)
     if n_tiles:
@@ -134,6 +144,8 @@ def varlen_tile_table(cu_seqlens_q: torch.Tensor, n_tiles: int, Hq: int, block_m
         if longest_first:
             order = {"LONGEST_FIRST": True,
                      "cu_k": cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k}
+            if cu_seqlens_k is not None and key_counts:
+                order["KEY_COUNTS"] = True
         _varlen_tiles_kernel[(cdiv(n_tiles, PIDS),)](
             cu_seqlens_q, tiles, n_seq, n_tiles, Hq, BLOCK_M=block_m, CAUSAL=bool(causal),
             PIDS=PIDS, SEQS=SEQS, num_warps=WARPS, **order)

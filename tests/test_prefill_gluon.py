@@ -187,7 +187,7 @@ def test_sm90_paged_structure(head_dim, causal, page):
     """The paged build (page > 0): the varlen build's partitions, registers and GEMMs, its
     shared memory within 32 bytes, the spills recorded above only, min(page, BLOCK_N)-row
     boxes (BLOCK_N / that many TMA loads of K and of V a tile), the last page's tensor map
-    made on the device; block_table, bt_stride, page_stride and v_rows are
+    made on the device; block_table, bt_stride, bt_width, page_stride and v_rows are
     arguments of this build and None constexprs of every other."""
     spec = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True, page=page)
     k = _compile_spec(spec)
@@ -202,7 +202,8 @@ def test_sm90_paged_structure(head_dim, causal, page):
     assert spec["constexprs"]["PAGE"] == page and spec["signature"]["block_table"] == "*i32"
     plain = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True)
     assert plain["constexprs"]["PAGE"] == 0
-    assert all(plain["constexprs"][a] is None for a in ("block_table", "bt_stride", "page_stride"))
+    assert all(plain["constexprs"][a] is None
+               for a in ("block_table", "bt_stride", "bt_width", "page_stride"))
     with pytest.raises(ValueError, match="page=24"):
         pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True, page=24)
 
@@ -402,12 +403,12 @@ def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
     bound = 322 if max_q is None else min(max_q, 322)
     assert grid == (-(-bound // s.BLOCK_M) * 4 * 14, )
     (q_desc, k_desc, v_desc, o_desc, lse_arg, Sq, Sk, Hq, _, o_ptr, cu_q_arg, cu_k_arg, Tq, mq,
-     n_bh, section, tiles, v_rows, block_table, bt_stride, page_stride) = args
+     n_bh, section, tiles, v_rows, block_table, bt_stride, bt_width, page_stride) = args
     assert (Sq, Sk, Hq, Tq, mq) == (0, 0, 14, 322, bound)  # Sq, Sk: fixed length only
     assert n_bh is None and section is None  # no persistent schedule for varlen
     assert tiles is None  # the plain grid: no tile table
     assert v_rows is v and kw["BOUNDED_V"]  # a partial last tile's V: the sequence's rows
-    assert (block_table, bt_stride, page_stride) == (None,) * 3 and "PAGE" not in kw
+    assert (block_table, bt_stride, bt_width, page_stride) == (None,) * 4 and "PAGE" not in kw
     assert list(q_desc.shape) == list(o_desc.shape) == [1, 322, 14 * head_dim]
     assert list(k_desc.shape) == list(v_desc.shape) == [1, 340, 2 * head_dim]
     assert list(q_desc.block_shape) == [1, 64, head_dim]
@@ -445,7 +446,7 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
     assert tables == [(cu_q, n, 14, s.BLOCK_M, causal, True)] and grid == (n, )
     assert n < -(-(322 if max_q is None else max_q) // s.BLOCK_M) * 4 * 14  # fewer than plain
     assert args[16].shape == (2, n) and kw["VARLEN"] == pg.VARLEN_COMPACT
-    assert args[17] is v and args[18:] == (None, None, None) and kw["BOUNDED_V"]
+    assert args[17] is v and args[18:] == (None,) * 4 and kw["BOUNDED_V"]
     pg.prefill(q.view(1, 322, 14, 128), k[:322].view(1, 322, 2, 128),
                v[:322].view(1, 322, 2, 128), causal, 0.125, settings=s)
     assert len(tables) == 1 and not rec.launches[-1][2].get("VARLEN")
@@ -459,7 +460,7 @@ def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
                       settings=pg.settings_for(128, causal, varlen_bounded_v=False))
     (grid_b, args_b, kw_b) = rec.launches[-1]
     assert grid_b == (n, ) and not kw_b["BOUNDED_V"]
-    assert args_b[17:] == (None,) * 4
+    assert args_b[17:] == (None,) * 5
     assert [a for a in args_b[:17] if not hasattr(a, "shape")] == \
         [a for a in args[:17] if not hasattr(a, "shape")]
 
@@ -519,7 +520,7 @@ def test_paged_launcher_grid_and_arguments(monkeypatch, page):
     assert tables[0][3] is lens and tables[0][4] and tables[1][3] is cu_k and not tables[1][4]
     assert args[11] is lens and vargs[11] is cu_k and args[16][0, 0] == 1
     assert args[17] is vc and args[18] is table
-    assert args[19:] == (table.stride(0), vc.stride(0))
+    assert args[19:] == (table.stride(0), table.shape[1], vc.stride(0))
     box = min(page, s.BLOCK_N)
     for d in args[1:3]:
         assert list(d.shape) == [kc.shape[0], page, 2 * 128]
@@ -964,11 +965,11 @@ def test_persistent_launcher_grid_and_arguments(monkeypatch):
     pg.prefill(q, k, v, True, 0.125, settings=replace(s, l2_section_bytes=1))
     (grid, args, kw), (grid0, args0, kw0), (_, args1, _) = rec.launches
     assert grid == (4, ) and grid0 == (3 * 2 * 8, )
-    # (..., n_bh, section, tiles, v_rows, block_table, bt_stride, page_stride): fixed
+    # (..., n_bh, section, tiles, v_rows, block_table, bt_stride, bt_width, page_stride): fixed
     # length has no tile table, no bounded V, no pages
-    assert args[14:] == (16, pg.l2_section(16, 4, 300, 128, 2)) + (None,) * 5
+    assert args[14:] == (16, pg.l2_section(16, 4, 300, 128, 2)) + (None,) * 6
     assert args[14:16] == (16, 16)
-    assert args0[14:] == (None,) * 7
+    assert args0[14:] == (None,) * 8
     assert args1[14:16] == (16, 4)  # one GQA group a section
     assert kw["PERSISTENT"] is True and kw0["PERSISTENT"] is False and kw["UNROLL"] is False
     one = _qkv(1, 5, 5, 2, 1, 64, torch.bfloat16)  # fewer tiles than SMs: one CTA a tile

@@ -286,7 +286,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
         grid, n_bh, section = num_tiles, None, None
     attn_fwd_kernel[(grid, )](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
                               sm_scale * math.log2(math.e), None, None, None, None, None, n_bh,
-                              section, None, None, None, None, None, num_warps=4,
+                              section, None, None, None, None, None, None, num_warps=4,
                               **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
@@ -340,7 +340,7 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     v_desc = _descriptor(v.view(1, Tk, Hkv * D), [1, s.BLOCK_N, D], name)
     bounded = s.varlen_bounded_v
     _varlen_launch(q, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k, n_seq, max_q, Hkv,
-                   causal, sm_scale, s, (v if bounded else None, None, None, None),
+                   causal, sm_scale, s, (v if bounded else None, None, None, None, None),
                    BOUNDED_V=bounded)
     return out, lse
 
@@ -362,8 +362,9 @@ def _varlen_launch(q, k_desc, v_desc, out, lse, cu_q, cu_k, n_seq, max_q, Hkv, c
                    sm_scale, s, tail, **builds):
     """The varlen build's launch (prefill_varlen, prefill_paged): q / o descriptors, the
     tile table over cu_q with keys counted by cu_k (the paged build: key counts, not their
-    running sum) or the plain grid, then the kernel with tail = (v_rows, block_table,
-    bt_stride, page_stride) and the build's constexprs.
+    running sum) or the plain grid, then the kernel
+    with tail = (v_rows, block_table, bt_stride, bt_width, page_stride) and the build's
+    constexprs.
     A build given v_rows makes tensor maps on the device (BOUNDED_V, PAGE)."""
     Tq, Hq, D = q.shape
     name = DTYPE_NAMES[q.dtype]
@@ -441,7 +442,7 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
     # the kernel and the tile table read each sequence's key count itself (no prefix sum)
     _varlen_launch(q, k_desc, v_desc, out, lse, cu_seqlens_q, seqlens_k, n_seq, max_q, Hkv,
                    causal, sm_scale, s, (v_cache, block_table, block_table.stride(0),
-                                         v_cache.stride(0)), PAGE=page)
+                                         block_table.shape[1], v_cache.stride(0)), PAGE=page)
     return out, lse
 
 
@@ -468,8 +469,8 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     table take. varlen with settings.varlen_bounded_v (the default): the build whose last
     partial key tile loads V through a descriptor made on the device (v_rows an argument;
     else a None constexpr). varlen with page > 0: the paged build of that page
-    size (k/v descriptors over the cache's pages; block_table, bt_stride, page_stride and
-    v_rows arguments)."""
+    size (k/v descriptors over the cache's pages; block_table, bt_stride, bt_width,
+    page_stride and v_rows arguments)."""
     s = _resolve(settings, head_dim, causal)
     if plain_grid:
         s = replace(s, compact_varlen=False)
@@ -484,7 +485,7 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     kv = f"tensordesc<{dtype}[1,{rows},{head_dim}],{_layout(kv_block, dtype)!r}>"
     packed = {"o_ptr": f"*{dtype}", "cu_q": "*i32", "cu_k": "*i32", "Tq": "i32", "max_q": "i32"}
     walk = {"n_bh": "i32", "section": "i32"}
-    paged = {"block_table": "*i32", "bt_stride": "i32", "page_stride": "i32"}
+    paged = {"block_table": "*i32", "bt_stride": "i32", "bt_width": "i32", "page_stride": "i32"}
     compact = bool(varlen and s.compact_varlen)
     bounded = bool(varlen and s.varlen_bounded_v and not page)
     signature = {"q_desc": qo, "k_desc": kv, "v_desc": kv, "o_desc": qo, "lse_ptr": "*fp32",

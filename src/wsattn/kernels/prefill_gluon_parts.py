@@ -582,7 +582,7 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
               k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq, n_bh, section,
-              v_rows, block_table, bt_stride, page_stride, GROUP: gl.constexpr,
+              v_rows, block_table, bt_stride, bt_width, page_stride, GROUP: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -601,7 +601,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
                 first + i * stride, n_m, n_bh, section, Sq, Sk, Hq, BLOCK_M, BLOCK_N, CAUSAL)
             _produce_q_tile(start_m, off_b, off_h, 0, 0, Sk, n_total, r0, i,
                             q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
-                            k_ready, v_ready, kv_empty, None, 0, None, 0, GROUP, BLOCK_M,
+                            k_ready, v_ready, kv_empty, None, 0, None, 0, 0, GROUP, BLOCK_M,
                             BLOCK_N, D, STAGES, CONSUMERS, True, False, 0)
             r0 += n_total
     else:
@@ -616,14 +616,14 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty,
             bt_row = block_table
         _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, 0, 0, q_desc, k_desc,
                         v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                        kv_empty, v_rows, (Hq // GROUP) * D, bt_row, page_stride, GROUP,
+                        kv_empty, v_rows, (Hq // GROUP) * D, bt_row, bt_width, page_stride, GROUP,
                         BLOCK_M, BLOCK_N, D, STAGES, CONSUMERS, False, BOUNDED_V, PAGE)
 
 
 @gluon.jit
 def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, q_desc, k_desc,
                     v_desc, q_bufs, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, kv_empty,
-                    v_rows, v_row_len, bt_row, page_stride, GROUP: gl.constexpr,
+                    v_rows, v_row_len, bt_row, bt_width, page_stride, GROUP: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                     KV_FIRST: gl.constexpr, BOUNDED_V: gl.constexpr, PAGE: gl.constexpr):
@@ -647,6 +647,12 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
     off_hkv = off_h // GROUP
     m0 = q0 + start_m * BLOCK_M
     j0 = 0
+    if PAGE:
+        # the first key tile's table words, read before the wait below: bounded by the
+        # row's width, not by kv_len, the load waits on the sequence index alone, not on
+        # the key count, so the table is not one more global round trip before the
+        # tile's first TMA (the contiguous build's first K load waits on cu_k alone)
+        pages0 = _table_words(bt_row, 0, bt_width, BLOCK_N, PAGE)
     if KV_FIRST:
         if n_total > 0:
             _load_kv(r0, k0, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
@@ -660,7 +666,7 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
         tma.async_copy_global_to_shared(q_desc, [off_b, m0 + i * WG_M, off_h * D], q_bar,
                                         q_bufs[i])
     if PAGE:
-        _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_rows,
+        _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc, v_rows,
                        page_stride, v_row_len, k_smem, v_smem, k_ready, v_ready, kv_empty,
                        BLOCK_N, D, STAGES, PAGE)
     elif BOUNDED_V:
@@ -709,15 +715,28 @@ def _claim_slot(r, kv_empty, k_ready, v_ready, nbytes, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_cache, page_stride,
-                   row_len, k_smem, v_smem, k_ready, v_ready, kv_empty, BLOCK_N: gl.constexpr,
-                   D: gl.constexpr, STAGES: gl.constexpr, PAGE: gl.constexpr):
+def _table_words(bt_row, j, n_words, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
+    """Key tile j's table words, one a box of min(PAGE, BLOCK_N) rows: the page of its
+    first key, 0 (not read) for a box past the row's first n_words words."""
+    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    SLICES: gl.constexpr = BLOCK_N // BOX
+    idx_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    keys = j * BLOCK_N + gl.arange(0, SLICES, layout=idx_layout) * BOX
+    return gl.load(bt_row + keys // PAGE, mask=keys // PAGE < n_words, other=0)
+
+
+@gluon.jit
+def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc, v_cache,
+                   page_stride, row_len, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                   BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                   PAGE: gl.constexpr):
     """The n_total key tiles of a sequence whose keys sit in a paged cache: key j is row
     j % PAGE of page bt_row[j // PAGE]. k_desc / v_desc describe the cache as
     [num_pages, PAGE, Hkv * D] with a box of BOX = min(PAGE, BLOCK_N) rows, so a tile is
     BLOCK_N / BOX boxes, each into its rows of the ring slot (the slot's swizzle repeats
-    every 8 rows, and BOX is a multiple of 8). A tile's table words are one vector load,
-    issued before the slot's wait so it overlaps the consumers' release.
+    every 8 rows, and BOX is a multiple of 8). A tile's table words are one vector load:
+    tile 0's (pages0) read by the caller, each next tile's issued after the current
+    tile's copies, before the next slot's wait, so it overlaps the consumers' release.
 
     The tile that reaches past kv_len: rows of the last page past the keys hold whatever
     the cache holds there (NaN, say), and 0 * NaN would reach P V, so its V comes through
@@ -725,7 +744,8 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_cache
     (TMA fills zeros past it, and the whole box of a slice past the last page is outside
     it); K's rows there may hold anything (their scores are replaced by the mask), so a
     slice past the last page re-reads the last page. No table word past the sequence's
-    pages is read."""
+    pages is read but tile 0's, which are bounded by the row's width (their values are
+    used only for boxes of the sequence's keys)."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     SLICES: gl.constexpr = BLOCK_N // BOX
     TILE_BYTES: gl.constexpr = BLOCK_N * D * k_desc.dtype.primitive_bitwidth // 8
@@ -733,9 +753,9 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_cache
     slice_i = gl.arange(0, SLICES, layout=idx_layout)
     col = off_hkv * D
     n_whole = gl.minimum(n_total, kv_len // BLOCK_N)  # tiles of valid keys only
+    n_pages = (kv_len + PAGE - 1) // PAGE  # the sequence's pages: its words in the row
+    pages = pages0
     for j in range(n_whole):
-        keys = j * BLOCK_N + slice_i * BOX
-        pages = gl.load(bt_row + keys // PAGE)
         s = _claim_slot(r0 + j, kv_empty, k_ready, v_ready, TILE_BYTES, STAGES)
         for p in gl.static_range(SLICES):
             page = gl.sum(gl.where(slice_i == p, pages, 0), axis=0)
@@ -744,15 +764,14 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, k_desc, v_desc, v_cache
                                             k_smem.index(s).slice(p * BOX, BOX, dim=1))
             tma.async_copy_global_to_shared(v_desc, [page, row, col], v_ready.index(s),
                                             v_smem.index(s).slice(p * BOX, BOX, dim=1))
+        pages = _table_words(bt_row, j + 1, n_pages, BLOCK_N, PAGE)
     if n_whole < n_total:  # the one tile past the keys: the last, partial one
         last = (kv_len - 1) // PAGE  # the sequence's last page in its table row
         last_page = gl.load(bt_row + last)
         valid = kv_len - last * PAGE  # its rows holding keys, 1..PAGE
         v_last = _rows_descriptor(v_cache + last_page.to(gl.int64) * page_stride, valid,
                                   row_len, v_desc)
-        j = n_whole
-        keys = j * BLOCK_N + slice_i * BOX
-        pages = gl.load(bt_row + keys // PAGE, mask=keys < kv_len, other=0)
+        j = n_whole  # its words are in pages (only those of whole boxes of keys are used)
         s = _claim_slot(r0 + j, kv_empty, k_ready, v_ready, TILE_BYTES, STAGES)
         for p in gl.static_range(SLICES):
             key = j * BLOCK_N + p * BOX
@@ -797,7 +816,7 @@ def _load_kv(r, row, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem, k_ready, v_
 @gluon.jit(do_not_specialize=["Tq", "max_q"], do_not_specialize_on_alignment=["cu_q", "cu_k"])
 def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scale, o_ptr, cu_q,
                     cu_k, Tq, max_q, n_bh, section, tiles, v_rows, block_table, bt_stride,
-                    page_stride, GROUP: gl.constexpr,
+                    bt_width, page_stride, GROUP: gl.constexpr,
                     BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, UNROLL: gl.constexpr,
@@ -830,9 +849,9 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     PAGE (varlen only; 0 otherwise): the paged build, keys from a paged cache. k/v are the
     caches as [num_pages, PAGE, Hkv * D] with a box of min(PAGE, BLOCK_N) rows, cu_k each
     sequence's key count (seqlens_k, int32 [batch]; see _keys), block_table int32
-    [batch, width] with row stride
-    bt_stride, v_rows the V cache's base and page_stride its elements a page (for the
-    last page's bounded descriptor, see _load_paged_kv); None for the three otherwise."""
+    [batch, bt_width] with row stride bt_stride, v_rows the V cache's base and page_stride
+    its elements a page (for the last page's bounded descriptor, see _load_paged_kv); None
+    for the four otherwise."""
     gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
     gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
     gl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is fixed-length only")
@@ -891,9 +910,9 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          PACK_P, ONE_LOOP, PAGE)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
-                         n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP, BLOCK_M,
-                         BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN, PERSISTENT, BOUNDED_V,
-                         PAGE)),
+                         n_bh, section, v_rows, block_table, bt_stride, bt_width, page_stride,
+                         GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN,
+                         PERSISTENT, BOUNDED_V, PAGE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         q2_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
@@ -915,7 +934,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          PACK_P, ONE_LOOP, PAGE)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq,
-                         Sk, Hq, n_bh, section, v_rows, block_table, bt_stride, page_stride, GROUP,
-                         BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN, PERSISTENT,
-                         BOUNDED_V, PAGE)),
+                         Sk, Hq, n_bh, section, v_rows, block_table, bt_stride, bt_width,
+                         page_stride, GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS,
+                         VARLEN, PERSISTENT, BOUNDED_V, PAGE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

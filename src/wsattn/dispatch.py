@@ -104,7 +104,7 @@ TRITON_FASTER_UP_TO = {(64, True): 1024, (128, True): 1024}
 # fixed-length only, and the one-tile launch only tied the Triton kernel there.
 VARLEN_TRITON_FASTER_UP_TO = {**TRITON_FASTER_UP_TO, (64, False): 1024}
 # The Gluon varlen build reached the ladder's sanitizer gate (with the
-# warp-specialize dispatch waiver of the other Gluon builds; ladder_sm90_library_61ecbdb.md)
+# warp-specialize dispatch waiver of the other Gluon builds; ladder_sm90_library.md)
 # and, on the H200, ran 1.10-1.28x the Triton varlen kernel on a 16k-token pack of
 # lengths drawn from 64-8192 (`wsattn bench varlen --varlen-heads gqa`, GQA 32/8: D128
 # causal 433 vs 384 TFLOP/s, full 547 vs 414; D64 causal 318 vs 289, full 422 vs 363).

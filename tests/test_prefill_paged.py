@@ -162,6 +162,31 @@ def test_gather_packs_each_sequences_keys_and_zeroes_the_pad(interpret):
         assert not k[pad].any() and not v[pad].any()
 
 
+def test_gather_writes_every_sequence_start_past_one_summing_chunk(interpret, monkeypatch):
+    """gather_kv's cu_seqlens_k comes from the kernel alone (each program sums the key
+    counts before its sequence, SEQ_CHUNK at a time; no prefix-sum launch): with more
+    sequences than one chunk, empty ones among them, and the buffer it returns handed out
+    full of garbage, every entry is the running sum and every key lands at its row."""
+    from wsattn.kernels import paged_gather
+    real_empty = paged_gather.empty
+
+    def garbage(shape, dtype, device):  # what an uninitialised allocation may hold
+        t = real_empty(shape, dtype, device)
+        return t.fill_(-7) if dtype == torch.int32 else t
+    monkeypatch.setattr(paged_gather, "empty", garbage)
+    g = torch.Generator().manual_seed(4)
+    n_seq = paged_gather.SEQ_CHUNK * 2 + 5
+    lk = torch.randint(0, 6, (n_seq,), generator=g).tolist()
+    lk[0], lk[paged_gather.SEQ_CHUNK] = 0, 0
+    x = paged_inputs([1] * n_seq, lk, 2, 1, 16, 4, F32, seed=12)
+    k, v, cu, _ = paged_gather.gather_kv(x["k_cache"], x["v_cache"], x["seqlens_k"],
+                                         x["block_table"])
+    assert torch.equal(cu, x["cu_seqlens_k"])
+    total = sum(lk)
+    assert torch.equal(k[:total], x["k"]) and torch.equal(v[:total], x["v"])
+    assert not k[total:total + paged_gather.PAD_ROWS].any()
+
+
 @pytest.mark.parametrize("case,dtype", INTERP[:4])
 def test_interpreter_gather_matches_float64_and_the_varlen_kernel(interpret, case, dtype):
     """gather=True: the gather, then the Triton varlen kernel on the packed keys; within

@@ -9,8 +9,9 @@ can run the packed-varlen kernels (the Triton one, and the sm_90 Gluon one, whic
 K/V by TMA and cannot follow a page table) on keys laid out as ``attention_varlen``
 takes them: sequence b's keys at rows cu_seqlens_k[b]:cu_seqlens_k[b+1].
 
-No host read: cu_seqlens_k is a device cumsum of seqlens_k, and the buffer is sized from
-host metadata only (batch x block_table width x page_size rows, plus PAD_ROWS), so a
+No host read: the kernel finds each sequence's first row by summing seqlens_k itself and
+writes cu_seqlens_k as it goes (no prefix-sum launches before it), and the buffer is sized
+from host metadata only (batch x block_table width x page_size rows, plus PAD_ROWS), so a
 call can be captured in a CUDA graph. The rows past the last sequence's keys are not
 written except the PAD_ROWS after them, which are zeroed: an attention kernel's key tile
 that starts inside the last sequence may read up to a tile past its end without a mask
@@ -33,11 +34,24 @@ from ..testing import dtype_name
 from ._alloc import empty
 from ._intmath import cdiv
 from ._rebuild import rebuild
+from ._softmax import _sum_combine  # noqa: F401 (_JIT_NAMES)
 
 # Zeroed rows after the packed keys: at least the largest key tile of the attention
 # kernels that read the buffer (BLOCK_N <= 128 in prefill_triton and prefill_gluon).
 PAD_ROWS = 128
 ROWS = 64  # key rows a program copies (every KV head of them, K and V)
+SEQ_CHUNK = 128  # seqlens_k entries a program sums at a time for its sequence's start
+
+
+@triton.jit
+def _keys_before(SEQLENS_K, b, SEQ_CHUNK: tl.constexpr):
+    # keys of sequences 0 .. b-1: the first packed row of sequence b (b == B: the total)
+    i = tl.arange(0, SEQ_CHUNK)
+    total = 0
+    for c0 in range(0, b, SEQ_CHUNK):
+        n = tl.load(SEQLENS_K + c0 + i, mask=c0 + i < b, other=0)
+        total += tl.reduce(n, 0, _sum_combine)
+    return total
 
 
 @triton.jit
@@ -45,15 +59,19 @@ def _gather_kernel(KC, VC, KO, VO, SEQLENS_K, CU_K, BT, B, HKV,
                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                    stride_btb,
                    D: tl.constexpr, PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr,
-                   PAD: tl.constexpr):
+                   PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr):
     # program (b, c): keys c*ROWS .. c*ROWS + ROWS - 1 of sequence b; b == B zeroes the PAD
-    # rows after the last sequence's keys. Output rows are [HKV * D] contiguous.
+    # rows after the last sequence's keys. Output rows are [HKV * D] contiguous. Program
+    # (b, 0) writes CU_K[b + 1] (and (0, 0) CU_K[0]); nothing here reads CU_K, every
+    # program sums the key counts before its own sequence (the later launches read it).
     b = tl.program_id(0)
     c = tl.program_id(1)
     r = c * ROWS + tl.arange(0, ROWS)  # [ROWS]
     d = tl.arange(0, D)  # [D]
     if b == B:
-        total = tl.load(CU_K + B)
+        if c == 0:
+            tl.store(CU_K, 0)
+        total = _keys_before(SEQLENS_K, B, SEQ_CHUNK)
         live = r < PAD
         dst = (total + r).to(tl.int64) * HKV * D  # [ROWS]
         # no tl.zeros: a standard-library jit helper, which _rebuild's kernels avoid
@@ -63,8 +81,10 @@ def _gather_kernel(KC, VC, KO, VO, SEQLENS_K, CU_K, BT, B, HKV,
             tl.store(VO + dst[:, None] + h * D + d[None, :], zero, mask=live[:, None])
     else:
         n = tl.load(SEQLENS_K + b)
+        if c == 0:
+            tl.store(CU_K + b + 1, _keys_before(SEQLENS_K, b, SEQ_CHUNK) + n)
         if c * ROWS < n:
-            start = tl.load(CU_K + b)
+            start = _keys_before(SEQLENS_K, b, SEQ_CHUNK)
             live = r < n
             page = tl.load(BT + b.to(tl.int64) * stride_btb + r // PAGE_SIZE, mask=live,
                            other=0).to(tl.int64)  # [ROWS]
@@ -81,7 +101,7 @@ def _gather_kernel(KC, VC, KO, VO, SEQLENS_K, CU_K, BT, B, HKV,
                 tl.store(VO + dst[:, None] + h * D + d[None, :], v, mask=live[:, None])
 
 
-_JIT_NAMES = ("_gather_kernel",)
+_JIT_NAMES = ("_sum_combine", "_keys_before", "_gather_kernel")
 
 
 def _kernel(interpret: bool):
@@ -124,8 +144,7 @@ def gather_kv(k_cache, v_cache, seqlens_k, block_table):
     rows = buffer_rows(B, max_pages, page)
     k = empty((rows, hkv, D), k_cache.dtype, k_cache.device)
     v = empty((rows, hkv, D), v_cache.dtype, v_cache.device)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=k_cache.device)
-    torch.cumsum(seqlens_k, 0, dtype=torch.int32, out=cu[1:])
+    cu = empty((B + 1,), torch.int32, k_cache.device)  # every entry written by the kernel
     grid = (B + 1, max(cdiv(cap, ROWS), cdiv(PAD_ROWS, ROWS)))
     interpret = target_of(k_cache.device).backend == "interpreter"
     with contextlib.nullcontext() if interpret else torch.cuda.device(k_cache.device):
@@ -133,7 +152,7 @@ def gather_kv(k_cache, v_cache, seqlens_k, block_table):
             k_cache, v_cache, k, v, seqlens_k, cu, block_table, B, hkv,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-            D=D, PAGE_SIZE=page, ROWS=ROWS, PAD=PAD_ROWS, num_warps=4)
+            D=D, PAGE_SIZE=page, ROWS=ROWS, PAD=PAD_ROWS, SEQ_CHUNK=SEQ_CHUNK, num_warps=4)
     return k, v, cu, cap
 
 
@@ -148,7 +167,8 @@ def compile_spec(cc: int, head_dim: int = 128, dtype: str = "bf16",
                  "CU_K": "*i32", "BT": "*i32", "B": "i32", "HKV": "i32"}
     strides = [n for n in fn.arg_names if n.startswith("stride_")]
     signature.update({n: "i32" for n in strides})
-    constexprs = {"D": head_dim, "PAGE_SIZE": page_size, "ROWS": ROWS, "PAD": PAD_ROWS}
+    constexprs = {"D": head_dim, "PAGE_SIZE": page_size, "ROWS": ROWS, "PAD": PAD_ROWS,
+                  "SEQ_CHUNK": SEQ_CHUNK}
     signature.update({n: "constexpr" for n in constexprs})
     # a launch specializes the tensor pointers and the cache strides (multiples of D)
     aligned = ["KC", "VC", "KO", "VO", "SEQLENS_K", "CU_K", "BT",

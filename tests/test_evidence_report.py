@@ -201,6 +201,18 @@ def test_from_json_merges_several_runs(tmp_path, capsys):
     md2 = tmp_path / "m2.md"
     assert main(["ladder", "--from-json", str(merged), "--markdown", str(md2)]) == 0
     assert md.read_text() == md2.read_text()
+    # a merge merged again with a rerun keeps its runs apart, and the rerun's row wins
+    c, again = tmp_path / "c.json", tmp_path / "again.json"
+    doc_c = json.loads(a.read_text())
+    doc_c["environment"]["git_commit"] = "c2"
+    doc_c["results"][0]["verdict"] = "the rerun's verdict"
+    c.write_text(json.dumps(doc_c))
+    assert main(["ladder", "--from-json", str(merged), str(c), "--json", str(again)]) == 0
+    doc2 = json.loads(again.read_text())
+    assert [(r["file"], r["commit"]) for r in doc2["runs"]] == \
+        [("a.json", "c0"), ("b.json", "c1"), ("c.json", "c2")]
+    assert doc2["environment"]["git_commit"] == "c0 + c1 + c2"
+    assert doc2["results"][0]["verdict"] == "the rerun's verdict"
     # refusals
     assert main(["ladder", "--from-json", str(a), str(b)]) == 2
     assert "name the merged file with --json" in capsys.readouterr().err

@@ -114,7 +114,9 @@ def merge_json(paths, out_path) -> dict:
     holds it, in the order rows first appear; refused (ValueError) when the runs' configs
     differ, since their verdicts would not mean the same. The environment is the last
     run's, its git_commit every run's commit joined by " + "; "runs" lists each file's
-    commit, date and kernels, "complete" holds when every run was. Written to out_path
+    commit, date and kernels (a file that is itself a merge brings its own runs, so a
+    library ladder can be extended one rerun at a time), "complete" holds when every run
+    was. Written to out_path
     and returned (from_json reads it back)."""
     docs = []
     for path in paths:
@@ -130,9 +132,12 @@ def merge_json(paths, out_path) -> dict:
             raise ValueError(f"{path}: its ladder config differs from {first_path}'s in "
                              f"{', '.join(diff)}; runs with different settings are not merged")
         env = doc.get("environment", {})
-        runs.append({"file": os.path.basename(path), "commit": env.get("git_commit"),
-                     "date": env.get("date"),
-                     "kernels": [f"{r['kernel']} {r['target']}" for r in doc["results"]]})
+        if doc.get("runs"):  # an earlier merge: its own runs, not one run of all its rows
+            runs.extend(doc["runs"])
+        else:
+            runs.append({"file": os.path.basename(path), "commit": env.get("git_commit"),
+                         "date": env.get("date"),
+                         "kernels": [f"{r['kernel']} {r['target']}" for r in doc["results"]]})
         for r in doc["results"]:
             rows[(r["kernel"], r["target"])] = r
     commits = list(dict.fromkeys(str(r["commit"]) for r in runs))

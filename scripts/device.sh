@@ -37,7 +37,12 @@
 #                  (default 1), files ..._base_r<i>.json / ..._r<i>.json, the plot of the
 #                  last; the comparison calls a row faster or slower only when the two
 #                  sides' ranges over the rounds do not overlap (one pair cannot tell a few
-#                  percent from the spread between processes)
+#                  percent from the spread between processes; the table's "chance" column
+#                  is how often that happens with no change: 10 % a row at 3 rounds)
+#   BENCH_COMPARE_METRICS  with BENCH_BASE: more row fields to compare besides median_ms,
+#                  each into ..._compare_<metric>.json (e.g. "ratio_contiguous" for
+#                  chunked: a time against its peer column's in the same process, which
+#                  cancels the drift between processes)
 #   PEERS          1: before the parts, install the peer wheels (FlashAttention-4 AOT,
 #                  FlashInfer, tvm-ffi) into .peers-site, put it on PYTHONPATH and set
 #                  FLASHINFER_DISABLE_JIT=1, so that the bench (and tests) parts run the
@@ -186,6 +191,11 @@ part_bench() {
     if [ ${#bases[@]} -gt 0 ] && [ ${#news[@]} -gt 0 ]; then
       run_part "compare $kind" 60 python3 -m wsattn.bench.compare --base "${bases[@]}" \
         --new "${news[@]}" --json "${json%.json}_compare.json" || rc=1
+      for metric in ${BENCH_COMPARE_METRICS:-}; do
+        run_part "compare $kind $metric" 60 python3 -m wsattn.bench.compare \
+          --base "${bases[@]}" --new "${news[@]}" --metric "$metric" \
+          --json "${json%.json}_compare_$metric.json" || rc=1
+      done
     fi
     pack_results
   done

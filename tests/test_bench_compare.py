@@ -47,8 +47,25 @@ def test_verdicts_by_ranges_over_the_processes():
     assert rows["d"]["verdict"] == "faster"
     assert rows["e"]["verdict"] == "only in base" and rows["e"]["ratio"] is None
     assert rows["f"]["verdict"] == "only in new"
+    # the chance of such a verdict with no change: 2 / C(2 + 2, 2); d has 1 + 2 values
+    assert rows["a"]["chance"] == pytest.approx(2 / 6) and rows["d"]["chance"] == pytest.approx(2 / 3)
+    assert rows["e"]["chance"] is None
     table = cmp.format_table(res)
     assert "base failed: error: boom" in table and "within spread" in table
+    assert " 0.333  faster" in table
+
+
+def test_chance_of_disjoint_ranges_without_a_change():
+    """2 / C(nb + nn, nb), checked against counting the orders of 2n exchangeable values."""
+    import itertools
+    import math
+    for nb, nn in ((1, 1), (2, 2), (3, 3), (4, 4), (2, 3)):
+        labels = [0] * nb + [1] * nn
+        orders = set(itertools.permutations(labels))
+        disjoint = sum(1 for o in orders if list(o) == sorted(o) or list(o) == sorted(o)[::-1])
+        assert cmp.chance_if_no_change(nb, nn) == pytest.approx(min(1.0, disjoint / len(orders)))
+    assert cmp.chance_if_no_change(3, 3) == pytest.approx(0.1)
+    assert cmp.chance_if_no_change(5, 5) == pytest.approx(2 / math.comb(10, 5))
 
 
 def test_a_ratio_metric_reads_higher_and_lower():
@@ -87,7 +104,7 @@ if [ "$1 $2 $3" = "-m wsattn.cli bench" ]; then
   done
   ms=1.0; case "$PYTHONPATH" in *"$FAKE_BASE"*) ms=2.0 ;; esac
   printf '[{"op": "x", "case": "c", "impl": "i", "median_ms": %s, "status": "ok", ' "$ms" > "$json"
-  printf '"commit": "%s"}]\n' "$WSATTN_COMMIT" >> "$json"
+  printf '"ratio_contiguous": 0.95, "commit": "%s"}]\n' "$WSATTN_COMMIT" >> "$json"
   [ -z "$plot" ] || touch "$plot"
   exit 0
 fi
@@ -108,7 +125,8 @@ def test_device_bench_rounds_alternate_and_compare(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "OUT": str(out),
            "REAL_PYTHON": sys.executable, "FAKE_BASE": str(base), "BENCH_BASE": str(base),
-           "BENCH_ROUNDS": "2", "BENCH_ARGS": "chunked --quick", "WSATTN_COMMIT": "c1"}
+           "BENCH_ROUNDS": "2", "BENCH_ARGS": "chunked --quick", "WSATTN_COMMIT": "c1",
+           "BENCH_COMPARE_METRICS": "ratio_contiguous"}
     res = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "bench"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -116,11 +134,16 @@ def test_device_bench_rounds_alternate_and_compare(tmp_path):
     order = [line.split("(limit")[0].split("== ")[1].strip()
              for line in log.splitlines() if line.startswith("device: == ")]
     assert order == ["bench chunked (base_r1)", "bench chunked_r1", "bench chunked (base_r2)",
-                     "bench chunked_r2", "compare chunked"]
+                     "bench chunked_r2", "compare chunked", "compare chunked ratio_contiguous"]
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["device.log", "bench_base_r1.json", "bench_r1.json", "bench_base_r2.json",
-         "bench_r2.json", "bench.png", "bench_compare.json"])
+         "bench_r2.json", "bench.png", "bench_compare.json",
+         "bench_compare_ratio_contiguous.json"])
     doc = json.loads((out / "bench_compare.json").read_text())
     assert doc["base_commits"] == ["c0"] and doc["new_commits"] == ["c1"]
     (row,) = doc["rows"]
     assert row["base"] == [2.0, 2.0] and row["new"] == [1.0, 1.0] and row["verdict"] == "faster"
+    # the extra metric, normalised within each process: the same 0.95 on both sides
+    doc = json.loads((out / "bench_compare_ratio_contiguous.json").read_text())
+    (row,) = doc["rows"]
+    assert doc["metric"] == "ratio_contiguous" and row["verdict"] == "within spread"

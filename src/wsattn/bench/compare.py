@@ -10,6 +10,15 @@ call), so the verdict is by ranges: a row is "faster" / "slower" (for times; "hi
 "within spread". Rows that failed their check (status other than ok) or have no value
 are left out of the ranges and listed as such; ceilings are skipped.
 
+Ranges can part by chance: with nb base and nn new values of a row whose code did not
+change (every order of the processes equally likely), a verdict other than "within
+spread" comes with probability 2 / C(nb + nn, nb): 10 % at three rounds a side, 2.9 % at
+four, 0.8 % at five. Each row carries it ("chance"), and the table prints it: at three
+rounds, a table of 12 rows shows about one such verdict on unchanged code (one A/B here
+called an unchanged contiguous column "slower"). A metric normalised within each process
+(e.g. ratio_contiguous, the row's time against its peer column's in the same process)
+cancels the drift between processes that moves whole runs.
+
     python3 -m wsattn.bench.compare --base base_r1.json base_r2.json \\
         --new new_r1.json new_r2.json [--metric median_ms] [--json compare.json]
 """
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 
@@ -67,11 +77,13 @@ def compare(base: list[list[dict]], new: list[list[dict]], metric: str = "median
                "base_failed": b_fail.get((case, impl), []),
                "new_failed": n_fail.get((case, impl), []),
                "base_median": statistics.median(b) if b else None,
-               "new_median": statistics.median(n) if n else None, "ratio": None}
+               "new_median": statistics.median(n) if n else None, "ratio": None,
+               "chance": None}
         if not b or not n:
             row["verdict"] = "only in new" if n else "only in base" if b else "failed"
         else:
             row["ratio"] = row["new_median"] / row["base_median"]
+            row["chance"] = chance_if_no_change(len(b), len(n))
             if min(n) > max(b):
                 row["verdict"] = "slower" if lower_better else "higher"
             elif max(n) < min(b):
@@ -83,6 +95,13 @@ def compare(base: list[list[dict]], new: list[list[dict]], metric: str = "median
             "new_commits": sorted(n_commits), "rows": rows}
 
 
+def chance_if_no_change(n_base: int, n_new: int) -> float:
+    """The probability that nb and nn values of one distribution (no ties) have disjoint
+    ranges, i.e. that compare's verdict is not "within spread" although nothing changed:
+    2 / C(nb + nn, nb) (all new above all base, or all below)."""
+    return min(1.0, 2 / math.comb(n_base + n_new, n_base))
+
+
 def _span(values: list[float]) -> str:
     if not values:
         return "-"
@@ -92,16 +111,18 @@ def _span(values: list[float]) -> str:
 def format_table(result: dict) -> str:
     rows = result["rows"]
     width = max([len(r["case"]) for r in rows] + [4])
-    head = (f"{'case':<{width}} {'impl':<18} {'base':>15} {'new':>15} {'new/base':>8}  verdict "
+    head = (f"{'case':<{width}} {'impl':<18} {'base':>15} {'new':>15} {'new/base':>8} "
+            f"{'chance':>6}  verdict "
             f"({result['metric']}; base {', '.join(result['base_commits'])}, new "
             f"{', '.join(result['new_commits'])})")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        chance = "-" if r.get("chance") is None else f"{r['chance']:.3f}"
         extra = "".join(f"; {side} failed: {', '.join(r[side + '_failed'])}"
                         for side in ("base", "new") if r[side + "_failed"])
         lines.append(f"{r['case']:<{width}} {r['impl']:<18} {_span(r['base']):>15} "
-                     f"{_span(r['new']):>15} {ratio:>8}  {r['verdict']}{extra}")
+                     f"{_span(r['new']):>15} {ratio:>8} {chance:>6}  {r['verdict']}{extra}")
     return "\n".join(lines)
 
 

@@ -165,9 +165,11 @@ def test_gather_packs_each_sequences_keys_and_zeroes_the_pad(interpret):
 def test_gather_writes_every_sequence_start_past_one_summing_chunk(interpret, monkeypatch):
     """gather_kv's cu_seqlens_k comes from the kernel alone (each program sums the key
     counts before its sequence, SEQ_CHUNK at a time; no prefix-sum launch): with more
-    sequences than one chunk, empty ones among them, and the buffer it returns handed out
-    full of garbage, every entry is the running sum and every key lands at its row."""
+    sequences than one chunk (the chunk made small here, so the interpreter stays quick),
+    empty ones among them, and the buffer it returns handed out full of garbage, every
+    entry is the running sum and every key lands at its row."""
     from wsattn.kernels import paged_gather
+    monkeypatch.setattr(paged_gather, "SEQ_CHUNK", 16)
     real_empty = paged_gather.empty
 
     def garbage(shape, dtype, device):  # what an uninitialised allocation may hold

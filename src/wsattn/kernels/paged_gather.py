@@ -40,7 +40,9 @@ from ._softmax import _sum_combine  # noqa: F401 (_JIT_NAMES)
 # kernels that read the buffer (BLOCK_N <= 128 in prefill_triton and prefill_gluon).
 PAD_ROWS = 128
 ROWS = 64  # key rows a program copies (every KV head of them, K and V)
-SEQ_CHUNK = 128  # seqlens_k entries a program sums at a time for its sequence's start
+# seqlens_k entries a program sums at a time for its sequence's start (one pass up to 128
+# sequences; a larger pack pays one more L2 round trip per 128 before each program's copy)
+SEQ_CHUNK = 128
 
 
 @triton.jit

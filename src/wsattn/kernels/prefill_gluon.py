@@ -439,10 +439,12 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
     box = min(page, s.BLOCK_N)
     k_desc = _descriptor(k_cache.view(num_pages, page, Hkv * D), [1, box, D], name)
     v_desc = _descriptor(v_cache.view(num_pages, page, Hkv * D), [1, box, D], name)
-    # the kernel and the tile table read each sequence's key count itself (no prefix sum)
-    _varlen_launch(q, k_desc, v_desc, out, lse, cu_seqlens_q, seqlens_k, n_seq, max_q, Hkv,
-                   causal, sm_scale, s, (v_cache, block_table, block_table.stride(0),
-                                         block_table.shape[1], v_cache.stride(0)), PAGE=page)
+    # the kernel and the tile table read each sequence's key count itself (no prefix sum),
+    # by index: a strided view becomes a copy (api.py already passes it contiguous)
+    _varlen_launch(q, k_desc, v_desc, out, lse, cu_seqlens_q, seqlens_k.contiguous(), n_seq,
+                   max_q, Hkv, causal, sm_scale, s,
+                   (v_cache, block_table, block_table.stride(0), block_table.shape[1],
+                    v_cache.stride(0)), PAGE=page)
     return out, lse
 
 

@@ -525,6 +525,11 @@ def test_paged_launcher_grid_and_arguments(monkeypatch, page):
     for d in args[1:3]:
         assert list(d.shape) == [kc.shape[0], page, 2 * 128]
         assert list(d.block_shape) == [1, box, 128]
+    # the kernel reads seqlens_k by index: a strided view reaches it as a packed copy
+    every_other = torch.stack([lens, torch.full_like(lens, -1)], 1)[:, 0]
+    pg.prefill_paged(q, kc, vc, cu_q, every_other, table, None, True, 0.125, settings=s)
+    passed = rec.launches[-1][1][11]
+    assert passed.is_contiguous() and torch.equal(passed, lens) and tables[-1][3] is passed
     with pytest.raises(ValueError, match="page sizes"):
         pg.prefill_paged(q, kc[:, :12], vc[:, :12], cu_q, lens, table, None, True, 0.125)
     strided = torch.empty(kc.shape[0], page, 2, 256, dtype=kc.dtype)[..., :128]

@@ -58,7 +58,9 @@
 #   LADDER_ARGS    extra ladder arguments (default "--stress-launches 2000"; kernels by name)
 #   SP_ARGS        arguments of the SP bench (e.g. "--sp-what prefill --sp-seqlens 16384 65536")
 #   NCU_IMPLS      implementations to profile (default "gluon cudnn"), NCU_ARGS their shape
-#                  (default "--n 4096 --d 128"), SOURCE=1 adds per-SASS counters
+#                  (default "--n 4096 --d 128"), SOURCE=1 adds per-SASS counters; a
+#                  column of the chunked bench as chunked:COLUMN, e.g. NCU_IMPLS="chunked:gluon-paged
+#                  chunked:gluon-contiguous" NCU_ARGS="--d 64 --prefix 0 --page 64"
 #   <PART>_S       time limit of a part in seconds (TESTS_S, LADDER_S, BENCH_S, HOST_S,
 #                  SP_TESTS_S, SP_BENCH_S, NCU_S per implementation)
 #

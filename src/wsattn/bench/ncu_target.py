@@ -39,7 +39,8 @@ def chunked_case(column: str, d: int, prefix: int, page: int, batch: int,
 
 
 def _fixed(a):
-    """(run, check): one fixed-length call and its relative error against SDPA's math."""
+    """(run, its relative error against SDPA's math in float32, a label): one fixed-length
+    call."""
     B, H = 16384 // a.n, 2048 // a.d
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, a.n, H, a.d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -60,7 +61,8 @@ def _fixed(a):
 
 
 def _chunked(a):
-    """(run, check) of one `wsattn bench chunked` column, as the bench builds and checks it."""
+    """(run, its relative error against float64, the case id): one `wsattn bench chunked`
+    column, built and checked as the bench does."""
     case = chunked_case(a.impl[len(CHUNKED):], a.d, a.prefix, a.page, a.batch, a.chunk)
     inp = chunked.make_inputs(case, torch.device("cuda"))
     cache = None if case.page is None else chunked.paged_cache(case, inp)

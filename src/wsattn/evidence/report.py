@@ -116,8 +116,7 @@ def merge_json(paths, out_path) -> dict:
     run's, its git_commit every run's commit joined by " + "; "runs" lists each file's
     commit, date and kernels (a file that is itself a merge brings its own runs, so a
     library ladder can be extended one rerun at a time), "complete" holds when every run
-    was. Written to out_path
-    and returned (from_json reads it back)."""
+    was. Written to out_path and returned (from_json reads it back)."""
     docs = []
     for path in paths:
         with open(path) as f:

@@ -191,12 +191,12 @@ part_bench() {
     done
     # the files each side wrote (a process cut off by its limit may leave none)
     if [ ${#bases[@]} -gt 0 ] && [ ${#news[@]} -gt 0 ]; then
-      run_part "compare $kind" 60 python3 -m wsattn.bench.compare --base "${bases[@]}" \
-        --new "${news[@]}" --json "${json%.json}_compare.json" || rc=1
-      for metric in ${BENCH_COMPARE_METRICS:-}; do
-        run_part "compare $kind $metric" 60 python3 -m wsattn.bench.compare \
+      for metric in median_ms ${BENCH_COMPARE_METRICS:-}; do
+        sfx=""
+        [ "$metric" = median_ms ] || sfx="_$metric"
+        run_part "compare $kind${sfx/_/ }" 60 python3 -m wsattn.bench.compare \
           --base "${bases[@]}" --new "${news[@]}" --metric "$metric" \
-          --json "${json%.json}_compare_$metric.json" || rc=1
+          --json "${json%.json}_compare$sfx.json" || rc=1
       done
     fi
     pack_results

@@ -62,6 +62,16 @@ VARIANTS = {
     "unpacked": {"PACK_P": False},
     # the masked tiles in the unmasked loop's body (one copy of the step's code a consumer)
     "one_loop": {"ONE_LOOP": True},
+    # one consumer warpgroup (64-row tiles), two CTAs an SM (maxnreg 128), a ring that
+    # fits half the SM's shared memory: 3 x 64 keys at D128, 3 x 128 or 4 x 64 at D64
+    "c1": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": False, "ONE_LOOP": False,
+           "D": 128},
+    "c1_unroll": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": True,
+                  "ONE_LOOP": False, "D": 128},
+    "c1_d64": {"CONSUMERS": 1, "BLOCK_N": 128, "STAGES": 3, "UNROLL": False, "ONE_LOOP": False,
+               "D": 64},
+    "c1_d64_bn64": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 4, "UNROLL": False,
+                    "ONE_LOOP": False, "D": 64},
 }
 
 

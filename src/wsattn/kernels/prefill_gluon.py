@@ -47,8 +47,14 @@ SMEM_LIMIT = 232448  # 227 KB of shared memory per block on sm_90
 # uses 240 and 160 for its 2 and 3 MMA warpgroups; Triton gives the default partition the
 # rest, 168 with 3). With 160 registers the unrolled loop's two P sets spill (1 KB of spill
 # stores at D=64), the plain loop does not: 3 consumers run without UNROLL.
-PER_CONSUMERS = {2: {"BLOCK_M": 128, "CONSUMER_REGS": 240},
+# One consumer (64 rows) is built for two CTAs an SM: the launch's maxnreg 128 (two CTAs of
+# 256 threads fill the register file), of which the producer's warpgroup keeps 24 and the
+# consumer gets 232; its shared memory must fit half the SM's.
+PER_CONSUMERS = {1: {"BLOCK_M": 64, "CONSUMER_REGS": 232},
+                 2: {"BLOCK_M": 128, "CONSUMER_REGS": 240},
                  3: {"BLOCK_M": 192, "CONSUMER_REGS": 160, "UNROLL": False}}
+CTAS_PER_SM = {1: 2}  # CTAs an SM the build is made for (others: one)
+SM_SMEM = 233472  # 228 KB of shared memory per SM on sm_90, 1 KB of it reserved a CTA
 # What persistent=True changes in the defaults (settings_for applies it unless overridden):
 # the tile loop keeps a few more values live across each tile, and with UNROLL's two P
 # register sets the two-consumer consumers then spill (ptxas -v: 28-32 B of spill stores
@@ -130,7 +136,10 @@ class GluonSettings:
         """Raise ValueError for settings the kernel cannot be built or launched with."""
         n = self.CONSUMERS
         if n not in PER_CONSUMERS:
-            raise ValueError(f"CONSUMERS={n}: the Gluon kernel has 2 or 3 consumer warpgroups")
+            raise ValueError(f"CONSUMERS={n}: the Gluon kernel has 1, 2 or 3 consumer "
+                             "warpgroups")
+        if n == 1 and self.PINGPONG:
+            raise ValueError("PINGPONG=True needs CONSUMERS >= 2 (turns between warpgroups)")
         if n == 3 and head_dim != 64:
             raise ValueError(
                 f"CONSUMERS=3 needs head_dim 64, got head_dim {head_dim}: three consumer "
@@ -143,15 +152,27 @@ class GluonSettings:
             regs = getattr(self, name)
             if regs % 8 or not 24 <= regs <= 256:
                 raise ValueError(f"{name}={regs}: setmaxnreg takes a multiple of 8 in 24..256")
+        ctas = CTAS_PER_SM.get(n, 1)
         total = 128 * (n * self.CONSUMER_REGS + self.PRODUCER_REGS)
-        if total > REGISTER_FILE:
+        if total * ctas > REGISTER_FILE:
             raise ValueError(f"CONSUMERS={n} x 128 x CONSUMER_REGS={self.CONSUMER_REGS} + 128 x "
-                             f"PRODUCER_REGS={self.PRODUCER_REGS} = {total} registers, more "
-                             f"than the {REGISTER_FILE} of an SM")
-        if self.smem_bytes(head_dim) > SMEM_LIMIT:
+                             f"PRODUCER_REGS={self.PRODUCER_REGS} = {total} registers a CTA, "
+                             f"more than {ctas} CTA(s) of the build find in the "
+                             f"{REGISTER_FILE} of an SM")
+        limit = SMEM_LIMIT if ctas == 1 else SM_SMEM // ctas - 1024
+        if self.smem_bytes(head_dim) > limit:
             raise ValueError(f"{self.smem_bytes(head_dim)} bytes of shared memory at head_dim "
                              f"{head_dim} (BLOCK_M={self.BLOCK_M}, STAGES={self.STAGES}, "
-                             f"BLOCK_N={self.BLOCK_N}); sm_90 has {SMEM_LIMIT}")
+                             f"BLOCK_N={self.BLOCK_N}); {ctas} CTA(s) an SM of sm_90 have "
+                             f"{limit} each")
+
+    def launch_options(self) -> dict:
+        """The launch's compile options: 4 warps in the default partition, and for a build
+        of several CTAs an SM the register cap (maxnreg) that lets them share it."""
+        ctas = CTAS_PER_SM.get(self.CONSUMERS, 1)
+        if ctas == 1:
+            return {"num_warps": 4}
+        return {"num_warps": 4, "maxnreg": REGISTER_FILE // (ctas * 256)}
 
 
 def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSettings:
@@ -286,8 +307,8 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
         grid, n_bh, section = num_tiles, None, None
     attn_fwd_kernel[(grid, )](q_desc, k_desc, v_desc, o_desc, lse, Sq, Sk, Hq,
                               sm_scale * math.log2(math.e), None, None, None, None, None, n_bh,
-                              section, None, None, None, None, None, None, num_warps=4,
-                              **_constexprs(D, Hq // Hkv, causal, s))
+                              section, None, None, None, None, None, None,
+                              **s.launch_options(), **_constexprs(D, Hq // Hkv, causal, s))
     return out, lse
 
 
@@ -383,7 +404,7 @@ def _varlen_launch(q, k_desc, v_desc, out, lse, cu_q, cu_k, n_seq, max_q, Hkv, c
         _alloc.ensure_descriptor_allocator()  # the tensor maps the producer makes
     attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
                                    sm_scale * math.log2(math.e), out, cu_q, cu_k, Tq, max_q,
-                                   None, None, tiles, *tail, num_warps=4, VARLEN=varlen,
+                                   None, None, tiles, *tail, **s.launch_options(), VARLEN=varlen,
                                    **builds, **_constexprs(D, Hq // Hkv, causal, s))
 
 
@@ -511,7 +532,7 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     if not page:
         constexprs.update(dict.fromkeys(paged))
     return {"fn": attn_fwd_kernel, "signature": signature, "constexprs": constexprs,
-            "options": {"num_warps": 4}}
+            "options": s.launch_options()}
 
 
 # --------------------------------------------------------------------------- qualification

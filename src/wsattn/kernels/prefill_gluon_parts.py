@@ -852,7 +852,8 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     [batch, bt_width] with row stride bt_stride, v_rows the V cache's base and page_stride
     its elements a page (for the last page's bounded descriptor, see _load_paged_kv); None
     for the four otherwise."""
-    gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
+    gl.static_assert(CONSUMERS >= 1 and CONSUMERS <= 3, "one to three consumer warpgroups")
+    gl.static_assert(CONSUMERS > 1 or not PINGPONG, "ping-pong needs two consumers")
     gl.static_assert(BLOCK_M == CONSUMERS * WG_M, "consumer warpgroups of 64 rows each")
     gl.static_assert(not (PERSISTENT and VARLEN), "the persistent schedule is fixed-length only")
     gl.static_assert(not (BOUNDED_V and PERSISTENT), "BOUNDED_V is a varlen build")
@@ -871,7 +872,8 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
         n_m = gl.cdiv(Sq, BLOCK_M)
 
     q0_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    q1_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    if CONSUMERS > 1:
+        q1_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     # [STAGES, 1, BLOCK_N, D]: the descriptors' box (the paged build's may be fewer rows,
     # a tile then being several boxes; the layout's swizzle is the same)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, D], k_desc.layout)
@@ -896,7 +898,22 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     # The argument lists are spelled out per partition: a tuple built once and joined with
     # `+` loses its constexpr members in Triton 3.6's frontend (D, BLOCK_N... become run-time
     # values and the consumers' layouts fail to build), so it cannot be shared.
-    if CONSUMERS == 2:
+    if CONSUMERS == 1:
+        # One consumer: the default partition takes what the producer leaves of the
+        # launch's maxnreg (two CTAs an SM, see prefill_gluon.PER_CONSUMERS).
+        gl.warp_specialize([
+            (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                         kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
+                         Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
+                         PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
+                         PACK_P, ONE_LOOP, PAGE)),
+            (_producer, (q_desc, k_desc, v_desc, (q0_smem, ), k_smem, v_smem, q_bar,
+                         q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
+                         n_bh, section, v_rows, block_table, bt_stride, bt_width, page_stride,
+                         GROUP, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, CONSUMERS, VARLEN,
+                         PERSISTENT, BOUNDED_V, PAGE)),
+        ], [1], [PRODUCER_REGS])
+    elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,

@@ -156,9 +156,8 @@ class GluonSettings:
         total = 128 * (n * self.CONSUMER_REGS + self.PRODUCER_REGS)
         if total * ctas > REGISTER_FILE:
             raise ValueError(f"CONSUMERS={n} x 128 x CONSUMER_REGS={self.CONSUMER_REGS} + 128 x "
-                             f"PRODUCER_REGS={self.PRODUCER_REGS} = {total} registers a CTA, "
-                             f"more than {ctas} CTA(s) of the build find in the "
-                             f"{REGISTER_FILE} of an SM")
+                             f"PRODUCER_REGS={self.PRODUCER_REGS} = {total} registers a CTA, x {ctas} "
+                             f"CTA(s) an SM more than the {REGISTER_FILE} of an SM")
         limit = SMEM_LIMIT if ctas == 1 else SM_SMEM // ctas - 1024
         if self.smem_bytes(head_dim) > limit:
             raise ValueError(f"{self.smem_bytes(head_dim)} bytes of shared memory at head_dim "

@@ -72,6 +72,12 @@ VARIANTS = {
                "D": 64},
     "c1_d64_bn64": {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 4, "UNROLL": False,
                     "ONE_LOOP": False, "D": 64},
+    # the same at three CTAs an SM (maxnreg 80: the consumer 136 registers)
+    # (128-key tiles do not build at maxnreg 80: ptxas C7602)
+    "c1x3": {"CONSUMERS": 1, "ctas_per_sm": 3, "CONSUMER_REGS": 136, "BLOCK_N": 64,
+             "STAGES": 2, "UNROLL": False, "ONE_LOOP": False, "D": 64},
+    "c1x3_s3": {"CONSUMERS": 1, "ctas_per_sm": 3, "CONSUMER_REGS": 136, "BLOCK_N": 64,
+                "STAGES": 3, "UNROLL": False, "ONE_LOOP": False, "D": 64},
 }
 
 

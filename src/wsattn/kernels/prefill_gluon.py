@@ -50,10 +50,9 @@ SMEM_LIMIT = 232448  # 227 KB of shared memory per block on sm_90
 # One consumer (64 rows) is built for two CTAs an SM: the launch's maxnreg 128 (two CTAs of
 # 256 threads fill the register file), of which the producer's warpgroup keeps 24 and the
 # consumer gets 232; its shared memory must fit half the SM's.
-PER_CONSUMERS = {1: {"BLOCK_M": 64, "CONSUMER_REGS": 232},
+PER_CONSUMERS = {1: {"BLOCK_M": 64, "CONSUMER_REGS": 232, "ctas_per_sm": 2},
                  2: {"BLOCK_M": 128, "CONSUMER_REGS": 240},
                  3: {"BLOCK_M": 192, "CONSUMER_REGS": 160, "UNROLL": False}}
-CTAS_PER_SM = {1: 2}  # CTAs an SM the build is made for (others: one)
 SM_SMEM = 233472  # 228 KB of shared memory per SM on sm_90, 1 KB of it reserved a CTA
 # What persistent=True changes in the defaults (settings_for applies it unless overridden):
 # the tile loop keeps a few more values live across each tile, and with UNROLL's two P
@@ -128,6 +127,11 @@ class GluonSettings:
     # tile's K load); False is for packs whose values are known finite
     # (notes/prefill_gluon.md, "A neighbour's non-finite V").
     varlen_bounded_v: bool = True
+    # CTAs an SM the build is made for (one consumer only): the launch caps registers at
+    # maxnreg = 65536 / (256 * ctas_per_sm) (multiple of 8), the producer's warpgroup keeps
+    # 24 and the consumer gets the rest (CONSUMER_REGS), and shared memory must fit a
+    # ctas_per_sm-th of the SM's.
+    ctas_per_sm: int = 1
 
     def smem_bytes(self, head_dim: int) -> int:
         return 2 * head_dim * (self.BLOCK_M + 2 * self.STAGES * self.BLOCK_N)
@@ -152,7 +156,13 @@ class GluonSettings:
             regs = getattr(self, name)
             if regs % 8 or not 24 <= regs <= 256:
                 raise ValueError(f"{name}={regs}: setmaxnreg takes a multiple of 8 in 24..256")
-        ctas = CTAS_PER_SM.get(n, 1)
+        ctas = self.ctas_per_sm
+        if ctas not in (1, 2, 3) or (ctas > 1 and n != 1):
+            raise ValueError(f"ctas_per_sm={ctas}: 1, or 2-3 with CONSUMERS=1")
+        if ctas > 1 and self.CONSUMER_REGS != self.consumer_regs_of(ctas):
+            raise ValueError(f"CONSUMER_REGS={self.CONSUMER_REGS}: with ctas_per_sm={ctas} the "
+                             f"consumer gets {self.consumer_regs_of(ctas)} (maxnreg "
+                             f"{self.maxnreg()} less the producer's)")
         total = 128 * (n * self.CONSUMER_REGS + self.PRODUCER_REGS)
         if total * ctas > REGISTER_FILE:
             raise ValueError(f"CONSUMERS={n} x 128 x CONSUMER_REGS={self.CONSUMER_REGS} + 128 x "
@@ -165,13 +175,21 @@ class GluonSettings:
                              f"BLOCK_N={self.BLOCK_N}); {ctas} CTA(s) an SM of sm_90 have "
                              f"{limit} each")
 
+    def maxnreg(self, ctas: int | None = None) -> int:
+        """The register cap a thread that lets ctas (default ctas_per_sm) CTAs of 256
+        threads (one consumer warpgroup and the producer's) share the register file."""
+        return REGISTER_FILE // ((ctas or self.ctas_per_sm) * 256) // 8 * 8
+
+    def consumer_regs_of(self, ctas: int) -> int:
+        """The one consumer's registers under that cap: the CTA's pool less the producer's."""
+        return (self.maxnreg(ctas) * 256 - 128 * self.PRODUCER_REGS) // 128
+
     def launch_options(self) -> dict:
         """The launch's compile options: 4 warps in the default partition, and for a build
         of several CTAs an SM the register cap (maxnreg) that lets them share it."""
-        ctas = CTAS_PER_SM.get(self.CONSUMERS, 1)
-        if ctas == 1:
+        if self.ctas_per_sm == 1:
             return {"num_warps": 4}
-        return {"num_warps": 4, "maxnreg": REGISTER_FILE // (ctas * 256)}
+        return {"num_warps": 4, "maxnreg": self.maxnreg()}
 
 
 def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSettings:

@@ -78,6 +78,8 @@ VARIANTS = {
              "STAGES": 2, "UNROLL": False, "ONE_LOOP": False, "D": 64},
     "c1x3_s3": {"CONSUMERS": 1, "ctas_per_sm": 3, "CONSUMER_REGS": 136, "BLOCK_N": 64,
                 "STAGES": 3, "UNROLL": False, "ONE_LOOP": False, "D": 64},
+    "c1x3_s4": {"CONSUMERS": 1, "ctas_per_sm": 3, "CONSUMER_REGS": 136, "BLOCK_N": 64,
+                "STAGES": 4, "UNROLL": False, "ONE_LOOP": False, "D": 64},
 }
 
 

@@ -966,7 +966,7 @@ def test_persistent_launcher_grid_and_arguments(monkeypatch):
     q, k, v = _qkv(2, 300, 300, 8, 2, 128, torch.bfloat16)
     s = pg.settings_for(128, True, persistent=True)
     pg.prefill(q, k, v, True, 0.125, settings=s)
-    pg.prefill(q, k, v, True, 0.125)
+    pg.prefill(q, k, v, True, 0.125, settings=pg.settings_for(128, True))
     pg.prefill(q, k, v, True, 0.125, settings=replace(s, l2_section_bytes=1))
     (grid, args, kw), (grid0, args0, kw0), (_, args1, _) = rec.launches
     assert grid == (4, ) and grid0 == (3 * 2 * 8, )
@@ -999,6 +999,81 @@ def test_default_takes_the_persistent_schedule_where_it_measured_faster(
     if persistent:
         assert kw["UNROLL"] is False and rec.launches[-1][0][0] <= 4  # min(tiles, SMs)
     assert pg.PERSISTENT_UP_TO == {(64, False): 1024}
+
+
+@pytest.mark.parametrize("head_dim, causal, sq, consumers", [
+    (128, True, 1024, 1), (128, True, 1025, 2), (128, True, 1, 1), (128, False, 1024, 2),
+    (64, True, 2048, 1), (64, True, 2049, 3), (64, False, 1025, 3)])
+def test_default_takes_the_one_consumer_build_where_it_measured_faster(
+        monkeypatch, head_dim, causal, sq, consumers):
+    """Without settings, a fixed-length causal call of at most ONE_CONSUMER_UP_TO query rows
+    launches the one-consumer build: 64-row tiles (one CTA a 64-row block), the register
+    cap of its CTAs an SM (maxnreg), ONE_CONSUMER's ring; others the default build without
+    a cap (recorded on CPU tensors with the kernel replaced; nothing runs)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    pg.prefill(*_qkv(1, sq, sq, 2, 1, head_dim, torch.bfloat16), causal, 0.125)
+    grid, _, kw = rec.launches[-1]
+    assert kw["CONSUMERS"] == consumers and kw["BLOCK_M"] == 64 * consumers
+    assert grid == (-(-sq // (64 * consumers)) * 2, )
+    if consumers == 1:
+        want = pg.ONE_CONSUMER[head_dim]
+        assert (kw["BLOCK_N"], kw["STAGES"], kw["PINGPONG"]) == (want["BLOCK_N"],
+                                                               want["STAGES"], False)
+        assert kw["maxnreg"] == {128: 128, 64: 80}[head_dim]
+    else:
+        assert "maxnreg" not in kw
+    assert pg.ONE_CONSUMER_UP_TO == {(128, True): 1024, (64, True): 2048}
+
+
+def test_one_consumer_settings_are_checked():
+    """CONSUMERS=1 derives BLOCK_M 64, two CTAs an SM and 232 registers (maxnreg 128 less
+    the producer's warpgroup at 24); three CTAs cap at 80 and give the consumer 136; the
+    checks refuse ping-pong, registers that are not the cap's, several CTAs with more
+    consumers and a ring over the CTA's share of shared memory, naming the setting."""
+    s = pg.settings_for(128, True, CONSUMERS=1, BLOCK_N=64, STAGES=3)
+    assert (s.BLOCK_M, s.ctas_per_sm, s.CONSUMER_REGS, s.maxnreg()) == (64, 2, 232, 128)
+    assert s.launch_options() == {"num_warps": 4, "maxnreg": 128}
+    assert pg.settings_for(128, True).launch_options() == {"num_warps": 4}
+    three = pg.settings_for(64, True, **pg.ONE_CONSUMER[64])
+    assert (three.ctas_per_sm, three.CONSUMER_REGS, three.maxnreg()) == (3, 136, 80)
+    assert 3 * (three.smem_bytes(64) + 1024) <= pg.SM_SMEM
+    with pytest.raises(ValueError, match=r"PINGPONG=True needs CONSUMERS >= 2"):
+        pg.settings_for(128, False, CONSUMERS=1, BLOCK_N=64, STAGES=3, PINGPONG=True)
+    with pytest.raises(ValueError, match=r"CONSUMER_REGS=232: with ctas_per_sm=3"):
+        pg.settings_for(64, True, CONSUMERS=1, ctas_per_sm=3, BLOCK_N=64, STAGES=3)
+    with pytest.raises(ValueError, match=r"ctas_per_sm=2: 1, or 2-3 with CONSUMERS=1"):
+        pg.settings_for(128, True, ctas_per_sm=2)
+    with pytest.raises(ValueError, match=r"2 CTA\(s\) an SM of sm_90 have 115712 each"):
+        pg.settings_for(128, True, CONSUMERS=1)  # 2 x 128 keys x 2 stages: 147 KB
+    with pytest.raises(ValueError, match=r"CONSUMERS=4: the Gluon kernel has 1, 2 or 3"):
+        pg.settings_for(128, True, CONSUMERS=4)
+
+
+@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+def test_sm90_one_consumer_structure(head_dim, causal):
+    """The one-consumer build (ONE_CONSUMER, causal and not): the default partition is the
+    consumer, the 1-warp producer the only worker (at 24 registers), 256 threads under the
+    cap that fits ctas_per_sm CTAs (.maxnreg), the consumer raised to the rest, wgmma and
+    TMA as in the other builds, no spills, and shared memory within the CTA's share."""
+    s = pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
+    k = _compile(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+    ws = re.findall(r"ttg\.warp_specialize\(.*requestedRegisters = array<i32: ([0-9, ]+)>", ttgir)
+    assert ws == [str(s.PRODUCER_REGS)]
+    parts = re.findall(r"^\s*partition(\d+)\(.*num_warps\((\d+)\)", ttgir, re.M)
+    assert [(int(i), int(w)) for i, w in parts] == [(0, 1)]
+    assert k.metadata.num_warps == 8 and ".reqntid 256" in ptx
+    assert re.search(r"\.maxnreg (\d+)", ptx).group(1) == str(s.maxnreg())
+    regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    assert ("inc", str(s.CONSUMER_REGS)) in regs and (
+        ("dec", "24") in regs or ("inc", "24") in regs), regs
+    assert ttgir.count("ttng.warp_group_dot") >= 2
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", ptx)
+    assert "cp.async.bulk.tensor" in ptx
+    assert _ptxas_spill_bytes(ptx) == [0, 0]
+    assert s.ctas_per_sm * (k.metadata.shared + 1024) <= pg.SM_SMEM
 
 
 def test_persistent_varlen_is_refused_by_name(monkeypatch):
@@ -1164,8 +1239,8 @@ def test_sm90_schedule_variants_numerics(case, variant):
 
 
 def test_auto_prefers_triton_only_where_it_measured_faster():
-    """Short causal queries (and short D=64 varlen packs) go to Triton under impl="auto" on
-    sm_90; the rest to Gluon (the policy lives in wsattn.dispatch, the one place
+    """Varlen packs of short causal queries (and short D=64 ones) go to Triton under
+    impl="auto" on sm_90; the rest, every fixed-length call included, to Gluon (the policy lives in wsattn.dispatch, the one place
     impl="auto" is resolved)."""
     from wsattn.dispatch import Call, ranking
     dev = torch.device("cuda", 0)
@@ -1173,10 +1248,12 @@ def test_auto_prefers_triton_only_where_it_measured_faster():
     def first(S, D, causal):
         return ranking(Call("prefill", dev, torch.bfloat16, D, causal, S, S))[0]
 
-    assert first(1024, 128, True) == "triton" and first(1025, 128, True) == "gluon"
+    # fixed length: the Gluon kernel everywhere (short causal calls on its one-consumer
+    # build, prefill_gluon.ONE_CONSUMER_UP_TO)
+    assert first(1024, 128, True) == "gluon" and first(1025, 128, True) == "gluon"
     assert first(1024, 128, False) == "gluon"
     assert first(1024, 64, False) == "gluon" and first(4096, 64, False) == "gluon"
-    assert first(1024, 64, True) == "triton"
+    assert first(1024, 64, True) == "gluon" and first(17, 64, True) == "gluon"
     assert first(4096, 64, True) == "gluon"
     # varlen: the same rule on the longest sequence (max_seqlen_q, else the packed total)
     def first_varlen(S, D, causal):
@@ -1440,6 +1517,38 @@ def test_sm90_persistent_numerics(case):
     one, one_lse = pg.prefill(q, k, v, causal, D ** -0.5)
     assert_close(out.double(), one.double(), torch.bfloat16, "persistent vs one tile a CTA")
     assert_close(lse.double(), one_lse.double(), torch.bfloat16, "lse, persistent vs one tile")
+
+
+ONE_CONSUMER_GPU_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal: odd lengths, GQA 7:1, Sq < Sk
+    (1, 1, 1, 2, 1, 64, True),
+    (2, 63, 63, 7, 1, 128, True),
+    (3, 64, 64, 8, 2, 64, True),
+    (2, 65, 65, 4, 4, 128, False),
+    (2, 17, 300, 4, 4, 128, True),
+    (2, 1000, 1000, 14, 2, 64, True),
+    (4, 1024, 1024, 32, 8, 128, True),   # 2,048 CTAs, two an SM
+    (4, 2048, 2048, 16, 4, 64, True),    # 2,048 CTAs, three an SM
+    (1, 8191, 8191, 4, 1, 128, True),
+    (1, 8191, 8191, 4, 2, 64, False),
+]
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ONE_CONSUMER_GPU_CASES,
+                         ids=[_gpu_id(c) for c in ONE_CONSUMER_GPU_CASES])
+def test_sm90_one_consumer_numerics(case, dtype):
+    """The one-consumer build (ONE_CONSUMER: two CTAs an SM at D128, three at D64) against
+    the float64 reference (out and LSE), bit-identical over reruns, and what a call
+    without settings launches where ONE_CONSUMER_UP_TO covers it (bit for bit)."""
+    B, Sq, Sk, Hq, Hkv, D, causal = case
+    q, k, v = _qkv(B, Sq, Sk, Hq, Hkv, D, dtype, "cuda")
+    out, lse = _settings_numerics(q, k, v, causal, pg.settings_for(D, causal,
+                                                                  **pg.ONE_CONSUMER[D]),
+                                  reruns=5)
+    if Sq <= pg.ONE_CONSUMER_UP_TO.get((D, causal), 0):
+        auto, auto_lse = pg.prefill(q, k, v, causal, D ** -0.5)
+        assert torch.equal(auto, out) and torch.equal(auto_lse, lse)
 
 
 PERSISTENT_VARIANT_CASES = [  # head dim, causal, variant: the tile and turn switches

@@ -98,11 +98,17 @@ SUPPORTS = {"gluon": _gluon_supports, "triton": _triton_supports,
 # Gluon too, whose launcher takes its persistent schedule there (prefill_gluon.
 # PERSISTENT_UP_TO): 368 vs the Triton kernel's 350 side by side (the one-tile Gluon
 # launch: 353).
-TRITON_FASTER_UP_TO = {(64, True): 1024, (128, True): 1024}
+# Since then the short causal calls take the Gluon kernel's one-consumer build (prefill_gluon.
+# ONE_CONSUMER_UP_TO: 64-row tiles, two or three CTAs an SM), x cuDNN side by side at
+# N = 1024 in two processes: D128 0.806-0.810 against Triton's 0.742-0.746, D64 0.840
+# against 0.799; so no fixed-length shape stays with Triton.
+TRITON_FASTER_UP_TO: dict[tuple[int, bool], int] = {}
 # Varlen takes the rule with its longest sequence (Call.seqlen_q: max_seqlen_q, else Tq)
-# in place of Sq, and keeps D64 non-causal on Triton up to 1024: the persistent schedule is
-# fixed-length only, and the one-tile launch only tied the Triton kernel there.
-VARLEN_TRITON_FASTER_UP_TO = {**TRITON_FASTER_UP_TO, (64, False): 1024}
+# in place of Sq, and keeps short calls on Triton up to 1024: the persistent schedule and
+# the one-consumer build are fixed-length defaults only (the varlen launcher takes the
+# two- or three-consumer build), and the one-tile launch only tied or trailed the Triton
+# kernel there (D64 causal 192 vs 271 TFLOP/s, D128 causal 314 vs 354 at N = 1024).
+VARLEN_TRITON_FASTER_UP_TO = {(64, True): 1024, (128, True): 1024, (64, False): 1024}
 # The Gluon varlen build reached the ladder's sanitizer gate (with the
 # warp-specialize dispatch waiver of the other Gluon builds; ladder_sm90_library.md)
 # and, on the H200, ran 1.10-1.28x the Triton varlen kernel on a 16k-token pack of

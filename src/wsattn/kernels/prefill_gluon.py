@@ -6,7 +6,8 @@ GluonSettings.CONSUMERS) consumer warpgroups of 64 query rows each running QK^T 
 async wgmma, the next QK^T issued before the current softmax, and optional ping-pong
 between the consumer warpgroups, and (GluonSettings.persistent; what a call without
 settings takes only at head dim 64 without a mask up to PERSISTENT_UP_TO query rows) a
-persistent longest-first tile schedule. The partitions live in
+persistent longest-first tile schedule; short causal calls (ONE_CONSUMER_UP_TO) take one
+consumer warpgroup a CTA with two or three CTAs an SM (GluonSettings.ctas_per_sm). The partitions live in
 prefill_gluon_parts.py; this module holds the launch settings, the launchers (prefill,
 prefill_varlen: one kernel, VARLEN a constexpr) and the qualification checks that api.py
 calls.
@@ -234,30 +235,52 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
 # launch (D128 non-causal 460 vs 464), and from N = 4096 on it lost 2-10 %
 # (notes/prefill_gluon.md).
 PERSISTENT_UP_TO = {(64, False): 1024}
+# Fixed-length causal calls of at most this many query rows take the one-consumer build:
+# 64-row tiles, several CTAs an SM (ONE_CONSUMER), so that the CTAs' fills and tails, which
+# a 128- or 192-row CTA pays with both or all three of its warpgroups at once, overlap
+# other CTAs' key loops. H200, x cuDNN side by side in two processes
+# (notes/prefill_gluon.md, "One consumer, several CTAs an SM"): D128 N = 1024 0.806-0.810
+# against the Triton kernel's 0.742-0.746 and the two-consumer build's 0.736-0.744;
+# D64 N = 1024 0.840 (Triton 0.799), N = 2048 0.900 (the three-consumer build 0.828).
+ONE_CONSUMER_UP_TO = {(128, True): 1024, (64, True): 2048}
+# Its settings per head dim: at D128 two CTAs an SM (a ring of 3 x 64 keys fits half the
+# shared memory), at D64 three (maxnreg 80; 128-key tiles do not build under it).
+ONE_CONSUMER = {128: {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": False,
+                      "ONE_LOOP": False},
+                64: {"CONSUMERS": 1, "ctas_per_sm": 3, "CONSUMER_REGS": 136, "BLOCK_N": 64,
+                     "STAGES": 3, "UNROLL": False, "ONE_LOOP": False}}
 
 
 @functools.lru_cache(maxsize=None)
-def _default_settings(head_dim: int, causal: bool, persistent: bool = False) -> GluonSettings:
+def _default_settings(head_dim: int, causal: bool, schedule: str = "") -> GluonSettings:
     # asked on every launch: built (and checked) once per (head dim, mask, schedule)
-    return settings_for(head_dim, causal, persistent=persistent)
+    if schedule == "persistent":
+        return settings_for(head_dim, causal, persistent=True)
+    if schedule == "one_consumer":
+        return settings_for(head_dim, causal, **ONE_CONSUMER[head_dim])
+    return settings_for(head_dim, causal)
 
 
 def call_settings(head_dim: int, causal: bool, seqlen_q: int | None = None) -> GluonSettings:
     """The settings a fixed-length call without settings builds with: the defaults, on the
-    persistent schedule where PERSISTENT_UP_TO covers seqlen_q (what an evidence check must
-    compile to look at the build a call launches)."""
+    persistent schedule where PERSISTENT_UP_TO covers seqlen_q, the one-consumer build
+    where ONE_CONSUMER_UP_TO does (what an evidence check must compile to look at the build
+    a call launches)."""
     return _resolve(None, head_dim, causal, seqlen_q)
 
 
 def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool,
              seqlen_q: int | None = None) -> GluonSettings:
     """The settings to build with: the defaults (checked when made; seqlen_q, a fixed-length
-    call's query rows, picks the persistent schedule where PERSISTENT_UP_TO says), or the
-    caller's, checked here."""
+    call's query rows, picks the persistent schedule or the one-consumer build where
+    PERSISTENT_UP_TO or ONE_CONSUMER_UP_TO say), or the caller's, checked here."""
     if settings is None:
-        short = seqlen_q is not None and seqlen_q <= PERSISTENT_UP_TO.get(
-            (head_dim, bool(causal)), 0)
-        return _default_settings(head_dim, bool(causal), short)
+        key, schedule = (head_dim, bool(causal)), ""
+        if seqlen_q is not None and seqlen_q <= PERSISTENT_UP_TO.get(key, 0):
+            schedule = "persistent"
+        elif seqlen_q is not None and seqlen_q <= ONE_CONSUMER_UP_TO.get(key, 0):
+            schedule = "one_consumer"
+        return _default_settings(head_dim, bool(causal), schedule)
     settings.check(head_dim)
     return settings
 

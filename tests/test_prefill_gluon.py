@@ -1077,7 +1077,8 @@ def test_sm90_one_consumer_structure(head_dim, causal):
 
 
 def test_persistent_varlen_is_refused_by_name(monkeypatch):
-    """Varlen has no persistent schedule yet: the launcher and compile_spec say so."""
+    """Varlen has no persistent schedule yet, nor a one-consumer build: the launcher and
+    compile_spec say so."""
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
@@ -1086,6 +1087,11 @@ def test_persistent_varlen_is_refused_by_name(monkeypatch):
         pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, False, 0.125, settings=s)
     with pytest.raises(ValueError, match=r"persistent=True.*fixed-length prefill only"):
         pg.compile_spec(head_dim=64, settings=s, varlen=True)
+    one = pg.settings_for(64, True, **pg.ONE_CONSUMER[64])
+    with pytest.raises(ValueError, match=r"CONSUMERS=1: the one-consumer build covers fixed"):
+        pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, True, 0.125, settings=one)
+    with pytest.raises(ValueError, match=r"CONSUMERS=1: the one-consumer build covers fixed"):
+        pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True, page=64)
     assert rec.launches == []
 
 

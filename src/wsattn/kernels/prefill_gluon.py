@@ -308,10 +308,15 @@ def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: in
 
 
 def _refuse_persistent_varlen(s: GluonSettings) -> None:
+    """The fixed-length-only settings, refused by name for the varlen and paged builds."""
     if s.persistent:
         raise ValueError("settings.persistent=True: the persistent schedule covers "
                          "fixed-length prefill only (a varlen walk measured slower, "
                          "notes/prefill_gluon.md); use persistent=False for prefill_varlen")
+    if s.CONSUMERS == 1:
+        raise ValueError("settings.CONSUMERS=1: the one-consumer build covers fixed-length "
+                         "prefill only (neither timed nor tested on packs or pages); use "
+                         "CONSUMERS=2 or 3 for prefill_varlen and prefill_paged")
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):

@@ -525,7 +525,8 @@ def tma_ready(t) -> bool:
 
 def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal: bool = False,
                  settings: GluonSettings | None = None, varlen: bool = False,
-                 plain_grid: bool = False, page: int = 0) -> dict:
+                 plain_grid: bool = False, page: int = 0,
+                 seqlens: tuple[int, int] | None = None) -> dict:
     """What the evidence ladder needs to compile the kernel with no GPU:
     ``triton.compile(GluonASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc, 32),
     options=options)``. varlen: the packed build (VARLEN; o_ptr, cu_q, cu_k, Tq, max_q are
@@ -538,7 +539,10 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     partial key tile loads V through a descriptor made on the device (v_rows an argument;
     else a None constexpr). varlen with page > 0: the paged build of that page
     size (k/v descriptors over the cache's pages; block_table, bt_stride, bt_width,
-    page_stride and v_rows arguments)."""
+    page_stride and v_rows arguments). seqlens (fixed length): a call's (Sq, Sk), which
+    Triton's launcher specializes on and so builds its own kernel for: a length of 1 becomes
+    a constexpr, a multiple of 16 an argument divisible by 16 (None: neither, the build of
+    lengths without those properties)."""
     s = _resolve(settings, head_dim, causal)
     if plain_grid:
         s = replace(s, compact_varlen=False)
@@ -576,8 +580,18 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
         constexprs["v_rows"] = None
     if not page:
         constexprs.update(dict.fromkeys(paged))
+    attrs = {}
+    if seqlens is not None:
+        if varlen:
+            raise ValueError("seqlens: the fixed-length build's (Sq, Sk); a varlen build "
+                             "takes its lengths from cu_seqlens")
+        for name, n in zip(("Sq", "Sk"), seqlens):
+            if n == 1:
+                signature[name], constexprs[name] = "constexpr", 1
+            elif n % 16 == 0:
+                attrs[(attn_fwd_kernel.arg_names.index(name), )] = [["tt.divisibility", 16]]
     return {"fn": attn_fwd_kernel, "signature": signature, "constexprs": constexprs,
-            "options": s.launch_options()}
+            "attrs": attrs, "options": s.launch_options()}
 
 
 # --------------------------------------------------------------------------- qualification

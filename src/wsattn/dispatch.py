@@ -99,9 +99,9 @@ SUPPORTS = {"gluon": _gluon_supports, "triton": _triton_supports,
 # PERSISTENT_UP_TO): 368 vs the Triton kernel's 350 side by side (the one-tile Gluon
 # launch: 353).
 # Since then the short causal calls take the Gluon kernel's one-consumer build (prefill_gluon.
-# ONE_CONSUMER_UP_TO: 64-row tiles, two or three CTAs an SM), x cuDNN side by side at
-# N = 1024 in two processes: D128 0.806-0.810 against Triton's 0.742-0.746, D64 0.840
-# against 0.799; so no fixed-length shape stays with Triton.
+# ONE_CONSUMER_UP_TO: 64-row tiles, two or three CTAs an SM), x the Triton kernel side by
+# side at N = 1024 in three bench processes (bench_prefill_peers_process*_dc1c467): D128
+# causal 1.03-1.10, D64 causal 1.07-1.10; so no fixed-length shape stays with Triton.
 TRITON_FASTER_UP_TO: dict[tuple[int, bool], int] = {}
 # Varlen takes the rule with its longest sequence (Call.seqlen_q: max_seqlen_q, else Tq)
 # in place of Sq, and keeps short calls on Triton up to 1024: the persistent schedule and

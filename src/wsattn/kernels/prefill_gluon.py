@@ -238,10 +238,12 @@ PERSISTENT_UP_TO = {(64, False): 1024}
 # Fixed-length causal calls of at most this many query rows take the one-consumer build:
 # 64-row tiles, several CTAs an SM (ONE_CONSUMER), so that the CTAs' fills and tails, which
 # a 128- or 192-row CTA pays with both or all three of its warpgroups at once, overlap
-# other CTAs' key loops. H200, x cuDNN side by side in two processes
-# (notes/prefill_gluon.md, "One consumer, several CTAs an SM"): D128 N = 1024 0.806-0.810
-# against the Triton kernel's 0.742-0.746 and the two-consumer build's 0.736-0.744;
-# D64 N = 1024 0.840 (Triton 0.799), N = 2048 0.900 (the three-consumer build 0.828).
+# other CTAs' key loops. H200, x cuDNN side by side (notes/prefill_gluon.md, "One consumer,
+# several CTAs an SM"): D128 N = 1024 0.806-0.810 against the two-consumer build's
+# 0.736-0.744 (two processes), N = 2048 0.852-0.858 against 0.894-0.896; D64 N = 2048
+# 0.882-0.900 against the three-consumer build's 0.807-0.828, N = 4096 0.922 against 0.969;
+# in the bench at N = 1024, x the Triton kernel that ran there before: 1.03-1.10 (D128),
+# 1.07-1.10 (D64), three processes.
 ONE_CONSUMER_UP_TO = {(128, True): 1024, (64, True): 2048}
 # Its settings per head dim: at D128 two CTAs an SM (a ring of 3 x 64 keys fits half the
 # shared memory), at D64 three (maxnreg 80; 128-key tiles do not build under it).

@@ -1557,6 +1557,32 @@ def test_sm90_one_consumer_numerics(case, dtype):
         assert torch.equal(auto, out) and torch.equal(auto_lse, lse)
 
 
+@pytest.mark.sm90
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
+def test_sm90_one_consumer_fits_its_ctas_an_sm(head_dim):
+    """What the one-consumer build was made for, from the driver's occupancy calculator
+    (cuOccupancyMaxActiveBlocksPerMultiprocessor at the build's threads and dynamic shared
+    memory): ONE_CONSUMER's ctas_per_sm CTAs on an SM (3 at D64, 2 at D128), where the
+    default causal build of that head dim takes one."""
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")
+    torch.cuda.init()
+
+    def ctas(k):
+        k._init_handles()  # loads the module; sets its dynamic shared-memory limit
+        n = ctypes.c_int(-1)
+        rc = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(n), ctypes.c_void_p(k.function), ctypes.c_int(32 * k.metadata.num_warps),
+            ctypes.c_size_t(k.metadata.shared))
+        assert rc == 0, f"cuOccupancyMaxActiveBlocksPerMultiprocessor: CUresult {rc}"
+        return n.value
+
+    want = pg.settings_for(head_dim, True, **pg.ONE_CONSUMER[head_dim]).ctas_per_sm
+    assert ctas(_compile(head_dim, True, **pg.ONE_CONSUMER[head_dim])) == want == \
+        {64: 3, 128: 2}[head_dim]
+    assert ctas(_compile(head_dim, True)) == 1
+
+
 PERSISTENT_VARIANT_CASES = [  # head dim, causal, variant: the tile and turn switches
     (64, True, "default"), (64, True, "pingpong"), (64, True, "all-tiles"),
     (64, True, "two-consumers"), (128, False, "default"), (128, False, "pingpong"),

@@ -729,35 +729,37 @@ def test_moe_gluon_h200_hazards_are_the_dispatch_handoff_of_its_builds():
     assert not out["ok"] and "read from the log for 119 racecheck errors" in out["not_waived"]
 
 
+def _gluon_dispatch_of(cs):
+    """dispatch_bytes of a Gluon build's compile spec for sm_90 (4-warp default partition)."""
+    from wsattn.evidence.compile_gate import compile_kernel
+    comp = compile_kernel(cs["fn"], cs["signature"], dict(cs["constexprs"]),
+                          dict(cs["options"]), 90, cs.get("attrs"))
+    return sanitizer.dispatch_bytes(comp.stages["ptx"], comp.metadata["shared"],
+                                    comp.metadata["num_warps"], 4)
+
+
 def test_prefill_gluon_sanitizer_builds_are_the_launched_ones():
     """The fixed-length Gluon prefill's sanitizer shapes launch two builds: D128's default
-    and, for the D64 one-row shape, the one-consumer build (ONE_CONSUMER_UP_TO) specialized
-    on Sq = 1 as the launcher does, whose shared-memory layout and so dispatch bytes differ
-    from the D64 default build's and from its own unspecialized build's. Every hazard of
-    the H200 racecheck run (tests/data/racecheck_prefill_gluon_h200.json, 41 printed
-    hazards + 2 race reports = its 43 errors) lies on the dispatch bytes of one of the two,
-    and with the H200 probe the waiver holds; with the D64 default build, or the
-    one-consumer build compiled for generic lengths, in its place it does not."""
+    and, for the D64 one-row shape, the persistent schedule (PERSISTENT_UP_TO), whose
+    shared-memory layout and so dispatch bytes differ from the D64 default build's. Every
+    hazard of the H200 racecheck run (tests/data/racecheck_prefill_gluon_h200.json, 47
+    printed hazards + 2 race reports = its 49 errors) lies on the dispatch bytes of one of
+    the two, and with the H200 probe the waiver holds; with the D64 default build in place
+    of the persistent one (what the entry compiled before) it does not."""
     import json
     from wsattn.evidence import ladder, library
-    from wsattn.evidence.compile_gate import compile_kernel
-
-    def dispatch_of(cs):
-        comp = compile_kernel(cs["fn"], cs["signature"], dict(cs["constexprs"]),
-                              dict(cs["options"]), 90, cs.get("attrs"))
-        return sanitizer.dispatch_bytes(comp.stages["ptx"], comp.metadata["shared"],
-                                        comp.metadata["num_warps"], 4)
     spec = library.get("prefill_gluon")
     cs = spec.compile_spec(90)
-    primary = dispatch_of(cs)
+    primary = _gluon_dispatch_of(cs)
     others = ladder._other_builds_dispatch(spec, 90, cs, 4)
     assert (primary["lo"], primary["hi"]) == (0x38158, 0x38160)
-    assert {(w["lo"], w["hi"]) for w in others} == {(0x38158, 0x38160), (0xE128, 0xE12C)}
+    assert {(w["lo"], w["hi"]) for w in others} == {(0x38158, 0x38160), (0x26188, 0x26194)}
     r = json.loads((DATA / "racecheck_prefill_gluon_h200.json").read_text())
     out = sanitizer.waive(dict(r), [primary] + others, _h200_probe())
     assert out["ok"], out.get("not_waived")
     from wsattn.kernels import prefill_gluon as pg
-    d64 = dispatch_of(spec.compile_spec(90, head_dim=64, settings=pg.settings_for(64, False)))
+    d64 = _gluon_dispatch_of(spec.compile_spec(90, head_dim=64,
+                                               settings=pg.settings_for(64, False)))
     out = sanitizer.waive(dict(r), [primary, d64], _h200_probe())
     assert not out["ok"] and "outside the dispatch bytes" in out["not_waived"]
 
@@ -772,24 +774,17 @@ def test_prefill_gluon_causal_sanitizer_builds_are_specialized_as_launched():
     ladder compiled before compile_spec took seqlens, and failed with) it does not."""
     import json
     from wsattn.evidence import ladder, library
-    from wsattn.evidence.compile_gate import compile_kernel
     from wsattn.kernels import prefill_gluon as pg
-
-    def dispatch_of(cs):
-        comp = compile_kernel(cs["fn"], cs["signature"], dict(cs["constexprs"]),
-                              dict(cs["options"]), 90, cs.get("attrs"))
-        return sanitizer.dispatch_bytes(comp.stages["ptx"], comp.metadata["shared"],
-                                        comp.metadata["num_warps"], 4)
     spec = library.get("prefill_gluon_causal")
     cs = spec.compile_spec(90)
-    primary = dispatch_of(cs)
+    primary = _gluon_dispatch_of(cs)
     others = ladder._other_builds_dispatch(spec, 90, cs, 4)
     assert {(w["lo"], w["hi"]) for w in others} == {(0x1C138, 0x1C13C), (0xE128, 0xE12C)}
     r = json.loads((DATA / "racecheck_prefill_gluon_causal_h200.json").read_text())
     out = sanitizer.waive(dict(r), [primary] + others, _h200_probe())
     assert out["ok"], out.get("not_waived")
-    generic = dispatch_of(spec.compile_spec(90, head_dim=64, causal=True,
-                                            settings=pg.call_settings(64, True, 1)))
+    generic = _gluon_dispatch_of(spec.compile_spec(90, head_dim=64, causal=True,
+                                                   settings=pg.call_settings(64, True, 1)))
     assert (generic["lo"], generic["hi"]) == (0xE138, 0xE13C)
     d128 = [w for w in others if w["lo"] == 0x1C138]
     out = sanitizer.waive(dict(r), [primary, generic] + d128, _h200_probe())

@@ -982,17 +982,34 @@ def test_persistent_launcher_grid_and_arguments(monkeypatch):
     assert rec.launches[-1][0] == (2, )
 
 
+@pytest.mark.parametrize("head_dim, causal, sq, persistent", [
+    (64, False, 1024, True), (64, False, 1025, False), (64, False, 5, True),
+    (64, True, 1024, False), (128, False, 1024, False), (128, True, 300, False)])
+def test_default_takes_the_persistent_schedule_where_it_measured_faster(
+        monkeypatch, head_dim, causal, sq, persistent):
+    """Without settings, a fixed-length call takes the persistent schedule only where
+    PERSISTENT_UP_TO says (D64 non-causal, Sq <= 1024), with PER_PERSISTENT's UNROLL; the
+    varlen launcher never does (recorded; nothing runs)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    pg.prefill(*_qkv(1, sq, sq, 2, 1, head_dim, torch.bfloat16), causal, 0.125)
+    kw = rec.launches[-1][2]
+    assert kw["PERSISTENT"] is persistent
+    if persistent:
+        assert kw["UNROLL"] is False and rec.launches[-1][0][0] <= 4  # min(tiles, SMs)
+    assert pg.PERSISTENT_UP_TO == {(64, False): 1024}
+
+
 @pytest.mark.parametrize("head_dim, causal, sq, consumers", [
     (128, True, 1024, 1), (128, True, 1025, 2), (128, True, 1, 1), (128, False, 1024, 2),
-    (64, True, 2048, 1), (64, True, 2049, 3), (64, False, 1024, 1), (64, False, 5, 1),
-    (64, False, 1025, 3)])
+    (64, True, 2048, 1), (64, True, 2049, 3), (64, False, 1025, 3)])
 def test_default_takes_the_one_consumer_build_where_it_measured_faster(
         monkeypatch, head_dim, causal, sq, consumers):
-    """Without settings, a fixed-length call of at most ONE_CONSUMER_UP_TO query rows
+    """Without settings, a fixed-length causal call of at most ONE_CONSUMER_UP_TO query rows
     launches the one-consumer build: 64-row tiles (one CTA a 64-row block), the register
     cap of its CTAs an SM (maxnreg), ONE_CONSUMER's ring; others the default build without
-    a cap; none the persistent walk, which is a setting only (recorded on CPU tensors with
-    the kernel replaced; nothing runs)."""
+    a cap (recorded on CPU tensors with the kernel replaced; nothing runs)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
@@ -1007,8 +1024,7 @@ def test_default_takes_the_one_consumer_build_where_it_measured_faster(
         assert kw["maxnreg"] == {128: 128, 64: 80}[head_dim]
     else:
         assert "maxnreg" not in kw
-    assert kw["PERSISTENT"] is False
-    assert pg.ONE_CONSUMER_UP_TO == {(128, True): 1024, (64, True): 2048, (64, False): 1024}
+    assert pg.ONE_CONSUMER_UP_TO == {(128, True): 1024, (64, True): 2048}
 
 
 def test_one_consumer_settings_are_checked():

@@ -5,12 +5,12 @@ producer that gives up registers, two (at head dim 64 optionally three:
 GluonSettings.CONSUMERS) consumer warpgroups of 64 query rows each running QK^T and PV as
 async wgmma, the next QK^T issued before the current softmax, and optional ping-pong
 between the consumer warpgroups, and (GluonSettings.persistent; what a call without
-settings takes nowhere since the one-consumer build measured faster) a persistent
-longest-first tile schedule; short calls (ONE_CONSUMER_UP_TO) take one consumer warpgroup
-a CTA with two or three CTAs an SM (GluonSettings.ctas_per_sm). The partitions live in
-prefill_gluon_parts.py; this module holds the launch settings, the launchers (prefill,
-prefill_varlen: one kernel, VARLEN a constexpr) and the qualification checks that api.py
-calls.
+settings takes only at head dim 64 without a mask up to PERSISTENT_UP_TO query rows) a
+persistent longest-first tile schedule; short causal calls (ONE_CONSUMER_UP_TO) take one
+consumer warpgroup a CTA with two or three CTAs an SM (GluonSettings.ctas_per_sm). The
+partitions live in prefill_gluon_parts.py; this module holds the launch settings, the
+launchers (prefill, prefill_varlen: one kernel, VARLEN a constexpr) and the qualification
+checks that api.py calls.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ OTHER_KERNELS = "impl='triton' runs on sm_80, sm_90, sm_100 and sm_120"
 
 # --------------------------------------------------------------------------- settings
 
-REGISTER_FILE = 65536  # 32-bit registers per SM (one CTA per SM)
+REGISTER_FILE = 65536  # 32-bit registers per SM
 SMEM_LIMIT = 232448  # 227 KB of shared memory per block on sm_90
 # Settings that follow from the number of consumer warpgroups (settings_for applies them when
 # CONSUMERS is overridden). Registers: 2 * 128 * 240 and 3 * 128 * 160 threads x registers,
@@ -86,7 +86,8 @@ class GluonSettings:
     WG_TILES: bool = True  # a warpgroup computes only the K/V tiles its own rows need
     CONSUMER_REGS: int = 240
     PRODUCER_REGS: int = 24
-    CONSUMERS: int = 2  # consumer warpgroups of 64 rows; 3 (BLOCK_M = 192) at head dim 64 only
+    CONSUMERS: int = 2  # consumer warpgroups of 64 rows; 3 (BLOCK_M = 192) at head dim 64 only,
+    # 1 (BLOCK_M = 64) with ctas_per_sm CTAs an SM
     # P to the PV wgmma's operand by one cvt a register pair (no PRMT half swaps; same
     # bits). On: on the H200, side by side in two runs of the 16 bench shapes, 1.00-1.05x
     # the build without it at 31 of 32, 0.99x at one (notes/prefill_gluon.md, "P packed a
@@ -100,9 +101,8 @@ class GluonSettings:
     ONE_LOOP: bool = False
     # One CTA per SM walking the tiles longest-first, GQA heads together (PERSISTENT in
     # prefill_gluon_parts); fixed length only. Off in settings_for: on the H200 it gained
-    # 4-22 % at N = 1024 and lost 2-10 % from N = 4096 on, and at D64 non-causal N = 1024,
-    # the one shape it led, the one-consumer build measured ahead of it
-    # (notes/prefill_gluon.md): a call without settings never takes it.
+    # 4-22 % at N = 1024 and lost 2-10 % from N = 4096 on (notes/prefill_gluon.md); a call
+    # without settings takes it where PERSISTENT_UP_TO says.
     persistent: bool = False
     # The persistent schedule's L2 budget for one section's K/V (see l2_section): smaller
     # sections keep fewer heads' K/V live, larger ones balance the CTAs' work better.
@@ -168,8 +168,8 @@ class GluonSettings:
         total = 128 * (n * self.CONSUMER_REGS + self.PRODUCER_REGS)
         if total * ctas > REGISTER_FILE:
             raise ValueError(f"CONSUMERS={n} x 128 x CONSUMER_REGS={self.CONSUMER_REGS} + 128 x "
-                             f"PRODUCER_REGS={self.PRODUCER_REGS} = {total} registers a CTA, x {ctas} "
-                             f"CTA(s) an SM more than the {REGISTER_FILE} of an SM")
+                             f"PRODUCER_REGS={self.PRODUCER_REGS} = {total} registers a CTA, "
+                             f"x {ctas} CTA(s) an SM more than the {REGISTER_FILE} of an SM")
         limit = SMEM_LIMIT if ctas == 1 else SM_SMEM // ctas - 1024
         if self.smem_bytes(head_dim) > limit:
             raise ValueError(f"{self.smem_bytes(head_dim)} bytes of shared memory at head_dim "
@@ -228,6 +228,14 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
     return s
 
 
+# Fixed-length calls of at most this many query rows at head dim 64 without a mask take
+# the persistent schedule by default. H200, side by side at N = 1024 (16 sequences, 16
+# heads; the schedules' timing table in notes/prefill_gluon.md, TFLOP/s): persistent 368,
+# one tile a CTA 353, the Triton kernel 350, cuDNN 432. Elsewhere at N = 1024 it lost to
+# the Triton kernel (D64 causal 229 vs 244, D128 causal 311 vs 316) or tied the one-tile
+# launch (D128 non-causal 460 vs 464), and from N = 4096 on it lost 2-10 %
+# (notes/prefill_gluon.md).
+PERSISTENT_UP_TO = {(64, False): 1024}
 # Fixed-length causal calls of at most this many query rows take the one-consumer build:
 # 64-row tiles, several CTAs an SM (ONE_CONSUMER), so that the CTAs' fills and tails, which
 # a 128- or 192-row CTA pays with both or all three of its warpgroups at once, overlap
@@ -236,12 +244,10 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
 # 0.736-0.744 (two processes), N = 2048 0.852-0.858 against 0.894-0.896; D64 N = 2048
 # 0.882-0.900 against the three-consumer build's 0.807-0.828, N = 4096 0.922 against 0.969;
 # in the bench at N = 1024, x the Triton kernel that ran there before: 1.03-1.10 (D128),
-# 1.07-1.10 (D64), three processes.
-# D64 non-causal N = 1024 too, where the persistent walk had been the default (it had
-# measured ahead of the Triton kernel and of the one-tile launch there): x cuDNN
-# 0.860-0.865 against the walk's 0.820-0.834 in three processes side by side. The walk
-# stays a setting (GluonSettings.persistent), the default nowhere.
-ONE_CONSUMER_UP_TO = {(128, True): 1024, (64, True): 2048, (64, False): 1024}
+# 1.07-1.10 (D64), three processes. Not D64 non-causal N = 1024 (the persistent walk's):
+# 3-5 % ahead of the walk side by side in the script's timing, but in the bench's graph
+# replay 358-370 us against the walk's 350-354 in four of five processes (one 338).
+ONE_CONSUMER_UP_TO = {(128, True): 1024, (64, True): 2048}
 # Its settings per head dim: at D128 two CTAs an SM (a ring of 3 x 64 keys fits half the
 # shared memory), at D64 three (maxnreg 80; 128-key tiles do not build under it).
 ONE_CONSUMER = {128: {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": False,
@@ -251,29 +257,35 @@ ONE_CONSUMER = {128: {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": Fals
 
 
 @functools.lru_cache(maxsize=None)
-def _default_settings(head_dim: int, causal: bool, one_consumer: bool = False) -> GluonSettings:
-    # asked on every launch: built (and checked) once per (head dim, mask, build)
-    if one_consumer:
+def _default_settings(head_dim: int, causal: bool, schedule: str = "") -> GluonSettings:
+    # asked on every launch: built (and checked) once per (head dim, mask, schedule)
+    if schedule == "persistent":
+        return settings_for(head_dim, causal, persistent=True)
+    if schedule == "one_consumer":
         return settings_for(head_dim, causal, **ONE_CONSUMER[head_dim])
     return settings_for(head_dim, causal)
 
 
 def call_settings(head_dim: int, causal: bool, seqlen_q: int | None = None) -> GluonSettings:
-    """The settings a fixed-length call without settings builds with: the defaults, the
-    one-consumer build where ONE_CONSUMER_UP_TO covers seqlen_q (what an evidence check
-    must compile to look at the build a call launches)."""
+    """The settings a fixed-length call without settings builds with: the defaults, on the
+    persistent schedule where PERSISTENT_UP_TO covers seqlen_q, the one-consumer build
+    where ONE_CONSUMER_UP_TO does (what an evidence check must compile to look at the build
+    a call launches)."""
     return _resolve(None, head_dim, causal, seqlen_q)
 
 
 def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool,
              seqlen_q: int | None = None) -> GluonSettings:
     """The settings to build with: the defaults (checked when made; seqlen_q, a fixed-length
-    call's query rows, picks the one-consumer build where ONE_CONSUMER_UP_TO says), or the
-    caller's, checked here."""
+    call's query rows, picks the persistent schedule or the one-consumer build where
+    PERSISTENT_UP_TO or ONE_CONSUMER_UP_TO say), or the caller's, checked here."""
     if settings is None:
-        short = seqlen_q is not None and seqlen_q <= ONE_CONSUMER_UP_TO.get(
-            (head_dim, bool(causal)), 0)
-        return _default_settings(head_dim, bool(causal), short)
+        key, schedule = (head_dim, bool(causal)), ""
+        if seqlen_q is not None and seqlen_q <= PERSISTENT_UP_TO.get(key, 0):
+            schedule = "persistent"
+        elif seqlen_q is not None and seqlen_q <= ONE_CONSUMER_UP_TO.get(key, 0):
+            schedule = "one_consumer"
+        return _default_settings(head_dim, bool(causal), schedule)
     settings.check(head_dim)
     return settings
 

@@ -1,6 +1,6 @@
 """Gluon partitions of the sm_90 warp-specialized prefill (see prefill_gluon.py).
 
-One CTA owns BLOCK_M = CONSUMERS * 64 query rows of one (batch, head), CONSUMERS = 2 or 3.
+One CTA owns BLOCK_M = CONSUMERS * 64 query rows of one (batch, head), CONSUMERS = 1 to 3.
 Partitions:
   - CONSUMERS consumer warpgroups of 4 warps: warpgroup 0 is the default partition, the
     others are workers; each owns its own 64 rows of Q: QK^T and PV as async wgmma with
@@ -827,7 +827,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                     PACK_P: gl.constexpr = True, ONE_LOOP: gl.constexpr = False):
     """1-D grid over tiles (row block, batch, head), one tile per CTA. q/o descriptors are
     [B, Sq, Hq * D] with box [1, 64, D]; k/v are [B, Sk, Hkv * D] with box [1, BLOCK_N, D];
-    GROUP = Hq // Hkv. CONSUMERS (2 or 3) consumer warpgroups of 64 rows each:
+    GROUP = Hq // Hkv. CONSUMERS (1 to 3) consumer warpgroups of 64 rows each:
     BLOCK_M = 64 * CONSUMERS. lse is [B, Hq, Sq]. Fixed length passes None for o_ptr, cu_q,
     cu_k, Tq, max_q.
 

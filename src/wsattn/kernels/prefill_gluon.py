@@ -454,8 +454,8 @@ def _varlen_launch(q, k_desc, v_desc, out, lse, cu_q, cu_k, n_seq, max_q, Hkv, c
         _alloc.ensure_descriptor_allocator()  # the tensor maps the producer makes
     attn_fwd_kernel[(num_tiles, )](q_desc, k_desc, v_desc, o_desc, lse, 0, 0, Hq,
                                    sm_scale * math.log2(math.e), out, cu_q, cu_k, Tq, max_q,
-                                   None, None, tiles, *tail, **s.launch_options(), VARLEN=varlen,
-                                   **builds, **_constexprs(D, Hq // Hkv, causal, s))
+                                   None, None, tiles, *tail, **s.launch_options(),
+                                   VARLEN=varlen, **builds, **_constexprs(D, Hq // Hkv, causal, s))
 
 
 # Pages the paged build takes: a whole number of 8-row swizzle atoms that tiles a key tile

@@ -900,7 +900,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
     # values and the consumers' layouts fail to build), so it cannot be shared.
     if CONSUMERS == 1:
         # One consumer: the default partition takes what the producer leaves of the
-        # launch's maxnreg (two CTAs an SM, see prefill_gluon.PER_CONSUMERS).
+        # launch's maxnreg (two or three CTAs an SM: GluonSettings.ctas_per_sm).
         gl.warp_specialize([
             (_consumer, (0, q0_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,

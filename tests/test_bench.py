@@ -92,6 +92,33 @@ def test_shapes_follow_facts():
     assert set(prefill_cases(quick=True)) < set(pre) and set(decode_cases(quick=True)) < set(dec)
 
 
+def test_prefill_lengths_and_dims_replace_the_defaults():
+    """--prefill-seqlens / --prefill-dims pick the prefill shapes (still 16k tokens and
+    hidden 2048 a batch); a length or head dim that does not divide them is named."""
+    cases = prefill_cases(lengths=[2048], head_dims=[64])
+    assert {(c.B, c.N, c.H, c.D, c.causal) for c in cases} == {
+        (8, 2048, 32, 64, False), (8, 2048, 32, 64, True)}
+    assert prefill_cases(lengths=[1024, 2048]) == [
+        c for c in prefill_cases(lengths=[1024, 2048], head_dims=[128, 64])]
+    with pytest.raises(ValueError, match=r"--prefill-seqlens: \[3000\] do not divide"):
+        prefill_cases(lengths=[3000])
+    with pytest.raises(ValueError, match=r"--prefill-dims: \[96\] do not divide"):
+        prefill_cases(head_dims=[96])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["prefill", "--prefill-seqlens", "3000"], "--prefill-seqlens: [3000] do not divide"),
+    (["prefill", "--prefill-dims", "96"], "--prefill-dims: [96] do not divide"),
+    (["decode", "--prefill-seqlens", "2048"], "apply to `wsattn bench prefill` (or all)"),
+], ids=["length", "dim", "not-prefill"])
+def test_prefill_flag_misuse_exits_2_before_anything_runs(argv, words, monkeypatch, capsys):
+    import wsattn.cli
+    ran = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: ran.append(1) or True)
+    assert wsattn.cli.main(["bench", *argv]) == 2
+    assert words in capsys.readouterr().err and ran == []
+
+
 def test_summarize_median_and_quantiles():
     t = summarize([5, 1, 4, 2, 3])
     assert (t.median_ms, t.q20_ms, t.q80_ms, t.reps) == (3, 1.8, 4.2, 5)

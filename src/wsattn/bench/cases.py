@@ -102,9 +102,34 @@ def tbps(nbytes: float, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e12
 
 
-def prefill_cases(quick: bool = False, dtype: str = "bf16") -> list[PrefillCase]:
-    head_dims = (128,) if quick else (128, 64)
-    lengths = (1024, 4096) if quick else (1024, 4096, 8192, 16384)
+PREFILL_LENGTHS = (1024, 4096, 8192, 16384)
+PREFILL_DIMS = (128, 64)
+
+
+def prefill_lengths_error(lengths, head_dims) -> str | None:
+    """Why --prefill-seqlens / --prefill-dims cannot make prefill cases, or None: a length
+    must divide the batch's TOKENS_PER_BATCH tokens (B = 16384 / N sequences), a head dim
+    the HIDDEN width (H = 2048 / D heads)."""
+    bad = [n for n in lengths or () if n < 1 or TOKENS_PER_BATCH % n]
+    if bad:
+        return (f"--prefill-seqlens: {bad} do not divide the batch's {TOKENS_PER_BATCH} "
+                "tokens (powers of two up to 16384)")
+    bad = [d for d in head_dims or () if d < 1 or HIDDEN % d]
+    if bad:
+        return f"--prefill-dims: {bad} do not divide the hidden width {HIDDEN}"
+    return None
+
+
+def prefill_cases(quick: bool = False, dtype: str = "bf16", lengths=None,
+                  head_dims=None) -> list[PrefillCase]:
+    """The prefill shapes: 16k tokens a batch, hidden 2048, causal and not, at each length
+    and head dim (default PREFILL_LENGTHS x PREFILL_DIMS; quick: N 1k / 4k at D128);
+    lengths and head_dims replace the defaults (prefill_lengths_error names a bad one)."""
+    why = prefill_lengths_error(lengths, head_dims)
+    if why:
+        raise ValueError(why)
+    head_dims = tuple(head_dims or ((128,) if quick else PREFILL_DIMS))
+    lengths = tuple(lengths or ((1024, 4096) if quick else PREFILL_LENGTHS))
     return [PrefillCase(TOKENS_PER_BATCH // n, n, HIDDEN // d, HIDDEN // d, d, causal, dtype)
             for d in head_dims for causal in (False, True) for n in lengths]
 

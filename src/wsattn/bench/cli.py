@@ -82,6 +82,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up per measurement (ms)")
     p.add_argument("--rep-ms", type=float, default=100.0,
                    help="time spent in timed samples per measurement (ms, 20 samples)")
+    from .cases import PREFILL_DIMS, PREFILL_LENGTHS
+    prefill_group = p.add_argument_group("prefill (fixed-length attention, 16k tokens a batch)")
+    prefill_group.add_argument("--prefill-seqlens", nargs="+", type=int, default=None,
+                               metavar="N", help="prefill: sequence lengths, B = 16384 / N "
+                                                 "(default "
+                                                 f"{' '.join(map(str, PREFILL_LENGTHS))})")
+    prefill_group.add_argument("--prefill-dims", nargs="+", type=int, default=None,
+                               metavar="D", help="prefill: head dims, H = 2048 / D (default "
+                                                 f"{' '.join(map(str, PREFILL_DIMS))})")
     decode_group = p.add_argument_group("decode (the attention kernel alone)")
     decode_group.add_argument("--step-shapes", action="store_true",
                               help="decode: the decode step's shapes (Llama-3.2-1B, "
@@ -123,6 +132,18 @@ def _settings_arg(spec: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def prefill_args_error(args) -> str | None:
+    """Why --prefill-seqlens / --prefill-dims cannot run with the rest of args, or None."""
+    from .cases import prefill_lengths_error
+
+    what = getattr(args, "what", "all")
+    seqlens, dims = getattr(args, "prefill_seqlens", None), getattr(args, "prefill_dims", None)
+    if (seqlens or dims) and what not in ("prefill", "all"):
+        return (f"--prefill-seqlens / --prefill-dims apply to `wsattn bench prefill` (or all), "
+                f"not `{what}`")
+    return prefill_lengths_error(seqlens, dims)
+
+
 def decode_args_error(args) -> str | None:
     """Why --step-shapes / --decode-settings cannot run with the rest of args, or None."""
     from .runners import format_decode_settings
@@ -151,7 +172,7 @@ NO_GPUS_SP = ("wsattn bench sp needs CUDA GPUs (one process per GPU: torchrun --
 def run(args) -> int:
     import torch
 
-    why = decode_args_error(args)
+    why = prefill_args_error(args) or decode_args_error(args)
     if why:
         print(f"wsattn bench: {why}", file=sys.stderr)
         return 2
@@ -202,7 +223,7 @@ def _bench(args, torch) -> int:
     timer = cuda_timer(args.warmup_ms, args.rep_ms, args.timing)
     cases = []
     if args.what in ("prefill", "all"):
-        cases += prefill_cases(args.quick, args.dtype)
+        cases += prefill_cases(args.quick, args.dtype, args.prefill_seqlens, args.prefill_dims)
     if args.what in ("decode", "all"):
         pick = step_decode_cases if args.step_shapes else decode_cases
         cases += pick(args.quick, args.dtype)

@@ -1051,14 +1051,16 @@ def test_one_consumer_settings_are_checked():
         pg.settings_for(128, True, CONSUMERS=4)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
-def test_sm90_one_consumer_structure(head_dim, causal):
-    """The one-consumer build (ONE_CONSUMER, causal and not): the default partition is the
-    consumer, the 1-warp producer the only worker (at 24 registers), 256 threads under the
-    cap that fits ctas_per_sm CTAs (.maxnreg), the consumer raised to the rest, wgmma and
-    TMA as in the other builds, no spills, and shared memory within the CTA's share."""
+def test_sm90_one_consumer_structure(head_dim, causal, varlen):
+    """The one-consumer build (ONE_CONSUMER, causal and not, fixed-length and packed): the
+    default partition is the consumer, the 1-warp producer the only worker (at 24
+    registers), 256 threads under the cap that fits ctas_per_sm CTAs (.maxnreg), the
+    consumer raised to the rest, wgmma and TMA as in the other builds, no spills, and shared
+    memory within the CTA's share."""
     s = pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
-    k = _compile(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
+    k = _compile(head_dim, causal, varlen, **pg.ONE_CONSUMER[head_dim])
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     ws = re.findall(r"ttg\.warp_specialize\(.*requestedRegisters = array<i32: ([0-9, ]+)>", ttgir)
     assert ws == [str(s.PRODUCER_REGS)]
@@ -1077,8 +1079,8 @@ def test_sm90_one_consumer_structure(head_dim, causal):
 
 
 def test_persistent_varlen_is_refused_by_name(monkeypatch):
-    """Varlen has no persistent schedule yet, nor a one-consumer build: the launcher and
-    compile_spec say so."""
+    """Varlen has no persistent schedule yet, nor the paged build a one-consumer one: the
+    launchers and compile_spec say so."""
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
@@ -1088,11 +1090,13 @@ def test_persistent_varlen_is_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match=r"persistent=True.*fixed-length prefill only"):
         pg.compile_spec(head_dim=64, settings=s, varlen=True)
     one = pg.settings_for(64, True, **pg.ONE_CONSUMER[64])
+    kc, vc, table, lens = _paged(k, v, [5, 7], 64, seed=0)
     with pytest.raises(ValueError, match=r"CONSUMERS=1: the one-consumer build covers fixed"):
-        pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, True, 0.125, settings=one)
+        pg.prefill_paged(q, kc, vc, cu_q, lens, table, None, True, 0.125, settings=one)
     with pytest.raises(ValueError, match=r"CONSUMERS=1: the one-consumer build covers fixed"):
         pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True, page=64)
     assert rec.launches == []
+    pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True)  # packs take it
 
 
 # --------------------------------------------------------------------------- sm_90 GPU
@@ -1348,22 +1352,27 @@ def test_sm90_varlen_numerics(pack, head_dim, causal, dtype):
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("build", ["default", "one-consumer"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
-def test_sm90_varlen_writes_only_its_rows(head_dim, causal):
+def test_sm90_varlen_writes_only_its_rows(head_dim, causal, build):
     """Each sequence of the mixed pack launched alone (cu_seqlens[i:i + 2] over the whole
     pack): every O and LSE row outside it, the rows right after its end included, keeps
     the NaN poison, so no straddling box wrote into the next sequence; its own rows are
-    bit-identical to the whole pack's launch."""
+    bit-identical to the whole pack's launch. The default build and the one-consumer one
+    (64-row boxes)."""
     q_lens, kv_lens = VARLEN_PACKS["mix"]
     q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, torch.bfloat16,
                                 "cuda", seed=3)
     scale = head_dim ** -0.5
-    full, full_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale)
+    s = pg.settings_for(head_dim, causal, **(pg.ONE_CONSUMER[head_dim]
+                                             if build == "one-consumer" else {}))
+    full, full_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale,
+                                       settings=s)
     bounds = cu_q.tolist()
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         out, lse = pg.prefill_varlen(q, k, v, cu_q[i:i + 2], cu_k[i:i + 2], None, None, causal,
-                                     scale)
+                                     scale, settings=s)
         mine = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
         mine[a:b] = True
         assert torch.isnan(out[~mine]).all(), f"sequence {i} wrote rows outside {a}:{b}"
@@ -1461,6 +1470,28 @@ def test_sm90_compact_varlen_equals_the_plain_grid(pack, head_dim, causal):
         got = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, scale,
                                 settings=packorder)
         assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), max_q
+    ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale)
+    _assert_varlen_close(out, lse, ref, ref_lse, cu_q, dtype)
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pack, head_dim, causal", VARLEN_GPU_CASES)
+def test_sm90_varlen_one_consumer_numerics(pack, head_dim, causal, dtype):
+    """The one-consumer build (ONE_CONSUMER: 64-row tiles, two or three CTAs an SM) on
+    packs: against the float64 reference per sequence and at every boundary, the tile
+    table's launch bit for bit the plain grid's, max_seqlen given or omitted, over reruns."""
+    from wsattn import reference
+    q_lens, kv_lens = VARLEN_PACKS[pack]
+    q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, dtype, "cuda",
+                                seed=len(q_lens) + head_dim + 2)
+    scale = head_dim ** -0.5
+    s = pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
+    plain = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal, scale,
+                              settings=replace(s, compact_varlen=False))
+    for max_q in (max(q_lens), None, max(q_lens)):
+        out, lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, scale, settings=s)
+        assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1]), max_q
     ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale)
     _assert_varlen_close(out, lse, ref, ref_lse, cu_q, dtype)
 

@@ -44,6 +44,11 @@ Columns (``impl``):
   a key tile that ends past its sequence loaded through the pack-wide descriptor, where
   the default bounds it by a descriptor of the sequence's own rows), the same way: the A/B
   of that setting's cost.
+* ``wsattn-gluon-one-consumer``: the Gluon kernel's one-consumer build
+  (``prefill_gluon.ONE_CONSUMER``: 64-row tiles, two or three CTAs an SM), for the pack
+  through ``prefill_gluon.prefill_varlen`` and for the batch through
+  ``prefill_gluon.prefill``, both with those settings: the build against ``wsattn-gluon``
+  and ``wsattn-triton`` on packs of short sequences.
 * ``torch-fa2``: ``torch.ops.aten._flash_attention_forward`` (torch's FlashAttention-2),
   with cu_seqlens for the pack, dense [B, N, H, D] for the batch; GQA native. The op
   allocates its output itself, so its checked call is made right after a NaN buffer of
@@ -94,15 +99,25 @@ MASKS = ("causal", "full")
 EQ_MULTIPLE = 64  # N_eq is a whole number of 64-token tiles, as the prefill shapes
 LAYOUTS = ("varlen", "equal")
 IMPLS = ("wsattn", "wsattn-triton", "wsattn-gluon", "wsattn-gluon-plain",
-         "wsattn-gluon-packorder", "wsattn-gluon-unbounded", "torch-fa2", "flashinfer-fa3",
-         "flashinfer-fa2", "fa4")
+         "wsattn-gluon-packorder", "wsattn-gluon-unbounded", "wsattn-gluon-one-consumer",
+         "torch-fa2", "flashinfer-fa3", "flashinfer-fa2", "fa4")
 BACKENDS = {"wsattn": "auto", "wsattn-triton": "triton", "wsattn-gluon": "gluon",
             "wsattn-gluon-plain": "gluon", "wsattn-gluon-packorder": "gluon",
-            "wsattn-gluon-unbounded": "gluon"}
-# the Gluon columns that call prefill_varlen with settings of their own
+            "wsattn-gluon-unbounded": "gluon", "wsattn-gluon-one-consumer": "gluon"}
+# the Gluon columns that call prefill_varlen with settings of their own (the one-consumer
+# build's depend on the head dim: prefill_gluon.ONE_CONSUMER)
 GLUON_SETTINGS = {"wsattn-gluon-plain": {"compact_varlen": False},
                   "wsattn-gluon-packorder": {"varlen_longest_first": False},
-                  "wsattn-gluon-unbounded": {"varlen_bounded_v": False}}
+                  "wsattn-gluon-unbounded": {"varlen_bounded_v": False},
+                  "wsattn-gluon-one-consumer": "ONE_CONSUMER"}
+
+
+def gluon_settings(impl: str, head_dim: int, causal: bool):
+    """The GluonSettings a GLUON_SETTINGS column launches prefill_varlen with."""
+    from wsattn.kernels import prefill_gluon as pg
+    over = GLUON_SETTINGS[impl]
+    return pg.settings_for(head_dim, causal,
+                           **(getattr(pg, over)[head_dim] if isinstance(over, str) else over))
 WSATTN_IMPLS = tuple(BACKENDS)  # a failure of these exits 1
 TARGET_EQUAL = 0.95  # varlen TFLOP/s >= 0.95x the equal-length batch's, same column
 TARGET_TORCH_FA2 = 1.4  # varlen TFLOP/s >= 1.4x torch's FA2 varlen
@@ -392,7 +407,7 @@ def _wsattn(case: VarlenCase, impl: str, layout: str, inp) -> Prepared:
 
         if impl in GLUON_SETTINGS:
             from wsattn.kernels import prefill_gluon as pg
-            settings = pg.settings_for(case.D, case.causal, **GLUON_SETTINGS[impl])
+            settings = gluon_settings(impl, case.D, case.causal)
             checked_api = call  # validates the inputs once, outside the timing
 
             def call(validate=None):
@@ -410,7 +425,21 @@ def _wsattn(case: VarlenCase, impl: str, layout: str, inp) -> Prepared:
 
         def call():
             return wsattn.attention(inp.q, inp.k, inp.v, case.causal, inp.scale, impl=backend)
-        checked = call
+
+        if impl == "wsattn-gluon-one-consumer":  # a build of the fixed-length kernel too
+            from wsattn.kernels import prefill_gluon as pg
+            settings = gluon_settings(impl, case.D, case.causal)
+            api_call = call
+
+            def call():
+                return pg.prefill(inp.q, inp.k, inp.v, case.causal, inp.scale,
+                                  settings=settings)[0]
+
+            def checked():
+                api_call()  # validates the batch once, outside the timing
+                return call()
+        else:
+            checked = call
 
     def first():
         try:

@@ -312,16 +312,17 @@ def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: in
     return min(n_bh, kv_heads * group)
 
 
-def _refuse_persistent_varlen(s: GluonSettings) -> None:
-    """The fixed-length-only settings, refused by name for the varlen and paged builds."""
+def _refuse_persistent_varlen(s: GluonSettings, paged: bool = False) -> None:
+    """The fixed-length-only settings, refused by name for the varlen and paged builds
+    (and the one-consumer build, which packs take, for the paged one)."""
     if s.persistent:
         raise ValueError("settings.persistent=True: the persistent schedule covers "
                          "fixed-length prefill only (a varlen walk measured slower, "
                          "notes/prefill_gluon.md); use persistent=False for prefill_varlen")
-    if s.CONSUMERS == 1:
+    if paged and s.CONSUMERS == 1:
         raise ValueError("settings.CONSUMERS=1: the one-consumer build covers fixed-length "
-                         "prefill only (neither timed nor tested on packs or pages); use "
-                         "CONSUMERS=2 or 3 for prefill_varlen and prefill_paged")
+                         "and packed prefill only (neither timed nor tested on pages); use "
+                         "CONSUMERS=2 or 3 for prefill_paged")
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):
@@ -493,7 +494,7 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
     D = q.shape[2]
     num_pages, page, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     s = _resolve(settings, D, causal)
-    _refuse_persistent_varlen(s)
+    _refuse_persistent_varlen(s, paged=True)
     if not paged_supported(page, s.BLOCK_N):
         raise ValueError(f"the paged Gluon build takes page sizes that are multiples of 8 and "
                          f"tile or are tiled by BLOCK_N={s.BLOCK_N}, got {page}")
@@ -552,7 +553,7 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     if plain_grid:
         s = replace(s, compact_varlen=False)
     if varlen:
-        _refuse_persistent_varlen(s)
+        _refuse_persistent_varlen(s, paged=bool(page))
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
     if page and not (varlen and paged_supported(page, s.BLOCK_N)):
         raise ValueError(f"page={page}: the paged build is a varlen build of a page size "

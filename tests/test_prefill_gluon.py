@@ -1054,13 +1054,14 @@ def test_one_consumer_settings_are_checked():
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
 def test_sm90_one_consumer_structure(head_dim, causal, varlen):
-    """The one-consumer build (ONE_CONSUMER, causal and not, fixed-length and packed): the
+    """The one-consumer build (ONE_CONSUMER, causal and not; packs: VARLEN_ONE_CONSUMER): the
     default partition is the consumer, the 1-warp producer the only worker (at 24
     registers), 256 threads under the cap that fits ctas_per_sm CTAs (.maxnreg), the
     consumer raised to the rest, wgmma and TMA as in the other builds, no spills, and shared
     memory within the CTA's share."""
-    s = pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
-    k = _compile(head_dim, causal, varlen, **pg.ONE_CONSUMER[head_dim])
+    over = (pg.VARLEN_ONE_CONSUMER if varlen else pg.ONE_CONSUMER)[head_dim]
+    s = pg.settings_for(head_dim, causal, **over)
+    k = _compile(head_dim, causal, varlen, **over)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     ws = re.findall(r"ttg\.warp_specialize\(.*requestedRegisters = array<i32: ([0-9, ]+)>", ttgir)
     assert ws == [str(s.PRODUCER_REGS)]
@@ -1095,8 +1096,14 @@ def test_persistent_varlen_is_refused_by_name(monkeypatch):
         pg.prefill_paged(q, kc, vc, cu_q, lens, table, None, True, 0.125, settings=one)
     with pytest.raises(ValueError, match=r"CONSUMERS=1: the one-consumer build covers fixed"):
         pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True, page=64)
+    with pytest.raises(ValueError, match=r"ctas_per_sm=3 with varlen_bounded_v: the packed"):
+        pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, True, 0.125, settings=one)
+    with pytest.raises(ValueError, match=r"ctas_per_sm=3 with varlen_bounded_v"):
+        pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True)
     assert rec.launches == []
-    pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True)  # packs take it
+    for d in (64, 128):  # packs take the two-CTA builds
+        pg.compile_spec(head_dim=d, causal=True, varlen=True,
+                        settings=pg.settings_for(d, True, **pg.VARLEN_ONE_CONSUMER[d]))
 
 
 # --------------------------------------------------------------------------- sm_90 GPU
@@ -1365,7 +1372,7 @@ def test_sm90_varlen_writes_only_its_rows(head_dim, causal, build):
     q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, torch.bfloat16,
                                 "cuda", seed=3)
     scale = head_dim ** -0.5
-    s = pg.settings_for(head_dim, causal, **(pg.ONE_CONSUMER[head_dim]
+    s = pg.settings_for(head_dim, causal, **(pg.VARLEN_ONE_CONSUMER[head_dim]
                                              if build == "one-consumer" else {}))
     full, full_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale,
                                        settings=s)
@@ -1478,15 +1485,15 @@ def test_sm90_compact_varlen_equals_the_plain_grid(pack, head_dim, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("pack, head_dim, causal", VARLEN_GPU_CASES)
 def test_sm90_varlen_one_consumer_numerics(pack, head_dim, causal, dtype):
-    """The one-consumer build (ONE_CONSUMER: 64-row tiles, two or three CTAs an SM) on
-    packs: against the float64 reference per sequence and at every boundary, the tile
+    """The one-consumer build on packs (VARLEN_ONE_CONSUMER: 64-row tiles, two CTAs an
+    SM): against the float64 reference per sequence and at every boundary, the tile
     table's launch bit for bit the plain grid's, max_seqlen given or omitted, over reruns."""
     from wsattn import reference
     q_lens, kv_lens = VARLEN_PACKS[pack]
     q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, dtype, "cuda",
                                 seed=len(q_lens) + head_dim + 2)
     scale = head_dim ** -0.5
-    s = pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
+    s = pg.settings_for(head_dim, causal, **pg.VARLEN_ONE_CONSUMER[head_dim])
     plain = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal, scale,
                               settings=replace(s, compact_varlen=False))
     for max_q in (max(q_lens), None, max(q_lens)):

@@ -1054,14 +1054,13 @@ def test_one_consumer_settings_are_checked():
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
 def test_sm90_one_consumer_structure(head_dim, causal, varlen):
-    """The one-consumer build (ONE_CONSUMER, causal and not; packs: VARLEN_ONE_CONSUMER): the
+    """The one-consumer build (ONE_CONSUMER, causal and not, fixed-length and packed): the
     default partition is the consumer, the 1-warp producer the only worker (at 24
     registers), 256 threads under the cap that fits ctas_per_sm CTAs (.maxnreg), the
     consumer raised to the rest, wgmma and TMA as in the other builds, no spills, and shared
     memory within the CTA's share."""
-    over = (pg.VARLEN_ONE_CONSUMER if varlen else pg.ONE_CONSUMER)[head_dim]
-    s = pg.settings_for(head_dim, causal, **over)
-    k = _compile(head_dim, causal, varlen, **over)
+    s = pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
+    k = _compile(head_dim, causal, varlen, **pg.ONE_CONSUMER[head_dim])
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     ws = re.findall(r"ttg\.warp_specialize\(.*requestedRegisters = array<i32: ([0-9, ]+)>", ttgir)
     assert ws == [str(s.PRODUCER_REGS)]
@@ -1077,6 +1076,12 @@ def test_sm90_one_consumer_structure(head_dim, causal, varlen):
     assert "cp.async.bulk.tensor" in ptx
     assert _ptxas_spill_bytes(ptx) == [0, 0]
     assert s.ctas_per_sm * (k.metadata.shared + 1024) <= pg.SM_SMEM
+    # packs: V's rows past a sequence's keys are zeroed in shared memory by the consumer
+    # (a load and a store of the tile) and fenced for the wgmma, no V descriptor made on
+    # the device; O's store through the Q buffer is the other store and fence
+    assert ttgir.count("ttg.local_load") == int(varlen)
+    assert ttgir.count("ttg.local_store") == ptx.count("fence.proxy.async") == 1 + varlen
+    assert "tensormap.replace" not in ptx
 
 
 def test_persistent_varlen_is_refused_by_name(monkeypatch):
@@ -1096,14 +1101,8 @@ def test_persistent_varlen_is_refused_by_name(monkeypatch):
         pg.prefill_paged(q, kc, vc, cu_q, lens, table, None, True, 0.125, settings=one)
     with pytest.raises(ValueError, match=r"CONSUMERS=1: the one-consumer build covers fixed"):
         pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True, page=64)
-    with pytest.raises(ValueError, match=r"ctas_per_sm=3 with varlen_bounded_v: the packed"):
-        pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, True, 0.125, settings=one)
-    with pytest.raises(ValueError, match=r"ctas_per_sm=3 with varlen_bounded_v"):
-        pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True)
     assert rec.launches == []
-    for d in (64, 128):  # packs take the two-CTA builds
-        pg.compile_spec(head_dim=d, causal=True, varlen=True,
-                        settings=pg.settings_for(d, True, **pg.VARLEN_ONE_CONSUMER[d]))
+    pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True)  # packs take it
 
 
 # --------------------------------------------------------------------------- sm_90 GPU
@@ -1372,7 +1371,7 @@ def test_sm90_varlen_writes_only_its_rows(head_dim, causal, build):
     q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, torch.bfloat16,
                                 "cuda", seed=3)
     scale = head_dim ** -0.5
-    s = pg.settings_for(head_dim, causal, **(pg.VARLEN_ONE_CONSUMER[head_dim]
+    s = pg.settings_for(head_dim, causal, **(pg.ONE_CONSUMER[head_dim]
                                              if build == "one-consumer" else {}))
     full, full_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale,
                                        settings=s)
@@ -1388,23 +1387,27 @@ def test_sm90_varlen_writes_only_its_rows(head_dim, causal, build):
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("build", ["default", "one-consumer"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
-def test_sm90_varlen_a_neighbours_nonfinite_v_stays_out(head_dim, causal):
+def test_sm90_varlen_a_neighbours_nonfinite_v_stays_out(head_dim, causal, build):
     """The default varlen build (varlen_bounded_v): with NaN and Inf in every row of k and
     v but one sequence's, that sequence's rows equal its own launch's on clean keys (a
     sequence must not see another request's values, whatever they hold); on finite inputs
     it equals the build with the setting off bit for bit. The build with it off (pack-wide
     V descriptor) does not pass the first part: its last key tile adds 0 * v for the next
-    sequence's rows (notes/prefill_gluon.md)."""
+    sequence's rows (notes/prefill_gluon.md). The default build bounds V by a descriptor
+    made on the device, the one-consumer build by zeroing the rows in shared memory."""
     q_lens, kv_lens = VARLEN_PACKS["mix"]
     q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, torch.bfloat16,
                                 "cuda", seed=5)
     scale = head_dim ** -0.5
-    bounded = pg.settings_for(head_dim, causal)
+    over = pg.ONE_CONSUMER[head_dim] if build == "one-consumer" else {}
+    bounded = pg.settings_for(head_dim, causal, **over)
     assert bounded.varlen_bounded_v
     base = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale,
-                             settings=pg.settings_for(head_dim, causal, varlen_bounded_v=False))
+                             settings=pg.settings_for(head_dim, causal, varlen_bounded_v=False,
+                                                      **over))
     mine = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale, settings=bounded)
     assert torch.equal(mine[0], base[0]) and torch.equal(mine[1], base[1])
     bq, bk = cu_q.tolist(), cu_k.tolist()
@@ -1485,15 +1488,15 @@ def test_sm90_compact_varlen_equals_the_plain_grid(pack, head_dim, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("pack, head_dim, causal", VARLEN_GPU_CASES)
 def test_sm90_varlen_one_consumer_numerics(pack, head_dim, causal, dtype):
-    """The one-consumer build on packs (VARLEN_ONE_CONSUMER: 64-row tiles, two CTAs an
-    SM): against the float64 reference per sequence and at every boundary, the tile
+    """The one-consumer build on packs (ONE_CONSUMER: 64-row tiles, two or three CTAs an
+    SM, V's rows past a sequence's keys zeroed by the consumer): against the float64 reference per sequence and at every boundary, the tile
     table's launch bit for bit the plain grid's, max_seqlen given or omitted, over reruns."""
     from wsattn import reference
     q_lens, kv_lens = VARLEN_PACKS[pack]
     q, k, v, cu_q, cu_k = _pack(q_lens, kv_lens, VARLEN_HQ, VARLEN_HKV, head_dim, dtype, "cuda",
                                 seed=len(q_lens) + head_dim + 2)
     scale = head_dim ** -0.5
-    s = pg.settings_for(head_dim, causal, **pg.VARLEN_ONE_CONSUMER[head_dim])
+    s = pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
     plain = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal, scale,
                               settings=replace(s, compact_varlen=False))
     for max_q in (max(q_lens), None, max(q_lens)):

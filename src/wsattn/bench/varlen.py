@@ -45,7 +45,7 @@ Columns (``impl``):
   the default bounds it by a descriptor of the sequence's own rows), the same way: the A/B
   of that setting's cost.
 * ``wsattn-gluon-one-consumer``: the Gluon kernel's one-consumer build for packs
-  (``prefill_gluon.VARLEN_ONE_CONSUMER``: 64-row tiles, two CTAs an SM), for the pack
+  (``prefill_gluon.ONE_CONSUMER``: 64-row tiles, two or three CTAs an SM), for the pack
   through ``prefill_gluon.prefill_varlen`` and for the batch through
   ``prefill_gluon.prefill``, both with those settings: the build against ``wsattn-gluon``
   and ``wsattn-triton`` on packs of short sequences.
@@ -105,11 +105,11 @@ BACKENDS = {"wsattn": "auto", "wsattn-triton": "triton", "wsattn-gluon": "gluon"
             "wsattn-gluon-plain": "gluon", "wsattn-gluon-packorder": "gluon",
             "wsattn-gluon-unbounded": "gluon", "wsattn-gluon-one-consumer": "gluon"}
 # the Gluon columns that call prefill_varlen with settings of their own (the one-consumer
-# build's depend on the head dim: prefill_gluon.VARLEN_ONE_CONSUMER)
+# build's depend on the head dim: prefill_gluon.ONE_CONSUMER)
 GLUON_SETTINGS = {"wsattn-gluon-plain": {"compact_varlen": False},
                   "wsattn-gluon-packorder": {"varlen_longest_first": False},
                   "wsattn-gluon-unbounded": {"varlen_bounded_v": False},
-                  "wsattn-gluon-one-consumer": "VARLEN_ONE_CONSUMER"}
+                  "wsattn-gluon-one-consumer": "ONE_CONSUMER"}
 
 
 def gluon_settings(impl: str, head_dim: int, causal: bool):

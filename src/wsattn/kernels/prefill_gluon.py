@@ -256,14 +256,6 @@ ONE_CONSUMER = {128: {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": Fals
                      "STAGES": 3, "UNROLL": False, "ONE_LOOP": False}}
 
 
-# Packs on the one-consumer build: two CTAs an SM at both head dims (at three the packed
-# build faulted, _refuse_persistent_varlen), so D64 takes the 3 x 128-key ring of the
-# fixed-length two-CTA build.
-VARLEN_ONE_CONSUMER = {128: ONE_CONSUMER[128],
-                       64: {"CONSUMERS": 1, "BLOCK_N": 128, "STAGES": 3, "UNROLL": False,
-                            "ONE_LOOP": False}}
-
-
 @functools.lru_cache(maxsize=None)
 def _default_settings(head_dim: int, causal: bool, schedule: str = "") -> GluonSettings:
     # asked on every launch: built (and checked) once per (head dim, mask, schedule)
@@ -322,7 +314,7 @@ def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: in
 
 def _refuse_persistent_varlen(s: GluonSettings, paged: bool = False) -> None:
     """The fixed-length-only settings, refused by name for the varlen and paged builds
-    (the one-consumer build, which packs take at two CTAs an SM, for the paged one)."""
+    (the one-consumer build, which packs take, for the paged one)."""
     if s.persistent:
         raise ValueError("settings.persistent=True: the persistent schedule covers "
                          "fixed-length prefill only (a varlen walk measured slower, "
@@ -331,13 +323,6 @@ def _refuse_persistent_varlen(s: GluonSettings, paged: bool = False) -> None:
         raise ValueError("settings.CONSUMERS=1: the one-consumer build covers fixed-length "
                          "and packed prefill only (neither timed nor tested on pages); use "
                          "CONSUMERS=2 or 3 for prefill_paged")
-    if s.ctas_per_sm > 2 and s.varlen_bounded_v:
-        # on the H200 every launch with many CTAs failed with a misaligned shared address
-        # (at two CTAs an SM, or without the bound, the same packs ran clean); the cause
-        # is not found (notes/prefill_gluon.md, "Packs on the one-consumer build")
-        raise ValueError(f"settings.ctas_per_sm={s.ctas_per_sm} with varlen_bounded_v: the "
-                         f"packed build's device-made V descriptor faults at three CTAs an "
-                         f"SM; use ctas_per_sm=2 (VARLEN_ONE_CONSUMER) for prefill_varlen")
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):

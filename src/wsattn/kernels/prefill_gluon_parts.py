@@ -379,13 +379,16 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
                     o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     PINGPONG: gl.constexpr, UNROLL: gl.constexpr, VARLEN: gl.constexpr,
-                    PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr):
+                    PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr, ZERO_V_TAIL: gl.constexpr):
     """This warpgroup's tiles [0, n_mine) (n_mine >= 1; tiles [0, n_mine_full) unmasked),
     O and LSE stored, Q released. Sq, Sk are this sequence's lengths; rows count from its
     first query (row q0 of the descriptors); lse_stride is the LSE's row length (the
     kernel's Sq). r0, pp0: as in _release_tiles. ONE_LOOP: the masked tiles run in the
     unmasked tiles' loop body with the mask applied at run time, one copy of the step's
-    code instead of two (faster at D64 causal; notes/prefill_gluon.md)."""
+    code instead of two (faster at D64 causal; notes/prefill_gluon.md). ZERO_V_TAIL: the
+    last V tile's rows past the Sk keys (the next sequence's, loaded by the pack-wide
+    descriptor) are set to 0 before its PV, so that a non-finite value there cannot turn
+    0 * v into NaN; a tile that ends past the keys is always the warpgroup's last."""
     dtype: gl.constexpr = q_smem.dtype
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # Prologue: S(0) and its softmax (always masked: one tile, maybe the diagonal).
@@ -423,6 +426,10 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
     r_last = r0 + n_mine - 1
     s_last = r_last % STAGES
     mbarrier.wait(v_ready.index(s_last), (r_last // STAGES) & 1)
+    if ZERO_V_TAIL:
+        tail = Sk - (n_mine - 1) * BLOCK_N  # keys of the last tile inside the sequence
+        if tail < BLOCK_N:
+            _zero_rows_from(v2.index(s_last), tail, BLOCK_N, D)
     acc = warpgroup_mma(p_op, v2.index(s_last), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(kv_empty.index(s_last))
@@ -444,6 +451,19 @@ def _compute_q_tile(r0, pp0, n_mine_full, n_mine, off_b, off_h, q0, m_row0, rows
              mask=rows < Sq)
     tma.store_wait(0)
     mbarrier.arrive(q_empty)  # the O store has read the Q buffer
+
+
+@gluon.jit
+def _zero_rows_from(buf, first, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """Rows [first, BLOCK_N) of the [BLOCK_N, D] shared tile buf set to 0 by the calling
+    warpgroup (a select, so NaN and Inf go too), fenced for the async proxy that the next
+    wgmma reads it through."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    tile = buf.load(layout)
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    buf.store(gl.where(gl.expand_dims(r < first, 1), tile, gl.zeros_like(tile)))
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's rows stored before the warpgroup's wgmma
 
 
 @gluon.jit
@@ -483,13 +503,17 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
               D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               PINGPONG: gl.constexpr, UNROLL: gl.constexpr, CONSUMERS: gl.constexpr,
               WG_TILES: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr,
-              PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr, PAGE: gl.constexpr):
+              PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr, PAGE: gl.constexpr,
+              BOUNDED_V: gl.constexpr):
     """One consumer warpgroup: rows [start_m * BLOCK_M + WG * 64, + 64) of the CTA's tile,
     or (PERSISTENT) of each tile the schedule gives the CTA (_persistent_tile).
 
     WG_TILES: each warpgroup computes only the K/V tiles its own rows need
     (_wg_tile_counts) and just releases the rest; otherwise all walk the CTA's tiles.
-    With PINGPONG the warpgroups take GEMM turns round-robin (0, 1, ..., CONSUMERS - 1)."""
+    With PINGPONG the warpgroups take GEMM turns round-robin (0, 1, ..., CONSUMERS - 1).
+    BOUNDED_V with one consumer (VARLEN): the consumer zeroes the rows of its last V tile
+    past the sequence's keys itself (_compute_q_tile), the producer loading that tile
+    through the pack-wide descriptor."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -516,7 +540,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                             q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready, kv_empty,
                             turn_mine, turn_other, o_desc, o_ptr, lse_ptr, Sq, Hq, qk_scale,
                             s_layout, o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
-                            PINGPONG, UNROLL, WG_TILES, VARLEN, PACK_P, ONE_LOOP)
+                            PINGPONG, UNROLL, WG_TILES, VARLEN, PACK_P, ONE_LOOP, False)
             r0 += n_total
     else:
         start_m, off_b, off_h, q0, k0, q_len, kv_len = _tile(gl.program_id(0), n_m, Sq, Sk, Hq,
@@ -531,7 +555,8 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         q_smem, k2, v2, q_bar, q_empty, k_ready, v_ready, kv_empty, turn_mine,
                         turn_other, o_desc, o_ptr, lse_ptr, lse_stride, Hq, qk_scale, s_layout,
                         o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG,
-                        UNROLL, WG_TILES, VARLEN, PACK_P, ONE_LOOP)
+                        UNROLL, WG_TILES, VARLEN, PACK_P, ONE_LOOP,
+                        VARLEN and BOUNDED_V and CONSUMERS == 1)
 
 
 @gluon.jit
@@ -542,7 +567,8 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
                     p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                     PINGPONG: gl.constexpr, UNROLL: gl.constexpr, WG_TILES: gl.constexpr,
-                    VARLEN: gl.constexpr, PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr):
+                    VARLEN: gl.constexpr, PACK_P: gl.constexpr, ONE_LOOP: gl.constexpr,
+                    ZERO_V_TAIL: gl.constexpr):
     """This warpgroup's part of one query tile (row block start_m of (off_b, off_h), the
     CTA's tile_i-th; its n_total K/V tiles, the first n_full unmasked, from ring index r0).
 
@@ -568,7 +594,7 @@ def _consume_q_tile(WG: gl.constexpr, start_m, off_b, off_h, q0, q_len, kv_len, 
                         q_smem, k2, v2, q_empty, k_ready, v_ready, kv_empty, turn_mine,
                         turn_other, o_desc, o_ptr, lse_ptr, lse_stride, q_len, kv_len, Hq,
                         qk_scale, s_layout, o_layout, p_layout, BLOCK_N, D, STAGES, CAUSAL,
-                        PINGPONG, UNROLL, VARLEN, PACK_P, ONE_LOOP)
+                        PINGPONG, UNROLL, VARLEN, PACK_P, ONE_LOOP, ZERO_V_TAIL)
     else:
         mbarrier.arrive(q_empty)  # rows all past Sq, or (VARLEN) no keys: no Q read
         if VARLEN:
@@ -637,10 +663,12 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
 
     BOUNDED_V (varlen): the pack-wide V descriptor would fill a key tile that ends past
     the sequence with the next sequence's rows, whose probabilities are 0 but whose values
-    a NaN or Inf turns into NaN through 0 * v. So a tile that ends past the sequence's
-    kv_len keys loads V through a descriptor made here over the sequence's own rows
-    (v_rows, the packed [Tk, Hkv * D] values, from row k0), whose bounds TMA zero-fills
-    past. K needs none: its scores are masked by a select.
+    a NaN or Inf turns into NaN through 0 * v. So with several consumers a tile that ends
+    past the sequence's kv_len keys loads V through a descriptor made here over the
+    sequence's own rows (v_rows, the packed [Tk, Hkv * D] values, from row k0), whose
+    bounds TMA zero-fills past; the one consumer of a one-consumer build zeroes those rows
+    itself (_zero_rows_from), since that build, several CTAs an SM, faulted on the H200
+    with the descriptor made here. K needs none: its scores are masked by a select.
 
     PAGE (the paged build): K/V from the cache through the sequence's block-table row
     bt_row (_load_paged_kv)."""
@@ -669,7 +697,7 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
         _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc, v_rows,
                        page_stride, v_row_len, k_smem, v_smem, k_ready, v_ready, kv_empty,
                        BLOCK_N, D, STAGES, PAGE)
-    elif BOUNDED_V:
+    elif BOUNDED_V and CONSUMERS > 1:  # (one consumer zeroes V's tail rows itself)
         n_inside = gl.minimum(n_total, kv_len // BLOCK_N)  # tiles that end inside the keys
         for j in range(j0, n_inside):
             _load_kv(r0 + j, k0 + j * BLOCK_N, off_b, off_hkv, k_desc, v_desc, k_smem, v_smem,
@@ -906,7 +934,7 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP, PAGE)),
+                         PACK_P, ONE_LOOP, PAGE, BOUNDED_V)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, ), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
                          n_bh, section, v_rows, block_table, bt_stride, bt_width, page_stride,
@@ -919,12 +947,12 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP, PAGE)),
+                         PACK_P, ONE_LOOP, PAGE, BOUNDED_V)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP, PAGE)),
+                         PACK_P, ONE_LOOP, PAGE, BOUNDED_V)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem), k_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq, Sk, Hq,
                          n_bh, section, v_rows, block_table, bt_stride, bt_width, page_stride,
@@ -938,17 +966,17 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP, PAGE)),
+                         PACK_P, ONE_LOOP, PAGE, BOUNDED_V)),
             (_consumer, (1, q1_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP, PAGE)),
+                         PACK_P, ONE_LOOP, PAGE, BOUNDED_V)),
             (_consumer, (2, q2_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          kv_empty, turn_bars, o_desc, o_ptr, lse_ptr, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Tq, Hq, n_bh, section, qk_scale, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL,
                          PINGPONG, UNROLL, CONSUMERS, WG_TILES, VARLEN, PERSISTENT,
-                         PACK_P, ONE_LOOP, PAGE)),
+                         PACK_P, ONE_LOOP, PAGE, BOUNDED_V)),
             (_producer, (q_desc, k_desc, v_desc, (q0_smem, q1_smem, q2_smem), k_smem, v_smem,
                          q_bar, q_empty, k_ready, v_ready, kv_empty, cu_q, cu_k, tiles, n_m, Sq,
                          Sk, Hq, n_bh, section, v_rows, block_table, bt_stride, bt_width,

@@ -475,7 +475,8 @@ def test_absent_peers_and_a_refusing_gluon_are_not_available(monkeypatch):
     assert len(rows) == 2 * len(varlen.IMPLS)
     for layout in varlen.LAYOUTS:
         for impl in ("wsattn-gluon", "wsattn-gluon-plain", "wsattn-gluon-packorder",
-                     "wsattn-gluon-unbounded", "wsattn-gluon-one-consumer"):  # checked
+                     "wsattn-gluon-unbounded", "wsattn-gluon-one-consumer",
+                     "wsattn-gluon-multi-consumer"):  # checked
             assert by[(impl, layout)]["status"] == "not available"  # call validates first
             assert "test refusal" in by[(impl, layout)]["reason"]
         for impl in ("wsattn", "wsattn-triton"):

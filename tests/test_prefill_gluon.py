@@ -420,6 +420,36 @@ def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
     assert (kw["BLOCK_M"], kw["CONSUMERS"]) == (s.BLOCK_M, s.CONSUMERS)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
+def test_varlen_launcher_takes_the_one_consumer_build_for_short_packs(monkeypatch, head_dim):
+    """Without settings, prefill_varlen launches the one-consumer build (64-row tiles, the
+    register cap of ONE_CONSUMER's CTAs an SM) where VARLEN_ONE_CONSUMER_UP_TO covers the
+    pack's longest query and key sequences (max_seqlen_q / _k, else Tq / Tk), the default
+    build otherwise (recorded on CPU tensors with the kernel and the tile table's launch
+    replaced; nothing runs)."""
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    monkeypatch.setattr(pg, "varlen_tile_table", lambda cu, n_tiles, *a, **kw:
+                        torch.zeros(2, n_tiles, dtype=torch.int32))
+    monkeypatch.setitem(pg.VARLEN_ONE_CONSUMER_UP_TO, (head_dim, True), 330)
+    q, k, v, cu_q, cu_k = _pack([0, 300, 17, 5], [4, 310, 17, 9], 14, 2, head_dim,
+                                torch.bfloat16)
+    one = pg.settings_for(head_dim, True, **pg.ONE_CONSUMER[head_dim])
+    default = pg.settings_for(head_dim, True)
+    # Tq 322, Tk 340: the packed totals bound the omitted ones
+    for max_q, max_k, want in ((300, 310, one), (None, 310, one), (None, None, default),
+                               (300, None, default), (300, 331, default), (331, 310, default)):
+        pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, max_k, True, 0.125)
+        _, _, kw = rec.launches[-1]
+        assert (kw["CONSUMERS"], kw["BLOCK_M"], kw["BLOCK_N"], kw.get("maxnreg")) == (
+            want.CONSUMERS, want.BLOCK_M, want.BLOCK_N, want.launch_options().get("maxnreg")), \
+            (max_q, max_k)
+    # both omitted, Tq and Tk within the limit
+    monkeypatch.setitem(pg.VARLEN_ONE_CONSUMER_UP_TO, (head_dim, True), 340)
+    pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, True, 0.125)
+    assert rec.launches[-1][2]["CONSUMERS"] == 1
+
+
 @pytest.mark.parametrize("max_q", [None, 300], ids=["omitted", "given"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
@@ -597,10 +627,14 @@ def test_varlen_dispatch_accepts_gluon_and_auto_ranks_by_the_longest_sequence():
         assert "kv_len > 0" in dispatch.reason(
             "gluon", dispatch.Call("prefill", dev, torch.bfloat16, 128, False, 4, 0))
         assert dispatch.resolve("gluon", call) == "gluon"
-        assert dispatch.ranking(call) == ("triton", "gluon")  # seqlen_q 0: short
-        assert dispatch.resolve("auto", call) == "triton"
+        # lengths 0: a pack of short sequences, the one-consumer build
+        assert dispatch.ranking(call) == ("gluon", "triton")
+        assert dispatch.resolve("auto", call) == "gluon"
         long = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True, 4096, 4096)
         assert dispatch.resolve("auto", long) == "gluon"
+        # short queries against long keys: the length table (Triton up to its limit)
+        chunk = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True, 512, 8192)
+        assert dispatch.resolve("auto", chunk) == "triton"
 
 
 def test_ladder_varlen_entry_builds_and_runs_the_varlen_launcher(monkeypatch):
@@ -654,6 +688,36 @@ def test_ladder_varlen_entries_build_the_table_grid_and_the_plain_one(monkeypatc
                          "cpu", torch.Generator().manual_seed(0))
     out, lse = spec.run.run(inp)
     assert calls == [((18, 4, 64), [0, 17, 18], False, False)]
+
+
+def test_ladder_one_consumer_varlen_entry(monkeypatch):
+    """`prefill_gluon_varlen_one_consumer` gates 0-2 on the one-consumer varlen build (the
+    launch's register cap, 64-row tiles); its runner calls prefill_varlen with ONE_CONSUMER
+    of the shape's head dim, and its sanitizer builds are those, one a head dim (recorded;
+    nothing runs)."""
+    from wsattn.evidence import ladder, library
+    spec = library.get("prefill_gluon_varlen_one_consumer")
+    assert not spec.unavailable, spec.unavailable
+    cs = spec.compile_spec(90)
+    assert cs["constexprs"]["CONSUMERS"] == 1 and cs["constexprs"]["BLOCK_M"] == 64
+    assert cs["constexprs"]["VARLEN"] == pg.VARLEN_COMPACT and cs["constexprs"]["CAUSAL"]
+    assert cs["options"]["maxnreg"] == 128
+    r = ladder.climb(spec, "sm_90", ladder.Config(max_gate=2))
+    assert r.highest_gate == 2, r.verdict
+    calls = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, settings=None):
+        calls.append((q.shape[-1], settings.CONSUMERS, settings.ctas_per_sm, causal))
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+    monkeypatch.setattr(pg, "prefill_varlen", varlen)
+    for D in (64, 128):
+        inp = spec.run.build({"Sq": [17, 1], "Sk": [40, 1], "Hq": 4, "Hkv": 2, "D": D}, "bf16",
+                             "cpu", torch.Generator().manual_seed(0))
+        spec.run.run(inp)
+    assert calls == [(64, 1, 3, True), (128, 1, 2, True)]
+    builds = [b for sh in spec.run.sanitizer_shapes for b in spec.run.sanitizer_builds(sh)]
+    assert sorted((b["head_dim"], b["settings"].ctas_per_sm) for b in builds) == [(64, 3),
+                                                                                (128, 2)]
 
 
 def test_api_refuses_gluon_varlen_off_sm90(monkeypatch):
@@ -1255,9 +1319,10 @@ def test_sm90_schedule_variants_numerics(case, variant):
 
 
 def test_auto_prefers_triton_only_where_it_measured_faster():
-    """Varlen packs of short causal queries (and short D=64 ones) go to Triton under
-    impl="auto" on sm_90; the rest, every fixed-length call included, to Gluon (the policy lives in wsattn.dispatch, the one place
-    impl="auto" is resolved)."""
+    """Varlen calls of short causal queries (and short D=64 ones) against longer keys go to
+    Triton under impl="auto" on sm_90; packs whose queries and keys are all short, and the
+    rest, every fixed-length call included, to Gluon (the policy lives in wsattn.dispatch,
+    the one place impl="auto" is resolved)."""
     from wsattn.dispatch import Call, ranking
     dev = torch.device("cuda", 0)
 
@@ -1271,13 +1336,24 @@ def test_auto_prefers_triton_only_where_it_measured_faster():
     assert first(1024, 64, False) == "gluon" and first(4096, 64, False) == "gluon"
     assert first(1024, 64, True) == "gluon" and first(17, 64, True) == "gluon"
     assert first(4096, 64, True) == "gluon"
-    # varlen: the same rule on the longest sequence (max_seqlen_q, else the packed total)
-    def first_varlen(S, D, causal):
-        return ranking(Call("prefill_varlen", dev, torch.bfloat16, D, causal, S, S))[0]
+    # varlen: packs whose longest query and key sequences (max_seqlen_q / _k, else the
+    # packed totals) fit VARLEN_ONE_CONSUMER_UP_TO go to Gluon's one-consumer build; the
+    # length table then ranks by the longest query sequence
+    def first_varlen(Sq, D, causal, Sk=None):
+        return ranking(Call("prefill_varlen", dev, torch.bfloat16, D, causal, Sq,
+                            Sq if Sk is None else Sk))[0]
 
     assert first_varlen(3851, 128, True) == "gluon" and first_varlen(3851, 64, False) == "gluon"
-    assert first_varlen(1024, 128, True) == "triton" and first_varlen(1024, 128, False) == "gluon"
-    assert first_varlen(900, 64, True) == "triton" and first_varlen(900, 64, False) == "triton"
+    for D, causal in ((128, True), (128, False), (64, True), (64, False)):
+        limit = pg.VARLEN_ONE_CONSUMER_UP_TO[(D, causal)]
+        assert first_varlen(limit, D, causal) == "gluon"
+        assert pg.varlen_one_consumer(D, causal, limit, limit)
+        assert not pg.varlen_one_consumer(D, causal, limit, limit + 1)
+        assert not pg.varlen_one_consumer(D, causal, limit + 1, limit)
+    assert first_varlen(1024, 128, True, 4096) == "triton"
+    assert first_varlen(1024, 128, False, 4096) == "gluon"
+    assert first_varlen(900, 64, True, 2000) == "triton"
+    assert first_varlen(900, 64, False, 2000) == "triton"
     assert ranking(Call("prefill_varlen", dev, torch.bfloat16, 128, True, 3851, 3851)) == \
         ("gluon", "triton")
 

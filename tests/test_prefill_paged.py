@@ -456,6 +456,11 @@ def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
     assert dispatch.paged_gather(call(64), 1, "triton")  # Triton's own rule: the gather
     short = dispatch.VARLEN_TRITON_FASTER_UP_TO[(128, True)]
     assert dispatch.paged_gather(call(64, chunk=short), 1, "auto")  # then Triton varlen
+    # the varlen length table decides, not the one-consumer route of short packs (which
+    # would rank the gathered call of a short chunk over short keys Gluon)
+    assert dispatch.paged_gather(dispatch.Call("prefill_paged", dev, torch.bfloat16, 128, True,
+                                               seqlen_q=64, seqlen_k=64, page_size=64,
+                                               tma_pages=True), 1, "auto")
     assert not dispatch.paged_gather(call(64, chunk=short + 1), 1, "auto")
     assert not dispatch.paged_gather(call(64, chunk=short), 1, "gluon")
     assert not dispatch.paged_gather(call(16), 1 << 40, "auto")  # too large: in place

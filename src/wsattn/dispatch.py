@@ -149,8 +149,8 @@ def paged_gather(call: Call, buffer_bytes: int, impl: str = "auto") -> bool:
         return False
     if (impl in ("auto", "gluon") and call.page_size >= PAGED_IN_PLACE_FROM_PAGE
             and _gluon_supports(call) is None):
-        # "auto": in place where the varlen rule would run the gathered call on Gluon
-        if impl == "gluon" or ranking(replace(call, op="prefill_varlen"))[0] == "gluon":
+        # "auto": in place where the varlen tables would run the gathered call on Gluon
+        if impl == "gluon" or _table_ranking(replace(call, op="prefill_varlen"))[0] == "gluon":
             return False
     return impl == "gluon" or buffer_bytes <= PAGED_GATHER_MAX_BYTES
 
@@ -160,6 +160,18 @@ def ranking(call: Call) -> tuple[str, ...]:
     if call.device.type != "cuda":
         # CPU: the kernels only under the interpreter (a test mode), else the reference
         return ("triton", "reference") if interpreting() else ("reference",)
+    if call.op == "prefill_varlen":
+        from .kernels import prefill_gluon
+        if prefill_gluon.varlen_one_consumer(call.head_dim, call.causal, call.seqlen_q,
+                                             call.seqlen_k):
+            return ("gluon", "triton")  # a pack of short sequences: the one-consumer build
+    return _table_ranking(call)
+
+
+def _table_ranking(call: Call) -> tuple[str, ...]:
+    """The length tables' order (TRITON_FASTER_UP_TO, VARLEN_TRITON_FASTER_UP_TO) for a
+    CUDA prefill call; the paged rule asks it of the gathered call as the tables had it
+    when that rule was measured."""
     if call.op in ("prefill", "prefill_varlen"):
         table = TRITON_FASTER_UP_TO if call.op == "prefill" else VARLEN_TRITON_FASTER_UP_TO
         limit = table.get((call.head_dim, bool(call.causal)), 0)

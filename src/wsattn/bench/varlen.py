@@ -47,8 +47,10 @@ Columns (``impl``):
 * ``wsattn-gluon-one-consumer``: the Gluon kernel's one-consumer build for packs
   (``prefill_gluon.ONE_CONSUMER``: 64-row tiles, two or three CTAs an SM), for the pack
   through ``prefill_gluon.prefill_varlen`` and for the batch through
-  ``prefill_gluon.prefill``, both with those settings: the build against ``wsattn-gluon``
-  and ``wsattn-triton`` on packs of short sequences.
+  ``prefill_gluon.prefill``, both with those settings; ``wsattn-gluon-multi-consumer``
+  the same with the default settings (two or three consumer warpgroups, one CTA an SM),
+  whichever build the launchers' length rules would pick: the two builds side by side,
+  against ``wsattn-triton``, on packs of short sequences.
 * ``torch-fa2``: ``torch.ops.aten._flash_attention_forward`` (torch's FlashAttention-2),
   with cu_seqlens for the pack, dense [B, N, H, D] for the batch; GQA native. The op
   allocates its output itself, so its checked call is made right after a NaN buffer of
@@ -100,16 +102,21 @@ EQ_MULTIPLE = 64  # N_eq is a whole number of 64-token tiles, as the prefill sha
 LAYOUTS = ("varlen", "equal")
 IMPLS = ("wsattn", "wsattn-triton", "wsattn-gluon", "wsattn-gluon-plain",
          "wsattn-gluon-packorder", "wsattn-gluon-unbounded", "wsattn-gluon-one-consumer",
-         "torch-fa2", "flashinfer-fa3", "flashinfer-fa2", "fa4")
+         "wsattn-gluon-multi-consumer", "torch-fa2", "flashinfer-fa3", "flashinfer-fa2", "fa4")
 BACKENDS = {"wsattn": "auto", "wsattn-triton": "triton", "wsattn-gluon": "gluon",
             "wsattn-gluon-plain": "gluon", "wsattn-gluon-packorder": "gluon",
-            "wsattn-gluon-unbounded": "gluon", "wsattn-gluon-one-consumer": "gluon"}
+            "wsattn-gluon-unbounded": "gluon", "wsattn-gluon-one-consumer": "gluon",
+            "wsattn-gluon-multi-consumer": "gluon"}
 # the Gluon columns that call prefill_varlen with settings of their own (the one-consumer
 # build's depend on the head dim: prefill_gluon.ONE_CONSUMER)
 GLUON_SETTINGS = {"wsattn-gluon-plain": {"compact_varlen": False},
                   "wsattn-gluon-packorder": {"varlen_longest_first": False},
                   "wsattn-gluon-unbounded": {"varlen_bounded_v": False},
-                  "wsattn-gluon-one-consumer": "ONE_CONSUMER"}
+                  "wsattn-gluon-one-consumer": "ONE_CONSUMER",
+                  "wsattn-gluon-multi-consumer": {}}
+# of those, the builds (not varlen-only settings): their batch runs prefill_gluon.prefill
+# with the same settings
+BUILD_COLUMNS = ("wsattn-gluon-one-consumer", "wsattn-gluon-multi-consumer")
 
 
 def gluon_settings(impl: str, head_dim: int, causal: bool):
@@ -426,7 +433,7 @@ def _wsattn(case: VarlenCase, impl: str, layout: str, inp) -> Prepared:
         def call():
             return wsattn.attention(inp.q, inp.k, inp.v, case.causal, inp.scale, impl=backend)
 
-        if impl == "wsattn-gluon-one-consumer":  # a build of the fixed-length kernel too
+        if impl in BUILD_COLUMNS:  # a build of the fixed-length kernel too
             from wsattn.kernels import prefill_gluon as pg
             settings = gluon_settings(impl, case.D, case.causal)
             api_call = call

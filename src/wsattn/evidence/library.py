@@ -74,10 +74,12 @@ def _prefill_runner(causal, impl, build=None):
     def run(inp):
         import wsattn
         if build:  # Gluon varlen builds that are kernel settings, not API choices: the
-            # plain grid (the fallback of packs the tile table cannot hold)
+            # plain grid (the fallback of packs the tile table cannot hold), the one-consumer
+            # build (settings by head dim)
             from ..kernels import prefill_gluon
             q = inp["q"]
-            s = prefill_gluon.settings_for(q.shape[-1], causal, **build)
+            over = build(q.shape[-1]) if callable(build) else build
+            s = prefill_gluon.settings_for(q.shape[-1], causal, **over)
             return prefill_gluon.prefill_varlen(q, inp["k"], inp["v"], inp["cu_q"], inp["cu_k"],
                                                 None, None, causal, 1.0 / math.sqrt(q.shape[-1]),
                                                 settings=s)
@@ -139,8 +141,18 @@ def _gluon_prefill_builds(causal):
     return builds
 
 
+def _one_consumer_builds(causal):
+    """The one-consumer varlen builds a sanitizer shape launches: ONE_CONSUMER of its head
+    dim (each its own shared-memory layout, so its own warp-dispatch bytes)."""
+    def builds(shape):
+        from ..kernels import prefill_gluon
+        return [{"head_dim": shape["D"], "settings": prefill_gluon.settings_for(
+            shape["D"], causal, **prefill_gluon.ONE_CONSUMER[shape["D"]])}]
+    return builds
+
+
 def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only_ccs=None,
-                   plain=False):
+                   plain=False, one_consumer=False):
     kwargs = {"head_dim": 128, "dtype": "bf16", "causal": causal}
     build = {}
     if varlen:
@@ -148,6 +160,11 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
     if plain:
         kwargs["plain_grid"] = True
         build["compact_varlen"] = False
+    if one_consumer:  # varlen: the build packs of short sequences take
+        from ..kernels import prefill_gluon
+        kwargs["settings"] = prefill_gluon.settings_for(128, causal,
+                                                        **prefill_gluon.ONE_CONSUMER[128])
+        build = prefill_gluon.ONE_CONSUMER.__getitem__
     run = RunSpec(draw_shape=_draw_prefill(causal, varlen, 128), build=_build_prefill,
                   run=_prefill_runner(causal, impl, build),
                   reference=_prefill_reference(causal),
@@ -157,11 +174,12 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                   profile_shapes=() if varlen else (
                       {"B": 4, "Sq": 4096, "Sk": 4096, "Hq": 16, "Hkv": 16, "D": 128},),
                   sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill,
-                  sanitizer_builds=_gluon_prefill_builds(causal)
-                  if impl == "gluon" and not varlen else None)
+                  sanitizer_builds=_one_consumer_builds(causal) if one_consumer else
+                  _gluon_prefill_builds(causal) if impl == "gluon" and not varlen else None)
     desc = f"{'Gluon' if impl == 'gluon' else 'Triton'} prefill, D=128 bf16" + \
         (", causal" if causal else "") + (", varlen" if varlen else "") + \
-        (", plain grid (no tile table)" if plain else "")
+        (", plain grid (no tile table)" if plain else "") + \
+        (", one-consumer build (64-row tiles, several CTAs an SM)" if one_consumer else "")
     return name, module, "compile_spec", kwargs, run, desc, only_ccs
 
 
@@ -998,6 +1016,8 @@ ENTRIES = (
                    only_ccs=(90,)),
     _prefill_entry("prefill_gluon_varlen_plain", "wsattn.kernels.prefill_gluon", varlen=True,
                    impl="gluon", only_ccs=(90,), plain=True),
+    _prefill_entry("prefill_gluon_varlen_one_consumer", "wsattn.kernels.prefill_gluon",
+                   causal=True, varlen=True, impl="gluon", only_ccs=(90,), one_consumer=True),
     _gemv_entry("gemv_norm_silu", "norm_silu"),
     _gemv_entry("gemv_residual", "residual"),
     _gemv_entry("gemv_splitk", "residual", split=True),

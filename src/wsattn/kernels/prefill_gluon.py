@@ -256,6 +256,27 @@ ONE_CONSUMER = {128: {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": Fals
                      "STAGES": 3, "UNROLL": False, "ONE_LOOP": False}}
 
 
+# Packs whose every query and key sequence is at most this many rows take the one-consumer
+# build too (ONE_CONSUMER; max_seqlen_q / max_seqlen_k where given, else the pack's token
+# counts, bound them): a pack of short sequences is the short fixed-length case many times
+# over, each CTA's fill and tail paid at once by all its warpgroups, one short sequence
+# after another. A short query chunk against long keys keeps the default build (the
+# one-consumer build lost from N = 4k on, fixed length). H200 (`wsattn bench varlen
+# --varlen-heads gqa --varlen-lengths 64 1024`, 16k tokens, GQA 32/8; notes/prefill_gluon.md,
+# "Packs on the one-consumer build").
+VARLEN_ONE_CONSUMER_UP_TO = {(128, True): 1024, (128, False): 1024, (64, True): 1024,
+                             (64, False): 1024}
+
+
+def varlen_one_consumer(head_dim: int, causal: bool, max_seqlen_q: int,
+                        max_seqlen_k: int) -> bool:
+    """Whether a pack (its longest query and key sequences, or bounds of them) takes the
+    one-consumer build by default (VARLEN_ONE_CONSUMER_UP_TO); the dispatcher's rule and
+    prefill_varlen both ask this."""
+    limit = VARLEN_ONE_CONSUMER_UP_TO.get((head_dim, bool(causal)), 0)
+    return max(int(max_seqlen_q), int(max_seqlen_k)) <= limit
+
+
 @functools.lru_cache(maxsize=None)
 def _default_settings(head_dim: int, causal: bool, schedule: str = "") -> GluonSettings:
     # asked on every launch: built (and checked) once per (head dim, mask, schedule)
@@ -379,8 +400,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
             their sequence's end exit at once under settings.compact_varlen=False; with
             the default True (and a pack the tile table holds) at most
             cdiv(Tq, BLOCK_M) + batch a head, from a tile table built on the device.
-            max_seqlen_k: unused (the key tiles come from each sequence's own length),
-            taken for the launchers' common signature.
+            max_seqlen_k: the longest key sequence or an upper bound (None: Tk); the key
+            tiles come from each sequence's own length. Without settings, packs whose
+            bounds both fall within VARLEN_ONE_CONSUMER_UP_TO take the one-consumer build.
         causal: bottom-right aligned per sequence (query i sees keys j <= i + kv_len -
             q_len; needs q_len <= kv_len).
         sm_scale: softmax scale.
@@ -399,7 +421,12 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """
     Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[0], k.shape[1]
-    s = _resolve(settings, D, causal)
+    if settings is None and varlen_one_consumer(
+            D, causal, Tq if max_seqlen_q is None else max_seqlen_q,
+            Tk if max_seqlen_k is None else max_seqlen_k):
+        s = _default_settings(D, bool(causal), "one_consumer")
+    else:
+        s = _resolve(settings, D, causal)
     _refuse_persistent_varlen(s)
     out, lse, n_seq, max_q = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q)
     if max_q == 0:

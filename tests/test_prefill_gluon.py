@@ -1513,7 +1513,9 @@ def test_sm90_paged_equals_varlen_on_the_packed_keys(pack, head_dim, causal, pag
     sequence's pages -1): out and LSE bit for bit prefill_varlen's on the same keys packed
     (the same tiles in the same order; V past a sequence's keys is zeros here and the next
     sequence's rows there, both times a probability of 0), over reruns, and within
-    tolerance of float64. Written, not yet run."""
+    tolerance of float64. The varlen launch takes the paged launcher's build explicitly:
+    without settings a pack of short sequences would take the one-consumer build, whose
+    64-key tiles add in another order."""
     from wsattn import reference
     q_lens, kv_lens = VARLEN_PACKS[pack]
     dtype = torch.bfloat16
@@ -1521,7 +1523,8 @@ def test_sm90_paged_equals_varlen_on_the_packed_keys(pack, head_dim, causal, pag
                                 seed=len(q_lens) + head_dim + page)
     kc, vc, table, lens = _paged(k, v, kv_lens, page, seed=page)
     scale = head_dim ** -0.5
-    want = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale)
+    want = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale,
+                             settings=pg.settings_for(head_dim, causal))
     for max_q in (None, max(q_lens)):
         got = pg.prefill_paged(q, kc, vc, cu_q, lens, table, max_q, causal, scale)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), max_q

@@ -424,30 +424,32 @@ def test_varlen_launcher_grid_and_arguments(monkeypatch, head_dim, max_q):
 def test_varlen_launcher_takes_the_one_consumer_build_for_short_packs(monkeypatch, head_dim):
     """Without settings, prefill_varlen launches the one-consumer build (64-row tiles, the
     register cap of ONE_CONSUMER's CTAs an SM) where VARLEN_ONE_CONSUMER_UP_TO covers the
-    pack's longest query and key sequences (max_seqlen_q / _k, else Tq / Tk), the default
+    pack's longest query and key sequences (max_seqlen_q / _k at most Tq / Tk, else those
+    totals), the default
     build otherwise (recorded on CPU tensors with the kernel and the tile table's launch
     replaced; nothing runs)."""
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     monkeypatch.setattr(pg, "varlen_tile_table", lambda cu, n_tiles, *a, **kw:
                         torch.zeros(2, n_tiles, dtype=torch.int32))
-    monkeypatch.setitem(pg.VARLEN_ONE_CONSUMER_UP_TO, (head_dim, True), 330)
+    monkeypatch.setitem(pg.VARLEN_ONE_CONSUMER_UP_TO, (head_dim, True), 315)
     q, k, v, cu_q, cu_k = _pack([0, 300, 17, 5], [4, 310, 17, 9], 14, 2, head_dim,
                                 torch.bfloat16)
     one = pg.settings_for(head_dim, True, **pg.ONE_CONSUMER[head_dim])
     default = pg.settings_for(head_dim, True)
     # Tq 322, Tk 340: the packed totals bound the omitted ones
-    for max_q, max_k, want in ((300, 310, one), (None, 310, one), (None, None, default),
-                               (300, None, default), (300, 331, default), (331, 310, default)):
+    for max_q, max_k, want in ((300, 310, one), (None, 310, default), (300, None, default),
+                               (300, 316, default), (316, 310, default)):
         pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, max_k, True, 0.125)
         _, _, kw = rec.launches[-1]
         assert (kw["CONSUMERS"], kw["BLOCK_M"], kw["BLOCK_N"], kw.get("maxnreg")) == (
             want.CONSUMERS, want.BLOCK_M, want.BLOCK_N, want.launch_options().get("maxnreg")), \
             (max_q, max_k)
-    # both omitted, Tq and Tk within the limit
+    # Tq and Tk within the limit: omitted bounds, or bounds past them (clamped to them)
     monkeypatch.setitem(pg.VARLEN_ONE_CONSUMER_UP_TO, (head_dim, True), 340)
-    pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, True, 0.125)
-    assert rec.launches[-1][2]["CONSUMERS"] == 1
+    for max_q, max_k in ((None, None), (10 ** 6, 10 ** 6)):
+        pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, max_k, True, 0.125)
+        assert rec.launches[-1][2]["CONSUMERS"] == 1
 
 
 @pytest.mark.parametrize("max_q", [None, 300], ids=["omitted", "given"])
@@ -1424,8 +1426,10 @@ def test_sm90_varlen_numerics(pack, head_dim, causal, dtype):
     ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale)
     assert out.shape == q.shape and lse.shape == (VARLEN_HQ, q.shape[0])
     _assert_varlen_close(out, lse, ref, ref_lse, cu_q, dtype)
+    # default sm_scale and max_seqlen (these packs' bounds and totals fall on the same side
+    # of VARLEN_ONE_CONSUMER_UP_TO, so the same build runs)
     omitted = wsattn.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True,
-                                      impl="gluon")  # default sm_scale and max_seqlen
+                                      impl="gluon")
     assert torch.equal(omitted[0], out) and torch.equal(omitted[1], lse)
     for _ in range(3):
         again, again_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal,

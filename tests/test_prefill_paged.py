@@ -642,7 +642,9 @@ def test_gpu_tma_switch_matches_float64_and_reruns_bitwise(head_dim):
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gpu_gather_matches_float64_and_the_varlen_kernel_bitwise(case, dtype, impl):
     """gather=True on the GPU: within tolerance of float64, bit-identical reruns, and bit
-    for bit attention_varlen (same backend) on the same keys laid out packed."""
+    for bit attention_varlen (same backend) on the same keys laid out packed, given the
+    bounds the gathered call has (all query rows; the block table's width in keys), from
+    which the Gluon launcher picks its build."""
     lq, lk, Hq, Hkv, D, page, causal = case
     why = dispatch.reason(impl, dispatch.Call("prefill_varlen", torch.device("cuda"), dtype, D,
                                               causal))
@@ -654,8 +656,10 @@ def test_gpu_gather_matches_float64_and_the_varlen_kernel_bitwise(case, dtype, i
     _check(out, lse, x, case, dtype)
     again, lse2 = wsattn.attention_paged(*_args(x), **kw)
     assert torch.equal(out, again) and torch.equal(lse, lse2)
+    cap = x["block_table"].shape[1] * page
     ref, ref_lse = wsattn.attention_varlen(x["q"], x["k"], x["v"], x["cu_seqlens_q"],
-                                           x["cu_seqlens_k"], causal=causal, return_lse=True,
+                                           x["cu_seqlens_k"], max_seqlen_q=x["q"].shape[0],
+                                           max_seqlen_k=cap, causal=causal, return_lse=True,
                                            impl=impl)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
 

@@ -335,7 +335,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
         max_seqlen_q, max_seqlen_k: the longest sequence, or an upper bound. Omitted, the
             kernel's grid covers Tq rows per sequence (no host read; surplus programs
             exit at once); given, it must not be shorter than the longest sequence
-            (checked when values are checked).
+            (checked when values are checked). The bounds (Tq / Tk where omitted) also
+            pick the Gluon build: packs whose bounds both fall within
+            ``prefill_gluon.VARLEN_ONE_CONSUMER_UP_TO`` run its one-consumer build (64-row
+            tiles, several CTAs an SM), so one pack given other bounds may differ in the
+            last bits (each within the kernel's tolerance of float64).
         causal: bool; bottom-right aligned per sequence (each q_len <= its kv_len).
         validate: read cu_seqlens on the host and check them: True, False, or None (the
             default: where free, i.e. CPU tensors, or with WSATTN_VALIDATE=1; see the
@@ -345,7 +349,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
     sequence's output. The Gluon kernel (sm_90) reads each key tile whole by TMA, so a
     sequence's last key tile also spans rows of the sequence packed after it; their scores
     are masked, and that tile's V is loaded through a descriptor bounded at the sequence's
-    own rows (zeros past it), since 0 * v would be NaN for a non-finite v. The Gluon
+    own rows (zeros past it; the one-consumer build zeroes those rows in shared memory
+    instead), since 0 * v would be NaN for a non-finite v. The Gluon
     setting ``varlen_bounded_v=False`` drops that bound (no measurable speed difference on
     the H200) for packs whose values are known finite; the Triton kernel bounds every load.
 

@@ -421,9 +421,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """
     Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[0], k.shape[1]
-    if settings is None and varlen_one_consumer(
-            D, causal, Tq if max_seqlen_q is None else max_seqlen_q,
-            Tk if max_seqlen_k is None else max_seqlen_k):
+    if settings is None and varlen_one_consumer(  # bounds at most the totals, as dispatch
+            D, causal, Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq),
+            Tk if max_seqlen_k is None else min(int(max_seqlen_k), Tk)):
         s = _default_settings(D, bool(causal), "one_consumer")
     else:
         s = _resolve(settings, D, causal)

@@ -103,19 +103,21 @@ SUPPORTS = {"gluon": _gluon_supports, "triton": _triton_supports,
 # side at N = 1024 in three bench processes (bench_prefill_peers_process*_dc1c467): D128
 # causal 1.03-1.10, D64 causal 1.07-1.10; so no fixed-length shape stays with Triton.
 TRITON_FASTER_UP_TO: dict[tuple[int, bool], int] = {}
-# Varlen takes the rule with its longest sequence (Call.seqlen_q: max_seqlen_q, else Tq)
-# in place of Sq, and keeps short calls on Triton up to 1024: the persistent schedule and
-# the one-consumer build are fixed-length defaults only (the varlen launcher takes the
-# two- or three-consumer build), and the one-tile launch only tied or trailed the Triton
-# kernel there (D64 causal 192 vs 271 TFLOP/s, D128 causal 314 vs 354 at N = 1024).
+# Varlen: a pack whose longest query and key sequences (Call.seqlen_q / seqlen_k:
+# max_seqlen_q / _k, else Tq / Tk) both fit prefill_gluon.VARLEN_ONE_CONSUMER_UP_TO goes
+# to Gluon, whose launcher runs its one-consumer build there: on 16k-token packs of
+# lengths 64-1024 (`wsattn bench varlen --varlen-heads gqa --varlen-lengths 64 1024`,
+# GQA 32/8) 1.44-1.62x the Triton kernel that this table gave those packs before. Other
+# varlen calls take this table on the longest query sequence in place of Sq: short query
+# chunks against longer keys stay on Triton up to 1024 (the one-tile Gluon launch only
+# tied or trailed it there: D64 causal 192 vs 271 TFLOP/s, D128 causal 314 vs 354 at
+# N = 1024, fixed length; chunks against long keys unmeasured since).
 VARLEN_TRITON_FASTER_UP_TO = {(64, True): 1024, (128, True): 1024, (64, False): 1024}
 # The Gluon varlen build reached the ladder's sanitizer gate (with the
 # warp-specialize dispatch waiver of the other Gluon builds; ladder_sm90_library.md)
 # and, on the H200, ran 1.10-1.28x the Triton varlen kernel on a 16k-token pack of
 # lengths drawn from 64-8192 (`wsattn bench varlen --varlen-heads gqa`, GQA 32/8: D128
 # causal 433 vs 384 TFLOP/s, full 547 vs 414; D64 causal 318 vs 289, full 422 vs 363).
-# Packs of only short sequences are unmeasured; with max_seqlen_q given, the rule sends
-# them to Triton as it does short fixed-length calls.
 
 
 # Paged prefill (chunked prefill over a paged cache): read the cache in place (the Gluon

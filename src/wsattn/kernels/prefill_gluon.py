@@ -242,7 +242,8 @@ PERSISTENT_UP_TO = {(64, False): 1024}
 # other CTAs' key loops. H200, x cuDNN side by side (notes/prefill_gluon.md, "One consumer,
 # several CTAs an SM"): D128 N = 1024 0.806-0.810 against the two-consumer build's
 # 0.736-0.744 (two processes), N = 2048 0.852-0.858 against 0.894-0.896; D64 N = 2048
-# 0.882-0.900 against the three-consumer build's 0.807-0.828, N = 4096 0.922 against 0.969;
+# 0.882-0.900 against the three-consumer build's 0.807-0.828 (in the bench, three process
+# pairs: 0.371-0.378 ms against 0.408-0.412), N = 4096 0.922 against 0.969;
 # in the bench at N = 1024, x the Triton kernel that ran there before: 1.03-1.10 (D128),
 # 1.07-1.10 (D64), three processes. Not D64 non-causal N = 1024 (the persistent walk's):
 # 3-5 % ahead of the walk side by side in the script's timing, but in the bench's graph
@@ -263,9 +264,10 @@ ONE_CONSUMER = {128: {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": Fals
 # against long keys keeps the default build (the one-consumer build lost from N = 4k on,
 # fixed length). H200, `wsattn bench varlen --varlen-heads gqa` (16k tokens, GQA 32/8),
 # the one-consumer build x the default build side by side: lengths 64-1024 D128 causal /
-# full 1.28 / 1.13, D64 1.69 / 1.40; 64-2048 1.07 / 0.96, 1.40 / 1.02 (notes/prefill_gluon.md,
-# "Packs on the one-consumer build").
-VARLEN_ONE_CONSUMER_UP_TO = {(128, True): 2048, (128, False): 1024, (64, True): 2048,
+# full 1.28 / 1.13, D64 1.69 / 1.40; 64-2048 1.07 / 0.96, 1.40 / 1.02, where the run's two
+# columns of the same default build stood 4 % apart, so only D64 causal moves to 2048
+# (notes/prefill_gluon.md, "Packs on the one-consumer build").
+VARLEN_ONE_CONSUMER_UP_TO = {(128, True): 1024, (128, False): 1024, (64, True): 2048,
                              (64, False): 1024}
 
 

@@ -117,14 +117,6 @@ GLUON_SETTINGS = {"wsattn-gluon-plain": {"compact_varlen": False},
 # of those, the builds (not varlen-only settings): their batch runs prefill_gluon.prefill
 # with the same settings
 BUILD_COLUMNS = ("wsattn-gluon-one-consumer", "wsattn-gluon-multi-consumer")
-
-
-def gluon_settings(impl: str, head_dim: int, causal: bool):
-    """The GluonSettings a GLUON_SETTINGS column launches prefill_varlen with."""
-    from wsattn.kernels import prefill_gluon as pg
-    over = GLUON_SETTINGS[impl]
-    return pg.settings_for(head_dim, causal,
-                           **(getattr(pg, over)[head_dim] if isinstance(over, str) else over))
 WSATTN_IMPLS = tuple(BACKENDS)  # a failure of these exits 1
 TARGET_EQUAL = 0.95  # varlen TFLOP/s >= 0.95x the equal-length batch's, same column
 TARGET_TORCH_FA2 = 1.4  # varlen TFLOP/s >= 1.4x torch's FA2 varlen
@@ -136,6 +128,14 @@ ROW_FIELDS = ("op", "impl", "case", "layout", "dtype", "causal", "heads", "Hq", 
               "q80_ms", "reps", "calls", "timing", "tflops", "matmul_tflops", "frac_matmul",
               "ratio_equal", "ratio_torch_fa2", "target_equal", "target_equal_met",
               "target_torch_fa2", "target_torch_fa2_met")
+
+
+def gluon_settings(impl: str, head_dim: int, causal: bool):
+    """The GluonSettings a GLUON_SETTINGS column launches prefill_varlen with."""
+    from wsattn.kernels import prefill_gluon as pg
+    over = GLUON_SETTINGS[impl]
+    return pg.settings_for(head_dim, causal,
+                           **(getattr(pg, over)[head_dim] if isinstance(over, str) else over))
 
 
 # --------------------------------------------------------------------------- the pack

@@ -177,7 +177,7 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
         from ..kernels import prefill_gluon
         kwargs["settings"] = prefill_gluon.settings_for(128, causal,
                                                         **prefill_gluon.ONE_CONSUMER[128])
-        build = prefill_gluon.ONE_CONSUMER.__getitem__
+        build = lambda head_dim: prefill_gluon.ONE_CONSUMER[head_dim]  # noqa: E731
     run = RunSpec(draw_shape=_draw_prefill(causal, varlen, 128), build=_build_prefill,
                   run=_prefill_runner(causal, impl, build),
                   reference=_prefill_reference(causal),

@@ -107,12 +107,19 @@ BACKENDS = {"wsattn": "auto", "wsattn-triton": "triton", "wsattn-gluon": "gluon"
             "wsattn-gluon-plain": "gluon", "wsattn-gluon-packorder": "gluon",
             "wsattn-gluon-unbounded": "gluon", "wsattn-gluon-one-consumer": "gluon",
             "wsattn-gluon-multi-consumer": "gluon"}
+
+
+def _one_consumer(head_dim: int) -> dict:
+    from wsattn.kernels import prefill_gluon as pg
+    return pg.ONE_CONSUMER[head_dim]
+
+
 # the Gluon columns that call prefill_varlen with settings of their own (the one-consumer
-# build's depend on the head dim: prefill_gluon.ONE_CONSUMER)
+# build's depend on the head dim: a function of it)
 GLUON_SETTINGS = {"wsattn-gluon-plain": {"compact_varlen": False},
                   "wsattn-gluon-packorder": {"varlen_longest_first": False},
                   "wsattn-gluon-unbounded": {"varlen_bounded_v": False},
-                  "wsattn-gluon-one-consumer": "ONE_CONSUMER",
+                  "wsattn-gluon-one-consumer": _one_consumer,
                   "wsattn-gluon-multi-consumer": {}}
 # of those, the builds (not varlen-only settings): their batch runs prefill_gluon.prefill
 # with the same settings
@@ -134,8 +141,7 @@ def gluon_settings(impl: str, head_dim: int, causal: bool):
     """The GluonSettings a GLUON_SETTINGS column launches prefill_varlen with."""
     from wsattn.kernels import prefill_gluon as pg
     over = GLUON_SETTINGS[impl]
-    return pg.settings_for(head_dim, causal,
-                           **(getattr(pg, over)[head_dim] if isinstance(over, str) else over))
+    return pg.settings_for(head_dim, causal, **(over(head_dim) if callable(over) else over))
 
 
 # --------------------------------------------------------------------------- the pack

@@ -141,26 +141,18 @@ def _gluon_prefill_builds(causal):
     return builds
 
 
-def _gluon_varlen_builds(causal):
-    """The Gluon varlen build a sanitizer pack launches through the API (no max_seqlen, so
-    its token counts bound it): the one-consumer build where VARLEN_ONE_CONSUMER_UP_TO
-    covers them, else the default, each with its own warp-dispatch bytes."""
+def _gluon_varlen_builds(causal, one_consumer=False):
+    """The Gluon varlen build a sanitizer pack launches, each with its own warp-dispatch
+    bytes: ONE_CONSUMER of its head dim with one_consumer (the entry's own settings), else
+    what the API picks (no max_seqlen, so the pack's token counts bound it): the
+    one-consumer build where VARLEN_ONE_CONSUMER_UP_TO covers them, the default otherwise."""
     def builds(shape):
         from ..kernels import prefill_gluon as pg
         D = shape["D"]
-        one = pg.varlen_one_consumer(D, causal, sum(shape["Sq"]), sum(shape["Sk"]))
+        one = one_consumer or pg.varlen_one_consumer(D, causal, sum(shape["Sq"]),
+                                                     sum(shape["Sk"]))
         return [{"head_dim": D, "settings": pg.settings_for(
             D, causal, **(pg.ONE_CONSUMER[D] if one else {}))}]
-    return builds
-
-
-def _one_consumer_builds(causal):
-    """The one-consumer varlen builds a sanitizer shape launches: ONE_CONSUMER of its head
-    dim (each its own shared-memory layout, so its own warp-dispatch bytes)."""
-    def builds(shape):
-        from ..kernels import prefill_gluon
-        return [{"head_dim": shape["D"], "settings": prefill_gluon.settings_for(
-            shape["D"], causal, **prefill_gluon.ONE_CONSUMER[shape["D"]])}]
     return builds
 
 
@@ -187,9 +179,9 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                   profile_shapes=() if varlen else (
                       {"B": 4, "Sq": 4096, "Sk": 4096, "Hq": 16, "Hkv": 16, "D": 128},),
                   sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill,
-                  sanitizer_builds=_one_consumer_builds(causal) if one_consumer else
-                  None if impl != "gluon" or plain else
-                  _gluon_varlen_builds(causal) if varlen else _gluon_prefill_builds(causal))
+                  sanitizer_builds=None if impl != "gluon" or plain else
+                  _gluon_varlen_builds(causal, one_consumer) if varlen else
+                  _gluon_prefill_builds(causal))
     desc = f"{'Gluon' if impl == 'gluon' else 'Triton'} prefill, D=128 bf16" + \
         (", causal" if causal else "") + (", varlen" if varlen else "") + \
         (", plain grid (no tile table)" if plain else "") + \

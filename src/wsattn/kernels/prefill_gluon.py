@@ -299,13 +299,19 @@ def call_settings(head_dim: int, causal: bool, seqlen_q: int | None = None) -> G
 
 
 def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool,
-             seqlen_q: int | None = None) -> GluonSettings:
+             seqlen_q: int | None = None,
+             varlen_bounds: tuple[int, int] | None = None) -> GluonSettings:
     """The settings to build with: the defaults (checked when made; seqlen_q, a fixed-length
     call's query rows, picks the persistent schedule or the one-consumer build where
-    PERSISTENT_UP_TO or ONE_CONSUMER_UP_TO say), or the caller's, checked here."""
+    PERSISTENT_UP_TO or ONE_CONSUMER_UP_TO say; varlen_bounds, a pack's longest query and
+    key sequences, the one-consumer build where VARLEN_ONE_CONSUMER_UP_TO says), or the
+    caller's, checked here."""
     if settings is None:
         key, schedule = (head_dim, bool(causal)), ""
-        if seqlen_q is not None and seqlen_q <= PERSISTENT_UP_TO.get(key, 0):
+        if varlen_bounds is not None:
+            if varlen_one_consumer(head_dim, causal, *varlen_bounds):
+                schedule = "one_consumer"
+        elif seqlen_q is not None and seqlen_q <= PERSISTENT_UP_TO.get(key, 0):
             schedule = "persistent"
         elif seqlen_q is not None and seqlen_q <= ONE_CONSUMER_UP_TO.get(key, 0):
             schedule = "one_consumer"
@@ -424,12 +430,9 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """
     Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[0], k.shape[1]
-    if settings is None and varlen_one_consumer(  # bounds at most the totals, as dispatch
-            D, causal, Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq),
-            Tk if max_seqlen_k is None else min(int(max_seqlen_k), Tk)):
-        s = _default_settings(D, bool(causal), "one_consumer")
-    else:
-        s = _resolve(settings, D, causal)
+    s = _resolve(settings, D, causal, varlen_bounds=(  # at most the totals, as dispatch
+        Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq),
+        Tk if max_seqlen_k is None else min(int(max_seqlen_k), Tk)))
     _refuse_persistent_varlen(s)
     out, lse, n_seq, max_q = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q)
     if max_q == 0:

@@ -21,8 +21,10 @@ from wsattn.bench import cli as bench_cli
 from wsattn.bench import env, plot, report, suite
 from wsattn.bench.cases import DecodeCase, PrefillCase, decode_cases, prefill_cases, tbps, tflops
 from wsattn.bench.ceilings import Ceiling
-from wsattn.bench.runners import (NotAvailable, Prepared, Runner, SdpaRunner, WsattnRunner,
-                                  check_output, make_inputs)
+from wsattn.bench.runners import (BUILD_RUNNERS, DEFAULT_RUNNERS, GluonBuildRunner,
+                                  NotAvailable, Prepared, Runner, SdpaRunner, WsattnRunner,
+                                  check_output, make_inputs, multi_consumer_build,
+                                  one_consumer_build)
 from wsattn.bench.timing import Timing, summarize
 
 TIMING = Timing(median_ms=2.0, q20_ms=1.9, q80_ms=2.2, reps=50)
@@ -313,6 +315,29 @@ def test_wsattn_impl_refusing_the_call_is_not_available(monkeypatch):
     assert row["status"] == "not available" and "gluon" in row["reason"] and timer.calls == 0
 
 
+def test_gluon_build_columns_are_asked_for_by_name_and_refuse_cpu_tensors(monkeypatch):
+    """The build columns are not in the default run; each names its build by head dim and
+    mask, and on CPU tensors the Gluon launcher's refusal is their 'not available'."""
+    from wsattn.kernels import prefill_gluon as pg
+
+    assert set(BUILD_RUNNERS).isdisjoint(DEFAULT_RUNNERS)
+    assert wsattn.cli.build_parser().parse_args(["bench", "prefill"]).impl == list(DEFAULT_RUNNERS)
+    for d in (64, 128):
+        for causal in (False, True):
+            one = one_consumer_build(d, causal)
+            assert (one.CONSUMERS, one.BLOCK_M, one.persistent) == (1, 64, False)
+            assert one == pg.settings_for(d, causal, **pg.ONE_CONSUMER[d])
+            multi = multi_consumer_build(d, causal)
+            assert multi.CONSUMERS == (3 if d == 64 else 2) and not multi.persistent
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    case = PrefillCase(1, 17, 2, 2, 64, False, "fp32")
+    timer = CountingTimer()
+    rows = suite.run_cases([case], [GluonBuildRunner("gluon-one-consumer", one_consumer_build)],
+                           timer, _stamp(), "cpu")
+    (row,) = rows
+    assert row["status"] == "not available" and "gluon" in row["reason"] and timer.calls == 0
+
+
 def test_sdpa_peer_skips_paged_decode_and_reports_missing_backend():
     runner = SdpaRunner("sdpa-cudnn", "CUDNN_ATTENTION")
     assert not runner.applies(DecodeCase(2, 100, 8, 2, 64, 16, "fp32"))
@@ -456,6 +481,29 @@ def test_graph_timer_times_a_copy_and_falls_back_when_capture_fails():
     # the failed capture must leave the CUDA generator usable, eagerly and in a new capture
     assert torch.randn(4, device="cuda").isfinite().all()
     assert timer(lambda: torch.randn(1024, device="cuda")).method == "graph"
+
+
+@pytest.mark.sm90
+def test_gluon_build_columns_run_their_builds_checked():
+    """Each build column on an sm_90 GPU: checked against float64 first, then timed, its
+    row's note naming the settings it launched (the one-consumer build at D64 N 300, where
+    `auto` takes the persistent walk)."""
+    from wsattn.kernels import prefill_gluon as pg
+
+    timer = CountingTimer()
+    cases = [PrefillCase(2, 300, 4, 2, 64, False, "bf16"),
+             PrefillCase(1, 257, 4, 1, 128, True, "bf16")]
+    runners = [GluonBuildRunner(n, b) for n, b in
+               (("gluon-one-consumer", one_consumer_build),
+                ("gluon-multi-consumer", multi_consumer_build))]
+    rows = suite.run_cases(cases, runners, timer, _stamp(), "cuda")
+    assert [r["status"] for r in rows] == ["ok"] * 4, rows
+    assert all(r["check_passed"] for r in rows) and timer.calls == 4
+    notes = {(r["impl"], r["D"]): r["note"] for r in rows}
+    for (impl, d), note in notes.items():
+        build = one_consumer_build if impl == "gluon-one-consumer" else multi_consumer_build
+        assert note == f"settings: {build(d, d == 128)}"
+    assert pg.call_settings(64, False, 300) != one_consumer_build(64, False)
 
 
 @pytest.mark.gpu

@@ -57,7 +57,7 @@ def _sp_module():
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from .runners import RUNNER_NAMES
+    from .runners import BUILD_RUNNERS, DEFAULT_RUNNERS, RUNNER_NAMES
     from .timing import METHODS
 
     p = subparsers.add_parser(
@@ -67,9 +67,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="which benchmark (default: all = prefill and decode)")
     p.add_argument("--quick", action="store_true", help="a small subset of the shapes")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--impl", nargs="+", choices=RUNNER_NAMES, default=list(RUNNER_NAMES),
+    p.add_argument("--impl", nargs="+", choices=RUNNER_NAMES, default=list(DEFAULT_RUNNERS),
                    metavar="IMPL",
-                   help=f"implementations to run (default all: {' '.join(RUNNER_NAMES)})")
+                   help=f"implementations to run (default: {' '.join(DEFAULT_RUNNERS)}; "
+                        f"by name only, one Gluon build each whatever the length rule "
+                        f"picks: {' '.join(BUILD_RUNNERS)})")
     p.add_argument("--json", metavar="PATH",
                    help="write the JSON rows there (an existing directory: "
                         "bench_<gpu>_<date>_<commit>.json inside it); default: no file")

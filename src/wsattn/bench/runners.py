@@ -18,6 +18,7 @@ the decode step reads each layer's cache from HBM.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field, replace
@@ -204,6 +205,47 @@ class WsattnRunner(Runner):
 
         prepared = Prepared(checked_first, call)
         return prepared
+
+
+class GluonBuildRunner(Runner):
+    """One build of the Gluon prefill kernel, whatever the length rule would pick: its
+    fixed-length launcher with the build's settings (a function of the head dim and mask),
+    so builds can be timed side by side with `auto` in one process. The batch is validated
+    once through wsattn.attention(impl="gluon") outside the timing."""
+
+    ops = ("prefill",)
+
+    def __init__(self, name: str, settings):
+        self.name, self.settings = name, settings
+
+    def prepare(self, case, inp):
+        from wsattn.kernels import prefill_gluon as pg
+
+        def checked_first():
+            try:
+                wsattn.attention(inp.q, inp.k, inp.v, causal=case.causal, impl="gluon")
+                settings = self.settings(case.D, case.causal)
+            except ValueError as e:
+                raise NotAvailable(str(e)) from e
+            prepared.fn = functools.partial(pg.prefill, inp.q, inp.k, inp.v, case.causal,
+                                            inp.scale, settings)
+            prepared.note = f"settings: {settings}"
+            return prepared.fn()[0]
+
+        prepared = Prepared(checked_first, None)
+        return prepared
+
+
+def one_consumer_build(head_dim: int, causal: bool):
+    """The one-consumer build (64-row tiles, several CTAs an SM) at this head dim."""
+    from wsattn.kernels import prefill_gluon as pg
+    return pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
+
+
+def multi_consumer_build(head_dim: int, causal: bool):
+    """The default build (two consumer warpgroups at D128, three at D64), one tile a CTA."""
+    from wsattn.kernels import prefill_gluon as pg
+    return pg.settings_for(head_dim, causal)
 
 
 # --------------------------------------------------------------------------- decode settings
@@ -478,7 +520,12 @@ def all_runners() -> list[Runner]:
     return [WsattnRunner("auto", ops=("prefill",), name="wsattn"), WsattnRunner("triton"),
             WsattnRunner("gluon", ops=("prefill",)),
             SdpaRunner("sdpa-cudnn", "CUDNN_ATTENTION"),
-            SdpaRunner("sdpa-flash", "FLASH_ATTENTION"), *peer_runners()]
+            SdpaRunner("sdpa-flash", "FLASH_ATTENTION"), *peer_runners(),
+            GluonBuildRunner("gluon-one-consumer", one_consumer_build),
+            GluonBuildRunner("gluon-multi-consumer", multi_consumer_build)]
 
 
 RUNNER_NAMES = tuple(r.name for r in all_runners())
+# asked for by name only: the Gluon builds beside the `auto` and `gluon` columns
+BUILD_RUNNERS = ("gluon-one-consumer", "gluon-multi-consumer")
+DEFAULT_RUNNERS = tuple(n for n in RUNNER_NAMES if n not in BUILD_RUNNERS)

@@ -1055,13 +1055,15 @@ def test_persistent_launcher_grid_and_arguments(monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim, causal, sq, persistent", [
-    (64, False, 1024, True), (64, False, 1025, False), (64, False, 5, True),
-    (64, True, 1024, False), (128, False, 1024, False), (128, True, 300, False)])
+    (64, False, 1024, True), (64, False, 1025, False), (64, False, 513, True),
+    (64, False, 512, False), (64, True, 1024, False), (128, False, 1024, False),
+    (128, True, 300, False)])
 def test_default_takes_the_persistent_schedule_where_it_measured_faster(
         monkeypatch, head_dim, causal, sq, persistent):
     """Without settings, a fixed-length call takes the persistent schedule only where
-    PERSISTENT_UP_TO says (D64 non-causal, Sq <= 1024), with PER_PERSISTENT's UNROLL; the
-    varlen launcher never does (recorded; nothing runs)."""
+    PERSISTENT_UP_TO says (D64 non-causal, Sq <= 1024) and ONE_CONSUMER_UP_TO does not
+    (Sq <= 512 takes the one-consumer build), with PER_PERSISTENT's UNROLL; the varlen
+    launcher never does (recorded; nothing runs)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
@@ -1075,11 +1077,13 @@ def test_default_takes_the_persistent_schedule_where_it_measured_faster(
 
 @pytest.mark.parametrize("head_dim, causal, sq, consumers", [
     (128, True, 1024, 1), (128, True, 1025, 2), (128, True, 1, 1), (128, False, 1024, 2),
-    (64, True, 2048, 1), (64, True, 2049, 3), (64, False, 1025, 3)])
+    (128, False, 256, 1), (128, False, 257, 2), (128, False, 17, 1), (64, True, 2048, 1),
+    (64, True, 2049, 3), (64, False, 512, 1), (64, False, 1, 1), (64, False, 1025, 3)])
 def test_default_takes_the_one_consumer_build_where_it_measured_faster(
         monkeypatch, head_dim, causal, sq, consumers):
-    """Without settings, a fixed-length causal call of at most ONE_CONSUMER_UP_TO query rows
-    launches the one-consumer build: 64-row tiles (one CTA a 64-row block), the register
+    """Without settings, a fixed-length call of at most ONE_CONSUMER_UP_TO query rows
+    (causal D128 1024, D64 2048; non-causal D128 256, D64 512) launches the one-consumer
+    build: 64-row tiles (one CTA a 64-row block), the register
     cap of its CTAs an SM (maxnreg), ONE_CONSUMER's ring; others the default build without
     a cap (recorded on CPU tensors with the kernel replaced; nothing runs)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -1096,7 +1100,8 @@ def test_default_takes_the_one_consumer_build_where_it_measured_faster(
         assert kw["maxnreg"] == {128: 128, 64: 80}[head_dim]
     else:
         assert "maxnreg" not in kw
-    assert pg.ONE_CONSUMER_UP_TO == {(128, True): 1024, (64, True): 2048}
+    assert pg.ONE_CONSUMER_UP_TO == {(128, True): 1024, (128, False): 256, (64, True): 2048,
+                                     (64, False): 512}
 
 
 def test_one_consumer_settings_are_checked():

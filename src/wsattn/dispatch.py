@@ -102,6 +102,8 @@ SUPPORTS = {"gluon": _gluon_supports, "triton": _triton_supports,
 # ONE_CONSUMER_UP_TO: 64-row tiles, two or three CTAs an SM), x the Triton kernel side by
 # side at N = 1024 in three bench processes (bench_prefill_peers_process*_dc1c467): D128
 # causal 1.03-1.10, D64 causal 1.07-1.10; so no fixed-length shape stays with Triton.
+# Non-causal calls up to N = 256 (D128) / 512 (D64) take that build too: at N = 256 it ran
+# 107-131 us where the Triton kernel ran 135-145 in the same processes.
 TRITON_FASTER_UP_TO: dict[tuple[int, bool], int] = {}
 # Varlen: a pack whose longest query and key sequences (Call.seqlen_q / seqlen_k:
 # max_seqlen_q / _k, else Tq / Tk) both fit prefill_gluon.VARLEN_ONE_CONSUMER_UP_TO goes

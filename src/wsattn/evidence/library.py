@@ -128,8 +128,8 @@ _SANITIZER_PREFILL = {
 
 def _gluon_prefill_builds(causal):
     """The Gluon builds a fixed-length sanitizer shape launches: the call's own settings,
-    which take the persistent schedule for short D64 non-causal shapes (PERSISTENT_UP_TO)
-    and the one-consumer build for short causal ones (ONE_CONSUMER_UP_TO), specialized on
+    which take the one-consumer build for short shapes (ONE_CONSUMER_UP_TO) and the
+    persistent schedule for somewhat longer D64 non-causal ones (PERSISTENT_UP_TO), specialized on
     the shape's lengths as the launcher does (a length of 1 is a constant: in the
     one-consumer D64 build that moves the dispatch bytes), each a build with its own
     shared-memory layout and so its own warp-dispatch bytes."""

@@ -5,9 +5,10 @@ producer that gives up registers, two (at head dim 64 optionally three:
 GluonSettings.CONSUMERS) consumer warpgroups of 64 query rows each running QK^T and PV as
 async wgmma, the next QK^T issued before the current softmax, and optional ping-pong
 between the consumer warpgroups, and (GluonSettings.persistent; what a call without
-settings takes only at head dim 64 without a mask up to PERSISTENT_UP_TO query rows) a
-persistent longest-first tile schedule; short causal calls (ONE_CONSUMER_UP_TO) take one
-consumer warpgroup a CTA with two or three CTAs an SM (GluonSettings.ctas_per_sm). The
+settings takes only at head dim 64 without a mask, from ONE_CONSUMER_UP_TO to
+PERSISTENT_UP_TO query rows) a persistent longest-first tile schedule; short calls
+(ONE_CONSUMER_UP_TO) take one consumer warpgroup a CTA with two or three CTAs an SM
+(GluonSettings.ctas_per_sm). The
 partitions live in prefill_gluon_parts.py; this module holds the launch settings, the
 launchers (prefill, prefill_varlen: one kernel, VARLEN a constexpr) and the qualification
 checks that api.py calls.
@@ -235,8 +236,9 @@ def settings_for(head_dim: int, causal: bool = False, **overrides) -> GluonSetti
 # the Triton kernel (D64 causal 229 vs 244, D128 causal 311 vs 316) or tied the one-tile
 # launch (D128 non-causal 460 vs 464), and from N = 4096 on it lost 2-10 %
 # (notes/prefill_gluon.md).
+# Shorter calls take the one-consumer build (ONE_CONSUMER_UP_TO, asked first).
 PERSISTENT_UP_TO = {(64, False): 1024}
-# Fixed-length causal calls of at most this many query rows take the one-consumer build:
+# Fixed-length calls of at most this many query rows take the one-consumer build:
 # 64-row tiles, several CTAs an SM (ONE_CONSUMER), so that the CTAs' fills and tails, which
 # a 128- or 192-row CTA pays with both or all three of its warpgroups at once, overlap
 # other CTAs' key loops. H200, x cuDNN side by side (notes/prefill_gluon.md, "One consumer,
@@ -248,7 +250,12 @@ PERSISTENT_UP_TO = {(64, False): 1024}
 # 1.07-1.10 (D64), three processes. Not D64 non-causal N = 1024 (the persistent walk's):
 # 3-5 % ahead of the walk side by side in the script's timing, but in the bench's graph
 # replay 358-370 us against the walk's 350-354 in four of five processes (one 338).
-ONE_CONSUMER_UP_TO = {(128, True): 1024, (64, True): 2048}
+# Non-causal, shorter: the builds side by side in the bench (`--impl wsattn
+# gluon-one-consumer gluon-multi-consumer`, three processes), us, one consumer against
+# what auto ran before: D128 N = 256 107-115 against 123-125, N = 512 173-180 against
+# 170-173; D64 N = 256 122-131 against the walk's 161-163, N = 512 196-211 against 207-215.
+ONE_CONSUMER_UP_TO = {(128, True): 1024, (128, False): 256, (64, True): 2048,
+                      (64, False): 512}
 # Its settings per head dim: at D128 two CTAs an SM (a ring of 3 x 64 keys fits half the
 # shared memory), at D64 three (maxnreg 80; 128-key tiles do not build under it).
 ONE_CONSUMER = {128: {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": False,
@@ -291,10 +298,10 @@ def _default_settings(head_dim: int, causal: bool, schedule: str = "") -> GluonS
 
 
 def call_settings(head_dim: int, causal: bool, seqlen_q: int | None = None) -> GluonSettings:
-    """The settings a fixed-length call without settings builds with: the defaults, on the
-    persistent schedule where PERSISTENT_UP_TO covers seqlen_q, the one-consumer build
-    where ONE_CONSUMER_UP_TO does (what an evidence check must compile to look at the build
-    a call launches)."""
+    """The settings a fixed-length call without settings builds with: the defaults, the
+    one-consumer build where ONE_CONSUMER_UP_TO covers seqlen_q, else the persistent
+    schedule where PERSISTENT_UP_TO does (what an evidence check must compile to look at
+    the build a call launches)."""
     return _resolve(None, head_dim, causal, seqlen_q)
 
 
@@ -302,8 +309,8 @@ def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool,
              seqlen_q: int | None = None,
              varlen_bounds: tuple[int, int] | None = None) -> GluonSettings:
     """The settings to build with: the defaults (checked when made; seqlen_q, a fixed-length
-    call's query rows, picks the persistent schedule or the one-consumer build where
-    PERSISTENT_UP_TO or ONE_CONSUMER_UP_TO say; varlen_bounds, a pack's longest query and
+    call's query rows, picks the one-consumer build or the persistent schedule where
+    ONE_CONSUMER_UP_TO, else PERSISTENT_UP_TO say; varlen_bounds, a pack's longest query and
     key sequences, the one-consumer build where VARLEN_ONE_CONSUMER_UP_TO says), or the
     caller's, checked here."""
     if settings is None:
@@ -311,10 +318,10 @@ def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool,
         if varlen_bounds is not None:
             if varlen_one_consumer(head_dim, causal, *varlen_bounds):
                 schedule = "one_consumer"
-        elif seqlen_q is not None and seqlen_q <= PERSISTENT_UP_TO.get(key, 0):
-            schedule = "persistent"
         elif seqlen_q is not None and seqlen_q <= ONE_CONSUMER_UP_TO.get(key, 0):
             schedule = "one_consumer"
+        elif seqlen_q is not None and seqlen_q <= PERSISTENT_UP_TO.get(key, 0):
+            schedule = "persistent"
         return _default_settings(head_dim, bool(causal), schedule)
     settings.check(head_dim)
     return settings

@@ -1671,6 +1671,9 @@ ONE_CONSUMER_GPU_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal: odd lengths, GQA 7:
     (4, 2048, 2048, 16, 4, 64, True),    # 2,048 CTAs, three an SM
     (1, 8191, 8191, 4, 1, 128, True),
     (1, 8191, 8191, 4, 2, 64, False),
+    (3, 256, 256, 8, 2, 128, False),     # the non-causal limits: what auto launches there
+    (2, 512, 512, 14, 2, 64, False),
+    (2, 1, 129, 4, 1, 64, False),
 ]
 
 

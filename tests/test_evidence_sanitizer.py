@@ -739,28 +739,28 @@ def _gluon_dispatch_of(cs):
 
 
 def test_prefill_gluon_sanitizer_builds_are_the_launched_ones():
-    """The fixed-length Gluon prefill's sanitizer shapes launch two builds: D128's default
-    and, for the D64 one-row shape, the persistent schedule (PERSISTENT_UP_TO), whose
-    shared-memory layout and so dispatch bytes differ from the D64 default build's. Every
-    hazard of the H200 racecheck run (tests/data/racecheck_prefill_gluon_h200.json, 47
-    printed hazards + 2 race reports = its 49 errors) lies on the dispatch bytes of one of
-    the two, and with the H200 probe the waiver holds; with the D64 default build in place
-    of the persistent one (what the entry compiled before) it does not."""
+    """The fixed-length Gluon prefill's sanitizer shapes (Sq 17 at D128, Sq 1 at D64, not
+    causal) launch the one-consumer builds (ONE_CONSUMER_UP_TO), each specialized on its
+    lengths, whose shared-memory layouts and so dispatch bytes differ from the default
+    builds'. Every hazard of the H200 racecheck run (tests/data/racecheck_prefill_gluon_h200.json,
+    9 printed hazards + 2 race reports = its 11 errors) lies on the dispatch bytes of one
+    of the two, and with the H200 probe the waiver holds; with the builds the entry
+    launched before (D128's default and D64's persistent schedule) it does not."""
     import json
     from wsattn.evidence import ladder, library
+    from wsattn.kernels import prefill_gluon as pg
     spec = library.get("prefill_gluon")
     cs = spec.compile_spec(90)
     primary = _gluon_dispatch_of(cs)
     others = ladder._other_builds_dispatch(spec, 90, cs, 4)
     assert (primary["lo"], primary["hi"]) == (0x38158, 0x38160)
-    assert {(w["lo"], w["hi"]) for w in others} == {(0x38158, 0x38160), (0x26188, 0x26194)}
+    assert {(w["lo"], w["hi"]) for w in others} == {(0x1C128, 0x1C12C), (0xE128, 0xE12C)}
     r = json.loads((DATA / "racecheck_prefill_gluon_h200.json").read_text())
     out = sanitizer.waive(dict(r), [primary] + others, _h200_probe())
     assert out["ok"], out.get("not_waived")
-    from wsattn.kernels import prefill_gluon as pg
-    d64 = _gluon_dispatch_of(spec.compile_spec(90, head_dim=64,
-                                               settings=pg.settings_for(64, False)))
-    out = sanitizer.waive(dict(r), [primary, d64], _h200_probe())
+    persistent = _gluon_dispatch_of(spec.compile_spec(
+        90, head_dim=64, settings=pg.settings_for(64, False, persistent=True)))
+    out = sanitizer.waive(dict(r), [primary, persistent], _h200_probe())
     assert not out["ok"] and "outside the dispatch bytes" in out["not_waived"]
 
 

@@ -51,8 +51,14 @@ def test_options_and_help(capsys):
         ("chunked", [0, 8192], [64], [64], ["triton-paged"], 4)
     args = parser.parse_args(["bench", "chunked"])
     assert (args.chunked_prefix, args.chunked_pages, args.chunked_dims, args.chunked_impl,
-            args.chunked_batch) == ([0, 2048, 8192, 32768], [16, 64], [128, 64],
-                                    list(chunked.IMPLS), 8)
+            args.chunked_batch, args.chunked_chunk) == ([0, 2048, 8192, 32768], [16, 64],
+                                                        [128, 64], list(chunked.DEFAULT_IMPLS),
+                                                        8, 2048)
+    assert "gluon-one-consumer-contiguous" in chunked.IMPLS
+    assert "gluon-one-consumer-contiguous" not in chunked.DEFAULT_IMPLS
+    args = parser.parse_args(["bench", "chunked", "--chunked-chunk", "256", "--chunked-impl",
+                              "gluon-one-consumer-contiguous"])
+    assert (args.chunked_chunk, args.chunked_impl) == (256, ["gluon-one-consumer-contiguous"])
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "chunked", "--chunked-impl", "flashinfer"])
     args = parser.parse_args(["bench", "chunked", "--chunked-settings", "128,64,8,3,1",
@@ -70,7 +76,8 @@ def test_options_and_help(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     for word in ("chunked", "--chunked-prefix", "--chunked-pages", "--chunked-dims",
-                 "--chunked-impl", "--chunked-batch", "--chunked-settings", "wsattn.bench.chunked"):
+                 "--chunked-impl", "--chunked-batch", "--chunked-chunk", "--chunked-settings",
+                 "wsattn.bench.chunked"):
         assert word in text, word
 
 
@@ -90,7 +97,8 @@ def test_cases_and_ids():
     assert cases[-1].seqlen_k == 32768 + 2048
     assert chunked.case_impls(cases[0], chunked.IMPLS) == ["wsattn-contiguous",
                                                            "triton-contiguous",
-                                                           "gluon-contiguous"]
+                                                           "gluon-contiguous",
+                                                           "gluon-one-consumer-contiguous"]
     assert chunked.case_impls(cases[1], chunked.IMPLS) == ["wsattn", "triton-paged",
                                                            "triton-gather", "gluon-gather",
                                                            "gluon-paged", "flashinfer-paged"]
@@ -257,7 +265,7 @@ def test_runner_checks_then_times_on_the_interpreter():
     error; a wrong kernel fails and is not timed."""
     r = interpreter_child(CHUNKED_CHILD, timeout=300)
     rows = {(row["prefix"], row["impl"]): row for row in r["rows"]}
-    assert len(r["rows"]) == 2 * 11
+    assert len(r["rows"]) == 2 * 12
     for prefix in (0, 20):
         for impl in ("wsattn", "triton-paged", "triton-gather", "wsattn-contiguous",
                      "triton-contiguous", "triton-paged[16,16,4,1,1]",
@@ -274,7 +282,8 @@ def test_runner_checks_then_times_on_the_interpreter():
         assert gather["ratio_contiguous"] == pytest.approx(1.0) and gather["target_met"] == "met"
         default = rows[(prefix, "wsattn")]  # against wsattn-contiguous
         assert default["ratio_contiguous"] == pytest.approx(1.0)
-        for impl in ("gluon-contiguous", "gluon-gather", "gluon-paged"):
+        for impl in ("gluon-contiguous", "gluon-gather", "gluon-paged",
+                     "gluon-one-consumer-contiguous"):
             gluon = rows[(prefix, impl)]
             # the Gluon kernel takes varlen now; on CPU tensors the dispatcher names the device
             assert gluon["status"] == "not available" and "sm_90" in gluon["reason"]
@@ -310,7 +319,10 @@ def test_runner_on_the_gpu():
         assert r["timing"] == "graph" and r["rel_err"] <= r["tol"] and r["tflops"] > 0
     for page in (16, 64):
         assert by[("triton-paged", page)]["target_met"] in ("met", "missed")
-    assert by[("gluon-contiguous", None)]["status"] in ("ok", "not available")
+    for impl in ("gluon-contiguous", "gluon-one-consumer-contiguous"):
+        assert by[(impl, None)]["status"] in ("ok", "not available")
+        if torch.cuda.get_device_capability() == (9, 0):  # the Gluon kernel's target
+            assert by[(impl, None)]["status"] == "ok", by[(impl, None)]
     for page in (16, 64):
         assert by[("gluon-gather", page)]["status"] in ("ok", "not available")
         assert by[("gluon-paged", page)]["status"] in ("ok", "not available")

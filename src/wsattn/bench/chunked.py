@@ -2,9 +2,9 @@
 keys already in a paged KV cache, against the same attention with the keys contiguous
 (the target: >= 0.95x the contiguous attention, chunk 2048, prefix 0-32k, page 16 and 64).
 
-Shapes: bf16, Hq 32, Hkv 8, D 128 and 64, one chunk of 2048 queries per sequence, B = 8
-sequences (16k chunk tokens a batch; ``--chunked-batch``), a prefix of P in {0, 2k, 8k,
-32k} keys before the chunk. Each sequence has P + 2048 keys, the chunk's own K/V
+Shapes: bf16, Hq 32, Hkv 8, D 128 and 64, one chunk of 2048 queries per sequence
+(``--chunked-chunk``), B = 8 sequences (16k chunk tokens a batch; ``--chunked-batch``), a
+prefix of P in {0, 2k, 8k, 32k} keys before the chunk. Each sequence has P + 2048 keys, the chunk's own K/V
 included (appended before the call, as a serving engine does). Causal, bottom-right
 aligned: query i of a chunk sees the prefix and chunk keys 0..i.
 
@@ -25,6 +25,10 @@ Columns (``impl``):
 * ``gluon-contiguous``: :func:`wsattn.attention_varlen` with ``impl="gluon"`` (the sm_90
   warp-specialized kernel's varlen build); "not available" with the dispatcher's reason
   off sm_90.
+* ``gluon-one-consumer-contiguous``: the same call on the Gluon kernel's one-consumer
+  build (``prefill_gluon.ONE_CONSUMER``: 64-row tiles, several CTAs an SM) whatever the
+  length rule picks, through ``prefill_gluon.prefill_varlen`` after one validating
+  :func:`wsattn.attention_varlen` call outside the timing; asked for by name.
 * ``triton-gather`` / ``gluon-gather``: :func:`wsattn.attention_paged` with ``gather=True``
   and ``impl="triton"`` / ``"gluon"``: each sequence's keys copied out of the same paged
   cache into a packed buffer (one launch, ``kernels/paged_gather.py``), then that
@@ -78,7 +82,11 @@ CHUNK = 2048
 BATCH = 8  # chunks of 2048: 16k chunk tokens a batch, as the prefill benchmark
 HQ, HKV = 32, 8
 IMPLS = ("wsattn", "triton-paged", "triton-gather", "gluon-gather", "gluon-paged",
-         "wsattn-contiguous", "triton-contiguous", "gluon-contiguous", "flashinfer-paged")
+         "wsattn-contiguous", "triton-contiguous", "gluon-contiguous", "flashinfer-paged",
+         "gluon-one-consumer-contiguous")
+# asked for by name only: one build of the Gluon kernel beside the rule's own columns
+BY_NAME = ("gluon-one-consumer-contiguous",)
+DEFAULT_IMPLS = tuple(i for i in IMPLS if i not in BY_NAME)
 # a failure of these exits 1
 WSATTN_IMPLS = ("wsattn", "triton-paged", "triton-gather", "wsattn-contiguous",
                 "triton-contiguous")
@@ -393,6 +401,21 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
                                            max_seqlen_q=case.chunk, max_seqlen_k=case.seqlen_k,
                                            causal=True, sm_scale=inp.scale, impl=backend)
         return call, call, None
+    if impl == "gluon-one-consumer-contiguous":
+        from wsattn.kernels import prefill_gluon as pg
+        varlen_backend()  # "gluon": not available off sm_90, with the dispatcher's reason
+        settings = pg.settings_for(case.D, True, **pg.ONE_CONSUMER[case.D])
+
+        def call():
+            return pg.prefill_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k, case.chunk,
+                                     case.seqlen_k, True, inp.scale, settings=settings)[0]
+
+        def first():
+            wsattn.attention_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k,
+                                    max_seqlen_q=case.chunk, max_seqlen_k=case.seqlen_k,
+                                    causal=True, sm_scale=inp.scale, impl="gluon")
+            return call()
+        return first, call, f"settings: {settings}"
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
@@ -543,7 +566,7 @@ def main(args) -> int:
     timer = cuda_timer(args.warmup_ms, args.rep_ms, args.timing)
     try:
         cases = chunked_cases(args.chunked_prefix, args.chunked_pages, args.chunked_dims,
-                              args.chunked_batch, dtype=args.dtype)
+                              args.chunked_batch, chunk=args.chunked_chunk, dtype=args.dtype)
     except ValueError as e:
         print(f"wsattn bench chunked: {e}", file=sys.stderr)
         return 2
@@ -576,12 +599,16 @@ def add_arguments(group) -> None:
                                             f"{' '.join(map(str, PAGES))})")
     group.add_argument("--chunked-dims", nargs="+", type=int, default=list(DIMS), metavar="D",
                        help=f"chunked: head dims (default {' '.join(map(str, DIMS))})")
-    group.add_argument("--chunked-impl", nargs="+", choices=IMPLS, default=list(IMPLS),
-                       metavar="IMPL", help=f"chunked: columns (default all: {' '.join(IMPLS)})")
+    group.add_argument("--chunked-impl", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS),
+                       metavar="IMPL", help=f"chunked: columns (default: "
+                                            f"{' '.join(DEFAULT_IMPLS)}; by name only: "
+                                            f"{' '.join(BY_NAME)})")
+    group.add_argument("--chunked-chunk", type=int, default=CHUNK, metavar="C",
+                       help=f"chunked: new queries a sequence (default {CHUNK}, the target's)")
     group.add_argument("--chunked-settings", nargs="+", default=None, metavar="SPEC",
                        help="chunked: extra columns triton-paged[SPEC] on the paged rows, the "
                             "paged kernel with SPEC = BLOCK_M,BLOCK_N,num_warps,num_stages"
                             "[,use_tma] (wsattn.kernels.prefill_paged.PagedPrefillSettings)")
     group.add_argument("--chunked-batch", type=int, default=BATCH, metavar="B",
-                       help=f"chunked: sequences, one chunk of {CHUNK} queries each (default "
+                       help=f"chunked: sequences, one chunk of --chunked-chunk queries each (default "
                             f"{BATCH}: {BATCH * CHUNK // 1024}k chunk tokens)")

@@ -636,6 +636,8 @@ def test_varlen_dispatch_accepts_gluon_and_auto_ranks_by_the_longest_sequence():
         assert dispatch.resolve("auto", long) == "gluon"
         # short queries against long keys: the length table (Triton up to its limit)
         chunk = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True, 512, 8192)
+        assert dispatch.resolve("auto", chunk) == "gluon"
+        chunk = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True, 255, 8192)
         assert dispatch.resolve("auto", chunk) == "triton"
 
 
@@ -1332,8 +1334,8 @@ def test_sm90_schedule_variants_numerics(case, variant):
 
 
 def test_auto_prefers_triton_only_where_it_measured_faster():
-    """Varlen calls of short causal queries (and short D=64 ones) against longer keys go to
-    Triton under impl="auto" on sm_90; packs whose queries and keys are all short, and the
+    """Varlen calls of causal query chunks under 256 (and D=64 non-causal ones up to 1024)
+    against longer keys go to Triton under impl="auto" on sm_90; packs whose queries and keys are all short, and the
     rest, every fixed-length call included, to Gluon (the policy lives in wsattn.dispatch,
     the one place impl="auto" is resolved)."""
     from wsattn.dispatch import Call, ranking
@@ -1363,9 +1365,13 @@ def test_auto_prefers_triton_only_where_it_measured_faster():
         assert pg.varlen_one_consumer(D, causal, limit, limit)
         assert not pg.varlen_one_consumer(D, causal, limit, limit + 1)
         assert not pg.varlen_one_consumer(D, causal, limit + 1, limit)
-    assert first_varlen(1024, 128, True, 4096) == "triton"
+    # causal chunks of 256 queries or more against longer keys: Gluon; shorter: Triton
+    assert first_varlen(1024, 128, True, 4096) == "gluon"
+    assert first_varlen(256, 128, True, 33000) == "gluon"
+    assert first_varlen(255, 128, True, 4096) == "triton"
     assert first_varlen(1024, 128, False, 4096) == "gluon"
-    assert first_varlen(900, 64, True, 4000) == "triton"
+    assert first_varlen(900, 64, True, 4000) == "gluon"
+    assert first_varlen(255, 64, True, 4000) == "triton"
     assert first_varlen(900, 64, False, 2000) == "triton"
     assert ranking(Call("prefill_varlen", dev, torch.bfloat16, 128, True, 3851, 3851)) == \
         ("gluon", "triton")

@@ -110,11 +110,15 @@ TRITON_FASTER_UP_TO: dict[tuple[int, bool], int] = {}
 # to Gluon, whose launcher runs its one-consumer build there: on 16k-token packs of
 # lengths 64-1024 (`wsattn bench varlen --varlen-heads gqa --varlen-lengths 64 1024`,
 # GQA 32/8) 1.44-1.62x the Triton kernel that this table gave those packs before. Other
-# varlen calls take this table on the longest query sequence in place of Sq: short query
-# chunks against longer keys stay on Triton up to 1024 (the one-tile Gluon launch only
-# tied or trailed it there: D64 causal 192 vs 271 TFLOP/s, D128 causal 314 vs 354 at
-# N = 1024, fixed length; chunks against long keys unmeasured since).
-VARLEN_TRITON_FASTER_UP_TO = {(64, True): 1024, (128, True): 1024, (64, False): 1024}
+# varlen calls take this table on the longest query sequence in place of Sq. Causal query
+# chunks of 256 and 1024 against 2k-32k keys before them (`wsattn bench chunked
+# --chunked-chunk 256 / 1024`, 16k chunk tokens, GQA 32/8, contiguous keys) ran on the
+# Gluon kernel's default build 1.09-1.31x the Triton kernel that this table gave them
+# (D64 chunk 256 over 32k: 1.00), so causal chunks from 256 queries go to Gluon; shorter
+# ones are unmeasured and stay on Triton, as does D64 non-causal up to 1024 (the one-tile
+# Gluon launch tied or trailed it at N = 1024, fixed length; chunks against long keys
+# without a mask unmeasured).
+VARLEN_TRITON_FASTER_UP_TO = {(64, True): 255, (128, True): 255, (64, False): 1024}
 # The Gluon varlen build reached the ladder's sanitizer gate (with the
 # warp-specialize dispatch waiver of the other Gluon builds; ladder_sm90_library.md)
 # and, on the H200, ran 1.10-1.28x the Triton varlen kernel on a 16k-token pack of
@@ -131,7 +135,7 @@ VARLEN_TRITON_FASTER_UP_TO = {(64, True): 1024, (128, True): 1024, (64, False): 
 # shapes >= 0.95), the gather 0.909-0.982x; at pages of 16 (a tile is eight TMA boxes)
 # the in-place build ran 0.893-0.978x, the gather 0.919-0.980x, ahead at 7 of 8 shapes.
 # Hence in place from PAGED_IN_PLACE_FROM_PAGE rows a page where the Gluon kernel takes the
-# call, else the gather. Measured at chunks of 2048 only: for chunks the varlen rule gives
+# call, else the gather. Measured at chunks of 2048 first; for chunks the varlen rule gives
 # to the Triton kernel (up to VARLEN_TRITON_FASTER_UP_TO queries), "auto" gathers, so they
 # run on it. The Triton in-place kernel ran 0.51-0.87x contiguous, so without the Gluon
 # kernel the gather is taken too. The buffer is transient but sized from host

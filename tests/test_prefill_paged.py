@@ -423,11 +423,11 @@ def test_dispatch_resolves_paged_prefill(monkeypatch):
     assert dispatch.resolve("auto", call) == "triton"
     assert "sm_90" in dispatch.reason("gluon", call)
     assert "attention_paged" in wsattn.__all__ and wsattn.attention_paged is wsattn.api.attention_paged
-    # the gather policy: CUDA only, and only while the buffer fits the limit, at pages the
-    # Gluon kernel does not read in place (the next test)
+    # the gather policy: CUDA only, and only while the buffer fits the limit, at pages and
+    # chunks the Gluon kernel does not read in place (the next test)
     monkeypatch.setattr(dispatch, "PAGED_GATHER_MAX_BYTES", 1 << 20)
-    cuda = dispatch.Call("prefill_paged", torch.device("cuda"), F16, 64, True, page_size=16,
-                         tma_pages=True)
+    cuda = dispatch.Call("prefill_paged", torch.device("cuda"), F16, 64, True, seqlen_q=2048,
+                         page_size=16, tma_pages=True)
     assert dispatch.paged_gather(cuda, 1 << 20) and not dispatch.paged_gather(cuda, (1 << 20) + 1)
     assert not dispatch.paged_gather(call, 0)
 
@@ -463,6 +463,16 @@ def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
                                                tma_pages=True), 1, "auto")
     assert not dispatch.paged_gather(call(64, chunk=short + 1), 1, "auto")
     assert not dispatch.paged_gather(call(64, chunk=short), 1, "gluon")
+    # chunks of at most PAGED_IN_PLACE_CHUNK_UP_TO queries read pages of 16 in place too
+    assert dispatch.PAGED_IN_PLACE_CHUNK_UP_TO == 1024
+    for impl in ("auto", "gluon"):
+        assert not dispatch.paged_gather(call(16, chunk=1024), 1, impl)
+        assert not dispatch.paged_gather(call(16, chunk=256), 1, impl)
+        assert dispatch.paged_gather(call(16, chunk=1025), 1, impl)
+        assert dispatch.paged_gather(call(16, chunk=256, tma=False), 1, impl)
+    # ... where the varlen table gives the chunk to Gluon: shorter ones gather for Triton
+    assert dispatch.paged_gather(call(16, chunk=short), 1, "auto")
+    assert not dispatch.paged_gather(call(16, chunk=short), 1, "gluon")
     assert not dispatch.paged_gather(call(16), 1 << 40, "auto")  # too large: in place
     assert dispatch.paged_gather(call(16), 1 << 40, "gluon")  # the only other Gluon route
     assert dispatch.resolve("auto", call(16)) == "gluon"  # in place, page 16 boxes

@@ -687,9 +687,9 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
            boxes of a page; page sizes that are multiples of 8 and tile or are tiled by
            its 128-row key tile, each page's rows packed), the same bits as the Gluon
            varlen kernel on the keys gathered; else the Triton paged kernel. None (the
-           default): ``dispatch.paged_gather`` decides from the device, the page size and
-           the buffer's size (in place by the Gluon kernel from 64-row pages, else the
-           gather).
+           default): ``dispatch.paged_gather`` decides from the device, the page size,
+           max_seqlen_q and the buffer's size (in place by the Gluon kernel from 64-row
+           pages or for chunks of at most 1024 queries, else the gather).
 
     A query whose sequence has no key (seqlens_k[b] = 0, not causal) gets out 0 and
     LSE -inf, the empty-part convention of :func:`merge_states` and of

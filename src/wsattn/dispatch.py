@@ -143,20 +143,28 @@ VARLEN_TRITON_FASTER_UP_TO = {(64, True): 255, (128, True): 255, (64, False): 10
 # shape there), so the gather is taken up to this many bytes of it and the call reads in
 # place above.
 PAGED_IN_PLACE_FROM_PAGE = 64
+# Shorter chunks read smaller pages in place too: the gather copies every key of a
+# sequence once a call whatever the chunk, so its share of the call grows as the chunk
+# shrinks. Causal chunks of 256 / 1024 over 2k / 8k keys at pages of 16 (`wsattn bench
+# chunked --chunked-chunk 256 / 1024`, one run, both head dims): in place 0.99-1.19x /
+# 1.01-1.07x the gathered call (8 of 8 shapes at 1.0 or above but one, 0.99), where at
+# chunks of 2048 the gather led at 7 of 8.
+PAGED_IN_PLACE_CHUNK_UP_TO = 1024
 PAGED_GATHER_MAX_BYTES = 2 << 30
 
 
 def paged_gather(call: Call, buffer_bytes: int, impl: str = "auto") -> bool:
     """Whether a paged prefill call gathers its keys first (``attention_paged``'s
     gather=None) when ``impl`` ("auto", "triton" or "gluon") runs it: not where the Gluon
-    kernel reads its pages in place (pages of PAGED_IN_PLACE_FROM_PAGE rows or more; for
-    "auto" also a chunk the varlen rule gives to Gluon); otherwise on CUDA while the
-    gather buffer stays within PAGED_GATHER_MAX_BYTES, and always for impl="gluon" (its
-    other route)."""
+    kernel reads its pages in place (pages of PAGED_IN_PLACE_FROM_PAGE rows or more, or
+    chunks of at most PAGED_IN_PLACE_CHUNK_UP_TO queries; for "auto" also a chunk the
+    varlen rule gives to Gluon); otherwise on CUDA while the gather buffer stays within
+    PAGED_GATHER_MAX_BYTES, and always for impl="gluon" (its other route)."""
     if call.device.type != "cuda":
         return False
-    if (impl in ("auto", "gluon") and call.page_size >= PAGED_IN_PLACE_FROM_PAGE
-            and _gluon_supports(call) is None):
+    in_place = (call.page_size >= PAGED_IN_PLACE_FROM_PAGE
+                or call.seqlen_q <= PAGED_IN_PLACE_CHUNK_UP_TO)
+    if impl in ("auto", "gluon") and in_place and _gluon_supports(call) is None:
         # "auto": in place where the varlen tables would run the gathered call on Gluon
         if impl == "gluon" or _table_ranking(replace(call, op="prefill_varlen"))[0] == "gluon":
             return False

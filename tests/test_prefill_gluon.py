@@ -1335,9 +1335,9 @@ def test_sm90_schedule_variants_numerics(case, variant):
 
 def test_auto_prefers_triton_only_where_it_measured_faster():
     """Varlen calls of causal query chunks under 256 (and D=64 non-causal ones up to 1024)
-    against longer keys go to Triton under impl="auto" on sm_90; packs whose queries and keys are all short, and the
-    rest, every fixed-length call included, to Gluon (the policy lives in wsattn.dispatch,
-    the one place impl="auto" is resolved)."""
+    against longer keys go to Triton under impl="auto" on sm_90; packs whose queries and
+    keys are all short, and the rest, every fixed-length call included, to Gluon (the
+    policy lives in wsattn.dispatch, the one place impl="auto" is resolved)."""
     from wsattn.dispatch import Call, ranking
     dev = torch.device("cuda", 0)
 

@@ -4,8 +4,8 @@ keys already in a paged KV cache, against the same attention with the keys conti
 
 Shapes: bf16, Hq 32, Hkv 8, D 128 and 64, one chunk of 2048 queries per sequence
 (``--chunked-chunk``), B = 8 sequences (16k chunk tokens a batch; ``--chunked-batch``), a
-prefix of P in {0, 2k, 8k, 32k} keys before the chunk. Each sequence has P + 2048 keys, the chunk's own K/V
-included (appended before the call, as a serving engine does). Causal, bottom-right
+prefix of P in {0, 2k, 8k, 32k} keys before the chunk. Each sequence has P + 2048 keys,
+the chunk's own K/V included (appended before the call, as a serving engine does). Causal, bottom-right
 aligned: query i of a chunk sees the prefix and chunk keys 0..i.
 
 Columns (``impl``):
@@ -72,7 +72,7 @@ import torch
 from .cases import DTYPES, tflops
 from .timing import _sync, release
 from .gemv import write
-from .runners import NotAvailable
+from .runners import NotAvailable, one_consumer_build
 from .report import fmt, status_text, target_text
 
 PREFIXES = (0, 2048, 8192, 32768)
@@ -404,7 +404,7 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
     if impl == "gluon-one-consumer-contiguous":
         from wsattn.kernels import prefill_gluon as pg
         varlen_backend()  # "gluon": not available off sm_90, with the dispatcher's reason
-        settings = pg.settings_for(case.D, True, **pg.ONE_CONSUMER[case.D])
+        settings = one_consumer_build(case.D, True)
 
         def call():
             return pg.prefill_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k, case.chunk,
@@ -610,5 +610,5 @@ def add_arguments(group) -> None:
                             "paged kernel with SPEC = BLOCK_M,BLOCK_N,num_warps,num_stages"
                             "[,use_tma] (wsattn.kernels.prefill_paged.PagedPrefillSettings)")
     group.add_argument("--chunked-batch", type=int, default=BATCH, metavar="B",
-                       help=f"chunked: sequences, one chunk of --chunked-chunk queries each (default "
-                            f"{BATCH}: {BATCH * CHUNK // 1024}k chunk tokens)")
+                       help=f"chunked: sequences, one chunk of --chunked-chunk queries each "
+                            f"(default {BATCH}: {BATCH * CHUNK // 1024}k chunk tokens)")

@@ -146,8 +146,8 @@ PAGED_IN_PLACE_FROM_PAGE = 64
 # Shorter chunks read smaller pages in place too: the gather copies every key of a
 # sequence once a call whatever the chunk, so its share of the call grows as the chunk
 # shrinks. Causal chunks of 256 / 1024 over 2k / 8k keys at pages of 16 (`wsattn bench
-# chunked --chunked-chunk 256 / 1024`, one run, both head dims): in place 0.99-1.19x /
-# 1.01-1.07x the gathered call (8 of 8 shapes at 1.0 or above but one, 0.99), where at
+# chunked --chunked-chunk 256 / 1024`, one run, both head dims): in place 0.99-1.22x /
+# 1.02-1.05x the gathered call (7 of 8 shapes ahead, one at 0.99), where at
 # chunks of 2048 the gather led at 7 of 8.
 PAGED_IN_PLACE_CHUNK_UP_TO = 1024
 PAGED_GATHER_MAX_BYTES = 2 << 30

@@ -112,7 +112,9 @@ def test_prefill_lengths_and_dims_replace_the_defaults():
     (["prefill", "--prefill-seqlens", "3000"], "--prefill-seqlens: [3000] do not divide"),
     (["prefill", "--prefill-dims", "96"], "--prefill-dims: [96] do not divide"),
     (["decode", "--prefill-seqlens", "2048"], "apply to `wsattn bench prefill` (or all)"),
-], ids=["length", "dim", "not-prefill"])
+    (["varlen", "--gluon-settings", "CONSUMERS=2"], "--gluon-settings applies to `wsattn "
+                                                    "bench prefill`"),
+], ids=["length", "dim", "not-prefill", "gluon-settings-not-prefill"])
 def test_prefill_flag_misuse_exits_2_before_anything_runs(argv, words, monkeypatch, capsys):
     import wsattn.cli
     ran = []
@@ -336,6 +338,36 @@ def test_gluon_build_columns_are_asked_for_by_name_and_refuse_cpu_tensors(monkey
                            timer, _stamp(), "cpu")
     (row,) = rows
     assert row["status"] == "not available" and "gluon" in row["reason"] and timer.calls == 0
+
+
+def test_gluon_settings_columns_parse_and_name_what_is_wrong(capsys):
+    """--gluon-settings SPEC adds a gluon[SPEC] column, settings_for with those overrides
+    (bools 0/1 or true/false, ints); a bad SPEC exits 2 naming the field or the form, and
+    a build a head dim does not have is that case's 'not available'."""
+    from wsattn.bench.runners import parse_gluon_settings, settings_build
+    from wsattn.kernels import prefill_gluon as pg
+
+    assert parse_gluon_settings("CONSUMERS=2,persistent=1") == {"CONSUMERS": 2,
+                                                                "persistent": True}
+    assert parse_gluon_settings("PINGPONG=false, STAGES = 3") == {"PINGPONG": False,
+                                                                  "STAGES": 3}
+    assert settings_build({"CONSUMERS": 2})(64, False) == pg.settings_for(64, False,
+                                                                          CONSUMERS=2)
+    for bad, says in (("CONSUMERS", "FIELD=VALUE"), ("WARPS=4", "not a GluonSettings field"),
+                      ("persistent=2", "0/1 or true/false"), ("STAGES=-1", "non-negative"),
+                      ("STAGES=3,STAGES=4", "given twice"), ("", "FIELD=VALUE")):
+        with pytest.raises(ValueError, match=says):
+            parse_gluon_settings(bad)
+    args = wsattn.cli.build_parser().parse_args(
+        ["bench", "prefill", "--gluon-settings", "CONSUMERS=2", "CONSUMERS=2,persistent=1"])
+    assert args.gluon_settings == ["CONSUMERS=2", "CONSUMERS=2,persistent=1"]
+    with pytest.raises(SystemExit) as e:
+        wsattn.cli.build_parser().parse_args(["bench", "prefill", "--gluon-settings", "X=1"])
+    assert e.value.code == 2 and "'X' is not a GluonSettings field" in capsys.readouterr().err
+    case = PrefillCase(1, 17, 2, 2, 128, False, "fp32")  # three consumers: D64 only
+    runner = GluonBuildRunner("gluon[CONSUMERS=3]", settings_build({"CONSUMERS": 3}))
+    (row,) = suite.run_cases([case], [runner], CountingTimer(), _stamp(), "cpu")
+    assert row["status"] == "not available" and "CONSUMERS" in row["reason"], row
 
 
 def test_sdpa_peer_skips_paged_decode_and_reports_missing_backend():

@@ -93,6 +93,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     prefill_group.add_argument("--prefill-dims", nargs="+", type=int, default=None,
                                metavar="D", help="prefill: head dims, H = 2048 / D (default "
                                                  f"{' '.join(map(str, PREFILL_DIMS))})")
+    prefill_group.add_argument("--gluon-settings", nargs="+", type=_gluon_settings_arg,
+                               default=None, metavar="SPEC",
+                               help="prefill: extra columns gluon[SPEC], the Gluon kernel's "
+                                    "fixed-length build that prefill_gluon.settings_for makes "
+                                    "with these overrides whatever the length rule picks; "
+                                    "SPEC = FIELD=VALUE[,FIELD=VALUE...] over GluonSettings' "
+                                    "fields (bools 0/1), e.g. CONSUMERS=2,persistent=1")
     decode_group = p.add_argument_group("decode (the attention kernel alone)")
     decode_group.add_argument("--step-shapes", action="store_true",
                               help="decode: the decode step's shapes (Llama-3.2-1B, "
@@ -124,6 +131,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _gluon_settings_arg(spec: str) -> str:
+    """argparse type of --gluon-settings: a bad SPEC exits 2 naming the option; the
+    column is named by the SPEC as given."""
+    from .runners import parse_gluon_settings
+
+    try:
+        parse_gluon_settings(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def _settings_arg(spec: str):
     """argparse type of --decode-settings: a bad SPEC exits 2 naming the option."""
     from .runners import parse_decode_settings
@@ -135,7 +154,8 @@ def _settings_arg(spec: str):
 
 
 def prefill_args_error(args) -> str | None:
-    """Why --prefill-seqlens / --prefill-dims cannot run with the rest of args, or None."""
+    """Why --prefill-seqlens / --prefill-dims / --gluon-settings cannot run with the rest
+    of args, or None."""
     from .cases import prefill_lengths_error
 
     what = getattr(args, "what", "all")
@@ -143,6 +163,8 @@ def prefill_args_error(args) -> str | None:
     if (seqlens or dims) and what not in ("prefill", "all"):
         return (f"--prefill-seqlens / --prefill-dims apply to `wsattn bench prefill` (or all), "
                 f"not `{what}`")
+    if getattr(args, "gluon_settings", None) and what not in ("prefill", "all"):
+        return f"--gluon-settings applies to `wsattn bench prefill` (or all), not `{what}`"
     return prefill_lengths_error(seqlens, dims)
 
 
@@ -216,7 +238,8 @@ def _bench(args, torch) -> int:
     from .cases import decode_cases, prefill_cases, step_decode_cases
     from .env import stamp as make_stamp
     from .report import add_ratios, ceiling_row, format_table
-    from .runners import DecodeSettingsRunner, Rotated, all_runners
+    from .runners import (DecodeSettingsRunner, GluonBuildRunner, Rotated, all_runners,
+                          parse_gluon_settings, settings_build)
     from .suite import run_cases
     from .timing import cuda_timer
 
@@ -231,6 +254,8 @@ def _bench(args, torch) -> int:
         cases += pick(args.quick, args.dtype)
     runners = [r for r in all_runners() if r.name in args.impl]
     runners += [DecodeSettingsRunner(s) for s in args.decode_settings or ()]
+    runners += [GluonBuildRunner(f"gluon[{spec}]", settings_build(parse_gluon_settings(spec)))
+                for spec in args.gluon_settings or ()]
     # a no-op on every default case (their caches exceed L2 many times over)
     runners = [Rotated(r) for r in runners]
     total = 2 + sum(r.applies(c) for c in cases for r in runners)
@@ -256,7 +281,7 @@ def _bench(args, torch) -> int:
     # wrong answer from one is a kernel bug like any other
     broken = [r for r in rows
               if (r["impl"] in ("wsattn", "triton", "gluon") and r["status"] in ("failed", "error"))
-              or (r["impl"].startswith("triton[") and r["status"] == "failed")]
+              or (r["impl"].startswith(("triton[", "gluon")) and r["status"] == "failed")]
     for r in broken:
         print(f"wsattn {r['impl']} {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
     return 1 if broken else 0

@@ -18,7 +18,6 @@ the decode step reads each layer's cache from HBM.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import dataclass, field, replace
@@ -221,19 +220,63 @@ class GluonBuildRunner(Runner):
     def prepare(self, case, inp):
         from wsattn.kernels import prefill_gluon as pg
 
+        try:
+            settings = self.settings(case.D, case.causal)
+        except ValueError as e:  # a build that does not exist at this head dim
+            raise NotAvailable(str(e)) from e
+
+        def fn():
+            return pg.prefill(inp.q, inp.k, inp.v, case.causal, inp.scale, settings)[0]
+
         def checked_first():
             try:
                 wsattn.attention(inp.q, inp.k, inp.v, causal=case.causal, impl="gluon")
-                settings = self.settings(case.D, case.causal)
             except ValueError as e:
                 raise NotAvailable(str(e)) from e
-            prepared.fn = functools.partial(pg.prefill, inp.q, inp.k, inp.v, case.causal,
-                                            inp.scale, settings)
-            prepared.note = f"settings: {settings}"
-            return prepared.fn()[0]
+            return fn()
 
-        prepared = Prepared(checked_first, None)
-        return prepared
+        return Prepared(checked_first, fn, note=f"settings: {settings}")
+
+
+def parse_gluon_settings(spec: str) -> dict:
+    """'FIELD=VALUE[,FIELD=VALUE...]' -> GluonSettings overrides for settings_for (ints;
+    bool fields take 0/1 or true/false); ValueError naming what is wrong. Whether the
+    build exists at a head dim is settings_for's to say, per case."""
+    from dataclasses import fields
+
+    from wsattn.kernels.prefill_gluon import GluonSettings
+    types = {f.name: f.type for f in fields(GluonSettings)}
+    out = {}
+    for part in spec.split(","):
+        name, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or not name or not value:
+            raise ValueError(f"--gluon-settings: each SPEC is FIELD=VALUE[,FIELD=VALUE...], "
+                             f"got {spec!r}")
+        if name not in types:
+            raise ValueError(f"--gluon-settings {spec!r}: {name!r} is not a GluonSettings "
+                             f"field ({', '.join(types)})")
+        if name in out:
+            raise ValueError(f"--gluon-settings {spec!r}: {name} given twice")
+        if types[name] in (bool, "bool"):
+            if value.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"--gluon-settings {spec!r}: {name} takes 0/1 or "
+                                 f"true/false, got {value!r}")
+            out[name] = value.lower() in ("1", "true")
+        else:
+            if not value.isdigit():
+                raise ValueError(f"--gluon-settings {spec!r}: {name} takes a non-negative "
+                                 f"int, got {value!r}")
+            out[name] = int(value)
+    return out
+
+
+def settings_build(overrides: dict):
+    """The build settings_for makes with these overrides, as a GluonBuildRunner's
+    function of the head dim and mask."""
+    def build(head_dim: int, causal: bool):
+        from wsattn.kernels import prefill_gluon as pg
+        return pg.settings_for(head_dim, causal, **overrides)
+    return build
 
 
 def one_consumer_build(head_dim: int, causal: bool):

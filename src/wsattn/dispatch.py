@@ -92,18 +92,15 @@ SUPPORTS = {"gluon": _gluon_supports, "triton": _triton_supports,
 
 # Prefill on sm_90, measured side by side on H200 (bf16, 16k tokens a batch; bench
 # results in benchmarks/results/): the Triton kernel is faster than the Gluon kernel up
-# to these query lengths, keyed by (head dim, causal); longer calls go to Gluon.
-# N = 1024: D64 causal 192 vs 271, D128 causal 314 vs 354; D128 non-causal 523 vs 409
-# stays Gluon; from N = 4096 on the Gluon kernel leads or ties. D64 non-causal goes to
-# Gluon too, whose launcher takes its persistent schedule there (prefill_gluon.
-# PERSISTENT_UP_TO): 368 vs the Triton kernel's 350 side by side (the one-tile Gluon
-# launch: 353).
-# Since then the short causal calls take the Gluon kernel's one-consumer build (prefill_gluon.
-# ONE_CONSUMER_UP_TO: 64-row tiles, two or three CTAs an SM), x the Triton kernel side by
-# side at N = 1024 in three bench processes (bench_prefill_peers_process*_dc1c467): D128
-# causal 1.03-1.10, D64 causal 1.07-1.10; so no fixed-length shape stays with Triton.
-# Non-causal calls up to N = 256 (D128) / 512 (D64) take that build too: at N = 256 it ran
-# 107-131 us where the Triton kernel ran 135-145 in the same processes.
+# to these query lengths, keyed by (head dim, causal); longer calls go to Gluon. It was so
+# at N = 1024 causal against the two- and three-consumer builds (D64 192 vs 271 TFLOP/s,
+# D128 314 vs 354), until the Gluon kernel's one-consumer build (prefill_gluon.
+# ONE_CONSUMER_UP_TO: 64-row tiles, two or three CTAs an SM) took those calls: x the
+# Triton kernel side by side at N = 1024 in three bench processes
+# (bench_prefill_peers_process*_dc1c467), D128 causal 1.03-1.10, D64 causal 1.07-1.10;
+# D128 non-causal (the two-consumer build) 1.26-1.31; non-causal N = 256 on the
+# one-consumer build 107-131 us against the Triton kernel's 135-145. So no fixed-length
+# shape stays with Triton.
 TRITON_FASTER_UP_TO: dict[tuple[int, bool], int] = {}
 # Varlen: a pack whose longest query and key sequences (Call.seqlen_q / seqlen_k:
 # max_seqlen_q / _k, else Tq / Tk) both fit prefill_gluon.VARLEN_ONE_CONSUMER_UP_TO goes

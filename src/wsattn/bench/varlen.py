@@ -87,7 +87,8 @@ import torch
 from .cases import DTYPES, HIDDEN, PrefillCase, tflops
 from .chunked import poisoned
 from .gemv import write
-from .runners import NotAvailable, Prepared
+from .runners import (NotAvailable, Prepared, multi_consumer_build, one_consumer_build,
+                      settings_build)
 from .report import fmt, status_text, target_text
 from .timing import _sync, release
 
@@ -109,18 +110,13 @@ BACKENDS = {"wsattn": "auto", "wsattn-triton": "triton", "wsattn-gluon": "gluon"
             "wsattn-gluon-multi-consumer": "gluon"}
 
 
-def _one_consumer(head_dim: int) -> dict:
-    from wsattn.kernels import prefill_gluon as pg
-    return pg.ONE_CONSUMER[head_dim]
-
-
-# the Gluon columns that call prefill_varlen with settings of their own (the one-consumer
-# build's depend on the head dim: a function of it)
-GLUON_SETTINGS = {"wsattn-gluon-plain": {"compact_varlen": False},
-                  "wsattn-gluon-packorder": {"varlen_longest_first": False},
-                  "wsattn-gluon-unbounded": {"varlen_bounded_v": False},
-                  "wsattn-gluon-one-consumer": _one_consumer,
-                  "wsattn-gluon-multi-consumer": {}}
+# the Gluon columns that call prefill_varlen with settings of their own: each a function
+# of the head dim and mask (the one-consumer build's depend on the head dim)
+GLUON_SETTINGS = {"wsattn-gluon-plain": settings_build({"compact_varlen": False}),
+                  "wsattn-gluon-packorder": settings_build({"varlen_longest_first": False}),
+                  "wsattn-gluon-unbounded": settings_build({"varlen_bounded_v": False}),
+                  "wsattn-gluon-one-consumer": one_consumer_build,
+                  "wsattn-gluon-multi-consumer": multi_consumer_build}
 # of those, the builds (not varlen-only settings): their batch runs prefill_gluon.prefill
 # with the same settings
 BUILD_COLUMNS = ("wsattn-gluon-one-consumer", "wsattn-gluon-multi-consumer")
@@ -139,9 +135,7 @@ ROW_FIELDS = ("op", "impl", "case", "layout", "dtype", "causal", "heads", "Hq", 
 
 def gluon_settings(impl: str, head_dim: int, causal: bool):
     """The GluonSettings a GLUON_SETTINGS column launches prefill_varlen with."""
-    from wsattn.kernels import prefill_gluon as pg
-    over = GLUON_SETTINGS[impl]
-    return pg.settings_for(head_dim, causal, **(over(head_dim) if callable(over) else over))
+    return GLUON_SETTINGS[impl](head_dim, causal)
 
 
 # --------------------------------------------------------------------------- the pack

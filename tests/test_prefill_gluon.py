@@ -452,6 +452,39 @@ def test_varlen_launcher_takes_the_one_consumer_build_for_short_packs(monkeypatc
         assert rec.launches[-1][2]["CONSUMERS"] == 1
 
 
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
+def test_launchers_take_the_one_consumer_build_for_short_causal_chunks(monkeypatch, head_dim):
+    """Without settings, a causal chunk of at most ONE_CONSUMER_CHUNK_UP_TO queries against
+    keys past every length table takes the one-consumer build: prefill_varlen,
+    prefill_paged (reading the pages in place) and fixed-length prefill alike; a query
+    more, or no mask, takes the default build, and so does a fixed-length chunk of 512
+    (the fixed-length tables rank the longer of Sq and Sk). Recorded on CPU tensors with
+    the kernel and the tile table's launch replaced; nothing runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rec = _Recorder()
+    monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
+    monkeypatch.setattr(pg, "varlen_tile_table", lambda cu, n_tiles, *a, **kw:
+                        torch.zeros(2, n_tiles, dtype=torch.int32))
+    chunk, keys = pg.ONE_CONSUMER_CHUNK_UP_TO, [4096, 2500]
+    assert chunk == 64
+    for q_len, causal, one in ((chunk, True, True), (1, True, True), (chunk + 1, True, False),
+                               (chunk, False, False), (512, True, False)):
+        q, k, v, cu_q, cu_k = _pack([q_len, 3], keys, 4, 2, head_dim, torch.bfloat16)
+        max_q = max(q_len, 3)  # the chunk bound the caller gives (else Tq bounds it)
+        pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, 0.125)
+        kc, vc, table, lens = _paged(k, v, keys, 64)
+        pg.prefill_paged(q, kc, vc, cu_q, lens, table, max_q, causal, 0.125)
+        pg.prefill(*_qkv(1, q_len, keys[0], 4, 2, head_dim, torch.bfloat16), causal, 0.125)
+        got = [kw["CONSUMERS"] == 1 and kw["BLOCK_N"] == pg.ONE_CONSUMER[head_dim]["BLOCK_N"]
+               for _, _, kw in rec.launches[-3:]]
+        assert got == [one] * 3, (q_len, causal)
+        assert pg.call_settings(head_dim, causal, q_len, keys[0]).CONSUMERS == (
+            1 if one else pg.settings_for(head_dim, causal).CONSUMERS)
+    # the same chunk against as many keys as queries keeps the short-shape table's build
+    assert pg.call_settings(head_dim, True, 512, 512).CONSUMERS == 1
+    assert pg.call_settings(head_dim, True, 512).CONSUMERS == 1
+
+
 @pytest.mark.parametrize("max_q", [None, 300], ids=["omitted", "given"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_compact_varlen_launcher_grid_and_table(monkeypatch, causal, max_q):
@@ -634,10 +667,12 @@ def test_varlen_dispatch_accepts_gluon_and_auto_ranks_by_the_longest_sequence():
         assert dispatch.resolve("auto", call) == "gluon"
         long = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True, 4096, 4096)
         assert dispatch.resolve("auto", long) == "gluon"
-        # short queries against long keys: the length table (Triton up to its limit)
-        chunk = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True, 512, 8192)
-        assert dispatch.resolve("auto", chunk) == "gluon"
-        chunk = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True, 255, 8192)
+        # short queries against long keys: Gluon if causal (the length table has no causal
+        # entry), the length table without a mask (Triton up to its limit at D64)
+        for q_len in (1, 255, 512):
+            chunk = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 128, True, q_len, 8192)
+            assert dispatch.resolve("auto", chunk) == "gluon"
+        chunk = dispatch.Call("prefill_varlen", dev, torch.bfloat16, 64, False, 255, 8192)
         assert dispatch.resolve("auto", chunk) == "triton"
 
 
@@ -728,6 +763,41 @@ def test_ladder_one_consumer_varlen_entry(monkeypatch):
     builds = [b for sh in spec.run.sanitizer_shapes for b in spec.run.sanitizer_builds(sh)]
     assert sorted((b["head_dim"], b["settings"].ctas_per_sm) for b in builds) == [(64, 3),
                                                                                 (128, 2)]
+
+
+@pytest.mark.parametrize("one", [False, True], ids=["picked", "one_consumer"])
+def test_ladder_gluon_paged_entries(monkeypatch, one):
+    """`prefill_gluon_paged` (the build the launcher picks) and
+    `prefill_gluon_paged_one_consumer` (ONE_CONSUMER whatever the shape) gates 0-2 on their
+    paged builds (pages of 16); their runners call prefill_paged without settings / with
+    ONE_CONSUMER of the shape's head dim, and their sanitizer builds are what those calls
+    launch: the one-consumer build at both head dims for the short chunks, and for the
+    picked entry the default build for the 65-query chunk over 1,000 keys (recorded;
+    nothing runs)."""
+    from wsattn.evidence import ladder, library
+    spec = library.get("prefill_gluon_paged_one_consumer" if one else "prefill_gluon_paged")
+    assert not spec.unavailable, spec.unavailable
+    cs = spec.compile_spec(90)
+    assert cs["constexprs"]["PAGE"] == 16 and cs["constexprs"]["CAUSAL"]
+    assert cs["constexprs"]["CONSUMERS"] == (1 if one else 2)
+    assert ("maxnreg" in cs["options"]) == one
+    r = ladder.climb(spec, "sm_90", ladder.Config(max_gate=2))
+    assert r.highest_gate == 2, r.verdict
+    calls = []
+
+    def paged(q, kc, vc, cu_q, lens, table, max_q, causal, sm_scale, settings=None):
+        calls.append((q.shape[-1], None if settings is None else settings.CONSUMERS, causal))
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+    monkeypatch.setattr(pg, "prefill_paged", paged)
+    for D in (64, 128):
+        inp = spec.run.build({"Lq": [17, 1], "P": [23, 0], "Hq": 4, "Hkv": 2, "D": D,
+                              "page": 16}, "bf16", "cpu", torch.Generator().manual_seed(0))
+        spec.run.run(inp)
+    assert calls == [(64, 1 if one else None, True), (128, 1 if one else None, True)]
+    shapes = spec.run.sanitizer_shapes
+    builds = [(b["head_dim"], b["page"], b["settings"].CONSUMERS)
+              for sh in shapes for b in spec.run.sanitizer_builds(sh)]
+    assert builds == [(128, 16, 1), (64, 64, 1), (128, 16, 1 if one else 2)]
 
 
 def test_api_refuses_gluon_varlen_off_sm90(monkeypatch):
@@ -1130,16 +1200,18 @@ def test_one_consumer_settings_are_checked():
         pg.settings_for(128, True, CONSUMERS=4)
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("build", ["fixed", "varlen", "paged"])
 @pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
-def test_sm90_one_consumer_structure(head_dim, causal, varlen):
-    """The one-consumer build (ONE_CONSUMER, causal and not, fixed-length and packed): the
-    default partition is the consumer, the 1-warp producer the only worker (at 24
-    registers), 256 threads under the cap that fits ctas_per_sm CTAs (.maxnreg), the
-    consumer raised to the rest, wgmma and TMA as in the other builds, no spills, and shared
-    memory within the CTA's share."""
+def test_sm90_one_consumer_structure(head_dim, causal, build):
+    """The one-consumer build (ONE_CONSUMER, causal and not, fixed-length, packed and over
+    pages of 16): the default partition is the consumer, the 1-warp producer the only
+    worker (at 24 registers), 256 threads under the cap that fits ctas_per_sm CTAs
+    (.maxnreg), the consumer raised to the rest, wgmma and TMA as in the other builds, no
+    spills, and shared memory within the CTA's share."""
     s = pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
-    k = _compile(head_dim, causal, varlen, **pg.ONE_CONSUMER[head_dim])
+    varlen, paged = build != "fixed", build == "paged"
+    k = _compile_spec(pg.compile_spec(head_dim=head_dim, causal=causal, settings=s,
+                                      varlen=varlen, page=16 if paged else 0))
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     ws = re.findall(r"ttg\.warp_specialize\(.*requestedRegisters = array<i32: ([0-9, ]+)>", ttgir)
     assert ws == [str(s.PRODUCER_REGS)]
@@ -1157,15 +1229,17 @@ def test_sm90_one_consumer_structure(head_dim, causal, varlen):
     assert s.ctas_per_sm * (k.metadata.shared + 1024) <= pg.SM_SMEM
     # packs: V's rows past a sequence's keys are zeroed in shared memory by the consumer
     # (a load and a store of the tile) and fenced for the wgmma, no V descriptor made on
-    # the device; O's store through the Q buffer is the other store and fence
-    assert ttgir.count("ttg.local_load") == int(varlen)
-    assert ttgir.count("ttg.local_store") == ptx.count("fence.proxy.async") == 1 + varlen
-    assert "tensormap.replace" not in ptx
-
+    # the device; O's store through the Q buffer is the other store and fence. Pages: the
+    # producer bounds the last page's V by a tensor map made on the device instead, as the
+    # paged build of more consumers does
+    zeroes = varlen and not paged
+    assert ttgir.count("ttg.local_load") == int(zeroes)
+    assert ttgir.count("ttg.local_store") == ptx.count("fence.proxy.async") == 1 + zeroes
+    assert ("tensormap.replace" in ptx) == paged
 
 def test_persistent_varlen_is_refused_by_name(monkeypatch):
-    """Varlen has no persistent schedule yet, nor the paged build a one-consumer one: the
-    launchers and compile_spec say so."""
+    """Varlen and the paged build have no persistent schedule: the launchers and
+    compile_spec say so. Both take the one-consumer build."""
     rec = _Recorder()
     monkeypatch.setattr(pg, "attn_fwd_kernel", rec)
     q, k, v, cu_q, cu_k = _pack([5, 7], [5, 7], 4, 2, 64, torch.float16)
@@ -1174,14 +1248,15 @@ def test_persistent_varlen_is_refused_by_name(monkeypatch):
         pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, False, 0.125, settings=s)
     with pytest.raises(ValueError, match=r"persistent=True.*fixed-length prefill only"):
         pg.compile_spec(head_dim=64, settings=s, varlen=True)
-    one = pg.settings_for(64, True, **pg.ONE_CONSUMER[64])
     kc, vc, table, lens = _paged(k, v, [5, 7], 64, seed=0)
-    with pytest.raises(ValueError, match=r"CONSUMERS=1: the one-consumer build covers fixed"):
-        pg.prefill_paged(q, kc, vc, cu_q, lens, table, None, True, 0.125, settings=one)
-    with pytest.raises(ValueError, match=r"CONSUMERS=1: the one-consumer build covers fixed"):
-        pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True, page=64)
+    with pytest.raises(ValueError, match=r"persistent=True.*fixed-length prefill only"):
+        pg.prefill_paged(q, kc, vc, cu_q, lens, table, None, True, 0.125, settings=s)
+    with pytest.raises(ValueError, match=r"persistent=True.*fixed-length prefill only"):
+        pg.compile_spec(head_dim=64, settings=s, varlen=True, page=64)
     assert rec.launches == []
-    pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True)  # packs take it
+    one = pg.settings_for(64, True, **pg.ONE_CONSUMER[64])
+    pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True)
+    pg.compile_spec(head_dim=64, causal=True, settings=one, varlen=True, page=64)
 
 
 # --------------------------------------------------------------------------- sm_90 GPU
@@ -1365,14 +1440,18 @@ def test_auto_prefers_triton_only_where_it_measured_faster():
         assert pg.varlen_one_consumer(D, causal, limit, limit)
         assert not pg.varlen_one_consumer(D, causal, limit, limit + 1)
         assert not pg.varlen_one_consumer(D, causal, limit + 1, limit)
-    # causal chunks of 256 queries or more against longer keys: Gluon; shorter: Triton
-    assert first_varlen(1024, 128, True, 4096) == "gluon"
-    assert first_varlen(256, 128, True, 33000) == "gluon"
-    assert first_varlen(255, 128, True, 4096) == "triton"
+    # causal chunks against longer keys: Gluon at every length (up to
+    # ONE_CONSUMER_CHUNK_UP_TO queries its one-consumer build); without a mask the table
+    from wsattn import dispatch
+    assert dispatch.VARLEN_TRITON_FASTER_UP_TO == {(64, False): 1024}
+    for D in (64, 128):
+        for chunk in (1, 64, 65, 255, 256, 1024):
+            assert first_varlen(chunk, D, True, 33000) == "gluon"
+            assert pg.varlen_one_consumer(D, True, chunk, 33000) == (chunk <= 64)
+        assert not pg.varlen_one_consumer(D, False, 64, 33000)
     assert first_varlen(1024, 128, False, 4096) == "gluon"
-    assert first_varlen(900, 64, True, 4000) == "gluon"
-    assert first_varlen(255, 64, True, 4000) == "triton"
     assert first_varlen(900, 64, False, 2000) == "triton"
+    assert first_varlen(64, 64, False, 2000) == "triton"
     assert ranking(Call("prefill_varlen", dev, torch.bfloat16, 128, True, 3851, 3851)) == \
         ("gluon", "triton")
 
@@ -1531,12 +1610,12 @@ def test_sm90_varlen_a_neighbours_nonfinite_v_stays_out(head_dim, causal, build)
     if p != "8191" or c])
 def test_sm90_paged_equals_varlen_on_the_packed_keys(pack, head_dim, causal, page):
     """The paged build over shuffled pages (every row no key owns NaN, table entries past a
-    sequence's pages -1): out and LSE bit for bit prefill_varlen's on the same keys packed
-    (the same tiles in the same order; V past a sequence's keys is zeros here and the next
-    sequence's rows there, both times a probability of 0), over reruns, and within
-    tolerance of float64. The varlen launch takes the paged launcher's build explicitly:
-    without settings a pack of short sequences would take the one-consumer build, whose
-    64-key tiles add in another order."""
+    sequence's pages -1), the default and the one-consumer build: out and LSE bit for bit
+    prefill_varlen's with the same settings on the same keys packed (the same tiles in the
+    same order; V past a sequence's keys is zeros here and the next sequence's rows there,
+    both times a probability of 0), over reruns, and within tolerance of float64. Without
+    settings the paged launcher takes the build the varlen rule picks for its longest
+    chunk and the table's width in keys, so the same bits as that build."""
     from wsattn import reference
     q_lens, kv_lens = VARLEN_PACKS[pack]
     dtype = torch.bfloat16
@@ -1544,13 +1623,24 @@ def test_sm90_paged_equals_varlen_on_the_packed_keys(pack, head_dim, causal, pag
                                 seed=len(q_lens) + head_dim + page)
     kc, vc, table, lens = _paged(k, v, kv_lens, page, seed=page)
     scale = head_dim ** -0.5
-    want = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale,
-                             settings=pg.settings_for(head_dim, causal))
-    for max_q in (None, max(q_lens)):
-        got = pg.prefill_paged(q, kc, vc, cu_q, lens, table, max_q, causal, scale)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), max_q
     ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal, scale)
-    _assert_varlen_close(got[0], got[1], ref, ref_lse, cu_q, dtype)
+    want = {}
+    for build, over in (("default", {}), ("one-consumer", pg.ONE_CONSUMER[head_dim])):
+        s = pg.settings_for(head_dim, causal, **over)
+        want[build] = pg.prefill_varlen(q, k, v, cu_q, cu_k, None, None, causal, scale,
+                                        settings=s)
+        for max_q in (None, max(q_lens), None):
+            got = pg.prefill_paged(q, kc, vc, cu_q, lens, table, max_q, causal, scale,
+                                   settings=s)
+            assert torch.equal(got[0], want[build][0]), (build, max_q)
+            assert torch.equal(got[1], want[build][1]), (build, max_q)
+        _assert_varlen_close(got[0], got[1], ref, ref_lse, cu_q, dtype)
+    for max_q in (None, max(q_lens)):
+        bound = sum(q_lens) if max_q is None else max_q
+        picked = pg.varlen_one_consumer(head_dim, causal, bound, table.shape[1] * page)
+        got = pg.prefill_paged(q, kc, vc, cu_q, lens, table, max_q, causal, scale)
+        w = want["one-consumer" if picked else "default"]
+        assert torch.equal(got[0], w[0]) and torch.equal(got[1], w[1]), max_q
 
 
 @pytest.mark.sm90

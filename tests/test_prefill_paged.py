@@ -436,16 +436,16 @@ def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
     """Where the Gluon kernel runs (faked: no sm_90 device here), gather=None reads pages
     of 64 rows or more in place with it, gathers smaller pages (impl="gluon" too), and
     gathers any page size the Gluon kernel cannot box or a cache TMA cannot read; "auto"
-    gathers a chunk short enough for the varlen rule to give it to Triton; gather=False
-    ranks the Gluon in-place build first, with the reason named where it cannot take the
-    call."""
+    gathers a chunk the varlen rule gives to Triton (none causal: short causal chunks
+    take the Gluon kernel's one-consumer build, in place); gather=False ranks the Gluon
+    in-place build first, with the reason named where it cannot take the call."""
     from wsattn.kernels import prefill_gluon
     monkeypatch.setattr(prefill_gluon, "device_supported", lambda device: True)
     dev = torch.device("cuda")
 
-    def call(page, tma=True, dtype=torch.bfloat16, d=128, chunk=2048):
-        return dispatch.Call("prefill_paged", dev, dtype, d, True, seqlen_q=chunk,
-                             seqlen_k=4096, page_size=page, tma_pages=tma)
+    def call(page, tma=True, dtype=torch.bfloat16, d=128, chunk=2048, causal=True, keys=4096):
+        return dispatch.Call("prefill_paged", dev, dtype, d, causal, seqlen_q=chunk,
+                             seqlen_k=keys, page_size=page, tma_pages=tma)
     assert dispatch.PAGED_IN_PLACE_FROM_PAGE == 64
     for impl in ("auto", "gluon"):
         assert not dispatch.paged_gather(call(64), 1, impl)
@@ -454,15 +454,16 @@ def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
         assert dispatch.paged_gather(call(64, tma=False), 1, impl)
         assert dispatch.paged_gather(call(48), 1, impl)  # 48 neither tiles nor is tiled by 128
     assert dispatch.paged_gather(call(64), 1, "triton")  # Triton's own rule: the gather
-    short = dispatch.VARLEN_TRITON_FASTER_UP_TO[(128, True)]
-    assert dispatch.paged_gather(call(64, chunk=short), 1, "auto")  # then Triton varlen
-    # the varlen length table decides, not the one-consumer route of short packs (which
-    # would rank the gathered call of a short chunk over short keys Gluon)
-    assert dispatch.paged_gather(dispatch.Call("prefill_paged", dev, torch.bfloat16, 128, True,
-                                               seqlen_q=64, seqlen_k=64, page_size=64,
-                                               tma_pages=True), 1, "auto")
-    assert not dispatch.paged_gather(call(64, chunk=short + 1), 1, "auto")
-    assert not dispatch.paged_gather(call(64, chunk=short), 1, "gluon")
+    # the varlen rule as a gathered call would take it: a causal chunk of any length (the
+    # shortest on the one-consumer build) and a pack of short sequences in place; D64
+    # without a mask up to the table's limit gathers for the Triton kernel
+    for chunk in (1, 64, 65, 255):
+        assert not dispatch.paged_gather(call(64, chunk=chunk), 1, "auto")
+    assert not dispatch.paged_gather(call(64, chunk=64, keys=64), 1, "auto")
+    short = dispatch.VARLEN_TRITON_FASTER_UP_TO[(64, False)]
+    assert dispatch.paged_gather(call(64, d=64, causal=False, chunk=short), 1, "auto")
+    assert not dispatch.paged_gather(call(64, d=64, causal=False, chunk=short + 1), 1, "auto")
+    assert not dispatch.paged_gather(call(64, d=64, causal=False, chunk=short), 1, "gluon")
     # chunks of at most PAGED_IN_PLACE_CHUNK_UP_TO queries read pages of 16 in place too
     assert dispatch.PAGED_IN_PLACE_CHUNK_UP_TO == 1024
     for impl in ("auto", "gluon"):
@@ -470,9 +471,11 @@ def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
         assert not dispatch.paged_gather(call(16, chunk=256), 1, impl)
         assert dispatch.paged_gather(call(16, chunk=1025), 1, impl)
         assert dispatch.paged_gather(call(16, chunk=256, tma=False), 1, impl)
-    # ... where the varlen table gives the chunk to Gluon: shorter ones gather for Triton
-    assert dispatch.paged_gather(call(16, chunk=short), 1, "auto")
-    assert not dispatch.paged_gather(call(16, chunk=short), 1, "gluon")
+    # ... where the varlen rule gives the chunk to Gluon: others gather for Triton
+    for chunk in (1, 64, 255):
+        assert not dispatch.paged_gather(call(16, chunk=chunk), 1, "auto")
+    assert dispatch.paged_gather(call(16, d=64, causal=False, chunk=short), 1, "auto")
+    assert not dispatch.paged_gather(call(16, d=64, causal=False, chunk=short), 1, "gluon")
     assert not dispatch.paged_gather(call(16), 1 << 40, "auto")  # too large: in place
     assert dispatch.paged_gather(call(16), 1 << 40, "gluon")  # the only other Gluon route
     assert dispatch.resolve("auto", call(16)) == "gluon"  # in place, page 16 boxes

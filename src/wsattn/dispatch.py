@@ -106,16 +106,17 @@ TRITON_FASTER_UP_TO: dict[tuple[int, bool], int] = {}
 # max_seqlen_q / _k, else Tq / Tk) both fit prefill_gluon.VARLEN_ONE_CONSUMER_UP_TO goes
 # to Gluon, whose launcher runs its one-consumer build there: on 16k-token packs of
 # lengths 64-1024 (`wsattn bench varlen --varlen-heads gqa --varlen-lengths 64 1024`,
-# GQA 32/8) 1.44-1.62x the Triton kernel that this table gave those packs before. Other
-# varlen calls take this table on the longest query sequence in place of Sq. Causal query
-# chunks of 256 and 1024 against 2k-32k keys before them (`wsattn bench chunked
-# --chunked-chunk 256 / 1024`, 16k chunk tokens, GQA 32/8, contiguous keys) ran on the
-# Gluon kernel's default build 1.09-1.31x the Triton kernel that this table gave them
-# (D64 chunk 256 over 32k: 1.00), so causal chunks from 256 queries go to Gluon; shorter
-# ones are unmeasured and stay on Triton, as does D64 non-causal up to 1024 (the one-tile
-# Gluon launch tied or trailed it at N = 1024, fixed length; chunks against long keys
-# without a mask unmeasured).
-VARLEN_TRITON_FASTER_UP_TO = {(64, True): 255, (128, True): 255, (64, False): 1024}
+# GQA 32/8) 1.44-1.62x the Triton kernel that this table gave those packs before; so do
+# causal packs whose longest query chunk is at most prefill_gluon.ONE_CONSUMER_CHUNK_UP_TO
+# (64) rows, whatever their keys (chunk 64 against 2k-32k keys: 1.03-1.26x the Triton
+# kernel). Other varlen calls take this table on the longest query sequence in place of
+# Sq. Causal query chunks of 128, 256 and 1024 against 2k-32k keys before them (`wsattn
+# bench chunked --chunked-chunk 128 / 256 / 1024`, 16k chunk tokens or 128 chunks, GQA
+# 32/8, contiguous keys) ran on the Gluon kernel's default build 1.04-1.32x the Triton
+# kernel (D64 chunk 256 over 32k: 1.00), so causal packs have no entry. D64 non-causal up
+# to 1024 stays on Triton (the one-tile Gluon launch tied or trailed it at N = 1024, fixed
+# length; chunks against long keys without a mask unmeasured).
+VARLEN_TRITON_FASTER_UP_TO = {(64, False): 1024}
 # The Gluon varlen build reached the ladder's sanitizer gate (with the
 # warp-specialize dispatch waiver of the other Gluon builds; ladder_sm90_library.md)
 # and, on the H200, ran 1.10-1.28x the Triton varlen kernel on a 16k-token pack of
@@ -133,8 +134,9 @@ VARLEN_TRITON_FASTER_UP_TO = {(64, True): 255, (128, True): 255, (64, False): 10
 # the in-place build ran 0.893-0.978x, the gather 0.919-0.980x, ahead at 7 of 8 shapes.
 # Hence in place from PAGED_IN_PLACE_FROM_PAGE rows a page where the Gluon kernel takes the
 # call, else the gather. Measured at chunks of 2048 first; for chunks the varlen rule gives
-# to the Triton kernel (up to VARLEN_TRITON_FASTER_UP_TO queries), "auto" gathers, so they
-# run on it. The Triton in-place kernel ran 0.51-0.87x contiguous, so without the Gluon
+# to the Triton kernel (VARLEN_TRITON_FASTER_UP_TO), "auto" gathers, so they run on it. The
+# in-place build is the one prefill_varlen would pick for the same keys packed (short
+# causal chunks: the one-consumer build). The Triton in-place kernel ran 0.51-0.87x contiguous, so without the Gluon
 # kernel the gather is taken too. The buffer is transient but sized from host
 # metadata (batch x block-table width x page_size rows of K and V; 1.14 GB at the largest
 # shape there), so the gather is taken up to this many bytes of it and the call reads in
@@ -162,8 +164,8 @@ def paged_gather(call: Call, buffer_bytes: int, impl: str = "auto") -> bool:
     in_place = (call.page_size >= PAGED_IN_PLACE_FROM_PAGE
                 or call.seqlen_q <= PAGED_IN_PLACE_CHUNK_UP_TO)
     if impl in ("auto", "gluon") and in_place and _gluon_supports(call) is None:
-        # "auto": in place where the varlen tables would run the gathered call on Gluon
-        if impl == "gluon" or _table_ranking(replace(call, op="prefill_varlen"))[0] == "gluon":
+        # "auto": in place where the varlen rule would run the gathered call on Gluon
+        if impl == "gluon" or ranking(replace(call, op="prefill_varlen"))[0] == "gluon":
             return False
     return impl == "gluon" or buffer_bytes <= PAGED_GATHER_MAX_BYTES
 
@@ -177,15 +179,10 @@ def ranking(call: Call) -> tuple[str, ...]:
         from .kernels import prefill_gluon
         if prefill_gluon.varlen_one_consumer(call.head_dim, call.causal, call.seqlen_q,
                                              call.seqlen_k):
-            return ("gluon", "triton")  # a pack of short sequences: the one-consumer build
-    return _table_ranking(call)
-
-
-def _table_ranking(call: Call) -> tuple[str, ...]:
-    """The length tables' order (TRITON_FASTER_UP_TO, VARLEN_TRITON_FASTER_UP_TO) for a
-    CUDA prefill call; the paged rule asks it of the gathered call as the tables had it
-    when that rule was measured."""
+            # short sequences, or a short causal chunk: the one-consumer build
+            return ("gluon", "triton")
     if call.op in ("prefill", "prefill_varlen"):
+        # the length tables (TRITON_FASTER_UP_TO, VARLEN_TRITON_FASTER_UP_TO)
         table = TRITON_FASTER_UP_TO if call.op == "prefill" else VARLEN_TRITON_FASTER_UP_TO
         limit = table.get((call.head_dim, bool(call.causal)), 0)
         return ("triton", "gluon") if call.seqlen_q <= limit else ("gluon", "triton")

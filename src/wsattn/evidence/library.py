@@ -136,7 +136,8 @@ def _gluon_prefill_builds(causal):
     def builds(shape):
         from ..kernels import prefill_gluon
         return [{"head_dim": shape["D"],
-                 "settings": prefill_gluon.call_settings(shape["D"], causal, shape["Sq"]),
+                 "settings": prefill_gluon.call_settings(shape["D"], causal, shape["Sq"],
+                                                         shape["Sk"]),
                  "seqlens": (shape["Sq"], shape["Sk"])}]
     return builds
 
@@ -256,13 +257,31 @@ def _paged_contiguous(inp):
                                    inp["max_q"], inp["max_k"], causal=True, impl="triton")
 
 
-def _paged_gluon_run(inp):
+def _paged_gluon_run(inp, one_consumer=False):
     # the Gluon kernel's paged build, called as the kernel (attention_paged takes it with
-    # gather=False, or by default from 64-row pages: notes/prefill_triton.md)
-    from ..kernels import prefill_gluon
+    # gather=False, or by default from 64-row pages: notes/prefill_triton.md): the build
+    # the launcher picks, or with one_consumer the one-consumer build whatever the shape
+    from ..kernels import prefill_gluon as pg
     q = inp["q"]
-    return prefill_gluon.prefill_paged(q, inp["kc"], inp["vc"], inp["cu_q"], inp["lens_k"],
-                                       inp["bt"], inp["max_q"], True, q.shape[-1] ** -0.5)
+    D = q.shape[-1]
+    settings = pg.settings_for(D, True, **pg.ONE_CONSUMER[D]) if one_consumer else None
+    return pg.prefill_paged(q, inp["kc"], inp["vc"], inp["cu_q"], inp["lens_k"], inp["bt"],
+                            inp["max_q"], True, D ** -0.5, settings=settings)
+
+
+def _gluon_paged_builds(one_consumer=False):
+    """The Gluon paged build a sanitizer shape launches (its page size, its head dim's
+    settings), each with its own warp-dispatch bytes: ONE_CONSUMER with one_consumer, else
+    what the launcher picks from the longest chunk and the block table's width in keys
+    (_build_paged sizes the table to the longest sequence)."""
+    def builds(shape):
+        from ..kernels import prefill_gluon as pg
+        D, page = shape["D"], shape["page"]
+        width = math.ceil(max(p + c for p, c in zip(shape["P"], shape["Lq"])) / page)
+        one = one_consumer or pg.varlen_one_consumer(D, True, max(shape["Lq"]), width * page)
+        return [{"head_dim": D, "page": page, "settings": pg.settings_for(
+            D, True, **(pg.ONE_CONSUMER[D] if one else {}))}]
+    return builds
 
 
 def _paged_gluon_contiguous(inp):
@@ -277,11 +296,14 @@ def _paged_entry(kind="in_place"):
     # in_place: the Triton paged kernel; gather: the keys copied out of the cache into a
     # packed buffer (paged_gather.py), then the Triton varlen kernel (the compile gates
     # build the gather kernel, the run and the sanitizer gates cover both launches);
-    # gluon: the Gluon varlen kernel's paged build reading the pages in place
-    gluon = kind == "gluon"
+    # gluon: the Gluon varlen kernel's paged build reading the pages in place, the build
+    # the launcher picks (its sanitizer shapes take the one-consumer build at both head
+    # dims and the default one at D128); gluon_one_consumer: its one-consumer build
+    gluon = kind in ("gluon", "gluon_one_consumer")
+    one = kind == "gluon_one_consumer"
     run = RunSpec(draw_shape=_draw_paged, build=_build_paged,
-                  run=_paged_gluon_run if gluon else functools.partial(
-                      _paged_run, gather=kind == "gather"),
+                  run=functools.partial(_paged_gluon_run, one_consumer=one) if gluon else
+                  functools.partial(_paged_run, gather=kind == "gather"),
                   reference=_paged_reference, dtypes=("bf16", "fp16"), interpreter=not gluon,
                   baseline=_paged_gluon_contiguous if gluon else _paged_contiguous,
                   baseline_name=f"wsattn {'Gluon ' if gluon else ''}varlen prefill over the "
@@ -291,8 +313,22 @@ def _paged_entry(kind="in_place"):
                   sanitizer_shapes=({"Lq": [17, 1], "P": [23, 0], "Hq": 4, "Hkv": 2, "D": 128,
                                      "page": 16},
                                     {"Lq": [65], "P": [3], "Hq": 2, "Hkv": 1, "D": 64,
-                                     "page": 64}),
-                  describe=_describe_paged)
+                                     "page": 64}) + (
+                      # the Gluon launcher's default build takes this one
+                      ({"Lq": [65], "P": [1000], "Hq": 2, "Hkv": 1, "D": 128, "page": 16},)
+                      if gluon else ()),
+                  describe=_describe_paged,
+                  sanitizer_builds=_gluon_paged_builds(one) if gluon else None)
+    if one:
+        from ..kernels import prefill_gluon
+        return ("prefill_gluon_paged_one_consumer", "wsattn.kernels.prefill_gluon",
+                "compile_spec",
+                {"head_dim": 128, "dtype": "bf16", "causal": True, "varlen": True,
+                 "page": 16, "settings": prefill_gluon.settings_for(
+                     128, True, **prefill_gluon.ONE_CONSUMER[128])}, run,
+                "Gluon chunked prefill over a paged cache read in place by TMA, the "
+                "one-consumer build (64-row tiles, several CTAs an SM; short causal chunks "
+                "take it), D=128 bf16, causal, page 16", (90,))
     if gluon:
         return ("prefill_gluon_paged", "wsattn.kernels.prefill_gluon", "compile_spec",
                 {"head_dim": 128, "dtype": "bf16", "causal": True, "varlen": True,
@@ -1011,6 +1047,7 @@ ENTRIES = (
     _paged_entry(),
     _paged_entry("gather"),
     _paged_entry("gluon"),
+    _paged_entry("gluon_one_consumer"),
     _decode_entry("decode_triton", paged=False),
     _decode_entry("decode_triton_paged", paged=True),
     _decode_entry("decode_triton_paged64", paged=True, page=64),

@@ -7,8 +7,8 @@ async wgmma, the next QK^T issued before the current softmax, and optional ping-
 between the consumer warpgroups, and (GluonSettings.persistent; what a call without
 settings takes only at head dim 64 without a mask, from ONE_CONSUMER_UP_TO to
 PERSISTENT_UP_TO query rows) a persistent longest-first tile schedule; short calls
-(ONE_CONSUMER_UP_TO) take one consumer warpgroup a CTA with two or three CTAs an SM
-(GluonSettings.ctas_per_sm). The
+(ONE_CONSUMER_UP_TO) and short causal chunks (ONE_CONSUMER_CHUNK_UP_TO) take one consumer
+warpgroup a CTA with two or three CTAs an SM (GluonSettings.ctas_per_sm). The
 partitions live in prefill_gluon_parts.py; this module holds the launch settings, the
 launchers (prefill, prefill_varlen: one kernel, VARLEN a constexpr) and the qualification
 checks that api.py calls.
@@ -276,15 +276,35 @@ ONE_CONSUMER = {128: {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": Fals
 # (notes/prefill_gluon.md, "Packs on the one-consumer build").
 VARLEN_ONE_CONSUMER_UP_TO = {(128, True): 1024, (128, False): 1024, (64, True): 2048,
                              (64, False): 1024}
+# Causal calls whose (longest) query sequence is at most this many rows take the
+# one-consumer build whatever their keys, fixed-length and packed alike: a chunk of a few
+# queries against a long prefix is one query tile a (sequence, head), and a 64-row tile
+# does a half (D128) or a third (D64) of the default build's MMA and softmax work for the
+# same K/V stream. H200, `wsattn bench chunked --chunked-chunk C --chunked-batch 128`
+# (GQA 32/8, prefixes 2k / 8k / 32k, contiguous keys), x the Triton varlen kernel that
+# the length table gave these chunks: chunk 64, two processes, 1.03-1.26 (12 of 12 ahead;
+# the default build 0.69-0.83 at D64, 0.96-1.04 at D128); chunks 1 and 16 0.93-1.08 (5 of
+# 12 ahead: even, and over a paged cache it reads the pages in place where the Triton
+# kernel gathers them first). From 128 queries the default build leads (chunk 128, two
+# processes: 1.04-1.32 against the one-consumer build's 1.05-1.14; notes/prefill_gluon.md,
+# "Short chunks against long keys").
+ONE_CONSUMER_CHUNK_UP_TO = 64
+
+
+def _one_consumer(table: dict, head_dim: int, causal: bool, rows_q: int, rows_k: int) -> bool:
+    # the short-shape table (on the longer of the two sequences) or the short causal chunk
+    if causal and int(rows_q) <= ONE_CONSUMER_CHUNK_UP_TO:
+        return True
+    return max(int(rows_q), int(rows_k)) <= table.get((head_dim, bool(causal)), 0)
 
 
 def varlen_one_consumer(head_dim: int, causal: bool, max_seqlen_q: int,
                         max_seqlen_k: int) -> bool:
     """Whether a pack (its longest query and key sequences, or bounds of them) takes the
-    one-consumer build by default (VARLEN_ONE_CONSUMER_UP_TO); the dispatcher's rule and
-    prefill_varlen both ask this."""
-    limit = VARLEN_ONE_CONSUMER_UP_TO.get((head_dim, bool(causal)), 0)
-    return max(int(max_seqlen_q), int(max_seqlen_k)) <= limit
+    one-consumer build by default (VARLEN_ONE_CONSUMER_UP_TO, ONE_CONSUMER_CHUNK_UP_TO); the
+    dispatcher's rule, prefill_varlen and prefill_paged ask this."""
+    return _one_consumer(VARLEN_ONE_CONSUMER_UP_TO, head_dim, causal, max_seqlen_q,
+                         max_seqlen_k)
 
 
 @functools.lru_cache(maxsize=None)
@@ -297,31 +317,37 @@ def _default_settings(head_dim: int, causal: bool, schedule: str = "") -> GluonS
     return settings_for(head_dim, causal)
 
 
-def call_settings(head_dim: int, causal: bool, seqlen_q: int | None = None) -> GluonSettings:
+def call_settings(head_dim: int, causal: bool, seqlen_q: int | None = None,
+                  seqlen_k: int | None = None) -> GluonSettings:
     """The settings a fixed-length call without settings builds with: the defaults, the
-    one-consumer build where ONE_CONSUMER_UP_TO covers seqlen_q, else the persistent
-    schedule where PERSISTENT_UP_TO does (what an evidence check must compile to look at
-    the build a call launches)."""
-    return _resolve(None, head_dim, causal, seqlen_q)
+    one-consumer build where ONE_CONSUMER_UP_TO covers the longer of seqlen_q and seqlen_k
+    (seqlen_q alone when seqlen_k is None) or ONE_CONSUMER_CHUNK_UP_TO a causal seqlen_q,
+    else the persistent schedule where PERSISTENT_UP_TO covers the longer (what an
+    evidence check must compile to look at the build a call launches)."""
+    return _resolve(None, head_dim, causal, seqlen_q, seqlen_k)
 
 
 def _resolve(settings: GluonSettings | None, head_dim: int, causal: bool,
-             seqlen_q: int | None = None,
+             seqlen_q: int | None = None, seqlen_k: int | None = None,
              varlen_bounds: tuple[int, int] | None = None) -> GluonSettings:
-    """The settings to build with: the defaults (checked when made; seqlen_q, a fixed-length
-    call's query rows, picks the one-consumer build or the persistent schedule where
-    ONE_CONSUMER_UP_TO, else PERSISTENT_UP_TO say; varlen_bounds, a pack's longest query and
-    key sequences, the one-consumer build where VARLEN_ONE_CONSUMER_UP_TO says), or the
-    caller's, checked here."""
+    """The settings to build with: the defaults (checked when made; a fixed-length call's
+    query and key rows pick the one-consumer build or the persistent schedule, as
+    call_settings says; varlen_bounds, a pack's longest query and key sequences, the
+    one-consumer build where varlen_one_consumer says), or the caller's, checked here.
+    The fixed-length tables were measured with as many keys as queries; a call with more
+    keys is a chunk against a prefix, which the longer sequence ranks as the packs' rule
+    does."""
     if settings is None:
         key, schedule = (head_dim, bool(causal)), ""
         if varlen_bounds is not None:
             if varlen_one_consumer(head_dim, causal, *varlen_bounds):
                 schedule = "one_consumer"
-        elif seqlen_q is not None and seqlen_q <= ONE_CONSUMER_UP_TO.get(key, 0):
-            schedule = "one_consumer"
-        elif seqlen_q is not None and seqlen_q <= PERSISTENT_UP_TO.get(key, 0):
-            schedule = "persistent"
+        elif seqlen_q is not None:
+            rows_k = seqlen_q if seqlen_k is None else seqlen_k
+            if _one_consumer(ONE_CONSUMER_UP_TO, head_dim, causal, seqlen_q, rows_k):
+                schedule = "one_consumer"
+            elif max(seqlen_q, rows_k) <= PERSISTENT_UP_TO.get(key, 0):
+                schedule = "persistent"
         return _default_settings(head_dim, bool(causal), schedule)
     settings.check(head_dim)
     return settings
@@ -349,17 +375,12 @@ def l2_section(n_bh: int, group: int, kv_len: int, head_dim: int, elem_bytes: in
     return min(n_bh, kv_heads * group)
 
 
-def _refuse_persistent_varlen(s: GluonSettings, paged: bool = False) -> None:
-    """The fixed-length-only settings, refused by name for the varlen and paged builds
-    (the one-consumer build, which packs take, for the paged one)."""
+def _refuse_persistent_varlen(s: GluonSettings) -> None:
+    """The fixed-length-only settings, refused by name for the varlen and paged builds."""
     if s.persistent:
         raise ValueError("settings.persistent=True: the persistent schedule covers "
                          "fixed-length prefill only (a varlen walk measured slower, "
                          "notes/prefill_gluon.md); use persistent=False for prefill_varlen")
-    if paged and s.CONSUMERS == 1:
-        raise ValueError("settings.CONSUMERS=1: the one-consumer build covers fixed-length "
-                         "and packed prefill only (neither timed nor tested on pages); use "
-                         "CONSUMERS=2 or 3 for prefill_paged")
 
 
 def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | None = None):
@@ -375,7 +396,7 @@ def prefill(q, k, v, causal: bool, sm_scale: float, settings: GluonSettings | No
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    s = _resolve(settings, D, causal, Sq)
+    s = _resolve(settings, D, causal, Sq, Sk)
     out = _alloc.empty((B, Sq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((B, Hq, Sq), torch.float32, q.device)
     if B * Sq * Hq == 0:
@@ -533,8 +554,12 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
     """
     D = q.shape[2]
     num_pages, page, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
-    s = _resolve(settings, D, causal)
-    _refuse_persistent_varlen(s, paged=True)
+    # the build as prefill_varlen picks it for the same keys packed: the longest chunk
+    # (at most the packed total) and the table's width in keys bound the sequences
+    s = _resolve(settings, D, causal, varlen_bounds=(
+        q.shape[0] if max_seqlen_q is None else min(int(max_seqlen_q), q.shape[0]),
+        block_table.shape[1] * page))
+    _refuse_persistent_varlen(s)
     if not paged_supported(page, s.BLOCK_N):
         raise ValueError(f"the paged Gluon build takes page sizes that are multiples of 8 and "
                          f"tile or are tiled by BLOCK_N={s.BLOCK_N}, got {page}")
@@ -593,7 +618,7 @@ def compile_spec(cc: int = 90, head_dim: int = 128, dtype: str = "bf16", causal:
     if plain_grid:
         s = replace(s, compact_varlen=False)
     if varlen:
-        _refuse_persistent_varlen(s, paged=bool(page))
+        _refuse_persistent_varlen(s)
     qo = f"tensordesc<{dtype}[1,{WG_M},{head_dim}],{_layout([1, WG_M, head_dim], dtype)!r}>"
     if page and not (varlen and paged_supported(page, s.BLOCK_N)):
         raise ValueError(f"page={page}: the paged build is a varlen build of a page size "

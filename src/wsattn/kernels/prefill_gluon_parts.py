@@ -511,9 +511,9 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
     WG_TILES: each warpgroup computes only the K/V tiles its own rows need
     (_wg_tile_counts) and just releases the rest; otherwise all walk the CTA's tiles.
     With PINGPONG the warpgroups take GEMM turns round-robin (0, 1, ..., CONSUMERS - 1).
-    BOUNDED_V with one consumer (VARLEN): the consumer zeroes the rows of its last V tile
-    past the sequence's keys itself (_compute_q_tile), the producer loading that tile
-    through the pack-wide descriptor."""
+    BOUNDED_V or PAGE with one consumer (VARLEN): the consumer zeroes the rows of its last
+    V tile past the sequence's keys itself (_compute_q_tile), the producer loading that
+    tile through the pack-wide descriptor (PAGE: the cache's)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -556,7 +556,7 @@ def _consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready,
                         turn_other, o_desc, o_ptr, lse_ptr, lse_stride, Hq, qk_scale, s_layout,
                         o_layout, p_layout, BLOCK_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG,
                         UNROLL, WG_TILES, VARLEN, PACK_P, ONE_LOOP,
-                        VARLEN and BOUNDED_V and CONSUMERS == 1)
+                        VARLEN and (BOUNDED_V or PAGE > 0) and CONSUMERS == 1)
 
 
 @gluon.jit
@@ -671,7 +671,8 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
     with the descriptor made here. K needs none: its scores are masked by a select.
 
     PAGE (the paged build): K/V from the cache through the sequence's block-table row
-    bt_row (_load_paged_kv)."""
+    bt_row (_load_paged_kv; with one consumer, its V tail zeroed by the consumer as
+    above)."""
     off_hkv = off_h // GROUP
     m0 = q0 + start_m * BLOCK_M
     j0 = 0
@@ -696,7 +697,7 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
     if PAGE:
         _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc, v_rows,
                        page_stride, v_row_len, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                       BLOCK_N, D, STAGES, PAGE)
+                       BLOCK_N, D, STAGES, PAGE, CONSUMERS == 1)
     elif BOUNDED_V and CONSUMERS > 1:  # (one consumer zeroes V's tail rows itself)
         n_inside = gl.minimum(n_total, kv_len // BLOCK_N)  # tiles that end inside the keys
         for j in range(j0, n_inside):
@@ -757,7 +758,7 @@ def _table_words(bt_row, j, n_words, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
 def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc, v_cache,
                    page_stride, row_len, k_smem, v_smem, k_ready, v_ready, kv_empty,
                    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                   PAGE: gl.constexpr):
+                   PAGE: gl.constexpr, ZERO_V: gl.constexpr):
     """The n_total key tiles of a sequence whose keys sit in a paged cache: key j is row
     j % PAGE of page bt_row[j // PAGE]. k_desc / v_desc describe the cache as
     [num_pages, PAGE, Hkv * D] with a box of BOX = min(PAGE, BLOCK_N) rows, so a tile is
@@ -771,9 +772,12 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc,
     a descriptor made here over the last page alone with the valid row count as its bound
     (TMA fills zeros past it, and the whole box of a slice past the last page is outside
     it); K's rows there may hold anything (their scores are replaced by the mask), so a
-    slice past the last page re-reads the last page. No table word past the sequence's
-    pages is read but tile 0's, which are bounded by the row's width (their values are
-    used only for boxes of the sequence's keys)."""
+    slice past the last page re-reads the last page. ZERO_V (one consumer): V comes as K
+    does, through v_desc, and the consumer zeroes its rows past the keys itself
+    (_zero_rows_from), since a descriptor made on the device faulted with several CTAs an
+    SM (_produce_q_tile). No table word past the sequence's pages is read but tile 0's,
+    which are bounded by the row's width (their values are used only for boxes of the
+    sequence's keys)."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     SLICES: gl.constexpr = BLOCK_N // BOX
     TILE_BYTES: gl.constexpr = BLOCK_N * D * k_desc.dtype.primitive_bitwidth // 8
@@ -797,8 +801,9 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc,
         last = (kv_len - 1) // PAGE  # the sequence's last page in its table row
         last_page = gl.load(bt_row + last)
         valid = kv_len - last * PAGE  # its rows holding keys, 1..PAGE
-        v_last = _rows_descriptor(v_cache + last_page.to(gl.int64) * page_stride, valid,
-                                  row_len, v_desc)
+        if not ZERO_V:
+            v_last = _rows_descriptor(v_cache + last_page.to(gl.int64) * page_stride, valid,
+                                      row_len, v_desc)
         j = n_whole  # its words are in pages (only those of whole boxes of keys are used)
         s = _claim_slot(r0 + j, kv_empty, k_ready, v_ready, TILE_BYTES, STAGES)
         for p in gl.static_range(SLICES):
@@ -814,13 +819,21 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc,
             elif key < kv_len:  # the slice holding the last key, inside the last page
                 tma.async_copy_global_to_shared(k_desc, [last_page, key % PAGE, col],
                                                 k_ready.index(s), k_dst)
-                tma.async_copy_global_to_shared(v_last, [0, key % PAGE, col],
-                                                v_ready.index(s), v_dst)
+                if ZERO_V:
+                    tma.async_copy_global_to_shared(v_desc, [last_page, key % PAGE, col],
+                                                    v_ready.index(s), v_dst)
+                else:
+                    tma.async_copy_global_to_shared(v_last, [0, key % PAGE, col],
+                                                    v_ready.index(s), v_dst)
             else:  # past the last page: any K rows, V all zeros (wholly outside v_last)
                 tma.async_copy_global_to_shared(k_desc, [last_page, 0, col],
                                                 k_ready.index(s), k_dst)
-                tma.async_copy_global_to_shared(v_last, [0, valid, col],
-                                                v_ready.index(s), v_dst)
+                if ZERO_V:
+                    tma.async_copy_global_to_shared(v_desc, [last_page, 0, col],
+                                                    v_ready.index(s), v_dst)
+                else:
+                    tma.async_copy_global_to_shared(v_last, [0, valid, col],
+                                                    v_ready.index(s), v_dst)
 
 
 @gluon.jit

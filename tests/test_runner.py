@@ -564,8 +564,8 @@ def test_gpu_1000_replayed_steps():
 @pytest.mark.gpu
 def test_gpu_chunked_prefill_through_the_paged_call():
     """A prompt prefilled in chunks (the later ones through ``attention_paged`` over the
-    cached prefix: gathered keys, then the Gluon varlen kernel past 1,024 queries on sm_90
-    and the Triton one below) gives the first steps' logits of the whole-prompt prefill
+    cached prefix, by dispatch.paged_gather's rule: on sm_90 the Gluon kernel, reading the
+    pages in place or gathered keys) gives the first steps' logits of the whole-prompt prefill
     and of the reference step, within bf16 tolerance. Random weights make the logits flat,
     so free-running tokens may part at a near tie: the reference (other kernels) is
     compared on the prefill's logits only, and the later steps against the whole-prompt

@@ -136,11 +136,11 @@ VARLEN_TRITON_FASTER_UP_TO = {(64, False): 1024}
 # call, else the gather. Measured at chunks of 2048 first; for chunks the varlen rule gives
 # to the Triton kernel (VARLEN_TRITON_FASTER_UP_TO), "auto" gathers, so they run on it. The
 # in-place build is the one prefill_varlen would pick for the same keys packed (short
-# causal chunks: the one-consumer build). The Triton in-place kernel ran 0.51-0.87x contiguous, so without the Gluon
-# kernel the gather is taken too. The buffer is transient but sized from host
-# metadata (batch x block-table width x page_size rows of K and V; 1.14 GB at the largest
-# shape there), so the gather is taken up to this many bytes of it and the call reads in
-# place above.
+# causal chunks: the one-consumer build). The Triton in-place kernel ran 0.51-0.87x
+# contiguous, so without the Gluon kernel the gather is taken too. The buffer is transient
+# but sized from host metadata (batch x block-table width x page_size rows of K and V;
+# 1.14 GB at the largest shape there), so the gather is taken up to this many bytes of it
+# and the call reads in place above.
 PAGED_IN_PLACE_FROM_PAGE = 64
 # Shorter chunks read smaller pages in place too: the gather copies every key of a
 # sequence once a call whatever the chunk, so its share of the call grows as the chunk

@@ -453,11 +453,11 @@ def test_varlen_launcher_takes_the_one_consumer_build_for_short_packs(monkeypatc
 
 
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["D64", "D128"])
-def test_launchers_take_the_one_consumer_build_for_short_causal_chunks(monkeypatch, head_dim):
-    """Without settings, a causal chunk of at most ONE_CONSUMER_CHUNK_UP_TO queries against
-    keys past every length table takes the one-consumer build: prefill_varlen,
-    prefill_paged (reading the pages in place) and fixed-length prefill alike; a query
-    more, or no mask, takes the default build, and so does a fixed-length chunk of 512
+def test_launchers_take_the_one_consumer_build_for_short_chunks(monkeypatch, head_dim):
+    """Without settings, a chunk of at most ONE_CONSUMER_CHUNK_UP_TO queries against keys
+    past every length table takes the one-consumer build, with a mask or without:
+    prefill_varlen, prefill_paged (reading the pages in place) and fixed-length prefill
+    alike; a query more takes the default build, and so does a fixed-length chunk of 512
     (the fixed-length tables rank the longer of Sq and Sk). Recorded on CPU tensors with
     the kernel and the tile table's launch replaced; nothing runs."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -468,7 +468,8 @@ def test_launchers_take_the_one_consumer_build_for_short_causal_chunks(monkeypat
     chunk, keys = pg.ONE_CONSUMER_CHUNK_UP_TO, [4096, 2500]
     assert chunk == 64
     for q_len, causal, one in ((chunk, True, True), (1, True, True), (chunk + 1, True, False),
-                               (chunk, False, False), (512, True, False)):
+                               (chunk, False, True), (chunk + 1, False, False),
+                               (512, True, False)):
         q, k, v, cu_q, cu_k = _pack([q_len, 3], keys, 4, 2, head_dim, torch.bfloat16)
         max_q = max(q_len, 3)  # the chunk bound the caller gives (else Tq bounds it)
         pg.prefill_varlen(q, k, v, cu_q, cu_k, max_q, None, causal, 0.125)
@@ -1438,18 +1439,21 @@ def test_auto_prefers_triton_only_where_it_measured_faster():
         assert pg.varlen_one_consumer(D, causal, limit, limit)
         assert not pg.varlen_one_consumer(D, causal, limit, limit + 1)
         assert not pg.varlen_one_consumer(D, causal, limit + 1, limit)
-    # causal chunks against longer keys: Gluon at every length (up to
-    # ONE_CONSUMER_CHUNK_UP_TO queries its one-consumer build); without a mask the table
+    # causal chunks against longer keys: Gluon at every length; up to
+    # ONE_CONSUMER_CHUNK_UP_TO queries, with a mask or without, its one-consumer build;
+    # longer ones without a mask the table
     from wsattn import dispatch
     assert dispatch.VARLEN_TRITON_FASTER_UP_TO == {(64, False): 1024}
     for D in (64, 128):
         for chunk in (1, 64, 65, 255, 256, 1024):
             assert first_varlen(chunk, D, True, 33000) == "gluon"
             assert pg.varlen_one_consumer(D, True, chunk, 33000) == (chunk <= 64)
-        assert not pg.varlen_one_consumer(D, False, 64, 33000)
+        assert pg.varlen_one_consumer(D, False, 64, 33000)
+        assert not pg.varlen_one_consumer(D, False, 65, 33000)
     assert first_varlen(1024, 128, False, 4096) == "gluon"
     assert first_varlen(900, 64, False, 2000) == "triton"
-    assert first_varlen(64, 64, False, 2000) == "triton"
+    assert first_varlen(65, 64, False, 2000) == "triton"
+    assert first_varlen(64, 64, False, 2000) == "gluon"  # the short-chunk rule
     assert ranking(Call("prefill_varlen", dev, torch.bfloat16, 128, True, 3851, 3851)) == \
         ("gluon", "triton")
 

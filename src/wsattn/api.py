@@ -337,8 +337,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int | No
             exit at once); given, it must not be shorter than the longest sequence
             (checked when values are checked). The bounds (Tq / Tk where omitted) also
             pick the Gluon build: packs whose bounds both fall within
-            ``prefill_gluon.VARLEN_ONE_CONSUMER_UP_TO``, and causal packs whose query bound
-            is at most ``prefill_gluon.ONE_CONSUMER_CHUNK_UP_TO``, run its one-consumer
+            ``prefill_gluon.VARLEN_ONE_CONSUMER_UP_TO``, and packs whose query bound is
+            at most ``prefill_gluon.ONE_CONSUMER_CHUNK_UP_TO``, run its one-consumer
             build (64-row tiles, several CTAs an SM), so one pack given other bounds may
             differ in the last bits (each within the kernel's tolerance of float64).
         causal: bool; bottom-right aligned per sequence (each q_len <= its kv_len).
@@ -688,7 +688,7 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
            boxes of a page; page sizes that are multiples of 8 and tile or are tiled by
            its 128-row key tile, each page's rows packed), the same bits as the Gluon
            varlen kernel on the keys gathered with the same bounds (max_seqlen_q, and the
-           block table's width in keys, pick the same build: short causal chunks and packs
+           block table's width in keys, pick the same build: short query chunks and packs
            of short sequences its one-consumer build); else the Triton paged kernel. None (the
            default): ``dispatch.paged_gather`` decides from the device, the page size,
            max_seqlen_q and the buffer's size (in place by the Gluon kernel from 64-row

@@ -107,15 +107,15 @@ TRITON_FASTER_UP_TO: dict[tuple[int, bool], int] = {}
 # to Gluon, whose launcher runs its one-consumer build there: on 16k-token packs of
 # lengths 64-1024 (`wsattn bench varlen --varlen-heads gqa --varlen-lengths 64 1024`,
 # GQA 32/8) 1.44-1.62x the Triton kernel that this table gave those packs before; so do
-# causal packs whose longest query chunk is at most prefill_gluon.ONE_CONSUMER_CHUNK_UP_TO
-# (64) rows, whatever their keys (chunk 64 against 2k-32k keys: 1.03-1.26x the Triton
-# kernel). Other varlen calls take this table on the longest query sequence in place of
+# packs whose longest query chunk is at most prefill_gluon.ONE_CONSUMER_CHUNK_UP_TO (64)
+# rows, whatever their keys (causal chunk 64 against 2k-32k keys: 1.03-1.26x the Triton
+# kernel; without a mask not timed). Other varlen calls take this table on the longest query sequence in place of
 # Sq. Causal query chunks of 128, 256 and 1024 against 2k-32k keys before them (`wsattn
 # bench chunked --chunked-chunk 128 / 256 / 1024`, 16k chunk tokens or 128 chunks, GQA
 # 32/8, contiguous keys) ran on the Gluon kernel's default build 1.04-1.32x the Triton
-# kernel (D64 chunk 256 over 32k: 1.00), so causal packs have no entry. D64 non-causal up
-# to 1024 stays on Triton (the one-tile Gluon launch tied or trailed it at N = 1024, fixed
-# length; chunks against long keys without a mask unmeasured).
+# kernel (D64 chunk 256 over 32k: 1.00), so causal packs have no entry. D64 non-causal
+# chunks of 65 to 1024 queries stay on Triton (the one-tile Gluon launch tied or trailed
+# it at N = 1024, fixed length; chunks against long keys without a mask unmeasured).
 VARLEN_TRITON_FASTER_UP_TO = {(64, False): 1024}
 # The Gluon varlen build reached the ladder's sanitizer gate (with the
 # warp-specialize dispatch waiver of the other Gluon builds; ladder_sm90_library.md)
@@ -136,7 +136,7 @@ VARLEN_TRITON_FASTER_UP_TO = {(64, False): 1024}
 # call, else the gather. Measured at chunks of 2048 first; for chunks the varlen rule gives
 # to the Triton kernel (VARLEN_TRITON_FASTER_UP_TO), "auto" gathers, so they run on it. The
 # in-place build is the one prefill_varlen would pick for the same keys packed (short
-# causal chunks: the one-consumer build). The Triton in-place kernel ran 0.51-0.87x
+# query chunks: the one-consumer build). The Triton in-place kernel ran 0.51-0.87x
 # contiguous, so without the Gluon kernel the gather is taken too. The buffer is transient
 # but sized from host metadata (batch x block-table width x page_size rows of K and V;
 # 1.14 GB at the largest shape there), so the gather is taken up to this many bytes of it
@@ -179,7 +179,7 @@ def ranking(call: Call) -> tuple[str, ...]:
         from .kernels import prefill_gluon
         if prefill_gluon.varlen_one_consumer(call.head_dim, call.causal, call.seqlen_q,
                                              call.seqlen_k):
-            # short sequences, or a short causal chunk: the one-consumer build
+            # short sequences, or a short query chunk: the one-consumer build
             return ("gluon", "triton")
     if call.op in ("prefill", "prefill_varlen"):
         # the length tables (TRITON_FASTER_UP_TO, VARLEN_TRITON_FASTER_UP_TO)

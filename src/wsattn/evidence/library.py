@@ -327,7 +327,7 @@ def _paged_entry(kind="in_place"):
                  "page": 16, "settings": prefill_gluon.settings_for(
                      128, True, **prefill_gluon.ONE_CONSUMER[128])}, run,
                 "Gluon chunked prefill over a paged cache read in place by TMA, the "
-                "one-consumer build (64-row tiles, several CTAs an SM; short causal chunks "
+                "one-consumer build (64-row tiles, several CTAs an SM; short query chunks "
                 "take it), D=128 bf16, causal, page 16", (90,))
     if gluon:
         return ("prefill_gluon_paged", "wsattn.kernels.prefill_gluon", "compile_spec",

@@ -7,7 +7,7 @@ async wgmma, the next QK^T issued before the current softmax, and optional ping-
 between the consumer warpgroups, and (GluonSettings.persistent; what a call without
 settings takes only at head dim 64 without a mask, from ONE_CONSUMER_UP_TO to
 PERSISTENT_UP_TO query rows) a persistent longest-first tile schedule; short calls
-(ONE_CONSUMER_UP_TO) and short causal chunks (ONE_CONSUMER_CHUNK_UP_TO) take one consumer
+(ONE_CONSUMER_UP_TO) and short query chunks (ONE_CONSUMER_CHUNK_UP_TO) take one consumer
 warpgroup a CTA with two or three CTAs an SM (GluonSettings.ctas_per_sm). The
 partitions live in prefill_gluon_parts.py; this module holds the launch settings, the
 launchers (prefill, prefill_varlen: one kernel, VARLEN a constexpr) and the qualification
@@ -276,8 +276,8 @@ ONE_CONSUMER = {128: {"CONSUMERS": 1, "BLOCK_N": 64, "STAGES": 3, "UNROLL": Fals
 # (notes/prefill_gluon.md, "Packs on the one-consumer build").
 VARLEN_ONE_CONSUMER_UP_TO = {(128, True): 1024, (128, False): 1024, (64, True): 2048,
                              (64, False): 1024}
-# Causal calls whose (longest) query sequence is at most this many rows take the
-# one-consumer build whatever their keys, fixed-length and packed alike: a chunk of a few
+# Calls whose (longest) query sequence is at most this many rows take the one-consumer
+# build whatever their keys, fixed-length and packed alike: a chunk of a few
 # queries against a long prefix is one query tile a (sequence, head), and a 64-row tile
 # does a half (D128) or a third (D64) of the default build's MMA and softmax work for the
 # same K/V stream. H200, `wsattn bench chunked --chunked-chunk C --chunked-batch 128`
@@ -287,13 +287,14 @@ VARLEN_ONE_CONSUMER_UP_TO = {(128, True): 1024, (128, False): 1024, (64, True): 
 # 12 ahead: even, and over a paged cache it reads the pages in place where the Triton
 # kernel gathers them first). From 128 queries the default build leads (chunk 128, two
 # processes: 1.04-1.32 against the one-consumer build's 1.05-1.14; notes/prefill_gluon.md,
-# "Short chunks against long keys").
+# "Short chunks against long keys"). Measured causal; without a mask the rule holds by the
+# same count of padded rows (the mask touches only the diagonal tile), not timed.
 ONE_CONSUMER_CHUNK_UP_TO = 64
 
 
 def _one_consumer(table: dict, head_dim: int, causal: bool, rows_q: int, rows_k: int) -> bool:
-    # the short-shape table (on the longer of the two sequences) or the short causal chunk
-    if causal and int(rows_q) <= ONE_CONSUMER_CHUNK_UP_TO:
+    # the short chunk, or the short-shape table (on the longer of the two sequences)
+    if int(rows_q) <= ONE_CONSUMER_CHUNK_UP_TO:
         return True
     return max(int(rows_q), int(rows_k)) <= table.get((head_dim, bool(causal)), 0)
 
@@ -321,7 +322,7 @@ def call_settings(head_dim: int, causal: bool, seqlen_q: int | None = None,
                   seqlen_k: int | None = None) -> GluonSettings:
     """The settings a fixed-length call without settings builds with: the defaults, the
     one-consumer build where ONE_CONSUMER_UP_TO covers the longer of seqlen_q and seqlen_k
-    (seqlen_q alone when seqlen_k is None) or ONE_CONSUMER_CHUNK_UP_TO a causal seqlen_q,
+    (seqlen_q alone when seqlen_k is None) or ONE_CONSUMER_CHUNK_UP_TO seqlen_q,
     else the persistent schedule where PERSISTENT_UP_TO covers the longer (what an
     evidence check must compile to look at the build a call launches)."""
     return _resolve(None, head_dim, causal, seqlen_q, seqlen_k)

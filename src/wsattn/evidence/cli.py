@@ -140,11 +140,12 @@ def run_ladder(args) -> int:
 
     results = _climb_all(specs, targets, config, "ladder", on_result=partial)
     print(report.table(results))
+    env = report.environment()  # one reading for both files: the same date in each
     if args.json:
-        report.to_json(results, args.json, {**meta, "complete": True})
+        report.to_json(results, args.json, {**meta, "complete": True}, env=env)
         print(f"wrote {args.json}")
     if args.markdown:
-        report.to_markdown(results, args.markdown)
+        report.to_markdown(results, args.markdown, env=env)
         print(f"wrote {args.markdown}")
     failed = bool(bad) or any(g.status == FAIL for r in results for g in list(r.gates) + list(r.extra))
     return 1 if failed else 0

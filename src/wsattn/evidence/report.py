@@ -78,8 +78,10 @@ def _jsonable(x):
     return str(x)
 
 
-def to_json(results, path, extra: dict | None = None) -> dict:
-    doc = {"environment": environment(), "gate_names": list(GATES), **(extra or {}),
+def to_json(results, path, extra: dict | None = None, env: dict | None = None) -> dict:
+    """The results as JSON, stamped with env (default: this machine now; a run passes the
+    one it read once, so its JSON and Markdown name the same date)."""
+    doc = {"environment": env or environment(), "gate_names": list(GATES), **(extra or {}),
            "results": [_jsonable(r.to_dict()) for r in results]}
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)

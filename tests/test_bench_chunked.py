@@ -75,9 +75,22 @@ def test_options_and_help(capsys):
         wsattn.cli.main(["bench", "--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
+    args = parser.parse_args(["bench", "chunked", "--chunked-gluon-settings",
+                              "CONSUMERS=1,ctas_per_sm=2,BLOCK_N=64,STAGES=3", "STAGES=2"])
+    assert args.chunked_gluon_settings == ["CONSUMERS=1,ctas_per_sm=2,BLOCK_N=64,STAGES=3",
+                                           "STAGES=2"]
+    from wsattn.bench.runners import parse_gluon_settings
+    with pytest.raises(ValueError, match=r"--chunked-gluon-settings 'WARPS=4': 'WARPS' is not"):
+        parse_gluon_settings("WARPS=4", "--chunked-gluon-settings")
+    from wsattn.kernels import prefill_gluon as pg
+    assert chunked.gluon_overrides("default", 64) == {}
+    assert chunked.gluon_overrides("one_consumer", 64) == pg.ONE_CONSUMER[64]
+    assert chunked.gluon_overrides("STAGES=2", 128) == {"STAGES": 2}
+    with pytest.raises(ValueError, match="default or one_consumer, got 'fast'"):
+        chunked.gluon_overrides("fast", 128)
     for word in ("chunked", "--chunked-prefix", "--chunked-pages", "--chunked-dims",
                  "--chunked-impl", "--chunked-batch", "--chunked-chunk", "--chunked-settings",
-                 "wsattn.bench.chunked"):
+                 "--chunked-gluon-settings", "wsattn.bench.chunked"):
         assert word in text, word
 
 
@@ -102,6 +115,10 @@ def test_cases_and_ids():
     assert chunked.case_impls(cases[1], chunked.IMPLS) == ["wsattn", "triton-paged",
                                                            "triton-gather", "gluon-gather",
                                                            "gluon-paged", "flashinfer-paged"]
+    spec = ["gluon-paged[CONSUMERS=1]", "gluon-contiguous[CONSUMERS=1]", "triton-paged[1,2,3,4]"]
+    assert chunked.case_impls(cases[0], spec) == ["gluon-contiguous[CONSUMERS=1]"]
+    assert chunked.case_impls(cases[1], spec) == ["gluon-paged[CONSUMERS=1]",
+                                                  "triton-paged[1,2,3,4]"]
     assert chunked.chunked_cases([5], [16], [64], batch=2)[1].id == \
         "chunked-B2-C2048-P5-H32-HKV8-D64-page16-bf16"
     for bad, match in ((dict(prefixes=[-1]), "prefix must be"), (dict(pages=[0]), "page must"),
@@ -192,8 +209,15 @@ def test_ratio_and_target():
             _row(8192, 16, "triton-paged", 1.0, D=64),         # other D: no partner
             _row(32768, None, "triton-contiguous", 1.0, status="failed"),
             _row(32768, 16, "triton-paged", 1.0),              # partner failed
-            _row(8192, None, "gluon-contiguous", 0.5)]
+            _row(8192, None, "gluon-contiguous", 0.5),
+            # a --chunked-gluon-settings pair: the paged column against its own build's
+            _row(8192, None, "gluon-contiguous[CONSUMERS=1]", 0.8),
+            _row(8192, 16, "gluon-paged[CONSUMERS=1]", 1.0),
+            _row(8192, 16, "gluon-paged", 1.0)]
     chunked.add_ratios(rows)
+    assert rows[9]["ratio_contiguous"] == pytest.approx(0.8)
+    assert rows[9]["target_met"] == "missed"
+    assert rows[10]["ratio_contiguous"] == pytest.approx(0.5)
     assert rows[1]["ratio_contiguous"] == pytest.approx(0.96) and rows[1]["target_met"] == "met"
     assert rows[2]["ratio_contiguous"] == pytest.approx(0.90)
     assert rows[2]["target_met"] == "missed"
@@ -239,7 +263,8 @@ import wsattn
 from wsattn.bench import chunked
 timer = FakeTimer()
 rows = []
-SWEEP = ["triton-paged[16,16,4,1,1]", "triton-paged[16,32,4,1]"]  # --chunked-settings columns
+SWEEP = ["triton-paged[16,16,4,1,1]", "triton-paged[16,32,4,1]",  # --chunked-settings columns
+         "gluon-paged[CONSUMERS=1]", "gluon-contiguous[CONSUMERS=1]"]  # --chunked-gluon-settings
 for prefix, chunk in ((0, 5), (20, 17)):
     cases = chunked.chunked_cases([prefix], [16], [64], batch=3, chunk=chunk, dtype="fp32",
                                   hq=4, hkv=2)
@@ -265,7 +290,7 @@ def test_runner_checks_then_times_on_the_interpreter():
     error; a wrong kernel fails and is not timed."""
     r = interpreter_child(CHUNKED_CHILD, timeout=300)
     rows = {(row["prefix"], row["impl"]): row for row in r["rows"]}
-    assert len(r["rows"]) == 2 * 12
+    assert len(r["rows"]) == 2 * 14
     for prefix in (0, 20):
         for impl in ("wsattn", "triton-paged", "triton-gather", "wsattn-contiguous",
                      "triton-contiguous", "triton-paged[16,16,4,1,1]",
@@ -283,7 +308,8 @@ def test_runner_checks_then_times_on_the_interpreter():
         default = rows[(prefix, "wsattn")]  # against wsattn-contiguous
         assert default["ratio_contiguous"] == pytest.approx(1.0)
         for impl in ("gluon-contiguous", "gluon-gather", "gluon-paged",
-                     "gluon-one-consumer-contiguous"):
+                     "gluon-one-consumer-contiguous", "gluon-paged[CONSUMERS=1]",
+                     "gluon-contiguous[CONSUMERS=1]"):
             gluon = rows[(prefix, impl)]
             # the Gluon kernel takes varlen now; on CPU tensors the dispatcher names the device
             assert gluon["status"] == "not available" and "sm_90" in gluon["reason"]
@@ -308,9 +334,17 @@ def test_runner_on_the_gpu():
 
     timer = cuda_timer(5, 20, "graph")
     cases = chunked.chunked_cases([1000], [16, 64], [128], batch=2, chunk=256)
-    rows = chunked.run_shape(cases, list(chunked.IMPLS), timer, STAMP, "cuda", 800.0)
+    extra = ["gluon-paged[one_consumer]", "gluon-contiguous[one_consumer]",
+             "gluon-paged[default]", "gluon-contiguous[default]", "gluon-paged[STAGES=2]",
+             "gluon-contiguous[STAGES=2]"]
+    rows = chunked.run_shape(cases, list(chunked.IMPLS) + extra, timer, STAMP, "cuda", 800.0)
     chunked.add_ratios(rows)
     by = {(r["impl"], r["page_size"]): r for r in rows}
+    if torch.cuda.get_device_capability() == (9, 0):  # the --chunked-gluon-settings columns
+        for impl in extra:
+            for page in ((None,) if "contiguous" in impl else (16, 64)):
+                assert by[(impl, page)]["status"] == "ok", by[(impl, page)]
+        assert by[("gluon-paged[one_consumer]", 16)]["ratio_contiguous"] is not None
     for key in (("triton-contiguous", None), ("triton-paged", 16), ("triton-paged", 64),
                 ("triton-gather", 16), ("triton-gather", 64), ("wsattn-contiguous", None),
                 ("wsattn", 16), ("wsattn", 64)):

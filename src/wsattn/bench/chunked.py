@@ -29,6 +29,12 @@ Columns (``impl``):
   build (``prefill_gluon.ONE_CONSUMER``: 64-row tiles, several CTAs an SM) whatever the
   length rule picks, through ``prefill_gluon.prefill_varlen`` after one validating
   :func:`wsattn.attention_varlen` call outside the timing; asked for by name.
+* ``gluon-paged[SPEC]`` / ``gluon-contiguous[SPEC]`` (``--chunked-gluon-settings SPEC``):
+  the Gluon kernel's paged build in place / varlen build on the contiguous keys, as
+  ``prefill_gluon.settings_for`` makes it with the SPEC's overrides (``FIELD=VALUE,...``,
+  or ``default`` / ``one_consumer``: the two builds the length rules choose between),
+  whatever the rules pick, so two builds of a route are timed side by side; the paged
+  one's ``ratio_contiguous`` is against the contiguous one of the same SPEC.
 * ``triton-gather`` / ``gluon-gather``: :func:`wsattn.attention_paged` with ``gather=True``
   and ``impl="triton"`` / ``"gluon"``: each sequence's keys copied out of the same paged
   cache into a packed buffer (one launch, ``kernels/paged_gather.py``), then that
@@ -72,7 +78,7 @@ import torch
 from .cases import DTYPES, tflops
 from .timing import _sync, release
 from .gemv import write
-from .runners import NotAvailable, one_consumer_build
+from .runners import NotAvailable, one_consumer_build, parse_gluon_settings
 from .report import fmt, status_text, target_text
 
 PREFIXES = (0, 2048, 8192, 32768)
@@ -158,11 +164,31 @@ def chunked_cases(prefixes=PREFIXES, pages=PAGES, dims=DIMS, batch: int = BATCH,
 
 def case_impls(case: ChunkedCase, impls) -> list[str]:
     """The columns a case runs: triton-paged on paged cases, the contiguous ones on the
-    contiguous case."""
+    contiguous case (a SPEC column by its name before the bracket)."""
     if case.page is None:
-        return [i for i in impls if i.endswith("-contiguous")]
-    return [i for i in impls if i.endswith(("-paged", "-gather")) or i == "wsattn"
-            or i.startswith("triton-paged[")]
+        return [i for i in impls if i.split("[")[0].endswith("-contiguous")]
+    return [i for i in impls if i.split("[")[0].endswith(("-paged", "-gather"))
+            or i == "wsattn"]
+
+
+def _spec_of(impl: str) -> str:
+    # "gluon-paged[CONSUMERS=1,BLOCK_N=64]" -> "CONSUMERS=1,BLOCK_N=64"
+    return impl[impl.index("[") + 1:-1]
+
+
+def gluon_overrides(spec: str, head_dim: int) -> dict:
+    """A --chunked-gluon-settings SPEC as settings_for overrides at this head dim:
+    "default" (none: the default build), "one_consumer" (prefill_gluon.ONE_CONSUMER of
+    the head dim), else FIELD=VALUE[,...] (ValueError naming what is wrong)."""
+    if spec == "default":
+        return {}
+    if spec == "one_consumer":
+        from wsattn.kernels.prefill_gluon import ONE_CONSUMER
+        return dict(ONE_CONSUMER[head_dim])
+    if "=" not in spec:
+        raise ValueError(f"--chunked-gluon-settings: each SPEC is FIELD=VALUE[,FIELD=VALUE...], "
+                         f"default or one_consumer, got {spec!r}")
+    return parse_gluon_settings(spec, "--chunked-gluon-settings")
 
 
 def parse_settings(spec: str):
@@ -215,13 +241,15 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     for wsattn, triton-contiguous for the others) and the
     target's met / missed on the timed paged rows, in place."""
     base = {(r["impl"], _shape_key(r)): r for r in rows if r.get("op") == "chunked"
-            and r["impl"].endswith("-contiguous") and r["status"] == "ok"}
+            and r["impl"].split("[")[0].endswith("-contiguous") and r["status"] == "ok"}
     for r in rows:
         if r.get("op") != "chunked" or r["page_size"] is None or r["status"] != "ok":
             continue
         backend = "wsattn" if r["impl"] == "wsattn" else \
             "gluon" if r["impl"].startswith("gluon-") else "triton"
-        ref = base.get((f"{backend}-contiguous", _shape_key(r)))
+        # a gluon-paged[SPEC] column against gluon-contiguous[SPEC] (the same build)
+        spec = f"[{_spec_of(r['impl'])}]" if r["impl"].startswith("gluon-paged[") else ""
+        ref = base.get((f"{backend}-contiguous{spec}", _shape_key(r)))
         if ref is not None:
             r["ratio_contiguous"] = ref["median_ms"] / r["median_ms"]
             r["target_met"] = "met" if r["ratio_contiguous"] >= TARGET_RATIO else "missed"
@@ -385,12 +413,14 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
     if impl.startswith("triton-paged["):  # the kernel with exactly these settings
         from wsattn.kernels.prefill_paged import prefill_paged
         kc, vc, table = cache
-        settings = parse_settings(impl[len("triton-paged["):-1])
+        settings = parse_settings(_spec_of(impl))
 
         def call():
             return prefill_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table, case.chunk,
                                  True, inp.scale, settings=settings)[0]
         return call, call, None
+    if impl.startswith(("gluon-paged[", "gluon-contiguous[")):
+        return _gluon_build_call(case, impl, inp, cache, varlen_backend)
     if impl == "flashinfer-paged":
         return _flashinfer(case, inp, cache)
     if impl in ("wsattn-contiguous", "triton-contiguous", "gluon-contiguous"):
@@ -417,6 +447,47 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
             return call()
         return first, call, f"settings: {settings}"
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def _gluon_build_call(case: ChunkedCase, impl: str, inp: Inputs, cache, varlen_backend):
+    """A --chunked-gluon-settings column: the Gluon kernel's paged build (in place) or
+    varlen build (contiguous keys) made by prefill_gluon.settings_for with the SPEC's
+    overrides, whatever the length rules pick; the checked call goes through the API's
+    validation first. NotAvailable off sm_90, where the build does not exist at this head
+    dim, or (paged) where it cannot box this page size."""
+    from wsattn.api import check_attention_paged, check_attention_varlen
+    from wsattn.kernels import prefill_gluon as pg
+    varlen_backend()  # "gluon": not available off sm_90, with the dispatcher's reason
+    try:
+        settings = pg.settings_for(case.D, True, **gluon_overrides(_spec_of(impl), case.D))
+    except ValueError as e:
+        raise NotAvailable(f"settings {_spec_of(impl)}: {e}") from None
+    if impl.startswith("gluon-paged["):
+        if not pg.paged_supported(case.page, settings.BLOCK_N):
+            raise NotAvailable(f"page_size {case.page}: the paged build boxes pages that tile "
+                               f"or are tiled by BLOCK_N={settings.BLOCK_N}")
+        kc, vc, table = cache
+
+        def call():
+            return pg.prefill_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table, case.chunk,
+                                    True, inp.scale, settings=settings)[0]
+
+        def first():
+            check_attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
+                                  max_seqlen_q=case.chunk, causal=True, sm_scale=inp.scale,
+                                  impl="gluon", gather=False)
+            return call()
+    else:
+        def call():
+            return pg.prefill_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k, case.chunk,
+                                     case.seqlen_k, True, inp.scale, settings=settings)[0]
+
+        def first():
+            check_attention_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k,
+                                   max_seqlen_q=case.chunk, max_seqlen_k=case.seqlen_k,
+                                   causal=True, sm_scale=inp.scale, impl="gluon")
+            return call()
+    return first, call, f"settings: {settings}"
 
 
 @contextlib.contextmanager
@@ -535,7 +606,7 @@ def plot_rows(rows: list[dict], path):
             pts = sorted((r["prefix"], r["tflops"]) for r in ok
                          if (r["D"], r["impl"], r["layout"]) == (D, impl, layout))
             if pts:
-                label = impl if impl.endswith("-contiguous") else f"{impl} {layout}"
+                label = impl if layout == "contiguous" else f"{impl} {layout}"
                 ax.plot(*zip(*pts), marker="o", label=label)
         mm = next((r["matmul_tflops"] for r in ok if r["matmul_tflops"]), None)
         if mm:
@@ -571,9 +642,12 @@ def main(args) -> int:
         print(f"wsattn bench chunked: {e}", file=sys.stderr)
         return 2
     impls = list(args.chunked_impl)
-    try:  # extra columns: the paged kernel with exactly these settings
+    try:  # extra columns: the paged kernel with exactly these settings; Gluon builds
         impls += [f"triton-paged[{spec}]" for spec in (args.chunked_settings or [])
                   if parse_settings(spec)]
+        for spec in args.chunked_gluon_settings or []:
+            gluon_overrides(spec, 128)
+            impls += [f"gluon-paged[{spec}]", f"gluon-contiguous[{spec}]"]
     except ValueError as e:
         print(f"wsattn bench chunked: {e}", file=sys.stderr)
         return 2
@@ -587,7 +661,7 @@ def main(args) -> int:
     add_ratios(rows)
     print(format_table(rows))
     write(rows, stamp, args, plot_rows)
-    return exit_status(rows, lambda i: i in WSATTN_IMPLS or i.startswith("triton-paged["))
+    return exit_status(rows, lambda i: i in WSATTN_IMPLS or "[" in i)
 
 
 def add_arguments(group) -> None:
@@ -609,6 +683,13 @@ def add_arguments(group) -> None:
                        help="chunked: extra columns triton-paged[SPEC] on the paged rows, the "
                             "paged kernel with SPEC = BLOCK_M,BLOCK_N,num_warps,num_stages"
                             "[,use_tma] (wsattn.kernels.prefill_paged.PagedPrefillSettings)")
+    group.add_argument("--chunked-gluon-settings", nargs="+", default=None, metavar="SPEC",
+                       help="chunked: extra columns gluon-paged[SPEC] (paged rows) and "
+                            "gluon-contiguous[SPEC] (contiguous rows), the Gluon kernel's "
+                            "build that prefill_gluon.settings_for makes with these overrides "
+                            "whatever the length rules pick; SPEC = FIELD=VALUE[,FIELD=VALUE"
+                            "...], or default / one_consumer (the two builds the rules choose "
+                            "between, per head dim)")
     group.add_argument("--chunked-batch", type=int, default=BATCH, metavar="B",
                        help=f"chunked: sequences, one chunk of --chunked-chunk queries each "
                             f"(default {BATCH}: {BATCH * CHUNK // 1024}k chunk tokens)")

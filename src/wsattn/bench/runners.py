@@ -238,10 +238,11 @@ class GluonBuildRunner(Runner):
         return Prepared(checked_first, fn, note=f"settings: {settings}")
 
 
-def parse_gluon_settings(spec: str) -> dict:
+def parse_gluon_settings(spec: str, option: str = "--gluon-settings") -> dict:
     """'FIELD=VALUE[,FIELD=VALUE...]' -> GluonSettings overrides for settings_for (ints;
-    bool fields take 0/1 or true/false); ValueError naming what is wrong. Whether the
-    build exists at a head dim is settings_for's to say, per case."""
+    bool fields take 0/1 or true/false); ValueError naming what is wrong (and the option
+    it came from). Whether the build exists at a head dim is settings_for's to say, per
+    case."""
     from dataclasses import fields
 
     from wsattn.kernels.prefill_gluon import GluonSettings
@@ -250,21 +251,21 @@ def parse_gluon_settings(spec: str) -> dict:
     for part in spec.split(","):
         name, eq, value = (x.strip() for x in part.partition("="))
         if not eq or not name or not value:
-            raise ValueError(f"--gluon-settings: each SPEC is FIELD=VALUE[,FIELD=VALUE...], "
+            raise ValueError(f"{option}: each SPEC is FIELD=VALUE[,FIELD=VALUE...], "
                              f"got {spec!r}")
         if name not in types:
-            raise ValueError(f"--gluon-settings {spec!r}: {name!r} is not a GluonSettings "
+            raise ValueError(f"{option} {spec!r}: {name!r} is not a GluonSettings "
                              f"field ({', '.join(types)})")
         if name in out:
-            raise ValueError(f"--gluon-settings {spec!r}: {name} given twice")
+            raise ValueError(f"{option} {spec!r}: {name} given twice")
         if types[name] in (bool, "bool"):
             if value.lower() not in ("0", "1", "true", "false"):
-                raise ValueError(f"--gluon-settings {spec!r}: {name} takes 0/1 or "
+                raise ValueError(f"{option} {spec!r}: {name} takes 0/1 or "
                                  f"true/false, got {value!r}")
             out[name] = value.lower() in ("1", "true")
         else:
             if not value.isdigit():
-                raise ValueError(f"--gluon-settings {spec!r}: {name} takes a non-negative "
+                raise ValueError(f"{option} {spec!r}: {name} takes a non-negative "
                                  f"int, got {value!r}")
             out[name] = int(value)
     return out

@@ -109,8 +109,9 @@ TRITON_FASTER_UP_TO: dict[tuple[int, bool], int] = {}
 # GQA 32/8) 1.44-1.62x the Triton kernel that this table gave those packs before; so do
 # packs whose longest query chunk is at most prefill_gluon.ONE_CONSUMER_CHUNK_UP_TO (64)
 # rows, whatever their keys (causal chunk 64 against 2k-32k keys: 1.03-1.26x the Triton
-# kernel; without a mask not timed). Other varlen calls take this table on the longest query sequence in place of
-# Sq. Causal query chunks of 128, 256 and 1024 against 2k-32k keys before them (`wsattn
+# kernel; without a mask not timed). Other varlen calls take this table on the longest
+# query sequence in place of Sq. Causal query chunks of 128, 256 and 1024 against 2k-32k
+# keys before them (`wsattn
 # bench chunked --chunked-chunk 128 / 256 / 1024`, 16k chunk tokens or 128 chunks, GQA
 # 32/8, contiguous keys) ran on the Gluon kernel's default build 1.04-1.32x the Triton
 # kernel (D64 chunk 256 over 32k: 1.00), so causal packs have no entry. D64 non-causal

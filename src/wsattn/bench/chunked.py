@@ -27,8 +27,7 @@ Columns (``impl``):
   off sm_90.
 * ``gluon-one-consumer-contiguous``: the same call on the Gluon kernel's one-consumer
   build (``prefill_gluon.ONE_CONSUMER``: 64-row tiles, several CTAs an SM) whatever the
-  length rule picks, through ``prefill_gluon.prefill_varlen`` after one validating
-  :func:`wsattn.attention_varlen` call outside the timing; asked for by name.
+  length rule picks, asked for by name: ``gluon-contiguous[one_consumer]`` below.
 * ``gluon-paged[SPEC]`` / ``gluon-contiguous[SPEC]`` (``--chunked-gluon-settings SPEC``):
   the Gluon kernel's paged build in place / varlen build on the contiguous keys, as
   ``prefill_gluon.settings_for`` makes it with the SPEC's overrides (``FIELD=VALUE,...``,
@@ -78,7 +77,7 @@ import torch
 from .cases import DTYPES, tflops
 from .timing import _sync, release
 from .gemv import write
-from .runners import NotAvailable, one_consumer_build, parse_gluon_settings
+from .runners import NotAvailable, parse_gluon_settings
 from .report import fmt, status_text, target_text
 
 PREFIXES = (0, 2048, 8192, 32768)
@@ -431,21 +430,9 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
                                            max_seqlen_q=case.chunk, max_seqlen_k=case.seqlen_k,
                                            causal=True, sm_scale=inp.scale, impl=backend)
         return call, call, None
-    if impl == "gluon-one-consumer-contiguous":
-        from wsattn.kernels import prefill_gluon as pg
-        varlen_backend()  # "gluon": not available off sm_90, with the dispatcher's reason
-        settings = one_consumer_build(case.D, True)
-
-        def call():
-            return pg.prefill_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k, case.chunk,
-                                     case.seqlen_k, True, inp.scale, settings=settings)[0]
-
-        def first():
-            wsattn.attention_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k,
-                                    max_seqlen_q=case.chunk, max_seqlen_k=case.seqlen_k,
-                                    causal=True, sm_scale=inp.scale, impl="gluon")
-            return call()
-        return first, call, f"settings: {settings}"
+    if impl == "gluon-one-consumer-contiguous":  # gluon-contiguous[one_consumer] by name
+        return _gluon_build_call(case, "gluon-contiguous[one_consumer]", inp, cache,
+                                 varlen_backend)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 

@@ -283,7 +283,7 @@ def settings_build(overrides: dict):
 def one_consumer_build(head_dim: int, causal: bool):
     """The one-consumer build (64-row tiles, several CTAs an SM) at this head dim."""
     from wsattn.kernels import prefill_gluon as pg
-    return pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
+    return pg.one_consumer_settings(head_dim, causal)
 
 
 def multi_consumer_build(head_dim: int, causal: bool):

@@ -150,10 +150,8 @@ def _gluon_varlen_builds(causal, one_consumer=False):
     def builds(shape):
         from ..kernels import prefill_gluon as pg
         D = shape["D"]
-        one = one_consumer or pg.varlen_one_consumer(D, causal, sum(shape["Sq"]),
-                                                     sum(shape["Sk"]))
-        return [{"head_dim": D, "settings": pg.settings_for(
-            D, causal, **(pg.ONE_CONSUMER[D] if one else {}))}]
+        return [{"head_dim": D, "settings": pg.one_consumer_settings(D, causal) if one_consumer
+                 else pg.varlen_call_settings(D, causal, sum(shape["Sq"]), sum(shape["Sk"]))}]
     return builds
 
 
@@ -168,8 +166,7 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
         build["compact_varlen"] = False
     if one_consumer:  # varlen: the build packs of short sequences take
         from ..kernels import prefill_gluon
-        kwargs["settings"] = prefill_gluon.settings_for(128, causal,
-                                                        **prefill_gluon.ONE_CONSUMER[128])
+        kwargs["settings"] = prefill_gluon.one_consumer_settings(128, causal)
         build = lambda head_dim: prefill_gluon.ONE_CONSUMER[head_dim]  # noqa: E731
     run = RunSpec(draw_shape=_draw_prefill(causal, varlen, 128), build=_build_prefill,
                   run=_prefill_runner(causal, impl, build),
@@ -264,7 +261,7 @@ def _paged_gluon_run(inp, one_consumer=False):
     from ..kernels import prefill_gluon as pg
     q = inp["q"]
     D = q.shape[-1]
-    settings = pg.settings_for(D, True, **pg.ONE_CONSUMER[D]) if one_consumer else None
+    settings = pg.one_consumer_settings(D, True) if one_consumer else None
     return pg.prefill_paged(q, inp["kc"], inp["vc"], inp["cu_q"], inp["lens_k"], inp["bt"],
                             inp["max_q"], True, D ** -0.5, settings=settings)
 
@@ -278,9 +275,9 @@ def _gluon_paged_builds(one_consumer=False):
         from ..kernels import prefill_gluon as pg
         D, page = shape["D"], shape["page"]
         width = math.ceil(max(p + c for p, c in zip(shape["P"], shape["Lq"])) / page)
-        one = one_consumer or pg.varlen_one_consumer(D, True, max(shape["Lq"]), width * page)
-        return [{"head_dim": D, "page": page, "settings": pg.settings_for(
-            D, True, **(pg.ONE_CONSUMER[D] if one else {}))}]
+        return [{"head_dim": D, "page": page, "settings": pg.one_consumer_settings(D, True)
+                 if one_consumer else
+                 pg.varlen_call_settings(D, True, max(shape["Lq"]), width * page)}]
     return builds
 
 
@@ -324,8 +321,8 @@ def _paged_entry(kind="in_place"):
         return ("prefill_gluon_paged_one_consumer", "wsattn.kernels.prefill_gluon",
                 "compile_spec",
                 {"head_dim": 128, "dtype": "bf16", "causal": True, "varlen": True,
-                 "page": 16, "settings": prefill_gluon.settings_for(
-                     128, True, **prefill_gluon.ONE_CONSUMER[128])}, run,
+                 "page": 16, "settings": prefill_gluon.one_consumer_settings(128, True)},
+                run,
                 "Gluon chunked prefill over a paged cache read in place by TMA, the "
                 "one-consumer build (64-row tiles, several CTAs an SM; short query chunks "
                 "take it), D=128 bf16, causal, page 16", (90,))

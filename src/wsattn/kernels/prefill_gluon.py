@@ -318,6 +318,19 @@ def _default_settings(head_dim: int, causal: bool, schedule: str = "") -> GluonS
     return settings_for(head_dim, causal)
 
 
+def one_consumer_settings(head_dim: int, causal: bool) -> GluonSettings:
+    """The one-consumer build (ONE_CONSUMER of the head dim), as the launchers make it."""
+    return _default_settings(head_dim, bool(causal), "one_consumer")
+
+
+def varlen_call_settings(head_dim: int, causal: bool, max_seqlen_q: int,
+                         max_seqlen_k: int) -> GluonSettings:
+    """The settings a packed or paged call without settings builds with, from bounds of its
+    longest query and key sequences (varlen_one_consumer's choice; what an evidence check
+    must compile to look at the build a call launches)."""
+    return _resolve(None, head_dim, causal, varlen_bounds=(max_seqlen_q, max_seqlen_k))
+
+
 def call_settings(head_dim: int, causal: bool, seqlen_q: int | None = None,
                   seqlen_k: int | None = None) -> GluonSettings:
     """The settings a fixed-length call without settings builds with: the defaults, the

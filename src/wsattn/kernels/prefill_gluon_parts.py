@@ -931,9 +931,14 @@ def attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, Sq, Sk, Hq, qk_scal
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=CONSUMERS)  # every consumer releases a slot
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(turn_bars.index(i), count=1)
     if PINGPONG:
+        # Only a build that takes turns initialises them. Unused, the buffer is dead to the
+        # shared-memory allocator, which may place a producer's tensor-map template on the
+        # same bytes; an initialised mbarrier whose memory is written without
+        # mbarrier.inval is undefined in PTX, and on the H200 the V copy through that map
+        # faulted ("misaligned address") with several CTAs an SM.
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(turn_bars.index(i), count=1)
         mbarrier.arrive(turn_bars.index(0))  # warpgroup 0 takes the first turn
 
     # The argument lists are spelled out per partition: a tuple built once and joined with

@@ -1578,8 +1578,8 @@ def test_sm90_varlen_numerics(pack, head_dim, causal, dtype):
     assert torch.equal(omitted[0], totals[0]) and torch.equal(omitted[1], totals[1])
     _assert_varlen_close(*omitted, ref, ref_lse, cu_q, dtype)
     for _ in range(3):
-        again, again_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), None, causal,
-                                             scale)
+        again, again_lse = pg.prefill_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens),
+                                             causal, scale)
         assert torch.equal(again, out) and torch.equal(again_lse, lse)
 
 

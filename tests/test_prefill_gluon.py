@@ -1272,7 +1272,7 @@ def test_sm90_one_consumer_structure(head_dim, causal, build):
     assert s.ctas_per_sm * (k.metadata.shared + 1024) <= pg.SM_SMEM
     # packs and pages: V's rows past a sequence's keys are zeroed in shared memory by the
     # consumer (a load and a store of the tile) and fenced for the wgmma, no V descriptor
-    # made on the device (one faulted with several CTAs an SM: notes/prefill_gluon.md);
+    # made on the device (notes/prefill_gluon.md, "Packs on the one-consumer build");
     # O's store through the Q buffer is the other store and fence
     assert ttgir.count("ttg.local_load") == int(varlen)
     assert ttgir.count("ttg.local_store") == ptx.count("fence.proxy.async") == 1 + varlen

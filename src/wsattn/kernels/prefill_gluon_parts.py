@@ -667,8 +667,9 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
     past the sequence's kv_len keys loads V through a descriptor made here over the
     sequence's own rows (v_rows, the packed [Tk, Hkv * D] values, from row k0), whose
     bounds TMA zero-fills past; the one consumer of a one-consumer build zeroes those rows
-    itself (_zero_rows_from), since that build, several CTAs an SM, faulted on the H200
-    with the descriptor made here. K needs none: its scores are masked by a select.
+    itself (_zero_rows_from: measured and tested that way; it was adopted when the map made
+    here faulted in that build, whose cause was the map's template on the initialised turn
+    barriers, see attn_fwd_kernel). K needs none: its scores are masked by a select.
 
     PAGE (the paged build): K/V from the cache through the sequence's block-table row
     bt_row (_load_paged_kv; with one consumer, its V tail zeroed by the consumer as
@@ -774,10 +775,9 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc,
     it); K's rows there may hold anything (their scores are replaced by the mask), so a
     slice past the last page re-reads the last page. ZERO_V (one consumer): V comes as K
     does, through v_desc, and the consumer zeroes its rows past the keys itself
-    (_zero_rows_from), since a descriptor made on the device faulted with several CTAs an
-    SM (_produce_q_tile). No table word past the sequence's pages is read but tile 0's,
-    which are bounded by the row's width (their values are used only for boxes of the
-    sequence's keys)."""
+    (_zero_rows_from), as _produce_q_tile says. No table word past the sequence's pages is
+    read but tile 0's, which are bounded by the row's width (their values are used only
+    for boxes of the sequence's keys)."""
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     SLICES: gl.constexpr = BLOCK_N // BOX
     TILE_BYTES: gl.constexpr = BLOCK_N * D * k_desc.dtype.primitive_bitwidth // 8

@@ -751,6 +751,51 @@ def test_ladder_varlen_entry_builds_and_runs_the_varlen_launcher(monkeypatch):
         "settings"] == pg.settings_for(128, False)
 
 
+VARLEN_ENTRIES = ("prefill_triton_varlen", "prefill_gluon_varlen", "prefill_gluon_varlen_plain",
+                  "prefill_gluon_varlen_one_consumer")
+
+
+def test_ladder_varlen_entries_profile_against_fa2_on_a_mixed_pack():
+    """The varlen entries' profile gate (gate 7) times each against torch's FlashAttention-2
+    varlen call on one pack: 16,384 tokens of mixed lengths (1 to 8,192, and 63), or for the
+    one-consumer build the packs of short sequences it is chosen for; the pack's inputs
+    carry the host integers FA2 needs, and a long pack's label stays one line."""
+    from wsattn.evidence import library
+    for name in VARLEN_ENTRIES:
+        run = library.get(name).run
+        assert run.baseline is not None and "FlashAttention-2 varlen" in run.baseline_name
+        (shape,) = run.profile_shapes
+        assert shape["Sq"] == shape["Sk"] and shape["D"] == 128
+        lens = shape["Sq"]
+        if name.endswith("one_consumer"):
+            assert max(lens) <= pg.VARLEN_ONE_CONSUMER_UP_TO[128, True] and len(lens) == 32
+            assert run.describe(shape) == ("Sq32seqs12280tok17to1024-Sk32seqs12280tok17to1024"
+                                           "-H16-HKV16-D128")
+        else:
+            assert sum(lens) == 16384 and max(lens) == 8192 and 63 in lens and 1 in lens
+            assert run.describe(shape).startswith("Sq8192+4096+")
+    inp = library.get("prefill_gluon_varlen").run.build(
+        {"Sq": [17, 1], "Sk": [40, 3], "Hq": 4, "Hkv": 2, "D": 64}, "bf16", "cpu",
+        torch.Generator().manual_seed(0))
+    assert (inp["max_q"], inp["max_k"]) == (17, 40) and inp["cu_k"].tolist() == [0, 40, 43]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ladder_varlen_baseline_agrees_with_the_reference(causal):
+    """The FA2 baseline the varlen entries are profiled against computes the same attention
+    (bottom-right causal, GQA, odd lengths, keys longer than queries) within bf16 tolerance
+    of the float64 reference, so the profile gate times a peer doing the same work."""
+    from wsattn.evidence import library
+    name = "prefill_gluon_varlen_one_consumer" if causal else "prefill_triton_varlen"
+    run = library.get(name).run
+    for shape in ({"Sq": [17, 1, 300], "Sk": [40, 1, 323], "Hq": 8, "Hkv": 2, "D": 128},
+                  {"Sq": [65, 63], "Sk": [65, 100], "Hq": 7, "Hkv": 1, "D": 64}):
+        inp = run.build(shape, "bf16", "cuda", torch.Generator().manual_seed(3))
+        ref, _ = run.reference(inp)
+        assert_close(run.baseline(inp), ref, torch.bfloat16)
+
+
 def test_ladder_varlen_entries_build_the_table_grid_and_the_plain_one(monkeypatch):
     """`prefill_gluon_varlen` gates 0-2 on the VARLEN_COMPACT build (the default; tiles an
     argument), `prefill_gluon_varlen_plain` on the plain grid's; the latter's runner calls

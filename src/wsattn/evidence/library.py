@@ -43,10 +43,17 @@ def _draw_prefill(causal, varlen, head_dim):
     return draw
 
 
+def _describe_lens(name, lens):
+    # a long pack by its count, total and range, so a label stays a line
+    if len(lens) <= 10:
+        return name + "+".join(map(str, lens))
+    return f"{name}{len(lens)}seqs{sum(lens)}tok{min(lens)}to{max(lens)}"
+
+
 def _describe_prefill(shape):
     s = shape
-    seq = (f"Sq{'+'.join(map(str, s['Sq']))}-Sk{'+'.join(map(str, s['Sk']))}" if isinstance(s["Sq"], list)
-           else f"B{s['B']}-Sq{s['Sq']}-Sk{s['Sk']}")
+    seq = (f"{_describe_lens('Sq', s['Sq'])}-{_describe_lens('Sk', s['Sk'])}"
+           if isinstance(s["Sq"], list) else f"B{s['B']}-Sq{s['Sq']}-Sk{s['Sk']}")
     return f"{seq}-H{s['Hq']}-HKV{s['Hkv']}-D{s['D']}"
 
 
@@ -57,8 +64,11 @@ def _build_prefill(shape, dtype, device, gen):
     if isinstance(s["Sq"], list):
         cq = torch.tensor([0] + list(_cumsum(s["Sq"])), dtype=torch.int32, device=device)
         ck = torch.tensor([0] + list(_cumsum(s["Sk"])), dtype=torch.int32, device=device)
+        # max_q / max_k: host integers for a baseline that needs them (FlashAttention-2's
+        # varlen call); the library's own calls bound the pack on the device
         return {"q": rnd(sum(s["Sq"]), s["Hq"], s["D"]), "k": rnd(sum(s["Sk"]), s["Hkv"], s["D"]),
-                "v": rnd(sum(s["Sk"]), s["Hkv"], s["D"]), "cu_q": cq, "cu_k": ck}
+                "v": rnd(sum(s["Sk"]), s["Hkv"], s["D"]), "cu_q": cq, "cu_k": ck,
+                "max_q": max(s["Sq"]), "max_k": max(s["Sk"])}
     return {"q": rnd(s["B"], s["Sq"], s["Hq"], s["D"]), "k": rnd(s["B"], s["Sk"], s["Hkv"], s["D"]),
             "v": rnd(s["B"], s["Sk"], s["Hkv"], s["D"])}
 
@@ -114,6 +124,31 @@ def _sdpa_prefill(causal):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                               enable_gqa=q.shape[1] != k.shape[1])
     return run
+
+
+def _fa2_varlen_prefill(causal):
+    """torch's FlashAttention-2 varlen forward (aten::_flash_attention_forward with
+    cu_seqlens: bottom-right causal, GQA), the packed-prefill peer issue 16 names."""
+    def run(inp):
+        q = inp["q"]
+        return torch.ops.aten._flash_attention_forward(
+            q, inp["k"], inp["v"], inp["cu_q"], inp["cu_k"], inp["max_q"], inp["max_k"], 0.0,
+            causal, False, scale=1.0 / math.sqrt(q.shape[-1]))[0]
+    return run
+
+
+# The varlen entries' profile packs (gate 7), keys as many as queries: 16,384 tokens, one
+# sequence of each power of two from 1 to 8,192 and one of 63 (the packs serving sends
+# mix lengths; every tile edge is met); the one-consumer entry's build is the one packs of
+# short sequences take (VARLEN_ONE_CONSUMER_UP_TO), so its pack holds those: 12,280 tokens
+# of 17-1,024.
+_VARLEN_PROFILE_LENS = (8192, 4096, 2048, 1024, 512, 256, 128, 64, 63, 1)
+_VARLEN_SHORT_PROFILE_LENS = (1024, 768, 512, 300, 256, 129, 64, 17) * 4
+
+
+def _varlen_profile_shape(one_consumer):
+    lens = list(_VARLEN_SHORT_PROFILE_LENS if one_consumer else _VARLEN_PROFILE_LENS)
+    return {"Sq": lens, "Sk": list(lens), "Hq": 16, "Hkv": 16, "D": 128}
 
 
 # Sanitizers slow kernels 10-100x: two small shapes, odd lengths (not multiples of a tile,
@@ -172,9 +207,10 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                   run=_prefill_runner(causal, impl, build),
                   reference=_prefill_reference(causal),
                   dtypes=("bf16", "fp16"), interpreter=impl == "triton",
-                  baseline=None if varlen else _sdpa_prefill(causal),
-                  baseline_name=None if varlen else "torch SDPA (cuDNN/flash)",
-                  profile_shapes=() if varlen else (
+                  baseline=_fa2_varlen_prefill(causal) if varlen else _sdpa_prefill(causal),
+                  baseline_name="torch FlashAttention-2 varlen (aten::_flash_attention_forward)"
+                  if varlen else "torch SDPA (cuDNN/flash)",
+                  profile_shapes=(_varlen_profile_shape(one_consumer),) if varlen else (
                       {"B": 4, "Sq": 4096, "Sk": 4096, "Hq": 16, "Hkv": 16, "D": 128},),
                   sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill,
                   sanitizer_builds=None if impl != "gluon" or plain else

@@ -667,9 +667,8 @@ def _produce_q_tile(start_m, off_b, off_h, q0, k0, kv_len, n_total, r0, tile_i, 
     past the sequence's kv_len keys loads V through a descriptor made here over the
     sequence's own rows (v_rows, the packed [Tk, Hkv * D] values, from row k0), whose
     bounds TMA zero-fills past; the one consumer of a one-consumer build zeroes those rows
-    itself (_zero_rows_from: measured and tested that way; it was adopted when the map made
-    here faulted in that build, whose cause was the map's template on the initialised turn
-    barriers, see attn_fwd_kernel). K needs none: its scores are masked by a select.
+    itself (_zero_rows_from; the build as measured and tested, notes/prefill_gluon.md,
+    "Packs on the one-consumer build"). K needs none: its scores are masked by a select.
 
     PAGE (the paged build): K/V from the cache through the sequence's block-table row
     bt_row (_load_paged_kv; with one consumer, its V tail zeroed by the consumer as

@@ -472,9 +472,8 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """
     Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[0], k.shape[1]
-    s = _resolve(settings, D, causal, varlen_bounds=(  # at most the totals, as dispatch
-        Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq),
-        Tk if max_seqlen_k is None else min(int(max_seqlen_k), Tk)))
+    s = _resolve(settings, D, causal, varlen_bounds=(_bound(max_seqlen_q, Tq),
+                                                     _bound(max_seqlen_k, Tk)))
     _refuse_persistent_varlen(s)
     out, lse, n_seq, max_q = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q)
     if max_q == 0:
@@ -492,6 +491,12 @@ def prefill_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return out, lse
 
 
+def _bound(max_seqlen: int | None, total: int) -> int:
+    """A pack's bound on its longest sequence: the caller's, at most the token total (as
+    the dispatcher has it), else the total (no host read of cu_seqlens)."""
+    return total if max_seqlen is None else min(int(max_seqlen), total)
+
+
 def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q):
     """(out, lse, batch, max_q) of a varlen-build launch: max_q 0 where there is nothing
     to compute (no rows, no heads or no sequence)."""
@@ -499,7 +504,7 @@ def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q):
     out = _alloc.empty((Tq, Hq, D), q.dtype, q.device)
     lse = _alloc.empty((Hq, Tq), torch.float32, q.device)
     n_seq = cu_seqlens_q.numel() - 1
-    max_q = Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq)
+    max_q = _bound(max_seqlen_q, Tq)
     if Tq * Hq == 0 or n_seq <= 0:
         max_q = 0
     return out, lse, n_seq, max_q
@@ -570,9 +575,8 @@ def prefill_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
     num_pages, page, Hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     # the build as prefill_varlen picks it for the same keys packed: the longest chunk
     # (at most the packed total) and the table's width in keys bound the sequences
-    s = _resolve(settings, D, causal, varlen_bounds=(
-        q.shape[0] if max_seqlen_q is None else min(int(max_seqlen_q), q.shape[0]),
-        block_table.shape[1] * page))
+    s = _resolve(settings, D, causal, varlen_bounds=(_bound(max_seqlen_q, q.shape[0]),
+                                                     block_table.shape[1] * page))
     _refuse_persistent_varlen(s)
     if not paged_supported(page, s.BLOCK_N):
         raise ValueError(f"the paged Gluon build takes page sizes that are multiples of 8 and "

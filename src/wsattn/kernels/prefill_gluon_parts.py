@@ -800,9 +800,15 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc,
         last = (kv_len - 1) // PAGE  # the sequence's last page in its table row
         last_page = gl.load(bt_row + last)
         valid = kv_len - last * PAGE  # its rows holding keys, 1..PAGE
-        if not ZERO_V:
-            v_last = _rows_descriptor(v_cache + last_page.to(gl.int64) * page_stride, valid,
-                                      row_len, v_desc)
+        if ZERO_V:  # the cache's own V: the consumer zeroes the rows past the keys
+            v_src = v_desc
+            v_page = last_page
+            v_past = 0
+        else:  # the last page alone, bounded at its valid rows
+            v_src = _rows_descriptor(v_cache + last_page.to(gl.int64) * page_stride, valid,
+                                     row_len, v_desc)
+            v_page = 0
+            v_past = valid
         j = n_whole  # its words are in pages (only those of whole boxes of keys are used)
         s = _claim_slot(r0 + j, kv_empty, k_ready, v_ready, TILE_BYTES, STAGES)
         for p in gl.static_range(SLICES):
@@ -818,21 +824,14 @@ def _load_paged_kv(r0, n_total, kv_len, off_hkv, bt_row, pages0, k_desc, v_desc,
             elif key < kv_len:  # the slice holding the last key, inside the last page
                 tma.async_copy_global_to_shared(k_desc, [last_page, key % PAGE, col],
                                                 k_ready.index(s), k_dst)
-                if ZERO_V:
-                    tma.async_copy_global_to_shared(v_desc, [last_page, key % PAGE, col],
-                                                    v_ready.index(s), v_dst)
-                else:
-                    tma.async_copy_global_to_shared(v_last, [0, key % PAGE, col],
-                                                    v_ready.index(s), v_dst)
-            else:  # past the last page: any K rows, V all zeros (wholly outside v_last)
+                tma.async_copy_global_to_shared(v_src, [v_page, key % PAGE, col],
+                                                v_ready.index(s), v_dst)
+            else:  # past the last page: any K rows; V zeros (wholly outside the bounded
+                # map, or zeroed by the consumer with ZERO_V)
                 tma.async_copy_global_to_shared(k_desc, [last_page, 0, col],
                                                 k_ready.index(s), k_dst)
-                if ZERO_V:
-                    tma.async_copy_global_to_shared(v_desc, [last_page, 0, col],
-                                                    v_ready.index(s), v_dst)
-                else:
-                    tma.async_copy_global_to_shared(v_last, [0, valid, col],
-                                                    v_ready.index(s), v_dst)
+                tma.async_copy_global_to_shared(v_src, [v_page, v_past, col],
+                                                v_ready.index(s), v_dst)
 
 
 @gluon.jit

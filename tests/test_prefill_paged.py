@@ -434,7 +434,8 @@ def test_dispatch_resolves_paged_prefill(monkeypatch):
 
 def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
     """Where the Gluon kernel runs (faked: no sm_90 device here), gather=None reads pages
-    of 64 rows or more in place with it, gathers smaller pages (impl="gluon" too), and
+    of 64 rows or more (at D128 of 16 or more) in place with it, gathers smaller pages
+    (impl="gluon" too), and
     gathers any page size the Gluon kernel cannot box or a cache TMA cannot read; "auto"
     gathers a chunk the varlen rule gives to Triton (none causal: short causal chunks
     take the Gluon kernel's one-consumer build, in place); gather=False ranks the Gluon
@@ -446,11 +447,17 @@ def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
     def call(page, tma=True, dtype=torch.bfloat16, d=128, chunk=2048, causal=True, keys=4096):
         return dispatch.Call("prefill_paged", dev, dtype, d, causal, seqlen_q=chunk,
                              seqlen_k=keys, page_size=page, tma_pages=tma)
-    assert dispatch.PAGED_IN_PLACE_FROM_PAGE == 64
+    assert dispatch.PAGED_IN_PLACE_FROM_PAGE == {64: 64, 128: 16}
     for impl in ("auto", "gluon"):
         assert not dispatch.paged_gather(call(64), 1, impl)
         assert not dispatch.paged_gather(call(256), 1, impl)
-        assert dispatch.paged_gather(call(16), 1, impl)
+        # at D128 pages of 16 and 32 in place, pages of 8 gathered; at D64 from 64 rows
+        assert not dispatch.paged_gather(call(16), 1, impl)
+        assert not dispatch.paged_gather(call(32), 1, impl)
+        assert dispatch.paged_gather(call(8), 1, impl)
+        assert dispatch.paged_gather(call(16, d=64), 1, impl)
+        assert dispatch.paged_gather(call(32, d=64), 1, impl)
+        assert not dispatch.paged_gather(call(64, d=64), 1, impl)
         assert dispatch.paged_gather(call(64, tma=False), 1, impl)
         assert dispatch.paged_gather(call(48), 1, impl)  # 48 neither tiles nor is tiled by 128
     assert dispatch.paged_gather(call(64), 1, "triton")  # Triton's own rule: the gather
@@ -467,17 +474,19 @@ def test_dispatch_reads_large_pages_in_place_with_the_gluon_kernel(monkeypatch):
     # chunks of at most PAGED_IN_PLACE_CHUNK_UP_TO queries read pages of 16 in place too
     assert dispatch.PAGED_IN_PLACE_CHUNK_UP_TO == 1024
     for impl in ("auto", "gluon"):
-        assert not dispatch.paged_gather(call(16, chunk=1024), 1, impl)
-        assert not dispatch.paged_gather(call(16, chunk=256), 1, impl)
-        assert dispatch.paged_gather(call(16, chunk=1025), 1, impl)
+        for d in (64, 128):
+            assert not dispatch.paged_gather(call(16 if d == 64 else 8, d=d, chunk=1024), 1, impl)
+            assert not dispatch.paged_gather(call(16 if d == 64 else 8, d=d, chunk=256), 1, impl)
+        assert dispatch.paged_gather(call(16, d=64, chunk=1025), 1, impl)
+        assert dispatch.paged_gather(call(8, chunk=1025), 1, impl)
         assert dispatch.paged_gather(call(16, chunk=256, tma=False), 1, impl)
     # ... where the varlen rule gives the chunk to Gluon: others gather for Triton
     for chunk in (1, 64, 255):
-        assert not dispatch.paged_gather(call(16, chunk=chunk), 1, "auto")
+        assert not dispatch.paged_gather(call(16, d=64, chunk=chunk), 1, "auto")
     assert dispatch.paged_gather(call(16, d=64, causal=False, chunk=short), 1, "auto")
     assert not dispatch.paged_gather(call(16, d=64, causal=False, chunk=short), 1, "gluon")
-    assert not dispatch.paged_gather(call(16), 1 << 40, "auto")  # too large: in place
-    assert dispatch.paged_gather(call(16), 1 << 40, "gluon")  # the only other Gluon route
+    assert not dispatch.paged_gather(call(16, d=64), 1 << 40, "auto")  # too large: in place
+    assert dispatch.paged_gather(call(16, d=64), 1 << 40, "gluon")  # the only other Gluon route
     assert dispatch.resolve("auto", call(16)) == "gluon"  # in place, page 16 boxes
     assert dispatch.resolve("auto", call(64, dtype=torch.float32)) == "triton"
     assert dispatch.resolve("auto", call(48)) == "triton"
@@ -614,7 +623,8 @@ GPU_CASES = [pytest.param(c, id=n) for n, c in CASES.items()] + [
                          ids=["triton-in_place", "in_place", "auto"])
 def test_gpu_matches_float64_and_reruns_bitwise(case, dtype, impl, gather):
     """The Triton in-place kernel, the in-place default (the Gluon paged build on sm_90)
-    and the default (the dispatch's rule: in place from 64-row pages, else the gather)."""
+    and the default (the dispatch's rule: in place from PAGED_IN_PLACE_FROM_PAGE rows a page
+    for the head dim, or for chunks of at most 1024 queries, else the gather)."""
     lq, lk, Hq, Hkv, D, page, causal = case
     x = paged_inputs(lq, lk, Hq, Hkv, D, page, dtype, device="cuda", seed=29)
     out, lse = wsattn.attention_paged(*_args(x), causal=causal, return_lse=True, gather=gather,

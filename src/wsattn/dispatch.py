@@ -142,7 +142,14 @@ VARLEN_TRITON_FASTER_UP_TO = {(64, False): 1024}
 # but sized from host metadata (batch x block-table width x page_size rows of K and V;
 # 1.14 GB at the largest shape there), so the gather is taken up to this many bytes of it
 # and the call reads in place above.
-PAGED_IN_PLACE_FROM_PAGE = 64
+# At D128 the in-place build later led at pages of 16 too: five processes of the same
+# table (`chunked_process{1,2,3}_*_9021183`, `chunked_process{4,5}_*_6330ad4`), the two
+# columns side by side in each, gathered / in place 0.93-1.11 (prefix 2k one process at
+# 0.93, the other 19 cells 0.99-1.11; prefix 32k 1.020-1.029 in all five); at D64 the
+# gather still led at prefix 0 and 32k (0.95-0.99 in 9 of 10). Pages of 32 at D128, one
+# process: in place ahead at 4 of 4 (`chunked_pages_32_128_*`). Hence the threshold by
+# head dim (notes/prefill_triton.md, "Where the chunked table stands").
+PAGED_IN_PLACE_FROM_PAGE = {64: 64, 128: 16}
 # Shorter chunks read smaller pages in place too: the gather copies every key of a
 # sequence once a call whatever the chunk, so its share of the call grows as the chunk
 # shrinks. Causal chunks of 256 / 1024 over 2k / 8k keys at pages of 16 (`wsattn bench
@@ -156,13 +163,13 @@ PAGED_GATHER_MAX_BYTES = 2 << 30
 def paged_gather(call: Call, buffer_bytes: int, impl: str = "auto") -> bool:
     """Whether a paged prefill call gathers its keys first (``attention_paged``'s
     gather=None) when ``impl`` ("auto", "triton" or "gluon") runs it: not where the Gluon
-    kernel reads its pages in place (pages of PAGED_IN_PLACE_FROM_PAGE rows or more, or
-    chunks of at most PAGED_IN_PLACE_CHUNK_UP_TO queries; for "auto" also a chunk the
+    kernel reads its pages in place (pages of PAGED_IN_PLACE_FROM_PAGE[head_dim] rows or
+    more, or chunks of at most PAGED_IN_PLACE_CHUNK_UP_TO queries; for "auto" also a chunk the
     varlen rule gives to Gluon); otherwise on CUDA while the gather buffer stays within
     PAGED_GATHER_MAX_BYTES, and always for impl="gluon" (its other route)."""
     if call.device.type != "cuda":
         return False
-    in_place = (call.page_size >= PAGED_IN_PLACE_FROM_PAGE
+    in_place = (call.page_size >= PAGED_IN_PLACE_FROM_PAGE.get(call.head_dim, 64)
                 or call.seqlen_q <= PAGED_IN_PLACE_CHUNK_UP_TO)
     if impl in ("auto", "gluon") and in_place and _gluon_supports(call) is None:
         # "auto": in place where the varlen rule would run the gathered call on Gluon

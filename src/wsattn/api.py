@@ -692,7 +692,8 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
            of short sequences its one-consumer build); else the Triton paged kernel. None (the
            default): ``dispatch.paged_gather`` decides from the device, the page size,
            max_seqlen_q and the buffer's size (in place by the Gluon kernel from 64-row
-           pages or for chunks of at most 1024 queries, else the gather).
+           pages, 16-row at D128, or for chunks of at most 1024 queries, else the
+           gather).
 
     A query whose sequence has no key (seqlens_k[b] = 0, not causal) gets out 0 and
     LSE -inf, the empty-part convention of :func:`merge_states` and of

@@ -717,8 +717,8 @@ class KernelStep:
             if fresh:
                 attn = api.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_q, max_q,
                                             causal=True, impl="auto", validate=False)
-            else:  # dispatch.paged_gather's route: in place by the Gluon kernel from
-                # 64-row pages on sm_90, else gathered into packed rows on CUDA
+            else:  # dispatch.paged_gather's route: in place by the Gluon kernel on sm_90
+                # (PAGED_IN_PLACE_FROM_PAGE), else gathered into packed rows on CUDA
                 attn = api.attention_paged(q, self.cache.k[i], self.cache.v[i], cu_seqlens,
                                            seqlens_k, table, max_q, causal=True,
                                            impl="auto", validate=False)

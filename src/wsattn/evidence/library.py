@@ -292,7 +292,7 @@ def _paged_contiguous(inp):
 
 def _paged_gluon_run(inp, one_consumer=False):
     # the Gluon kernel's paged build, called as the kernel (attention_paged takes it with
-    # gather=False, or by default from 64-row pages: notes/prefill_triton.md): the build
+    # gather=False, or by default per dispatch.paged_gather: notes/prefill_triton.md): the build
     # the launcher picks, or with one_consumer the one-consumer build whatever the shape
     from ..kernels import prefill_gluon as pg
     q = inp["q"]

@@ -128,6 +128,47 @@ def test_summarize_median_and_quantiles():
     assert (t.median_ms, t.q20_ms, t.q80_ms, t.reps) == (3, 1.8, 4.2, 5)
 
 
+class _RoundTimer:
+    """prepare(fn) -> a sampler returning fn's next value; the order of samples is logged."""
+    samples = 4
+
+    def __init__(self):
+        self.log = []
+
+    def prepare(self, fn):
+        name, values = fn()
+        if values is None:
+            raise RuntimeError(f"{name} cannot be captured")
+        values = iter(values)
+
+        def sample():
+            self.log.append(name)
+            v = next(values)
+            if v is None:
+                raise RuntimeError(f"{name} failed in a replay")
+            return v
+        sample.method, sample.calls = "graph", 7
+        return sample
+
+
+def test_time_interleaved_takes_rounds_rotated_and_keeps_going_past_failures():
+    """One sample of each function a round, the order rotated by one each round; a
+    function that cannot be prepared, or fails in a round, gets its exception, the others
+    their Timing and their samples in round order."""
+    from wsattn.bench.timing import time_interleaved
+    timer = _RoundTimer()
+    fns = [lambda: ("a", [1.0, 2.0, 3.0, 4.0]), lambda: ("bad", None),
+           lambda: ("b", [5.0, 6.0, 7.0, 8.0]), lambda: ("c", [9.0, None, 0.0, 0.0])]
+    a, bad, b, c = time_interleaved(timer, fns)
+    assert timer.log == ["a", "b", "c", "b", "c", "a", "a", "b", "b", "a"]
+    assert a[1] == [1.0, 2.0, 3.0, 4.0] and b[1] == [5.0, 6.0, 7.0, 8.0]
+    assert a[0] == summarize([1.0, 2.0, 3.0, 4.0], "graph", 7)
+    assert (b[0].median_ms, b[0].reps, b[0].calls, b[0].method) == (6.5, 4, 7, "graph")
+    assert isinstance(bad, RuntimeError) and "captured" in str(bad)
+    assert isinstance(c, RuntimeError) and "replay" in str(c)
+    assert time_interleaved(timer, []) == []
+
+
 # --------------------------------------------------------------------------- rows
 
 def test_row_has_stamp_shape_check_and_throughput():
@@ -178,6 +219,24 @@ def test_ratios_to_cudnn_triton_ceilings_and_contiguous():
     assert dpaged["ratio_contiguous"] == pytest.approx(0.55 / 0.6)
     assert dpaged["ratio_cudnn"] == pytest.approx(0.5 / 0.6)
     assert dtriton["ratio_contiguous"] is None and cudnn["ratio_cudnn"] is None
+
+
+def test_ratios_pair_the_samples_of_one_round():
+    """Rows timed in one interleaved loop carry their samples; a ratio is then the median
+    over the rounds of the two samples of a round (here 1.0), not the medians' ratio (0.5);
+    rows with different sample counts fall back to the medians."""
+    pre = PrefillCase(4, 4096, 16, 16, 128, False)
+    cudnn, gluon = _ok(pre, "sdpa-cudnn", 1.0), _ok(pre, "gluon", 2.0)
+    cudnn["samples_ms"], gluon["samples_ms"] = [1.0, 1.0, 4.0], [1.0, 2.0, 2.0]
+    report.add_ratios([cudnn, gluon])
+    assert gluon["ratio_cudnn"] == pytest.approx(1.0) and cudnn["ratio_cudnn"] is None
+    assert report.paired_ratio(cudnn, gluon) == pytest.approx(1.0)
+    gluon["samples_ms"] = [2.0]
+    assert report.paired_ratio(cudnn, gluon) == pytest.approx(0.5)
+    check = types.SimpleNamespace(rel_err=1e-3, tol=2e-2, passed=True, where="")
+    row = report.make_row(_stamp(), pre, "gluon", "ok", check=check, timing=TIMING,
+                          samples=[2, 1.9])
+    assert row["samples_ms"] == [2.0, 1.9]
 
 
 def test_json_rows_and_table(tmp_path):
@@ -245,6 +304,9 @@ def _reference_out(case, inp):
 
 
 class CountingTimer:
+    """Counts the functions it times; one round of samples (time_interleaved)."""
+    samples = 1
+
     def __init__(self):
         self.calls = 0
 
@@ -252,6 +314,15 @@ class CountingTimer:
         self.calls += 1
         fn()
         return TIMING
+
+    def prepare(self, fn):
+        self.calls += 1
+        fn()
+
+        def sample():
+            return TIMING.median_ms
+        sample.method, sample.calls = TIMING.method, TIMING.calls
+        return sample
 
 
 @pytest.mark.parametrize("case", SMALL)

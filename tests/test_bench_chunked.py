@@ -223,6 +223,16 @@ def test_ratio_and_target():
     assert rows[2]["target_met"] == "missed"
     for r in (rows[0], rows[3], rows[4], rows[6], rows[7]):
         assert r["ratio_contiguous"] is None and r["target_met"] is None
+    # both timed in one interleaved loop: the ratio is paired by round, not of the medians
+    slow_fast = [1.0, 1.11, 1.0, 1.11, 1.11]   # the contiguous column; median 1.11
+    paired = [_row(2048, None, "triton-contiguous", 1.11), _row(2048, 64, "triton-paged", 1.0)]
+    paired[0]["samples_ms"] = slow_fast
+    paired[1]["samples_ms"] = [t / 0.97 for t in slow_fast]  # 0.97x in every round; median 1.144
+    chunked.add_ratios(paired)
+    assert paired[1]["ratio_contiguous"] == pytest.approx(0.97)
+    assert chunked.paired_ratio(paired[0], paired[1]) == pytest.approx(0.97)
+    paired[1]["samples_ms"] = paired[1]["samples_ms"][:4]  # not paired: the medians' ratio
+    assert chunked.paired_ratio(paired[0], paired[1]) == pytest.approx(1.11 / 1.0)
     text = chunked.format_table(rows)
     assert "chunked-B8-C2048-P8192-H32-HKV8-D128-page64-bf16" in text
     assert "0.95 met" in text and "0.95 missed" in text
@@ -298,6 +308,7 @@ def test_runner_checks_then_times_on_the_interpreter():
             row = rows[(prefix, impl)]
             assert row["status"] == "ok", row
             assert row["rel_err"] <= 2e-3 and row["check_passed"] and row["median_ms"] == 1.0
+            assert row["samples_ms"] == [1.0] * 3  # FakeTimer.samples rounds
             assert row["frac_matmul"] == pytest.approx(row["tflops"] / 100.0)
             assert row["check_slice"] == "sequences [0, 2] of 3"
         paged = rows[(prefix, "triton-paged")]
@@ -351,6 +362,7 @@ def test_runner_on_the_gpu():
         r = by[key]
         assert r["status"] == "ok", r
         assert r["timing"] == "graph" and r["rel_err"] <= r["tol"] and r["tflops"] > 0
+        assert len(r["samples_ms"]) == timer.samples  # one a round of the interleaved loop
     for page in (16, 64):
         assert by[("triton-paged", page)]["target_met"] in ("met", "missed")
     for impl in ("gluon-contiguous", "gluon-one-consumer-contiguous"):

@@ -59,9 +59,12 @@ Per row: FLOPs = 4 x D x Hq x the (query, key) pairs each chunk attends, where q
 a chunk sees P + i + 1 keys (the causal triangle only over the chunk's diagonal block);
 TFLOP/s of the median time; ``frac_matmul`` = that over the bf16 matmul ceiling measured
 in the same run; on paged rows ``ratio_contiguous`` = the contiguous column's time / the
-paged row's time for the same shape, and the issue's target (0.95) as met / missed,
-never asserted. Time is a CUDA-graph replay (``wsattn.bench.timing.cuda_timer``); the
-calls give ``max_seqlen_q`` and pass no ``validate``, so no host read happens in them.
+paged row's time for the same shape, paired by round (the columns of a shape that pass
+their check are timed together in alternating rounds, and the ratio is the median over
+the rounds of one round's two samples; each row keeps its samples, ``samples_ms``), and the
+issue's target (0.95) as met / missed, never asserted. Time is a CUDA-graph replay
+(``wsattn.bench.timing.cuda_timer``, ``time_interleaved``); the calls give
+``max_seqlen_q`` and pass no ``validate``, so no host read happens in them.
 """
 
 from __future__ import annotations
@@ -75,10 +78,10 @@ from dataclasses import dataclass
 import torch
 
 from .cases import DTYPES, tflops
-from .timing import _sync, release
+from .timing import _sync, release, time_interleaved
 from .gemv import write
 from .runners import NotAvailable, parse_gluon_settings
-from .report import fmt, status_text, target_text
+from .report import fmt, paired_ratio, status_text, target_text
 
 PREFIXES = (0, 2048, 8192, 32768)
 PAGES = (16, 64)
@@ -100,8 +103,8 @@ TARGET_RATIO = 0.95  # the issue's: paged time >= 0.95x as fast as contiguous
 ROW_FIELDS = ("op", "impl", "case", "layout", "page_size", "dtype", "causal", "B", "chunk",
               "prefix", "Sk", "Hq", "Hkv", "D", "flops", "status", "reason", "note",
               "rel_err", "tol", "check_passed", "check_slice", "median_ms", "q20_ms",
-              "q80_ms", "reps", "calls", "timing", "tflops", "matmul_tflops", "frac_matmul",
-              "ratio_contiguous", "target_ratio", "target_met")
+              "q80_ms", "reps", "calls", "timing", "samples_ms", "tflops", "matmul_tflops",
+              "frac_matmul", "ratio_contiguous", "target_ratio", "target_met")
 
 
 @dataclass(frozen=True)
@@ -210,8 +213,10 @@ def parse_settings(spec: str):
 
 def make_row(stamp: dict, case: ChunkedCase, impl: str, status: str, *, reason=None,
              note=None, rel_err=None, tol=None, check_slice=None, timing=None,
-             matmul_tflops=None) -> dict:
-    """One row; every row has the keys of ROW_FIELDS (None where they do not apply)."""
+             samples=None, matmul_tflops=None) -> dict:
+    """One row; every row has the keys of ROW_FIELDS (None where they do not apply).
+    samples: the timing's samples in round order (``samples_ms``), which add_ratios pairs
+    with the contiguous column's."""
     row = dict(stamp)
     row.update({k: None for k in ROW_FIELDS})
     row.update(op=case.op, impl=impl, case=case.id, layout=case.layout, page_size=case.page,
@@ -224,6 +229,7 @@ def make_row(stamp: dict, case: ChunkedCase, impl: str, status: str, *, reason=N
     if timing is not None:
         row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
                    reps=timing.reps, calls=timing.calls, timing=timing.method,
+                   samples_ms=None if samples is None else [float(t) for t in samples],
                    tflops=tflops(case.flops(), timing.median_ms))
         if matmul_tflops:
             row["frac_matmul"] = row["tflops"] / matmul_tflops
@@ -235,10 +241,11 @@ def _shape_key(row) -> tuple:
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """ratio_contiguous (the contiguous column's time / this row's, same shape: the
-    column of the row's backend: gluon-contiguous for the gluon columns, wsattn-contiguous
-    for wsattn, triton-contiguous for the others) and the
-    target's met / missed on the timed paged rows, in place."""
+    """ratio_contiguous (the contiguous column's time / this row's, same shape, paired by
+    round where both were timed in one loop: ``paired_ratio``; the column of the row's
+    backend: gluon-contiguous for the gluon columns, wsattn-contiguous for wsattn,
+    triton-contiguous for the others) and the target's met / missed on the timed paged
+    rows, in place."""
     base = {(r["impl"], _shape_key(r)): r for r in rows if r.get("op") == "chunked"
             and r["impl"].split("[")[0].endswith("-contiguous") and r["status"] == "ok"}
     for r in rows:
@@ -250,7 +257,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         spec = f"[{_spec_of(r['impl'])}]" if r["impl"].startswith("gluon-paged[") else ""
         ref = base.get((f"{backend}-contiguous{spec}", _shape_key(r)))
         if ref is not None:
-            r["ratio_contiguous"] = ref["median_ms"] / r["median_ms"]
+            r["ratio_contiguous"] = paired_ratio(ref, r)
             r["target_met"] = "met" if r["ratio_contiguous"] >= TARGET_RATIO else "missed"
     return rows
 
@@ -494,7 +501,10 @@ def poisoned():
 def run_shape(cases: list[ChunkedCase], impls, timer, stamp, device,
               matmul_tflops=None) -> list[dict]:
     """Rows of every column of the cases of one shape (same inputs, different layouts):
-    check against float64, then time. A column's failure is its row, never the run's."""
+    check each against float64, then time the columns that passed together, in
+    alternating rounds (``timing.time_interleaved``), so that a paged column and its
+    contiguous peer are sampled over the same stretch of time. A column's failure is its
+    row, never the run's."""
     from wsattn.testing import TOL, rel_err
 
     from .suite import _short
@@ -507,44 +517,50 @@ def run_shape(cases: list[ChunkedCase], impls, timer, stamp, device,
     except Exception as e:  # out of memory on a smaller GPU, say
         return [make_row(stamp, c, i, "error", reason="inputs: " + _short(e)) for c, i in todo]
     where = f"sequences {check_sequences(cases[0])} of {cases[0].B}"
-    tol, rows = TOL[cases[0].dtype], []
+    tol = TOL[cases[0].dtype]
     common = dict(matmul_tflops=matmul_tflops, check_slice=where)
-    for case in cases:
-        cache = None
-        for impl in case_impls(case, impls):
-            try:
-                if case.page is not None and cache is None:
-                    cache = paged_cache(case, inp)
-                first, fn, note = _call(case, impl, inp, cache)
-                with poisoned():
-                    out = first()
-                _sync(device)
-                err = rel_err(checked_rows(case, out), ref)
-                del out
-            except NotAvailable as e:
-                rows.append(make_row(stamp, case, impl, "not available", reason=str(e)[:300],
-                                     **common))
-                continue
-            except Exception as e:  # a broken column must not stop the benchmark
-                rows.append(make_row(stamp, case, impl, "error", reason=_short(e),
-                                     **common))
-                continue
-            if not err <= tol:
-                rows.append(make_row(stamp, case, impl, "failed", rel_err=err, tol=tol,
-                                     reason=f"relative error {err:.3e} > {tol:.1e}; not timed",
-                                     note=note, **common))
-                continue
-            try:
-                timing = timer(fn)
-            except Exception as e:
-                rows.append(make_row(stamp, case, impl, "error", rel_err=err, tol=tol,
-                                     note=note, reason="while timing: " + _short(e),
-                                     **common))
-                continue
+    slots: list = []  # a finished row, or (case, impl, err, note, fn) to time
+    caches = {}
+    for case, impl in todo:
+        try:
+            if case.page is not None and case not in caches:
+                caches[case] = paged_cache(case, inp)
+            first, fn, note = _call(case, impl, inp, caches.get(case))
+            with poisoned():
+                out = first()
+            _sync(device)
+            err = rel_err(checked_rows(case, out), ref)
+            del out
+        except NotAvailable as e:
+            slots.append(make_row(stamp, case, impl, "not available", reason=str(e)[:300],
+                                  **common))
+            continue
+        except Exception as e:  # a broken column must not stop the benchmark
+            slots.append(make_row(stamp, case, impl, "error", reason=_short(e), **common))
+            continue
+        if not err <= tol:
+            slots.append(make_row(stamp, case, impl, "failed", rel_err=err, tol=tol,
+                                  reason=f"relative error {err:.3e} > {tol:.1e}; not timed",
+                                  note=note, **common))
+            continue
+        slots.append((case, impl, err, note, fn))
+    pending = [x for x in slots if isinstance(x, tuple)]
+    timed = iter(time_interleaved(timer, [x[4] for x in pending]))
+    rows = []
+    for x in slots:
+        if not isinstance(x, tuple):
+            rows.append(x)
+            continue
+        case, impl, err, note, _ = x
+        result = next(timed)
+        if isinstance(result, BaseException):
+            rows.append(make_row(stamp, case, impl, "error", rel_err=err, tol=tol, note=note,
+                                 reason="while timing: " + _short(result), **common))
+        else:
+            timing, samples = result
             rows.append(make_row(stamp, case, impl, "ok", rel_err=err, tol=tol, timing=timing,
-                                 note=note, **common))
-        del cache
-    del inp, ref
+                                 samples=samples, note=note, **common))
+    del caches, inp, ref, slots, pending
     release(device)
     return rows
 

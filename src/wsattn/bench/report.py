@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 from .cases import tbps, tflops
 
 STATUSES = ("ok", "failed", "not available", "error")
-RESULT_FIELDS = ("median_ms", "q20_ms", "q80_ms", "reps", "calls", "timing", "tflops", "tbps",
-                 "ratio_cudnn", "ratio_triton", "ratio_fa4", "ratio_matmul", "frac_copy",
-                 "ratio_contiguous")
+RESULT_FIELDS = ("median_ms", "q20_ms", "q80_ms", "reps", "calls", "timing", "samples_ms",
+                 "tflops", "tbps", "ratio_cudnn", "ratio_triton", "ratio_fa4", "ratio_matmul",
+                 "frac_copy", "ratio_contiguous")
 
 
 def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=None,
-             timing=None, note=None) -> dict:
-    """A row for one (case, impl). Throughput is filled only for a timed ('ok') row."""
+             timing=None, note=None, samples=None) -> dict:
+    """A row for one (case, impl). Throughput is filled only for a timed ('ok') row;
+    samples: the timing's samples in round order (``samples_ms``; the rows of one case are
+    timed in one interleaved loop, so sample i of two rows comes from the same round)."""
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     if status == "ok" and (timing is None or check is None or not check.passed):
@@ -36,7 +39,8 @@ def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=No
     row.update({k: None for k in RESULT_FIELDS})
     if timing is not None:
         row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
-                   reps=timing.reps, calls=timing.calls, timing=timing.method)
+                   reps=timing.reps, calls=timing.calls, timing=timing.method,
+                   samples_ms=None if samples is None else [float(t) for t in samples])
         if case.op == "prefill":
             row["tflops"] = tflops(case.flops(), timing.median_ms)
         else:
@@ -62,9 +66,21 @@ def _key(row, **override):
     return tuple(sorted(k.items()))
 
 
+def paired_ratio(ref: dict, row: dict) -> float:
+    """ref's time / row's: where both rows carry as many samples (timed in one
+    interleaved loop, ``timing.time_interleaved``: sample i of each from round i), the
+    median over the rounds of that round's two samples, so drift slower than a round
+    cancels; else the ratio of the medians."""
+    a, b = ref.get("samples_ms"), row.get("samples_ms")
+    if a and b and len(a) == len(b):
+        return statistics.median(x / y for x, y in zip(a, b))
+    return ref["median_ms"] / row["median_ms"]
+
+
 def add_ratios(rows: list[dict], ceilings: dict | None = None) -> list[dict]:
     """Fill ratio_cudnn, ratio_triton, ratio_fa4 and ratio_matmul (prefill), frac_copy and
-    ratio_contiguous (decode) on the timed rows, in place."""
+    ratio_contiguous (decode) on the timed rows, in place. A ratio to a peer row is the
+    throughput ratio, its time part paired by round (``paired_ratio``)."""
     ok = {_key(r): r for r in rows if r.get("status") == "ok" and r["op"] in ("prefill", "decode")}
     ceilings = ceilings or {}
     for r in ok.values():
@@ -72,7 +88,12 @@ def add_ratios(rows: list[dict], ceilings: dict | None = None) -> list[dict]:
 
         def ratio(**other):
             peer = ok.get(_key(r, **other))
-            return r[metric] / peer[metric] if peer and peer is not r and peer[metric] else None
+            if not (peer and peer is not r and peer[metric]):
+                return None
+            # the work of the two rows (equal for a prefill shape; a paged decode row's
+            # bytes differ from its contiguous peer's) times their paired time ratio
+            work = (r[metric] * r["median_ms"]) / (peer[metric] * peer["median_ms"])
+            return work * paired_ratio(peer, r)
 
         r["ratio_cudnn"] = ratio(impl="sdpa-cudnn", page_size=None)
         r["ratio_triton"] = ratio(impl="triton", page_size=None)

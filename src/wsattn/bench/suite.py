@@ -1,4 +1,5 @@
-"""Run cases x runners: check each output against the reference, then time it.
+"""Run cases x runners: check each output against the reference, then time the ones that
+passed, a case's runners together in alternating rounds.
 
 A row whose output fails the check is recorded as failed and never timed; an impl that
 cannot run here is recorded as 'not available: <reason>'; any other exception becomes an
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from .report import make_row
 from .runners import NotAvailable, check_output, make_inputs
-from .timing import _sync, release
+from .timing import _sync, release, time_interleaved
 
 
 def _short(exc: BaseException) -> str:
@@ -19,8 +20,10 @@ def _short(exc: BaseException) -> str:
 
 
 
-def run_one(case, runner, inputs, timer, stamp, device) -> dict:
-    """One row: prepare, call once, check against the reference, and only then time."""
+def check_one(case, runner, inputs, stamp, device):
+    """Prepare one runner, call it once and check the output against the reference: the
+    row where it cannot be timed (not available, an error, a failed check), else
+    (prepared, check)."""
     try:
         prepared = runner.prepare(case, inputs)
         out = prepared.first()
@@ -34,12 +37,41 @@ def run_one(case, runner, inputs, timer, stamp, device) -> dict:
     if not check.passed:
         return make_row(stamp, case, runner.name, "failed", check=check, note=prepared.note,
                         reason=f"relative error {check.rel_err:.3e} > {check.tol:.1e}; not timed")
-    try:
-        timing = timer(prepared.fn)
-    except Exception as e:
-        return make_row(stamp, case, runner.name, "error", check=check, note=prepared.note,
-                        reason="while timing: " + _short(e))
-    return make_row(stamp, case, runner.name, "ok", check=check, timing=timing, note=prepared.note)
+    return prepared, check
+
+
+def run_case(case, runners, inputs, timer, stamp, device, progress=None) -> list[dict]:
+    """One case's rows: every runner checked first, then the ones that passed timed
+    together in alternating rounds (``timing.time_interleaved``), so that a kernel and
+    its peers are sampled over the same stretch of time and their ratios can be paired
+    by round (``report.paired_ratio``)."""
+    slots = []
+    for runner in runners:
+        if progress is not None:
+            progress.set_postfix_str(f"{case.id} {runner.name}", refresh=True)
+        slots.append(check_one(case, runner, inputs, stamp, device))
+    pending = [(r, x) for r, x in zip(runners, slots) if isinstance(x, tuple)]
+    timed = iter(time_interleaved(timer, [prepared.fn for _, (prepared, _) in pending]))
+    rows = []
+    for runner, x in zip(runners, slots):
+        if not isinstance(x, tuple):
+            rows.append(x)
+            continue
+        prepared, check = x
+        result = next(timed)
+        if isinstance(result, BaseException):
+            rows.append(make_row(stamp, case, runner.name, "error", check=check,
+                                 note=prepared.note,
+                                 reason="while timing: " + _short(result)))
+        else:
+            timing, samples = result
+            rows.append(make_row(stamp, case, runner.name, "ok", check=check, timing=timing,
+                                 samples=samples, note=prepared.note))
+        if progress is not None:
+            progress.update(1)
+    if progress is not None:
+        progress.update(len(runners) - len(pending))
+    return rows
 
 
 def run_cases(cases, runners, timer, stamp, device, progress=None) -> list[dict]:
@@ -57,12 +89,7 @@ def run_cases(cases, runners, timer, stamp, device, progress=None) -> list[dict]
             if progress is not None:
                 progress.update(len(todo))
             continue
-        for runner in todo:
-            if progress is not None:
-                progress.set_postfix_str(f"{case.id} {runner.name}", refresh=True)
-            rows.append(run_one(case, runner, inputs, timer, stamp, device))
-            if progress is not None:
-                progress.update(1)
+        rows += run_case(case, todo, inputs, timer, stamp, device, progress)
         del inputs
         release(device)
     return rows

@@ -100,15 +100,29 @@ def capture(fn, calls: int):
     return graph, None
 
 
+class Sampler:
+    """One function made ready to time (warmed up, captured): each call of the sampler is
+    one sample, ms a call. ``method`` and ``calls`` as in :class:`Timing`."""
+
+    def __init__(self, launch, launches: int, calls: int, method: str):
+        self.launch, self.launches, self.calls, self.method = launch, launches, calls, method
+
+    def __call__(self) -> float:
+        import torch
+        return _events_ms(torch, self.launch, self.launches) / self.calls
+
+
 def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph",
                samples: int = 20):
-    """A timer(fn) -> Timing for CUDA work."""
+    """A timer(fn) -> Timing for CUDA work. The timer also has ``prepare(fn)`` (a
+    :class:`Sampler`) and ``samples``, which :func:`time_interleaved` uses to time several
+    functions in alternating rounds."""
     import torch
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
-    def timer(fn) -> Timing:
+    def prepare(fn) -> Sampler:
         # warm-up on a side stream, as graph capture wants (cuBLAS/cuDNN set up workspaces)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -127,13 +141,51 @@ def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph"
             else:  # not capturable: time it eagerly and say why
                 used = f"eager (graph capture failed: {why})"
         per_launch = calls if used == "graph" else 1
-        n = calls // per_launch
         warm = max(1, round(warmup_ms / (estimate * per_launch)))
         _events_ms(torch, launch, warm)
-        times = [_events_ms(torch, launch, n) / calls for _ in range(samples)]
-        return summarize(times, used, calls)
+        return Sampler(launch, calls // per_launch, calls, used)
 
+    def timer(fn) -> Timing:
+        sample = prepare(fn)
+        return summarize([sample() for _ in range(samples)], sample.method, sample.calls)
+
+    timer.prepare, timer.samples = prepare, samples
     return timer
+
+
+def time_interleaved(timer, fns) -> list:
+    """Time several functions in ``timer.samples`` rounds, one sample of each a round, the
+    order rotated by one each round; for each function (Timing, its samples in round order)
+    or the exception that stopped it (while preparing or sampling; the others go on).
+
+    Why rounds: on the H200 a row's samples are often bimodal (q80 / q20 of 1.06 and more
+    in a fifth of the chunked rows, two clusters ~11 % apart, most likely clock states), so
+    columns timed one after the other, 100 ms each, can each catch a different mix and
+    two columns of the same kernel in one process differed by up to 15 %. Sample i of
+    every function comes from round i, so a ratio of two functions can be taken per round
+    (paired) and its median read: drift slower than a round cancels."""
+    out: list = [None] * len(fns)
+    ready = {}
+    for i, fn in enumerate(fns):
+        try:
+            ready[i] = timer.prepare(fn)
+        except Exception as e:
+            out[i] = e
+    times = {i: [] for i in ready}
+    for r in range(timer.samples):
+        live = list(ready)
+        if not live:
+            break
+        k = r % len(live)
+        for i in live[k:] + live[:k]:
+            try:
+                times[i].append(ready[i]())
+            except Exception as e:
+                out[i] = e
+                del ready[i]
+    for i, sample in ready.items():
+        out[i] = (summarize(times[i], sample.method, sample.calls), times[i])
+    return out
 
 
 def _sync(device):

@@ -76,6 +76,34 @@ def bench_timing(ms):
                   calls=7)
 
 
+class CountingTimer:
+    """The runner tests' timer: calls each function it times once and counts them (``calls``,
+    also ``n``); every sample is ``timing``'s median, one round (``samples``) for
+    ``time_interleaved``."""
+    samples = 1
+
+    def __init__(self, timing):
+        self.timing, self.calls = timing, 0
+
+    @property
+    def n(self):
+        return self.calls
+
+    def __call__(self, fn):
+        self.calls += 1
+        fn()
+        return self.timing
+
+    def prepare(self, fn):
+        self.calls += 1
+        fn()
+
+        def sample():
+            return self.timing.median_ms
+        sample.method, sample.calls = self.timing.method, self.timing.calls
+        return sample
+
+
 # The bench modules' stand-in for cuda_timer inside an interpreter child (source the child
 # prepends to its own): runs fn `calls` times, as a graph replay of several calls would,
 # counts the measurements in `.n` and returns a fixed Timing reporting `reported` calls.

@@ -3,6 +3,7 @@ with fake runners, the missing-GPU exit, the SP hook and the interpreter smoke r
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -26,6 +27,8 @@ from wsattn.bench.runners import (BUILD_RUNNERS, DEFAULT_RUNNERS, GluonBuildRunn
                                   check_output, make_inputs, multi_consumer_build,
                                   one_consumer_build)
 from wsattn.bench.timing import Timing, summarize
+
+from conftest import CountingTimer as _CountingTimer
 
 TIMING = Timing(median_ms=2.0, q20_ms=1.9, q80_ms=2.2, reps=50)
 SMALL = [
@@ -234,6 +237,13 @@ def test_ratios_pair_the_samples_of_one_round():
     gluon["samples_ms"] = [2.0]
     assert report.paired_ratio(cudnn, gluon) == pytest.approx(0.5)
     check = types.SimpleNamespace(rel_err=1e-3, tol=2e-2, passed=True, where="")
+    # rows of different work (a pack and its equal-length batch): the work ratio times the
+    # paired time ratio, i.e. the throughput ratio when the samples agree with the medians
+    pack = {"tflops": 2.0, "median_ms": 1.0, "samples_ms": [1.0, 1.0, 1.0]}
+    batch = {"tflops": 1.0, "median_ms": 3.0, "samples_ms": [3.0, 3.0, 3.0]}
+    assert report.throughput_ratio(pack, batch, "tflops") == pytest.approx(2.0)
+    batch["samples_ms"] = [3.0, 6.0, 6.0]  # slower in the rounds the pack ran at 1.0 too
+    assert report.throughput_ratio(pack, batch, "tflops") == pytest.approx(4.0)
     row = report.make_row(_stamp(), pre, "gluon", "ok", check=check, timing=TIMING,
                           samples=[2, 1.9])
     assert row["samples_ms"] == [2.0, 1.9]
@@ -303,26 +313,7 @@ def _reference_out(case, inp):
     return out.to(inp.q.dtype)
 
 
-class CountingTimer:
-    """Counts the functions it times; one round of samples (time_interleaved)."""
-    samples = 1
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, fn):
-        self.calls += 1
-        fn()
-        return TIMING
-
-    def prepare(self, fn):
-        self.calls += 1
-        fn()
-
-        def sample():
-            return TIMING.median_ms
-        sample.method, sample.calls = TIMING.method, TIMING.calls
-        return sample
+CountingTimer = functools.partial(_CountingTimer, TIMING)
 
 
 @pytest.mark.parametrize("case", SMALL)

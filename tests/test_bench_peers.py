@@ -4,6 +4,7 @@ attention from those arguments on CPU, and (GPU) one real case per peer."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -22,6 +23,8 @@ from wsattn.bench.runners import (RUNNER_NAMES, NotAvailable, Prepared, Runner, 
                                   make_inputs)
 from wsattn.bench.timing import Timing
 
+from conftest import CountingTimer as _CountingTimer
+
 TIMING = Timing(median_ms=1.0, q20_ms=0.9, q80_ms=1.1, reps=20)
 PEER_NAMES = ("fa4", "flashinfer-fa3", "flashinfer-fa2", "flashinfer", "flashinfer-cudacores")
 
@@ -31,26 +34,7 @@ def _stamp():
             "triton": "y"}
 
 
-class CountingTimer:
-    """Counts the functions it times; one round of samples (time_interleaved)."""
-    samples = 1
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, fn):
-        self.calls += 1
-        fn()
-        return TIMING
-
-    def prepare(self, fn):
-        self.calls += 1
-        fn()
-
-        def sample():
-            return TIMING.median_ms
-        sample.method, sample.calls = TIMING.method, TIMING.calls
-        return sample
+CountingTimer = functools.partial(_CountingTimer, TIMING)
 
 
 class ReferenceRunner(Runner):

@@ -7,6 +7,7 @@ not timed)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -24,17 +25,11 @@ from wsattn.bench.peers import FA4_MODULE, FLASHINFER_MODULE
 from wsattn.bench.report import exit_status
 
 from conftest import BENCH_STAMP as STAMP, CHILD_TIMER, bench_timing as _timing, interpreter_child
+from conftest import CountingTimer as _CountingTimer
 from test_bench_peers import fake_fa4, fake_flashinfer
 
 
-class CountingTimer:
-    def __init__(self):
-        self.n = 0
-
-    def __call__(self, fn):
-        fn()
-        self.n += 1
-        return _timing(1.0)
+CountingTimer = functools.partial(_CountingTimer, _timing(1.0))
 
 
 # --------------------------------------------------------------------------- the pack

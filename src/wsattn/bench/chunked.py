@@ -78,7 +78,7 @@ from dataclasses import dataclass
 import torch
 
 from .cases import DTYPES, tflops
-from .timing import _sync, release, time_interleaved
+from .timing import _sync, release
 from .gemv import write
 from .runners import NotAvailable, parse_gluon_settings
 from .report import fmt, paired_ratio, status_text, target_text
@@ -507,7 +507,7 @@ def run_shape(cases: list[ChunkedCase], impls, timer, stamp, device,
     row, never the run's."""
     from wsattn.testing import TOL, rel_err
 
-    from .suite import _short
+    from .suite import Pending, _short, time_rows
 
     assert len({c.shape for c in cases}) == 1, "run_shape takes the cases of one shape"
     todo = [(c, i) for c in cases for i in case_impls(c, impls)]
@@ -519,7 +519,7 @@ def run_shape(cases: list[ChunkedCase], impls, timer, stamp, device,
     where = f"sequences {check_sequences(cases[0])} of {cases[0].B}"
     tol = TOL[cases[0].dtype]
     common = dict(matmul_tflops=matmul_tflops, check_slice=where)
-    slots: list = []  # a finished row, or (case, impl, err, note, fn) to time
+    slots: list = []  # finished rows, or Pending columns to time together
     caches = {}
     for case, impl in todo:
         try:
@@ -543,24 +543,13 @@ def run_shape(cases: list[ChunkedCase], impls, timer, stamp, device,
                                   reason=f"relative error {err:.3e} > {tol:.1e}; not timed",
                                   note=note, **common))
             continue
-        slots.append((case, impl, err, note, fn))
-    pending = [x for x in slots if isinstance(x, tuple)]
-    timed = iter(time_interleaved(timer, [x[4] for x in pending]))
-    rows = []
-    for x in slots:
-        if not isinstance(x, tuple):
-            rows.append(x)
-            continue
-        case, impl, err, note, _ = x
-        result = next(timed)
-        if isinstance(result, BaseException):
-            rows.append(make_row(stamp, case, impl, "error", rel_err=err, tol=tol, note=note,
-                                 reason="while timing: " + _short(result), **common))
-        else:
-            timing, samples = result
-            rows.append(make_row(stamp, case, impl, "ok", rel_err=err, tol=tol, timing=timing,
-                                 samples=samples, note=note, **common))
-    del caches, inp, ref, slots, pending
+        row = dict(stamp=stamp, case=case, impl=impl, rel_err=err, tol=tol, note=note, **common)
+        slots.append(Pending(
+            fn, lambda timing, samples, row=row: make_row(status="ok", timing=timing,
+                                                          samples=samples, **row),
+            lambda reason, row=row: make_row(status="error", reason=reason, **row)))
+    rows = time_rows(slots, timer)
+    del caches, inp, ref, slots
     release(device)
     return rows
 

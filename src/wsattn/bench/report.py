@@ -77,6 +77,15 @@ def paired_ratio(ref: dict, row: dict) -> float:
     return ref["median_ms"] / row["median_ms"]
 
 
+def throughput_ratio(row: dict, peer: dict, metric: str) -> float:
+    """row's throughput (``metric``: tflops, tbps) over peer's: the ratio of the two rows'
+    work (equal for one prefill shape; not for a pack against its equal-length batch, or a
+    paged decode row against its contiguous peer) times their time ratio, paired by round
+    (:func:`paired_ratio`)."""
+    work = (row[metric] * row["median_ms"]) / (peer[metric] * peer["median_ms"])
+    return work * paired_ratio(peer, row)
+
+
 def add_ratios(rows: list[dict], ceilings: dict | None = None) -> list[dict]:
     """Fill ratio_cudnn, ratio_triton, ratio_fa4 and ratio_matmul (prefill), frac_copy and
     ratio_contiguous (decode) on the timed rows, in place. A ratio to a peer row is the
@@ -90,10 +99,7 @@ def add_ratios(rows: list[dict], ceilings: dict | None = None) -> list[dict]:
             peer = ok.get(_key(r, **other))
             if not (peer and peer is not r and peer[metric]):
                 return None
-            # the work of the two rows (equal for a prefill shape; a paged decode row's
-            # bytes differ from its contiguous peer's) times their paired time ratio
-            work = (r[metric] * r["median_ms"]) / (peer[metric] * peer["median_ms"])
-            return work * paired_ratio(peer, r)
+            return throughput_ratio(r, peer, metric)
 
         r["ratio_cudnn"] = ratio(impl="sdpa-cudnn", page_size=None)
         r["ratio_triton"] = ratio(impl="triton", page_size=None)

@@ -8,6 +8,9 @@ cannot run here is recorded as 'not available: <reason>'; any other exception be
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from .report import make_row
 from .runners import NotAvailable, check_output, make_inputs
 from .timing import _sync, release, time_interleaved
@@ -20,10 +23,40 @@ def _short(exc: BaseException) -> str:
 
 
 
+@dataclass
+class Pending:
+    """A checked column waiting to be timed: its function, and the row it becomes once
+    timed (``ok(timing, samples)``) or when timing raises (``error(reason)``)."""
+    fn: Callable
+    ok: Callable
+    error: Callable
+
+
+def time_rows(slots: list, timer) -> list[dict]:
+    """Rows in slot order: a slot is a finished row (not available, an error, a failed
+    check), or a :class:`Pending` column; all pending columns are timed together in
+    alternating rounds (``timing.time_interleaved``), so that a kernel and its peers are
+    sampled over the same stretch of time and ratios can be paired by round
+    (``report.paired_ratio``)."""
+    pending = [s for s in slots if isinstance(s, Pending)]
+    timed = iter(time_interleaved(timer, [p.fn for p in pending]))
+    rows = []
+    for s in slots:
+        if not isinstance(s, Pending):
+            rows.append(s)
+            continue
+        result = next(timed)
+        if isinstance(result, BaseException):
+            rows.append(s.error("while timing: " + _short(result)))
+        else:
+            rows.append(s.ok(*result))
+    return rows
+
+
 def check_one(case, runner, inputs, stamp, device):
     """Prepare one runner, call it once and check the output against the reference: the
-    row where it cannot be timed (not available, an error, a failed check), else
-    (prepared, check)."""
+    row where it cannot be timed (not available, an error, a failed check), else the
+    :class:`Pending` column."""
     try:
         prepared = runner.prepare(case, inputs)
         out = prepared.first()
@@ -37,40 +70,25 @@ def check_one(case, runner, inputs, stamp, device):
     if not check.passed:
         return make_row(stamp, case, runner.name, "failed", check=check, note=prepared.note,
                         reason=f"relative error {check.rel_err:.3e} > {check.tol:.1e}; not timed")
-    return prepared, check
+    return Pending(
+        prepared.fn,
+        lambda timing, samples: make_row(stamp, case, runner.name, "ok", check=check,
+                                         timing=timing, samples=samples, note=prepared.note),
+        lambda reason: make_row(stamp, case, runner.name, "error", check=check,
+                                note=prepared.note, reason=reason))
 
 
 def run_case(case, runners, inputs, timer, stamp, device, progress=None) -> list[dict]:
     """One case's rows: every runner checked first, then the ones that passed timed
-    together in alternating rounds (``timing.time_interleaved``), so that a kernel and
-    its peers are sampled over the same stretch of time and their ratios can be paired
-    by round (``report.paired_ratio``)."""
+    together (:func:`time_rows`)."""
     slots = []
     for runner in runners:
         if progress is not None:
             progress.set_postfix_str(f"{case.id} {runner.name}", refresh=True)
         slots.append(check_one(case, runner, inputs, stamp, device))
-    pending = [(r, x) for r, x in zip(runners, slots) if isinstance(x, tuple)]
-    timed = iter(time_interleaved(timer, [prepared.fn for _, (prepared, _) in pending]))
-    rows = []
-    for runner, x in zip(runners, slots):
-        if not isinstance(x, tuple):
-            rows.append(x)
-            continue
-        prepared, check = x
-        result = next(timed)
-        if isinstance(result, BaseException):
-            rows.append(make_row(stamp, case, runner.name, "error", check=check,
-                                 note=prepared.note,
-                                 reason="while timing: " + _short(result)))
-        else:
-            timing, samples = result
-            rows.append(make_row(stamp, case, runner.name, "ok", check=check, timing=timing,
-                                 samples=samples, note=prepared.note))
-        if progress is not None:
-            progress.update(1)
+    rows = time_rows(slots, timer)
     if progress is not None:
-        progress.update(len(runners) - len(pending))
+        progress.update(len(runners))
     return rows
 
 

@@ -164,15 +164,16 @@ def time_interleaved(timer, fns) -> list:
     two columns of the same kernel in one process differed by up to 15 %. Sample i of
     every function comes from round i, so a ratio of two functions can be taken per round
     (paired) and its median read: drift slower than a round cancels."""
+    prepare, rounds = timer.prepare, timer.samples  # a timer without them is a bug: raise
     out: list = [None] * len(fns)
     ready = {}
     for i, fn in enumerate(fns):
         try:
-            ready[i] = timer.prepare(fn)
+            ready[i] = prepare(fn)
         except Exception as e:
             out[i] = e
     times = {i: [] for i in ready}
-    for r in range(timer.samples):
+    for r in range(rounds):
         live = list(ready)
         if not live:
             break

@@ -89,7 +89,7 @@ from .chunked import poisoned
 from .gemv import write
 from .runners import (NotAvailable, Prepared, multi_consumer_build, one_consumer_build,
                       settings_build)
-from .report import fmt, status_text, target_text
+from .report import fmt, status_text, target_text, throughput_ratio
 from .timing import _sync, release
 
 TOKENS = 16384
@@ -128,8 +128,8 @@ ROW_FIELDS = ("op", "impl", "case", "layout", "dtype", "causal", "heads", "Hq", 
               "tokens", "B", "N", "total_tokens", "num_seqs", "max_len", "lengths", "seed",
               "dist", "len_lo", "len_hi", "N_eq", "B_eq", "flops", "status", "reason", "note",
               "rel_err", "tol", "check_passed", "check_slice", "median_ms", "q20_ms",
-              "q80_ms", "reps", "calls", "timing", "tflops", "matmul_tflops", "frac_matmul",
-              "ratio_equal", "ratio_torch_fa2", "target_equal", "target_equal_met",
+              "q80_ms", "reps", "calls", "timing", "samples_ms", "tflops", "matmul_tflops",
+              "frac_matmul", "ratio_equal", "ratio_torch_fa2", "target_equal", "target_equal_met",
               "target_torch_fa2", "target_torch_fa2_met")
 
 
@@ -288,8 +288,9 @@ def varlen_cases(pack: Pack, dims=DIMS, heads=tuple(HEADS), masks=MASKS,
 
 def make_row(stamp: dict, case: VarlenCase, impl: str, layout: str, status: str, *,
              reason=None, note=None, rel_err=None, tol=None, check_slice=None, timing=None,
-             matmul_tflops=None) -> dict:
-    """One row; every row has the keys of ROW_FIELDS (None where they do not apply)."""
+             samples=None, matmul_tflops=None) -> dict:
+    """One row; every row has the keys of ROW_FIELDS (None where they do not apply).
+    samples: the timing's samples in round order (``samples_ms``, paired by add_ratios)."""
     p, eq = case.pack, case.equal()
     varlen = layout == "varlen"
     row = dict(stamp)
@@ -308,6 +309,7 @@ def make_row(stamp: dict, case: VarlenCase, impl: str, layout: str, status: str,
     if timing is not None:
         row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
                    reps=timing.reps, calls=timing.calls, timing=timing.method,
+                   samples_ms=None if samples is None else [float(t) for t in samples],
                    tflops=tflops(row["flops"], timing.median_ms))
         if matmul_tflops:
             row["frac_matmul"] = row["tflops"] / matmul_tflops
@@ -317,16 +319,18 @@ def make_row(stamp: dict, case: VarlenCase, impl: str, layout: str, status: str,
 def add_ratios(rows: list[dict]) -> list[dict]:
     """On the timed rows, in place: ratio_equal (a varlen row's TFLOP/s over the same
     column's equal-length row), ratio_torch_fa2 (over torch-fa2's, same case and layout),
-    and the targets met / missed on the wsattn varlen rows."""
+    each paired by round where both rows were timed in one loop
+    (``report.throughput_ratio``), and the targets met / missed on the wsattn varlen
+    rows."""
     ok = {(r["case"], r["impl"], r["layout"]): r for r in rows
           if r.get("op") == "varlen" and r["status"] == "ok" and r["tflops"]}
     for (case, impl, layout), r in ok.items():
         fa2 = ok.get((case, "torch-fa2", layout))
         if fa2 is not None and impl != "torch-fa2":
-            r["ratio_torch_fa2"] = r["tflops"] / fa2["tflops"]
+            r["ratio_torch_fa2"] = throughput_ratio(r, fa2, "tflops")
         eq = ok.get((case, impl, "equal"))
         if layout == "varlen" and eq is not None:
-            r["ratio_equal"] = r["tflops"] / eq["tflops"]
+            r["ratio_equal"] = throughput_ratio(r, eq, "tflops")
         if r["target_equal"] is not None and r["ratio_equal"] is not None:
             r["target_equal_met"] = "met" if r["ratio_equal"] >= TARGET_EQUAL else "missed"
         if r["target_torch_fa2"] is not None and r["ratio_torch_fa2"] is not None:
@@ -576,11 +580,12 @@ def prepare(case: VarlenCase, impl: str, layout: str, inp) -> Prepared:
 
 def run_case(case: VarlenCase, impls, timer, stamp, device, matmul_tflops=None) -> list[dict]:
     """Rows of every column on the pack and on the equal-length batch: check against
-    float64, then time. A column's failure is its row, never the run's."""
+    float64, then time the columns that passed together in alternating rounds
+    (``suite.time_rows``). A column's failure is its row, never the run's."""
     from wsattn.testing import TOL, rel_err
 
     from .runners import check_output, make_inputs as make_batch
-    from .suite import _short
+    from .suite import Pending, _short, time_rows
 
     todo = [(i, layout) for i in impls for layout in LAYOUTS]
     try:
@@ -591,7 +596,7 @@ def run_case(case: VarlenCase, impls, timer, stamp, device, matmul_tflops=None) 
     except Exception as e:  # out of memory on a smaller GPU, say
         return [make_row(stamp, case, i, layout, "error", reason="inputs: " + _short(e),
                          matmul_tflops=matmul_tflops) for i, layout in todo]
-    tol, rows = TOL[case.dtype], []
+    tol, slots = TOL[case.dtype], []  # finished rows, or Pending columns to time together
     for impl, layout in todo:
         inp = inputs[layout]
         where = check_slice(case) if layout == "varlen" else None
@@ -609,27 +614,27 @@ def run_case(case: VarlenCase, impls, timer, stamp, device, matmul_tflops=None) 
                 err, common["check_slice"] = check.rel_err, check.where
             del out
         except NotAvailable as e:
-            rows.append(make_row(stamp, case, impl, layout, "not available",
-                                 reason=str(e)[:300], **common))
+            slots.append(make_row(stamp, case, impl, layout, "not available",
+                                  reason=str(e)[:300], **common))
             continue
         except Exception as e:  # a broken column must not stop the benchmark
-            rows.append(make_row(stamp, case, impl, layout, "error", reason=_short(e), **common))
+            slots.append(make_row(stamp, case, impl, layout, "error", reason=_short(e),
+                                  **common))
             continue
         if not err <= tol:
-            rows.append(make_row(stamp, case, impl, layout, "failed", rel_err=err, tol=tol,
-                                 reason=f"relative error {err:.3e} > {tol:.1e}; not timed",
-                                 note=prepared.note, **common))
+            slots.append(make_row(stamp, case, impl, layout, "failed", rel_err=err, tol=tol,
+                                  reason=f"relative error {err:.3e} > {tol:.1e}; not timed",
+                                  note=prepared.note, **common))
             continue
-        try:
-            timing = timer(prepared.fn)
-        except Exception as e:
-            rows.append(make_row(stamp, case, impl, layout, "error", rel_err=err, tol=tol,
-                                 note=prepared.note, reason="while timing: " + _short(e),
-                                 **common))
-            continue
-        rows.append(make_row(stamp, case, impl, layout, "ok", rel_err=err, tol=tol,
-                             timing=timing, note=prepared.note, **common))
-        del prepared
+        row = dict(stamp=stamp, case=case, impl=impl, layout=layout, rel_err=err, tol=tol,
+                   note=prepared.note, **common)
+        slots.append(Pending(
+            prepared.fn,
+            lambda timing, samples, row=row: make_row(status="ok", timing=timing,
+                                                      samples=samples, **row),
+            lambda reason, row=row: make_row(status="error", reason=reason, **row)))
+    rows = time_rows(slots, timer)
+    del slots
     del inputs, ref
     release(device)
     return rows

@@ -3,7 +3,7 @@
 Both are optional and imported only inside ``prepare``: ``import wsattn.bench`` never needs
 them, and where one does not import, each of its rows is 'not available' with the import
 error as the reason. They run in the same process, on the same inputs, through the same
-check-then-time path (``suite.run_one``) as wsattn's own kernels.
+check-then-time path (``suite.run_case``) as wsattn's own kernels.
 
 * ``fa4``: the ahead-of-time FA4 wheel ``peer_fa4_aot`` (``shared/peers/README.md``). Its
   manifest says which kernels, which dtype and which GPU target it carries; a case outside

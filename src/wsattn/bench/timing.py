@@ -163,7 +163,8 @@ def time_interleaved(timer, fns) -> list:
     columns timed one after the other, 100 ms each, can each catch a different mix and
     two columns of the same kernel in one process differed by up to 15 %. Sample i of
     every function comes from round i, so a ratio of two functions can be taken per round
-    (paired) and its median read: drift slower than a round cancels."""
+    (paired) and its median read: drift slower than a round cancels. The ladder's profile
+    gate interleaves its kernel and baseline the same way (``evidence/profile.py``)."""
     prepare, rounds = timer.prepare, timer.samples  # a timer without them is a bug: raise
     out: list = [None] * len(fns)
     ready = {}

@@ -43,6 +43,10 @@
 #                  each into ..._compare_<metric>.json (e.g. "ratio_contiguous" for
 #                  chunked: a time against its peer column's in the same process, which
 #                  cancels the drift between processes)
+#   CLOCKS         1: log the GPU's SM / memory clocks, power draw and limit, temperature and
+#                  active clock-event (throttle) reasons every CLOCKS_MS ms (default 20)
+#                  while the parts run -> clocks.csv (nvidia-smi's host timestamps; bench
+#                  rows carry samples_t, the host time after each sample, to align with it)
 #   PEERS          1: before the parts, install the peer wheels (FlashAttention-4 AOT,
 #                  FlashInfer, tvm-ffi) into .peers-site, put it on PYTHONPATH and set
 #                  FLASHINFER_DISABLE_JIT=1, so that the bench (and tests) parts run the
@@ -246,6 +250,16 @@ part_ncu() {
   return "$status"
 }
 
+start_clock_log() {  # CLOCKS=1: nvidia-smi in the background; its pid in $!
+  local reasons=clocks_event_reasons.active
+  # the older name of the field, where the driver does not know the newer one
+  nvidia-smi --query-gpu="$reasons" --format=csv,noheader > /dev/null 2>&1 \
+    || reasons=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,$reasons \
+    --format=csv -lms "${CLOCKS_MS:-20}" > "$OUT/clocks.csv" 2>&1 &
+  echo "device: logging clocks every ${CLOCKS_MS:-20} ms into $OUT/clocks.csv"
+}
+
 pack_results() {
   # The device tool returns at most 8 files. Once more than 7 sit beside device.log, they
   # go into results.tar.gz (added to what it already holds), after every part, so a call
@@ -266,14 +280,18 @@ main() {
   nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,temperature.gpu --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
 'cudnn', torch.backends.cudnn.version(), 'gpus', torch.cuda.device_count())"
-  local failed=()
+  local failed=() logger=""
   if [ "${PEERS:-}" = 1 ]; then
     setup_peers || failed+=(peers)
+  fi
+  if [ "${CLOCKS:-}" = 1 ]; then
+    start_clock_log && logger=$!
   fi
   for p in "${PARTS[@]}"; do
     "part_$p" || failed+=("$p")
     pack_results
   done
+  [ -z "$logger" ] || kill "$logger" 2>/dev/null
   if [ ${#failed[@]} -eq 0 ]; then
     echo "device: all parts passed"
   else

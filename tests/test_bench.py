@@ -165,6 +165,7 @@ def test_time_interleaved_takes_rounds_rotated_and_keeps_going_past_failures():
     a, bad, b, c = time_interleaved(timer, fns)
     assert timer.log == ["a", "b", "c", "b", "c", "a", "a", "b", "b", "a"]
     assert a[1] == [1.0, 2.0, 3.0, 4.0] and b[1] == [5.0, 6.0, 7.0, 8.0]
+    assert len(a[2]) == 4 and a[2] == sorted(a[2]) and a[2][0] <= b[2][0]  # host times
     assert a[0] == summarize([1.0, 2.0, 3.0, 4.0], "graph", 7)
     assert (b[0].median_ms, b[0].reps, b[0].calls, b[0].method) == (6.5, 4, 7, "graph")
     assert isinstance(bad, RuntimeError) and "captured" in str(bad)
@@ -245,8 +246,8 @@ def test_ratios_pair_the_samples_of_one_round():
     batch["samples_ms"] = [3.0, 6.0, 6.0]  # slower in the rounds the pack ran at 1.0 too
     assert report.throughput_ratio(pack, batch, "tflops") == pytest.approx(4.0)
     row = report.make_row(_stamp(), pre, "gluon", "ok", check=check, timing=TIMING,
-                          samples=[2, 1.9])
-    assert row["samples_ms"] == [2.0, 1.9]
+                          samples=[2, 1.9], stamps=[1700000000.123456, 1700000000.2])
+    assert row["samples_ms"] == [2.0, 1.9] and row["samples_t"] == [1700000000.1235, 1700000000.2]
 
 
 def test_json_rows_and_table(tmp_path):

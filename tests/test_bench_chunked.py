@@ -309,6 +309,7 @@ def test_runner_checks_then_times_on_the_interpreter():
             assert row["status"] == "ok", row
             assert row["rel_err"] <= 2e-3 and row["check_passed"] and row["median_ms"] == 1.0
             assert row["samples_ms"] == [1.0] * 3  # FakeTimer.samples rounds
+            assert len(row["samples_t"]) == 3
             assert row["frac_matmul"] == pytest.approx(row["tflops"] / 100.0)
             assert row["check_slice"] == "sequences [0, 2] of 3"
         paged = rows[(prefix, "triton-paged")]
@@ -363,6 +364,7 @@ def test_runner_on_the_gpu():
         assert r["status"] == "ok", r
         assert r["timing"] == "graph" and r["rel_err"] <= r["tol"] and r["tflops"] > 0
         assert len(r["samples_ms"]) == timer.samples  # one a round of the interleaved loop
+        assert len(r["samples_t"]) == timer.samples
     for page in (16, 64):
         assert by[("triton-paged", page)]["target_met"] in ("met", "missed")
     for impl in ("gluon-contiguous", "gluon-one-consumer-contiguous"):

@@ -147,3 +147,42 @@ def test_device_bench_rounds_alternate_and_compare(tmp_path):
     doc = json.loads((out / "bench_compare_ratio_contiguous.json").read_text())
     (row,) = doc["rows"]
     assert doc["metric"] == "ratio_contiguous" and row["verdict"] == "within spread"
+
+
+FAKE_SMI = r"""#!/usr/bin/env bash
+# nvidia-smi: a clock log line every 50 ms under -lms (until killed); the newer reason
+# field is known; anything else prints one line
+case "$*" in
+  *-lms*) echo "timestamp, index, clocks.sm [MHz]"
+          while true; do echo "2026/01/01 00:00:00.000, 0, 1980"; sleep 0.05; done ;;
+  *clocks_event_reasons.active*noheader*) exit 0 ;;
+  *) echo gpu ;;
+esac
+"""
+
+
+def test_device_clock_log_runs_beside_the_parts_and_stops(tmp_path):
+    """CLOCKS=1: nvidia-smi logs into clocks.csv while the parts run and is stopped when
+    they end (the log stops growing once the script has returned)."""
+    import time
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    for name, text in {"python3": FAKE_PYTHON, "nvidia-smi": FAKE_SMI}.items():
+        (shims / name).write_text(text)
+        (shims / name).chmod(stat.S_IRWXU)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "OUT": str(out),
+           "REAL_PYTHON": sys.executable, "FAKE_BASE": str(tmp_path / "none"),
+           "BENCH_ARGS": "chunked --quick", "WSATTN_COMMIT": "c1", "CLOCKS": "1",
+           "CLOCKS_MS": "50"}
+    env.pop("BENCH_BASE", None)
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "bench"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "logging clocks every 50 ms" in (out / "device.log").read_text()
+    log = out / "clocks.csv"
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("timestamp") and len(lines) >= 2
+    size = log.stat().st_size
+    time.sleep(0.3)
+    assert log.stat().st_size == size, "the clock logger outlived the script"

@@ -103,8 +103,8 @@ TARGET_RATIO = 0.95  # the issue's: paged time >= 0.95x as fast as contiguous
 ROW_FIELDS = ("op", "impl", "case", "layout", "page_size", "dtype", "causal", "B", "chunk",
               "prefix", "Sk", "Hq", "Hkv", "D", "flops", "status", "reason", "note",
               "rel_err", "tol", "check_passed", "check_slice", "median_ms", "q20_ms",
-              "q80_ms", "reps", "calls", "timing", "samples_ms", "tflops", "matmul_tflops",
-              "frac_matmul", "ratio_contiguous", "target_ratio", "target_met")
+              "q80_ms", "reps", "calls", "timing", "samples_ms", "samples_t", "tflops",
+              "matmul_tflops", "frac_matmul", "ratio_contiguous", "target_ratio", "target_met")
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ def parse_settings(spec: str):
 
 def make_row(stamp: dict, case: ChunkedCase, impl: str, status: str, *, reason=None,
              note=None, rel_err=None, tol=None, check_slice=None, timing=None,
-             samples=None, matmul_tflops=None) -> dict:
+             samples=None, stamps=None, matmul_tflops=None) -> dict:
     """One row; every row has the keys of ROW_FIELDS (None where they do not apply).
     samples: the timing's samples in round order (``samples_ms``), which add_ratios pairs
     with the contiguous column's."""
@@ -230,6 +230,7 @@ def make_row(stamp: dict, case: ChunkedCase, impl: str, status: str, *, reason=N
         row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
                    reps=timing.reps, calls=timing.calls, timing=timing.method,
                    samples_ms=None if samples is None else [float(t) for t in samples],
+                   samples_t=None if stamps is None else [round(t, 4) for t in stamps],
                    tflops=tflops(case.flops(), timing.median_ms))
         if matmul_tflops:
             row["frac_matmul"] = row["tflops"] / matmul_tflops
@@ -543,11 +544,8 @@ def run_shape(cases: list[ChunkedCase], impls, timer, stamp, device,
                                   reason=f"relative error {err:.3e} > {tol:.1e}; not timed",
                                   note=note, **common))
             continue
-        row = dict(stamp=stamp, case=case, impl=impl, rel_err=err, tol=tol, note=note, **common)
-        slots.append(Pending(
-            fn, lambda timing, samples, row=row: make_row(status="ok", timing=timing,
-                                                          samples=samples, **row),
-            lambda reason, row=row: make_row(status="error", reason=reason, **row)))
+        slots.append(Pending.of(fn, make_row, stamp=stamp, case=case, impl=impl, rel_err=err,
+                                tol=tol, note=note, **common))
     rows = time_rows(slots, timer)
     del caches, inp, ref, slots
     release(device)

@@ -15,15 +15,16 @@ from .cases import tbps, tflops
 
 STATUSES = ("ok", "failed", "not available", "error")
 RESULT_FIELDS = ("median_ms", "q20_ms", "q80_ms", "reps", "calls", "timing", "samples_ms",
-                 "tflops", "tbps", "ratio_cudnn", "ratio_triton", "ratio_fa4", "ratio_matmul",
+                 "samples_t", "tflops", "tbps", "ratio_cudnn", "ratio_triton", "ratio_fa4", "ratio_matmul",
                  "frac_copy", "ratio_contiguous")
 
 
 def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=None,
-             timing=None, note=None, samples=None) -> dict:
+             timing=None, note=None, samples=None, stamps=None) -> dict:
     """A row for one (case, impl). Throughput is filled only for a timed ('ok') row;
     samples: the timing's samples in round order (``samples_ms``; the rows of one case are
-    timed in one interleaved loop, so sample i of two rows comes from the same round)."""
+    timed in one interleaved loop, so sample i of two rows comes from the same round);
+    stamps: the host time at the end of each (``samples_t``, Unix seconds)."""
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     if status == "ok" and (timing is None or check is None or not check.passed):
@@ -40,7 +41,8 @@ def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=No
     if timing is not None:
         row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
                    reps=timing.reps, calls=timing.calls, timing=timing.method,
-                   samples_ms=None if samples is None else [float(t) for t in samples])
+                   samples_ms=None if samples is None else [float(t) for t in samples],
+                   samples_t=None if stamps is None else [round(t, 4) for t in stamps])
         if case.op == "prefill":
             row["tflops"] = tflops(case.flops(), timing.median_ms)
         else:

@@ -8,6 +8,7 @@ cannot run here is recorded as 'not available: <reason>'; any other exception be
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,10 +27,19 @@ def _short(exc: BaseException) -> str:
 @dataclass
 class Pending:
     """A checked column waiting to be timed: its function, and the row it becomes once
-    timed (``ok(timing, samples)``) or when timing raises (``error(reason)``)."""
+    timed (``ok(timing, samples, stamps)``: time_interleaved's result) or when timing
+    raises (``error(reason)``)."""
     fn: Callable
     ok: Callable
     error: Callable
+
+    @classmethod
+    def of(cls, fn, make_row, **row):
+        """The usual column: ``make_row(status="ok", timing=, samples=, stamps=, **row)``
+        once timed, ``make_row(status="error", reason=, **row)`` where timing raises."""
+        return cls(fn, lambda timing, samples, stamps: make_row(
+            status="ok", timing=timing, samples=samples, stamps=stamps, **row),
+            lambda reason: make_row(status="error", reason=reason, **row))
 
 
 def time_rows(slots: list, timer) -> list[dict]:
@@ -70,12 +80,8 @@ def check_one(case, runner, inputs, stamp, device):
     if not check.passed:
         return make_row(stamp, case, runner.name, "failed", check=check, note=prepared.note,
                         reason=f"relative error {check.rel_err:.3e} > {check.tol:.1e}; not timed")
-    return Pending(
-        prepared.fn,
-        lambda timing, samples: make_row(stamp, case, runner.name, "ok", check=check,
-                                         timing=timing, samples=samples, note=prepared.note),
-        lambda reason: make_row(stamp, case, runner.name, "error", check=check,
-                                note=prepared.note, reason=reason))
+    return Pending.of(prepared.fn, functools.partial(make_row, stamp, case, runner.name),
+                      check=check, note=prepared.note)
 
 
 def run_case(case, runners, inputs, timer, stamp, device, progress=None) -> list[dict]:

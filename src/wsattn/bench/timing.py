@@ -19,6 +19,7 @@ nothing.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 
 METHODS = ("graph", "eager")
@@ -155,8 +156,9 @@ def cuda_timer(warmup_ms: float = 25, rep_ms: float = 100, method: str = "graph"
 
 def time_interleaved(timer, fns) -> list:
     """Time several functions in ``timer.samples`` rounds, one sample of each a round, the
-    order rotated by one each round; for each function (Timing, its samples in round order)
-    or the exception that stopped it (while preparing or sampling; the others go on).
+    order rotated by one each round; for each function (Timing, its samples in round order,
+    the host time (Unix seconds) at the end of each sample, to line them up with a clock
+    log) or the exception that stopped it (while preparing or sampling; the others go on).
 
     Why rounds: on the H200 a row's samples are often bimodal (q80 / q20 of 1.06 and more
     in a fifth of the chunked rows, two clusters ~11 % apart, most likely clock states), so
@@ -174,6 +176,7 @@ def time_interleaved(timer, fns) -> list:
         except Exception as e:
             out[i] = e
     times = {i: [] for i in ready}
+    stamps = {i: [] for i in ready}
     for r in range(rounds):
         live = list(ready)
         if not live:
@@ -182,11 +185,12 @@ def time_interleaved(timer, fns) -> list:
         for i in live[k:] + live[:k]:
             try:
                 times[i].append(ready[i]())
+                stamps[i].append(time.time())
             except Exception as e:
                 out[i] = e
                 del ready[i]
     for i, sample in ready.items():
-        out[i] = (summarize(times[i], sample.method, sample.calls), times[i])
+        out[i] = (summarize(times[i], sample.method, sample.calls), times[i], stamps[i])
     return out
 
 

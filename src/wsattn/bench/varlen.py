@@ -128,9 +128,9 @@ ROW_FIELDS = ("op", "impl", "case", "layout", "dtype", "causal", "heads", "Hq", 
               "tokens", "B", "N", "total_tokens", "num_seqs", "max_len", "lengths", "seed",
               "dist", "len_lo", "len_hi", "N_eq", "B_eq", "flops", "status", "reason", "note",
               "rel_err", "tol", "check_passed", "check_slice", "median_ms", "q20_ms",
-              "q80_ms", "reps", "calls", "timing", "samples_ms", "tflops", "matmul_tflops",
-              "frac_matmul", "ratio_equal", "ratio_torch_fa2", "target_equal", "target_equal_met",
-              "target_torch_fa2", "target_torch_fa2_met")
+              "q80_ms", "reps", "calls", "timing", "samples_ms", "samples_t", "tflops",
+              "matmul_tflops", "frac_matmul", "ratio_equal", "ratio_torch_fa2", "target_equal",
+              "target_equal_met", "target_torch_fa2", "target_torch_fa2_met")
 
 
 def gluon_settings(impl: str, head_dim: int, causal: bool):
@@ -288,7 +288,7 @@ def varlen_cases(pack: Pack, dims=DIMS, heads=tuple(HEADS), masks=MASKS,
 
 def make_row(stamp: dict, case: VarlenCase, impl: str, layout: str, status: str, *,
              reason=None, note=None, rel_err=None, tol=None, check_slice=None, timing=None,
-             samples=None, matmul_tflops=None) -> dict:
+             samples=None, stamps=None, matmul_tflops=None) -> dict:
     """One row; every row has the keys of ROW_FIELDS (None where they do not apply).
     samples: the timing's samples in round order (``samples_ms``, paired by add_ratios)."""
     p, eq = case.pack, case.equal()
@@ -310,6 +310,7 @@ def make_row(stamp: dict, case: VarlenCase, impl: str, layout: str, status: str,
         row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
                    reps=timing.reps, calls=timing.calls, timing=timing.method,
                    samples_ms=None if samples is None else [float(t) for t in samples],
+                   samples_t=None if stamps is None else [round(t, 4) for t in stamps],
                    tflops=tflops(row["flops"], timing.median_ms))
         if matmul_tflops:
             row["frac_matmul"] = row["tflops"] / matmul_tflops
@@ -626,13 +627,9 @@ def run_case(case: VarlenCase, impls, timer, stamp, device, matmul_tflops=None) 
                                   reason=f"relative error {err:.3e} > {tol:.1e}; not timed",
                                   note=prepared.note, **common))
             continue
-        row = dict(stamp=stamp, case=case, impl=impl, layout=layout, rel_err=err, tol=tol,
-                   note=prepared.note, **common)
-        slots.append(Pending(
-            prepared.fn,
-            lambda timing, samples, row=row: make_row(status="ok", timing=timing,
-                                                      samples=samples, **row),
-            lambda reason, row=row: make_row(status="error", reason=reason, **row)))
+        slots.append(Pending.of(prepared.fn, make_row, stamp=stamp, case=case, impl=impl,
+                                layout=layout, rel_err=err, tol=tol, note=prepared.note,
+                                **common))
     rows = time_rows(slots, timer)
     del slots
     del inputs, ref

@@ -161,12 +161,13 @@ def time_interleaved(timer, fns) -> list:
     log) or the exception that stopped it (while preparing or sampling; the others go on).
 
     Why rounds: on the H200 a row's samples are often bimodal (q80 / q20 of 1.06 and more
-    in a fifth of the chunked rows, two clusters ~11 % apart, most likely clock states), so
-    columns timed one after the other, 100 ms each, can each catch a different mix and
-    two columns of the same kernel in one process differed by up to 15 %. Sample i of
-    every function comes from round i, so a ratio of two functions can be taken per round
-    (paired) and its median read: drift slower than a round cancels. The ladder's profile
-    gate interleaves its kernel and baseline the same way (``evidence/profile.py``)."""
+    in a fifth of the chunked rows, two clusters up to ~11 % apart: clock states or the
+    launch, not yet told apart), so columns timed one after the other, 100 ms each, can
+    each catch a different mix, and two columns of the same kernel in one process
+    differed by up to 15 %. Sample i of every function comes from round i, so a ratio of
+    two functions can be taken per round (paired) and its median read: drift slower than
+    a round cancels. The ladder's profile gate interleaves its kernel and baseline the
+    same way (``evidence/profile.py``)."""
     prepare, rounds = timer.prepare, timer.samples  # a timer without them is a bug: raise
     out: list = [None] * len(fns)
     ready = {}

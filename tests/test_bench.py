@@ -226,22 +226,28 @@ def test_ratios_to_cudnn_triton_ceilings_and_contiguous():
 
 
 def test_ratios_pair_the_samples_of_one_round():
-    """Rows timed in one interleaved loop carry their samples; a ratio is then the median
-    over the rounds of the two samples of a round (here 1.0), not the medians' ratio (0.5);
-    rows with different sample counts fall back to the medians."""
+    """Rows timed in one interleaved loop carry their samples and host times; a ratio is
+    then the median over the rounds of the two samples of a round (here 1.0), not the
+    medians' ratio (0.5); rows with different sample counts, or timed in two loops one
+    after the other (their times do not overlap), fall back to the medians."""
     pre = PrefillCase(4, 4096, 16, 16, 128, False)
     cudnn, gluon = _ok(pre, "sdpa-cudnn", 1.0), _ok(pre, "gluon", 2.0)
     cudnn["samples_ms"], gluon["samples_ms"] = [1.0, 1.0, 4.0], [1.0, 2.0, 2.0]
+    cudnn["samples_t"], gluon["samples_t"] = [10.0, 10.2, 10.4], [10.1, 10.3, 10.5]
     report.add_ratios([cudnn, gluon])
     assert gluon["ratio_cudnn"] == pytest.approx(1.0) and cudnn["ratio_cudnn"] is None
     assert report.paired_ratio(cudnn, gluon) == pytest.approx(1.0)
-    gluon["samples_ms"] = [2.0]
+    gluon["samples_t"] = [11.0, 11.1, 11.2]  # a later loop: not paired
+    assert report.paired_ratio(cudnn, gluon) == pytest.approx(0.5)
+    gluon["samples_t"], gluon["samples_ms"] = [10.1, 10.3, 10.5], [2.0]
     assert report.paired_ratio(cudnn, gluon) == pytest.approx(0.5)
     check = types.SimpleNamespace(rel_err=1e-3, tol=2e-2, passed=True, where="")
     # rows of different work (a pack and its equal-length batch): the work ratio times the
     # paired time ratio, i.e. the throughput ratio when the samples agree with the medians
-    pack = {"tflops": 2.0, "median_ms": 1.0, "samples_ms": [1.0, 1.0, 1.0]}
-    batch = {"tflops": 1.0, "median_ms": 3.0, "samples_ms": [3.0, 3.0, 3.0]}
+    pack = {"tflops": 2.0, "median_ms": 1.0, "samples_ms": [1.0, 1.0, 1.0],
+            "samples_t": [0.0, 1.0, 2.0]}
+    batch = {"tflops": 1.0, "median_ms": 3.0, "samples_ms": [3.0, 3.0, 3.0],
+             "samples_t": [0.5, 1.5, 2.5]}
     assert report.throughput_ratio(pack, batch, "tflops") == pytest.approx(2.0)
     batch["samples_ms"] = [3.0, 6.0, 6.0]  # slower in the rounds the pack ran at 1.0 too
     assert report.throughput_ratio(pack, batch, "tflops") == pytest.approx(4.0)

@@ -228,6 +228,8 @@ def test_ratio_and_target():
     paired = [_row(2048, None, "triton-contiguous", 1.11), _row(2048, 64, "triton-paged", 1.0)]
     paired[0]["samples_ms"] = slow_fast
     paired[1]["samples_ms"] = [t / 0.97 for t in slow_fast]  # 0.97x in every round; median 1.144
+    paired[0]["samples_t"] = [0.0, 1.0, 2.0, 3.0, 4.0]  # one loop: the spans overlap
+    paired[1]["samples_t"] = [0.5, 1.5, 2.5, 3.5, 4.5]
     chunked.add_ratios(paired)
     assert paired[1]["ratio_contiguous"] == pytest.approx(0.97)
     assert chunked.paired_ratio(paired[0], paired[1]) == pytest.approx(0.97)

@@ -15,8 +15,8 @@ from .cases import tbps, tflops
 
 STATUSES = ("ok", "failed", "not available", "error")
 RESULT_FIELDS = ("median_ms", "q20_ms", "q80_ms", "reps", "calls", "timing", "samples_ms",
-                 "samples_t", "tflops", "tbps", "ratio_cudnn", "ratio_triton", "ratio_fa4", "ratio_matmul",
-                 "frac_copy", "ratio_contiguous")
+                 "samples_t", "tflops", "tbps", "ratio_cudnn", "ratio_triton", "ratio_fa4",
+                 "ratio_matmul", "frac_copy", "ratio_contiguous")
 
 
 def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=None,
@@ -69,12 +69,16 @@ def _key(row, **override):
 
 
 def paired_ratio(ref: dict, row: dict) -> float:
-    """ref's time / row's: where both rows carry as many samples (timed in one
-    interleaved loop, ``timing.time_interleaved``: sample i of each from round i), the
-    median over the rounds of that round's two samples, so drift slower than a round
-    cancels; else the ratio of the medians."""
+    """ref's time / row's: where both rows were timed in one interleaved loop
+    (``timing.time_interleaved``: sample i of each from round i; told by their samples'
+    host times, ``samples_t``, whose spans overlap only then, and equal counts), the median
+    over the rounds of that round's two samples, so drift slower than a round cancels;
+    else (e.g. a paged decode case against its contiguous case, two loops one after the
+    other) the ratio of the medians."""
     a, b = ref.get("samples_ms"), row.get("samples_ms")
-    if a and b and len(a) == len(b):
+    ta, tb = ref.get("samples_t"), row.get("samples_t")
+    one_loop = bool(ta and tb) and max(ta[0], tb[0]) < min(ta[-1], tb[-1])
+    if one_loop and a and b and len(a) == len(b):
         return statistics.median(x / y for x, y in zip(a, b))
     return ref["median_ms"] / row["median_ms"]
 

@@ -46,7 +46,8 @@
 #   CLOCKS         1: log the GPU's SM / memory clocks, power draw and limit, temperature and
 #                  active clock-event (throttle) reasons every CLOCKS_MS ms (default 20)
 #                  while the parts run -> clocks.csv (nvidia-smi's host timestamps; bench
-#                  rows carry samples_t, the host time after each sample, to align with it)
+#                  rows carry samples_t, the host time after each sample, to align with it:
+#                  `python3 -m wsattn.bench.clocks bench.json clocks.csv`)
 #   PEERS          1: before the parts, install the peer wheels (FlashAttention-4 AOT,
 #                  FlashInfer, tvm-ffi) into .peers-site, put it on PYTHONPATH and set
 #                  FLASHINFER_DISABLE_JIT=1, so that the bench (and tests) parts run the

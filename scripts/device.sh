@@ -266,7 +266,9 @@ pack_results() {
   # go into results.tar.gz (added to what it already holds), after every part, so a call
   # stopped by the tool's time limit still returns everything finished before it.
   local files=()
-  mapfile -t files < <(cd "$OUT" && find . -type f ! -name device.log ! -name results.tar.gz | sort)
+  # (the clock log stays out while nvidia-smi still writes it: packing removes the file)
+  mapfile -t files < <(cd "$OUT" && find . -type f ! -name device.log ! -name results.tar.gz \
+                         ${CLOCK_LOGGER:+! -name clocks.csv} | sort)
   local have=0
   [ -f "$OUT/results.tar.gz" ] && have=1
   [ $(( ${#files[@]} + have + 1 )) -gt 8 ] || return 0
@@ -286,13 +288,16 @@ main() {
     setup_peers || failed+=(peers)
   fi
   if [ "${CLOCKS:-}" = 1 ]; then
-    start_clock_log && logger=$!
+    start_clock_log && logger=$! && CLOCK_LOGGER=$logger
   fi
   for p in "${PARTS[@]}"; do
     "part_$p" || failed+=("$p")
     pack_results
   done
-  [ -z "$logger" ] || kill "$logger" 2>/dev/null
+  if [ -n "$logger" ]; then
+    kill "$logger" 2>/dev/null
+    CLOCK_LOGGER=""
+  fi
   if [ ${#failed[@]} -eq 0 ]; then
     echo "device: all parts passed"
   else

@@ -122,16 +122,26 @@ def test_cases_and_ids():
     assert chunked.chunked_cases([5], [16], [64], batch=2)[1].id == \
         "chunked-B2-C2048-P5-H32-HKV8-D64-page16-bf16"
     for bad, match in ((dict(prefixes=[-1]), "prefix must be"), (dict(pages=[0]), "page must"),
-                       (dict(batch=0), "batch must"), (dict(dims=[True]), "dim must")):
+                       (dict(batch=0), "batch must"), (dict(dims=[True]), "dim must"),
+                       (dict(masks=["sliding"]), "mask must be")):
         with pytest.raises(ValueError, match=match):
             chunked.chunked_cases(**bad)
+    # without a mask: its own ids and shapes (its own reference), the same inputs' seed
+    both = chunked.chunked_cases([0], [16], [64], batch=2, masks=("causal", "full"))
+    assert [c.causal for c in both] == [True, True, False, False]
+    assert both[3].id == "chunked-B2-C2048-P0-H32-HKV8-D64-page16-full-bf16"
+    assert both[1].id == "chunked-B2-C2048-P0-H32-HKV8-D64-page16-bf16"
+    assert [len(g) for g in chunked.group_by_shape(both)] == [2, 2]
+    assert both[0].shape[:-1] == both[2].shape[:-1] and both[0].shape != both[2].shape
 
 
 def test_flops_on_a_hand_example():
-    # chunk 3 after a prefix of 2: the queries see 3, 4 and 5 keys
+    # chunk 3 after a prefix of 2: the queries see 3, 4 and 5 keys; without a mask 5 each
     c = chunked.ChunkedCase(prefix=2, D=1, page=16, B=1, chunk=3, Hq=1, Hkv=1)
     assert c.pairs() == 3 + 4 + 5 == 12
     assert c.flops() == 4 * 12
+    full = chunked.ChunkedCase(prefix=2, D=1, page=16, B=1, chunk=3, Hq=1, Hkv=1, causal=False)
+    assert full.pairs() == 3 * 5 and full.flops() == 4 * 15
     c = chunked.ChunkedCase(prefix=2, D=64, page=None, B=5, chunk=3, Hq=4, Hkv=2)
     assert c.flops() == 4 * 64 * 4 * 5 * 12
     big = chunked.ChunkedCase(prefix=8192, D=128, page=16)
@@ -283,6 +293,11 @@ for prefix, chunk in ((0, 5), (20, 17)):
     rows += chunked.run_shape(cases, list(chunked.IMPLS) + SWEEP, timer, {"gpu": "none"}, "cpu",
                               100.0)
 chunked.add_ratios(rows)
+full = chunked.run_shape(chunked.chunked_cases([20], [16], [64], batch=2, chunk=7,
+                                               dtype="fp32", hq=4, hkv=2, masks=("full",)),
+                         ["wsattn", "triton-paged", "wsattn-contiguous"], timer,
+                         {"gpu": "none"}, "cpu", 100.0)
+chunked.add_ratios(full)
 real = wsattn.attention_paged
 wsattn.attention_paged = lambda *a, **kw: real(*a, **kw).mul_(1.1)   # a wrong kernel
 before = timer.n
@@ -290,7 +305,7 @@ bad = chunked.run_shape(chunked.chunked_cases([20], [16], [64], batch=2, chunk=7
                                               dtype="fp32", hq=4, hkv=2),
                         ["triton-paged"], timer, {"gpu": "none"}, "cpu", 100.0)
 print("RESULT " + json.dumps({"rows": rows, "bad": bad, "timed_bad": timer.n - before,
-                              "timed": before}))
+                              "timed": before, "full": full}))
 """
 
 
@@ -330,8 +345,15 @@ def test_runner_checks_then_times_on_the_interpreter():
         fi = rows[(prefix, "flashinfer-paged")]  # not installed on the CPU machines
         assert fi["status"] == "not available" and "flashinfer" in fi["reason"]
     assert rows[(20, "triton-paged")]["flops"] == 4 * 64 * 4 * 3 * (17 * 20 + 17 * 18 // 2)
-    assert r["timed"] == 14
+    assert r["timed"] == 14 + 3  # the causal shapes, then the three columns without a mask
     assert rows[(20, "triton-paged[16,16,4,1,1]")]["ratio_contiguous"] == pytest.approx(1.0)
+    # without a mask: checked against its own float64 reference (every key seen), timed
+    assert [(row["impl"], row["status"], row["causal"]) for row in r["full"]] == \
+        [("wsattn-contiguous", "ok", False), ("wsattn", "ok", False),
+         ("triton-paged", "ok", False)], r["full"]
+    assert all(row["rel_err"] <= 2e-3 for row in r["full"])
+    assert r["full"][1]["flops"] == 4 * 64 * 4 * 2 * 7 * 27
+    assert r["full"][1]["ratio_contiguous"] == pytest.approx(1.0)
     (bad,) = r["bad"]
     assert bad["status"] == "failed" and bad["median_ms"] is None and r["timed_bad"] == 0
     assert "not timed" in bad["reason"] and bad["rel_err"] > 2e-3

@@ -55,8 +55,12 @@ table built wrong fails too), within ``wsattn.testing.TOL``; the checked call's 
 are NaN-poisoned (the API takes no ``out``; ``WSATTN_POISON`` fills the kernel's own
 allocation), so an element never written fails. A failed check is recorded, not timed.
 
+Causal by default (what serving engines send); ``--chunked-masks full`` (or both) adds the
+same shapes without a mask, rows with ``causal`` False and ids ending ``-full-<dtype>``.
+
 Per row: FLOPs = 4 x D x Hq x the (query, key) pairs each chunk attends, where query i of
-a chunk sees P + i + 1 keys (the causal triangle only over the chunk's diagonal block);
+a chunk sees P + i + 1 keys (the causal triangle only over the chunk's diagonal block;
+without a mask all P + chunk);
 TFLOP/s of the median time; ``frac_matmul`` = that over the bf16 matmul ceiling measured
 in the same run; on paged rows ``ratio_contiguous`` = the contiguous column's time / the
 paged row's time for the same shape, paired by round (the columns of a shape that pass
@@ -84,6 +88,8 @@ from .runners import NotAvailable, parse_gluon_settings
 from .report import fmt, paired_ratio, status_text, target_text
 
 PREFIXES = (0, 2048, 8192, 32768)
+MASKS = ("causal",)
+MASKS_ALL = ("causal", "full")
 PAGES = (16, 64)
 DIMS = (128, 64)
 CHUNK = 2048
@@ -120,6 +126,7 @@ class ChunkedCase:
     Hkv: int = HKV
     dtype: str = "bf16"
     op: str = "chunked"
+    causal: bool = True  # bottom-right aligned; False: every query sees every key
 
     @property
     def layout(self) -> str:
@@ -127,21 +134,26 @@ class ChunkedCase:
 
     @property
     def id(self) -> str:
+        mask = "" if self.causal else "-full"
         return (f"chunked-B{self.B}-C{self.chunk}-P{self.prefix}-H{self.Hq}-HKV{self.Hkv}-"
-                f"D{self.D}-{self.layout}-{self.dtype}")
+                f"D{self.D}-{self.layout}{mask}-{self.dtype}")
 
     @property
     def shape(self) -> tuple:
         """What the paged and contiguous cases of one comparison share."""
-        return (self.prefix, self.D, self.B, self.chunk, self.Hq, self.Hkv, self.dtype)
+        return (self.prefix, self.D, self.B, self.chunk, self.Hq, self.Hkv, self.dtype,
+                self.causal)
 
     @property
     def seqlen_k(self) -> int:
         return self.prefix + self.chunk
 
     def pairs(self) -> int:
-        """(query, key) pairs one sequence attends: query i sees prefix + i + 1 keys."""
+        """(query, key) pairs one sequence attends: query i sees prefix + i + 1 keys
+        (causal), else all prefix + chunk."""
         c = self.chunk
+        if not self.causal:
+            return c * (self.prefix + c)
         return c * self.prefix + c * (c + 1) // 2
 
     def flops(self) -> int:
@@ -151,8 +163,12 @@ class ChunkedCase:
 
 def chunked_cases(prefixes=PREFIXES, pages=PAGES, dims=DIMS, batch: int = BATCH,
                   chunk: int = CHUNK, dtype: str = "bf16", hq: int = HQ,
-                  hkv: int = HKV) -> list[ChunkedCase]:
-    """Per (D, prefix): the contiguous case, then one paged case per page size."""
+                  hkv: int = HKV, masks=MASKS) -> list[ChunkedCase]:
+    """Per (mask, D, prefix): the contiguous case, then one paged case per page size.
+    masks: "causal" (the serving case, bottom-right aligned) and / or "full"."""
+    for m in masks:
+        if m not in MASKS_ALL:
+            raise ValueError(f"mask must be one of {MASKS_ALL}, got {m!r}")
     for name, values, low in (("prefix", prefixes, 0), ("page", pages, 1), ("dim", dims, 1)):
         for v in values:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -160,8 +176,8 @@ def chunked_cases(prefixes=PREFIXES, pages=PAGES, dims=DIMS, batch: int = BATCH,
     for name, v in (("batch", batch), ("chunk", chunk)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return [ChunkedCase(p, d, page, batch, chunk, hq, hkv, dtype)
-            for d in dims for p in prefixes for page in (None, *pages)]
+    return [ChunkedCase(p, d, page, batch, chunk, hq, hkv, dtype, causal=m == "causal")
+            for m in masks for d in dims for p in prefixes for page in (None, *pages)]
 
 
 def case_impls(case: ChunkedCase, impls) -> list[str]:
@@ -220,7 +236,7 @@ def make_row(stamp: dict, case: ChunkedCase, impl: str, status: str, *, reason=N
     row = dict(stamp)
     row.update({k: None for k in ROW_FIELDS})
     row.update(op=case.op, impl=impl, case=case.id, layout=case.layout, page_size=case.page,
-               dtype=case.dtype, causal=True, B=case.B, chunk=case.chunk, prefix=case.prefix,
+               dtype=case.dtype, causal=case.causal, B=case.B, chunk=case.chunk, prefix=case.prefix,
                Sk=case.seqlen_k, Hq=case.Hq, Hkv=case.Hkv, D=case.D, flops=case.flops(),
                status=status, reason=reason, note=note, rel_err=rel_err, tol=tol,
                check_passed=None if rel_err is None else rel_err <= tol,
@@ -238,7 +254,7 @@ def make_row(stamp: dict, case: ChunkedCase, impl: str, status: str, *, reason=N
 
 
 def _shape_key(row) -> tuple:
-    return tuple(row[k] for k in ("prefix", "D", "B", "chunk", "Hq", "Hkv", "dtype"))
+    return tuple(row[k] for k in ("prefix", "D", "B", "chunk", "Hq", "Hkv", "dtype", "causal"))
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -282,7 +298,7 @@ def make_inputs(case: ChunkedCase, device) -> Inputs:
     """Random queries and keys of the case's shape (seeded by the shape, so the paged and
     contiguous cases of one comparison see the same numbers)."""
     dt = DTYPES[case.dtype]
-    seed = zlib.crc32(repr(case.shape).encode())
+    seed = zlib.crc32(repr(case.shape[:-1]).encode())  # both masks see the same numbers
     g = torch.Generator(device=device).manual_seed(seed)
     Sk, B = case.seqlen_k, case.B
 
@@ -338,7 +354,7 @@ def reference_rows(case: ChunkedCase, inp: Inputs) -> torch.Tensor:
     for b in check_sequences(case):
         out, _ = reference.attention_varlen(inp.q[b * C:(b + 1) * C], inp.k[b * Sk:(b + 1) * Sk],
                                             inp.v[b * Sk:(b + 1) * Sk], one.to(inp.q.device),
-                                            onek.to(inp.q.device), True, inp.scale)
+                                            onek.to(inp.q.device), case.causal, inp.scale)
         outs.append(out)
     return torch.cat(outs)
 
@@ -360,7 +376,7 @@ def flashinfer_plan(case: ChunkedCase, inp: Inputs, table) -> dict:
     return dict(qo_indptr=inp.cu_q, paged_kv_indptr=indptr,
                 paged_kv_indices=table.reshape(-1).contiguous(), paged_kv_last_page_len=last,
                 num_qo_heads=case.Hq, num_kv_heads=case.Hkv, head_dim_qk=case.D,
-                page_size=case.page, causal=True, sm_scale=inp.scale, q_data_type=dtype,
+                page_size=case.page, causal=case.causal, sm_scale=inp.scale, q_data_type=dtype,
                 kv_data_type=dtype)
 
 
@@ -390,7 +406,7 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
     def varlen_backend():  # the varlen kernel a column runs, or why it cannot here
         backend = impl.split("-")[0]
         why = dispatch.reason(backend, dispatch.Call("prefill_varlen", inp.q.device,
-                                                     inp.q.dtype, case.D, True))
+                                                     inp.q.dtype, case.D, case.causal))
         if why is not None:
             raise NotAvailable(why)
         return backend
@@ -404,7 +420,7 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
         elif impl == "gluon-paged":
             backend, gather = "gluon", False
             why = dispatch.reason("gluon", dispatch.Call(
-                "prefill_paged", inp.q.device, inp.q.dtype, case.D, True,
+                "prefill_paged", inp.q.device, inp.q.dtype, case.D, case.causal,
                 page_size=case.page, tma_pages=True))  # the bench's caches are packed
             if why is not None:
                 raise NotAvailable(why)
@@ -414,7 +430,7 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
 
         def call():
             return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
-                                          max_seqlen_q=case.chunk, causal=True,
+                                          max_seqlen_q=case.chunk, causal=case.causal,
                                           sm_scale=inp.scale, impl=backend, gather=gather)
         return call, call, None
     if impl.startswith("triton-paged["):  # the kernel with exactly these settings
@@ -424,7 +440,7 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
 
         def call():
             return prefill_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table, case.chunk,
-                                 True, inp.scale, settings=settings)[0]
+                                 case.causal, inp.scale, settings=settings)[0]
         return call, call, None
     if impl.startswith(("gluon-paged[", "gluon-contiguous[")):
         return _gluon_build_call(case, impl, inp, cache, varlen_backend)
@@ -436,7 +452,7 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
         def call():
             return wsattn.attention_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k,
                                            max_seqlen_q=case.chunk, max_seqlen_k=case.seqlen_k,
-                                           causal=True, sm_scale=inp.scale, impl=backend)
+                                           causal=case.causal, sm_scale=inp.scale, impl=backend)
         return call, call, None
     if impl == "gluon-one-consumer-contiguous":  # gluon-contiguous[one_consumer] by name
         return _gluon_build_call(case, "gluon-contiguous[one_consumer]", inp, cache,
@@ -454,7 +470,8 @@ def _gluon_build_call(case: ChunkedCase, impl: str, inp: Inputs, cache, varlen_b
     from wsattn.kernels import prefill_gluon as pg
     varlen_backend()  # "gluon": not available off sm_90, with the dispatcher's reason
     try:
-        settings = pg.settings_for(case.D, True, **gluon_overrides(_spec_of(impl), case.D))
+        settings = pg.settings_for(case.D, case.causal,
+                                   **gluon_overrides(_spec_of(impl), case.D))
     except ValueError as e:
         raise NotAvailable(f"settings {_spec_of(impl)}: {e}") from None
     if impl.startswith("gluon-paged["):
@@ -465,22 +482,23 @@ def _gluon_build_call(case: ChunkedCase, impl: str, inp: Inputs, cache, varlen_b
 
         def call():
             return pg.prefill_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table, case.chunk,
-                                    True, inp.scale, settings=settings)[0]
+                                    case.causal, inp.scale, settings=settings)[0]
 
         def first():
             check_attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
-                                  max_seqlen_q=case.chunk, causal=True, sm_scale=inp.scale,
+                                  max_seqlen_q=case.chunk, causal=case.causal, sm_scale=inp.scale,
                                   impl="gluon", gather=False)
             return call()
     else:
         def call():
             return pg.prefill_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k, case.chunk,
-                                     case.seqlen_k, True, inp.scale, settings=settings)[0]
+                                     case.seqlen_k, case.causal, inp.scale,
+                                     settings=settings)[0]
 
         def first():
             check_attention_varlen(inp.q, inp.k, inp.v, inp.cu_q, inp.cu_k,
                                    max_seqlen_q=case.chunk, max_seqlen_k=case.seqlen_k,
-                                   causal=True, sm_scale=inp.scale, impl="gluon")
+                                   causal=case.causal, sm_scale=inp.scale, impl="gluon")
             return call()
     return first, call, f"settings: {settings}"
 
@@ -604,7 +622,9 @@ def plot_rows(rows: list[dict], path):
         ax.set_xscale("symlog", base=2, linthresh=1024)
         ax.set_xlabel("prefix (keys before the chunk)")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"D{D}, chunk {ok[0]['chunk']}, B {ok[0]['B']}, causal", fontsize=9)
+        masks = "/".join(sorted({"causal" if r["causal"] else "full" for r in ok
+                                 if r["D"] == D}))
+        ax.set_title(f"D{D}, chunk {ok[0]['chunk']}, B {ok[0]['B']}, {masks}", fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     s = rows[0]
@@ -627,7 +647,8 @@ def main(args) -> int:
     timer = cuda_timer(args.warmup_ms, args.rep_ms, args.timing)
     try:
         cases = chunked_cases(args.chunked_prefix, args.chunked_pages, args.chunked_dims,
-                              args.chunked_batch, chunk=args.chunked_chunk, dtype=args.dtype)
+                              args.chunked_batch, chunk=args.chunked_chunk, dtype=args.dtype,
+                              masks=args.chunked_masks)
     except ValueError as e:
         print(f"wsattn bench chunked: {e}", file=sys.stderr)
         return 2
@@ -680,6 +701,9 @@ def add_arguments(group) -> None:
                             "whatever the length rules pick; SPEC = FIELD=VALUE[,FIELD=VALUE"
                             "...], or default / one_consumer (the two builds the rules choose "
                             "between, per head dim)")
+    group.add_argument("--chunked-masks", nargs="+", choices=MASKS_ALL, default=list(MASKS),
+                       metavar="MASK", help="chunked: causal (bottom-right aligned, the "
+                                            "serving case and the default) and / or full")
     group.add_argument("--chunked-batch", type=int, default=BATCH, metavar="B",
                        help=f"chunked: sequences, one chunk of --chunked-chunk queries each "
                             f"(default {BATCH}: {BATCH * CHUNK // 1024}k chunk tokens)")

@@ -22,7 +22,7 @@ import json
 import statistics
 import sys
 
-FIELDS = ("sm_mhz", "mem_mhz", "power_w", "power_limit_w", "temp_c", "reasons")
+from .compare import load_rows
 
 
 def _number(text: str) -> float | None:
@@ -152,8 +152,7 @@ def main(argv=None) -> int:
                    help="the device host's offset from UTC, hours (default 0)")
     p.add_argument("--json", help="write the per-row, per-sample result here")
     args = p.parse_args(argv)
-    with open(args.bench_json) as fh:
-        rows = json.load(fh)
+    rows = load_rows(args.bench_json)
     with open(args.clocks_csv) as fh:
         log = parse_clock_log(fh, args.utc_offset_h)
     if not log:

@@ -143,7 +143,7 @@ VARLEN_TRITON_FASTER_UP_TO = {(64, False): 1024}
 # 1.14 GB at the largest shape there), so the gather is taken up to this many bytes of it
 # and the call reads in place above.
 # At D128 the in-place build later led at pages of 16 too: five processes of the same
-# table (`chunked_process{1,2,3}_*_9021183`, `chunked_process{4,5}_*_6330ad4`), the two
+# table (`chunked_process{1,2,3}_*_9021183`, `chunked_process{4,5}_*_6330ad4`, in git history), the two
 # columns side by side in each, gathered / in place 0.93-1.11 (prefix 2k one process at
 # 0.93, the other 19 cells 0.99-1.11; prefix 32k 1.020-1.029 in all five); at D64 the
 # gather still led at prefix 0 and 32k (0.95-0.99 in 9 of 10). Pages of 32 at D128, one

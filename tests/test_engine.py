@@ -412,6 +412,85 @@ def test_generate_checks_before_loading(tmp_path):
         generate(missing, [[1]], 2)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(input_ids=[[1, 256]]), "input_ids\\[0\\] holds token id 256"),
+    (dict(input_ids=[[1]] * 3, buckets=(1, 2)), "batch of 3 is above the largest"),
+    (dict(input_ids=[[1] * 250], max_new_tokens=7), "past the 256 positions"),
+    (dict(eos_token_id=300), "eos_token_id"),
+    (dict(seed="x"), "seed"),
+    (dict(return_logits=1), "return_logits"),
+], ids=["vocab", "bucket", "positions", "eos", "seed", "return-logits"])
+def test_generate_checks_the_request_before_any_weight_moves(tmp_path, monkeypatch, kwargs,
+                                                             match):
+    """A request the config alone refuses (token ids, batch against the buckets, positions,
+    eos, seed) is refused before any tensor is read, from a folder or a model object."""
+    from wsattn.engine import generate as g
+    from wsattn.models import weights
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were loaded for a bad request")
+
+    monkeypatch.setattr(weights, "load", no_load)
+    model = _hf_model("llama")
+    model.save_pretrained(tmp_path)
+    call = dict(input_ids=[[1, 2]], max_new_tokens=2, device="cpu") | kwargs
+    for source in (str(tmp_path), model):
+        with pytest.raises(ValueError, match=match):
+            g.generate(source, **call)
+
+
+def test_cli_checks_the_request_before_loading(tmp_path, capsys, monkeypatch):
+    """--batch above the largest bucket and a prompt past the model's positions exit 2
+    with the reason before any weight is read."""
+    from wsattn.cli import main
+    from wsattn.engine.generate import BUCKETS
+    from wsattn.models import weights
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were loaded for a bad request")
+
+    monkeypatch.setattr(weights, "load", no_load)
+    _hf_model("llama").save_pretrained(tmp_path)
+    base = ["generate", "--model", str(tmp_path), "--device", "cpu"]
+    assert main(base + ["--batch", str(BUCKETS[-1] + 1), "--new-tokens", "2"]) == 2
+    assert f"batch of {BUCKETS[-1] + 1} is above the largest" in capsys.readouterr().err
+    assert main(base + ["--prompt-len", "250", "--new-tokens", "7"]) == 2
+    assert "past the 256 positions" in capsys.readouterr().err
+
+
+def test_cli_auto_follows_the_checkpoint_dtype(tmp_path, monkeypatch):
+    """--impl auto on CUDA picks the kernel step for a 16-bit checkpoint and the reference
+    step for an fp32 one, decided again once the folder's dtype is known (the kernel step
+    refuses fp32)."""
+    from wsattn.cli import main
+    from wsattn.engine import generate as g
+
+    seen = []
+
+    class Probe:
+        def __init__(self, path, *, dtype, device, step, page_size):
+            # what the folder holds: the fp32 weights save_pretrained wrote
+            self.device, self.dtype = torch.device(device), dtype or torch.float32
+            self.step_name = step
+
+        def __setattr__(self, name, value):
+            if name == "step_name":
+                seen.append(value)
+            object.__setattr__(self, name, value)
+
+        def run(self, *a, **k):
+            raise ValueError("probe: stop before any work")
+
+    monkeypatch.setattr(g, "Engine", Probe)
+    monkeypatch.setattr(g.torch.cuda, "is_available", lambda: True)
+    _hf_model("llama").save_pretrained(tmp_path)
+    for dtype, want in ((None, "reference"), ("bf16", "kernels")):
+        seen.clear()
+        args = ["generate", "--model", str(tmp_path), "--prompt-len", "4", "--new-tokens", "1"]
+        assert main(args + (["--dtype", dtype] if dtype else [])) == 2
+        assert seen[-1] == want, (dtype, seen)
+
+
 def test_kernels_step_refused_on_plain_cpu(monkeypatch):
     """step='kernels' on the CPU without the Triton interpreter is refused by name when the
     step is built, before any forward runs or a sequence is admitted, instead of running

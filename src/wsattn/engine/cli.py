@@ -74,7 +74,8 @@ def _fail(msg: str) -> int:
 def run(args) -> int:
     import torch
 
-    from .generate import Engine, _resolve_impl
+    from ..models.weights import read_config
+    from .generate import BUCKETS, Engine, _check_batch, _check_request, _resolve_impl
 
     path = args.model
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
@@ -103,14 +104,25 @@ def run(args) -> int:
             tokenizer, prompts, eos = _encode(path, texts)
         except (ValueError, OSError) as e:
             return _fail(str(e))
+    try:  # the request against the config, before any weight is read or moved
+        cfg = read_config(path)
+        if tokenizer is None:
+            gen = torch.Generator().manual_seed(args.seed)
+            prompts = torch.randint(0, cfg.vocab, (batch, prompt_len), generator=gen)
+        checked, _, _ = _check_request(cfg, prompts, args.temperature, args.top_k, args.top_p,
+                                       eos, False, args.seed)
+        _check_batch(checked, args.new_tokens, BUCKETS[-1], cfg.max_positions,
+                     cfg.max_positions)
+    except (ValueError, TypeError, OSError) as e:
+        return _fail(str(e))
     try:
-        step = _resolve_impl(args.impl, device, dtype)
-        engine = Engine(path, dtype=dtype, device=device, step=step, page_size=args.page_size)
+        engine = Engine(path, dtype=dtype, device=device,
+                        step=_resolve_impl(args.impl, device, dtype), page_size=args.page_size)
     except (ValueError, TypeError, OSError) as e:
         return _fail(f"cannot load {path!r}: {e}")
-    if tokenizer is None:
-        gen = torch.Generator().manual_seed(args.seed)
-        prompts = torch.randint(0, engine.cfg.vocab, (batch, prompt_len), generator=gen)
+    # "auto" follows the checkpoint's dtype once it is known (an fp32 folder on CUDA runs
+    # the reference step); the step is built at the first request
+    engine.step_name = _resolve_impl(args.impl, engine.device, engine.dtype)
     timings: dict = {}
     try:
         out = engine.run(prompts, args.new_tokens, temperature=args.temperature,

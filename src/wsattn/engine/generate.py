@@ -259,10 +259,7 @@ class Engine:
 
         if step not in STEPS:
             raise ValueError(f"step must be one of {STEPS}, got {step!r}")
-        buckets = tuple(buckets)
-        if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
-                              for b in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"buckets must be increasing positive ints, got {buckets!r}")
+        buckets = _check_buckets(buckets)
         for name, value in (("page_size", page_size), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -293,18 +290,8 @@ class Engine:
     def check(self, prompts: list[torch.Tensor], max_new_tokens: int) -> None:
         """Everything :meth:`run` checks before any work (prompts as :meth:`run` takes
         them); raises ValueError naming the argument."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if len(prompts) > self.buckets[-1]:
-            raise ValueError(f"input_ids: a batch of {len(prompts)} is above the largest "
-                             f"batch bucket ({self.buckets[-1]})")
-        for i, p in enumerate(prompts):
-            if p.numel() + max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"input_ids[{i}]: prompt of {p.numel()} + max_new_tokens {max_new_tokens} "
-                    f"is past the {self.max_seq_len} positions a sequence may hold "
-                    f"(the model's max positions: {self.cfg.max_positions})")
+        _check_batch(prompts, max_new_tokens, self.buckets[-1], self.max_seq_len,
+                     self.cfg.max_positions)
         if self.cache is not None:
             if self._fixed_pool or self.cache.live:
                 self.cache.check_admit([p.numel() + max_new_tokens for p in prompts])
@@ -321,13 +308,8 @@ class Engine:
         CUDA events on a GPU (one synchronisation at the end), ``time.perf_counter``
         elsewhere. None: nothing is measured and nothing synchronises.
         """
-        prompts, as_tensor = _prompts(input_ids, self.cfg.vocab)
-        _check_sampling(temperature, top_k, top_p)
-        eos = _eos(eos_token_id, self.cfg.vocab)
-        if not isinstance(return_logits, bool):
-            raise ValueError(f"return_logits must be a bool, got {return_logits!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be None or an int, got {seed!r}")
+        prompts, as_tensor, eos = _check_request(
+            self.cfg, input_ids, temperature, top_k, top_p, eos_token_id, return_logits, seed)
         self.check(prompts, max_new_tokens)
         B = len(prompts)
         if max_new_tokens == 0:
@@ -513,6 +495,44 @@ class _Clock:
         self.out.update(prefill_s=spans[0], decode_s=spans[1], decode_steps=decode_steps)
 
 
+def _check_buckets(buckets) -> tuple[int, ...]:
+    buckets = tuple(buckets)
+    if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                          for b in buckets) or list(buckets) != sorted(set(buckets)):
+        raise ValueError(f"buckets must be increasing positive ints, got {buckets!r}")
+    return buckets
+
+
+def _check_request(cfg, input_ids, temperature, top_k, top_p, eos_token_id, return_logits,
+                   seed):
+    """What a request is checked for against the model's config alone (no weights, no
+    cache): -> (prompts, whether input_ids was one tensor, eos ids)."""
+    prompts, as_tensor = _prompts(input_ids, cfg.vocab)
+    _check_sampling(temperature, top_k, top_p)
+    eos = _eos(eos_token_id, cfg.vocab)
+    if not isinstance(return_logits, bool):
+        raise ValueError(f"return_logits must be a bool, got {return_logits!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be None or an int, got {seed!r}")
+    return prompts, as_tensor, eos
+
+
+def _check_batch(prompts, max_new_tokens, max_batch, max_seq_len, max_positions):
+    """The batch and every sequence's length against the buckets and positions."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if len(prompts) > max_batch:
+        raise ValueError(f"input_ids: a batch of {len(prompts)} is above the largest "
+                         f"batch bucket ({max_batch})")
+    for i, p in enumerate(prompts):
+        if p.numel() + max_new_tokens > max_seq_len:
+            raise ValueError(
+                f"input_ids[{i}]: prompt of {p.numel()} + max_new_tokens {max_new_tokens} "
+                f"is past the {max_seq_len} positions a sequence may hold "
+                f"(the model's max positions: {max_positions})")
+
+
 def _eos(eos_token_id, vocab):
     if eos_token_id is None:
         return None
@@ -589,13 +609,19 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
     >>> tokens = generate("path/to/Llama-3.2-1B", torch.tensor([[128000, 791]]),
     ...                   32)  # doctest: +SKIP
     """
-    # what can be checked without the model is checked before loading it
+    # the request is checked against the config before any weight is read or moved
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     _check_sampling(temperature, top_k, top_p)
     step = _resolve_impl(impl, device if device is not None else
                          ("cuda" if torch.cuda.is_available() else "cpu"), dtype)
+    from ..models.weights import read_config
+    cfg = read_config(model_or_path)
+    prompts, _, _ = _check_request(cfg, input_ids, temperature, top_k, top_p, eos_token_id,
+                                   return_logits, seed)
+    _check_batch(prompts, max_new_tokens, _check_buckets(buckets)[-1], cfg.max_positions,
+                 cfg.max_positions)
     engine = Engine(model_or_path, dtype=dtype, device=device, step=step, page_size=page_size,
                     buckets=buckets, prefill_chunk=prefill_chunk)
     # the step is built at the first request: "auto" can still follow the checkpoint's dtype

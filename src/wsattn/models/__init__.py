@@ -8,6 +8,7 @@ a plain-PyTorch reference forward.
 * :func:`load` (``weights.py``): a transformers model object or a local checkpoint
   folder (``config.json`` + ``*.safetensors``) -> ``(ModelConfig, Weights)``, validated
   before any tensor is read; the layout is documented in ``weights.py``.
+  :func:`read_config`: the config alone, to check a request before any weight moves.
 * :func:`fold` (``flashnorm.py``): RMSNorm weights folded into the following projections.
 * ``reference.py``: ``prefill`` / ``decode_step`` with a contiguous or paged
   :class:`KVCache`, in any dtype (float64 in the tests).
@@ -19,7 +20,7 @@ transformers is never imported here.
 from .config import ModelConfig, RopeConfig, UnsupportedModelError
 from .flashnorm import fold
 from .reference import KVCache, decode_step, prefill
-from .weights import LayerWeights, Weights, load
+from .weights import LayerWeights, Weights, load, read_config
 
 __all__ = ["ModelConfig", "RopeConfig", "UnsupportedModelError", "Weights", "LayerWeights",
-           "load", "fold", "KVCache", "prefill", "decode_step"]
+           "load", "read_config", "fold", "KVCache", "prefill", "decode_step"]

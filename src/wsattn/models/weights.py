@@ -75,7 +75,7 @@ import torch
 
 from .config import ModelConfig
 
-__all__ = ["Weights", "LayerWeights", "load", "expected_tensors", "FLOAT_DTYPES", "EXPERT_LAYOUTS"]
+__all__ = ["Weights", "LayerWeights", "load", "read_config", "expected_tensors", "FLOAT_DTYPES", "EXPERT_LAYOUTS"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -249,12 +249,9 @@ def load(model_or_path, dtype: torch.dtype | None = None, device="cpu") -> tuple
         raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
     if isinstance(model_or_path, (str, os.PathLike)):
         cfg, source = _open_folder(os.fspath(model_or_path))
-    elif hasattr(model_or_path, "config") and hasattr(model_or_path, "state_dict"):
-        cfg = ModelConfig.from_hf(model_or_path.config)
-        source = _StateDict(model_or_path.state_dict())
     else:
-        raise TypeError("model_or_path must be a transformers model or a checkpoint folder path, "
-                        f"got {type(model_or_path).__name__}")
+        cfg = read_config(model_or_path)
+        source = _StateDict(model_or_path.state_dict())
     meta = source.meta()
     layout = _expert_layout(cfg, meta)
     _validate(cfg, meta, layout)
@@ -313,13 +310,31 @@ def _st_dtype(code: str):
     return _ST_DTYPES.get(code, code)
 
 
-def _open_folder(path: str):
+def read_config(model_or_path) -> ModelConfig:
+    """The :class:`ModelConfig` of what :func:`load` would load, reading no tensor: a
+    folder's ``config.json`` or a model object's ``config``. Refuses what :func:`load`
+    refuses about the config itself (an unsupported family or feature, by name), so
+    callers can check a request against the model (vocabulary, positions) before any
+    weight is read or moved."""
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return _folder_config(os.fspath(model_or_path))
+    if hasattr(model_or_path, "config") and hasattr(model_or_path, "state_dict"):
+        return ModelConfig.from_hf(model_or_path.config)
+    raise TypeError("model_or_path must be a transformers model or a checkpoint folder path, "
+                    f"got {type(model_or_path).__name__}")
+
+
+def _folder_config(path: str) -> ModelConfig:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isdir(path) or not os.path.isfile(cfg_path):
         raise ValueError(f"model_or_path {path!r} is not a folder with a config.json "
                          "(a local Hugging Face checkpoint; nothing is downloaded)")
     with open(cfg_path) as f:
-        cfg = ModelConfig.from_hf(json.load(f))
+        return ModelConfig.from_hf(json.load(f))
+
+
+def _open_folder(path: str):
+    cfg = _folder_config(path)
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):

@@ -101,6 +101,8 @@ def validate_fixed(op, q, k, v, causal, zigzag, group, rank, W, check, timeout_s
 
 
 def _kernel_impl(impl):
+    """The merge's impl for an attention impl: merges have no Gluon kernel, so "gluon"
+    (which names the attention calls' kernel, passed to them unchanged) merges on "auto"."""
     return impl if impl in ("triton", "reference") else "auto"
 
 

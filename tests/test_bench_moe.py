@@ -286,6 +286,32 @@ def test_runner_checks_then_times_on_the_interpreter():
     assert "not timed" in bad["reason"] and bad["rel_err"] > 2e-3
 
 
+def test_touched_experts_come_from_each_columns_own_routing(monkeypatch):
+    """experts_hit (and the touched bytes and floor from it) counts the experts the
+    column's own routing hit, which can differ from the float64 routing's: a stub column
+    that sends every token to experts 0 and 1 is charged for two experts."""
+    monkeypatch.setitem(moe.MODELS, "tiny-qwen3-moe", {
+        **moe.MODELS["qwen3-30b-a3b"], "hidden_size": 64, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 64,
+        "vocab_size": 16, "intermediate_size": 64, "max_window_layers": 1})
+    case = moe.MoeCase("tiny-qwen3-moe", 6, "fp32", fresh_bytes=1)
+    x, router_w, w_gate_up, w_down = moe._inputs(case, "cpu")
+    ref_hit = moe.distinct_experts(moe.routing64(x, router_w, 2)[1])
+    assert ref_hit > 2
+    ids = torch.tensor([[0, 1]] * 6)
+    y = moe.reference(x, router_w, w_gate_up, w_down, ids, True).float()
+
+    def calls(case_, impl, x_, copies, plan):
+        return (lambda: y), (lambda: y), ids, None
+
+    monkeypatch.setattr(moe, "_calls", calls)
+    (row,) = moe.run_case(case, ["wsattn-triton"], lambda fn: _timing(0.01), STAMP, "cpu",
+                          4.0)
+    assert row["status"] == "ok" and row["tokens_rerouted"] > 0
+    assert row["experts_hit"] == 2 and row["touched_bytes"] == case.touched_bytes(2)
+
+
 # --------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu

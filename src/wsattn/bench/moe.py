@@ -34,8 +34,9 @@ expert ids; weights recomputed in float64), within ``wsattn.testing.TOL``; a fai
 is recorded, not timed. ``tokens_rerouted`` counts the tokens whose expert set differs
 from the float64 routing of the case (bf16 logits can flip a near tie).
 
-Per row: ``experts_hit``, the distinct experts the case's float64 routing touches
-(counted on the host once per case, outside timing), ``touched_bytes`` = experts_hit x 3
+Per row: ``experts_hit``, the distinct experts the column's own routing touches
+(counted on the host from its checked call, outside timing; the weight copies are sized
+from the float64 routing's count, once per case), ``touched_bytes`` = experts_hit x 3
 x hidden x ffn x element size + the router weight, TB/s of those bytes, ``frac_copy`` =
 that over the copy ceiling measured in the same run (the fraction of the touched-weight
 floor), and on wsattn rows the issue's targets (Qwen3-30B-A3B shape: >= 0.80 at B 1
@@ -354,12 +355,15 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
             raise NotAvailable(reason)
         out = torch.empty_like(x)
 
+        # PDL off for the route, group and combine launches too: the Gluon launch takes
+        # none, and the column is compared with wsattn-triton, which has it off throughout
         def call(i):
             router_w, w_gate_up, w_down = copies[i][:3]
             return kmoe.moe(x, router_w, w_gate_up, w_down, top_k=c.top_k,
-                            renormalize=c.norm_topk, out=out, impl="gluon")
+                            renormalize=c.norm_topk, out=out, impl="gluon", pdl=False)
 
-        ids = kmoe.route(x, copies[0][0], top_k=c.top_k, renormalize=c.norm_topk)[1]
+        ids = kmoe.route(x, copies[0][0], top_k=c.top_k, renormalize=c.norm_topk,
+                         pdl=False)[1]
     elif impl.startswith("hf-"):
         if impl == "hf-batched_mm" and x.device.type == "cuda":
             # batched_mm gathers a copy of its expert's gate/up and down weights per pair
@@ -465,6 +469,9 @@ def run_case(case: MoeCase, impls, timer, stamp, device, copy_tbps) -> list[dict
                 refs[key] = reference(x, router_w, w_gate_up, w_down, ids, c.norm_topk)
             err = rel_err(y, refs[key])
             moved = rerouted(ids, ref_ids)
+            # the touched bytes of the experts this column's own routing hit (a near tie in
+            # its lower precision can route a token elsewhere than the float64 routing)
+            own = dict(common, experts_hit=distinct_experts(ids.cpu()))
         except NotAvailable as e:
             rows.append(make_row(stamp, case, impl, "not available", reason=str(e)[:300],
                                  **common))
@@ -479,7 +486,7 @@ def run_case(case: MoeCase, impls, timer, stamp, device, copy_tbps) -> list[dict
             continue
         if not err <= tol:
             rows.append(make_row(stamp, case, impl, "failed", rel_err=err, tol=tol, note=note,
-                                 tokens_rerouted=moved, **common,
+                                 tokens_rerouted=moved, **own,
                                  reason=f"relative error {err:.3e} > {tol:.1e}; not timed"))
             continue
         try:
@@ -487,10 +494,10 @@ def run_case(case: MoeCase, impls, timer, stamp, device, copy_tbps) -> list[dict
         except Exception as e:
             rows.append(make_row(stamp, case, impl, "error", rel_err=err, tol=tol, note=note,
                                  tokens_rerouted=moved, reason="while timing: " + _short(e),
-                                 **common))
+                                 **own))
             continue
         rows.append(make_row(stamp, case, impl, "ok", rel_err=err, tol=tol, timing=timing,
-                             note=note, tokens_rerouted=moved, **common))
+                             note=note, tokens_rerouted=moved, **own))
     del x, copies, plan, refs
     release(device)
     return rows

@@ -714,8 +714,10 @@ def group(topk_ids, num_experts, block, *, pdl=None):
 
     Args:
         topk_ids: int32 [T, top_k] expert ids in [0, num_experts) (route's output),
-            contiguous, 1 <= T <= 64. Ids outside that range are not checked on the
-            device (that would need a host read): such a pair joins no expert.
+            contiguous, 1 <= T <= 64. Ids outside that range are not checked (that
+            would need a host read): such a pair joins no expert, so moe_down_combine
+            never writes its row and that token's combined output is undefined (route()
+            never makes such ids; ids from elsewhere are the caller's to keep in range).
         num_experts: E >= top_k.
         block: rows a block (MoeSettings.block): each expert's rows padded to a multiple.
         pdl: as in route.

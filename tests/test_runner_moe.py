@@ -477,18 +477,29 @@ def test_gpu_moe_one_token_equals_the_grouping_kernel(family):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 def test_gpu_moe_matches_reference_step(family):
     """bf16 kernels vs the reference step (fp32 compute over the same bf16 weights): the
-    first step's logits (prefill) and the next (one decode step) within bf16 tolerance."""
+    first step's logits (prefill) within bf16 tolerance; then 32 decode steps,
+    teacher-forced on the kernels' own tokens (one transformers forward over prompt +
+    tokens, so every step is compared whatever token the last one chose), within bf16
+    tolerance of the same weights in fp32 or within twice transformers' own bf16 error
+    there (random weights make logits flat)."""
+    import copy
+
+    from wsattn.bench.step import teacher_forced_check
     from wsattn.engine.generate import Engine
     from wsattn.testing import rel_err, tol
 
     e, model = _gpu_engine(family)
     ps = _gpu_prompts()
-    kt, kl = e.run(ps, 2, return_logits=True)
+    kl = e.run(ps, 1, return_logits=True)[1]
     ref = Engine(model, dtype=torch.bfloat16, device="cuda", step="reference")
-    rt, rl = ref.run(ps, 2, return_logits=True)
+    rl = ref.run(ps, 1, return_logits=True)[1]
     assert rel_err(kl[:, 0], rl[:, 0]) <= tol(torch.bfloat16)
-    if all(torch.equal(a, b) for a, b in zip(kt, rt)):  # same first token: same step input
-        assert rel_err(kl[:, 1], rl[:, 1]) <= tol(torch.bfloat16)
+    del ref
+    ids = torch.stack([p[:37] for p in ps])
+    fp32 = copy.deepcopy(model).to("cuda", torch.float32).eval()
+    bf16 = copy.deepcopy(model).to("cuda", torch.bfloat16).eval()
+    rel, bound, detail = teacher_forced_check(bf16, e, ids, 32, "bf16", ref_model=fp32)
+    assert rel <= bound, (rel, bound, detail)
 
 
 @pytest.mark.gpu

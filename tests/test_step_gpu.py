@@ -45,6 +45,32 @@ def test_gpu_teacher_forced_logits_over_128_steps(model):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("model, B", [("llama-3.2-1b", 1), ("llama-3.2-1b", 8),
+                                      ("llama-3.1-8b", 1)])
+def test_gpu_graph_replay_equals_eager_at_model_shapes(model, B):
+    """At the benchmark's model shapes (bf16, PDL as shipped, prompts of different lengths
+    so prefill is varlen): the captured step's tokens and logits over 64 steps equal the
+    eager step's bit for bit."""
+    from wsattn.engine.runner import KernelStep
+
+    hf = step_bench.build_model(model, "cuda", "bf16")
+    case = step_bench.StepCase(model, B, 256)
+    steps = 64
+    engine, _ = step_bench.build_engine(hf, case, pdl=True, max_seq_len=256 + steps + 2,
+                                        device="cuda")
+    del hf
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(0, case.cfg.vocab, (256 - 29 * b,), generator=g) for b in range(B)]
+    graph_t, graph_l = engine.run(ps, steps, return_logits=True)
+    assert engine.step.graphs  # the default on CUDA: the first run replayed captured steps
+    engine.step = KernelStep(engine.cfg, engine.weights, engine.cache, buckets=engine.buckets,
+                             graphs=False, pdl=True)
+    eager_t, eager_l = engine.run(ps, steps, return_logits=True)
+    assert all(torch.equal(a, b) for a, b in zip(graph_t, eager_t))
+    assert torch.equal(graph_l, eager_l)
+
+
+@pytest.mark.gpu
 def test_gpu_10000_replayed_steps():
     """10,000 graph replays give the eager step's tokens bit for bit: no drift from stale
     buffers, workspace counters, split-K reductions or the cache's page bookkeeping."""

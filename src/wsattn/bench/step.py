@@ -155,6 +155,12 @@ MODELS = {
 # The MoE decode issue's end-to-end model: the 48-layer Qwen3-30B-A3B shape, the same
 # config as one layer of `wsattn bench moe`.
 MODELS["qwen3-30b-a3b"] = dict(MOE_MODELS["qwen3-30b-a3b"])
+# OLMoE-1B-7B: 64 experts, top-8 without renormalising, QK-norm over the whole projection
+# (no issue target names its step; 14 GB of bf16 weights, so transformers' columns and the
+# fp32 check fit beside it). Mixtral-8x7B is not a step model: its 93 GB of bf16 weights
+# do not fit twice (transformers' model and the engine's folded copy) on one H200; its
+# layer is in `wsattn bench moe`.
+MODELS["olmoe-1b-7b"] = dict(MOE_MODELS["olmoe-1b-7b"])
 # A MoE family with a shared expert beside 60 routed ones (no issue target names it).
 MODELS["qwen1.5-moe-a2.7b"] = dict(
     model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], hidden_act="silu",
@@ -213,7 +219,8 @@ def experts_hit(num_experts: int, top_k: int, B: int) -> float:
 def _attn_params(cfg) -> int:
     h, q, kv = cfg.hidden, cfg.q_size, cfg.kv_size
     return (h * (q + 2 * kv) + q * h + 2 * h + (q + 2 * kv if cfg.qkv_bias else 0)
-            + (2 * cfg.head_dim if cfg.qk_norm else 0))
+            + (2 * cfg.head_dim if cfg.qk_norm else 0)
+            + (q + kv if cfg.qk_norm_whole else 0))  # OLMoE: over the whole projection
 
 
 def _mlp_params(cfg, experts: float) -> float:

@@ -293,6 +293,70 @@ def test_reference_impl_takes_any_head_dim():
     assert_close(out, ref, F32)
 
 
+# --------------------------------------------------------------------------- k_new / v_new
+
+def _chunk_of(x, lq, lk):
+    """(k_new, v_new): each sequence's last lq[b] keys, packed as q is; and a copy of the
+    caches with those slots NaN (the prefix alone, as before the chunk's append)."""
+    cu_k = x["cu_seqlens_k"].tolist()
+    rows = torch.cat([torch.arange(cu_k[b] + lk[b] - lq[b], cu_k[b] + lk[b])
+                      for b in range(len(lq))]).to(x["k"].device)
+    k_new, v_new = x["k"][rows].contiguous(), x["v"][rows].contiguous()
+    kc, vc = x["k_cache"].clone(), x["v_cache"].clone()
+    reference.append_paged_kv(torch.full_like(k_new, float("nan")),
+                              torch.full_like(v_new, float("nan")), kc, vc,
+                              x["cu_seqlens_q"], x["seqlens_k"], x["block_table"])
+    return k_new, v_new, kc, vc
+
+
+def _same_bits(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+# chunks of 0, 1, 17, 33 and 65 rows over prefixes ending mid-page, GQA 7:1, page 16 / 64;
+# 130 sequences, so the kernel's search for a row's sequence takes two passes
+APPEND_CASES = {
+    "lq1_5_0_17_65-page16": ([1, 5, 0, 17, 65], [1, 37, 9, 50, 100], 7, 1, 64, 16),
+    "lq33_3-page64-D128": ([33, 3], [97, 3], 4, 2, 128, 64),
+    "130-sequences": ([1, 0, 2] * 43 + [5], [3, 1, 2] * 43 + [70], 2, 1, 64, 16),
+}
+
+
+@pytest.mark.parametrize("case", list(APPEND_CASES.values()), ids=list(APPEND_CASES))
+def test_append_kernel_writes_what_indexing_writes(interpret, case):
+    """paged_append.append_kv: the chunk's rows land where the reference's indexing puts
+    them, bit for bit, and every other slot of the caches (NaN or a prefix key) is as it
+    was."""
+    from wsattn.kernels import paged_append
+    lq, lk, Hq, Hkv, D, page = case
+    x = paged_inputs(lq, lk, Hq, Hkv, D, page, F16, seed=43)
+    k_new, v_new, kc, vc = _chunk_of(x, lq, lk)
+    paged_append.append_kv(k_new, v_new, kc, vc, x["cu_seqlens_q"], x["seqlens_k"],
+                           x["block_table"])
+    _same_bits(kc, x["k_cache"])
+    _same_bits(vc, x["v_cache"])
+
+
+@pytest.mark.parametrize("impl, gather", [("triton", False), ("triton", True),
+                                          ("reference", None)],
+                         ids=["in_place", "gather", "reference"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_attention_paged_appends_the_chunk_then_attends(interpret, impl, gather, causal):
+    """k_new / v_new: the call writes the chunk into the caller's caches first, then gives
+    the bits of the same call over caches that already held it (prefix-only caches whose
+    chunk slots are NaN, so an attention that read before the append would be NaN)."""
+    lq, lk = [17, 0, 1, 65], [40, 5, 63, 65]
+    x = paged_inputs(lq, lk, 8, 2, 64, 16, F16, seed=47)
+    k_new, v_new, kc, vc = _chunk_of(x, lq, lk)
+    kw = dict(causal=causal, return_lse=True, impl=impl, gather=gather)
+    want, want_lse = wsattn.attention_paged(*_args(x), **kw)
+    got, got_lse = wsattn.attention_paged(x["q"], kc, vc, x["cu_seqlens_q"], x["seqlens_k"],
+                                          x["block_table"], k_new=k_new, v_new=v_new, **kw)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    _same_bits(kc, x["k_cache"])
+    _same_bits(vc, x["v_cache"])
+
+
 # --------------------------------------------------------------------------- validation
 
 def _good():
@@ -373,6 +437,20 @@ def _bad_cases():
     case("kernel-dtype", TypeError, r"q dtype must be one of float16, bfloat16, float32",
          q=lambda x: x["q"].double(), k_cache=lambda x: x["k_cache"].double(),
          v_cache=lambda x: x["v_cache"].double())
+    new = lambda x, *shape: torch.zeros(*(shape or (8, 2, 64)), dtype=F16)  # noqa: E731
+    case("k_new-alone", ValueError, r"k_new and v_new must be given together",
+         k_new=lambda x: new(x))
+    case("v_new-shape", ValueError, r"v_new must be \[Tq=8, Hkv=2, D=64\]",
+         k_new=lambda x: new(x), v_new=lambda x: new(x, 8, 1, 64))
+    case("k_new-2d", ValueError, r"k_new must be 3-D", k_new=lambda x: new(x, 8, 128),
+         v_new=lambda x: new(x))
+    case("k_new-dtype", TypeError, r"k_new has dtype torch.float32",
+         k_new=lambda x: new(x).float(), v_new=lambda x: new(x))
+    case("k_new-last-dim", ValueError, r"k_new must have a contiguous last dimension",
+         k_new=lambda x: new(x, 8, 64, 2).transpose(1, 2), v_new=lambda x: new(x))
+    case("append-short", ValueError, r"k_new / v_new append the chunk .* sequence 1 has "
+         r"seqlens_k 4 < q_len 5", seqlens_k=lambda x: i32(10, 4), causal=False,
+         k_new=lambda x: new(x), v_new=lambda x: new(x))
     return cases
 
 
@@ -393,13 +471,19 @@ def test_bad_input_is_refused_by_name_before_any_kernel(interpret, monkeypatch, 
     x = _good()
     args = [changes[n](x) if n in changes else x[n] for n in POSITIONAL]
     kw = dict(causal=True, impl="triton")
-    kw.update({k: v for k, v in changes.items() if k not in POSITIONAL})
+    kw.update({k: v(x) if callable(v) else v for k, v in changes.items()
+               if k not in POSITIONAL})
+    before = args[1].clone(), args[2].clone()
     with pytest.raises(exc, match=match):
         wsattn.attention_paged(*args, **kw)
     if "return_lse" not in kw:  # the twin runs the same checks (it returns no LSE)
         with pytest.raises(exc, match=match):
             wsattn.api.check_attention_paged(*args, **kw)
     assert not launched
+    # nothing appended either
+    if args[1].shape == before[0].shape and args[1].dtype == before[0].dtype:
+        _same_bits(args[1], before[0])
+        _same_bits(args[2], before[1])
     wsattn.attention_paged(*_args(x), causal=True, impl="triton")  # the hook does catch a launch
     assert len(launched) == 1
 
@@ -606,6 +690,23 @@ def test_sm90_gather_build_copies_16_bytes_a_load_without_spills(head_dim):
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "16-byte copies"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+def test_sm90_append_build_copies_16_bytes_a_load_without_spills(head_dim):
+    """The append kernel on sm_90: no spills, no shared memory, 16-byte loads and stores."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from test_prefill_compile import _ptxas_usage
+    from wsattn.kernels import paged_append
+    spec = paged_append.compile_spec(90, head_dim, "bf16", page_size=16)
+    src = ASTSource(spec["fn"], spec["signature"], spec["constexprs"], spec["attrs"])
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
+    regs, stores, loads = _ptxas_usage(kernel)
+    ptx = kernel.asm["ptx"]
+    assert stores + loads == 0, (regs, stores, loads)
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "16-byte copies"
+
+
 # --------------------------------------------------------------------------- GPU
 
 GPU_CASES = [pytest.param(c, id=n) for n, c in CASES.items()] + [
@@ -685,6 +786,34 @@ def test_gpu_gather_matches_float64_and_the_varlen_kernel_bitwise(case, dtype, i
                                            max_seqlen_k=cap, causal=causal, return_lse=True,
                                            impl=impl)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=n) for n, c in APPEND_CASES.items()] + [
+    pytest.param(([1, 300, 17, 0, 129], [4000, 300, 1000, 5, 129], 32, 8, 128, 16),
+                 id="long-H32-HKV8-D128-page16")])
+def test_gpu_append_equals_indexing_and_the_call_over_appended_caches(case, dtype):
+    """On the GPU: the append kernel writes the reference's bits and nothing else; a
+    default call with k_new / v_new (the dispatch's route) gives the bits of the same call
+    over caches that held the chunk already; a rerun gives the same bits."""
+    from wsattn.kernels import paged_append
+    lq, lk, Hq, Hkv, D, page = case
+    x = paged_inputs(lq, lk, Hq, Hkv, D, page, dtype, device="cuda", seed=53)
+    k_new, v_new, kc0, vc0 = _chunk_of(x, lq, lk)
+    kc, vc = kc0.clone(), vc0.clone()
+    paged_append.append_kv(k_new, v_new, kc, vc, x["cu_seqlens_q"], x["seqlens_k"],
+                           x["block_table"])
+    _same_bits(kc, x["k_cache"])
+    _same_bits(vc, x["v_cache"])
+    want = wsattn.attention_paged(*_args(x), causal=True, return_lse=True)
+    for _ in range(2):  # each from the prefix-only caches
+        kc, vc = kc0.clone(), vc0.clone()
+        got = wsattn.attention_paged(x["q"], kc, vc, x["cu_seqlens_q"], x["seqlens_k"],
+                                     x["block_table"], causal=True, return_lse=True,
+                                     k_new=k_new, v_new=v_new)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        _same_bits(kc, x["k_cache"])
 
 
 @pytest.mark.gpu

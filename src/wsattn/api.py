@@ -529,11 +529,12 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
 # --------------------------------------------------------------------------- paged prefill
 
 def check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, num_pages, page, total_q,
-                                 causal, max_seqlen_q=None):
+                                 causal, max_seqlen_q=None, appending=False):
     """Value checks of :func:`attention_paged`'s index tensors, with two host reads
     (cu_seqlens_q, then one stacked set of flags): cu_seqlens_q well formed, each
     seqlens_k[b] within the block table's capacity (and >= the chunk's length when
-    causal), the pages a sequence uses in [0, num_pages), max_seqlen_q not short."""
+    causal or when the call appends the chunk), the pages a sequence uses in
+    [0, num_pages), max_seqlen_q not short."""
     cq = _cu_values("cu_seqlens_q", cu_seqlens_q, total_q)
     lq = [b - a for a, b in zip(cq, cq[1:])]
     if max_seqlen_q is not None and lq and max_seqlen_q < max(lq):
@@ -544,7 +545,7 @@ def check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, num_pages
     capacity = block_table.shape[1] * page
     lens_bad = (seqlens_k < 0) | (seqlens_k > capacity)
     lq_t = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(seqlens_k.device)
-    short = (seqlens_k < lq_t) & causal
+    short = (seqlens_k < lq_t) & (causal or appending)
     pages_bad = _pages_bad(block_table, seqlens_k, page, num_pages)
     flags = torch.stack([lens_bad.any(), short.any(), pages_bad.any()]).tolist()
     if flags[0]:
@@ -554,15 +555,37 @@ def check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, num_pages
                          f"pages of page_size={page})")
     if flags[1]:
         b = int(short.nonzero()[0, 0])
-        raise ValueError(f"causal attention needs seqlens_k[b] >= the chunk's query length "
-                         f"(the chunk's own keys are in the cache); sequence {b} has "
-                         f"seqlens_k {int(seqlens_k[b])} < q_len {lq[b]}")
+        why = ("k_new / v_new append the chunk at positions seqlens_k[b] - q_len .. "
+               "seqlens_k[b] - 1" if appending else
+               "causal attention needs them (the chunk's own keys are in the cache)")
+        raise ValueError(f"seqlens_k[b] must be >= the chunk's query length: {why}; sequence "
+                         f"{b} has seqlens_k {int(seqlens_k[b])} < q_len {lq[b]}")
     if flags[2]:
         _raise_bad_page(block_table, pages_bad, num_pages)
 
 
+def _check_new_kv(k_new, v_new, k_cache, Tq) -> bool:
+    """k_new / v_new of a paged call: both None, or both [Tq, Hkv, D] like the cache's
+    rows, its dtype and device, last dim contiguous. Returns whether the call appends."""
+    if k_new is None and v_new is None:
+        return False
+    if k_new is None or v_new is None:
+        raise ValueError("k_new and v_new must be given together (the chunk's keys and "
+                         "values) or not at all")
+    want = (Tq, k_cache.shape[2], k_cache.shape[3])
+    for n, t in (("k_new", k_new), ("v_new", v_new)):
+        _tensor(n, t, 3, "3-D [total_tokens, Hkv, head_dim]")
+        if tuple(t.shape) != want:
+            raise ValueError(f"{n} must be [Tq={Tq}, Hkv={want[1]}, D={want[2]}] (q's rows, "
+                             f"the cache's heads and head dim), got {tuple(t.shape)}")
+        _last_dim_contiguous(n, t)
+    _same(("k_cache", "k_new", "v_new"), (k_cache, k_new, v_new), "dtype")
+    _same(("k_cache", "k_new", "v_new"), (k_cache, k_new, v_new), "device")
+    return True
+
+
 def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q,
-                causal, sm_scale, impl, validate, gather=None):
+                causal, sm_scale, impl, validate, gather=None, k_new=None, v_new=None):
     """The paged call's checks; returns (scale, impl, gather): the backend, and whether the
     keys are gathered into a packed buffer first (then impl is the varlen backend)."""
     _check_impl(impl)
@@ -606,9 +629,10 @@ def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_s
     if block_table.shape[0] != B:
         raise ValueError(f"block_table must be [batch={B}, max_pages], got "
                          f"{tuple(block_table.shape)}")
+    appending = _check_new_kv(k_new, v_new, k_cache, Tq)
     if _values_checked(validate, cu_seqlens_q, seqlens_k, block_table):
         check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, k_cache.shape[0],
-                                     k_cache.shape[1], Tq, causal, max_seqlen_q)
+                                     k_cache.shape[1], Tq, causal, max_seqlen_q, appending)
     scale = _scale(sm_scale, D)
     if gather and impl == "reference":
         raise ValueError("gather=True runs the packed-varlen kernels on gathered keys; "
@@ -637,23 +661,24 @@ def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_s
 
 def check_attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
                           max_seqlen_q=None, causal=False, sm_scale=None, *, impl="auto",
-                          validate=None, gather=None) -> None:
+                          validate=None, gather=None, k_new=None, v_new=None) -> None:
     """Every check :func:`attention_paged` runs, and nothing else (ValueError / TypeError)."""
     _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_seqlen_q,
-                causal, sm_scale, impl, validate, gather)
+                causal, sm_scale, impl, validate, gather, k_new, v_new)
 
 
 def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
                     max_seqlen_q: int | None = None, causal: bool = False,
                     sm_scale: float | None = None, *, return_lse: bool = False,
                     impl: str = "auto", validate: bool | None = None,
-                    gather: bool | None = None):
+                    gather: bool | None = None, k_new=None, v_new=None):
     """Chunked prefill: packed chunks of new queries against a paged KV cache.
 
-    The chunk's own K/V must already be in the cache (appended by the caller), so every
-    key of sequence b sits at positions [0, seqlens_k[b]) of the cache, reached through
-    block_table[b]: key j is row j % page_size of page block_table[b, j // page_size]
-    (the layout :func:`decode` reads).
+    Every key of sequence b, the chunk's own included, is read at positions
+    [0, seqlens_k[b]) of the cache, reached through block_table[b]: key j is row
+    j % page_size of page block_table[b, j // page_size] (the layout :func:`decode`
+    reads). The chunk's own K/V are either in the cache already (appended by the caller)
+    or given as k_new / v_new, which the call writes there first.
 
     Args:
         q: [Tq, Hq, D] packed queries, float16 / bfloat16 (float32 for the interpreter
@@ -694,6 +719,12 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
            max_seqlen_q and the buffer's size (in place by the Gluon kernel from 64-row
            pages, 16-row at D128, or for chunks of at most 1024 queries, else the
            gather).
+        k_new, v_new: None, or the chunk's keys and values [Tq, Hkv, D] (k_cache's
+           dtype and device, last dim contiguous; row cu_seqlens_q[b] + i is sequence b's
+           key seqlens_k[b] - q_len_b + i, so seqlens_k[b] >= q_len_b). They are written
+           into k_cache / v_cache in place before the attention reads them
+           (``kernels/paged_append.py``: one launch for both, no host read; the
+           reference writes them by indexing), so the cache holds them after the call.
 
     A query whose sequence has no key (seqlens_k[b] = 0, not causal) gets out 0 and
     LSE -inf, the empty-part convention of :func:`merge_states` and of
@@ -715,7 +746,7 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
     _flag("return_lse", return_lse)
     scale, impl, gather = _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k,
                                       block_table, max_seqlen_q, causal, sm_scale, impl,
-                                      validate, gather)
+                                      validate, gather, k_new, v_new)
     # the kernel reads index tensors with unit stride: strided views become small copies
     cu_q, lens_k, table = (t.contiguous() for t in (cu_seqlens_q, seqlens_k, block_table))
     if q.numel() == 0:
@@ -723,12 +754,16 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
     if impl == "reference":
+        if k_new is not None:
+            reference.append_paged_kv(k_new, v_new, k_cache, v_cache, cu_q, lens_k, table)
         out, lse = reference.attention_paged(q, k_cache, v_cache, cu_q, lens_k, table, causal,
                                              scale)
         return _finish(out, lse, q.dtype, return_lse)
     from . import ops
-    from .kernels import paged_gather, prefill_gluon, prefill_paged
+    from .kernels import paged_append, paged_gather, prefill_gluon, prefill_paged
     ops._interpreter_ready(q.device)  # the interpreter work-arounds, as for the other ops
+    if k_new is not None:  # into the caller's cache itself, before any kernel reads it
+        paged_append.append_kv(k_new, v_new, k_cache, v_cache, cu_q, lens_k, table)
     max_q = None if max_seqlen_q is None else min(int(max_seqlen_q), q.shape[0])
     qk, kc, vc = _run_kernels(impl, q.device, q, k_cache, v_cache)
     if gather:

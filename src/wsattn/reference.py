@@ -26,6 +26,7 @@ __all__ = [
     "attention_varlen",
     "decode",
     "attention_paged",
+    "append_paged_kv",
     "merge_states",
     "gather_paged_kv",
 ]
@@ -174,6 +175,23 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, c
         out[cq[b]:cq[b + 1]] = o
         lse[:, cq[b]:cq[b + 1]] = l
     return out, lse
+
+
+def append_paged_kv(k_new, v_new, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table):
+    """Reference chunk append, in place: row cu_seqlens_q[b] + i of k_new / v_new [Tq, Hkv,
+    D] goes to position seqlens_k[b] - Lq_b + i of sequence b's pages (Lq_b its chunk
+    length), the layout :func:`attention_paged` reads."""
+    cq, lens = cu_seqlens_q.tolist(), [int(x) for x in seqlens_k.tolist()]
+    page = k_cache.shape[1]
+    for b in range(len(cq) - 1):
+        n = cq[b + 1] - cq[b]
+        if n == 0:
+            continue
+        pos = torch.arange(lens[b] - n, lens[b], device=block_table.device)
+        pages = block_table[b, pos // page].long().to(k_cache.device)
+        slots = (pos % page).to(k_cache.device)
+        k_cache[pages, slots] = k_new[cq[b]:cq[b + 1]]
+        v_cache[pages, slots] = v_new[cq[b]:cq[b + 1]]
 
 
 def merge_states(outputs, lses, *, compute_dtype=torch.float64):

@@ -710,18 +710,19 @@ class KernelStep:
                 q = q * _inv_rms(q, self.eps) * layer.q_norm.float()
                 k = k * _inv_rms(k, self.eps) * layer.k_norm.float()
             q, k = _rope(q, cos, sin).to(dt), _rope(k, cos, sin).to(dt)
-            self.cache.k[i][page, slot] = k
-            self.cache.v[i][page, slot] = v
             # impl="auto": the dispatch's rule on the longest chunk (the Gluon varlen build
             # on sm_90 past 1,024 queries, the Triton kernel below and elsewhere)
             if fresh:
+                self.cache.k[i][page, slot] = k
+                self.cache.v[i][page, slot] = v
                 attn = api.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_q, max_q,
                                             causal=True, impl="auto", validate=False)
-            else:  # dispatch.paged_gather's route: in place by the Gluon kernel on sm_90
+            else:  # the call appends the chunk (one launch for K and V), then takes
+                # dispatch.paged_gather's route: in place by the Gluon kernel on sm_90
                 # (PAGED_IN_PLACE_FROM_PAGE), else gathered into packed rows on CUDA
                 attn = api.attention_paged(q, self.cache.k[i], self.cache.v[i], cu_seqlens,
                                            seqlens_k, table, max_q, causal=True,
-                                           impl="auto", validate=False)
+                                           impl="auto", validate=False, k_new=k, v_new=v)
             x = (x.float() + (attn.reshape(T, cfg.q_size) @ layer.wo.T).float()).to(dt)
             if layer.router is not None:
                 x = self._moe_prefill(layer, x)

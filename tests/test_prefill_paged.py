@@ -847,15 +847,17 @@ def test_gpu_cuda_graph_replay_equals_eager(gather):
 
 # --------------------------------------------------------------------------- the ladder
 
-def test_ladder_entry_compiles_everywhere_and_its_interpreter_numerics_pass():
-    """`prefill_paged` on the evidence ladder: compiles for every known target (no TMA, the
-    MMA of each), gates 0-2 on sm_90 on the CPU, interpreter numerics on small shapes
-    (shuffled NaN-guarded pages); the GPU gates wait for a device."""
+@pytest.mark.parametrize("name", ["prefill_paged", "prefill_paged_append"])
+def test_ladder_entry_compiles_everywhere_and_its_interpreter_numerics_pass(name):
+    """`prefill_paged` (and `prefill_paged_append`, whose chunk slots start NaN until the
+    call appends them) on the evidence ladder: compiles for every known target, gates 0-2
+    on sm_90 on the CPU, interpreter numerics on small shapes (shuffled NaN-guarded
+    pages); the GPU gates wait for a device."""
     from wsattn.evidence import ladder, library
     from wsattn.evidence.compile_gate import compile_kernel
     from wsattn.target import KNOWN_CCS
-    spec = library.get("prefill_paged")
-    assert "prefill_paged" in library.NAMES and not spec.unavailable, spec.unavailable
+    spec = library.get(name)
+    assert name in library.NAMES and not spec.unavailable, spec.unavailable
     assert spec.run.baseline is not None and len(spec.run.sanitizer_shapes) == 2
     for cc in KNOWN_CCS.values():
         cs = spec.compile_spec(cc)

@@ -290,6 +290,39 @@ def _paged_contiguous(inp):
                                    inp["max_q"], inp["max_k"], causal=True, impl="triton")
 
 
+def _build_paged_append(shape, dtype, device, gen):
+    """_build_paged's inputs with each chunk's own keys taken out of the cache (its slots
+    NaN) and given as k_new / v_new, packed as q is: the call must append them before it
+    reads them. Every run writes the same rows again, so reruns see the same cache."""
+    inp = _build_paged(shape, dtype, "cpu", gen)
+    page, lens_k = shape["page"], inp["lens_k"].tolist()
+    rows = []
+    for b, (lq, lk) in enumerate(zip(shape["Lq"], lens_k)):
+        start = int(inp["cu_k"][b])
+        rows += range(start + lk - lq, start + lk)
+        for j in range(lk - lq, lk):
+            inp["kc"][inp["bt"][b, j // page], j % page] = float("nan")
+            inp["vc"][inp["bt"][b, j // page], j % page] = float("nan")
+    rows = torch.tensor(rows, dtype=torch.long)
+    inp["k_new"], inp["v_new"] = inp["k"][rows].contiguous(), inp["v"][rows].contiguous()
+    return {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in inp.items()}
+
+
+def _paged_append_run(inp):
+    import wsattn
+    return wsattn.attention_paged(inp["q"], inp["kc"], inp["vc"], inp["cu_q"], inp["lens_k"],
+                                  inp["bt"], inp["max_q"], causal=True, return_lse=True,
+                                  impl="triton", gather=False, k_new=inp["k_new"],
+                                  v_new=inp["v_new"])
+
+
+def _paged_append_reference(inp):
+    # from the keys contiguous: the cache's chunk slots hold NaN until a run appends them
+    from .. import reference
+    return reference.attention_varlen(inp["q"], inp["k"], inp["v"], inp["cu_q"], inp["cu_k"],
+                                      causal=True)
+
+
 def _paged_gluon_run(inp, one_consumer=False):
     # the Gluon kernel's paged build, called as the kernel (attention_paged takes it with
     # gather=False, or by default per dispatch.paged_gather: notes/prefill_triton.md): the build
@@ -376,6 +409,27 @@ def _paged_entry(kind="in_place"):
     return ("prefill_paged", "wsattn.kernels.prefill_paged", "compile_spec",
             {"head_dim": 128, "dtype": "bf16", "causal": True, "page_size": 16}, run,
             "Triton chunked prefill over a paged cache, D=128 bf16, causal", None)
+
+
+def _paged_append_entry():
+    # the append kernel (paged_append.py, what the compile gates build), then the Triton
+    # paged kernel reading the cache it wrote; the baseline is the same attention over
+    # contiguous keys, so gate 7 says what appending inside the call costs
+    run = RunSpec(draw_shape=_draw_paged, build=_build_paged_append, run=_paged_append_run,
+                  reference=_paged_append_reference, dtypes=("bf16", "fp16"),
+                  baseline=_paged_contiguous,
+                  baseline_name="wsattn varlen prefill over the same keys, contiguous",
+                  profile_shapes=({"Lq": [2048] * 8, "P": [8192] * 8, "Hq": 32, "Hkv": 8,
+                                   "D": 128, "page": 16},),
+                  sanitizer_shapes=({"Lq": [17, 1], "P": [23, 0], "Hq": 4, "Hkv": 2, "D": 128,
+                                     "page": 16},
+                                    {"Lq": [65], "P": [3], "Hq": 2, "Hkv": 1, "D": 64,
+                                     "page": 64}),
+                  describe=_describe_paged)
+    return ("prefill_paged_append", "wsattn.kernels.paged_append", "compile_spec",
+            {"head_dim": 128, "dtype": "bf16", "page_size": 16}, run,
+            "chunked prefill that appends its chunk's K/V to the paged cache (the append "
+            "kernel, then the Triton paged kernel), D=128 bf16, causal", None)
 
 
 # --------------------------------------------------------------------------- decode
@@ -1081,6 +1135,7 @@ ENTRIES = (
     _paged_entry("gather"),
     _paged_entry("gluon"),
     _paged_entry("gluon_one_consumer"),
+    _paged_append_entry(),
     _decode_entry("decode_triton", paged=False),
     _decode_entry("decode_triton_paged", paged=True),
     _decode_entry("decode_triton_paged64", paged=True, page=64),

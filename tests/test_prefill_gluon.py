@@ -176,14 +176,26 @@ def test_sm90_bounded_v_structure(head_dim, causal):
         "BOUNDED_V"] is False  # fixed length: 3-D descriptors already bound each sequence
 
 
-# ptxas -v spill bytes (stores, loads) of the paged builds: D128 without a mask at page 16
-# (eight boxes a tile, the producer's 24 registers; the unrolled loop) stores and reloads a
-# few bytes; the rest none.
-PAGED_SPILL_BYTES = {(128, False, 16): [4, 20]}
+# ptxas -v spill bytes (stores, loads) of the paged builds, the rest none. D128 without a
+# mask (two consumers on the unrolled loop, the producer at 24 registers): at pages of 8,
+# 16 and 32 (16, 8 and 4 boxes a tile) one 4-byte value is stored at the kernel entry,
+# before the first setmaxnreg, and reloaded five times by the consumers and the producer;
+# at pages of 128 (one box a tile, box == BLOCK_N) five words (20 bytes) are stored there
+# and reloaded once by the producer ahead of its key loop (the SASS of these builds).
+PAGED_SPILL_BYTES = {(128, False, 8): [4, 20], (128, False, 16): [4, 20],
+                     (128, False, 32): [4, 20], (128, False, 128): [20, 20]}
+# The default build's key tiles are BLOCK_N = 128 rows (settings_for); every page size that
+# paged_supported takes is compiled, each box shape in every mask and head dim: boxes
+# smaller than the tile (16: eight a tile, 64: two), one box a tile (128), a page of
+# several tiles (256); pages 8 (sixteen boxes, the most), 32 and 512 repeat those shapes
+# with other counts, so a case or two each.
+PAGED_CASES = [pytest.param(d, c, page, id=f"D{d}-{'causal' if c else 'full'}-{page}")
+               for page in (16, 64, 128, 256) for d in (64, 128) for c in (False, True)] + [
+    pytest.param(d, c, page, id=f"D{d}-{'causal' if c else 'full'}-{page}")
+    for d, c, page in ((128, False, 8), (64, True, 8), (128, True, 32), (64, False, 512))]
 
 
-@pytest.mark.parametrize("page", [16, 64, 256])
-@pytest.mark.parametrize("head_dim, causal", COMPILE_CASES)
+@pytest.mark.parametrize("head_dim, causal, page", PAGED_CASES)
 def test_sm90_paged_structure(head_dim, causal, page):
     """The paged build (page > 0): the varlen build's partitions, registers and GEMMs, its
     shared memory within 32 bytes, the spills recorded above only, min(page, BLOCK_N)-row
@@ -193,6 +205,8 @@ def test_sm90_paged_structure(head_dim, causal, page):
     spec = pg.compile_spec(head_dim=head_dim, causal=causal, varlen=True, page=page)
     k = _compile_spec(spec)
     s = pg.settings_for(head_dim, causal)
+    # the build the launcher picks for a chunk past the one-consumer rules
+    assert pg.varlen_call_settings(head_dim, causal, 2048, 32768) == s
     _assert_ws_structure(k, s, head_dim)
     ptx = k.asm["ptx"]
     assert _ptxas_spill_bytes(ptx) == PAGED_SPILL_BYTES.get((head_dim, causal, page), [0, 0])
@@ -1298,8 +1312,38 @@ def test_sm90_one_consumer_structure(head_dim, causal, build):
     spills, and shared memory within the CTA's share."""
     s = pg.settings_for(head_dim, causal, **pg.ONE_CONSUMER[head_dim])
     varlen, paged = build != "fixed", build == "paged"
-    k = _compile_spec(pg.compile_spec(head_dim=head_dim, causal=causal, settings=s,
-                                      varlen=varlen, page=16 if paged else 0))
+    spec = pg.compile_spec(head_dim=head_dim, causal=causal, settings=s, varlen=varlen,
+                           page=16 if paged else 0)
+    _assert_one_consumer_structure(_compile_spec(spec), s, varlen)
+
+
+# The one-consumer build's key tiles are BLOCK_N = 64 rows (ONE_CONSUMER), so its box
+# shapes fall at other pages than the default build's: 8, 16 and 32 are boxes smaller
+# than the tile (eight, four, two a tile), 64 one box a tile, 128 and up a page of several
+# tiles. Pages 16 are in test_sm90_one_consumer_structure; each other page here once,
+# the one box a tile at both head dims.
+ONE_CONSUMER_PAGED_CASES = [
+    pytest.param(d, c, page, id=f"D{d}-{'causal' if c else 'full'}-{page}")
+    for d, c, page in ((128, False, 8), (64, True, 8), (64, False, 32), (128, True, 64),
+                       (64, False, 64), (128, False, 128), (64, True, 256), (128, True, 512))]
+
+
+@pytest.mark.parametrize("head_dim, causal, page", ONE_CONSUMER_PAGED_CASES)
+def test_sm90_one_consumer_paged_pages(head_dim, causal, page):
+    """The one-consumer paged build at the pages other than 16, as the launcher picks it
+    for a chunk of at most ONE_CONSUMER_CHUNK_UP_TO queries against any prefix: the
+    structure of test_sm90_one_consumer_structure, no spills, min(page, BLOCK_N)-row
+    boxes."""
+    s = pg.varlen_call_settings(head_dim, causal, pg.ONE_CONSUMER_CHUNK_UP_TO, 32768)
+    assert s == pg.one_consumer_settings(head_dim, causal) and s.BLOCK_N == 64
+    spec = pg.compile_spec(head_dim=head_dim, causal=causal, settings=s, varlen=True,
+                           page=page)
+    assert f"[1,{min(page, s.BLOCK_N)},{head_dim}]" in spec["signature"]["k_desc"]
+    assert spec["constexprs"]["PAGE"] == page
+    _assert_one_consumer_structure(_compile_spec(spec), s, True)
+
+
+def _assert_one_consumer_structure(k, s, varlen):
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     ws = re.findall(r"ttg\.warp_specialize\(.*requestedRegisters = array<i32: ([0-9, ]+)>", ttgir)
     assert ws == [str(s.PRODUCER_REGS)]
@@ -1322,6 +1366,7 @@ def test_sm90_one_consumer_structure(head_dim, causal, build):
     assert ttgir.count("ttg.local_load") == int(varlen)
     assert ttgir.count("ttg.local_store") == ptx.count("fence.proxy.async") == 1 + varlen
     assert "tensormap.replace" not in ptx
+
 
 def test_persistent_varlen_is_refused_by_name(monkeypatch):
     """Varlen and the paged build have no persistent schedule: the launchers and
@@ -1357,6 +1402,13 @@ GPU_CASES = [  # B, Sq, Sk, Hq, Hkv, D, causal
     (1, 1, 257, 8, 1, 64, True),
     (1, 384, 1000, 8, 2, 64, True),
     (2, 1000, 1000, 4, 4, 128, False),
+    # the issue's odd lengths on the builds the launcher picks for them (the one-consumer
+    # build up to its limits, the multi-consumer default past them), GQA 7:1 among them
+    (1, 63, 63, 7, 1, 64, True),
+    (2, 64, 64, 8, 2, 128, False),
+    (1, 65, 65, 14, 2, 128, True),
+    (1, 8191, 8191, 4, 1, 128, False),
+    (1, 8191, 8191, 7, 1, 64, True),
 ]
 
 
@@ -1377,6 +1429,8 @@ def test_sm90_numerics(case, dtype):
     ref, ref_lse = reference.attention(q, k, v, causal)
     assert_close(out, ref, dtype)
     assert_lse_close(lse, ref_lse, dtype)
+    again = wsattn.attention(q, k, v, causal=causal, return_lse=True, impl="gluon")
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
 
 
 @pytest.mark.sm90

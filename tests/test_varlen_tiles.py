@@ -108,11 +108,17 @@ def test_codes_stay_in_range(tq, hq, fits):
     assert vt.table_fits(tq, hq, 128) is fits
 
 
-@pytest.mark.parametrize("causal, one, longest", [(False, False, False), (True, False, False),
-                                                   (True, True, False), (True, False, True)])
-def test_sm90_table_kernel_compiles_without_spills(causal, one, longest):
-    """sm_90 build, no spills; also with n_seq and Hq the constant 1 (a specialization)
-    and the longest-first order."""
+# order: "pack" (the default build, no LONGEST_FIRST), "longest" (LONGEST_FIRST over the
+# running key counts cu_k: prefill_varlen), "counts" (LONGEST_FIRST with KEY_COUNTS, cu_k
+# each sequence's own key count: the paged build, prefill_paged); causal only reverses a
+# head's row blocks, so each order once with a mask and once without
+@pytest.mark.parametrize("causal, one, order", [
+    (False, False, "pack"), (True, False, "pack"), (True, True, "pack"),
+    (False, False, "longest"), (True, False, "longest"),
+    (False, False, "counts"), (True, False, "counts")])
+def test_sm90_table_kernel_compiles_without_spills(causal, one, order):
+    """sm_90 build, no spills; also with n_seq and Hq the constant 1 (a specialization),
+    the longest-first order and the paged build's order by key counts."""
     import os
     import re
     import subprocess
@@ -125,9 +131,12 @@ def test_sm90_table_kernel_compiles_without_spills(causal, one, longest):
            "BLOCK_M": "constexpr", "CAUSAL": "constexpr", "PIDS": "constexpr",
            "SEQS": "constexpr"}
     const = {"BLOCK_M": 128, "CAUSAL": causal, "PIDS": vt.PIDS, "SEQS": vt.SEQS}
-    if longest:
+    if order != "pack":
         sig.update(LONGEST_FIRST="constexpr", cu_k="*i32")
         const["LONGEST_FIRST"] = True
+    if order == "counts":
+        sig["KEY_COUNTS"] = "constexpr"
+        const["KEY_COUNTS"] = True
     if one:
         sig.update(n_seq="constexpr", Hq="constexpr")
         const.update(n_seq=1, Hq=1)

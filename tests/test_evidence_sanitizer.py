@@ -739,13 +739,16 @@ def _gluon_dispatch_of(cs):
 
 
 def test_prefill_gluon_sanitizer_builds_are_the_launched_ones():
-    """The fixed-length Gluon prefill's sanitizer shapes (Sq 17 at D128, Sq 1 at D64, not
-    causal) launch the one-consumer builds (ONE_CONSUMER_UP_TO), each specialized on its
-    lengths, whose shared-memory layouts and so dispatch bytes differ from the default
-    builds'. Every hazard of the H200 racecheck run (tests/data/racecheck_prefill_gluon_h200.json,
-    9 printed hazards + 2 race reports = its 11 errors) lies on the dispatch bytes of one
-    of the two, and with the H200 probe the waiver holds; with the builds the entry
-    launched before (D128's default and D64's persistent schedule) it does not."""
+    """The fixed-length Gluon prefill's sanitizer shapes: the short ones (Sq 17 at D128,
+    Sq 1 at D64, not causal) launch the one-consumer builds (ONE_CONSUMER_UP_TO), each
+    specialized on its lengths, whose shared-memory layouts and so dispatch bytes differ
+    from the default builds'; the longer ones launch D128's two-consumer default, D64's
+    persistent schedule and D64's three-consumer default, each with its own bytes. Every
+    hazard of the H200 racecheck run of the short shapes
+    (tests/data/racecheck_prefill_gluon_h200.json, 9 printed hazards + 2 race reports =
+    its 11 errors) lies on the dispatch bytes of the two one-consumer builds, and with the
+    H200 probe the waiver holds; with the builds the entry launched before (D128's
+    default and D64's persistent schedule) alone it does not."""
     import json
     from wsattn.evidence import ladder, library
     from wsattn.kernels import prefill_gluon as pg
@@ -754,7 +757,10 @@ def test_prefill_gluon_sanitizer_builds_are_the_launched_ones():
     primary = _gluon_dispatch_of(cs)
     others = ladder._other_builds_dispatch(spec, 90, cs, 4)
     assert (primary["lo"], primary["hi"]) == (0x38158, 0x38160)
-    assert {(w["lo"], w["hi"]) for w in others} == {(0x1C128, 0x1C12C), (0xE128, 0xE12C)}
+    assert {(w["lo"], w["hi"]) for w in others} == {
+        (0x1C128, 0x1C12C), (0xE128, 0xE12C),  # the one-consumer builds, D128 and D64
+        (0x38158, 0x38160),  # D128's default (the primary build's bytes)
+        (0x26188, 0x26194), (0x26178, 0x26184)}  # D64's persistent build and its default
     r = json.loads((DATA / "racecheck_prefill_gluon_h200.json").read_text())
     out = sanitizer.waive(dict(r), [primary] + others, _h200_probe())
     assert out["ok"], out.get("not_waived")
@@ -765,13 +771,15 @@ def test_prefill_gluon_sanitizer_builds_are_the_launched_ones():
 
 
 def test_prefill_gluon_causal_sanitizer_builds_are_specialized_as_launched():
-    """The causal entry's sanitizer shapes (Sq 17 at D128, Sq 1 at D64) launch the
+    """The causal entry's short sanitizer shapes (Sq 17 at D128, Sq 1 at D64) launch the
     one-consumer builds, and at Sq = 1 Triton's launcher makes Sq a constant, which moves
-    the D64 build's dispatch bytes 16 bytes down from its build for other lengths. Every
-    hazard of the H200 racecheck run (tests/data/racecheck_prefill_gluon_causal_h200.json,
-    17 printed hazards + 2 race reports = its 19 errors) lies on the specialized builds'
-    bytes and the waiver holds; with the D64 build compiled for generic lengths (what the
-    ladder compiled before compile_spec took seqlens, and failed with) it does not."""
+    the D64 build's dispatch bytes 16 bytes down from its build for other lengths; its
+    longer ones (Sq 1100 at D128, 2100 at D64) the two- and three-consumer defaults. Every
+    hazard of the H200 racecheck run of the short shapes
+    (tests/data/racecheck_prefill_gluon_causal_h200.json, 17 printed hazards + 2 race
+    reports = its 19 errors) lies on the specialized builds' bytes and the waiver holds;
+    with the D64 build compiled for generic lengths (what the ladder compiled before
+    compile_spec took seqlens, and failed with) it does not."""
     import json
     from wsattn.evidence import ladder, library
     from wsattn.kernels import prefill_gluon as pg
@@ -779,7 +787,9 @@ def test_prefill_gluon_causal_sanitizer_builds_are_specialized_as_launched():
     cs = spec.compile_spec(90)
     primary = _gluon_dispatch_of(cs)
     others = ladder._other_builds_dispatch(spec, 90, cs, 4)
-    assert {(w["lo"], w["hi"]) for w in others} == {(0x1C138, 0x1C13C), (0xE128, 0xE12C)}
+    assert {(w["lo"], w["hi"]) for w in others} == {
+        (0x1C138, 0x1C13C), (0xE128, 0xE12C),  # the one-consumer builds, D128 and D64
+        (0x38158, 0x38160), (0x26150, 0x2615C)}  # the two- and three-consumer defaults
     r = json.loads((DATA / "racecheck_prefill_gluon_causal_h200.json").read_text())
     out = sanitizer.waive(dict(r), [primary] + others, _h200_probe())
     assert out["ok"], out.get("not_waived")

@@ -757,10 +757,12 @@ def test_ladder_varlen_entry_builds_and_runs_the_varlen_launcher(monkeypatch):
     assert calls == [("varlen", (18, 4, 64), [0, 17, 18], 18, False)]
     assert out.shape == (18, 4, 64) and lse.shape == (4, 18)
     assert spec.run.draw_shape(random.Random(0), False)["D"] == 128
-    # the sanitizer's packs are short: through the API they launch the one-consumer
-    # build, whose dispatch bytes the racecheck waiver must read
+    # the sanitizer's short packs launch the one-consumer build through the API, its
+    # longer ones (1,100 tokens) the default builds: the racecheck waiver reads each one's
+    # dispatch bytes
     builds = [b for sh in spec.run.sanitizer_shapes for b in spec.run.sanitizer_builds(sh)]
-    assert [(b["head_dim"], b["settings"].CONSUMERS) for b in builds] == [(128, 1), (64, 1)]
+    assert [(b["head_dim"], b["settings"].CONSUMERS) for b in builds] == [
+        (128, 1), (64, 1), (128, 2), (64, 3)]
     assert spec.run.sanitizer_builds({"Sq": [4000], "Sk": [4000], "D": 128})[0][
         "settings"] == pg.settings_for(128, False)
 

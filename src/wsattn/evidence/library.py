@@ -161,6 +161,22 @@ _SANITIZER_PREFILL = {
 }
 
 
+# The Gluon entries' further shapes: the builds the launcher picks past the one-consumer
+# rules (the two-consumer D128 and three-consumer D64 defaults, and D64 non-causal's
+# persistent schedule in between), so the sanitizer gate runs what long calls run, not
+# only the short calls' one-consumer builds (H 2 and one sequence: racecheck's cost grows
+# with every shared-memory access)
+_SANITIZER_GLUON_DEFAULTS = {
+    (False, False): ({"B": 1, "Sq": 300, "Sk": 300, "Hq": 2, "Hkv": 1, "D": 128},
+                     {"B": 1, "Sq": 600, "Sk": 600, "Hq": 2, "Hkv": 1, "D": 64},
+                     {"B": 1, "Sq": 1100, "Sk": 1100, "Hq": 2, "Hkv": 1, "D": 64}),
+    (True, False): ({"B": 1, "Sq": 1100, "Sk": 1100, "Hq": 2, "Hkv": 1, "D": 128},
+                    {"B": 1, "Sq": 2100, "Sk": 2100, "Hq": 2, "Hkv": 1, "D": 64}),
+    (False, True): ({"Sq": [700, 400], "Sk": [700, 400], "Hq": 2, "Hkv": 1, "D": 128},
+                    {"Sq": [700, 400], "Sk": [700, 400], "Hq": 2, "Hkv": 1, "D": 64}),
+}
+
+
 def _gluon_prefill_builds(causal):
     """The Gluon builds a fixed-length sanitizer shape launches: the call's own settings,
     which take the one-consumer build for short shapes (ONE_CONSUMER_UP_TO) and the
@@ -212,7 +228,10 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
                   if varlen else "torch SDPA (cuDNN/flash)",
                   profile_shapes=(_varlen_profile_shape(one_consumer),) if varlen else (
                       {"B": 4, "Sq": 4096, "Sk": 4096, "Hq": 16, "Hkv": 16, "D": 128},),
-                  sanitizer_shapes=_SANITIZER_PREFILL[varlen], describe=_describe_prefill,
+                  sanitizer_shapes=_SANITIZER_PREFILL[varlen] + (
+                      _SANITIZER_GLUON_DEFAULTS.get((causal, varlen), ())
+                      if impl == "gluon" and not (plain or one_consumer) else ()),
+                  describe=_describe_prefill,
                   sanitizer_builds=None if impl != "gluon" or plain else
                   _gluon_varlen_builds(causal, one_consumer) if varlen else
                   _gluon_prefill_builds(causal))

@@ -46,8 +46,10 @@ each timed call reads the next copy (``copies`` in the row). Time is a CUDA-grap
 (``wsattn.bench.timing.cuda_timer``); a column that cannot be captured (transformers'
 eager expert loop reads the routing on the host) is timed eagerly and ``timing`` says so.
 
-Out of scope here: end-to-end decode ms/token of the MoE models; the step benchmark
-(:mod:`wsattn.bench.step`, ``--models qwen3-30b-a3b``) times the whole 48-layer model.
+End to end (the whole decode step of a MoE model, ms/token next to transformers eager
+and static cache + torch.compile) is the step benchmark's: ``wsattn bench step --models
+qwen3-30b-a3b olmoe-1b-7b --batch 1 8 32 64 --ctx 4096`` (:mod:`wsattn.bench.step`; its
+MoE models are these layers' configs; Mixtral-8x7B's weights do not fit there twice).
 """
 
 from __future__ import annotations

@@ -673,32 +673,18 @@ def test_sm90_tma_build_loads_by_tma_without_spills(head_dim):
     assert kernel.metadata.shared <= SMEM_LIMIT[90]
 
 
+@pytest.mark.parametrize("module", ["paged_gather", "paged_append"])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
-def test_sm90_gather_build_copies_16_bytes_a_load_without_spills(head_dim):
-    """The gather kernel on sm_90: no spills, no shared memory, 16-byte loads and stores."""
+def test_sm90_copy_builds_copy_16_bytes_a_load_without_spills(module, head_dim):
+    """The gather and append kernels on sm_90: no spills, 16-byte loads and stores."""
+    import importlib
+
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from test_prefill_compile import _ptxas_usage
-    from wsattn.kernels import paged_gather
-    spec = paged_gather.compile_spec(90, head_dim, "bf16", page_size=16)
-    src = ASTSource(spec["fn"], spec["signature"], spec["constexprs"], spec["attrs"])
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
-    regs, stores, loads = _ptxas_usage(kernel)
-    ptx = kernel.asm["ptx"]
-    assert stores + loads == 0, (regs, stores, loads)
-    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, "16-byte copies"
-
-
-@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
-def test_sm90_append_build_copies_16_bytes_a_load_without_spills(head_dim):
-    """The append kernel on sm_90: no spills, no shared memory, 16-byte loads and stores."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from test_prefill_compile import _ptxas_usage
-    from wsattn.kernels import paged_append
-    spec = paged_append.compile_spec(90, head_dim, "bf16", page_size=16)
+    spec = importlib.import_module(f"wsattn.kernels.{module}").compile_spec(
+        90, head_dim, "bf16", page_size=16)
     src = ASTSource(spec["fn"], spec["signature"], spec["constexprs"], spec["attrs"])
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
     regs, stores, loads = _ptxas_usage(kernel)

@@ -539,16 +539,28 @@ def test_gpu_residual_products_on_cublas_at_64_rows():
 @pytest.mark.gpu
 def test_gpu_matches_reference_step():
     """bf16 kernels vs the reference step (fp32 compute over the same bf16 weights): the
-    first steps' logits within bf16 tolerance."""
+    prefill's logits within bf16 tolerance; then 32 decode steps teacher-forced on the
+    kernels' own tokens (one transformers forward over prompt + tokens, so every step is
+    compared whatever the last one chose), within bf16 tolerance of the same weights in
+    fp32 or within twice transformers' own bf16 error there."""
+    import copy
+
+    from wsattn.bench.step import teacher_forced_check
     from wsattn.engine.generate import Engine
     from wsattn.testing import rel_err, tol
 
     e, model = _gpu_engine()
     ps = _gpu_prompts()
-    _, kl = e.run(ps, 4, return_logits=True)
+    _, kl = e.run(ps, 1, return_logits=True)
     ref = Engine(model, dtype=torch.bfloat16, device="cuda", step="reference")
-    _, rl = ref.run(ps, 4, return_logits=True)
+    _, rl = ref.run(ps, 1, return_logits=True)
     assert rel_err(kl[:, 0], rl[:, 0]) <= tol(torch.bfloat16)
+    del ref
+    ids = torch.stack([p[:5] for p in ps])  # the shortest prompt's length
+    fp32 = copy.deepcopy(model).to("cuda", torch.float32).eval()
+    bf16 = copy.deepcopy(model).to("cuda", torch.bfloat16).eval()
+    rel, bound, detail = teacher_forced_check(bf16, e, ids, 32, "bf16", ref_model=fp32)
+    assert rel <= bound, (rel, bound, detail)
 
 
 @pytest.mark.gpu

@@ -45,11 +45,10 @@ MIN_LOGIT_GAP = 1e-4
 N_NEW = 32
 PROMPT_LENS = [7, 4]  # test_models_moe's: bucket 2, the step's grouping-kernel path
 FP32_LOGITS = 1e-5  # one step's logits, relative, as test_models_moe / test_runner_moe
-# 32 interpreted decode steps cost 20-27 CPU seconds a family; the file's budget (~90 s on
-# 2 cores) holds two: Qwen3-MoE (renormalised, per-head QK-norm) and OLMoE (not
-# renormalised, QK-norm over the whole projection). Mixtral's block is compared below, and
-# its step against the reference step in test_runner_moe.
-GENERATE_NAMES = ["qwen3_moe-norm", "olmoe"]
+# 32 interpreted decode steps cost 20-27 CPU seconds a family; all three the issue names:
+# Qwen3-MoE (renormalised, per-head QK-norm), Mixtral (top-2 of 4, always renormalised)
+# and OLMoE (not renormalised, QK-norm over the whole projection)
+GENERATE_NAMES = ["qwen3_moe-norm", "mixtral", "olmoe"]
 
 CHILD = textwrap.dedent(r'''
     import json, sys

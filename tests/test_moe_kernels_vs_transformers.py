@@ -223,10 +223,11 @@ def _check_block(name, r):
 
 
 def test_kernel_step_greedy_32_tokens_match_transformers():
-    """The kernel step of Qwen3-MoE and OLMoE (prefill, then 31 decode steps through the
-    MoE kernels at bucket 2) against transformers.generate, a batch of prompts of 7 and 4
-    tokens, 32 greedy tokens: tokens identical, every step's logits within FP32_LOGITS of
-    generate's and of transformers' teacher-forced logits on the same tokens."""
+    """The kernel step of Qwen3-MoE, Mixtral and OLMoE (prefill, then 31 decode steps
+    through the MoE kernels at bucket 2) against transformers.generate, a batch of prompts
+    of 7 and 4 tokens, 32 greedy tokens: tokens identical, every step's logits within
+    FP32_LOGITS of generate's and of transformers' teacher-forced logits on the same
+    tokens."""
     results = _each("generate", GENERATE_NAMES, lens=PROMPT_LENS, n_new=N_NEW)
     for name, r in results.items():
         steps = N_NEW - 1

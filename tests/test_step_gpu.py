@@ -1,6 +1,6 @@
 """The kernel decode step on a GPU at the benchmark's real model shapes (bf16, random
-weights): teacher-forced logits over 128 steps against transformers, and 10,000 graph
-replays without drift. GPU-only; the CPU twins are in test_runner.py / test_engine.py."""
+weights): teacher-forced logits over 128 steps against transformers, graph replay equal
+to eager, and 10,000 graph replays without drift (on a toy model and at the 1B shape). GPU-only; the CPU twins are in test_runner.py / test_engine.py."""
 
 from __future__ import annotations
 
@@ -81,6 +81,28 @@ def test_gpu_10000_replayed_steps():
     pages = 2 * -(-(16 + steps) // 16) + 2
     graph = _gpu_engine(graphs=True, layers=2, max_pos=16384, num_pages=pages)[0].run(ps, steps)
     eager = _gpu_engine(graphs=False, layers=2, max_pos=16384, num_pages=pages)[0].run(ps, steps)
+    assert all(torch.equal(a, b) for a, b in zip(graph, eager))
+
+
+@pytest.mark.gpu
+def test_gpu_10000_replayed_steps_at_the_1b_shape():
+    """The same at the Llama-3.2-1B shape (bf16, PDL as shipped, two sequences of
+    different lengths): 10,000 graph replays give the eager step's tokens bit for bit."""
+    from wsattn.engine.runner import KernelStep
+
+    steps = 10_000
+    hf = step_bench.build_model("llama-3.2-1b", "cuda", "bf16")
+    case = step_bench.StepCase("llama-3.2-1b", 2, 16)
+    engine, _ = step_bench.build_engine(hf, case, pdl=True, max_seq_len=16 + steps + 2,
+                                        device="cuda")
+    del hf
+    g = torch.Generator().manual_seed(13)
+    ps = [torch.randint(0, case.cfg.vocab, (n,), generator=g) for n in (16, 11)]
+    graph = engine.run(ps, steps)
+    assert engine.step.graphs
+    engine.step = KernelStep(engine.cfg, engine.weights, engine.cache, buckets=engine.buckets,
+                             graphs=False, pdl=True)
+    eager = engine.run(ps, steps)
     assert all(torch.equal(a, b) for a, b in zip(graph, eager))
 
 

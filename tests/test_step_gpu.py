@@ -1,6 +1,7 @@
 """The kernel decode step on a GPU at the benchmark's real model shapes (bf16, random
 weights): teacher-forced logits over 128 steps against transformers, graph replay equal
-to eager, and 10,000 graph replays without drift (on a toy model and at the 1B shape). GPU-only; the CPU twins are in test_runner.py / test_engine.py."""
+to eager, and 10,000 graph replays without drift (on a toy model and at the 1B shape).
+GPU-only; the CPU twins are in test_runner.py / test_engine.py."""
 
 from __future__ import annotations
 

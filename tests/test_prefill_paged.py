@@ -322,14 +322,15 @@ APPEND_CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("case", list(APPEND_CASES.values()), ids=list(APPEND_CASES))
-def test_append_kernel_writes_what_indexing_writes(interpret, case):
+def test_append_kernel_writes_what_indexing_writes(interpret, case, dtype):
     """paged_append.append_kv: the chunk's rows land where the reference's indexing puts
-    them, bit for bit, and every other slot of the caches (NaN or a prefix key) is as it
-    was."""
+    them, bit for bit in every cache dtype (a copy, no arithmetic), and every other slot of
+    the caches (NaN or a prefix key) is as it was."""
     from wsattn.kernels import paged_append
     lq, lk, Hq, Hkv, D, page = case
-    x = paged_inputs(lq, lk, Hq, Hkv, D, page, F16, seed=43)
+    x = paged_inputs(lq, lk, Hq, Hkv, D, page, dtype, seed=43)
     k_new, v_new, kc, vc = _chunk_of(x, lq, lk)
     paged_append.append_kv(k_new, v_new, kc, vc, x["cu_seqlens_q"], x["seqlens_k"],
                            x["block_table"])

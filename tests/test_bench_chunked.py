@@ -112,9 +112,10 @@ def test_cases_and_ids():
                                                            "triton-contiguous",
                                                            "gluon-contiguous",
                                                            "gluon-one-consumer-contiguous"]
-    assert chunked.case_impls(cases[1], chunked.IMPLS) == ["wsattn", "triton-paged",
-                                                           "triton-gather", "gluon-gather",
-                                                           "gluon-paged", "flashinfer-paged"]
+    assert chunked.case_impls(cases[1], chunked.IMPLS) == ["wsattn", "wsattn-append",
+                                                           "triton-paged", "triton-gather",
+                                                           "gluon-gather", "gluon-paged",
+                                                           "flashinfer-paged"]
     spec = ["gluon-paged[CONSUMERS=1]", "gluon-contiguous[CONSUMERS=1]", "triton-paged[1,2,3,4]"]
     assert chunked.case_impls(cases[0], spec) == ["gluon-contiguous[CONSUMERS=1]"]
     assert chunked.case_impls(cases[1], spec) == ["gluon-paged[CONSUMERS=1]",
@@ -310,16 +311,18 @@ print("RESULT " + json.dumps({"rows": rows, "bad": bad, "timed_bad": timer.n - b
 
 
 def test_runner_checks_then_times_on_the_interpreter():
-    """wsattn (the default route), triton-paged and triton-gather (page 16, shuffled
-    pages), wsattn-contiguous and triton-contiguous on a tiny fp32 shape through the
+    """wsattn (the default route) and wsattn-append (the same call appending the chunk),
+    triton-paged and triton-gather (page 16, shuffled pages), wsattn-contiguous and
+    triton-contiguous on a tiny fp32 shape through the
     interpreter: each output within tolerance of float64, then timed; the Gluon columns
     are 'not available' with the dispatcher's reason, flashinfer-paged with the import
     error; a wrong kernel fails and is not timed."""
     r = interpreter_child(CHUNKED_CHILD, timeout=300)
     rows = {(row["prefix"], row["impl"]): row for row in r["rows"]}
-    assert len(r["rows"]) == 2 * 14
+    assert len(r["rows"]) == 2 * 15
     for prefix in (0, 20):
-        for impl in ("wsattn", "triton-paged", "triton-gather", "wsattn-contiguous",
+        for impl in ("wsattn", "wsattn-append", "triton-paged", "triton-gather",
+                     "wsattn-contiguous",
                      "triton-contiguous", "triton-paged[16,16,4,1,1]",
                      "triton-paged[16,32,4,1]"):
             row = rows[(prefix, impl)]
@@ -336,6 +339,8 @@ def test_runner_checks_then_times_on_the_interpreter():
         assert gather["ratio_contiguous"] == pytest.approx(1.0) and gather["target_met"] == "met"
         default = rows[(prefix, "wsattn")]  # against wsattn-contiguous
         assert default["ratio_contiguous"] == pytest.approx(1.0)
+        append = rows[(prefix, "wsattn-append")]  # the call that appends, against the same
+        assert append["ratio_contiguous"] == pytest.approx(1.0)
         for impl in ("gluon-contiguous", "gluon-gather", "gluon-paged",
                      "gluon-one-consumer-contiguous", "gluon-paged[CONSUMERS=1]",
                      "gluon-contiguous[CONSUMERS=1]"):
@@ -345,7 +350,7 @@ def test_runner_checks_then_times_on_the_interpreter():
         fi = rows[(prefix, "flashinfer-paged")]  # not installed on the CPU machines
         assert fi["status"] == "not available" and "flashinfer" in fi["reason"]
     assert rows[(20, "triton-paged")]["flops"] == 4 * 64 * 4 * 3 * (17 * 20 + 17 * 18 // 2)
-    assert r["timed"] == 14 + 3  # the causal shapes, then the three columns without a mask
+    assert r["timed"] == 16 + 3  # the causal shapes, then the three columns without a mask
     assert rows[(20, "triton-paged[16,16,4,1,1]")]["ratio_contiguous"] == pytest.approx(1.0)
     # without a mask: checked against its own float64 reference (every key seen), timed
     assert [(row["impl"], row["status"], row["causal"]) for row in r["full"]] == \
@@ -383,7 +388,7 @@ def test_runner_on_the_gpu():
         assert by[("gluon-paged[one_consumer]", 16)]["ratio_contiguous"] is not None
     for key in (("triton-contiguous", None), ("triton-paged", 16), ("triton-paged", 64),
                 ("triton-gather", 16), ("triton-gather", 64), ("wsattn-contiguous", None),
-                ("wsattn", 16), ("wsattn", 64)):
+                ("wsattn", 16), ("wsattn", 64), ("wsattn-append", 16), ("wsattn-append", 64)):
         r = by[key]
         assert r["status"] == "ok", r
         assert r["timing"] == "graph" and r["rel_err"] <= r["tol"] and r["tflops"] > 0

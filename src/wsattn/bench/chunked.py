@@ -39,6 +39,11 @@ Columns (``impl``):
   cache into a packed buffer (one launch, ``kernels/paged_gather.py``), then that
   backend's varlen kernel; timed with the copy. Their ``ratio_contiguous`` is against the
   same backend's contiguous column ("the same attention with a contiguous prefix").
+* ``wsattn-append``: the ``wsattn`` call with the chunk's own keys and values given as
+  ``k_new`` / ``v_new`` (the serving call: the append into the cache, one launch, timed
+  with the attention; the rows it writes hold those values already, so every call
+  writes the same bits); ``ratio_contiguous`` against ``wsattn-contiguous``, which has
+  no append to do.
 * ``gluon-paged``: :func:`wsattn.attention_paged` with ``impl="gluon"``, ``gather=False``
   (the Gluon kernel's paged build, ``prefill_gluon.prefill_paged``: K/V read from the
   cache's pages by TMA in place, no copy), "not available" with the dispatcher's reason
@@ -95,15 +100,15 @@ DIMS = (128, 64)
 CHUNK = 2048
 BATCH = 8  # chunks of 2048: 16k chunk tokens a batch, as the prefill benchmark
 HQ, HKV = 32, 8
-IMPLS = ("wsattn", "triton-paged", "triton-gather", "gluon-gather", "gluon-paged",
-         "wsattn-contiguous", "triton-contiguous", "gluon-contiguous", "flashinfer-paged",
-         "gluon-one-consumer-contiguous")
+IMPLS = ("wsattn", "wsattn-append", "triton-paged", "triton-gather", "gluon-gather",
+         "gluon-paged", "wsattn-contiguous", "triton-contiguous", "gluon-contiguous",
+         "flashinfer-paged", "gluon-one-consumer-contiguous")
 # asked for by name only: one build of the Gluon kernel beside the rule's own columns
 BY_NAME = ("gluon-one-consumer-contiguous",)
 DEFAULT_IMPLS = tuple(i for i in IMPLS if i not in BY_NAME)
 # a failure of these exits 1
-WSATTN_IMPLS = ("wsattn", "triton-paged", "triton-gather", "wsattn-contiguous",
-                "triton-contiguous")
+WSATTN_IMPLS = ("wsattn", "wsattn-append", "triton-paged", "triton-gather",
+                "wsattn-contiguous", "triton-contiguous")
 TARGET_RATIO = 0.95  # the issue's: paged time >= 0.95x as fast as contiguous
 
 ROW_FIELDS = ("op", "impl", "case", "layout", "page_size", "dtype", "causal", "B", "chunk",
@@ -186,7 +191,7 @@ def case_impls(case: ChunkedCase, impls) -> list[str]:
     if case.page is None:
         return [i for i in impls if i.split("[")[0].endswith("-contiguous")]
     return [i for i in impls if i.split("[")[0].endswith(("-paged", "-gather"))
-            or i == "wsattn"]
+            or i in ("wsattn", "wsattn-append")]
 
 
 def _spec_of(impl: str) -> str:
@@ -268,7 +273,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     for r in rows:
         if r.get("op") != "chunked" or r["page_size"] is None or r["status"] != "ok":
             continue
-        backend = "wsattn" if r["impl"] == "wsattn" else \
+        backend = "wsattn" if r["impl"] in ("wsattn", "wsattn-append") else \
             "gluon" if r["impl"].startswith("gluon-") else "triton"
         # a gluon-paged[SPEC] column against gluon-contiguous[SPEC] (the same build)
         spec = f"[{_spec_of(r['impl'])}]" if r["impl"].startswith("gluon-paged[") else ""
@@ -432,6 +437,18 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
             return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
                                           max_seqlen_q=case.chunk, causal=case.causal,
                                           sm_scale=inp.scale, impl=backend, gather=gather)
+        return call, call, None
+    if impl == "wsattn-append":
+        kc, vc, table = cache
+        # each sequence's last `chunk` keys, packed as q is (a copy outside the timing)
+        rows = (inp.cu_k[:-1, None].long() + (case.seqlen_k - case.chunk)
+                + torch.arange(case.chunk, device=inp.k.device)).reshape(-1)
+        k_new, v_new = inp.k[rows].contiguous(), inp.v[rows].contiguous()
+
+        def call():
+            return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
+                                          max_seqlen_q=case.chunk, causal=case.causal,
+                                          sm_scale=inp.scale, k_new=k_new, v_new=v_new)
         return call, call, None
     if impl.startswith("triton-paged["):  # the kernel with exactly these settings
         from wsattn.kernels.prefill_paged import prefill_paged

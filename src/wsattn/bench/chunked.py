@@ -90,7 +90,7 @@ from .cases import DTYPES, tflops
 from .timing import _sync, release
 from .gemv import write
 from .runners import NotAvailable, parse_gluon_settings
-from .report import fmt, paired_ratio, status_text, target_text
+from .report import fmt, paired_ratio, status_text, target_text, timing_fields
 
 PREFIXES = (0, 2048, 8192, 32768)
 MASKS = ("causal",)
@@ -248,10 +248,7 @@ def make_row(stamp: dict, case: ChunkedCase, impl: str, status: str, *, reason=N
                check_slice=check_slice, matmul_tflops=matmul_tflops,
                target_ratio=TARGET_RATIO if case.page is not None else None)
     if timing is not None:
-        row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
-                   reps=timing.reps, calls=timing.calls, timing=timing.method,
-                   samples_ms=None if samples is None else [float(t) for t in samples],
-                   samples_t=None if stamps is None else [round(t, 4) for t in stamps],
+        row.update(timing_fields(timing, samples, stamps),
                    tflops=tflops(case.flops(), timing.median_ms))
         if matmul_tflops:
             row["frac_matmul"] = row["tflops"] / matmul_tflops

@@ -19,6 +19,16 @@ RESULT_FIELDS = ("median_ms", "q20_ms", "q80_ms", "reps", "calls", "timing", "sa
                  "ratio_matmul", "frac_copy", "ratio_contiguous")
 
 
+def timing_fields(timing, samples=None, stamps=None) -> dict:
+    """A timed row's timing fields, the same in every benchmark's rows: the Timing's
+    summary, and the samples in round order (``samples_ms``) with the host time at the end
+    of each (``samples_t``, Unix seconds), where the rows were timed in rounds."""
+    return dict(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
+                reps=timing.reps, calls=timing.calls, timing=timing.method,
+                samples_ms=None if samples is None else [float(t) for t in samples],
+                samples_t=None if stamps is None else [round(t, 4) for t in stamps])
+
+
 def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=None,
              timing=None, note=None, samples=None, stamps=None) -> dict:
     """A row for one (case, impl). Throughput is filled only for a timed ('ok') row;
@@ -39,10 +49,7 @@ def make_row(stamp: dict, case, impl: str, status: str, *, reason=None, check=No
                check_slice=None if check is None else check.where)
     row.update({k: None for k in RESULT_FIELDS})
     if timing is not None:
-        row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
-                   reps=timing.reps, calls=timing.calls, timing=timing.method,
-                   samples_ms=None if samples is None else [float(t) for t in samples],
-                   samples_t=None if stamps is None else [round(t, 4) for t in stamps])
+        row.update(timing_fields(timing, samples, stamps))
         if case.op == "prefill":
             row["tflops"] = tflops(case.flops(), timing.median_ms)
         else:

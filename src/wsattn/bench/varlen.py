@@ -89,7 +89,7 @@ from .chunked import poisoned
 from .gemv import write
 from .runners import (NotAvailable, Prepared, multi_consumer_build, one_consumer_build,
                       settings_build)
-from .report import fmt, status_text, target_text, throughput_ratio
+from .report import fmt, status_text, target_text, throughput_ratio, timing_fields
 from .timing import _sync, release
 
 TOKENS = 16384
@@ -307,10 +307,7 @@ def make_row(stamp: dict, case: VarlenCase, impl: str, layout: str, status: str,
     if varlen and impl in WSATTN_IMPLS:
         row.update(target_equal=TARGET_EQUAL, target_torch_fa2=TARGET_TORCH_FA2)
     if timing is not None:
-        row.update(median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
-                   reps=timing.reps, calls=timing.calls, timing=timing.method,
-                   samples_ms=None if samples is None else [float(t) for t in samples],
-                   samples_t=None if stamps is None else [round(t, 4) for t in stamps],
+        row.update(timing_fields(timing, samples, stamps),
                    tflops=tflops(row["flops"], timing.median_ms))
         if matmul_tflops:
             row["frac_matmul"] = row["tflops"] / matmul_tflops

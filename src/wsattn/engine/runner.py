@@ -674,22 +674,22 @@ class KernelStep:
     def _prefill(self, tokens, cu_seqlens, block_table, lengths, starts):
         cfg, w, dev, dt = self.cfg, self.weights, self.device, self.dtype
         B, T, P = len(lengths), tokens.shape[0], self.page_size
-        # per token: its sequence and position (host lists -> one upload, no read back)
-        seq_h = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths))
-        pos_h = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
-        seq, pos = seq_h.to(dev), pos_h.to(dev)
-        page = block_table[seq, torch.div(pos, P, rounding_mode="floor")].long()
-        slot = pos % P
+        # per token: its position (host lists -> one upload, no read back)
+        pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(dev)
         angles = pos.float()[:, None] * self.inv_freq  # fp32, as transformers and the kernel
         emb = torch.cat((angles, angles), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]  # [T, 1, D]
         fresh = all(s == 0 for s in starts)
         max_q = max(lengths)
-        if not fresh:
+        if fresh:  # each token's cache row, for the index writes below
+            seq = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths)).to(dev)
+            page = block_table[seq, torch.div(pos, P, rounding_mode="floor")].long()
+            slot = pos % P
+        else:
             # the chunked-prefill call over the paged cache: each sequence's prefix + chunk
-            # (the chunk appended below first). The table narrowed to the pages these
-            # lengths reach, so the gathered buffer attention_paged sizes from its width
-            # holds these sequences' keys, not the cache's whole capacity.
+            # (the call appends the chunk). The table narrowed to the pages these lengths
+            # reach, so the gathered buffer attention_paged sizes from its width holds
+            # these sequences' keys, not the cache's whole capacity.
             kv_lens = [s + n for s, n in zip(starts, lengths)]
             seqlens_k = torch.tensor(kv_lens, dtype=torch.int32).to(dev)
             table = block_table[:, :-(-max(kv_lens) // P)].contiguous()

@@ -413,12 +413,20 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
             raise NotAvailable(why)
         return backend
 
-    if impl in ("wsattn", "triton-paged", "triton-gather", "gluon-gather", "gluon-paged"):
-        # the default route; in place (the Triton paged kernel or the Gluon paged build);
-        # or the keys gathered for a varlen kernel
+    if impl in ("wsattn", "wsattn-append", "triton-paged", "triton-gather", "gluon-gather",
+                "gluon-paged"):
+        # the default route (with the chunk's own K/V to append, for wsattn-append); in
+        # place (the Triton paged kernel or the Gluon paged build); or the keys gathered
+        # for a varlen kernel
         kc, vc, table = cache
-        if impl == "wsattn":
+        new_kv = {}
+        if impl in ("wsattn", "wsattn-append"):
             backend, gather = "auto", None
+            if impl == "wsattn-append":
+                # each sequence's last `chunk` keys, packed as q is (copied outside the timing)
+                rows = (inp.cu_k[:-1, None].long() + (case.seqlen_k - case.chunk)
+                        + torch.arange(case.chunk, device=inp.k.device)).reshape(-1)
+                new_kv = dict(k_new=inp.k[rows].contiguous(), v_new=inp.v[rows].contiguous())
         elif impl == "gluon-paged":
             backend, gather = "gluon", False
             why = dispatch.reason("gluon", dispatch.Call(
@@ -433,19 +441,8 @@ def _call(case: ChunkedCase, impl: str, inp: Inputs, cache):
         def call():
             return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
                                           max_seqlen_q=case.chunk, causal=case.causal,
-                                          sm_scale=inp.scale, impl=backend, gather=gather)
-        return call, call, None
-    if impl == "wsattn-append":
-        kc, vc, table = cache
-        # each sequence's last `chunk` keys, packed as q is (a copy outside the timing)
-        rows = (inp.cu_k[:-1, None].long() + (case.seqlen_k - case.chunk)
-                + torch.arange(case.chunk, device=inp.k.device)).reshape(-1)
-        k_new, v_new = inp.k[rows].contiguous(), inp.v[rows].contiguous()
-
-        def call():
-            return wsattn.attention_paged(inp.q, kc, vc, inp.cu_q, inp.seqlens_k, table,
-                                          max_seqlen_q=case.chunk, causal=case.causal,
-                                          sm_scale=inp.scale, k_new=k_new, v_new=v_new)
+                                          sm_scale=inp.scale, impl=backend, gather=gather,
+                                          **new_kv)
         return call, call, None
     if impl.startswith("triton-paged["):  # the kernel with exactly these settings
         from wsattn.kernels.prefill_paged import prefill_paged

@@ -313,17 +313,15 @@ def _build_paged_append(shape, dtype, device, gen):
     """_build_paged's inputs with each chunk's own keys taken out of the cache (its slots
     NaN) and given as k_new / v_new, packed as q is: the call must append them before it
     reads them. Every run writes the same rows again, so reruns see the same cache."""
+    from .. import reference
     inp = _build_paged(shape, dtype, "cpu", gen)
-    page, lens_k = shape["page"], inp["lens_k"].tolist()
-    rows = []
-    for b, (lq, lk) in enumerate(zip(shape["Lq"], lens_k)):
-        start = int(inp["cu_k"][b])
-        rows += range(start + lk - lq, start + lk)
-        for j in range(lk - lq, lk):
-            inp["kc"][inp["bt"][b, j // page], j % page] = float("nan")
-            inp["vc"][inp["bt"][b, j // page], j % page] = float("nan")
-    rows = torch.tensor(rows, dtype=torch.long)
+    cu_k = inp["cu_k"].tolist()
+    rows = torch.cat([torch.arange(cu_k[b + 1] - lq, cu_k[b + 1])
+                      for b, lq in enumerate(shape["Lq"])])
     inp["k_new"], inp["v_new"] = inp["k"][rows].contiguous(), inp["v"][rows].contiguous()
+    nan = torch.full_like(inp["k_new"], float("nan"))
+    reference.append_paged_kv(nan, nan, inp["kc"], inp["vc"], inp["cu_q"], inp["lens_k"],
+                              inp["bt"])
     return {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in inp.items()}
 
 

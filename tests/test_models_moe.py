@@ -1,5 +1,5 @@
 """Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE with its shared
-expert): configs and refusals, routing
+expert, dots1 with DeepSeek-V3's routing and ungated shared experts): configs and refusals, routing
 and the MoE block against transformers' own, loading (object, per-expert and fused
 folders, bad checkpoints), FlashNorm folding into the router and the experts, and the
 reference forward against transformers generate (32 greedy tokens, per-step logits)."""
@@ -44,11 +44,17 @@ CONFIGS = {
     # a shared expert of width 48 beside the routed ones, q/k/v bias, layer 1 dense
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**QWEN3_MOE, shared_expert_intermediate_size=48,
                                                      norm_topk_prob=True, mlp_only_layers=[1]),
+    # DeepSeek-V3 routing: sigmoid, a correction bias, 4 groups of 2 with 2 kept, scale
+    # 2.5; two shared experts (one ungated MLP of width 64); layer 0 dense
+    "dots1": lambda: transformers.Dots1Config(
+        **{k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}, n_routed_experts=8,
+        n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, first_k_dense_replace=1),
 }
 NAMES = sorted(CONFIGS)
 # each model's seed, fixed per name (a new config must not reseed the others' weights)
 SEEDS = {name: i for i, name in enumerate(["mixtral", "olmoe", "qwen3_moe-dense1", "qwen3_moe-norm",
-                                          "qwen3_moe-unnormed", "qwen2_moe"])}
+                                          "qwen3_moe-unnormed", "qwen2_moe", "dots1"])}
 LOGITS_TOL = 1e-5  # fp32 transformers against the float64 reference, as tests/test_models.py
 
 
@@ -77,6 +83,9 @@ def tiny_model(name):
                 p.mul_(10.0)  # 0.02 init: expert outputs big enough to move the logits
             else:
                 p.mul_(3.0)
+        for bname, b in model.named_buffers():
+            if "e_score_correction_bias" in bname:  # zeros as initialised: make it choose
+                b.copy_(0.2 * torch.randn_like(b))
     return model
 
 
@@ -94,13 +103,20 @@ def test_config_from_object_and_dict_agree(name):
     family = name.split("-")[0]
     assert cfg.family == family and cfg.top_k == 2 and cfg.head_dim == 64
     assert cfg.experts == {"mixtral": 4}.get(family, 8)
-    assert cfg.moe_ffn == {"qwen3_moe": 32, "mixtral": 128, "olmoe": 64, "qwen2_moe": 32}[family]
+    assert cfg.moe_ffn == {"qwen3_moe": 32, "mixtral": 128, "olmoe": 64, "qwen2_moe": 32,
+                           "dots1": 32}[family]
     assert cfg.norm_topk == (name != "qwen3_moe-unnormed" and family != "olmoe")
-    assert cfg.moe_layers == ((0,) if name in ("qwen3_moe-dense1", "qwen2_moe") else (0, 1))
+    assert cfg.moe_layers == {"qwen3_moe-dense1": (0,), "qwen2_moe": (0,),
+                              "dots1": (1,)}.get(name, (0, 1))
     assert cfg.moe_layers == tuple(_moe_layers(tiny_model(name)))
-    assert cfg.qk_norm == (family == "qwen3_moe") and cfg.qk_norm_whole == (family == "olmoe")
-    assert cfg.shared_ffn == (48 if family == "qwen2_moe" else 0)
+    assert cfg.qk_norm == (family in ("qwen3_moe", "dots1"))
+    assert cfg.qk_norm_whole == (family == "olmoe")
+    assert cfg.shared_ffn == {"qwen2_moe": 48, "dots1": 64}.get(family, 0)
+    assert cfg.shared_gated == (family != "dots1")
     assert cfg.qkv_bias == (family == "qwen2_moe")
+    routing = ("sigmoid", True, 4, 2, 2.5) if family == "dots1" else ("softmax", False, 1, 1, 1.0)
+    assert (cfg.scoring, cfg.router_bias, cfg.router_groups, cfg.router_topk_groups,
+            cfg.routed_scale) == routing
 
 
 def test_config_decoder_sparse_step():
@@ -141,6 +157,21 @@ PUBLISHED = {  # config.json keys as published, trimmed to what the shape reads
                      "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
                     dict(experts=64, top_k=8, moe_ffn=1024, norm_topk=False, head_dim=128,
                          moe_layers=tuple(range(16)), qk_norm_whole=True)),
+    # dots.llm1: n_group / topk_group null, scoring_func stated, no head_dim (hidden / heads)
+    "dots.llm1": ({"architectures": ["Dots1ForCausalLM"], "model_type": "dots1",
+                   "hidden_size": 4096, "num_hidden_layers": 62, "intermediate_size": 10944,
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-5,
+                   "vocab_size": 152064, "first_k_dense_replace": 1,
+                   "moe_intermediate_size": 1408, "n_routed_experts": 128,
+                   "n_shared_experts": 2, "num_experts_per_tok": 6, "norm_topk_prob": True,
+                   "routed_scaling_factor": 2.5, "n_group": None, "topk_group": None,
+                   "max_position_embeddings": 32768, "rope_theta": 10000000,
+                   "scoring_func": "sigmoid", "attention_bias": False,
+                   "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+                  dict(experts=128, top_k=6, moe_ffn=1408, norm_topk=True, head_dim=128,
+                       moe_layers=tuple(range(1, 62)), qk_norm=True, shared_ffn=2816,
+                       shared_gated=False, scoring="sigmoid", router_bias=True,
+                       router_groups=1, router_topk_groups=1, routed_scale=2.5)),
 }
 
 
@@ -162,7 +193,16 @@ REFUSALS = {
                                           if k != "shared_expert_intermediate_size"},
                                          r"lacks \['shared_expert_intermediate_size'\]"),
     "deepseek_v3": ({**_dict("qwen3_moe-norm"), "model_type": "deepseek_v3"},
-                    "DeepSeek-style routing"),
+                    "multi-head latent attention"),
+    "dots1-softmax": (_dict("dots1", scoring_func="softmax"), "scoring function"),
+    "dots1-experts-unstated": ({k: v for k, v in _dict("dots1").items()
+                                if k != "n_routed_experts"}, r"lacks \['n_routed_experts'\]"),
+    "dots1-shared-unstated": (_dict("dots1", n_shared_experts=None),
+                              r"lacks \['n_shared_experts'\]"),
+    "dots1-sliding-window": (_dict("dots1", layer_types=None, max_window_layers=1),
+                             "sliding-window"),
+    "dots1-attention_bias": (_dict("dots1", attention_bias=True), "o_proj"),
+    "dots1-topk-method": (_dict("dots1", topk_method="group_limited_greedy"), "top-k method"),
     "shared_expert_intermediate_size": (_dict("qwen3_moe-norm", shared_expert_intermediate_size=64),
                                         "shared experts"),
     "grouped-topk": (_dict("qwen3_moe-norm", n_group=4, topk_group=2), "grouped top-k"),
@@ -196,6 +236,33 @@ def test_config_bad_top_k():
         ModelConfig.from_hf(_dict("mixtral", num_experts_per_tok=0))
 
 
+@pytest.mark.parametrize("over, match", [
+    (dict(n_group=3), r"router_groups \(3\) must divide experts \(8\)"),
+    (dict(topk_group=5), r"router_topk_groups \(5\) lie in \[1, router_groups\]"),
+    (dict(n_group=4, topk_group=1, num_experts_per_tok=3), r"top_k \(3\) exceeds .* \(2\)"),
+    (dict(n_group=8, topk_group=2), "group-limited routing .* >= 2 experts a group"),
+    (dict(routed_scaling_factor=0.0), "routed_scale must be a positive finite float"),
+    (dict(first_k_dense_replace=-1), "first_k_dense_replace must be an int >= 0"),
+])
+def test_config_dots1_bad_routing(over, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(_dict("dots1", **over))
+
+
+def test_dots1_bias_and_groups_change_the_choice():
+    """The routing test above would pass for a router that ignored the bias or the groups
+    if neither moved a choice: both do, at the tiny model's layer."""
+    model = tiny_model("dots1")
+    cfg, w = load(model)
+    layer = w.layers[cfg.moe_layers[0]]
+    x = _x(64, cfg.hidden, 11)
+    got = route(cfg, x, layer.router, layer.router_bias)[1].sort(-1)[0]
+    plain = dataclasses.replace(cfg, router_groups=1, router_topk_groups=1)
+    assert not torch.equal(got, route(plain, x, layer.router, layer.router_bias)[1].sort(-1)[0])
+    unbiased = torch.zeros_like(layer.router_bias)
+    assert not torch.equal(got, route(cfg, x, layer.router, unbiased)[1].sort(-1)[0])
+
+
 def test_config_router_jitter_accepted():
     """Mixtral's router_jitter_noise acts only in training mode: the forward is unchanged."""
     assert ModelConfig.from_hf(_dict("mixtral", router_jitter_noise=0.1)).family == "mixtral"
@@ -216,12 +283,18 @@ def test_routing_identical_to_transformers(name):
         x = _x(37, cfg.hidden, i)
         with torch.no_grad():
             _, hf_weights, hf_experts = model.model.layers[i].mlp.gate(x)
-        weights, experts = route(cfg, x, w.layers[i].router)
+        weights, experts = route(cfg, x, w.layers[i].router, w.layers[i].router_bias)
         assert weights.dtype == torch.float32 and experts.dtype == torch.int64
+        if cfg.scoring == "sigmoid":
+            # transformers' top-k there is sorted=False: the same set, listed its own way
+            order = hf_experts.argsort(-1)
+            hf_experts, hf_weights = hf_experts.gather(1, order), hf_weights.gather(1, order)
+            order = experts.argsort(-1)
+            experts, weights = experts.gather(1, order), weights.gather(1, order)
         assert torch.equal(experts, hf_experts)
         assert torch.equal(weights, hf_weights.float())
         if cfg.norm_topk:
-            assert torch.allclose(weights.sum(-1), torch.ones(37))
+            assert torch.allclose(weights.sum(-1), torch.full((37,), cfg.routed_scale))
         else:
             assert (weights.sum(-1) < 1).all()
 
@@ -363,6 +436,21 @@ def test_load_missing_expert_tensor(saved):
         load(folder)
 
 
+def test_load_dots1_router_bias_float32_and_named_when_missing(saved):
+    """dots1's score-correction bias stays float32 when the rest loads in bf16 (as
+    transformers keeps it), and a checkpoint without it is refused naming it."""
+    model = tiny_model("dots1")
+    cfg, w = load(model, dtype=torch.bfloat16)
+    layer = w.layers[cfg.moe_layers[0]]
+    assert layer.router.dtype == torch.bfloat16 and layer.router_bias.dtype == torch.float32
+    assert torch.equal(layer.router_bias,
+                       model.model.layers[1].mlp.gate.e_score_correction_bias.float())
+    sd = {k: v for k, v in model.state_dict().items() if "e_score_correction_bias" not in k}
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) model\.layers\.1\.mlp\.gate\."
+                                         r"e_score_correction_bias"):
+        load(types.SimpleNamespace(config=model.config, state_dict=lambda: sd))
+
+
 def test_load_missing_router_mixtral(saved):
     folder = saved("mixtral")
     rewrite_checkpoint(folder, lambda t: t.pop("model.layers.0.block_sparse_moe.gate.weight"))
@@ -394,7 +482,7 @@ def test_load_config_experts_mismatch(saved):
 
 # --- FlashNorm ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["qwen3_moe-dense1", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe-dense1", "mixtral", "olmoe", "qwen2_moe", "dots1"])
 def test_flashnorm_folds_router_and_experts(name):
     """rmsnorm(x) @ W.T == (x @ W'.T) / rms(x) for the router, every expert's gate/up and
     a shared expert's gate/up and gate, and the whole model's logits are unchanged, in
@@ -413,13 +501,15 @@ def test_flashnorm_folds_router_and_experts(name):
                            ref_in @ lw.w_gate_up[e].T) <= 1e-12
         assert lf.w_down is lw.w_down and lf.mlp_norm is None
         if cfg.shared_ffn:
-            for name_ in ("w_shared_gate_up", "shared_gate"):
+            for name_ in ("w_shared_gate_up",) + (("shared_gate",) if cfg.shared_gated else ()):
                 assert rel_err((x @ getattr(lf, name_).T) * inv_rms(x, cfg.rms_eps),
                                ref_in @ getattr(lw, name_).T) <= 1e-12
             assert lf.w_shared_down is lw.w_shared_down
         else:
             assert lf.w_shared_gate_up is lf.shared_gate is lf.w_shared_down is None
-        assert rel_err(moe_block(cfg, lf, x), moe_block(cfg, lw, x)) <= 1e-12
+        # routing weights are float32 (transformers' contract, and dots1's router runs in
+        # float32): the fold's fp64 rounding may move one by an fp32 ulp
+        assert rel_err(moe_block(cfg, lf, x), moe_block(cfg, lw, x)) <= 2 ** -23
     ids = torch.randint(0, cfg.vocab, (2, 7), generator=torch.Generator().manual_seed(2))
     outs = []
     for weights in (w, f):
@@ -427,7 +517,7 @@ def test_flashnorm_folds_router_and_experts(name):
         outs.append([prefill(cfg, weights, ids, torch.tensor([7, 4]), cache, all_logits=True),
                      decode_step(cfg, weights, ids[:, 0], torch.tensor([7, 4]), cache)])
     for a, b in zip(*outs):
-        assert rel_err(a, b) <= 1e-12
+        assert rel_err(a, b) <= 2 ** -23  # the float32 routing weights, as above
 
 
 # --- the reference forward against transformers ---------------------------------------------
@@ -463,7 +553,7 @@ def test_reference_matches_transformers_generate(name):
     assert len(set(tokens.flatten().tolist())) > 2  # not a degenerate one-token loop
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-dense1", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe-dense1", "olmoe", "qwen2_moe", "dots1"])
 def test_engine_reference_step_runs_moe(name):
     """wsattn.engine's reference step runs MoE models unchanged (paged cache, folded
     weights, a batch of two prompt lengths): greedy tokens as transformers'."""

@@ -28,15 +28,24 @@ arithmetic is in :mod:`wsattn.models.moe`):
   beside the routed ones: a SiLU-gated MLP of width ``shared_ffn``
   (``shared_expert_intermediate_size``) that every token takes, scaled by
   ``sigmoid(rmsnorm(h) @ shared_expert_gate)`` and added to the routed experts' sum.
+* ``dots1``: dots.llm1 (``Dots1ForCausalLM``): Qwen3's per-head QK-norm and DeepSeek-V3's
+  routing (``scoring="sigmoid"``): per-expert sigmoid scores, a score-correction bias
+  (``e_score_correction_bias``, [E] float32) added for the choice only, group-limited
+  top-k (``n_group`` groups, ``topk_group`` kept, a group ranked by the sum of its two
+  best biased scores), the chosen unbiased scores renormalised (``norm_topk_prob``) and
+  scaled by ``routed_scaling_factor``; ``n_shared_experts`` shared experts as one ungated
+  SiLU MLP of width ``moe_intermediate_size * n_shared_experts`` (``shared_gated``
+  False); the first ``first_k_dense_replace`` layers dense.
 
 Anything else is an :class:`UnsupportedModelError` (a ``ValueError``) naming the feature:
 a sliding window some layer actually uses, a head dim other than 64/128/256, a rope type
 other than default/llama3 (or a partial rotary factor), a bias on the o projection or
 the MLP, an activation other than SiLU, an unknown model type; for mixture-of-experts,
-shared experts outside Qwen2-MoE, DeepSeek-style routing (grouped top-k, sigmoid scoring, a
-routed scaling factor, a router score bias), OLMoE's ``clip_qkv``, a MoE config that does
-not state its routing (``num_experts_per_tok``, the expert width), or experts on a dense
-family.
+shared experts outside Qwen2-MoE and dots1, DeepSeek-style routing (grouped top-k, sigmoid
+scoring, a routed scaling factor, a router score bias) outside dots1, DeepSeek-V2/V3
+themselves (their multi-head latent attention), OLMoE's ``clip_qkv``, a MoE config that
+does not state its routing (``num_experts_per_tok``, the expert width), or experts on a
+dense family.
 """
 
 from __future__ import annotations
@@ -52,8 +61,10 @@ __all__ = ["ModelConfig", "RopeConfig", "UnsupportedModelError", "HEAD_DIMS", "F
 HEAD_DIMS = (64, 128, 256)  # what the attention kernels are built for
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-            "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+            "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+            "dots1": "Dots1ForCausalLM"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "dots1")
+SCORINGS = ("softmax", "sigmoid")
 
 # transformers' defaults for keys a config.json may leave out (the model classes'
 # dataclass defaults); the shape keys have no default here: a config without them is
@@ -71,19 +82,32 @@ _DEFAULTS = {
     "qwen2_moe": dict(head_dim=None, num_key_value_heads=16, max_position_embeddings=32768,
                       norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
                       qkv_bias=True),
+    "dots1": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=2048,
+                  norm_topk_prob=False, n_group=1, topk_group=1, first_k_dense_replace=0,
+                  routed_scaling_factor=1.0, sliding_window=4096, max_window_layers=62),
 }
 # what a MoE config must state itself: the routing is never guessed from a default
 _MOE_REQUIRED = {"qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size"),
                  "mixtral": ("num_experts_per_tok",), "olmoe": ("num_experts_per_tok",),
                  "qwen2_moe": ("num_experts_per_tok", "moe_intermediate_size",
-                               "shared_expert_intermediate_size")}
+                               "shared_expert_intermediate_size"),
+                 "dots1": ("num_experts_per_tok", "moe_intermediate_size", "n_shared_experts")}
 # the families whose shared expert the step runs (the config key that sizes it)
-_SHARED_EXPERT_KEY = {"qwen2_moe": "shared_expert_intermediate_size"}
+_SHARED_EXPERT_KEY = {"qwen2_moe": "shared_expert_intermediate_size",
+                      "dots1": "n_shared_experts"}
+# routing keys of _MOE_REFUSED_KEYS a family implements (not refused for it)
+_FAMILY_ROUTING_KEYS = {"qwen2_moe": ("shared_expert_intermediate_size",),
+                        "dots1": ("n_shared_experts", "n_group", "topk_group",
+                                  "routed_scaling_factor")}
+# routing keys whose neutral value differs for a family (dots1's published config.json
+# states scoring_func "sigmoid", which its transformers class implies)
+_FAMILY_NEUTRAL = {"dots1": {"scoring_func": "sigmoid"}}
 # model types that are MoE in a way the step does not implement, and what that way is
 _MOE_REFUSED_TYPES = {
-    "deepseek_v2": "DeepSeek-style routing (grouped top-k, shared experts)",
-    "deepseek_v3": "DeepSeek-style routing (sigmoid scores with a correction bias, grouped "
-                   "top-k, shared experts)",
+    "deepseek_v2": "multi-head latent attention (kv_lora_rank) and DeepSeek-V2's "
+                   "group-limited softmax routing",
+    "deepseek_v3": "multi-head latent attention (kv_lora_rank; its sigmoid, grouped, "
+                   "bias-corrected routing is run for dots1)",
 }
 # config keys that ask for routing the step does not implement (refused when set to
 # anything but the neutral value given)
@@ -150,7 +174,13 @@ class ModelConfig:
     per-head RMSNorm on q and k before RoPE (Qwen3); max_positions: the model's
     ``max_position_embeddings``; dtype: the checkpoint's torch dtype, or None if unstated.
     MoE (experts > 0): experts, top_k, moe_ffn (an expert's width), norm_topk, moe_layers,
-    shared_ffn (the shared expert's width, 0 for none: Qwen2-MoE's).
+    shared_ffn (the shared expert's width, 0 for none), shared_gated (the shared expert's
+    output scaled by a sigmoid gate: Qwen2-MoE's; dots1's is not); the router: scoring
+    (``"softmax"`` over the experts, or ``"sigmoid"`` per expert), router_bias (a
+    score-correction bias [E] added to the scores for the choice only), router_groups /
+    router_topk_groups (group-limited top-k: experts in router_groups equal groups, only
+    the router_topk_groups best groups eligible), routed_scale (the chosen weights'
+    factor after any renormalisation). :mod:`wsattn.models.moe` has the arithmetic.
     """
 
     family: str
@@ -175,6 +205,12 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     qk_norm_whole: bool = False
     shared_ffn: int = 0
+    shared_gated: bool = True
+    scoring: str = "softmax"
+    router_bias: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scale: float = 1.0
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -200,20 +236,50 @@ class ModelConfig:
         self._check_moe()
 
     def _check_moe(self):
-        for name in ("experts", "top_k", "moe_ffn", "shared_ffn"):
+        for name in ("experts", "top_k", "moe_ffn", "shared_ffn", "router_groups",
+                     "router_topk_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if self.scoring not in SCORINGS:
+            raise UnsupportedModelError(f"scoring {self.scoring!r} is not supported (one of "
+                                        f"{SCORINGS})")
+        scale = self.routed_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or \
+                not 0 < scale < float("inf"):
+            raise ValueError(f"routed_scale must be a positive finite float, got {scale!r}")
+        object.__setattr__(self, "routed_scale", float(scale))
+        routing = (self.scoring, self.router_bias, self.router_groups,
+                   self.router_topk_groups, self.routed_scale)
         if not self.experts:
-            if self.top_k or self.moe_layers or self.moe_ffn or self.shared_ffn:
+            if self.top_k or self.moe_layers or self.moe_ffn or self.shared_ffn or \
+                    routing != ("softmax", False, 1, 1, 1.0):
                 raise ValueError(f"a dense config (experts=0) has top_k={self.top_k}, "
                                  f"moe_ffn={self.moe_ffn}, moe_layers={self.moe_layers}, "
-                                 f"shared_ffn={self.shared_ffn}")
+                                 f"shared_ffn={self.shared_ffn}, routing (scoring, "
+                                 f"router_bias, router_groups, router_topk_groups, "
+                                 f"routed_scale)={routing}")
             return
+        G, TG, E = self.router_groups, self.router_topk_groups, self.experts
+        if G < 1 or E % G or not 1 <= TG <= G:
+            raise ValueError(f"router_groups ({G}) must divide experts ({E}) and "
+                             f"router_topk_groups ({TG}) lie in [1, router_groups]")
+        if G > 1 and (self.scoring != "sigmoid" or E // G < 2):
+            # a group is ranked by its two best sigmoid scores (DeepSeek-V3)
+            raise UnsupportedModelError(
+                f"group-limited routing (router_groups={G}) is supported with sigmoid "
+                f"scoring and >= 2 experts a group only, got scoring={self.scoring!r}, "
+                f"{E // G} a group")
+        if self.router_bias and self.scoring != "sigmoid":
+            raise UnsupportedModelError("a router score-correction bias is supported with "
+                                        "sigmoid scoring only")
         if not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k (num_experts_per_tok) must lie in [1, num_experts="
                              f"{self.experts}], got {self.top_k}")
+        if self.top_k > TG * (E // G):
+            raise ValueError(f"top_k ({self.top_k}) exceeds the experts of the "
+                             f"router_topk_groups={TG} eligible groups ({TG * (E // G)})")
         if self.moe_ffn <= 0:
             raise ValueError(f"moe_ffn (the expert intermediate size) must be > 0, got {self.moe_ffn}")
         if list(self.moe_layers) != sorted(set(self.moe_layers)) or \
@@ -280,9 +346,9 @@ class ModelConfig:
             raise UnsupportedModelError(
                 "attention_bias=True (a bias on o_proj) is not supported; only Qwen2's "
                 "q/k/v bias is")
-        if model_type in MOE_FAMILIES and model_type != "qwen2_moe":
+        if model_type in MOE_FAMILIES and model_type not in ("qwen2_moe", "dots1"):
             _refuse_moe_sliding_window(model_type, d)
-        else:  # Qwen2-MoE decides per layer as Qwen2 does
+        else:  # Qwen2-MoE decides per layer as Qwen2 does, dots1 as its config class
             _refuse_sliding_window(d)
         if d.get("clip_qkv") is not None:
             raise UnsupportedModelError(f"clip_qkv={d['clip_qkv']} (clamping q, k, v) is not supported")
@@ -309,7 +375,7 @@ class ModelConfig:
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe"
                                                and bool(d["qkv_bias"])),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "dots1"),
             qk_norm_whole=model_type == "olmoe",
             max_positions=d["max_position_embeddings"],
             dtype=_dtype(d.get("dtype", d.get("torch_dtype"))),
@@ -337,21 +403,23 @@ def _refuse_moe(d):
 
 def _num_experts(d):
     # Qwen3MoeConfig.to_dict() writes num_local_experts (its attribute_map points
-    # num_experts there) while published config.json files say num_experts
-    return d.get("num_experts") or d.get("num_local_experts")
+    # num_experts there) while published config.json files say num_experts; dots1 (as
+    # DeepSeek) says n_routed_experts
+    return d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts")
 
 
 def _refuse_moe_routing(d):
     model_type = d["model_type"]
     for key, (neutral, feature) in _MOE_REFUSED_KEYS.items():
-        if key == _SHARED_EXPERT_KEY.get(model_type):
-            continue  # this family's shared expert is run
+        if key in _FAMILY_ROUTING_KEYS.get(model_type, ()):
+            continue  # this family's shared expert or routing is run
+        neutral = _FAMILY_NEUTRAL.get(model_type, {}).get(key, neutral)
         if d.get(key) not in (None, neutral):
             raise UnsupportedModelError(f"mixture-of-experts with {feature} ({key}={d[key]!r}) "
                                         "is not supported")
     missing = [k for k in _MOE_REQUIRED[model_type] if d.get(k) is None]
     if not _num_experts(d):
-        missing.insert(0, "num_experts")
+        missing.insert(0, "n_routed_experts" if model_type == "dots1" else "num_experts")
     if missing:
         # a ValueError like any malformed config, typed as a refusal: transformers would
         # fill these from its defaults (8 of 128 experts, width 768), a shape and a routing
@@ -373,6 +441,11 @@ def _moe_fields(model_type, d) -> dict:
         # mlp_only_layers or off the decoder_sparse_step grid
         moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         moe_ffn = d["moe_intermediate_size"]
+    elif model_type == "dots1":
+        first = d["first_k_dense_replace"]
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"first_k_dense_replace must be an int >= 0, got {first!r}")
+        moe_layers, moe_ffn = tuple(range(first, layers)), d["moe_intermediate_size"]
     else:
         moe_layers, moe_ffn = tuple(range(layers)), d["intermediate_size"]
     shared = d[_SHARED_EXPERT_KEY[model_type]] if model_type in _SHARED_EXPERT_KEY else 0
@@ -380,9 +453,18 @@ def _moe_fields(model_type, d) -> dict:
             (model_type in _SHARED_EXPERT_KEY and shared == 0):
         raise ValueError(f"{_SHARED_EXPERT_KEY.get(model_type, 'shared expert width')} must be "
                          f"a positive int, got {shared!r}")
+    routing = {}
+    if model_type == "dots1":
+        # transformers' Dots1TopkRouter (DeepSeek-V3's): sigmoid, a correction bias,
+        # group-limited top-k, a routed scale; n_shared_experts experts of moe_ffn each,
+        # run as one MLP (transformers' Dots1MLP of width moe_ffn * n_shared_experts)
+        shared *= moe_ffn
+        routing = dict(shared_gated=False, scoring="sigmoid", router_bias=True,
+                       router_groups=d["n_group"], router_topk_groups=d["topk_group"],
+                       routed_scale=d["routed_scaling_factor"])
     return dict(experts=experts, top_k=d["num_experts_per_tok"], moe_ffn=moe_ffn,
                 norm_topk=True if model_type == "mixtral" else bool(d["norm_topk_prob"]),
-                moe_layers=moe_layers, shared_ffn=shared)
+                moe_layers=moe_layers, shared_ffn=shared, **routing)
 
 
 def _refuse_moe_sliding_window(model_type, d):
@@ -400,10 +482,12 @@ def _refuse_moe_sliding_window(model_type, d):
 def _refuse_sliding_window(d):
     """Refuse a sliding window only where a layer uses it, as transformers decides: from
     ``layer_types`` when given, else layers >= ``max_window_layers`` when
-    ``use_sliding_window`` is set (Qwen2/3 ship ``sliding_window`` with it off)."""
+    ``use_sliding_window`` is set (Qwen2/3 ship ``sliding_window`` with it off; dots1 has
+    no such switch: its window applies from ``max_window_layers`` on whenever set)."""
     layer_types = d.get("layer_types")
     if layer_types is None:
-        on = d.get("use_sliding_window", False) and d.get("sliding_window") is not None
+        switch = True if d.get("model_type") == "dots1" else d.get("use_sliding_window", False)
+        on = switch and d.get("sliding_window") is not None
         first = d.get("max_window_layers", 28)
         layer_types = ["sliding_attention" if on and i >= first else "full_attention"
                        for i in range(d["num_hidden_layers"])]

@@ -12,6 +12,21 @@ For a token's normed input x (``rmsnorm(h)`` with the layer's ``mlp_norm``)::
     y      = sum over k = 0, 1, ..., top_k - 1, in that order, of
              w[k] * down_e (silu(gate_e x) * up_e x),      [gate_e; up_e] = w_gate_up[e[k]]
 
+Sigmoid routing (``cfg.scoring == "sigmoid"``: dots1, as DeepSeek-V3; transformers'
+``Dots1TopkRouter``), in float32 throughout, logits included (``F.linear`` of x and the
+router both cast to float32)::
+
+    s      = sigmoid(logits)                               [E]
+    c      = s + router_bias                               the choice's keys only
+    groups (cfg.router_groups > 1): c in router_groups equal groups, a group's score the
+           sum of its two largest c; the router_topk_groups best groups stay, the other
+           groups' experts get c = -inf
+    e      = top_k(c)                                      descending
+    w      = s[e]                                          unbiased
+    w      = w / (sum(w) + 1e-20)                          if cfg.norm_topk
+    w      = w * cfg.routed_scale
+    y      = as above, then + mlp_shared(x) (ungated: cfg.shared_gated False)
+
 Dtypes, as transformers 5.17's ``*TopKRouter``: the logits are a linear in the model's
 dtype, the softmax runs in float32 (``softmax(..., dtype=torch.float)``;
 Mixtral's ``softmax(logits.float())`` is the same), top-k and the renormalisation run on
@@ -51,9 +66,16 @@ __all__ = ["route", "select", "moe_block", "check_moe_layer"]
 _ROUNDS_WEIGHTS = ("qwen3_moe", "olmoe")
 
 
-def select(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def select(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing from router logits [T, E] (any float dtype): ``(weights [T, top_k] float32,
-    experts [T, top_k] int64)``, slot 0 the most probable expert (module docstring)."""
+    experts [T, top_k] int64)``, slot 0 the most probable expert (module docstring).
+    bias: the layer's ``router_bias`` [E] (float32) where ``cfg.router_bias``, else None."""
+    if (bias is not None) != cfg.router_bias:
+        raise ValueError(f"bias must be {'the [E] router_bias' if cfg.router_bias else 'None'} "
+                         f"for this config (router_bias={cfg.router_bias})")
+    if cfg.scoring == "sigmoid":
+        return _select_sigmoid(cfg, logits.float(), bias)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, cfg.top_k, dim=-1)
     if cfg.norm_topk:
@@ -63,13 +85,31 @@ def select(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.
     return weights, experts
 
 
-def route(cfg: ModelConfig, x_normed: torch.Tensor, router: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _select_sigmoid(cfg, logits, bias):
+    scores = torch.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.float()
+    G, TG = cfg.router_groups, cfg.router_topk_groups
+    if G > 1:
+        T, E = choice.shape
+        group_scores = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, torch.topk(group_scores, TG, dim=-1)[1], True)
+        choice = choice.masked_fill(~kept.repeat_interleave(E // G, dim=1), float("-inf"))
+    experts = torch.topk(choice, cfg.top_k, dim=-1)[1]
+    weights = scores.gather(1, experts)
+    if cfg.norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scale, experts
+
+
+def route(cfg: ModelConfig, x_normed: torch.Tensor, router: torch.Tensor,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The router of a MoE layer, as transformers computes it.
 
     x_normed: [T, hidden], the layer's ``mlp_norm`` output (any float dtype; the logits
-    are computed in it); router: [E, hidden] (:class:`~wsattn.models.weights.LayerWeights`
-    ``router``, unfolded). Returns ``weights`` [T, top_k] float32 and ``experts``
+    are computed in it, or in float32 for sigmoid routing); router: [E, hidden]
+    (:class:`~wsattn.models.weights.LayerWeights` ``router``, unfolded); bias: its
+    ``router_bias`` where the config has one. Returns ``weights`` [T, top_k] float32 and ``experts``
     [T, top_k] int64, slot 0 the largest probability.
 
     >>> w, e = route(cfg, rms_norm(h, layer.mlp_norm, cfg.rms_eps), layer.router)  # doctest: +SKIP
@@ -82,7 +122,15 @@ def route(cfg: ModelConfig, x_normed: torch.Tensor, router: torch.Tensor
     if tuple(router.shape) != (cfg.experts, cfg.hidden):
         raise ValueError(f"router must be [experts={cfg.experts}, hidden={cfg.hidden}], got "
                          f"{list(router.shape)}")
-    return select(cfg, F.linear(x_normed, router.to(x_normed.dtype)))
+    return select(cfg, _logits(cfg, x_normed, router), bias)
+
+
+def _logits(cfg, x, router):
+    """Router logits as transformers computes them: in float32 for sigmoid routing
+    (Dots1TopkRouter casts both), else in x's dtype."""
+    if cfg.scoring == "sigmoid":
+        return F.linear(x.float(), router.float())
+    return F.linear(x, router.to(x.dtype))
 
 
 def check_moe_layer(cfg: ModelConfig, layer: LayerWeights, where: str = "layer"):
@@ -95,9 +143,20 @@ def check_moe_layer(cfg: ModelConfig, layer: LayerWeights, where: str = "layer")
             raise ValueError(f"{where}.{name} must be {list(shape)} (experts={X}, "
                              f"moe_ffn={F_}, hidden={H}), got "
                              f"{None if t is None else list(t.shape)}")
+    b = layer.router_bias
+    if cfg.router_bias and (b is None or tuple(b.shape) != (X,) or b.dtype != torch.float32):
+        raise ValueError(f"{where}.router_bias must be a float32 [{X}] tensor (experts={X}), "
+                         f"got {None if b is None else (b.dtype, list(b.shape))}")
+    if not cfg.router_bias and b is not None:
+        raise ValueError(f"{where}.router_bias is set but the config has none (router_bias=False)")
     for name, shape in (("w_shared_gate_up", (2 * Fs, H)), ("w_shared_down", (H, Fs)),
                         ("shared_gate", (1, H))):
         t = getattr(layer, name)
+        if name == "shared_gate" and not cfg.shared_gated:
+            if t is not None:
+                raise ValueError(f"{where}.shared_gate is set but the config's shared expert "
+                                 "has no gate (shared_gated=False)")
+            continue
         if Fs and (t is None or tuple(t.shape) != shape):
             raise ValueError(f"{where}.{name} must be {list(shape)} (shared_ffn={Fs}, "
                              f"hidden={H}), got {None if t is None else list(t.shape)}")
@@ -113,7 +172,7 @@ def moe_block(cfg: ModelConfig, layer: LayerWeights, x: torch.Tensor) -> torch.T
     product). Returns y [..., hidden] in x's dtype, without the residual; the caller adds
     it. Computes in x's dtype (the weights are cast to it); routing per :func:`select`;
     experts summed in ascending slot order (module docstring), then a shared expert's
-    sigmoid-gated output added where the config has one (Qwen2-MoE).
+    output added where the config has one (sigmoid-gated for Qwen2-MoE, not for dots1).
 
     >>> h = h + moe_block(cfg, weights.layers[i], h)  # doctest: +SKIP
     """
@@ -126,11 +185,11 @@ def moe_block(cfg: ModelConfig, layer: LayerWeights, x: torch.Tensor) -> torch.T
     dtype = x2.dtype
     if layer.mlp_norm is None:  # folded: g lives in the router's and experts' columns
         xin, scale = x2, inv_rms(x2, cfg.rms_eps)  # [T, 1]
-        logits = F.linear(xin, layer.router.to(dtype)) * scale
+        logits = _logits(cfg, xin, layer.router) * scale
     else:
         xin, scale = rms_norm(x2, layer.mlp_norm, cfg.rms_eps), None
-        logits = F.linear(xin, layer.router.to(dtype))
-    weights, experts = select(cfg, logits)  # [T, k] float32, int64
+        logits = _logits(cfg, xin, layer.router)
+    weights, experts = select(cfg, logits, layer.router_bias)  # [T, k] float32, int64
     y = torch.zeros_like(x2)
     for k in range(cfg.top_k):
         for e in experts[:, k].unique().tolist():
@@ -141,11 +200,14 @@ def moe_block(cfg: ModelConfig, layer: LayerWeights, x: torch.Tensor) -> torch.T
             gate, up = gate_up.chunk(2, dim=-1)
             out = F.linear(F.silu(gate) * up, layer.w_down[e].to(dtype))  # [n, hidden]
             y[rows] += out * weights[rows, k, None].to(dtype)
-    if cfg.shared_ffn:  # every token: sigmoid(gate) * its SiLU-gated MLP
+    if cfg.shared_ffn:  # every token: its SiLU-gated MLP, times sigmoid(gate) if gated
         gate_up = F.linear(xin, layer.w_shared_gate_up.to(dtype))
-        g = F.linear(xin, layer.shared_gate.to(dtype))  # [T, 1]
         if scale is not None:
-            gate_up, g = gate_up * scale, g * scale
+            gate_up = gate_up * scale
         gate, up = gate_up.chunk(2, dim=-1)
-        y = y + torch.sigmoid(g) * F.linear(F.silu(gate) * up, layer.w_shared_down.to(dtype))
+        shared = F.linear(F.silu(gate) * up, layer.w_shared_down.to(dtype))
+        if cfg.shared_gated:
+            g = F.linear(xin, layer.shared_gate.to(dtype))  # [T, 1]
+            shared = torch.sigmoid(g if scale is None else g * scale) * shared
+        y = y + shared
     return y.reshape(x.shape)

@@ -43,13 +43,20 @@ layers[i].w_down   [E, hidden, F]                  expert e's down projection (`
 =================  ==============================  ==============================================
 
 With a shared expert (``cfg.shared_ffn`` = Fs > 0: Qwen2-MoE's ``mlp.shared_expert`` and
-``mlp.shared_expert_gate``; None otherwise), a MoE layer also holds:
+``mlp.shared_expert_gate``, dots1's ``mlp.shared_experts``; None otherwise), a MoE layer
+also holds:
 
 =========================  ==================  ==============================================
 layers[i].w_shared_gate_up [2 * Fs, hidden]    its gate rows, then its up rows
 layers[i].w_shared_down    [hidden, Fs]        its down projection
-layers[i].shared_gate      [1, hidden]         its gate: y += sigmoid(rmsnorm(h) @ g.T) * mlp
+layers[i].shared_gate      [1, hidden] or      its gate (``cfg.shared_gated``, Qwen2-MoE):
+                           None                y += sigmoid(rmsnorm(h) @ g.T) * mlp
 =========================  ==================  ==============================================
+
+With a router score-correction bias (``cfg.router_bias``: dots1's
+``mlp.gate.e_score_correction_bias``), ``layers[i].router_bias`` is that [E] vector,
+always float32 whatever the other tensors' dtype (transformers keeps it in float32 too:
+``_keep_in_fp32_modules_strict``; rounding it would move expert choices); None otherwise.
 
 Checkpoints hold the experts in one of two layouts, both read by :func:`load`:
 transformers 5's fused parameters (what a model object's ``state_dict()`` holds:
@@ -59,8 +66,8 @@ them: ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (Qwen3-MoE, OLMoE) or
 ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` with ``block_sparse_moe.gate.weight``
 (Mixtral: w1 gate, w3 up, w2 down).
 
-All tensors share one dtype (float16, bfloat16, float32 or float64) and one device, and
-are contiguous. wqkv and w_gate_up are new tensors (except a MoE layer's w_gate_up read
+All tensors but ``router_bias`` share one dtype (float16, bfloat16, float32 or float64)
+and one device, and are contiguous. wqkv and w_gate_up are new tensors (except a MoE layer's w_gate_up read
 from transformers' fused parameter); the others may share storage with the
 model's parameters (nothing in wsattn writes into them).
 """
@@ -97,6 +104,7 @@ class LayerWeights:
     w_shared_gate_up: torch.Tensor | None = None
     w_shared_down: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -135,16 +143,17 @@ def _mlp_names(cfg: ModelConfig, i: int, expert_layout: str) -> dict[str, tuple[
     if i not in cfg.moe_layers:
         return {"w_gate_up": (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 "w_down": (p + "mlp.down_proj.weight",)}
+    bias = {"router_bias": (p + "mlp.gate.e_score_correction_bias",)} if cfg.router_bias else {}
     if expert_layout == "fused":
         return {"router": (p + "mlp.gate.weight",),
                 "w_gate_up": (p + "mlp.experts.gate_up_proj",),
-                "w_down": (p + "mlp.experts.down_proj",)}
+                "w_down": (p + "mlp.experts.down_proj",), **bias}
     m, (gate, up, down) = ((p + "block_sparse_moe.", ("w1", "w3", "w2")) if cfg.family == "mixtral"
                            else (p + "mlp.", ("gate_proj", "up_proj", "down_proj")))
     experts = range(cfg.experts)
     return {"router": (m + "gate.weight",),
             "w_gate_up": tuple(m + f"experts.{e}.{n}.weight" for e in experts for n in (gate, up)),
-            "w_down": tuple(m + f"experts.{e}.{down}.weight" for e in experts)}
+            "w_down": tuple(m + f"experts.{e}.{down}.weight" for e in experts), **bias}
 
 
 def _shared_names(cfg: ModelConfig, i: int) -> dict[str, tuple[str, ...]]:
@@ -152,10 +161,12 @@ def _shared_names(cfg: ModelConfig, i: int) -> dict[str, tuple[str, ...]]:
     if not cfg.shared_ffn or i not in cfg.moe_layers:
         return {}
     m = f"model.layers.{i}.mlp."
-    return {"w_shared_gate_up": (m + "shared_expert.gate_proj.weight",
-                                 m + "shared_expert.up_proj.weight"),
-            "w_shared_down": (m + "shared_expert.down_proj.weight",),
-            "shared_gate": (m + "shared_expert_gate.weight",)}
+    s = m + ("shared_experts." if cfg.family == "dots1" else "shared_expert.")
+    names = {"w_shared_gate_up": (s + "gate_proj.weight", s + "up_proj.weight"),
+             "w_shared_down": (s + "down_proj.weight",)}
+    if cfg.shared_gated:
+        names["shared_gate"] = (m + "shared_expert_gate.weight",)
+    return names
 
 
 def expected_tensors(cfg: ModelConfig, expert_layout: str = "fused") -> dict[str, tuple[int, ...]]:
@@ -199,12 +210,15 @@ def expected_tensors(cfg: ModelConfig, expert_layout: str = "fused") -> dict[str
             names[mlp["router"][0]] = (X, E)
             names.update({n: (F, E) for n in mlp["w_gate_up"]})
             names.update({n: (E, F) for n in mlp["w_down"]})
+        if "router_bias" in mlp:
+            names[mlp["router_bias"][0]] = (X,)
         shared = _shared_names(cfg, i)
         if shared:
             Fs = cfg.shared_ffn
-            (gate, up), (down,), (sg,) = (shared[k] for k in ("w_shared_gate_up",
-                                                             "w_shared_down", "shared_gate"))
-            names.update({gate: (Fs, E), up: (Fs, E), down: (E, Fs), sg: (1, E)})
+            (gate, up), (down,) = shared["w_shared_gate_up"], shared["w_shared_down"]
+            names.update({gate: (Fs, E), up: (Fs, E), down: (E, Fs)})
+            if "shared_gate" in shared:
+                names[shared["shared_gate"][0]] = (1, E)
     return names
 
 
@@ -403,6 +417,10 @@ def _assemble(cfg: ModelConfig, source, dtype, device, expert_layout="fused") ->
             return dict(w_gate_up=cat(*names["w_gate_up"]), w_down=get(names["w_down"][0]))
         shared = {field: cat(*n) if len(n) > 1 else get(n[0])
                   for field, n in _shared_names(cfg, i).items()}
+        bias = names.pop("router_bias", None)
+        if bias is not None:  # float32 whatever dtype is (module docstring)
+            shared["router_bias"] = source.get(bias[0]).to(device=device,
+                                                           dtype=torch.float32).contiguous()
         if expert_layout == "fused":
             return {**{field: get(n) for field, (n,) in names.items()}, **shared}
         gate_up, down = names["w_gate_up"], names["w_down"]  # expert e: gate_up[2e:2e+2], down[e]

@@ -11,11 +11,19 @@ all five grouping outputs bit for bit against a counting sort over random routin
 Reruns are bit-identical. The tie and NaN rules of the router are pinned. sm_90 builds
 compile on the CPU without spills at the Qwen3-30B-A3B shape (H 2048, E 128, k 8, F 768)
 for T 1/8/64, with griddepcontrol in the PTX exactly when PDL is on.
+DeepSeek-V3 / dots.llm1 routing (score_bias, groups, topk_groups, scale): route(), the
+top-k inside the gate/up launch and moe() against a float64 Dots1TopkRouter reference
+(stable sorts for torch.topk) and, on fp32 inputs, transformers' own Dots1TopkRouter;
+hand-made logits where the bias or the group limit changes the choice, NaN and ties;
+refusals by name before any launch; the sm_90 builds at DeepSeek-V3's shape without
+spills.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import re
 import textwrap
 
@@ -39,9 +47,42 @@ def reference_route(x, rw, k, renorm, eps=None, scoring="softmax"):
     return v, i
 
 
-def reference_moe(x, rw, wgu, wd, k, renorm, eps=None, res=None, scoring="softmax"):
-    """float64 MoE block: sum over the chosen experts of w_j * down(silu(gate) * up)."""
-    v, i = reference_route(x, rw, k, renorm, eps, scoring)
+def reference_ds_route(x, rw, k, renorm, bias=None, groups=1, topk_groups=1, scale=1.0,
+                       eps=None):
+    """float64 DeepSeek-V3 / dots.llm1 router: transformers' Dots1TopkRouter arithmetic
+    (sigmoid scores; keys = scores + e_score_correction_bias; a group scores the sum of its
+    two largest keys; the topk_group best groups kept; weights the unbiased scores,
+    renormalised by sum + 1e-20, times routed_scaling_factor), with the module's tie rule:
+    stable descending sorts in place of torch.topk (NaN first, equal values by index)."""
+    x64 = x.double()
+    logits = x64 @ rw.double().T
+    if eps is not None:
+        logits = logits * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    scores = torch.sigmoid(logits)
+    keys = scores if bias is None else scores + bias.double()
+    T, E = keys.shape
+    if groups > 1:
+        top2 = torch.sort(keys.view(T, groups, E // groups), dim=-1, descending=True,
+                          stable=True)[0][..., :2]
+        best = torch.sort(top2.sum(-1), dim=-1, descending=True, stable=True)[1]
+        kept = torch.zeros(T, groups, dtype=torch.bool)
+        kept.scatter_(1, best[:, :topk_groups], True)
+        keys = keys.masked_fill(~kept.repeat_interleave(E // groups, 1), float("-inf"))
+    i = torch.sort(keys, dim=-1, descending=True, stable=True)[1][:, :k]
+    v = scores.gather(1, i)
+    if renorm:
+        v = v / (v.sum(-1, keepdim=True) + 1e-20)
+    return v * scale, i
+
+
+def reference_moe(x, rw, wgu, wd, k, renorm, eps=None, res=None, scoring="softmax", ds=None):
+    """float64 MoE block: sum over the chosen experts of w_j * down(silu(gate) * up).
+    ds: None, or reference_ds_route's keywords (bias, groups, topk_groups, scale): the
+    DeepSeek-V3 router (sigmoid) in place of reference_route."""
+    if ds is None:
+        v, i = reference_route(x, rw, k, renorm, eps, scoring)
+    else:
+        v, i = reference_ds_route(x, rw, k, renorm, eps=eps, **ds)
     x64 = x.double()
     if eps is not None:
         x64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
@@ -327,6 +368,200 @@ CHILD = REFERENCE + textwrap.dedent(r'''
                     "weights": bool(torch.isnan(got_w).all()) if want_w is None
                     else bool(torch.allclose(got_w, want_w, rtol=1e-6, atol=0))}
 
+    elif case == "ds":
+        # DeepSeek-V3 / dots.llm1 routing (score_bias, groups, topk_groups, scale) in one
+        # dtype: route() against the float64 reference and transformers' own router; the
+        # top-k inside the gate/up launch against route(); the whole block against float64
+        from wsattn.target import target_of
+        dtn = arg["dtype"]
+        dt = getattr(torch, dtn)
+        hf_router = None
+        if dtn == "float32":
+            import transformers
+            from transformers.models.dots1.modeling_dots1 import Dots1TopkRouter as hf_router
+        res = {"route": {}, "hf": {}, "slot": {}, "block": {}}
+        H, scale = 48, 2.5
+        for E, k in ((16, 4), (64, 6)):
+            for groups, topk_groups in ((1, 1), (4, 1), (4, 2)):
+                for renorm in (True, False):
+                    rw = (torch.randn(E, H) / H ** 0.5).to(dt)
+                    bias = torch.randn(E) * 0.2
+                    if hf_router is not None:
+                        hf = hf_router(transformers.Dots1Config(
+                            n_routed_experts=E, num_experts_per_tok=k, n_group=groups,
+                            topk_group=topk_groups, norm_topk_prob=renorm,
+                            routed_scaling_factor=scale, hidden_size=H))
+                        with torch.no_grad():
+                            hf.weight.copy_(rw)
+                            hf.e_score_correction_bias.copy_(bias)
+                    for T in (1, 5):
+                        x = torch.randn(T, H).to(dt)
+                        w, ids = M.route(x, rw, top_k=k, renormalize=renorm, scoring="sigmoid",
+                                         score_bias=bias, groups=groups,
+                                         topk_groups=topk_groups, scale=scale)
+                        rv, ri = reference_ds_route(x, rw, k, renorm, bias, groups,
+                                                    topk_groups, scale)
+                        key = f"E{E}-g{groups}-tg{topk_groups}-{'renorm' if renorm else 'raw'}-T{T}"
+                        res["route"][key] = {
+                            "ids_equal": bool(torch.equal(ids.long(), ri)),
+                            "weights": (w.double() - rv).abs().max().item(),
+                            "dtypes": [str(w.dtype), str(ids.dtype)]}
+                        if hf_router is not None:
+                            with torch.no_grad():
+                                _, hw, hi = hf(x)
+                            # transformers' topk(sorted=False): compare as sets, weights by id
+                            hs, ho = hi.sort(-1)
+                            os_, oo = ids.long().sort(-1)
+                            res["hf"][key] = {
+                                "ids_equal": bool(torch.equal(hs, os_)),
+                                "weights": (w.gather(1, oo) - hw.gather(1, ho)).abs().max().item()}
+        # the top-k inside the gate/up launch (T = 1): (E, k, H, F, block, renorm, groups,
+        # topk_groups, bias); DeepSeek-V3's 256 experts in 8 groups of which 4 kept, group
+        # counts and sizes not powers of two, bias only, groups only; a tie (an equal router
+        # row and bias) in every case
+        for E, k, H, F, block, renorm, groups, topk_groups, with_bias in (
+                (16, 4, 64, 32, 1, True, 4, 2, True), (64, 6, 96, 40, 16, False, 8, 3, True),
+                (256, 8, 64, 32, 16, True, 8, 4, True), (24, 3, 72, 36, 16, True, 6, 2, True),
+                (48, 4, 64, 24, 16, False, 3, 1, True), (32, 4, 64, 32, 16, True, 1, 1, True),
+                (16, 4, 64, 32, 16, True, 4, 1, False)):
+            x = torch.randn(1, H).to(dt)
+            rw, wgu, wd = weights(E, H, F, dt)
+            bias = torch.randn(E) * 0.2 if with_bias else None
+            rw[E // 2] = rw[0]  # a tie: the lower index must come first
+            if bias is not None:
+                bias[E // 2] = bias[0]
+            r = torch.randn(1, H).to(dt)
+            ds = dict(score_bias=bias, groups=groups, topk_groups=topk_groups, scale=scale)
+            tables = M.one_token_tables(k, block, "cpu")
+            st = M.default_settings(target_of(x.device), T=1, top_k=k, num_experts=E,
+                                    dtype=dt, block=block)
+            w, ids = M.route(x, rw, top_k=k, renormalize=renorm, norm_eps=1e-5,
+                             scoring="sigmoid", **ds)
+            g = M.one_token_grouping(ids, E, block, tables)
+            base = M.moe_down_combine(M.moe_gate_up(x, wgu, g, norm_eps=1e-5, settings=st),
+                                      wd, g, w, residual=r, settings=st)
+            outs = []
+            for _ in range(2):
+                rt = M.route_logits(x, rw, top_k=k, renormalize=renorm, norm_eps=1e-5,
+                                    scoring="sigmoid", **ds)
+                rt.weights.fill_(float("nan"))
+                rt.ids.fill_(-7)
+                g2 = M.one_token_grouping(rt.ids, E, block, tables)
+                act2 = M.moe_gate_up(x, wgu, g2, norm_eps=1e-5, settings=st, route=rt)
+                outs.append((M.moe_down_combine(act2, wd, g2, rt.weights, residual=r,
+                                                settings=st), rt))
+            (y, rt), (y2, _) = outs
+            ref, rv, ri = reference_moe(x, rw, wgu, wd, k, renorm, 1e-5, r, ds=dict(
+                bias=bias, groups=groups, topk_groups=topk_groups, scale=scale))
+            res["slot"][f"E{E}-k{k}-b{block}-g{groups}-tg{topk_groups}-bias{int(with_bias)}"] = {
+                "ids_equal": rt.ids.tolist() == ids.tolist() == ri.tolist(),
+                "weights": (rt.weights - w).abs().max().item(),
+                "weights_ref": (rt.weights.double() - rv).abs().max().item(),
+                "out_vs_route": rel_err(y, base), "err": rel_err(y, ref),
+                "tol": TOL_CHILD[dtn], "rerun_identical": bool(torch.equal(y, y2))}
+        # moe(): (T, E, k, H, F, renorm, norm, residual, groups, topk_groups, block)
+        for T, E, k, H, F, renorm, norm, resid, groups, topk_groups, block in (
+                (1, 16, 4, 64, 32, True, False, False, 4, 2, 1),
+                (5, 64, 6, 80, 24, False, True, True, 8, 3, 16),
+                (9, 32, 4, 72, 40, True, True, False, 1, 1, 4),
+                (12, 24, 3, 64, 48, True, False, True, 6, 2, 16)):
+            x = torch.randn(T, H).to(dt)
+            rw, wgu, wd = weights(E, H, F, dt)
+            bias = torch.randn(E) * 0.2
+            r = torch.randn(T, H).to(dt) if resid else None
+            eps = 1e-5 if norm else None
+            ref, rv, ri = reference_moe(x, rw, wgu, wd, k, renorm, eps, r, ds=dict(
+                bias=bias, groups=groups, topk_groups=topk_groups, scale=scale))
+            st = None if block == M.default_block(T, k, E) else M.default_settings(
+                target_of(x.device), T=T, top_k=k, num_experts=E, dtype=dt, block=block)
+            kw = dict(top_k=k, renormalize=renorm, norm_eps=eps, scoring="sigmoid",
+                      score_bias=bias, groups=groups, topk_groups=topk_groups, scale=scale,
+                      residual=r, settings=st)
+            w, ids = M.route(x, rw, **{n: kw[n] for n in (
+                "top_k", "renormalize", "norm_eps", "scoring", "score_bias", "groups",
+                "topk_groups", "scale")})
+            y1 = M.moe(x, rw, wgu, wd, **kw)
+            y2 = M.moe(x, rw, wgu, wd, **kw)
+            res["block"][f"T{T}-E{E}-k{k}-g{groups}-tg{topk_groups}-b{block}"] = {
+                "out": rel_err(y1, ref), "ids_equal": bool(torch.equal(ids.long(), ri)),
+                "weights": (w.double() - rv).abs().max().item(), "tol": TOL_CHILD[dtn],
+                "rerun_identical": bool(torch.equal(y1, y2)), "dtype": str(y1.dtype)}
+
+    elif case == "ds_cases":
+        # hand-made logits: the router is the identity (H = E), so x is the logits, exact
+        # in fp32; each case through route() and through the gate/up launch (route=)
+        def two_ways(logits, k, renorm=False, bias=None, groups=1, topk_groups=1,
+                     scale=1.0, rw=None):
+            x = torch.tensor([logits], dtype=torch.float32)
+            E = x.shape[1]
+            rw = torch.eye(E) if rw is None else rw
+            kw = dict(top_k=k, renormalize=renorm, scoring="sigmoid", score_bias=bias,
+                      groups=groups, topk_groups=topk_groups, scale=scale)
+            w, ids = M.route(x, rw, **kw)
+            rt = M.route_logits(x, rw, **kw)
+            g = M.one_token_grouping(rt.ids, E, 16, M.one_token_tables(k, 16, "cpu"))
+            M.moe_gate_up(x, torch.randn(E, 32, E), g, route=rt)
+            rv, ri = reference_ds_route(x, rw, k, renorm, bias, groups, topk_groups, scale)
+            return {"ids": ids[0].tolist(), "slot_ids": rt.ids[0].tolist(),
+                    "ref_ids": ri[0].tolist(), "w": w[0].tolist(),
+                    "slot_w": rt.weights[0].tolist(), "ref_w": rv[0].tolist()}
+
+        lg = [0.3, -0.5, 0.8, 4.0, -0.2, 0.1, 0.6, -1.0,
+              0.2, -0.7, 0.5, -0.3, 0.0, 0.4, -0.6, 0.7]
+        bias = torch.zeros(16)
+        res["no_bias"] = two_ways(lg, 4, bias=bias)
+        bias[3] = -10.0  # the largest logit, pushed out
+        bias[7] = 1.0  # a small logit, pulled in first
+        res["bias"] = two_ways(lg, 4, bias=bias)
+        res["bias_renorm"] = two_ways(lg, 4, True, bias, scale=2.5)
+        res["sigmoid"] = torch.sigmoid(torch.tensor(lg)).tolist()
+        # four groups of four: group 0 has the global top (3.0) and nothing else, group 1
+        # a duplicated max (1.0 twice: 1.462), group 2 a larger max but a small second
+        # (2.5, 0.0: 1.424; counting group 1's max once would make it win)
+        grouped = [3.0, -3, -3, -3, 1.0, 1.0, -6, -6, 2.5, 0.0, -6, -6, -2, -2, -2, -2]
+        res["groups_off"] = two_ways(grouped, 2, groups=1)
+        res["groups_1"] = two_ways(grouped, 2, groups=4, topk_groups=1)
+        res["groups_2"] = two_ways(grouped, 3, groups=4, topk_groups=2)
+        # a bias that moves group 3 to the front (its four keys +1)
+        gb = torch.zeros(16)
+        gb[12:] = 1.0
+        res["groups_bias"] = two_ways(grouped, 2, groups=4, topk_groups=1, bias=gb)
+        # NaN: one NaN logit (expert 9) in a group of otherwise low keys: that group ranks
+        # first, expert 9 first, its weight NaN (all of them renormalised)
+        nan_rw = torch.eye(16)
+        nan_rw[9, 0] = float("nan")
+        low = [1.0, 0.5, 0.2, 0.9, 0.8, 0.7, 0.6, 0.4, -8, 0.0, -8, -8, 0.3, 0.1, -0.1, 0.6]
+        small = torch.randn(16) * 0.01
+        res["nan_renorm"] = two_ways(low, 4, True, small, 4, 2, 2.5, rw=nan_rw)
+        res["nan_raw"] = two_ways(low, 4, False, small, 4, 2, 2.5, rw=nan_rw)
+        # every logit NaN (a NaN in x): groups 0.. and ids 0..k-1, NaN weights
+        res["all_nan"] = two_ways([float("nan")] + [0.0] * 15, 4, True, small, 4, 2)
+        # ties: equal logits and bias (experts 2 and 6) at the top; two groups of equal
+        # scores (1 and 3): the lower one kept alone, and with both kept the experts of
+        # equal keys by index
+        tl_ = [0.1, 0.2, 2.0, -0.5, 0.3, -0.2, 2.0, 0.0, -1, -1, -1, -1, 0.5, 0.4, 0.3, 0.2]
+        tb = torch.zeros(16)
+        tb[2] = tb[6] = 0.25
+        res["tie_keys"] = two_ways(tl_, 3, bias=tb)
+        tg = [-1, -1, -1, -1, 0.9, 0.8, 0.1, 0.0, -2, -2, -2, -2, 0.9, 0.8, 0.1, 0.0]
+        res["tie_groups_1"] = two_ways(tg, 3, groups=4, topk_groups=1, bias=torch.zeros(16))
+        res["tie_groups_2"] = two_ways(tg, 4, groups=4, topk_groups=2, bias=torch.zeros(16))
+        # moe(): a token of NaN logits gives a NaN row, the other token its reference
+        E, H, F = 16, 16, 8
+        x = torch.randn(2, H)
+        x[0, 5] = float("nan")
+        rw = torch.randn(E, H) / 4
+        wgu = torch.randn(E, 2 * F, H) / 4
+        wd = torch.randn(E, H, F) / 3
+        b = torch.randn(E) * 0.2
+        kw = dict(top_k=3, renormalize=True, scoring="sigmoid", score_bias=b, groups=4,
+                  topk_groups=2, scale=2.5)
+        y = M.moe(x, rw, wgu, wd, **kw)
+        ref, _, _ = reference_moe(x[1:], rw, wgu, wd, 3, True, ds=dict(
+            bias=b, groups=4, topk_groups=2, scale=2.5))
+        res["moe_nan"] = {"nan_row": bool(torch.isnan(y[0]).all()),
+                          "other_row": rel_err(y[1:], ref)}
+
     elif case == "bf16":
         dt = torch.bfloat16
         x = torch.randn(5, 64).to(dt)
@@ -482,6 +717,123 @@ def test_pdl_refused_off_sm90():
     assert r["error"] and "pdl=True needs a CUDA GPU of sm_90" in r["error"], r
 
 
+# --------------------------------------------------------------------------- DeepSeek-V3 routing
+
+@functools.lru_cache(maxsize=None)
+def _ds(dtype):
+    return _child("ds", dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _ds_cases():
+    return _child("ds_cases")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_deepseek_route_matches_reference_and_transformers(dtype):
+    """route(scoring="sigmoid", score_bias=, groups=, topk_groups=, scale=2.5): the ids of
+    the float64 Dots1TopkRouter reference with the stable-sort tie rule, weights within fp32
+    rounding of it (E 16 / 64, groups 1 / 4 with 1 / 2 kept, renormalised or not, T 1 / 5);
+    on fp32 inputs also the ids of transformers' own Dots1TopkRouter (a set: it sorts
+    nothing) and its weights id for id."""
+    r = _ds(dtype)
+    assert len(r["route"]) == 2 * 3 * 2 * 2, r["route"]
+    for key, v in r["route"].items():
+        assert v["ids_equal"] is True, (key, v)
+        assert v["weights"] <= 2e-6, (key, v)  # weights ~ 2.5 / k: a few fp32 ulp
+        assert v["dtypes"] == ["torch.float32", "torch.int32"], (key, v)
+    if dtype == "float32":
+        assert len(r["hf"]) == 2 * 3 * 2 * 2, r["hf"]
+        for key, v in r["hf"].items():
+            assert v["ids_equal"] is True and v["weights"] <= 2e-6, (key, v)
+    else:
+        assert not r["hf"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_deepseek_topk_inside_the_gate_up_launch_routes_as_route_does(dtype):
+    """route_logits(score_bias=, groups=, topk_groups=, scale=) + moe_gate_up(route=): the
+    ids route() and the float64 reference give (a tie by an equal router row and bias
+    included), weights within rounding of route()'s, the output within tolerance of
+    route()'s path and of float64, bit-identical on a rerun: DeepSeek-V3's E 256 in 8
+    groups (4 kept), groups and group sizes that are not powers of two, bias only, groups
+    only, FMA and dot blocks."""
+    r = _ds(dtype)["slot"]
+    assert len(r) == 7, r
+    for key, v in r.items():
+        assert v["ids_equal"] is True, (key, v)
+        assert v["weights"] <= 1e-6 and v["weights_ref"] <= 2e-6, (key, v)
+        assert v["out_vs_route"] <= v["tol"] and v["err"] <= v["tol"], (key, v)
+        assert v["rerun_identical"] is True, (key, v)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_deepseek_moe_block_against_float64_reference(dtype):
+    r = _ds(dtype)["block"]
+    assert len(r) == 4, r
+    for key, v in r.items():
+        assert v["out"] <= v["tol"] and v["ids_equal"] is True, (key, v)
+        assert v["weights"] <= 2e-6 and v["rerun_identical"] is True, (key, v)
+        assert v["dtype"] == f"torch.{dtype}", (key, v)
+
+
+def _agree(v):
+    """route(), the gate/up launch and the float64 reference chose the same ids."""
+    return v["ids"] == v["slot_ids"] == v["ref_ids"]
+
+
+def test_score_bias_moves_the_choice_not_the_weights():
+    r = _ds_cases()
+    s = r["sigmoid"]
+    assert _agree(r["no_bias"]) and r["no_bias"]["ids"][0] == 3, r["no_bias"]
+    v = r["bias"]
+    # the largest logit (expert 3) with a bias of -10 is out; expert 7 (a logit of -1,
+    # a bias of +1) is first; the weights are the unbiased sigmoids
+    assert _agree(v) and 3 not in v["ids"] and v["ids"][0] == 7, v
+    for w in (v["w"], v["slot_w"]):
+        assert w == pytest.approx([s[i] for i in v["ids"]], rel=1e-6, abs=0), v
+    v = r["bias_renorm"]
+    assert _agree(v) and v["ids"] == r["bias"]["ids"], v
+    chosen = [s[i] for i in v["ids"]]
+    want = [2.5 * c / (sum(chosen) + 1e-20) for c in chosen]
+    assert v["w"] == pytest.approx(want, rel=1e-6) and v["slot_w"] == pytest.approx(want, rel=1e-6)
+
+
+def test_group_limit_moves_the_choice():
+    r = _ds_cases()
+    assert all(_agree(v) for k, v in r.items() if k.startswith("groups")), r
+    assert r["groups_off"]["ids"] == [0, 8]  # the global top two
+    # group 0 (the global top, nothing else) loses; group 1's duplicated max counts twice
+    # (1.462 against group 2's 1.424)
+    assert r["groups_1"]["ids"] == [4, 5]
+    assert r["groups_2"]["ids"] == [8, 4, 5]  # groups 1 and 2 kept
+    v = r["groups_bias"]  # group 3 biased ahead; its weights still sigmoid(-2)
+    assert v["ids"] == [12, 13] and v["w"] == pytest.approx([0.11920292] * 2, rel=1e-6), v
+
+
+def test_deepseek_routing_nan_and_ties():
+    """A NaN logit ranks above every number: its group is kept whatever its other keys,
+    it is chosen first with a NaN weight (all NaN when renormalised), and the token's MoE
+    output is NaN; a token of NaN logits gets ids 0..k-1. Equal keys (equal logits and
+    bias) and equal group scores: the lower index first."""
+    r = _ds_cases()
+    for name in ("nan_renorm", "nan_raw", "all_nan", "tie_keys", "tie_groups_1",
+                 "tie_groups_2"):
+        assert _agree(r[name]), (name, r[name])
+    v = r["nan_renorm"]
+    assert v["ids"][0] == 9 and all(math.isnan(w) for w in v["w"] + v["slot_w"]), v
+    v = r["nan_raw"]
+    assert v["ids"][0] == 9 and math.isnan(v["w"][0]) and math.isnan(v["slot_w"][0]), v
+    assert all(math.isfinite(w) for w in v["w"][1:] + v["slot_w"][1:]), v
+    assert v["w"][1:] == pytest.approx(v["ref_w"][1:], rel=1e-6), v
+    v = r["all_nan"]
+    assert v["ids"] == [0, 1, 2, 3] and all(math.isnan(w) for w in v["w"] + v["slot_w"]), v
+    assert r["moe_nan"]["nan_row"] is True and r["moe_nan"]["other_row"] <= TOL["float32"]
+    assert r["tie_keys"]["ids"][:2] == [2, 6], r["tie_keys"]
+    assert r["tie_groups_1"]["ids"] == [4, 5, 6], r["tie_groups_1"]
+    assert r["tie_groups_2"]["ids"] == [4, 12, 5, 13], r["tie_groups_2"]
+
+
 # --------------------------------------------------------------------------- validation
 
 def _m():
@@ -515,6 +867,80 @@ def test_route_refuses_bad_input_by_name(change, error, match):
     with pytest.raises(error, match=match):
         _m().route(a["x"], a["router_w"], top_k=a["top_k"], renormalize=a["renormalize"],
                    **{k: a[k] for k in ("norm_eps", "scoring", "pdl") if k in a})
+
+
+class _NoLaunch:
+    """Stands in for a kernel: any launch fails the test (refusals come before one)."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("a kernel was launched before the bad input was refused")
+
+
+_BIAS = torch.zeros(4)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(score_bias=_BIAS, scoring="softmax"), ValueError, "score_bias .*needs scoring='sigmoid'"),
+    (dict(score_bias=torch.zeros(5)), ValueError, r"score_bias must be \[E=4\]"),
+    (dict(score_bias=torch.zeros(4, 1)), ValueError, r"score_bias must be \[E=4\]"),
+    (dict(score_bias=torch.zeros(4).double()), TypeError, "score_bias must be float32"),
+    (dict(score_bias=torch.zeros(4).half()), TypeError, "score_bias must be float32"),
+    (dict(score_bias=[0.0] * 4), TypeError, "score_bias must be None or a torch.Tensor"),
+    (dict(score_bias=torch.zeros(4, device="meta")), ValueError, "score_bias must be on x"),
+    (dict(score_bias=torch.zeros(8)[::2]), ValueError, "score_bias must be contiguous"),
+    (dict(groups=3), ValueError, "groups must be a divisor of E=4"),
+    (dict(groups=0), ValueError, "groups must be a divisor"),
+    (dict(groups=True), ValueError, "groups must be an int"),
+    (dict(groups=2.0), ValueError, "groups must be an int"),
+    (dict(groups=4), ValueError, r"groups=4 leaves E // groups = 1"),
+    (dict(groups=2, scoring="softmax"), ValueError, r"groups > 1 .*needs scoring='sigmoid'"),
+    (dict(groups=2, topk_groups=3), ValueError, r"topk_groups must be in 1..groups=2"),
+    (dict(topk_groups=0), ValueError, r"topk_groups must be in 1..groups=1"),
+    (dict(topk_groups=True), ValueError, "topk_groups must be an int"),
+    (dict(groups=2, topk_groups=1, top_k=3), ValueError,
+     r"top_k=3 exceeds .* topk_groups \* \(E // groups\) = 2"),
+    (dict(scale=0.0), ValueError, "scale .*positive finite"),
+    (dict(scale=-1.0), ValueError, "scale .*positive finite"),
+    (dict(scale=float("nan")), ValueError, "scale .*positive finite"),
+    (dict(scale=float("inf")), ValueError, "scale .*positive finite"),
+    (dict(scale=True), ValueError, "scale .*positive finite"),
+    (dict(scale="2"), ValueError, "scale .*positive finite"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_deepseek_routing_refuses_bad_input_by_name(change, error, match, monkeypatch):
+    """route, route_logits and moe refuse a bad score_bias / groups / topk_groups / scale
+    by name before any kernel runs (every launch here would fail the test)."""
+    m = _m()
+    for name in ("_router_logits_kernel", "_route_kernel", "_group_kernel", "_grouped_kernel"):
+        monkeypatch.setattr(m, name, _NoLaunch())
+    a = _args()
+    kw = dict(top_k=a["top_k"], renormalize=True, scoring="sigmoid")
+    kw.update(change)
+    with pytest.raises(error, match=match):
+        m.route(a["x"], a["router_w"], **kw)
+    with pytest.raises(error, match=match):
+        m.route_logits(a["x"][:1], a["router_w"], **kw)
+    with pytest.raises(error, match=match):
+        m.moe(a["x"], a["router_w"], a["w_gate_up"], a["w_down"], **kw)
+
+
+def test_gate_up_refuses_a_logits_route_with_bad_routing():
+    """A LogitsRoute built by hand is checked as route_logits checks its arguments."""
+    m = _m()
+    E, k, H, F = 8, 3, 32, 16
+    ids = torch.zeros(1, k, dtype=torch.int32)
+    g = m.one_token_grouping(ids, E, 16, m.one_token_tables(k, 16, "cpu"))
+    base = (torch.zeros(1, E), torch.zeros(1, k), ids, k, True, True)
+    for extra, match in (((torch.zeros(E), 3, 1, 1.0), "groups must be a divisor"),
+                         ((torch.zeros(E + 1), 1, 1, 1.0), r"score_bias must be \[E=8\]"),
+                         ((None, 2, 1, 0.0), "scale"),
+                         ((None, 4, 1, 1.0), r"top_k=3 exceeds")):
+        with pytest.raises(ValueError, match=match):
+            m.moe_gate_up(torch.randn(1, H), torch.randn(E, 2 * F, H), g,
+                          route=m.LogitsRoute(*base, *extra))
+    soft = m.LogitsRoute(torch.zeros(1, E), torch.zeros(1, k), ids, k, True, False,
+                         torch.zeros(E))
+    with pytest.raises(ValueError, match="score_bias .*needs scoring='sigmoid'"):
+        m.moe_gate_up(torch.randn(1, H), torch.randn(E, 2 * F, H), g, route=soft)
 
 
 @pytest.mark.parametrize("ids, E, block, error, match", [
@@ -603,11 +1029,15 @@ KERNELS = {"router_logits": dict(norm=True), "route": {}, "group": {}, "gate_up"
            "combine": dict(residual=True)}
 
 
-def _compile(kernel, **kw):
+DEEPSEEK_V3 = dict(H=7168, E=256, top_k=8, F=2048)
+DEEPSEEK_V3_ROUTING = dict(scoring="sigmoid", score_bias=True, groups=8, topk_groups=4)
+
+
+def _compile(kernel, shape=QWEN3_30B, **kw):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    spec = _m().compile_spec(90, kernel, **QWEN3_30B, **kw)
+    spec = _m().compile_spec(90, kernel, **shape, **kw)
     src = ASTSource(spec["fn"], spec["signature"], spec["constexprs"], spec["attrs"])
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
 
@@ -644,6 +1074,28 @@ def test_sm90_gate_up_with_the_top_k_inside_does_not_spill(record_property):
     assert ptx.count("griddepcontrol.wait") == 1
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
     assert k.metadata.launch_pdl
+
+
+def test_sm90_deepseek_v3_routing_builds_do_not_spill(record_property):
+    """DeepSeek-V3's routing (sigmoid, e_score_correction_bias, 8 groups of 32 of which 4
+    kept, top 8 of 256) in the top-k kernel (T 1 and 64) and in the one-token gate/up build
+    that selects its slot itself: no spills, one PDL wait; the top-k kernel loads the bias
+    (a weight) before the wait and the logits after it."""
+    from test_prefill_compile import _ptxas_usage
+    for kernel, kw in (("route", dict(T=1)), ("route", dict(T=64)),
+                       ("gate_up", dict(T=1, norm=True, route=True))):
+        k = _compile(kernel, shape=DEEPSEEK_V3, pdl=True, **DEEPSEEK_V3_ROUTING, **kw)
+        regs, stores, loads = _ptxas_usage(k)
+        row = f"{kernel} {kw}: {regs} regs, spills {stores}/{loads}"
+        record_property(f"deepseek_v3.{kernel}.T{kw['T']}.registers", regs)
+        assert stores + loads == 0, row
+        assert k.asm["ptx"].count("griddepcontrol.wait") == 1, row
+        if kernel == "route":
+            ttgir = k.asm["ttgir"]
+            tw = ttgir.index("griddepcontrol.wait")
+            assert [n.split("_")[0] for n in re.findall(r"(%\w+) = tt\.load", ttgir[:tw])] \
+                == ["%bias"], row
+            assert re.search(r"%logits\w* = tt\.load", ttgir[tw:]), row
 
 
 def test_sm90_router_loads_its_weight_before_the_pdl_wait():

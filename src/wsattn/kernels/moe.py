@@ -3,7 +3,8 @@
 For T = 1..64 tokens x [T, H], E experts of FFN width F, top-k routing:
 
     route      logits = x @ router_w^T (fp32, FlashNorm scale optional), softmax or
-               sigmoid, top-k, optional renormalisation      -> weights [T, k], ids [T, k]
+               sigmoid, top-k (optionally DeepSeek-V3's: a selection bias and groups),
+               optional renormalisation, a scale       -> weights [T, k], ids [T, k]
     group      a counting sort of the T*k (token, slot) pairs by expert, each expert's
                rows padded to a multiple of `block`           -> Grouping
     gate_up    per touched expert: act = silu(x_e @ Wg_e^T) * (x_e @ Wu_e^T)
@@ -36,6 +37,23 @@ kernels compare the fp32 logits, whose order softmax and sigmoid keep (scores ro
 to fp32 could tie where the logits do not). A NaN (or +inf) logit makes every softmax
 probability of its token NaN, so that token gets ids 0..k-1 and NaN weights, and its
 MoE output is NaN: the NaN propagates, nothing is dropped.
+
+DeepSeek-V3 / dots.llm1 routing (transformers' DeepseekV3TopkRouter, Dots1TopkRouter),
+sigmoid scoring only: score_bias (e_score_correction_bias) and groups / topk_groups
+(n_group, topk_group) change what is chosen, scale (routed_scaling_factor) multiplies the
+chosen weights after the renormalisation, which under sigmoid divides by (sum + 1e-20) as
+transformers does. With a bias or groups the selection keys are sigmoid(logit) +
+score_bias[e] in fp32 (the scores transformers compares, so the ties of their rounding
+count), while the weights stay the unbiased sigmoid(logit). Groups: the experts split
+into `groups` contiguous groups; a group's score is the sum of its two largest keys (a
+duplicated max counts twice, as torch's .topk(2).sum()), the topk_groups best groups are
+kept (equal scores: the lower group first) and the top_k are chosen among their experts
+by the tie rule above. NaN there: a NaN logit's key is NaN, ranked above every number,
+so its group scores +inf and ranks first (NaN-holding groups by lower index), the NaN
+expert is chosen first and its NaN weight (all of them, renormalised) propagates to
+the token's output, as under plain sigmoid. Without a bias and groups == 1 the keys are
+the logits as above and the group step is compiled away (constexpr switches); scale is
+a runtime argument (one multiply).
 """
 
 from __future__ import annotations
@@ -114,14 +132,69 @@ def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, H, E, eps, stride_xt, stride
 
 
 @triton.jit
-def _route_keys(logits, e_live, SIGMOID: tl.constexpr):
-    """Selection keys of one token's fp32 logits [BLOCK_E] (e_live: the real experts), and
-    their max. Softmax and sigmoid keep the logits' order, so the logits are the keys
-    (comparing scores instead would add ties made by rounding them); NaN above every
-    number, padding below. Softmax: a NaN or +inf logit makes every probability NaN, so
-    then every key is equal (ids 0..k-1 by the tie rule). Shared by both top-k forms."""
-    key = tl.where(logits != logits, float("inf"), logits)
+def _route_keys(logits, bias, e, e_live, E, SIGMOID: tl.constexpr, BIAS: tl.constexpr,
+                GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Selection keys of one token's fp32 logits [BLOCK_E] (e: the lanes' expert indices,
+    e_live: the real experts), and their max. Shared by both top-k forms, so the group
+    step is written once.
+
+    Plain (no bias, no groups): softmax and sigmoid keep the logits' order, so the logits
+    are the keys (comparing scores instead would add ties made by rounding them).
+    BIAS or GROUPS > 1 (sigmoid only, DeepSeek-V3): the key is sigmoid(logit) + bias[e]
+    in fp32, as transformers compares them (the bias changes the order, and a group's
+    score sums scores, not logits); bias is the [BLOCK_E] e_score_correction_bias (any
+    value without BIAS). TOPK_GROUPS < GROUPS: experts outside the TOPK_GROUPS groups of
+    the highest scores (a group's score: the sum of its two largest keys; equal scores:
+    the lower group first) get the key -inf, below every kept one (unless a bias of -inf
+    ties them), and top_k <= TOPK_GROUPS * (E // GROUPS) leaves enough kept experts.
+
+    NaN above every number (a NaN key becomes +inf, so the group holding it scores +inf
+    and ranks first), padding below. Softmax: a NaN or +inf logit makes every probability
+    NaN, so then every key is equal (ids 0..k-1 by the tie rule)."""
+    if BIAS or GROUPS > 1:
+        key = tl.sigmoid(logits)
+        if BIAS:
+            key = key + bias
+    else:
+        key = logits
+    key = tl.where(key != key, float("inf"), key)
     key = tl.where(e_live, key, float("-inf"))
+    if TOPK_GROUPS < GROUPS:
+        # the group step on a [BLOCK_G, BLOCK_GS] tile of the keys, row g holding group g's
+        # (gathered: E // GROUPS need not be a power of two, so no plain reshape), 2 *
+        # BLOCK_E elements at any GROUPS; a [BLOCK_G, BLOCK_E] tile of masked rows spilled
+        # at E 256 in 128 groups
+        BLOCK_G: tl.constexpr = triton.next_power_of_2(GROUPS)
+        BLOCK_GS: tl.constexpr = 2 * BLOCK_E // BLOCK_G  # >= E // GROUPS
+        gs = E // GROUPS
+        i = tl.arange(0, BLOCK_G * BLOCK_GS)
+        gi = i // BLOCK_GS
+        ji = i % BLOCK_GS
+        real = (gi < GROUPS) & (ji < gs)
+        kg = tl.gather(key, tl.where(real, gi * gs + ji, 0), 0)
+        kg = tl.reshape(tl.where(real, kg, float("-inf")), [BLOCK_G, BLOCK_GS])
+        j = tl.arange(0, BLOCK_GS)
+        m1 = tl.max(kg, axis=1)  # [BLOCK_G]
+        # the second largest: the max without one lane of the max (the lowest), so a
+        # duplicated max counts twice as in torch's .topk(2).sum()
+        i1 = tl.min(tl.where(kg == m1[:, None], j[None, :], BLOCK_GS), axis=1)
+        m2 = tl.max(tl.where(j[None, :] == i1[:, None], float("-inf"), kg), axis=1)
+        score = m1 + m2
+        # NaN only as +inf + -inf (a NaN key, a bias of -inf): the group holds a NaN
+        score = tl.where(score != score, float("inf"), score)
+        # the TOPK_GROUPS best groups, a round of max a group (equal scores: the lower
+        # index), as _route_kernel's top-k: a [BLOCK_G, BLOCK_G] rank spilled at 128 groups
+        g = tl.arange(0, BLOCK_G)
+        left = g < GROUPS
+        kept = g < 0
+        for _ in range(TOPK_GROUPS):
+            sg = tl.where(left, score, float("-inf"))
+            best = tl.min(tl.where(left & (sg == tl.max(sg, axis=0)), g, BLOCK_G), axis=0)
+            kept = kept | (g == best)
+            left = left & (g != best)
+        # back to the experts' lanes (padding lanes, already -inf, read any group)
+        keep = tl.gather(kept.to(tl.int32), tl.minimum(e // gs, BLOCK_G - 1), 0)
+        key = tl.where(keep != 0, key, float("-inf"))
     m = tl.max(key, axis=0)
     if not SIGMOID:
         key = tl.where(m == float("inf"), tl.where(e_live, 0.0, float("-inf")), key)
@@ -144,18 +217,25 @@ def _slot_sums(rank, slot, e, x, TOP_K: tl.constexpr):
 
 
 @triton.jit
-def _slot_route(logits_ptr, wts_ptr, ids_ptr, slot, E, write, TOP_K: tl.constexpr,
-                BLOCK_E: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr):
+def _slot_route(logits_ptr, bias_ptr, wts_ptr, ids_ptr, slot, E, scale, write,
+                TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
+                SIGMOID: tl.constexpr, BIAS: tl.constexpr, GROUPS: tl.constexpr,
+                TOPK_GROUPS: tl.constexpr):
     """The expert in top-k slot `slot` of one token, from its E fp32 logits, for a grouped
     program that needs only its own slot (moe_gate_up(..., route=)): every expert's rank
     counted at once over a [BLOCK_E, BLOCK_E] comparison of the keys (_route_keys),
     instead of top-k rounds of reductions. With `write`, also stores the slot's id and
-    routing weight for the down projection and combine that follow."""
+    routing weight (times scale) for the down projection and combine that follow."""
     e = tl.arange(0, BLOCK_E)
     e_live = e < E
     logits = tl.load(logits_ptr + e, mask=e_live, other=0.0)
-    key, m = _route_keys(logits, e_live, SIGMOID)
+    bias = logits  # unread without BIAS
+    if BIAS:
+        bias = tl.load(bias_ptr + e, mask=e_live, other=0.0)
+    key, m = _route_keys(logits, bias, e, e_live, E, SIGMOID, BIAS, GROUPS,
+                         TOPK_GROUPS, BLOCK_E)
     if SIGMOID:
+        # the unbiased scores: the bias only chooses
         x = tl.where(e_live, tl.sigmoid(logits), 0.0)
     else:
         x = tl.where(e_live, tl.exp(logits - m), 0.0)  # the softmax's numerators
@@ -172,33 +252,42 @@ def _slot_route(logits_ptr, wts_ptr, ids_ptr, slot, E, write, TOP_K: tl.constexp
         n_hit, n_top, expert, x_hit, x_top, x_all = _slot_sums(rank, slot, e, x, TOP_K)
     if write:
         if RENORM:
-            w = x_hit / x_top
+            if SIGMOID:
+                w = x_hit / (x_top + 1e-20)  # transformers' guard against a zero sum
+            else:
+                w = x_hit / x_top
         elif SIGMOID:
             w = x_hit
         else:
             w = x_hit / x_all
         if not SIGMOID:
             w = tl.where(m == float("inf"), float("nan"), w)  # every probability NaN
-        tl.store(wts_ptr + slot, w)
+        tl.store(wts_ptr + slot, w * scale)
         tl.store(ids_ptr + slot, expert)
     return expert
 
 
 @triton.jit
-def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_TK: tl.constexpr, RENORM: tl.constexpr, SIGMOID: tl.constexpr,
-                  PDL: tl.constexpr):
+def _route_kernel(logits_ptr, bias_ptr, wts_ptr, ids_ptr, E, scale, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, RENORM: tl.constexpr,
+                  SIGMOID: tl.constexpr, PDL: tl.constexpr, BIAS: tl.constexpr,
+                  GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr):
     # grid (T,): one token's E fp32 logits (E <= 256) -> its top-k ids and weights
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     e_live = e < E
+    bias = tl.zeros([BLOCK_E], dtype=tl.float32)  # unread without BIAS
+    if BIAS:
+        # a weight of the model, never written during a step: loads before the PDL wait
+        bias = tl.load(bias_ptr + e, mask=e_live, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the logits come from the kernel before
         tl.extra.cuda.gdc_launch_dependents()
     logits = tl.load(logits_ptr + t * E + e, mask=e_live, other=0.0)
-    key, m = _route_keys(logits, e_live, SIGMOID)
+    key, m = _route_keys(logits, bias, e, e_live, E, SIGMOID, BIAS, GROUPS,
+                         TOPK_GROUPS, BLOCK_E)
     if SIGMOID:
-        p = tl.sigmoid(logits)
+        p = tl.sigmoid(logits)  # the unbiased scores: the bias only chooses
     else:
         ex = tl.exp(tl.where(e_live, logits, float("-inf")) - m)
         p = ex / tl.sum(ex, axis=0)  # a NaN or +inf logit makes the sum, so every p, NaN
@@ -216,8 +305,11 @@ def _route_kernel(logits_ptr, wts_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E:
         sel_i = tl.where(kk == j, idx, sel_i)
         avail = avail & (e != idx)
     if RENORM:
-        sel_w = sel_w / tl.sum(tl.where(kk < TOP_K, sel_w, 0.0), axis=0)
-    tl.store(wts_ptr + t * TOP_K + kk, sel_w, mask=kk < TOP_K)
+        total = tl.sum(tl.where(kk < TOP_K, sel_w, 0.0), axis=0)
+        if SIGMOID:
+            total = total + 1e-20  # transformers' guard against a zero sum
+        sel_w = sel_w / total
+    tl.store(wts_ptr + t * TOP_K + kk, sel_w * scale, mask=kk < TOP_K)
     tl.store(ids_ptr + t * TOP_K + kk, sel_i, mask=kk < TOP_K)
 
 
@@ -296,19 +388,23 @@ def _group_kernel(ids_ptr, pairs_ptr, offs_ptr, counts_ptr, eob_ptr, nact_ptr,
 
 @triton.jit
 def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr,
-                    logits_ptr, NOUT, K, E, eps, stride_xt, stride_we, stride_wn, stride_ot,
+                    logits_ptr, bias_ptr, NOUT, K, E, eps, scale, stride_xt, stride_we,
+                    stride_wn, stride_ot,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, GATE_UP: tl.constexpr,
                     NORM: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1,
                     ROUTE: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
-                    RENORM: tl.constexpr = False, SIGMOID: tl.constexpr = False):
+                    RENORM: tl.constexpr = False, SIGMOID: tl.constexpr = False,
+                    BIAS: tl.constexpr = False, GROUPS: tl.constexpr = 1,
+                    TOPK_GROUPS: tl.constexpr = 1):
     # grid (blocks_max, cdiv(NOUT, BLOCK_N)). One block of BLOCK_M grouped rows (one
     # expert), BLOCK_N output columns (weight rows of that expert).
     # GATE_UP: x = the tokens' hidden states gathered through the pairs, W = [E, 2F, H],
     #   out = act [rows, F] by grouped row: silu(gate) * up (FlashNorm scale with NORM).
     #   ROUTE (one token, one block a slot): block b's expert is the token's top-k slot b,
     #   selected here from the router logits (logits_ptr, E of them) instead of read from
-    #   eob_ptr; the pid_n == 0 program writes it there and the slot's weight to wts_ptr.
+    #   eob_ptr; the pid_n == 0 program writes it there and the slot's weight to wts_ptr
+    #   (bias_ptr, scale, BIAS, GROUPS, TOPK_GROUPS: the DeepSeek-V3 routing, _route_keys).
     # else (down): x = act by grouped row, W = [E, H, F], out = per-pair results
     #   [T*k, H] fp32 by pair index, times the pair's routing weight.
     b = tl.program_id(0)
@@ -321,8 +417,9 @@ def _grouped_kernel(x_ptr, w_ptr, pairs_ptr, eob_ptr, nact_ptr, wts_ptr, out_ptr
     if b >= tl.load(nact_ptr):
         return  # a block past the active ones: static grid, nothing to do
     if ROUTE:
-        ex = _slot_route(logits_ptr, wts_ptr, eob_ptr, b, E, pid_n == 0, TOP_K, BLOCK_E,
-                         RENORM, SIGMOID).to(tl.int64)
+        ex = _slot_route(logits_ptr, bias_ptr, wts_ptr, eob_ptr, b, E, scale, pid_n == 0,
+                         TOP_K, BLOCK_E, RENORM, SIGMOID, BIAS, GROUPS,
+                         TOPK_GROUPS).to(tl.int64)
     else:
         ex = tl.load(eob_ptr + b).to(tl.int64)
     mi = tl.arange(0, BLOCK_M)
@@ -579,7 +676,8 @@ def _check_grouping(grouping, device):
         raise ValueError(f"grouping must be on {device}, got {grouping.sorted_pairs.device}")
 
 
-def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", pdl=None):
+def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax",
+          score_bias=None, groups=1, topk_groups=1, scale=1.0, pdl=None):
     """Router: scores of the E experts per token, the top_k of them, their weights.
 
     Args:
@@ -587,33 +685,57 @@ def route(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax", 
             dimension contiguous.
         router_w: [E, H] router weight (nn.Linear layout), x's dtype, E <= 256. With
             norm_eps, the RMSNorm weight folded into its columns (FlashNorm).
-        top_k: experts per token, 1 <= top_k <= E.
+        top_k: experts per token, 1 <= top_k <= E (num_experts_per_tok).
         renormalize: divide the chosen weights by their sum (Qwen3 norm_topk_prob,
-            Mixtral always, OLMoE per its config).
+            Mixtral always, OLMoE per its config; DeepSeek-V3 / dots.llm1 norm_topk_prob,
+            under sigmoid as transformers does: w / (sum + 1e-20)).
         norm_eps: None, or the RMSNorm epsilon: logits scaled by rsqrt(mean(x^2) + eps).
         scoring: "softmax" over the E fp32 logits, or "sigmoid" per logit.
+        score_bias: None, or float32 [E] on x's device, contiguous: the DeepSeek-V3 /
+            dots.llm1 router's e_score_correction_bias (scoring "sigmoid" only). It moves
+            the choice only: experts are chosen by sigmoid(logit) + score_bias[e] (fp32),
+            the chosen weights are the unbiased sigmoid(logit).
+        groups, topk_groups: group-limited routing (config n_group, topk_group; 1, 1 =
+            none). The E experts are split into `groups` contiguous groups of E // groups
+            (>= 2); a group scores the sum of its two largest selection keys (a
+            duplicated max counts twice), only the topk_groups best groups (equal scores:
+            the lower group) keep their experts, and the top_k are chosen among those.
+            groups > 1 needs scoring "sigmoid", E % groups == 0 and top_k <= topk_groups
+            * (E // groups).
+        scale: positive finite float multiplied into the chosen weights after the
+            renormalisation (routed_scaling_factor).
         pdl: programmatic dependent launch (sm_90+); None = where available.
 
     Returns:
-        (topk_weights float32 [T, top_k], topk_ids int32 [T, top_k]), highest score
-        first. Logits are accumulated and kept in fp32 (never rounded to x's dtype).
+        (topk_weights float32 [T, top_k], topk_ids int32 [T, top_k]), highest selection
+        key first. Logits are accumulated and kept in fp32 (never rounded to x's dtype).
         Ties and NaN: see the module docstring (stable descending sort; a NaN logit
-        gives its token ids 0..k-1 and NaN weights under softmax).
+        gives its token ids 0..k-1 and NaN weights under softmax, and is chosen first
+        with a NaN weight under sigmoid).
+
+    Raises:
+        ValueError / TypeError naming the argument, before any launch.
 
     Example (TRITON_INTERPRET=1 on CPU, or CUDA tensors):
         >>> x = torch.randn(3, 64); rw = torch.randn(8, 64)
         >>> w, ids = route(x, rw, top_k=2, renormalize=True)   # [3, 2] each
+        >>> b = torch.zeros(8)  # DeepSeek-V3 style: 4 groups of 2, the best 2 kept
+        >>> w, ids = route(x, rw, top_k=2, renormalize=True, scoring="sigmoid",
+        ...                score_bias=b, groups=4, topk_groups=2, scale=2.5)
     """
     x, router_w, logits, pdl = _router_logits(x, router_w, top_k, renormalize, norm_eps,
-                                              scoring, pdl)
+                                              scoring, pdl, score_bias, groups, topk_groups,
+                                              scale)
     T, E = logits.shape
     wts = empty((T, top_k), torch.float32, x.device)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=x.device)
     launch = {"launch_pdl": True} if pdl else {}
     _route_kernel[(T,)](
-        logits, wts, ids, E, TOP_K=top_k, BLOCK_E=_route_block_e(E),
-        BLOCK_TK=next_pow2(top_k), RENORM=renormalize, SIGMOID=scoring == "sigmoid",
-        PDL=pdl, num_warps=ROUTE_NUM_WARPS, **launch)
+        logits, logits if score_bias is None else score_bias, wts, ids, E, float(scale),
+        TOP_K=top_k, BLOCK_E=_route_block_e(E), BLOCK_TK=next_pow2(top_k),
+        RENORM=renormalize, SIGMOID=scoring == "sigmoid", PDL=pdl,
+        BIAS=score_bias is not None, GROUPS=groups, TOPK_GROUPS=topk_groups,
+        num_warps=ROUTE_NUM_WARPS, **launch)
     return wts, ids
 
 
@@ -621,7 +743,54 @@ def _route_block_e(E: int) -> int:
     return max(16, next_pow2(E))
 
 
-def _router_logits(x, router_w, top_k, renormalize, norm_eps, scoring, pdl):
+def _check_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+
+
+def _check_ds_routing(E, top_k, scoring, score_bias, groups, topk_groups, scale, device):
+    """ValueError / TypeError naming the argument unless score_bias, groups, topk_groups
+    and scale are a routing route() can run for E experts (see route)."""
+    if score_bias is not None:
+        if scoring != "sigmoid":
+            raise ValueError(f"score_bias (e_score_correction_bias) needs scoring='sigmoid', "
+                             f"got scoring={scoring!r}")
+        if not isinstance(score_bias, torch.Tensor):
+            raise TypeError(f"score_bias must be None or a torch.Tensor, got "
+                            f"{type(score_bias).__name__}")
+        if score_bias.dtype != torch.float32:
+            raise TypeError(f"score_bias must be float32, got {score_bias.dtype}")
+        if tuple(score_bias.shape) != (E,):
+            raise ValueError(f"score_bias must be [E={E}], got {tuple(score_bias.shape)}")
+        if score_bias.device != device:
+            raise ValueError(f"score_bias must be on x's device {device}, got "
+                             f"{score_bias.device}")
+        if not score_bias.is_contiguous():
+            raise ValueError("score_bias must be contiguous")
+    _check_int("groups", groups)
+    _check_int("topk_groups", topk_groups)
+    if groups < 1 or E % groups:
+        raise ValueError(f"groups must be a divisor of E={E} (>= 1), got {groups}")
+    if groups > 1:
+        if E // groups < 2:
+            raise ValueError(f"groups={groups} leaves E // groups = {E // groups} expert a "
+                             f"group; a group scores its two largest, so it needs >= 2")
+        if scoring != "sigmoid":
+            raise ValueError(f"groups > 1 (group-limited routing) needs scoring='sigmoid', "
+                             f"got scoring={scoring!r}")
+    if not 1 <= topk_groups <= groups:
+        raise ValueError(f"topk_groups must be in 1..groups={groups}, got {topk_groups}")
+    if top_k > topk_groups * (E // groups):
+        raise ValueError(f"top_k={top_k} exceeds the experts of the kept groups: "
+                         f"topk_groups * (E // groups) = {topk_groups * (E // groups)}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not 0 < scale < float("inf"):
+        raise ValueError(f"scale (routed_scaling_factor) must be a positive finite float, "
+                         f"got {scale!r}")
+
+
+def _router_logits(x, router_w, top_k, renormalize, norm_eps, scoring, pdl, score_bias=None,
+                   groups=1, topk_groups=1, scale=1.0):
     """route()'s checks (ValueError / TypeError naming the argument), then the router-logits
     launch: (x, router_w as launched, logits fp32 [T, E], pdl resolved)."""
     T, H = _check_x(x)
@@ -644,6 +813,7 @@ def _router_logits(x, router_w, top_k, renormalize, norm_eps, scoring, pdl):
         raise TypeError(f"renormalize must be a bool, got {renormalize!r}")
     if scoring not in _SCORINGS:
         raise ValueError(f"scoring must be one of {_SCORINGS}, got {scoring!r}")
+    _check_ds_routing(E, top_k, scoring, score_bias, groups, topk_groups, scale, x.device)
     _check_norm_eps(norm_eps)
     target, pdl = _resolve_pdl(pdl, x.device)
     if target.backend == "interpreter" and x.dtype == torch.bfloat16:
@@ -661,24 +831,32 @@ class LogitsRoute(NamedTuple):
     """route_logits' result: one token's router logits and the buffers its routing goes
     to. weights (float32 [1, top_k]) and ids (int32 [1, top_k]) hold nothing until the
     moe_gate_up call given this route (route=) has run: its programs select the top-k
-    from logits and write them, as route() would have."""
+    from logits and write them, as route() would have. score_bias, groups, topk_groups
+    and scale: route()'s arguments of the same names (the defaults: none of them)."""
     logits: torch.Tensor
     weights: torch.Tensor
     ids: torch.Tensor
     top_k: int
     renormalize: bool
     sigmoid: bool
+    score_bias: torch.Tensor | None = None
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
 
 
 def route_logits(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="softmax",
-                 pdl=None):
+                 score_bias=None, groups=1, topk_groups=1, scale=1.0, pdl=None):
     """route() for one token without its top-k launch: only the router logits are
     computed here; the top-k selection runs inside the grouped gate/up launch, each
     program selecting its own slot's expert (moe_gate_up(..., route=)). One launch fewer a
     MoE layer at one token; the same experts, in the same order, as route() (the same
-    scores and tie rule) and the same weights up to the order of the renormalising sum.
+    keys, group step and tie rule) and the same weights up to the order of the
+    renormalising sum.
 
-    Args: as route(), with x [1, H] (one token).
+    Args: as route(), with x [1, H] (one token); score_bias, groups, topk_groups and
+        scale (e_score_correction_bias, n_group, topk_group, routed_scaling_factor) are
+        checked here and carried in the LogitsRoute for moe_gate_up to apply.
 
     Returns:
         a LogitsRoute. Use: ``r = route_logits(...)``, ``g = one_token_grouping(r.ids, E,
@@ -688,10 +866,12 @@ def route_logits(x, router_w, *, top_k, renormalize, norm_eps=None, scoring="sof
     if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] != 1:
         raise ValueError(f"x must be [1, H] (one token) for route_logits, got {tuple(x.shape)}")
     x, router_w, logits, pdl = _router_logits(x, router_w, top_k, renormalize, norm_eps,
-                                              scoring, pdl)
+                                              scoring, pdl, score_bias, groups, topk_groups,
+                                              scale)
     wts = empty((1, top_k), torch.float32, x.device)
     ids = torch.empty((1, top_k), dtype=torch.int32, device=x.device)
-    return LogitsRoute(logits, wts, ids, top_k, renormalize, scoring == "sigmoid")
+    return LogitsRoute(logits, wts, ids, top_k, renormalize, scoring == "sigmoid",
+                       score_bias, groups, topk_groups, float(scale))
 
 
 def _group_launch(T: int, top_k: int, num_experts: int, block: int):
@@ -883,7 +1063,8 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
         route: None, or route_logits' LogitsRoute for this one token (impl "triton"):
             the grouping must then be one_token_grouping(route.ids, ...), whose blocks
             this launch assigns to experts itself (selecting each slot's from
-            route.logits) while writing route.ids and route.weights for the down
+            route.logits, with the route's score_bias, groups, topk_groups and scale as
+            route() applies them) while writing route.ids and route.weights for the down
             projection and combine.
 
     Returns:
@@ -916,15 +1097,20 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
                                      route=route))
     launch = {"launch_pdl": True} if pdl else {}
     logits, wts = (route.logits, route.weights) if route is not None else (act, act)
+    bias = route.score_bias if route is not None and route.score_bias is not None else logits
     _grouped_kernel[(rows // s.block, cdiv(F, s.BLOCK_N))](
         x, w_gate_up, grouping.sorted_pairs, grouping.expert_of_block,
-        grouping.num_active_blocks, wts, act, logits, F, H, E, float(norm_eps or 0.0),
+        grouping.num_active_blocks, wts, act, logits, bias, F, H, E, float(norm_eps or 0.0),
+        float(route.scale) if route is not None else 1.0,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
         TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         USE_DOT=s.use_dot, GATE_UP=True, NORM=norm_eps is not None, PDL=pdl,
         STAGES=s.num_stages, ROUTE=route is not None, BLOCK_E=_route_block_e(E),
         RENORM=route is not None and route.renormalize,
         SIGMOID=route is not None and route.sigmoid,
+        BIAS=route is not None and route.score_bias is not None,
+        GROUPS=route.groups if route is not None else 1,
+        TOPK_GROUPS=route.topk_groups if route is not None else 1,
         num_warps=s.num_warps, num_stages=s.num_stages, **launch)
     return act
 
@@ -950,6 +1136,9 @@ def _check_route(route, grouping, x, impl):
             or grouping.expert_of_block.data_ptr() != route.ids.data_ptr():
         raise ValueError("route= needs grouping = one_token_grouping(route.ids, ...): the "
                          "launch writes each block's expert there")
+    _check_ds_routing(grouping.num_experts, route.top_k,
+                      "sigmoid" if route.sigmoid else "softmax", route.score_bias,
+                      route.groups, route.topk_groups, route.scale, x.device)
 
 
 def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=None,
@@ -1025,7 +1214,7 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
     launch = {"launch_pdl": True} if pdl else {}
     _grouped_kernel[(rows // s.block, cdiv(H, s.BLOCK_N))](
         act, w_down, grouping.sorted_pairs, grouping.expert_of_block,
-        grouping.num_active_blocks, topk_weights, y, y, H, F, E, 0.0,
+        grouping.num_active_blocks, topk_weights, y, y, y, H, F, E, 0.0, 1.0,
         act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
         TOP_K=grouping.top_k, BLOCK_M=s.block, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K,
         USE_DOT=s.use_dot, GATE_UP=False, NORM=False, PDL=pdl, STAGES=s.num_stages,
@@ -1050,11 +1239,16 @@ def _combine_launch(T: int) -> tuple[int, int]:
 
 
 def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
-        scoring="softmax", residual=None, out=None, pdl=None, settings=None, impl="triton"):
+        scoring="softmax", score_bias=None, groups=1, topk_groups=1, scale=1.0,
+        residual=None, out=None, pdl=None, settings=None, impl="triton"):
     """The whole MoE block for a decode step: route -> group -> gate_up -> down+combine.
 
     Shapes as in the four launchers: x [T, H], router_w [E, H], w_gate_up [E, 2F, H],
     w_down [E, H, F]; returns out [T, H] in x's dtype (residual added when given).
+    The routing arguments are route()'s: top_k, renormalize, norm_eps, scoring, and the
+    DeepSeek-V3 / dots.llm1 router's score_bias (e_score_correction_bias), groups and
+    topk_groups (n_group, topk_group) and scale (routed_scaling_factor, applied to the
+    routing weights, so to the routed experts' sum only).
     Five launches, no host sync. impl="gluon" runs the grouped gate/up and down on the
     sm_90 Gluon kernel (moe_gate_up's impl; settings then a moe_gluon.GluonMoeSettings,
     its block the grouping's), refused before any launch where that kernel cannot run.
@@ -1068,7 +1262,8 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
     if impl == "gluon" and isinstance(x, torch.Tensor):
         _refuse_gluon(x, pdl)  # before any kernel runs, route and group included
     wts, ids = route(x, router_w, top_k=top_k, renormalize=renormalize, norm_eps=norm_eps,
-                     scoring=scoring, pdl=pdl)
+                     scoring=scoring, score_bias=score_bias, groups=groups,
+                     topk_groups=topk_groups, scale=scale, pdl=pdl)
     target = target_of(x.device)
     E = router_w.shape[0]
     if settings is not None and hasattr(settings, "block"):
@@ -1093,12 +1288,15 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
                  top_k: int = 8, F: int = 768, dtype: str = "bf16", pdl: bool = False,
                  norm: bool = False, residual: bool = False, renormalize: bool = True,
                  settings: MoeSettings | None = None, num_sms: int = 132,
-                 route: bool = False) -> dict:
+                 route: bool = False, scoring: str = "softmax", score_bias: bool = False,
+                 groups: int = 1, topk_groups: int = 1) -> dict:
     """What ``triton.compile`` needs to build one MoE kernel for compute capability cc.
 
     kernel: "router_logits", "route" (top-k of the logits), "group", "gate_up", "down" or
     "combine"; route: the gate/up build that selects its slot's expert itself (one token,
-    moe_gate_up(..., route=)). Settings default to
+    moe_gate_up(..., route=)). scoring, score_bias (whether there is one), groups and
+    topk_groups: the routing of the "route" build and of the route= gate/up build, as
+    route()'s arguments (DeepSeek-V3: "sigmoid", True, 8, 4). Settings default to
     default_settings on a GPU with num_sms SMs. Returns {"fn", "signature",
     "constexprs", "attrs", "options"} as gemv.compile_spec does.
     """
@@ -1117,10 +1315,12 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
         fn, aligned = _router_logits_kernel, ("x_ptr", "w_ptr", "logits_ptr", "H",
                                               "stride_xt", "stride_we")
     elif kernel == "route":
-        sig = {"logits_ptr": "*fp32", "wts_ptr": "*fp32", "ids_ptr": "*i32", "E": "i32"}
+        sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "wts_ptr": "*fp32",
+               "ids_ptr": "*i32", "E": "i32", "scale": "fp32"}
         const = {"TOP_K": top_k, "BLOCK_E": max(16, next_pow2(E)),
-                 "BLOCK_TK": next_pow2(top_k), "RENORM": renormalize, "SIGMOID": False,
-                 "PDL": pdl}
+                 "BLOCK_TK": next_pow2(top_k), "RENORM": renormalize,
+                 "SIGMOID": scoring == "sigmoid", "PDL": pdl, "BIAS": score_bias,
+                 "GROUPS": groups, "TOPK_GROUPS": topk_groups}
         fn, aligned = _route_kernel, ("logits_ptr", "wts_ptr", "ids_ptr")
         options = {**options, "num_warps": ROUTE_NUM_WARPS}
     elif kernel == "group":
@@ -1139,15 +1339,18 @@ def compile_spec(cc: int, kernel: str, *, T: int = 1, H: int = 2048, E: int = 12
                "wts_ptr": "*fp32" if not gate_up or routed else f"*{t}",
                "out_ptr": f"*{t}" if gate_up else "*fp32",
                "logits_ptr": "*fp32" if routed else ("*fp32" if not gate_up else f"*{t}"),
+               "bias_ptr": "*fp32" if routed else ("*fp32" if not gate_up else f"*{t}"),
                "NOUT": "i32", "K": "i32", "E": "i32",
-               "eps": "fp32", "stride_xt": "i32", "stride_we": "i32", "stride_wn": "i32",
-               "stride_ot": "i32"}
+               "eps": "fp32", "scale": "fp32", "stride_xt": "i32", "stride_we": "i32",
+               "stride_wn": "i32", "stride_ot": "i32"}
         const = {"TOP_K": top_k, "BLOCK_M": settings.block, "BLOCK_N": settings.BLOCK_N,
                  "BLOCK_K": settings.BLOCK_K, "USE_DOT": settings.use_dot,
                  "GATE_UP": gate_up, "NORM": norm and gate_up, "PDL": pdl,
                  "STAGES": settings.num_stages, "ROUTE": routed,
                  "BLOCK_E": _route_block_e(E), "RENORM": renormalize and routed,
-                 "SIGMOID": False}
+                 "SIGMOID": scoring == "sigmoid" and routed,
+                 "BIAS": score_bias and routed, "GROUPS": groups if routed else 1,
+                 "TOPK_GROUPS": topk_groups if routed else 1}
         options = {**options, "num_warps": settings.num_warps,
                    "num_stages": settings.num_stages}
         fn, aligned = _grouped_kernel, ("x_ptr", "w_ptr", "pairs_ptr", "eob_ptr", "nact_ptr",

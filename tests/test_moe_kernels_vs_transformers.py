@@ -1,8 +1,9 @@
 """The MoE decode kernels (wsattn.kernels.moe: route / route_logits, group /
 one_token_grouping, the grouped gate/up and down projections, the combine) against
 transformers' own sparse MoE block, and the kernel step's greedy decode against
-transformers' generate, for tiny random fp32 Qwen3-MoE, Mixtral and OLMoE models
-(test_models_moe's tiny_model: its configs, seeds and weight scaling).
+transformers' generate, for tiny random fp32 Qwen3-MoE, Mixtral, OLMoE and dots1 models
+(test_models_moe's tiny_model: its configs, seeds and weight scaling; dots1 with
+DeepSeek-V3's sigmoid routing, its score-correction bias and group-limited top-k).
 
 transformers 5.x names (5.17, read from its modeling files): the block is
 ``model.model.layers[i].mlp`` (Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock,
@@ -10,7 +11,9 @@ OlmoeSparseMoeBlock; Mixtral's checkpoint key block_sparse_moe is loaded into ``
 its router ``mlp.gate`` (``*TopKRouter``) returns ``(router_logits [T, E],
 router_scores [T, k], router_indices [T, k])``: torch.topk over the fp32 softmax
 (descending), the k weights renormalised always for Mixtral and per norm_topk_prob for
-the others; its experts ``mlp.experts`` hold ``gate_up_proj [E, 2F, H]`` and
+the others (dots1's ``Dots1TopkRouter``: sigmoid scores, bias, groups, listed by
+``torch.topk(..., sorted=False)``, so its experts are compared as a set and each weight
+with its expert's); its experts ``mlp.experts`` hold ``gate_up_proj [E, 2F, H]`` and
 ``down_proj [E, H, F]``, and their forward is the one config._experts_implementation
 names ("grouped_mm" by default, or the "eager" per-expert loop; both are compared).
 
@@ -29,7 +32,7 @@ import pytest
 from conftest import interpreter_child
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-NAMES = ["qwen3_moe-norm", "mixtral", "olmoe"]  # test_models_moe.CONFIGS keys
+NAMES = ["qwen3_moe-norm", "mixtral", "olmoe", "dots1"]  # test_models_moe.CONFIGS keys
 # tokens of a block call: 1 (the one-token path in the step); pairs B*top_k = 6 and 26,
 # not a multiple of the grouping block (16); 64 tokens, the kernels' most, 128 pairs, a
 # multiple of it (Mixtral's 4 experts there: 32 pairs an expert, block 32)
@@ -47,8 +50,9 @@ PROMPT_LENS = [7, 4]  # test_models_moe's: bucket 2, the step's grouping-kernel 
 FP32_LOGITS = 1e-5  # one step's logits, relative, as test_models_moe / test_runner_moe
 # 32 interpreted decode steps cost 20-27 CPU seconds a family; all three the issue names:
 # Qwen3-MoE (renormalised, per-head QK-norm), Mixtral (top-2 of 4, always renormalised)
-# and OLMoE (not renormalised, QK-norm over the whole projection)
-GENERATE_NAMES = ["qwen3_moe-norm", "mixtral", "olmoe"]
+# and OLMoE (not renormalised, QK-norm over the whole projection), and dots1 (DeepSeek-V3
+# routing: the only family whose router has a bias and groups)
+GENERATE_NAMES = ["qwen3_moe-norm", "mixtral", "olmoe", "dots1"]
 
 CHILD = textwrap.dedent(r'''
     import json, sys
@@ -99,16 +103,29 @@ CHILD = textwrap.dedent(r'''
                 with torch.no_grad():
                     x = layer.post_attention_layernorm(h)  # the block's input
                     logits, hf_w, hf_ids = block.gate(x)
+                    keys = logits.float()
+                    if cfg.scoring == "sigmoid":  # the choice's keys; sorted=False lists
+                        keys = keys.sigmoid() + block.gate.e_score_correction_bias
+                        order = hf_ids.argsort(-1)
+                        hf_ids, hf_w = hf_ids.gather(1, order), hf_w.gather(1, order)
                     for impl in ("grouped_mm", "eager"):
                         model.set_experts_implementation(impl)
                         refs[impl] = block(x[None])[0]
                     model.set_experts_implementation(res["experts_impl"])
-                top = logits.float().sort(-1, descending=True).values[:, :k + 1]
+                    # the routed experts alone, what the four kernels compute (dots1's
+                    # block adds its shared experts after them)
+                    shared = (block.shared_experts(x) if hasattr(block, "shared_experts")
+                              else 0)
+                    routed = {impl: ref - shared for impl, ref in refs.items()}
+                top = keys.sort(-1, descending=True).values[:, :k + 1]
                 r = res["cases"][f"layer{i}-B{B}"] = {
                     "gap": (top[:, :-1] - top[:, 1:]).min().item(),
                     "B": B, "hf_shapes": [list(hf_w.shape), list(hf_ids.shape)]}
 
-                def compare(path, wts, ids, out):
+                def compare(path, wts, ids, out, refs):
+                    if cfg.scoring == "sigmoid":  # as transformers' list, by expert id
+                        order = ids.long().argsort(-1)
+                        ids, wts = ids.gather(1, order), wts.gather(1, order)
                     r[path] = {"ids": torch.equal(ids.long(), hf_ids),
                                "sets": all(set(a) == set(b) for a, b in
                                            zip(ids.tolist(), hf_ids.tolist())),
@@ -117,12 +134,16 @@ CHILD = textwrap.dedent(r'''
 
                 # transformers' weights, its block input: route -> group -> gate/up ->
                 # down + combine at the step's grouping block for B rows
+                bias = getattr(block.gate, "e_score_correction_bias", None)
                 wts, ids = M.route(x, block.gate.weight.detach(), top_k=k,
-                                   renormalize=cfg.norm_topk)
+                                   renormalize=cfg.norm_topk, scoring=cfg.scoring,
+                                   score_bias=bias, groups=cfg.router_groups,
+                                   topk_groups=cfg.router_topk_groups,
+                                   scale=cfg.routed_scale)
                 grouping = M.group(ids, E, M.default_block(B, k, E))
                 act = M.moe_gate_up(x, block.experts.gate_up_proj.detach(), grouping)
                 out = M.moe_down_combine(act, block.experts.down_proj.detach(), grouping, wts)
-                compare("kernels", wts, ids, out)
+                compare("kernels", wts, ids, out, routed)
                 r["block"], r["pairs"] = grouping.block, B * k
 
                 # the step's own _moe at bucket B: FlashNorm-folded weights, the residual
@@ -135,7 +156,7 @@ CHILD = textwrap.dedent(r'''
                 route = routes[-1]
                 wts, ids = ((route.weights, route.ids) if isinstance(route, M.LogitsRoute)
                             else route)
-                compare("step", wts, ids, hh - h)
+                compare("step", wts, ids, hh - h, refs)
                 r["step"]["residual"] = token_err(hh, h + refs["grouped_mm"])
                 r["step"]["routes"] = [type(t).__name__ for t in routes]
 
@@ -180,7 +201,7 @@ def _child(case: str, **arg) -> dict:
 def _each(case: str, names, **arg) -> dict:
     """The child for each family, two at a time (the interpreter is single-threaded; 2
     cores), the slowest (OLMoE, then Mixtral) first: {name: result}."""
-    slowest_first = [n for n in ("olmoe", "mixtral", "qwen3_moe-norm") if n in names]
+    slowest_first = [n for n in ("olmoe", "mixtral", "dots1", "qwen3_moe-norm") if n in names]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(_child, case, name=name, **arg) for name in slowest_first}
         return {name: futures[name].result() for name in names}
@@ -200,8 +221,8 @@ def test_moe_block_kernels_match_transformers():
 def _check_block(name, r):
     cases = r["cases"]
     assert r["experts_impl"] == "grouped_mm", r["experts_impl"]
-    assert r["moe_layers"] == [0, 1]
-    assert len(cases) == len(BATCHES) * 2, sorted(cases)
+    assert r["moe_layers"] == ([1] if name == "dots1" else [0, 1])
+    assert len(cases) == len(BATCHES) * len(r["moe_layers"]), sorted(cases)
     for key, c in cases.items():
         where = f"{name} {key}"
         # the comparison's premise: no two compared logits near enough to swap by rounding
@@ -210,7 +231,9 @@ def _check_block(name, r):
         for path in ("kernels", "step"):
             p = c[path]
             assert p["sets"] and p["ids"], f"{where} {path}: experts differ from transformers'"
-            assert p["weights"] <= WEIGHTS_ABS, f"{where} {path}: weights {p['weights']:.2e}"
+            # dots1's weights are scaled by routed_scaling_factor (2.5)
+            bound = WEIGHTS_ABS * (2.5 if name == "dots1" else 1)
+            assert p["weights"] <= bound, f"{where} {path}: weights {p['weights']:.2e}"
             assert p["out"] <= BLOCK_REL, f"{where} {path}: block output {p['out']:.2e}"
         assert c["step"]["residual"] <= BLOCK_REL, (where, c["step"])
         one_token = key.endswith("-B1")
@@ -223,7 +246,7 @@ def _check_block(name, r):
 
 
 def test_kernel_step_greedy_32_tokens_match_transformers():
-    """The kernel step of Qwen3-MoE, Mixtral and OLMoE (prefill, then 31 decode steps
+    """The kernel step of Qwen3-MoE, Mixtral, OLMoE and dots1 (prefill, then 31 decode steps
     through the MoE kernels at bucket 2) against transformers.generate, a batch of prompts
     of 7 and 4 tokens, 32 greedy tokens: tokens identical, every step's logits within
     FP32_LOGITS of generate's and of transformers' teacher-forced logits on the same

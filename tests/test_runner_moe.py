@@ -50,6 +50,14 @@ CHILD = textwrap.dedent(r'''
                                               shared_expert_intermediate_size=96,
                                               num_experts=8, norm_topk_prob=False,
                                               mlp_only_layers=[1])
+        elif family == "dots1":  # DeepSeek-V3 routing: sigmoid, a score-correction bias,
+            # 8 experts in 4 groups (2 kept), top-2 renormalised and scaled by 2.5; two
+            # ungated shared experts of 64; layer 0 dense
+            cfg = transformers.Dots1Config(**common, head_dim=64, intermediate_size=256,
+                                           moe_intermediate_size=64, n_routed_experts=8,
+                                           n_shared_experts=2, n_group=4, topk_group=2,
+                                           norm_topk_prob=True, routed_scaling_factor=2.5,
+                                           first_k_dense_replace=1)
         elif family == "olmoe":  # 8 experts top-2, not renormalised, QK-norm over the
             # whole q and k projections (head_dim 128 / 2 = 64)
             cfg = transformers.OlmoeConfig(**common, intermediate_size=64, num_experts=8,
@@ -68,6 +76,9 @@ CHILD = textwrap.dedent(r'''
                     p.mul_(5.0)
                 else:
                     p.mul_(2.0)
+            for name, b in m.named_buffers():
+                if "e_score_correction_bias" in name:  # zeros as initialised
+                    b.copy_(0.2 * torch.randn_like(b))
         return m
 
     def prompts(lens, seed=7):
@@ -226,15 +237,17 @@ RUNS = {
     "mixtral": [("batch2", [11, 5], 8, {}), ("batch6", [5, 9, 3, 7, 4, 6], 6, {})],
     "olmoe": [("batch2", [11, 5], 8, {}), ("chunked", [11, 5], 6, {"prefill_chunk": 4})],
     "qwen2_moe": [("batch2", [11, 5], 8, {}), ("chunked", [11, 5], 6, {"prefill_chunk": 4})],
+    "dots1": [("batch2", [11, 5], 8, {}), ("batch1", [9], 6, {})],
 }
 BLOCKS = {("qwen3_moe", "batch2"): {"2": 16}, ("qwen3_moe", "chunked"): {"2": 16},
           ("qwen3_moe", "batch1"): {"1": 16}, ("mixtral", "batch2"): {"2": 16},
           ("mixtral", "batch6"): {"8": 16}, ("olmoe", "batch2"): {"2": 16},
           ("olmoe", "chunked"): {"2": 16}, ("qwen2_moe", "batch2"): {"2": 16},
-          ("qwen2_moe", "chunked"): {"2": 16}}
+          ("qwen2_moe", "chunked"): {"2": 16}, ("dots1", "batch2"): {"2": 16},
+          ("dots1", "batch1"): {"1": 16}}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "dots1"])
 def test_kernels_match_reference_moe(family):
     """Greedy tokens (6-8 new) equal to the reference step's and every step's logits
     within fp32 tolerance: Qwen3-MoE (8 experts top-2 renormalised, QK-norm, layer 1 a
@@ -242,7 +255,9 @@ def test_kernels_match_reference_moe(family):
     experts top-2) at buckets 2 and 8 (tl.dot block 16); OLMoE (8 experts top-2 not
     renormalised, QK-norm over the whole q/k projection: the two-launch QKV path), whole
     and chunked prefill; Qwen2-MoE (a sigmoid-gated shared expert beside 8 experts top-2,
-    q/k/v bias, a dense layer), whole and chunked prefill."""
+    q/k/v bias, a dense layer), whole and chunked prefill; dots1 (DeepSeek-V3 routing with
+    its bias and groups, ungated shared experts) at buckets 2 and 1 (there the top-k runs
+    inside the gate/up launch)."""
     r = _child("family", family=family, runs=RUNS[family])
     for label, *_ in RUNS[family]:
         assert r[label]["tokens"] and not r[label]["nan"], (label, r)
@@ -405,10 +420,20 @@ def _gpu_engine(family="qwen3_moe", graphs=None, pdl=None, moe_one_token=True,
                                           moe_intermediate_size=256,
                                           shared_expert_intermediate_size=512, num_experts=16,
                                           num_experts_per_tok=4, mlp_only_layers=[2])
+    elif family == "dots1":
+        cfg = transformers.Dots1Config(**common, intermediate_size=1024,
+                                       moe_intermediate_size=256, n_routed_experts=16,
+                                       n_shared_experts=2, n_group=4, topk_group=2,
+                                       num_experts_per_tok=4, norm_topk_prob=True,
+                                       routed_scaling_factor=2.5, first_k_dense_replace=1)
     else:
         cfg = transformers.MixtralConfig(**common, intermediate_size=512, num_local_experts=8,
                                          num_experts_per_tok=2)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:  # zeros as initialised: make it choose
+                b.copy_(0.02 * torch.randn_like(b))
     e = Engine(model, dtype=torch.bfloat16, device="cuda", step="kernels", num_pages=512,
                page_size=16, buckets=(1, 2, 4, 8, 16))
     e.step = KernelStep(e.cfg, e.weights, e.cache, buckets=e.buckets, graphs=graphs, pdl=pdl,
@@ -423,7 +448,7 @@ def _gpu_prompts(n=3):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "dots1"])
 @pytest.mark.parametrize("batch", [1, 3, 12])  # buckets 1, 4 and 16 (grouping block 16 at each)
 def test_gpu_moe_graph_replay_equals_eager(family, batch):
     """CUDA-graph replay gives bitwise the tokens and logits of the eager step."""
@@ -437,6 +462,7 @@ def test_gpu_moe_graph_replay_equals_eager(family, batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family, pdl", [
     ("qwen3_moe", True), ("mixtral", True), ("olmoe", True), ("qwen2_moe", True),
+    ("dots1", True),
     # PDL on some kernel families only: PDL and plain launches next to each other in a graph
     ("qwen3_moe", ("gemv", "moe")), ("qwen3_moe", ("qkv_rope", "decode"))])
 def test_gpu_moe_pdl_on_equals_off(family, pdl):
@@ -451,7 +477,7 @@ def test_gpu_moe_pdl_on_equals_off(family, pdl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "dots1"])
 def test_gpu_moe_one_token_equals_the_grouping_kernel(family):
     """One sequence (bucket 1), PDL on, in a graph: the kernel-free grouping gives bitwise
     the tokens and logits of the step with the grouping kernel; with the top-k inside the
@@ -474,7 +500,7 @@ def test_gpu_moe_one_token_equals_the_grouping_kernel(family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "dots1"])
 def test_gpu_moe_matches_reference_step(family):
     """bf16 kernels vs the reference step (fp32 compute over the same bf16 weights): the
     first step's logits (prefill) within bf16 tolerance; then 32 decode steps,
@@ -503,7 +529,7 @@ def test_gpu_moe_matches_reference_step(family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "dots1"])
 @pytest.mark.parametrize("chunk", [2048, 24])
 def test_gpu_moe_prefill_grouped_mm_matches_the_per_expert_loop(family, chunk):
     """bf16 on CUDA: the prefill's MoE MLP through torch._grouped_mm (the default) gives

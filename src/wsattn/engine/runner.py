@@ -38,10 +38,12 @@ logits only, and the gate/up launch given ``route=`` selects each block's expert
 them and writes the ids and weights the down projection and combine read (7 Triton
 launches a MoE layer, 8 with decode's split combine).
 
-A shared expert (Qwen2-MoE) adds, around the combine: before it, ``gemv(h, w_shared_gate_up,
-norm_eps, silu_mul=True)`` and ``gemv(h, shared_gate, norm_eps)`` (one output column) with
-``act *= sigmoid(gate)`` (two torch ops); after it, ``gemv(act, w_shared_down,
-residual=h, out=h)``.
+A shared expert adds, around the combine: before it, ``gemv(h, w_shared_gate_up,
+norm_eps, silu_mul=True)``, and where it is gated (Qwen2-MoE) ``gemv(h, shared_gate,
+norm_eps)`` (one output column) with ``act *= sigmoid(gate)`` (two torch ops); after it,
+``gemv(act, w_shared_down, residual=h, out=h)``. dots1's shared experts are ungated and
+its router (sigmoid, score-correction bias, group-limited top-k, routed scale) runs in
+the same route launches, their switches constexprs of the top-k code.
 
 ``block`` (rows a grouping block) is the kernels' default for the bucket's row count, a
 Python int fixed per bucket; every grouping tensor has a static upper-bound size
@@ -208,11 +210,12 @@ class _Buffers:
         # before any capture
         self.moe_tables = (one_token_tables(cfg.top_k, self.moe_block, dev)
                            if cfg.is_moe and bucket == 1 else None)
-        # a shared expert's activation and its per-row gate (Qwen2-MoE)
+        # a shared expert's activation and its per-row gate (Qwen2-MoE's; dots1's has none)
         shared = cfg.is_moe and cfg.shared_ffn > 0
         self.shared_act = (torch.zeros(bucket, cfg.shared_ffn, dtype=dtype, device=dev)
                            if shared else None)
-        self.shared_gate = torch.zeros(bucket, 1, dtype=dtype, device=dev) if shared else None
+        self.shared_gate = (torch.zeros(bucket, 1, dtype=dtype, device=dev)
+                            if shared and cfg.shared_gated else None)
         self.logits = torch.zeros(bucket, cfg.vocab, dtype=torch.float32, device=dev)
         # the LM head GEMV writes the model dtype; 16-bit models cast into logits after it
         self.logits_model = (self.logits if dtype == torch.float32 else
@@ -395,6 +398,8 @@ class KernelStep:
                              f"{list(cfg.moe_layers)}")
         for i, layer in enumerate(weights.layers):
             if i in cfg.moe_layers:
+                # experts, a shared expert and the router's bias, as the reference checks
+                moe_math.check_moe_layer(cfg, layer, f"weights.layers[{i}]")
                 X, F_, H = cfg.experts, cfg.moe_ffn, cfg.hidden
                 mlp = (("router", (X, H)), ("w_gate_up", (X, 2 * F_, H)),
                        ("w_down", (X, H, F_)))
@@ -415,8 +420,10 @@ class KernelStep:
                 raise ValueError(f"weights.layers[{i}].q_norm/k_norm do not match "
                                  f"cfg.qk_norm={cfg.qk_norm}, "
                                  f"cfg.qk_norm_whole={cfg.qk_norm_whole}")
-        bad = [n for n, t in weights.tensors() if t.dtype != dt or t.device != dev
-               or not t.is_contiguous()]
+        # a router's score-correction bias is float32 whatever the model dtype (weights.py)
+        bad = [n for n, t in weights.tensors()
+               if t.dtype != (torch.float32 if n.endswith(".router_bias") else dt)
+               or t.device != dev or not t.is_contiguous()]
         if bad:
             raise ValueError(f"weights {bad[:4]} must be contiguous {dt} on {dev} like embed")
         k, v = getattr(cache, "k", None), getattr(cache, "v", None)
@@ -522,14 +529,16 @@ class KernelStep:
         pdl = self._family_on("moe")
         one_token = self.moe_one_token and buf.moe_tables is not None
         routed = None
+        routing = dict(top_k=cfg.top_k, renormalize=cfg.norm_topk, norm_eps=eps,
+                       scoring=cfg.scoring, score_bias=layer.router_bias,
+                       groups=cfg.router_groups, topk_groups=cfg.router_topk_groups,
+                       scale=cfg.routed_scale, pdl=pdl)
         if one_token and self.moe_topk_in_gate_up:
             # the top-k runs inside the gate/up launch, which fills routed.ids / .weights
-            routed = route_logits(h, layer.router, top_k=cfg.top_k,
-                                  renormalize=cfg.norm_topk, norm_eps=eps, pdl=pdl)
+            routed = route_logits(h, layer.router, **routing)
             wts, ids = routed.weights, routed.ids
         else:
-            wts, ids = route(h, layer.router, top_k=cfg.top_k, renormalize=cfg.norm_topk,
-                             norm_eps=eps, pdl=pdl)  # fp32 [n, k], int32 [n, k]
+            wts, ids = route(h, layer.router, **routing)  # fp32 [n, k], int32 [n, k]
         self._count("moe_route")
         if one_token:
             grouping = one_token_grouping(ids, cfg.experts, buf.moe_block, buf.moe_tables)
@@ -545,8 +554,9 @@ class KernelStep:
             g = self._gemv_launch()
             gemv(h, layer.w_shared_gate_up, norm_eps=eps, silu_mul=True, out=buf.shared_act,
                  **g)
-            gemv(h, layer.shared_gate, norm_eps=eps, out=buf.shared_gate, **g)
-            buf.shared_act.mul_(torch.sigmoid_(buf.shared_gate))
+            if layer.shared_gate is not None:
+                gemv(h, layer.shared_gate, norm_eps=eps, out=buf.shared_gate, **g)
+                buf.shared_act.mul_(torch.sigmoid_(buf.shared_gate))
             self._count("shared_expert")
         # out may be the residual (moe.py: each element read and written by one program)
         moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl)
@@ -745,7 +755,8 @@ class KernelStep:
         T, k = x.shape[0], cfg.top_k
         scale = _inv_rms(x, self.eps)  # [T, 1] fp32, the FlashNorm scale
         logits = (x.float() @ layer.router.float().T) * scale  # fp32, as the route kernel
-        wts, ids = moe_math.select(cfg, logits)  # [T, k] fp32 (no rounding: fp32 logits), int64
+        # [T, k] fp32 (no rounding: fp32 logits), int64
+        wts, ids = moe_math.select(cfg, logits, layer.router_bias)
         pair_w = wts.reshape(-1)
         order = torch.argsort(ids.reshape(-1), stable=True)  # pairs t*k+j grouped by expert
         tok = torch.div(order, k, rounding_mode="floor")
@@ -778,8 +789,9 @@ class KernelStep:
         # the shared expert, as the decode step runs it: sigmoid(gate) in the model dtype
         # folded into its activation, its down projection added after the routed combine
         gate, up = ((x @ layer.w_shared_gate_up.T).float() * scale).chunk(2, -1)
-        sig = torch.sigmoid(((x @ layer.shared_gate.T).float() * scale).to(dt))
-        act = (F.silu(gate) * up).to(dt) * sig
+        act = (F.silu(gate) * up).to(dt)
+        if layer.shared_gate is not None:
+            act = act * torch.sigmoid(((x @ layer.shared_gate.T).float() * scale).to(dt))
         return (acc.to(dt).float() + (act @ layer.w_shared_down.T).float()).to(dt)
 
 

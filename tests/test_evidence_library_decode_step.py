@@ -18,7 +18,8 @@ from wsattn.evidence.numerics import compare
 from wsattn.target import KNOWN_CCS
 
 NEW = ("gemv_norm_silu", "gemv_residual", "gemv_splitk", "qkv_rope_qwen3", "qkv_rope_qwen2",
-       "qkv_rope_olmoe", "qkv_rope_fused", "qkv_rope_gemv", "moe", "moe_token")
+       "qkv_rope_olmoe", "qkv_rope_fused", "qkv_rope_gemv", "moe", "moe_token",
+       "moe_deepseek", "moe_token_deepseek")
 
 
 def test_entries_are_registered_with_a_runner_and_sanitizer_shapes():

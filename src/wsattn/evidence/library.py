@@ -1079,6 +1079,110 @@ def _moe_entry(name="moe", impl="triton"):
             (90,) if gluon else None)
 
 
+# moe with DeepSeek-V3 / dots1 routing: sigmoid scores, a score-correction bias for the
+# choice, 4 groups of 4 experts with the 2 best kept, top 4 renormalised and scaled
+
+_DS_GROUPS, _DS_TOPK_GROUPS, _DS_SCALE = 4, 2, 2.5
+
+
+def _build_moe_ds(shape, dtype, device, gen):
+    inp = _build_moe(shape, dtype, device, gen)
+    # float32 whatever the model dtype (as transformers keeps e_score_correction_bias);
+    # large enough to move choices against sigmoid scores of spread ~0.25
+    inp["score_bias"] = _rnd(gen, torch.float32, device, _MOE_E, scale=0.1)
+    return inp
+
+
+def _ds_kwargs(inp):
+    return dict(top_k=_MOE_K, renormalize=True, norm_eps=_MOE_EPS, scoring="sigmoid",
+                score_bias=inp["score_bias"], groups=_DS_GROUPS,
+                topk_groups=_DS_TOPK_GROUPS, scale=_DS_SCALE)
+
+
+def _moe_ds_run(inp):
+    from ..kernels.moe import moe
+    return moe(inp["x"], inp["router_w"], inp["w_gate_up"], inp["w_down"],
+               residual=inp["residual"], **_ds_kwargs(inp))
+
+
+def _moe_ds_token_run(inp):
+    """One token as the decode step's bucket 1 runs it, the top-k inside gate/up."""
+    from ..kernels import moe as M
+    from ..target import target_of
+    x = inp["x"]
+    rt = M.route_logits(x, inp["router_w"], **_ds_kwargs(inp))
+    block = M.default_settings(target_of(x.device), T=1, top_k=_MOE_K, num_experts=_MOE_E,
+                               dtype=x.dtype).block
+    g = M.one_token_grouping(rt.ids, _MOE_E, block, M.one_token_tables(_MOE_K, block, x.device))
+    act = M.moe_gate_up(x, inp["w_gate_up"], g, norm_eps=_MOE_EPS, route=rt)
+    return M.moe_down_combine(act, inp["w_down"], g, rt.weights, residual=inp["residual"])
+
+
+def _ds_route64(logits64, bias):
+    """DeepSeek-V3 routing in float64 with the kernels' tie rule (stable sorts: the lower
+    expert, the lower group first): (weights [T, k], ids [T, k])."""
+    s = torch.sigmoid(logits64)
+    keys = s + bias.double()
+    T, gs = keys.shape[0], _MOE_E // _DS_GROUPS
+    top2 = torch.sort(keys.view(T, _DS_GROUPS, gs), dim=-1, descending=True, stable=True)[0]
+    gscore = top2[..., :2].sum(-1)
+    kept = torch.sort(gscore, dim=-1, descending=True, stable=True)[1][:, :_DS_TOPK_GROUPS]
+    mask = torch.zeros(T, _DS_GROUPS, dtype=torch.bool, device=keys.device)
+    mask.scatter_(1, kept, True)
+    keys = keys.masked_fill(~mask.repeat_interleave(gs, dim=1), float("-inf"))
+    ids = torch.sort(keys, dim=-1, descending=True, stable=True)[1][:, :_MOE_K]
+    w = s.gather(1, ids)
+    return w / (w.sum(-1, keepdim=True) + 1e-20) * _DS_SCALE, ids
+
+
+def _moe_ds_block(inp, dt):
+    """The block at dt (float64 for the reference, the input dtype for the torch
+    baseline): RMSNorm (folded), DeepSeek-V3 routing, residual + the chosen experts."""
+    wide = torch.float64 if dt == torch.float64 else torch.float32
+    x = inp["x"].to(wide)
+    xn = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _MOE_EPS)).to(dt)
+    logits = xn.to(wide) @ inp["router_w"].to(wide).T  # float32 at least, as transformers
+    w, ids = _ds_route64(logits.double(), inp["score_bias"])
+    w = w.to(wide)
+    out = inp["residual"].to(dt).clone()
+    F = inp["w_down"].shape[2]
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        h = xn[t] @ inp["w_gate_up"][e].to(dt).T
+        y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ inp["w_down"][e].to(dt).T
+        out.index_add_(0, t, (w[t, j, None] * y).to(dt))
+    return out
+
+
+def _moe_ds_entry(name, token):
+    """moe() (or, token, the bucket-1 path: route_logits + the top-k inside gate/up) with
+    DeepSeek-V3 routing; gates 0-2 on the build that holds the routing: the route kernel,
+    or the route= gate/up kernel."""
+    run = RunSpec(draw_shape=_draw_moe_token if token else _draw_moe, build=_build_moe_ds,
+                  run=_moe_ds_token_run if token else _moe_ds_run,
+                  reference=lambda inp: _moe_ds_block(inp, torch.float64),
+                  dtypes=("bf16", "fp16"), interpreter_dtypes=("fp16", "fp32"),
+                  baseline=lambda inp: _moe_ds_block(inp, inp["x"].dtype),
+                  baseline_name="torch eager MoE block (DeepSeek-V3 routing)",
+                  profile_shapes=({"T": 1, "H": 2048, "F": 768},) if token else
+                  ({"T": 1, "H": 2048, "F": 768}, {"T": 8, "H": 2048, "F": 768}),
+                  sanitizer_shapes=({"T": 1, "H": 136, "F": 40}, {"T": 1, "H": 64, "F": 48})
+                  if token else
+                  ({"T": 3, "H": 136, "F": 40}, {"T": 33, "H": 64, "F": 48}),
+                  describe=_describe_moe)
+    kwargs = {"kernel": "gate_up" if token else "route", "T": 1 if token else 8, "H": 2048,
+              "E": _MOE_E, "top_k": _MOE_K, "F": 768, "dtype": "bf16", "norm": True,
+              "route": token, "renormalize": True, "scoring": "sigmoid", "score_bias": True,
+              "groups": _DS_GROUPS, "topk_groups": _DS_TOPK_GROUPS, "pdl": _PDL_BY_TARGET}
+    what = ("for one token, the top-k inside the grouped gate/up launch" if token
+            else "(route, group, gate/up, down + combine)")
+    return (name, "wsattn.kernels.moe", "compile_spec", kwargs, run,
+            f"MoE block {what} with DeepSeek-V3 routing (sigmoid, score bias, "
+            f"{_DS_GROUPS} groups {_DS_TOPK_GROUPS} kept, scale {_DS_SCALE}), E={_MOE_E} top "
+            f"{_MOE_K}, H=2048 F=768 bf16; gates 0-2 on the "
+            f"{'route= gate/up' if token else 'route'} build", None)
+
+
 # argmax: greedy decoding's two-stage argmax over the vocabulary (kernels/argmax.py)
 
 def _draw_argmax(rng, small):
@@ -1177,6 +1281,8 @@ ENTRIES = (
     _moe_entry(),
     _moe_entry("moe_gluon", impl="gluon"),
     _moe_token_entry(),
+    _moe_ds_entry("moe_deepseek", token=False),
+    _moe_ds_entry("moe_token_deepseek", token=True),
     _argmax_entry(),
 )
 NAMES = tuple(e[0] for e in ENTRIES)

@@ -128,6 +128,31 @@ CHILD = REFERENCE + textwrap.dedent(r'''
         wd = (torch.randn(E, H, F) / F ** 0.5).to(dt)
         return rw, wgu, wd
 
+    def one_token_both_ways(x, rw, wgu, wd, r, k, block, renorm, **routing):
+        """One token through route() + the one-token grouping (base), and twice through
+        route_logits + moe_gate_up(route=), its ids and weights NaN / -7 poisoned first:
+        (w, ids, base, y, y2, rt)."""
+        from wsattn.target import target_of
+        E = rw.shape[0]
+        tables = M.one_token_tables(k, block, "cpu")
+        st = M.default_settings(target_of(x.device), T=1, top_k=k, num_experts=E,
+                                dtype=x.dtype, block=block)
+        w, ids = M.route(x, rw, top_k=k, renormalize=renorm, norm_eps=1e-5, **routing)
+        g = M.one_token_grouping(ids, E, block, tables)
+        base = M.moe_down_combine(M.moe_gate_up(x, wgu, g, norm_eps=1e-5, settings=st),
+                                  wd, g, w, residual=r, settings=st)
+        outs = []
+        for _ in range(2):
+            rt = M.route_logits(x, rw, top_k=k, renormalize=renorm, norm_eps=1e-5, **routing)
+            rt.weights.fill_(float("nan"))
+            rt.ids.fill_(-7)
+            g2 = M.one_token_grouping(rt.ids, E, block, tables)
+            act2 = M.moe_gate_up(x, wgu, g2, norm_eps=1e-5, settings=st, route=rt)
+            outs.append((M.moe_down_combine(act2, wd, g2, rt.weights, residual=r,
+                                            settings=st), rt))
+        (y, rt), (y2, _) = outs
+        return w, ids, base, y, y2, rt
+
     if case == "block":
         dt = getattr(torch, arg["dtype"])
         # (T, E, k, H, F, renorm, norm, residual, scoring, block): every block size's path
@@ -292,7 +317,6 @@ CHILD = REFERENCE + textwrap.dedent(r'''
         # same experts in the same slots, the weights within rounding, the output within
         # rounding of it and within tolerance of float64; softmax / sigmoid, renormalised or
         # not, FMA and dot blocks, E up to 256; ties (equal router rows) and a NaN logit
-        from wsattn.target import target_of
         for dtn in ("float32", "float16"):
             dt = getattr(torch, dtn)
             for E, k, H, F, block, renorm, scoring in (
@@ -303,25 +327,8 @@ CHILD = REFERENCE + textwrap.dedent(r'''
                 rw, wgu, wd = weights(E, H, F, dt)
                 rw[E // 2] = rw[0]  # a tie: the lower index must come first
                 r = torch.randn(1, H).to(dt)
-                tables = M.one_token_tables(k, block, "cpu")
-                st = M.default_settings(target_of(x.device), T=1, top_k=k, num_experts=E,
-                                        dtype=dt, block=block)
-                w, ids = M.route(x, rw, top_k=k, renormalize=renorm, norm_eps=1e-5,
-                                 scoring=scoring)
-                g = M.one_token_grouping(ids, E, block, tables)
-                act = M.moe_gate_up(x, wgu, g, norm_eps=1e-5, settings=st)
-                base = M.moe_down_combine(act, wd, g, w, residual=r, settings=st)
-                outs = []
-                for _ in range(2):
-                    rt = M.route_logits(x, rw, top_k=k, renormalize=renorm, norm_eps=1e-5,
-                                        scoring=scoring)
-                    rt.weights.fill_(float("nan"))
-                    rt.ids.fill_(-7)
-                    g2 = M.one_token_grouping(rt.ids, E, block, tables)
-                    act2 = M.moe_gate_up(x, wgu, g2, norm_eps=1e-5, settings=st, route=rt)
-                    outs.append((M.moe_down_combine(act2, wd, g2, rt.weights, residual=r,
-                                                    settings=st), rt))
-                (y, rt), (y2, _) = outs
+                w, ids, base, y, y2, rt = one_token_both_ways(x, rw, wgu, wd, r, k, block,
+                                                              renorm, scoring=scoring)
                 ref, rv, ri = reference_moe(x, rw, wgu, wd, k, renorm, 1e-5, r, scoring)
                 res[f"{dtn}-E{E}-k{k}-b{block}-{scoring}-{renorm}"] = {
                     "ids_equal": rt.ids.tolist() == ids.tolist() == ri.tolist(),
@@ -432,25 +439,8 @@ CHILD = REFERENCE + textwrap.dedent(r'''
                 bias[E // 2] = bias[0]
             r = torch.randn(1, H).to(dt)
             ds = dict(score_bias=bias, groups=groups, topk_groups=topk_groups, scale=scale)
-            tables = M.one_token_tables(k, block, "cpu")
-            st = M.default_settings(target_of(x.device), T=1, top_k=k, num_experts=E,
-                                    dtype=dt, block=block)
-            w, ids = M.route(x, rw, top_k=k, renormalize=renorm, norm_eps=1e-5,
-                             scoring="sigmoid", **ds)
-            g = M.one_token_grouping(ids, E, block, tables)
-            base = M.moe_down_combine(M.moe_gate_up(x, wgu, g, norm_eps=1e-5, settings=st),
-                                      wd, g, w, residual=r, settings=st)
-            outs = []
-            for _ in range(2):
-                rt = M.route_logits(x, rw, top_k=k, renormalize=renorm, norm_eps=1e-5,
-                                    scoring="sigmoid", **ds)
-                rt.weights.fill_(float("nan"))
-                rt.ids.fill_(-7)
-                g2 = M.one_token_grouping(rt.ids, E, block, tables)
-                act2 = M.moe_gate_up(x, wgu, g2, norm_eps=1e-5, settings=st, route=rt)
-                outs.append((M.moe_down_combine(act2, wd, g2, rt.weights, residual=r,
-                                                settings=st), rt))
-            (y, rt), (y2, _) = outs
+            w, ids, base, y, y2, rt = one_token_both_ways(x, rw, wgu, wd, r, k, block, renorm,
+                                                          scoring="sigmoid", **ds)
             ref, rv, ri = reference_moe(x, rw, wgu, wd, k, renorm, 1e-5, r, ds=dict(
                 bias=bias, groups=groups, topk_groups=topk_groups, scale=scale))
             res["slot"][f"E{E}-k{k}-b{block}-g{groups}-tg{topk_groups}-bias{int(with_bias)}"] = {

@@ -281,7 +281,7 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
     for name in ("group", "moe_gate_up", "moe_down_combine"):
         monkeypatch.setattr(runner, name, rec("moe"))
     moe_layer = types.SimpleNamespace(router=None, w_gate_up=None, w_down=None,
-                                      w_shared_gate_up=None)
+                                      w_shared_gate_up=None, router_bias=None)
     for families in [(), ("gemv",), ("qkv_rope", "decode"), ("moe",), runner.PDL_FAMILIES]:
         seen.clear()
         step.pdl_families = runner._pdl_families(families, has_pdl=True)

@@ -79,7 +79,10 @@ def test_model_shapes_are_the_issue_shapes():
            for m in moe.MODELS for c in [moe.model_config(m)]}
     assert got == {"qwen3-30b-a3b": ("qwen3_moe", 2048, 128, 8, 768, True),
                    "mixtral-8x7b": ("mixtral", 4096, 8, 2, 14336, True),
-                   "olmoe-1b-7b": ("olmoe", 2048, 64, 8, 1024, False)}
+                   "olmoe-1b-7b": ("olmoe", 2048, 64, 8, 1024, False),
+                   "dots-llm1": ("dots1", 4096, 128, 6, 1408, True)}
+    dots = moe.model_config("dots-llm1")
+    assert (dots.scoring, dots.router_bias, dots.routed_scale) == ("sigmoid", True, 2.5)
     cases = moe.moe_cases()
     assert [(c.model, c.B) for c in cases] == [(m, b) for m in moe.MODELS for b in (1, 8, 32, 64)]
     assert cases[0].id == "moe-qwen3-30b-a3b-B1-bf16"
@@ -139,10 +142,12 @@ def test_routing64_ties_to_the_lower_index_and_reference_matches_a_per_token_sum
     rw[4] = rw[1]  # experts 1 and 4 tie for every token
     wgu = torch.randn(E, 2 * F, H, generator=g, dtype=torch.float64) / 4
     wd = torch.randn(E, H, F, generator=g, dtype=torch.float64) / 3
-    probs, ids = moe.routing64(x, rw, k)
+    cfg = types.SimpleNamespace(scoring="softmax", top_k=k)
+    probs, ids = moe.routing64(x, rw, cfg)
     assert not ((ids == 4).any(dim=1) & ~(ids == 1).any(dim=1)).any()  # 4 never without 1
     for renorm in (True, False):
-        y = moe.reference(x, rw, wgu, wd, ids, renorm)
+        y = moe.reference(x, rw, wgu, wd, ids,
+                          types.SimpleNamespace(scoring="softmax", top_k=k, norm_topk=renorm))
         for t in range(T):
             w = probs[t, ids[t]]
             w = w / w.sum() if renorm else w
@@ -246,6 +251,15 @@ SWEEP = ["wsattn-triton[16,32,32,4,1]", "wsattn-triton[4,16,32,4,1]"]  # --moe-s
 for B in (1, 5):
     case = moe.MoeCase("tiny-qwen3-moe", B, "fp32", fresh_bytes=100_000)
     rows += moe.run_case(case, list(moe.IMPLS) + SWEEP, timer, {"gpu": "none"}, "cpu", 4.0)
+# dots.llm1's routing (sigmoid, score-correction bias, scale 2.5), groups added: 8
+# experts in 4 groups, 2 kept
+moe.MODELS["tiny-dots1"] = {**moe.MODELS["dots-llm1"], "hidden_size": 64,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "n_group": 4, "topk_group": 2, "num_hidden_layers": 2, "num_attention_heads": 1,
+    "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 16, "intermediate_size": 64}
+dots = moe.run_case(moe.MoeCase("tiny-dots1", 5, "fp32", fresh_bytes=1),
+                    ["hf-eager", "hf-grouped_mm", "torch-grouped-mm", "wsattn-triton"],
+                    timer, {"gpu": "none"}, "cpu", 4.0)
 import wsattn.kernels.moe as km
 real = km.moe
 km.moe = lambda *a, **kw: real(*a, **kw).mul_(1.1)   # a wrong kernel
@@ -253,7 +267,7 @@ before = timer.n
 bad = moe.run_case(moe.MoeCase("tiny-qwen3-moe", 5, "fp32", fresh_bytes=1), ["wsattn-triton"],
                    timer, {"gpu": "none"}, "cpu", 4.0)
 print("RESULT " + json.dumps({"rows": rows, "bad": bad, "timed_bad": timer.n - before,
-                              "timed": before}))
+                              "timed": before, "dots": dots}))
 """
 
 
@@ -280,7 +294,11 @@ def test_runner_checks_then_times_on_the_interpreter():
     assert hit1 == 2 and rows[(1, "wsattn-triton")]["copies"] == \
         math.ceil(100_000 / ((2 * 3 * 64 * 32 + 8 * 64) * 4)) == 2
     assert rows[(1, "torch-grouped-mm")]["note"] == "routing and grouping precomputed, not timed"
-    assert r["timed"] == 2 * 7
+    assert r["timed"] == 2 * 7 + 4
+    for row in r["dots"]:  # DeepSeek-V3 routing: transformers' Dots1MoE (shared experts
+        # out), the grouped GEMMs and the Triton path against the float64 routed layer
+        assert row["status"] == "ok" and row["rel_err"] <= 2e-3, row
+        assert row["tokens_rerouted"] == 0 and row["family"] == "dots1", row
     (bad,) = r["bad"]
     assert bad["status"] == "failed" and bad["median_ms"] is None and r["timed_bad"] == 0
     assert "not timed" in bad["reason"] and bad["rel_err"] > 2e-3
@@ -296,11 +314,12 @@ def test_touched_experts_come_from_each_columns_own_routing(monkeypatch):
         "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 64,
         "vocab_size": 16, "intermediate_size": 64, "max_window_layers": 1})
     case = moe.MoeCase("tiny-qwen3-moe", 6, "fp32", fresh_bytes=1)
-    x, router_w, w_gate_up, w_down = moe._inputs(case, "cpu")
-    ref_hit = moe.distinct_experts(moe.routing64(x, router_w, 2)[1])
+    x, router_w, w_gate_up, w_down, bias = moe._inputs(case, "cpu")
+    assert bias is None  # a softmax family
+    ref_hit = moe.distinct_experts(moe.routing64(x, router_w, case.cfg)[1])
     assert ref_hit > 2
     ids = torch.tensor([[0, 1]] * 6)
-    y = moe.reference(x, router_w, w_gate_up, w_down, ids, True).float()
+    y = moe.reference(x, router_w, w_gate_up, w_down, ids, case.cfg).float()
 
     def calls(case_, impl, x_, copies, plan):
         return (lambda: y), (lambda: y), ids, None

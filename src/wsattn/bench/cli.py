@@ -15,7 +15,7 @@ model shapes against cuBLAS and the copy ceiling (wsattn.bench.gemv); `wsattn be
 a whole decode step against transformers and the memory floor (wsattn.bench.step; it
 rewrites its JSON after every case, so a run stopped by a time limit keeps the cases that
 finished);
-`wsattn bench moe` one MoE layer (Qwen3-30B-A3B, Mixtral-8x7B, OLMoE shapes) against
+`wsattn bench moe` one MoE layer (Qwen3-30B-A3B, Mixtral-8x7B, OLMoE, dots.llm1 shapes) against
 transformers' MoE block, torch._grouped_mm and the touched-weight floor (wsattn.bench.moe);
 `wsattn bench chunked` chunked prefill (a chunk of 2048 queries over a paged prefix of
 0-32k, pages 16 and 64) against the same attention with contiguous keys and the matmul

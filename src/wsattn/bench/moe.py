@@ -6,14 +6,18 @@ Shapes (from the public ``config.json`` values below, through
 :class:`~wsattn.models.ModelConfig`): Qwen3-30B-A3B (hidden 2048, 128 experts, top-8,
 expert FFN 768, ``norm_topk_prob``), Mixtral-8x7B (hidden 4096, 8 experts, top-2, FFN
 14336, always renormalised), OLMoE-1B-7B (hidden 2048, 64 experts, top-8, FFN 1024, not
-renormalised); B in {1, 8, 32, 64} tokens; bf16; random weights (seeded per model) and
-random router inputs (seeded per case). The layer is the MLP of a MoE layer after its
-RMSNorm: router, top-k, expert FFNs, combine; no residual.
+renormalised), dots.llm1 (hidden 4096, 128 experts, top-6, FFN 1408: DeepSeek-V3's
+sigmoid routing with a score-correction bias, renormalised and scaled by 2.5); B in {1,
+8, 32, 64} tokens; bf16; random weights (seeded per model; dots.llm1's bias N(0, 0.02)
+in float32) and random router inputs (seeded per case). The layer is the routed MLP of
+a MoE layer after its RMSNorm: router, top-k, expert FFNs, combine; no residual, and no
+shared experts (dots.llm1's are a dense MLP every token takes, a GEMV in the step).
 
 Columns (``impl``):
 
 * ``hf-<experts implementation>``: transformers' own sparse MoE block of the model type
-  (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``, ``OlmoeSparseMoeBlock``) built
+  (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``, ``OlmoeSparseMoeBlock``,
+  ``Dots1MoE`` with its shared experts taken out) built
   from the model config with ``config._experts_implementation`` set to each
   implementation transformers offers (5.17: ``eager``, ``batched_mm``, ``grouped_mm``,
   ``sonicmoe``, ``deepgemm``); one that cannot run here (a missing package, a dtype it
@@ -99,10 +103,19 @@ MODELS = {
                     "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None,
                     "rope_theta": 10000.0, "vocab_size": 50304,
                     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "dots-llm1": {"architectures": ["Dots1ForCausalLM"], "model_type": "dots1",
+                  "hidden_size": 4096, "num_hidden_layers": 62, "intermediate_size": 10944,
+                  "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-5,
+                  "vocab_size": 152064, "first_k_dense_replace": 1,
+                  "moe_intermediate_size": 1408, "n_routed_experts": 128,
+                  "n_shared_experts": 2, "num_experts_per_tok": 6, "norm_topk_prob": True,
+                  "routed_scaling_factor": 2.5, "max_position_embeddings": 32768,
+                  "rope_theta": 10000000, "scoring_func": "sigmoid", "attention_bias": False,
+                  "tie_word_embeddings": False},
 }
 # transformers' block class per model type
 HF_BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock",
-             "olmoe": "OlmoeSparseMoeBlock"}
+             "olmoe": "OlmoeSparseMoeBlock", "dots1": "Dots1MoE"}
 
 # The issue's targets: fraction of the touched-weight floor (= of the copy ceiling) a
 # wsattn MoE layer reaches on an H200
@@ -188,23 +201,43 @@ def distinct_experts(ids) -> int:
 
 # --------------------------------------------------------------------------- reference
 
-def routing64(x, router_w, top_k: int):
-    """The case's routing in float64: (probabilities [T, E], ids [T, top_k] int64), ids by
-    the kernels' rule (stable descending sort: ties to the lower expert index)."""
-    probs = torch.softmax(x.double() @ router_w.double().t(), dim=-1)
-    ids = torch.sort(probs, dim=-1, descending=True, stable=True)[1][:, :top_k]
-    return probs, ids
+def routing64(x, router_w, cfg, bias=None):
+    """The case's routing in float64: (scores [T, E]: the softmax probabilities, or each
+    expert's sigmoid under ``cfg.scoring == "sigmoid"``; ids [T, top_k] int64), ids by
+    the kernels' rule (stable descending sorts: ties to the lower expert, and group,
+    index). bias: the router's score-correction bias where ``cfg.router_bias``."""
+    from wsattn.models.moe import choice_keys
+
+    logits = x.double() @ router_w.double().t()
+    if cfg.scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+        keys = choice_keys(scores, bias, cfg.router_groups, cfg.router_topk_groups,
+                           stable=True)
+    else:
+        scores = keys = torch.softmax(logits, dim=-1)
+    ids = torch.sort(keys, dim=-1, descending=True, stable=True)[1][:, :cfg.top_k]
+    return scores, ids
 
 
-def reference(x, router_w, w_gate_up, w_down, ids, renormalize: bool) -> torch.Tensor:
+def weights64(cfg, scores, ids):
+    """The routing weights [T, top_k] of ids from routing64's scores, as the config routes:
+    renormalised over the k where ``cfg.norm_topk`` (sigmoid: transformers' ``+ 1e-20``
+    and the routed scale)."""
+    from wsattn.models.moe import sigmoid_weights
+
+    if cfg.scoring == "sigmoid":
+        return sigmoid_weights(scores, ids, cfg.norm_topk, cfg.routed_scale)
+    w = scores.gather(1, ids)
+    return w / w.sum(dim=-1, keepdim=True) if cfg.norm_topk else w
+
+
+def reference(x, router_w, w_gate_up, w_down, ids, cfg, bias=None) -> torch.Tensor:
     """float64 MoE layer with the given routing ids [T, top_k]: weights are the float64
-    softmax probabilities of those experts (renormalised over the k on request), expert
-    outputs summed in slot order. Only the hit experts' weights are converted."""
-    probs, _ = routing64(x, router_w, ids.shape[1])
+    routing weights of those experts (:func:`weights64`), expert outputs summed in slot
+    order. Only the hit experts' weights are converted."""
+    scores, _ = routing64(x, router_w, cfg, bias)
     ids = ids.to(x.device).long()
-    w = probs.gather(1, ids)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
+    w = weights64(cfg, scores, ids)
     x64 = x.double()
     F_ = w_down.shape[2]
     y = torch.zeros_like(x64)
@@ -282,7 +315,8 @@ class NotAvailable(Exception):
 
 def _inputs(case: MoeCase, device):
     """x [B, H] (seeded per case), router [E, H], w_gate_up [E, 2F, H], w_down [E, H, F]
-    (seeded per model), in the case's dtype on ``device``."""
+    (seeded per model), in the case's dtype on ``device``; the router's score-correction
+    bias [E] float32 where the config has one, else None."""
     c, dt = case.cfg, DTYPES[case.dtype]
     E, H, F_ = c.experts, c.hidden, c.moe_ffn
 
@@ -296,13 +330,17 @@ def _inputs(case: MoeCase, device):
     for e in range(E):  # one expert at a time: no fp32 copy of the whole layer at once
         w_gate_up[e] = randn(gw, 2 * F_, H, scale=H ** -0.5)
         w_down[e] = randn(gw, H, F_, scale=F_ ** -0.5)
+    # drawn after the experts, so the other models' weights are as before
+    bias = ((torch.randn(E, generator=gw, device=device) * 0.02).float()
+            if c.router_bias else None)
     gx = torch.Generator(device=device).manual_seed(zlib.crc32(case.id.encode()))
     x = randn(gx, case.B, H, scale=1.0)
-    return x, router_w, w_gate_up, w_down
+    return x, router_w, w_gate_up, w_down, bias
 
 
-def _hf_block(case: MoeCase, experts: str, router_w, w_gate_up, w_down):
-    """transformers' sparse MoE block of the case's model type holding these tensors."""
+def _hf_block(case: MoeCase, experts: str, router_w, w_gate_up, w_down, bias=None):
+    """transformers' sparse MoE block of the case's model type holding these tensors (a
+    block with shared experts gets them taken out: the layer here is the routed part)."""
     import importlib
 
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -320,17 +358,28 @@ def _hf_block(case: MoeCase, experts: str, router_w, w_gate_up, w_down):
     block.gate.weight = torch.nn.Parameter(router_w, requires_grad=False)
     block.experts.gate_up_proj = torch.nn.Parameter(w_gate_up, requires_grad=False)
     block.experts.down_proj = torch.nn.Parameter(w_down, requires_grad=False)
+    if hasattr(block.gate, "e_score_correction_bias"):
+        block.gate.e_score_correction_bias = bias
+    if hasattr(block, "shared_experts"):
+        block.shared_experts = _NoSharedExperts()
     return block.eval()
 
 
-def _grouped_mm_plan(ids, probs, renormalize: bool, experts: int, device):
+class _NoSharedExperts(torch.nn.Module):
+    """Stands in for a block's shared experts: adds nothing (one elementwise add of zero
+    remains in transformers' forward)."""
+
+    def forward(self, x):
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+
+
+def _grouped_mm_plan(ids, scores, cfg, device):
     """The case's tokens grouped by expert, on the device: (token of each sorted row,
     its routing weight fp32, offsets int32 [E] (cumulative ends), the sorted row of each
     pair t*k + j)."""
     T, k = ids.shape
-    w = probs.gather(1, ids)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
+    experts = cfg.experts
+    w = weights64(cfg, scores, ids)
     flat = ids.reshape(-1).cpu()
     order = torch.sort(flat, stable=True)[1]
     inv = torch.empty_like(order)
@@ -350,6 +399,11 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
     c = case.cfg
     T, H = x.shape
     note = None
+    bias = plan.get("bias")
+    # the config's routing, as the kernels take it (defaults for the softmax families)
+    routing = dict(top_k=c.top_k, renormalize=c.norm_topk, scoring=c.scoring,
+                   score_bias=bias, groups=c.router_groups, topk_groups=c.router_topk_groups,
+                   scale=c.routed_scale)
     if impl == "wsattn-gluon":
         from wsattn.kernels import moe_gluon
         reason = moe_gluon.unsupported_reason(x.device, x.dtype)
@@ -361,11 +415,10 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
         # none, and the column is compared with wsattn-triton, which has it off throughout
         def call(i):
             router_w, w_gate_up, w_down = copies[i][:3]
-            return kmoe.moe(x, router_w, w_gate_up, w_down, top_k=c.top_k,
-                            renormalize=c.norm_topk, out=out, impl="gluon", pdl=False)
+            return kmoe.moe(x, router_w, w_gate_up, w_down, **routing, out=out,
+                            impl="gluon", pdl=False)
 
-        ids = kmoe.route(x, copies[0][0], top_k=c.top_k, renormalize=c.norm_topk,
-                         pdl=False)[1]
+        ids = kmoe.route(x, copies[0][0], **routing, pdl=False)[1]
     elif impl.startswith("hf-"):
         if impl == "hf-batched_mm" and x.device.type == "cuda":
             # batched_mm gathers a copy of its expert's gate/up and down weights per pair
@@ -374,7 +427,7 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
             if need > 0.8 * free:
                 raise NotAvailable(f"batched_mm gathers {need / 2**30:.0f} GiB of expert "
                                    f"weights per call; {free / 2**30:.0f} GiB free")
-        blocks = [_hf_block(case, impl[3:], *w) for w in copies]
+        blocks = [_hf_block(case, impl[3:], *w, bias=bias) for w in copies]
 
         def call(i):
             with torch.no_grad():
@@ -412,10 +465,10 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
 
         def call(i):
             router_w, w_gate_up, w_down = copies[i][:3]
-            return kmoe.moe(x, router_w, w_gate_up, w_down, top_k=c.top_k,
-                            renormalize=c.norm_topk, out=out, pdl=pdl, settings=settings)
+            return kmoe.moe(x, router_w, w_gate_up, w_down, **routing, out=out, pdl=pdl,
+                            settings=settings)
 
-        ids = kmoe.route(x, copies[0][0], top_k=c.top_k, renormalize=c.norm_topk, pdl=pdl)[1]
+        ids = kmoe.route(x, copies[0][0], **routing, pdl=pdl)[1]
     else:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     state = {"i": 0}
@@ -449,14 +502,14 @@ def run_case(case: MoeCase, impls, timer, stamp, device, copy_tbps) -> list[dict
 
     c = case.cfg
     try:
-        x, router_w, w_gate_up, w_down = _inputs(case, device)
-        probs, ref_ids = routing64(x, router_w, c.top_k)
+        x, router_w, w_gate_up, w_down, bias = _inputs(case, device)
+        scores, ref_ids = routing64(x, router_w, c, bias)
         hit = distinct_experts(ref_ids.cpu())  # on the host, once, outside timing
         n_copies = case.copies(hit)
         copies = [(router_w, w_gate_up, w_down)] + [
             (router_w.clone(), w_gate_up.clone(), w_down.clone()) for _ in range(n_copies - 1)]
-        plan = {"ids": ref_ids,
-                "grouped": _grouped_mm_plan(ref_ids, probs, c.norm_topk, c.experts, device)}
+        plan = {"ids": ref_ids, "bias": bias,
+                "grouped": _grouped_mm_plan(ref_ids, scores, c, device)}
     except Exception as e:  # out of memory on a smaller GPU, say
         return [make_row(stamp, case, i, "error", reason="inputs: " + _short(e)) for i in impls]
     common = dict(experts_hit=hit, copies=n_copies, copy_tbps=copy_tbps)
@@ -468,7 +521,7 @@ def run_case(case: MoeCase, impls, timer, stamp, device, copy_tbps) -> list[dict
             _sync(device)
             key = tuple(ids.reshape(-1).tolist())
             if key not in refs:
-                refs[key] = reference(x, router_w, w_gate_up, w_down, ids, c.norm_topk)
+                refs[key] = reference(x, router_w, w_gate_up, w_down, ids, c, bias)
             err = rel_err(y, refs[key])
             moved = rerouted(ids, ref_ids)
             # the touched bytes of the experts this column's own routing hit (a near tie in

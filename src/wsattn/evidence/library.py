@@ -1121,18 +1121,11 @@ def _moe_ds_token_run(inp):
 def _ds_route64(logits64, bias):
     """DeepSeek-V3 routing in float64 with the kernels' tie rule (stable sorts: the lower
     expert, the lower group first): (weights [T, k], ids [T, k])."""
+    from ..models.moe import choice_keys, sigmoid_weights
     s = torch.sigmoid(logits64)
-    keys = s + bias.double()
-    T, gs = keys.shape[0], _MOE_E // _DS_GROUPS
-    top2 = torch.sort(keys.view(T, _DS_GROUPS, gs), dim=-1, descending=True, stable=True)[0]
-    gscore = top2[..., :2].sum(-1)
-    kept = torch.sort(gscore, dim=-1, descending=True, stable=True)[1][:, :_DS_TOPK_GROUPS]
-    mask = torch.zeros(T, _DS_GROUPS, dtype=torch.bool, device=keys.device)
-    mask.scatter_(1, kept, True)
-    keys = keys.masked_fill(~mask.repeat_interleave(gs, dim=1), float("-inf"))
+    keys = choice_keys(s, bias, _DS_GROUPS, _DS_TOPK_GROUPS, stable=True)
     ids = torch.sort(keys, dim=-1, descending=True, stable=True)[1][:, :_MOE_K]
-    w = s.gather(1, ids)
-    return w / (w.sum(-1, keepdim=True) + 1e-20) * _DS_SCALE, ids
+    return sigmoid_weights(s, ids, True, _DS_SCALE), ids
 
 
 def _moe_ds_block(inp, dt):

@@ -59,7 +59,8 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .weights import LayerWeights
 
-__all__ = ["route", "select", "moe_block", "check_moe_layer"]
+__all__ = ["route", "select", "choice_keys", "sigmoid_weights", "moe_block",
+           "check_moe_layer"]
 
 # transformers' Qwen3MoeTopKRouter and OlmoeTopKRouter cast the chosen weights to the
 # logits' dtype; MixtralTopKRouter returns them in float32
@@ -85,21 +86,44 @@ def select(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None = N
     return weights, experts
 
 
+def choice_keys(scores: torch.Tensor, bias: torch.Tensor | None, groups: int,
+                topk_groups: int, stable: bool = False) -> torch.Tensor:
+    """Sigmoid routing's selection keys [T, E], in scores' dtype: ``scores + bias``, and
+    with ``groups`` > 1 the experts outside the ``topk_groups`` best groups (a group's
+    score: the sum of its two largest keys) set to -inf. ``stable``: the kernels' tie rule
+    (equal group scores: the lower group first, by a stable descending sort) instead of
+    ``torch.topk``'s unspecified one, which transformers uses."""
+    keys = scores if bias is None else scores + bias.to(scores.dtype)
+    if groups > 1:
+        T, E = keys.shape
+        group_scores = keys.view(T, groups, E // groups).topk(2, dim=-1)[0].sum(dim=-1)
+        if stable:
+            best = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1]
+            best = best[:, :topk_groups]
+        else:
+            best = torch.topk(group_scores, topk_groups, dim=-1)[1]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, best, True)
+        keys = keys.masked_fill(~kept.repeat_interleave(E // groups, dim=1), float("-inf"))
+    return keys
+
+
+def sigmoid_weights(scores: torch.Tensor, experts: torch.Tensor, renormalize: bool,
+                    scale: float) -> torch.Tensor:
+    """The chosen experts' routing weights under sigmoid routing, in scores' dtype: their
+    unbiased scores, renormalised as transformers does (``+ 1e-20``) where asked
+    (``cfg.norm_topk``), times ``scale`` (``cfg.routed_scale``)."""
+    weights = scores.gather(1, experts)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale
+
+
 def _select_sigmoid(cfg, logits, bias):
     scores = torch.sigmoid(logits)
-    choice = scores if bias is None else scores + bias.float()
-    G, TG = cfg.router_groups, cfg.router_topk_groups
-    if G > 1:
-        T, E = choice.shape
-        group_scores = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-        kept = torch.zeros_like(group_scores, dtype=torch.bool)
-        kept.scatter_(1, torch.topk(group_scores, TG, dim=-1)[1], True)
-        choice = choice.masked_fill(~kept.repeat_interleave(E // G, dim=1), float("-inf"))
-    experts = torch.topk(choice, cfg.top_k, dim=-1)[1]
-    weights = scores.gather(1, experts)
-    if cfg.norm_topk:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scale, experts
+    keys = choice_keys(scores, bias, cfg.router_groups, cfg.router_topk_groups)
+    experts = torch.topk(keys, cfg.top_k, dim=-1)[1]
+    return sigmoid_weights(scores, experts, cfg.norm_topk, cfg.routed_scale), experts
 
 
 def route(cfg: ModelConfig, x_normed: torch.Tensor, router: torch.Tensor,

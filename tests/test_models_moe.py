@@ -263,6 +263,12 @@ def test_dots1_bias_and_groups_change_the_choice():
     assert not torch.equal(got, route(cfg, x, layer.router, unbiased)[1].sort(-1)[0])
 
 
+def test_config_dots1_states_what_its_class_runs():
+    """scoring_func "sigmoid" and topk_method "noaux_tc" name what Dots1TopkRouter runs."""
+    cfg = ModelConfig.from_hf(_dict("dots1", scoring_func="sigmoid", topk_method="noaux_tc"))
+    assert cfg == ModelConfig.from_hf(_dict("dots1"))
+
+
 def test_config_router_jitter_accepted():
     """Mixtral's router_jitter_noise acts only in training mode: the forward is unchanged."""
     assert ModelConfig.from_hf(_dict("mixtral", router_jitter_noise=0.1)).family == "mixtral"

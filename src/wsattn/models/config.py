@@ -99,9 +99,10 @@ _SHARED_EXPERT_KEY = {"qwen2_moe": "shared_expert_intermediate_size",
 _FAMILY_ROUTING_KEYS = {"qwen2_moe": ("shared_expert_intermediate_size",),
                         "dots1": ("n_shared_experts", "n_group", "topk_group",
                                   "routed_scaling_factor")}
-# routing keys whose neutral value differs for a family (dots1's published config.json
-# states scoring_func "sigmoid", which its transformers class implies)
-_FAMILY_NEUTRAL = {"dots1": {"scoring_func": "sigmoid"}}
+# routing keys whose accepted values differ for a family: what its transformers class
+# runs whatever the key says (dots1's published config.json states scoring_func
+# "sigmoid"; DeepSeek-V3's name for its bias-corrected top-k is topk_method "noaux_tc")
+_FAMILY_NEUTRAL = {"dots1": {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)}}
 # model types that are MoE in a way the step does not implement, and what that way is
 _MOE_REFUSED_TYPES = {
     "deepseek_v2": "multi-head latent attention (kv_lora_rank) and DeepSeek-V2's "
@@ -413,8 +414,8 @@ def _refuse_moe_routing(d):
     for key, (neutral, feature) in _MOE_REFUSED_KEYS.items():
         if key in _FAMILY_ROUTING_KEYS.get(model_type, ()):
             continue  # this family's shared expert or routing is run
-        neutral = _FAMILY_NEUTRAL.get(model_type, {}).get(key, neutral)
-        if d.get(key) not in (None, neutral):
+        accepted = _FAMILY_NEUTRAL.get(model_type, {}).get(key, (neutral,))
+        if d.get(key) is not None and d[key] not in accepted:
             raise UnsupportedModelError(f"mixture-of-experts with {feature} ({key}={d[key]!r}) "
                                         "is not supported")
     missing = [k for k in _MOE_REQUIRED[model_type] if d.get(k) is None]

@@ -169,8 +169,9 @@ def test_weight_bytes_match_facts_and_the_models_parameters():
 def test_folded_bytes_are_the_engines_new_tensors():
     """The memory guard of a model checked on a cut counts the engine's tensors that are
     not the model's own: the same bytes as a tiny Qwen3-MoE (with a dense layer), a tiny
-    Qwen2-MoE (its shared expert's gate/up and gate folded too) and a tiny Llama engine
-    hold outside the transformers parameters, on the CPU in fp32."""
+    Qwen2-MoE (its shared expert's gate/up and gate folded too), a tiny dots1 (ungated
+    shared experts; its router bias is the model's buffer, not a new tensor) and a tiny
+    Llama engine hold outside the transformers parameters, on the CPU in fp32."""
     from transformers import AutoModelForCausalLM
     from wsattn.engine.generate import Engine
     from wsattn.models import ModelConfig
@@ -188,14 +189,20 @@ def test_folded_bytes_are_the_engines_new_tensors():
                               num_key_value_heads=1, head_dim=64, intermediate_size=96,
                               moe_intermediate_size=48, shared_expert_intermediate_size=80,
                               num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
-                              vocab_size=128, max_window_layers=2)}
+                              vocab_size=128, max_window_layers=2),
+            # ungated shared experts (width 2 x 48), a router bias (float32, not folded)
+            "dots1": dict(step.MODELS["dots-llm1-8-layers"], hidden_size=64,
+                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=64, intermediate_size=96, moe_intermediate_size=48,
+                          n_routed_experts=4, num_experts_per_tok=2, vocab_size=128)}
     from transformers import CONFIG_MAPPING
     for kind, d in tiny.items():
         d = dict(d)
         hf_cfg = CONFIG_MAPPING[d.pop("model_type")](**d)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(hf_cfg).eval()
-        own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        own = {p.untyped_storage().data_ptr()
+               for p in (*model.parameters(), *model.buffers())}
         engine = Engine(model, device="cpu")
         seen, new = set(), 0
         for t in _tensors(engine.weights):

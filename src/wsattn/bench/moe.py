@@ -400,15 +400,12 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
     T, H = x.shape
     note = None
     bias = plan.get("bias")
-    # the config's routing, as the kernels take it (defaults for the softmax families)
-    routing = dict(top_k=c.top_k, renormalize=c.norm_topk, scoring=c.scoring,
-                   score_bias=bias, groups=c.router_groups, topk_groups=c.router_topk_groups,
-                   scale=c.routed_scale)
     if impl == "wsattn-gluon":
         from wsattn.kernels import moe_gluon
         reason = moe_gluon.unsupported_reason(x.device, x.dtype)
         if reason is not None:
             raise NotAvailable(reason)
+        routing = _kernel_routing(c, bias)
         out = torch.empty_like(x)
 
         # PDL off for the route, group and combine launches too: the Gluon launch takes
@@ -461,6 +458,7 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
         t = target_of(x.device)
         if pdl and not (t.backend == "cuda" and t.cc >= 90):
             raise NotAvailable(f"PDL needs a CUDA GPU of sm_90 or later; this is {t.name}")
+        routing = _kernel_routing(c, bias)
         out = torch.empty_like(x)
 
         def call(i):
@@ -480,6 +478,14 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
         return call(i)
 
     return (lambda: call(0)), fn, ids, note
+
+
+def _kernel_routing(cfg, bias) -> dict:
+    """The config's routing as the kernels' route / moe take it (their defaults for the
+    softmax families)."""
+    return dict(top_k=cfg.top_k, renormalize=cfg.norm_topk, scoring=cfg.scoring,
+                score_bias=bias, groups=cfg.router_groups,
+                topk_groups=cfg.router_topk_groups, scale=cfg.routed_scale)
 
 
 def parse_settings(spec: str):

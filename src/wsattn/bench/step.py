@@ -170,6 +170,12 @@ MODELS["qwen1.5-moe-a2.7b"] = dict(
     mlp_only_layers=[], vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=8192,
     rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False,
     sliding_window=None, max_window_layers=21, bos_token_id=151643, eos_token_id=151643)
+# DeepSeek-V3's routing (sigmoid, score-correction bias, routed scale) and two ungated
+# shared experts: dots.llm1 cut to 8 of its 62 layers (its first dense, then 7 MoE layers
+# of 128 experts, top-6; 35 GB of bf16 weights, so transformers' model and the engine's
+# copy fit together), the layer of `wsattn bench moe --moe-models dots-llm1` (no issue
+# target names it)
+MODELS["dots-llm1-8-layers"] = dict(MOE_MODELS["dots-llm1"], num_hidden_layers=8)
 
 # The issues' targets on an H200 (ms/token of the wsattn step); what the default run covers.
 TARGETS = {("llama-3.2-1b", 1, 4096): 0.70, ("llama-3.2-1b", 8, 4096): 0.80,
@@ -180,7 +186,7 @@ TARGETS = {("llama-3.2-1b", 1, 4096): 0.70, ("llama-3.2-1b", 8, 4096): 0.80,
 # GB more in fp32): their logits check runs on a model of the same config cut to this
 # many layers (same kernels, same buckets), built, checked and freed before the full
 # model's engine is built and timed; the row's note says so.
-CHECK_LAYERS = {"qwen3-30b-a3b": 4, "qwen1.5-moe-a2.7b": 4}
+CHECK_LAYERS = {"qwen3-30b-a3b": 4, "qwen1.5-moe-a2.7b": 4, "dots-llm1-8-layers": 4}
 PDL_TARGET = 1.05  # graph without PDL / with PDL at the 1B shape, B 1
 KERNELS_PER_LAYER_TARGET = 6
 
@@ -225,9 +231,11 @@ def _attn_params(cfg) -> int:
 
 def _mlp_params(cfg, experts: float) -> float:
     """Every layer's MLP with ``experts`` experts in each MoE layer (router included, and
-    a shared expert with its gate where the config has one: every token reads it)."""
+    a shared expert, with its gate where it has one: every token reads it). A router's
+    score-correction bias (dots1: E float32 values, 512 bytes a layer) is a buffer, not
+    a parameter, and is not counted."""
     h, moe = cfg.hidden, len(cfg.moe_layers)
-    shared = 3 * h * cfg.shared_ffn + h if cfg.shared_ffn else 0
+    shared = 3 * h * cfg.shared_ffn + (h if cfg.shared_gated else 0) if cfg.shared_ffn else 0
     return ((cfg.layers - moe) * 3 * h * cfg.ffn
             + moe * (cfg.experts * h + experts * 3 * h * cfg.moe_ffn + shared))
 
@@ -257,7 +265,8 @@ def folded_bytes(cfg, elt: int = ELT) -> int:
     shared expert's gate/up and gate, the LM head)."""
     h, q, kv = cfg.hidden, cfg.q_size, cfg.kv_size
     moe = len(cfg.moe_layers)
-    shared = 2 * h * cfg.shared_ffn + h if cfg.shared_ffn else 0  # its gate/up and gate
+    # a shared expert's gate/up, and its gate where it has one
+    shared = 2 * h * cfg.shared_ffn + (h if cfg.shared_gated else 0) if cfg.shared_ffn else 0
     bias = q + 2 * kv if cfg.qkv_bias else 0  # the q/k/v biases, concatenated
     return elt * (cfg.layers * (h * (q + 2 * kv) + bias) + (cfg.layers - moe) * 2 * h * cfg.ffn
                   + moe * (cfg.experts * h + cfg.experts * 2 * h * cfg.moe_ffn + shared)

@@ -559,7 +559,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what "auto" runs the kernels 
 
 def _resolve_impl(impl, device, dtype=None):
     """The step for ``impl``: "auto" is the kernels on CUDA for a 16-bit model (every
-    family the loader takes: dense, Qwen3-MoE, Mixtral, OLMoE), else the reference.
+    family the loader takes: dense, Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, dots1), else the
+    reference.
     ``dtype`` None: decided again once the checkpoint's dtype is known."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -578,7 +579,7 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
 
     Args:
         model_or_path: a transformers ``*ForCausalLM`` object (Llama 3.x, Qwen2/2.5,
-            Qwen3 dense, Qwen3-MoE, Mixtral, OLMoE) or a local
+            Qwen3 dense, Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, dots1) or a local
             folder with ``config.json`` + ``*.safetensors``.
         input_ids: int tensor [B, S] (every prompt S tokens), or a list of B 1-D int
             tensors / lists (prompts of any lengths >= 1). Ids in [0, vocab).

@@ -23,7 +23,7 @@ folded into the next projection and only ``1/rms`` applied in the kernel)::
 From ``CUBLAS_WIDE_ROWS`` rows on sm_90 the o and down projections are one cuBLAS
 ``h.addmm_(a, wo.t())`` each instead (measured faster there; the note at the constant).
 
-In a mixture-of-experts layer (``i in cfg.moe_layers``: Qwen3-MoE, Mixtral) the two MLP
+In a mixture-of-experts layer (``i in cfg.moe_layers``: every MoE family) the two MLP
 GEMVs are the MoE kernels of :mod:`wsattn.kernels.moe` (7 library calls, 9 Triton
 launches a layer, 10 when decode splits the keys)::
 
@@ -263,7 +263,7 @@ class KernelStep:
             "logits_cast"), counted when a step runs eagerly (warm-up and capture
             included, replays not).
 
-    MoE layers (Qwen3-MoE, Mixtral; see the module docstring) take router [E, hidden],
+    MoE layers (every MoE family; see the module docstring) take router [E, hidden],
     w_gate_up [E, 2 * moe_ffn, hidden], w_down [E, hidden, moe_ffn], the router and
     w_gate_up FlashNorm-folded, E <= 256.
 

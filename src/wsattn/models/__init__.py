@@ -2,7 +2,8 @@
 a plain-PyTorch reference forward.
 
 * :class:`ModelConfig` (``config.py``): the shape of a Llama 3.x, Qwen2/2.5, Qwen3 dense,
-  Qwen3-MoE, Mixtral or OLMoE model, from a transformers config or a ``config.json`` dict;
+  Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE or dots1 model, from a transformers config or a
+  ``config.json`` dict;
   anything else is refused at construction with the feature named.
 * ``moe.py``: the reference routing and MoE block, as transformers computes them.
 * :func:`load` (``weights.py``): a transformers model object or a local checkpoint

@@ -332,6 +332,53 @@ def test_pdl_families_reach_their_kernels(monkeypatch):
     assert runner._pdl_families(True, has_pdl=False) == frozenset(runner.PDL_FAMILIES)
 
 
+def test_moe_gluon_variant_reaches_the_grouped_launches(monkeypatch):
+    """pdl variant "moe:gluon": the grouped gate/up and down get impl="gluon" (route,
+    group and combine keep their PDL) and the buckets' grouping blocks are the Gluon
+    kernel's; off the variant, impl="triton". Stand-ins
+    record the calls (the Gluon kernel itself runs on sm_90 only: its GPU test)."""
+    import types
+
+    from wsattn.engine import runner
+    from wsattn.kernels import moe_gluon
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg, _, w, cache = _parts()
+    step = runner.KernelStep(cfg, w, cache, pdl=False)
+    seen = []
+
+    def rec(name):
+        def stand_in(*a, pdl=None, impl="unset", **k):
+            seen.append((name, pdl, impl))
+        return stand_in
+
+    monkeypatch.setattr(runner, "route", lambda *a, **k: (None, None))
+    monkeypatch.setattr(runner, "group", lambda *a, **k: None)
+    monkeypatch.setattr(runner, "moe_gate_up", rec("gate_up"))
+    monkeypatch.setattr(runner, "moe_down_combine", rec("down"))
+    layer = types.SimpleNamespace(router=None, w_gate_up=None, w_down=None,
+                                  w_shared_gate_up=None, router_bias=None)
+    for gluon, families in ((True, ("moe:gluon",)), (False, ("moe",))):
+        seen.clear()
+        step.pdl_families = runner._pdl_families(families, has_pdl=True)
+        step.moe_gluon = gluon
+        buf = runner._Buffers(cfg, 2, step.max_pages, w.dtype, w.embed.device)
+        buf.moe_block = 1
+        step._moe(layer, buf.h, buf)
+        impl = "gluon" if gluon else "triton"
+        assert seen == [("gate_up", True, impl), ("down", True, impl)], seen
+    for bucket in (1, 2, 8, 64):
+        moe_cfg = types.SimpleNamespace(hidden=cfg.hidden, heads=cfg.heads,
+                                        head_dim=cfg.head_dim, moe_layers=(0,), layers=1,
+                                        is_moe=True, top_k=8, experts=128, ffn=cfg.ffn,
+                                        shared_ffn=0, vocab=cfg.vocab)
+        buf = runner._Buffers(moe_cfg, bucket, 4, w.dtype, w.embed.device, moe_gluon=True)
+        assert buf.moe_block == moe_gluon.default_block(bucket, 8, 128), bucket
+    # on the CPU the variant is refused with the other PDL choices (no sm_90 here)
+    with pytest.raises(ValueError, match="needs a CUDA GPU of sm_90"):
+        runner.KernelStep(cfg, w, cache, pdl=("moe:gluon",))
+
+
 def test_residual_products_go_to_cublas_from_their_rows(monkeypatch):
     """Where the step takes cuBLAS for the o / down projections (``cublas_wide``: sm_90,
     16-bit; forced on here), from CUBLAS_WIDE_ROWS rows they are one addmm into the

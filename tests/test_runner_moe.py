@@ -500,6 +500,31 @@ def test_gpu_moe_one_token_equals_the_grouping_kernel(family):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "dots1"])
+@pytest.mark.parametrize("batch", [1, 3])  # buckets 1 (Gluon block 1) and 4
+def test_gpu_moe_gluon_variant_matches_the_triton_step(family, batch):
+    """pdl variant "moe:gluon" (the grouped projections on the sm_90 Gluon kernel): graph
+    replay bitwise the eager step, and the first decode step's logits (prefill is torch,
+    the same for both) within bf16 tolerance of the Triton step's."""
+    if torch.cuda.get_device_capability()[:1] != (9,):
+        pytest.skip("the Gluon grouped kernel is sm_90's")
+    from wsattn.testing import rel_err, tol
+
+    ps = _gpu_prompts(batch)
+    pdl = ("qkv_rope", "decode", "gemv", "moe:gluon")
+    e, _ = _gpu_engine(family, pdl=pdl)
+    assert e.step.moe_gluon and not e.step.moe_topk_in_gate_up
+    graph_t, graph_l = e.run(ps, 24, return_logits=True)
+    eager_t, eager_l = _gpu_engine(family, pdl=pdl, graphs=False)[0] \
+        .run(ps, 24, return_logits=True)
+    assert all(torch.equal(a, b) for a, b in zip(graph_t, eager_t))
+    assert torch.equal(graph_l, eager_l)
+    triton_l = _gpu_engine(family)[0].run(ps, 2, return_logits=True)[1]
+    assert not graph_l.isnan().any()
+    assert rel_err(graph_l[:, 1], triton_l[:, 1]) <= tol(torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "dots1"])
 def test_gpu_moe_matches_reference_step(family):
     """bf16 kernels vs the reference step (fp32 compute over the same bf16 weights): the

@@ -150,11 +150,16 @@ PDL_FAMILIES = ("qkv_rope", "decode", "gemv", "moe")
 # GEMV kernel at every row count (the default hands them to cuBLAS from CUBLAS_WIDE_ROWS
 # rows on sm_90; below). "moe:topk-launch": the MoE kernels with PDL as "moe", and at
 # bucket 1 the router's top-k in its own launch (KernelStep's moe_topk_in_gate_up off).
+# "moe:gluon": the MoE kernels with PDL as "moe", and the grouped gate/up and down on the
+# sm_90 warp-specialized Gluon kernel (kernels/moe_gluon.py: its own grouping blocks, no
+# PDL of its own, no top-k inside it, so the top-k keeps its launch); opt-in, since that
+# kernel measured 0.74-0.95x the Triton one per layer (notes/moe.md); refused at
+# construction where the Gluon kernel cannot run.
 # Measured and removed (notes/decode_step.md): decode loading its first K/V tile before
 # the wait, and the QKV projection GEMV's late release.
 PDL_VARIANTS = {"gemv:late": "gemv", "gemv:early": "gemv", "gemv:kernel-wide": "gemv",
                 "qkv_rope:two-launch": "qkv_rope", "qkv_rope:gemv-rope": "qkv_rope",
-                "moe:topk-launch": "moe"}
+                "moe:topk-launch": "moe", "moe:gluon": "moe"}
 # Rows from which the o and down projections (a plain product plus the residual, no norm
 # or SiLU epilogue) run as one cuBLAS addmm into the residual on sm_90, 16-bit: fp32
 # accumulate and the residual added before the one rounding, as gemv does, but no PDL
@@ -192,7 +197,7 @@ def _pdl_families(pdl, has_pdl: bool) -> frozenset:
 class _Buffers:
     """A bucket's static tensors: what its CUDA graph reads and writes."""
 
-    def __init__(self, cfg, bucket, max_pages, dtype, device):
+    def __init__(self, cfg, bucket, max_pages, dtype, device, moe_gluon=False):
         i32, dev = torch.int32, device
         self.bucket = bucket
         self.tokens = torch.zeros(bucket, dtype=torch.int64, device=dev)
@@ -205,7 +210,9 @@ class _Buffers:
         self.act = torch.zeros(bucket, cfg.ffn, dtype=dtype, device=dev) if dense else None
         # rows a grouping block in MoE layers: fixed per bucket, so the grouping's static
         # sizes (and a captured graph's launches) are too
-        self.moe_block = default_block(bucket, cfg.top_k, cfg.experts) if cfg.is_moe else None
+        # (the Gluon grouped kernel's own blocks with moe_gluon)
+        block = _gluon_moe().default_block if moe_gluon else default_block
+        self.moe_block = block(bucket, cfg.top_k, cfg.experts) if cfg.is_moe else None
         # the one-token grouping's constant tables (KernelStep's moe_one_token), made here,
         # before any capture
         self.moe_tables = (one_token_tables(cfg.top_k, self.moe_block, dev)
@@ -244,7 +251,8 @@ class KernelStep:
             GEMVs release, "gemv:kernel-wide" keeping the o and down projections on the
             GEMV kernel where the step hands them to cuBLAS (``CUBLAS_WIDE_ROWS``),
             "qkv_rope:two-launch" / "qkv_rope:gemv-rope" in place of "qkv_rope" forcing
-            the QKV call's path (``PDL_VARIANTS``).
+            the QKV call's path, "moe:gluon" in place of "moe" running the grouped expert
+            projections on the sm_90 Gluon kernel (``PDL_VARIANTS``).
         moe_one_token: at bucket 1, group a MoE layer's (token, slot) pairs without the
             grouping kernel (``moe.one_token_grouping``: one block a slot; same bits), one
             launch fewer a MoE layer. On by default: the 48-layer Qwen3-30B-A3B step at B1
@@ -323,7 +331,14 @@ class KernelStep:
         if moe_topk_in_gate_up not in (True, False):
             raise ValueError(f"moe_topk_in_gate_up must be True or False, got "
                              f"{moe_topk_in_gate_up!r}")
-        self.moe_topk_in_gate_up = moe_topk_in_gate_up and "moe:topk-launch" not in families
+        # the Gluon grouped kernel selects no expert itself: the top-k keeps its launch
+        self.moe_gluon = cfg.is_moe and "moe:gluon" in families
+        if self.moe_gluon:
+            reason = _gluon_moe().unsupported_reason(self.device, self.dtype)
+            if reason is not None:
+                raise ValueError(f"pdl variant 'moe:gluon': {reason}")
+        self.moe_topk_in_gate_up = (moe_topk_in_gate_up and not self.moe_gluon
+                                    and "moe:topk-launch" not in families)
         if moe_prefill_grouped not in (True, False):
             raise ValueError(f"moe_prefill_grouped must be True or False, got "
                              f"{moe_prefill_grouped!r}")
@@ -545,7 +560,9 @@ class KernelStep:
         else:
             grouping = group(ids, cfg.experts, buf.moe_block, pdl=pdl)
             self._count("moe_group")
-        act = moe_gate_up(h, layer.w_gate_up, grouping, norm_eps=eps, pdl=pdl, route=routed)
+        impl = "gluon" if self.moe_gluon else "triton"
+        act = moe_gate_up(h, layer.w_gate_up, grouping, norm_eps=eps, pdl=pdl, route=routed,
+                          impl=impl)
         self._count("moe_gate_up")
         if layer.w_shared_gate_up is not None:
             # the shared expert reads h before the combine below adds the routed experts
@@ -559,7 +576,8 @@ class KernelStep:
                 buf.shared_act.mul_(torch.sigmoid_(buf.shared_gate))
             self._count("shared_expert")
         # out may be the residual (moe.py: each element read and written by one program)
-        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl)
+        moe_down_combine(act, layer.w_down, grouping, wts, out=h, residual=h, pdl=pdl,
+                         impl=impl)
         self._count("moe_down_combine")
         if layer.w_shared_gate_up is not None:
             gemv(buf.shared_act, layer.w_shared_down, residual=h, out=h, **g)
@@ -611,7 +629,8 @@ class KernelStep:
         buf = self._buffers.get(bucket)
         if buf is None:
             buf = self._buffers[bucket] = _Buffers(self.cfg, bucket, self.max_pages,
-                                                   self.dtype, self.device)
+                                                   self.dtype, self.device,
+                                                   moe_gluon=self.moe_gluon)
         buf.tokens[:B].copy_(tokens)
         buf.seqlens[:B].copy_(seqlens)
         buf.block_table[:B, :width].copy_(block_table)
@@ -793,6 +812,12 @@ class KernelStep:
         if layer.shared_gate is not None:
             act = act * torch.sigmoid(((x @ layer.shared_gate.T).float() * scale).to(dt))
         return (acc.to(dt).float() + (act @ layer.w_shared_down.T).float()).to(dt)
+
+
+def _gluon_moe():
+    """kernels/moe_gluon (imported on use: Gluon is an sm_90 path)."""
+    from ..kernels import moe_gluon
+    return moe_gluon
 
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:

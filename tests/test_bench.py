@@ -587,8 +587,8 @@ def test_graph_timer_times_a_copy_and_falls_back_when_capture_fails():
 @pytest.mark.sm90
 def test_gluon_build_columns_run_their_builds_checked():
     """Each build column on an sm_90 GPU: checked against float64 first, then timed, its
-    row's note naming the settings it launched (the one-consumer build at D64 N 300, where
-    `auto` takes the persistent walk)."""
+    row's note naming the settings it launched (the multi-consumer build at D64 N 300,
+    where `auto` takes the one-consumer build: a column runs what auto would not)."""
     from wsattn.kernels import prefill_gluon as pg
 
     timer = CountingTimer()
@@ -604,7 +604,8 @@ def test_gluon_build_columns_run_their_builds_checked():
     for (impl, d), note in notes.items():
         build = one_consumer_build if impl == "gluon-one-consumer" else multi_consumer_build
         assert note == f"settings: {build(d, d == 128)}"
-    assert pg.call_settings(64, False, 300) != one_consumer_build(64, False)
+    assert pg.call_settings(64, False, 300) == one_consumer_build(64, False)
+    assert pg.call_settings(64, False, 300) != multi_consumer_build(64, False)
 
 
 @pytest.mark.gpu

@@ -174,3 +174,22 @@ def rewrite_checkpoint(folder, edit):
     tensors = safetensors_torch.load_file(path)
     edit(tensors)
     safetensors_torch.save_file(tensors, path, metadata={"format": "pt"})
+
+
+def assert_matches_generate(where: str, hf: dict, b: int, tokens: list, tol: float):
+    """Sequence b of a kernel step's run against transformers (the children of
+    test_runner_vs_transformers and test_moe_kernels_vs_transformers): every step's logits
+    within tol of transformers' teacher-forced ones on the kernels' tokens, the tokens
+    generate's (else the first step where they part, with transformers' top-2 gap and the
+    largest logit difference there), and generate's own logits within tol."""
+    for s, err in enumerate(hf["tf_err"][b]):
+        assert err <= tol, f"{where} step {s}: logits rel err {err:.2e}"
+    if hf["tokens"][b] != tokens:
+        s = next(s for s, (a, c) in enumerate(zip(hf["tokens"][b], tokens)) if a != c)
+        pytest.fail(f"{where}: tokens part at step {s} (transformers {hf['tokens'][b][s]}, "
+                    f"kernels {tokens[s]}); transformers' top-2 gap there "
+                    f"{hf['gap'][b][s]:.2e}, the largest logit difference "
+                    f"{hf['diff'][b][s]:.2e}")
+    # same tokens, so generate's own logits (its KV-cache decode) are comparable
+    for s, err in enumerate(hf["gen_err"][b]):
+        assert err <= tol, f"{where} step {s}: generate logits {err:.2e}"

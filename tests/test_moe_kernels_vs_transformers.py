@@ -27,9 +27,7 @@ import json
 import os
 import textwrap
 
-import pytest
-
-from conftest import interpreter_child
+from conftest import assert_matches_generate, interpreter_child
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 NAMES = ["qwen3_moe-norm", "mixtral", "olmoe", "dots1"]  # test_models_moe.CONFIGS keys
@@ -262,17 +260,7 @@ def test_kernel_step_greedy_32_tokens_match_transformers():
         assert r["blocks"] == {"2": 16}, (name, r["blocks"])
         hf = r["hf"]
         for b in range(len(PROMPT_LENS)):
-            where = f"{name} sequence {b}"
-            for s, err in enumerate(hf["tf_err"][b]):
-                assert err <= FP32_LOGITS, f"{where} step {s}: logits rel err {err:.2e}"
-            if hf["tokens"][b] != r["tokens"][b]:
-                s = next(s for s, (a, c) in enumerate(zip(hf["tokens"][b], r["tokens"][b]))
-                         if a != c)
-                pytest.fail(f"{where}: tokens part at step {s} (transformers "
-                            f"{hf['tokens'][b][s]}, kernels {r['tokens'][b][s]}); "
-                            f"transformers' top-2 gap there {hf['gap'][b][s]:.2e}, the "
-                            f"largest logit difference {hf['diff'][b][s]:.2e}")
-            for s, err in enumerate(hf["gen_err"][b]):
-                assert err <= FP32_LOGITS, f"{where} step {s}: generate logits {err:.2e}"
+            assert_matches_generate(f"{name} sequence {b}", hf, b, r["tokens"][b],
+                                    FP32_LOGITS)
         # a random tiny model can fall into repeating one token, which checks less
         assert all(len(set(t)) > 2 for t in r["tokens"]), (name, r["tokens"])

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from conftest import interpreter_child
+from conftest import assert_matches_generate, interpreter_child
 
 N_NEW = 32
 PROMPT_LENS = (11, 5)
@@ -135,18 +135,7 @@ def test_kernel_step_greedy_matches_transformers(family):
         hf = r[attn]
         assert r["impl"][attn] == attn, r["impl"]
         for b in range(len(PROMPT_LENS)):
-            where = f"{family} {attn} sequence {b}"
-            for i, err in enumerate(hf["tf_err"][b]):
-                assert err <= FP32_LOGITS, f"{where} step {i}: logits rel err {err:.2e}"
-            if hf["tokens"][b] != tokens[b]:
-                i = next(i for i, (a, c) in enumerate(zip(hf["tokens"][b], tokens[b]))
-                         if a != c)
-                pytest.fail(f"{where}: tokens part at step {i} (transformers "
-                            f"{hf['tokens'][b][i]}, kernels {tokens[b][i]}); transformers' "
-                            f"top-2 gap there {hf['gap'][b][i]:.2e}, the largest logit "
-                            f"difference {hf['diff'][b][i]:.2e}")
-            # same tokens, so generate's own logits (its KV-cache decode) are comparable
-            for i, err in enumerate(hf["gen_err"][b]):
-                assert err <= FP32_LOGITS, f"{where} step {i}: generate logits {err:.2e}"
+            assert_matches_generate(f"{family} {attn} sequence {b}", hf, b, tokens[b],
+                                    FP32_LOGITS)
     # a random tiny model can fall into repeating one token, which checks less
     assert all(len(set(t)) > 2 for t in tokens), tokens

@@ -496,6 +496,11 @@ def test_flashnorm_folds_router_and_experts(name):
     cfg, w = load(tiny_model(name), dtype=torch.float64)
     f = fold(w)
     x = _x(5, cfg.hidden, 1).double()
+    # dots1's router computes its logits in float32 even from float64 inputs (transformers'
+    # Dots1TopkRouter casts both), so the fold's fp64 rounding can move a routing weight by
+    # an fp32 ulp; the softmax families take float64 logits and their weights come out
+    # the same, so they keep the exact bound
+    fold_tol = 2 ** -23 if cfg.scoring == "sigmoid" else 1e-12
     for lw, lf in zip(w.layers, f.layers):
         ref_in = rms_norm(x, lw.mlp_norm, cfg.rms_eps)
         if lw.router is None:
@@ -513,9 +518,7 @@ def test_flashnorm_folds_router_and_experts(name):
             assert lf.w_shared_down is lw.w_shared_down
         else:
             assert lf.w_shared_gate_up is lf.shared_gate is lf.w_shared_down is None
-        # routing weights are float32 (transformers' contract, and dots1's router runs in
-        # float32): the fold's fp64 rounding may move one by an fp32 ulp
-        assert rel_err(moe_block(cfg, lf, x), moe_block(cfg, lw, x)) <= 2 ** -23
+        assert rel_err(moe_block(cfg, lf, x), moe_block(cfg, lw, x)) <= fold_tol
     ids = torch.randint(0, cfg.vocab, (2, 7), generator=torch.Generator().manual_seed(2))
     outs = []
     for weights in (w, f):
@@ -523,7 +526,7 @@ def test_flashnorm_folds_router_and_experts(name):
         outs.append([prefill(cfg, weights, ids, torch.tensor([7, 4]), cache, all_logits=True),
                      decode_step(cfg, weights, ids[:, 0], torch.tensor([7, 4]), cache)])
     for a, b in zip(*outs):
-        assert rel_err(a, b) <= 2 ** -23  # the float32 routing weights, as above
+        assert rel_err(a, b) <= fold_tol
 
 
 # --- the reference forward against transformers ---------------------------------------------

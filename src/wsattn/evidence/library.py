@@ -979,14 +979,18 @@ def _moe_reference(inp):
     w, ids = torch.sort(p, dim=-1, descending=True, stable=True)
     w, ids = w[:, :_MOE_K], ids[:, :_MOE_K]
     w = w / w.sum(-1, keepdim=True)
-    out = inp["residual"].double().clone()
-    F = inp["w_down"].shape[2]
-    for e in range(_MOE_E):
+    return _add_experts(inp["residual"].double().clone(), xn, w, ids, inp)
+
+
+def _add_experts(out, xn, w, ids, inp):
+    """out += each token's chosen experts' w * down(silu(gate) * up) [T, k] (ids, w), in
+    xn's dtype (the expert weights cast to it), one index_add_ an expert, ascending."""
+    dt, F = xn.dtype, inp["w_down"].shape[2]
+    for e in ids.unique().tolist():
         t, j = (ids == e).nonzero(as_tuple=True)
-        if t.numel():
-            h = xn[t] @ inp["w_gate_up"][e].double().T
-            y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ inp["w_down"][e].double().T
-            out.index_add_(0, t, w[t, j, None] * y)
+        h = xn[t] @ inp["w_gate_up"][e].to(dt).T
+        y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ inp["w_down"][e].to(dt).T
+        out.index_add_(0, t, (w[t, j, None] * y).to(out.dtype))
     return out
 
 
@@ -999,14 +1003,7 @@ def _moe_torch(inp):
     p = torch.softmax(F.linear(xn, inp["router_w"]).float(), dim=-1)
     w, ids = torch.topk(p, _MOE_K, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).to(dt)
-    out = inp["residual"].clone()
-    Fw = inp["w_down"].shape[2]
-    for e in ids.unique().tolist():
-        t, j = (ids == e).nonzero(as_tuple=True)
-        h = F.linear(xn[t], inp["w_gate_up"][e])
-        out.index_add_(0, t, w[t, j, None] * F.linear(F.silu(h[:, :Fw]) * h[:, Fw:],
-                                                      inp["w_down"][e]))
-    return out
+    return _add_experts(inp["residual"].clone(), xn, w, ids, inp)
 
 
 def _draw_moe_token(rng, small):
@@ -1136,15 +1133,7 @@ def _moe_ds_block(inp, dt):
     xn = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _MOE_EPS)).to(dt)
     logits = xn.to(wide) @ inp["router_w"].to(wide).T  # float32 at least, as transformers
     w, ids = _ds_route64(logits.double(), inp["score_bias"])
-    w = w.to(wide)
-    out = inp["residual"].to(dt).clone()
-    F = inp["w_down"].shape[2]
-    for e in ids.unique().tolist():
-        t, j = (ids == e).nonzero(as_tuple=True)
-        h = xn[t] @ inp["w_gate_up"][e].to(dt).T
-        y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ inp["w_down"][e].to(dt).T
-        out.index_add_(0, t, (w[t, j, None] * y).to(dt))
-    return out
+    return _add_experts(inp["residual"].to(dt).clone(), xn, w.to(wide), ids, inp)
 
 
 def _moe_ds_entry(name, token):

@@ -393,6 +393,7 @@ def _grouped_mm_plan(ids, scores, cfg, device):
 def _calls(case: MoeCase, impl: str, x, copies, plan):
     """(first: the checked call on copy 0, fn: the timed call cycling through the copies,
     ids: the routing ids the column uses, note). NotAvailable where the column cannot run."""
+    from wsattn.engine.runner import moe_routing
     from wsattn.kernels import moe as kmoe
     from wsattn.target import target_of
 
@@ -405,7 +406,7 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
         reason = moe_gluon.unsupported_reason(x.device, x.dtype)
         if reason is not None:
             raise NotAvailable(reason)
-        routing = _kernel_routing(c, bias)
+        routing = moe_routing(c, bias)
         out = torch.empty_like(x)
 
         # PDL off for the route, group and combine launches too: the Gluon launch takes
@@ -458,7 +459,7 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
         t = target_of(x.device)
         if pdl and not (t.backend == "cuda" and t.cc >= 90):
             raise NotAvailable(f"PDL needs a CUDA GPU of sm_90 or later; this is {t.name}")
-        routing = _kernel_routing(c, bias)
+        routing = moe_routing(c, bias)
         out = torch.empty_like(x)
 
         def call(i):
@@ -478,14 +479,6 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
         return call(i)
 
     return (lambda: call(0)), fn, ids, note
-
-
-def _kernel_routing(cfg, bias) -> dict:
-    """The config's routing as the kernels' route / moe take it (their defaults for the
-    softmax families)."""
-    return dict(top_k=cfg.top_k, renormalize=cfg.norm_topk, scoring=cfg.scoring,
-                score_bias=bias, groups=cfg.router_groups,
-                topk_groups=cfg.router_topk_groups, scale=cfg.routed_scale)
 
 
 def parse_settings(spec: str):

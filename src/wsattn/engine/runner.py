@@ -544,10 +544,7 @@ class KernelStep:
         pdl = self._family_on("moe")
         one_token = self.moe_one_token and buf.moe_tables is not None
         routed = None
-        routing = dict(top_k=cfg.top_k, renormalize=cfg.norm_topk, norm_eps=eps,
-                       scoring=cfg.scoring, score_bias=layer.router_bias,
-                       groups=cfg.router_groups, topk_groups=cfg.router_topk_groups,
-                       scale=cfg.routed_scale, pdl=pdl)
+        routing = dict(moe_routing(cfg, layer.router_bias), norm_eps=eps, pdl=pdl)
         if one_token and self.moe_topk_in_gate_up:
             # the top-k runs inside the gate/up launch, which fills routed.ids / .weights
             routed = route_logits(h, layer.router, **routing)
@@ -812,6 +809,15 @@ class KernelStep:
         if layer.shared_gate is not None:
             act = act * torch.sigmoid(((x @ layer.shared_gate.T).float() * scale).to(dt))
         return (acc.to(dt).float() + (act @ layer.w_shared_down.T).float()).to(dt)
+
+
+def moe_routing(cfg, bias) -> dict:
+    """A MoE config's routing as the kernels' ``route`` / ``route_logits`` / ``moe`` take
+    it (top_k, renormalize, scoring, score_bias, groups, topk_groups, scale); bias: the
+    layer's ``router_bias`` (None where the config has none)."""
+    return dict(top_k=cfg.top_k, renormalize=cfg.norm_topk, scoring=cfg.scoring,
+                score_bias=bias, groups=cfg.router_groups,
+                topk_groups=cfg.router_topk_groups, scale=cfg.routed_scale)
 
 
 def _gluon_moe():

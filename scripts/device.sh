@@ -11,6 +11,8 @@
 #   bench   `wsattn bench` with ceilings and peers -> bench.json, bench.png
 #   host    host time of one eager decode / varlen call, default and validate=True
 #           (python3 -m wsattn.bench.host) -> host.json
+#   power   each bench column alone for seconds, its SM clock, power and energy a call
+#           (python3 -m wsattn.bench.power $POWER_ARGS) -> power.json, power_clocks.csv
 #   sp      sp-tests then sp-bench, over every visible GPU (two or more)
 #   sp-tests  the NCCL battery, tests/test_sp_nccl.py -> sp_tests.log
 #   sp-bench  torchrun -m wsattn.sp.bench, one process per GPU -> sp_bench_w<GPUs>.json
@@ -61,12 +63,14 @@
 #   TEST_PATHS     test files or folders of the tests part (default tests/)
 #   TEST_K         a pytest -k expression narrowing the tests part (default: none)
 #   LADDER_ARGS    extra ladder arguments (default "--stress-launches 2000"; kernels by name)
+#   POWER_ARGS     arguments of the power part (e.g. "--impl wsattn fa4 sdpa-cudnn
+#                  --prefill-seqlens 4096 16384 --prefill-dims 128"; with PEERS=1 for fa4)
 #   SP_ARGS        arguments of the SP bench (e.g. "--sp-what prefill --sp-seqlens 16384 65536")
 #   NCU_IMPLS      implementations to profile (default "gluon cudnn"), NCU_ARGS their shape
 #                  (default "--n 4096 --d 128"), SOURCE=1 adds per-SASS counters; a
 #                  column of the chunked bench as chunked:COLUMN, e.g. NCU_IMPLS="chunked:gluon-paged
 #                  chunked:gluon-contiguous" NCU_ARGS="--d 64 --prefix 0 --page 64"
-#   <PART>_S       time limit of a part in seconds (TESTS_S, LADDER_S, BENCH_S, HOST_S,
+#   <PART>_S       time limit of a part in seconds (TESTS_S, LADDER_S, BENCH_S, HOST_S, POWER_S,
 #                  SP_TESTS_S, SP_BENCH_S, NCU_S per implementation)
 #
 # A part that fails or runs out of time is reported and the next one runs; the exit status
@@ -98,7 +102,7 @@ usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0";
 PARTS=()
 for p in "$@"; do
   case "$p" in
-    tests|ladder|bench|host|sp-tests|sp-bench|ncu) PARTS+=("$p") ;;
+    tests|ladder|bench|host|power|sp-tests|sp-bench|ncu) PARTS+=("$p") ;;
     sp) PARTS+=(sp-tests sp-bench) ;;
     -h|--help) usage; exit 0 ;;
     *) echo "device.sh: unknown part '$p'" >&2; usage >&2; exit 2 ;;
@@ -211,6 +215,12 @@ part_bench() {
 
 part_host() {
   run_part host "${HOST_S:-180}" python3 -m wsattn.bench.host --json "$OUT/host.json"
+}
+
+part_power() {  # POWER_ARGS: arguments of python3 -m wsattn.bench.power
+  local args; read -ra args <<< "${POWER_ARGS:-}"
+  run_part power "${POWER_S:-300}" python3 -m wsattn.bench.power "${args[@]}" \
+    --json "$OUT/power.json" --log "$OUT/power_clocks.csv"
 }
 
 part_sp-tests() {

@@ -78,3 +78,18 @@ def test_cli_prints_and_writes(tmp_path, capsys):
     log.write_text(HEADER + "\n")
     assert clocks.main([str(bench), str(log)]) == 1
     assert "no clock entries" in capsys.readouterr().err
+
+
+def test_cli_reads_a_gzipped_log(tmp_path, capsys):
+    """The committed clock logs are gzipped; the tool reads them as they are."""
+    import gzip
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps([{"status": "ok", "case": "c", "impl": "i", "median_ms": 1.0,
+                                  "calls": 1, "samples_ms": [1.0, 1.0, 1.0],
+                                  "samples_t": [T0 + 0.1, T0 + 0.2, T0 + 0.3]}]))
+    log = tmp_path / "clocks.csv.gz"
+    with gzip.open(log, "wt") as fh:
+        fh.write("\n".join([HEADER, _line(0.1, 1755, 690, "0x0000000000000004"),
+                            _line(0.2, 1755, 690, "0x0000000000000004")]) + "\n")
+    assert clocks.main([str(bench), str(log)]) == 0
+    assert "1755-1755" in capsys.readouterr().out

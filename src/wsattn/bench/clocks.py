@@ -60,6 +60,15 @@ def parse_clock_log(lines, utc_offset_h: float = 0.0) -> list[dict]:
     return out
 
 
+def open_log(path: str):
+    """A clock log for reading as text, gzip-compressed where the name ends in .gz (the
+    committed logs are: a 20 ms log of a few minutes is about a megabyte)."""
+    if path.endswith(".gz"):
+        import gzip
+        return gzip.open(path, "rt")
+    return open(path)
+
+
 def _window(log: list[dict], start: float, end: float) -> list[dict]:
     """The log entries inside [start, end], or the one nearest its middle when none is."""
     inside = [e for e in log if start <= e["t"] <= end]
@@ -153,7 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the per-row, per-sample result here")
     args = p.parse_args(argv)
     rows = load_rows(args.bench_json)
-    with open(args.clocks_csv) as fh:
+    with open_log(args.clocks_csv) as fh:
         log = parse_clock_log(fh, args.utc_offset_h)
     if not log:
         print(f"{args.clocks_csv}: no clock entries", file=sys.stderr)

@@ -36,7 +36,7 @@ import tempfile
 import time
 
 from .cases import PREFILL_DIMS, PREFILL_LENGTHS, prefill_cases, tflops
-from .clocks import parse_clock_log
+from .clocks import open_log, parse_clock_log
 
 POWER_CAP = 0x4  # nvidia-smi's clocks_event_reasons: SW power cap
 LOG_FIELDS = ("timestamp,index,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,"
@@ -162,7 +162,7 @@ def run(args) -> list[dict]:
     finally:
         logger.terminate()
         logger.wait()
-    with open(log_path) as fh:
+    with open_log(log_path) as fh:
         log = parse_clock_log(fh)
     for case, name, rnd, start, end, samples in windows:
         row = {**stamp, "case": case.id, "impl": name, "round": rnd, "status": "ok",

@@ -135,13 +135,16 @@ def summarize_run(rows: list[dict], log: list[dict]) -> list[dict]:
             if c is not None]
 
 
+def cell(x, spec: str) -> str:
+    """A table cell: x formatted by spec, '-' where there is no value."""
+    return "-" if x is None else format(x, spec)
+
+
 def format_summary(result: list[dict]) -> str:
     head = (f"{'case':<58} {'impl':<22} {'median':>8} {'r(ms,MHz)':>9} {'MHz min-max':>11} "
             f"{'ms @top':>8} {'ms below':>8} {'reasons':>7}")
     lines = [head, "-" * len(head)]
-
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
+    f = cell
     for c in result:
         clocks = f"{f(c['sm_mhz_min'], '.0f')}-{f(c['sm_mhz_max'], '.0f')}"
         lines.append(f"{str(c['case'])[:58]:<58} {str(c['impl'])[:22]:<22} "

@@ -36,7 +36,7 @@ import tempfile
 import time
 
 from .cases import PREFILL_DIMS, PREFILL_LENGTHS, prefill_cases, tflops
-from .clocks import open_log, parse_clock_log
+from .clocks import cell, open_log, parse_clock_log
 
 POWER_CAP = 0x4  # nvidia-smi's clocks_event_reasons: SW power cap
 LOG_FIELDS = ("timestamp,index,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,"
@@ -95,9 +95,7 @@ def format_summary(summary: list[dict]) -> str:
     head = (f"{'case':<42} {'impl':<12} {'ms':>8} {'TFLOP/s':>8} {'MHz':>6} {'W':>6} "
             f"{'capped':>6} {'mJ/call':>8} {'rounds':>6}")
     lines = [head, "-" * len(head)]
-
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
+    f = cell
     for s in summary:
         lines.append(f"{s['case'][:42]:<42} {s['impl'][:12]:<12} {f(s['ms'], '.4f'):>8} "
                      f"{f(s['tflops'], '.0f'):>8} {f(s['sm_mhz'], '.0f'):>6} "

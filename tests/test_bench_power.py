@@ -64,3 +64,70 @@ def test_bad_arguments_are_named(argv, match, capsys):
     with pytest.raises(SystemExit):
         power.parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+def test_run_windows_each_column_alone_on_fakes(monkeypatch, tmp_path):
+    """run() on the CPU with the GPU parts faked: every checked column gets one window a
+    round, in reversed order every other round; a column that fails its check gets a row
+    saying so and no window; each window's figures come from the log entries inside it."""
+    import datetime as dt
+    import time
+
+    from wsattn.bench import env, runners, suite, timing
+
+    class FakeLogger:  # writes a 5 ms clock log over its lifetime when stopped
+        def __init__(self, path):
+            self.path, self.t0 = path, time.time()
+
+        def terminate(self):
+            lines = ["timestamp, index, ..."]
+            t = self.t0
+            while t < time.time():
+                stamp = dt.datetime.fromtimestamp(t, dt.timezone.utc)
+                lines.append(f"{stamp:%Y/%m/%d %H:%M:%S.%f}"[:-3] +
+                             ", 0, 1700 MHz, 3201 MHz, 690.00 W, 700.00 W, 50, 0x0000000000000004")
+                t += 0.005
+            with open(self.path, "w") as fh:
+                fh.write("\n".join(lines) + "\n")
+
+        def wait(self):
+            return 0
+
+    class Fake(runners.Runner):
+        ops = ("prefill",)
+
+        def __init__(self, name):
+            self.name = name
+
+    def check_one(case, runner, inputs, stamp, device):
+        if runner.name == "fa4":
+            return {"status": "failed", "reason": "relative error 1e0"}
+        return suite.Pending(runner.name, lambda *a: None, lambda *a: None)
+
+    class Timer:
+        def prepare(self, name):
+            def sample():
+                time.sleep(0.002)
+                return {"wsattn": 1.0, "triton": 2.0}[name]
+            return sample
+
+    monkeypatch.setattr(power, "_start_log", lambda path, ms: FakeLogger(path))
+    monkeypatch.setattr(runners, "all_runners", lambda: [Fake("wsattn"), Fake("triton"), Fake("fa4")])
+    monkeypatch.setattr(runners, "make_inputs", lambda case, device: None)
+    monkeypatch.setattr(suite, "check_one", check_one)
+    monkeypatch.setattr(timing, "cuda_timer", lambda **kw: Timer())
+    monkeypatch.setattr(timing, "release", lambda device: None)
+    monkeypatch.setattr(env, "stamp", lambda device=None: {"commit": "test"})
+    args = power.parse_args(["--impl", "wsattn", "triton", "fa4", "--prefill-seqlens", "1024",
+                             "--causal", "no", "--seconds", "0.06", "--settle", "0.02",
+                             "--idle", "0", "--rounds", "2", "--log", str(tmp_path / "l.csv")])
+    rows = power.run(args)
+    failed = [r for r in rows if r["status"] != "ok"]
+    assert [(r["impl"], r["status"]) for r in failed] == [("fa4", "failed")]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert [(r["impl"], r["round"]) for r in ok] == [("wsattn", 0), ("triton", 0), ("triton", 1), ("wsattn", 1)]
+    for r in ok:
+        assert r["ms"] == {"wsattn": 1.0, "triton": 2.0}[r["impl"]] and r["commit"] == "test"
+        assert r["sm_mhz"] == 1700.0 and r["power_cap_share"] == 1.0 and r["log_entries"] > 0
+    summary = {s["impl"]: s for s in power.summarize(rows)}
+    assert summary["triton"]["rounds"] == 2 and summary["triton"]["energy_mj"] == 690.0 * 2.0

@@ -358,14 +358,18 @@ def test_moe_block_sums_slots_in_order():
 
 
 def test_moe_block_nan_token_propagates():
-    """A NaN in one token gives that token a NaN output (not dropped), the others as before."""
+    """A NaN in one token gives that token a NaN output (not dropped), the others as before
+    up to fp32 rounding: the NaN token routes elsewhere, so an expert's batch has another
+    row count, and CPU BLAS may take another kernel for it (on some CPUs the other tokens'
+    outputs differ in their last bit; passed bitwise on one CI machine, failed on the next
+    with the same torch)."""
     cfg, w = load(tiny_model("qwen3_moe-norm"))
     h = _x(5, cfg.hidden, 4)
     clean = moe_block(cfg, w.layers[0], h)
     h[2, 7] = float("nan")
     out = moe_block(cfg, w.layers[0], h)
     assert out[2].isnan().all()
-    assert torch.equal(out[[0, 1, 3, 4]], clean[[0, 1, 3, 4]])
+    torch.testing.assert_close(out[[0, 1, 3, 4]], clean[[0, 1, 3, 4]], rtol=1e-6, atol=1e-6)
 
 
 def test_moe_block_bad_layer_shapes():

@@ -59,6 +59,7 @@ def test_slow_samples_line_up_with_the_low_clock():
     assert (res["sm_mhz_min"], res["sm_mhz_max"]) == (1755, 1980)
     assert res["median_ms_at_top_clock"] == 5.0 and res["median_ms_below_top_clock"] == 5.5
     assert res["samples_with_reasons"] >= 5
+    assert res["samples_power_capped"] == res["samples_with_reasons"]  # 0x4 is the cap
     assert all(s["log_entries"] >= 1 for s in res["samples"])
     text = clocks.format_summary([res])
     assert "gluon" in text and "1755-1980" in text
@@ -93,3 +94,14 @@ def test_cli_reads_a_gzipped_log(tmp_path, capsys):
                             _line(0.2, 1755, 690, "0x0000000000000004")]) + "\n")
     assert clocks.main([str(bench), str(log)]) == 0
     assert "1755-1755" in capsys.readouterr().out
+
+
+def test_power_cap_counted_apart_from_other_reasons():
+    """A sample under the idle reason (0x1) counts as one with a reason, not as capped."""
+    log = clocks.parse_clock_log([_line(0.05, 1980, 90, "0x0000000000000001"),
+                                  _line(0.15, 1700, 690, "0x0000000000000004")])
+    row = {"status": "ok", "case": "c", "impl": "i", "median_ms": 1.0, "calls": 100,
+           "samples_ms": [1.0, 1.0], "samples_t": [T0 + 0.1, T0 + 0.2]}
+    (res,) = clocks.summarize_run([row], log)
+    assert res["samples_with_reasons"] == 2 and res["samples_power_capped"] == 1
+    assert "capped" in clocks.format_summary([res])

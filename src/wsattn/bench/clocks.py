@@ -25,6 +25,11 @@ import sys
 from .compare import load_rows
 
 
+# nvidia-smi's clocks_event_reasons bit for the software power cap: the board at its power
+# limit, the clock lowered to stay there (the prefill bench runs under it on the H200)
+POWER_CAP = 0x4
+
+
 def _number(text: str) -> float | None:
     """'1980 MHz' -> 1980.0, '512.34 W' -> 512.34, '[N/A]' -> None."""
     word = text.strip().split(" ")[0]
@@ -97,7 +102,7 @@ def _pearson(xs, ys) -> float | None:
 
 def row_clocks(row: dict, log: list[dict]) -> dict | None:
     """Per sample of a timed row: its time, the mean SM clock and power draw over its
-    window, and whether any clock-event reason was active; then the correlation of
+    window, whether any clock-event reason was active and whether the power cap was; then the correlation of
     sample time with SM clock (negative: the slow samples are the low-clock ones), and
     the median time of the samples at the row's highest clock against the rest. None for
     a row without samples."""
@@ -111,6 +116,7 @@ def row_clocks(row: dict, log: list[dict]) -> dict | None:
         samples.append({"ms": ms, "sm_mhz": _mean(e["sm_mhz"] for e in entries),
                         "power_w": _mean(e["power_w"] for e in entries),
                         "reasons": any(e["reasons"] for e in entries),
+                        "power_capped": any((e["reasons"] or 0) & POWER_CAP for e in entries),
                         "log_entries": len(entries)})
     clocks = [s["sm_mhz"] for s in samples if s["sm_mhz"] is not None]
     top = max(clocks) if clocks else None
@@ -126,6 +132,7 @@ def row_clocks(row: dict, log: list[dict]) -> dict | None:
             "median_ms_at_top_clock": statistics.median(at_top) if at_top else None,
             "median_ms_below_top_clock": statistics.median(below) if below else None,
             "samples_with_reasons": sum(s["reasons"] for s in samples),
+            "samples_power_capped": sum(s["power_capped"] for s in samples),
             "samples": samples}
 
 
@@ -142,7 +149,7 @@ def cell(x, spec: str) -> str:
 
 def format_summary(result: list[dict]) -> str:
     head = (f"{'case':<58} {'impl':<22} {'median':>8} {'r(ms,MHz)':>9} {'MHz min-max':>11} "
-            f"{'ms @top':>8} {'ms below':>8} {'reasons':>7}")
+            f"{'ms @top':>8} {'ms below':>8} {'reasons':>7} {'capped':>6}")
     lines = [head, "-" * len(head)]
     f = cell
     for c in result:
@@ -151,7 +158,7 @@ def format_summary(result: list[dict]) -> str:
                      f"{f(c['median_ms'], '.3f'):>8} {f(c['corr_ms_vs_sm_mhz'], '.2f'):>9} "
                      f"{clocks:>11} {f(c['median_ms_at_top_clock'], '.3f'):>8} "
                      f"{f(c['median_ms_below_top_clock'], '.3f'):>8} "
-                     f"{c['samples_with_reasons']:>7}")
+                     f"{c['samples_with_reasons']:>7} {c['samples_power_capped']:>6}")
     return "\n".join(lines)
 
 

@@ -36,9 +36,8 @@ import tempfile
 import time
 
 from .cases import PREFILL_DIMS, PREFILL_LENGTHS, prefill_cases, tflops
-from .clocks import cell, open_log, parse_clock_log
+from .clocks import POWER_CAP, cell, open_log, parse_clock_log
 
-POWER_CAP = 0x4  # nvidia-smi's clocks_event_reasons: SW power cap
 LOG_FIELDS = ("timestamp,index,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,"
               "clocks_event_reasons.active")
 

@@ -13,8 +13,8 @@ one of them. Per column and round: ms a call, the median SM clock and power draw
 window, the share of log entries with the power cap active, energy a call (W x s) and
 TFLOP/s; then, per case, each column's medians over the rounds.
 
-What it answers (notes/prefill_gluon.md, "The samples behind those medians"): under the
-cap, a kernel that needs more energy for the same work runs at a lower clock. If two
+What it answers (notes/prefill_gluon.md, "Under the power cap"): under the cap, a kernel
+that needs more energy for the same work runs at a lower clock. If two
 kernels run at the same clock and power, the faster one does more work a clock; if the
 slower one also runs at a lower clock, part of its gap is energy a call.
 

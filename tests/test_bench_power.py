@@ -76,8 +76,8 @@ def test_run_windows_each_column_alone_on_fakes(monkeypatch, tmp_path):
     from wsattn.bench import env, runners, suite, timing
 
     class FakeLogger:  # writes a 5 ms clock log over its lifetime when stopped
-        def __init__(self, path):
-            self.path, self.t0 = path, time.time()
+        def __init__(self, out):
+            self.path, self.t0 = out.name, time.time()
 
         def terminate(self):
             lines = ["timestamp, index, ..."]
@@ -111,7 +111,7 @@ def test_run_windows_each_column_alone_on_fakes(monkeypatch, tmp_path):
                 return {"wsattn": 1.0, "triton": 2.0}[name]
             return sample
 
-    monkeypatch.setattr(power, "_start_log", lambda path, ms: FakeLogger(path))
+    monkeypatch.setattr(power, "_start_log", lambda out, ms: FakeLogger(out))
     monkeypatch.setattr(runners, "all_runners", lambda: [Fake("wsattn"), Fake("triton"), Fake("fa4")])
     monkeypatch.setattr(runners, "make_inputs", lambda case, device: None)
     monkeypatch.setattr(suite, "check_one", check_one)

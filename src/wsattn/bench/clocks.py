@@ -102,8 +102,9 @@ def _pearson(xs, ys) -> float | None:
 
 def row_clocks(row: dict, log: list[dict]) -> dict | None:
     """Per sample of a timed row: its time, the mean SM clock and power draw over its
-    window, whether any clock-event reason was active and whether the power cap was; then the correlation of
-    sample time with SM clock (negative: the slow samples are the low-clock ones), and
+    window, whether any clock-event reason was active and whether the power cap was; then
+    the correlation of sample time with SM clock (negative: the slow samples are the
+    low-clock ones), and
     the median time of the samples at the row's highest clock against the rest. None for
     a row without samples."""
     times, stamps = row.get("samples_ms"), row.get("samples_t")

@@ -103,10 +103,10 @@ def format_summary(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _start_log(path: str, interval_ms: int):
+def _start_log(out, interval_ms: int):
+    """nvidia-smi logging into the open file ``out`` every interval_ms ms until stopped."""
     return subprocess.Popen(["nvidia-smi", f"--query-gpu={LOG_FIELDS}", "--format=csv",
-                             "-lms", str(interval_ms)], stdout=open(path, "w"),
-                            stderr=subprocess.STDOUT)
+                             "-lms", str(interval_ms)], stdout=out, stderr=subprocess.STDOUT)
 
 
 def run(args) -> list[dict]:
@@ -125,7 +125,8 @@ def run(args) -> list[dict]:
     # a sample of ~20 ms between syncs: the window is a stream of replays, not of launches
     timer = cuda_timer(rep_ms=20.0 * 20, samples=20)
     log_path = args.log or tempfile.mkstemp(prefix="power_clocks_", suffix=".csv")[1]
-    logger = _start_log(log_path, args.log_ms)
+    log_out = open(log_path, "w")
+    logger = _start_log(log_out, args.log_ms)
     rows, windows = [], []
     try:
         time.sleep(0.5)
@@ -159,6 +160,7 @@ def run(args) -> list[dict]:
     finally:
         logger.terminate()
         logger.wait()
+        log_out.close()
     with open_log(log_path) as fh:
         log = parse_clock_log(fh)
     for case, name, rnd, start, end, samples in windows:

@@ -413,11 +413,10 @@ class KernelStep:
                              f"{list(cfg.moe_layers)}")
         for i, layer in enumerate(weights.layers):
             if i in cfg.moe_layers:
-                # experts, a shared expert and the router's bias, as the reference checks
+                # router, experts, a shared expert and the router's bias, as the reference
+                # checks them
                 moe_math.check_moe_layer(cfg, layer, f"weights.layers[{i}]")
-                X, F_, H = cfg.experts, cfg.moe_ffn, cfg.hidden
-                mlp = (("router", (X, H)), ("w_gate_up", (X, 2 * F_, H)),
-                       ("w_down", (X, H, F_)))
+                mlp = ()
             else:
                 mlp = (("w_gate_up", (2 * cfg.ffn, cfg.hidden)), ("w_down", (cfg.hidden, cfg.ffn)))
             for name, shape in (("wqkv", (rows, cfg.hidden)),

@@ -62,6 +62,10 @@
 #                  ../shared/peers is used where it does exist on the device.
 #   TEST_PATHS     test files or folders of the tests part (default tests/)
 #   TEST_K         a pytest -k expression narrowing the tests part (default: none)
+#   TEST_WORKERS   N: the tests part over N pytest-xdist processes on the one GPU, the files
+#                  in TEST_SERIAL (default tests/test_step_gpu.py) one at a time beside them
+#                  -> gpu_tests.log, gpu_tests_serial.log. The whole GPU suite (728 tests)
+#                  took 9 minutes this way with N = 8 and PEERS=1
 #   LADDER_ARGS    extra ladder arguments (default "--stress-launches 2000"; kernels by name)
 #   POWER_ARGS     arguments of the power part (e.g. "--impl wsattn fa4 sdpa-cudnn
 #                  --prefill-seqlens 4096 16384 --prefill-dims 128"; with PEERS=1 for fa4)
@@ -148,11 +152,33 @@ ngpus() { python3 -c 'import torch; print(torch.cuda.device_count())'; }
 part_tests() {
   # -v names each test's result as it finishes: a part cut off by its limit (pytest killed
   # before its summary) still shows which tests failed
-  run_part tests "${TESTS_S:-540}" python3 -m pytest -v -p no:cacheprovider -rf --tb=short \
-    --timeout "${TEST_TIMEOUT_S:-300}" -m "(gpu or sm90) and not multi_gpu" \
-    ${TEST_K:+-k "$TEST_K"} ${TEST_PATHS:-tests/} > "$OUT/gpu_tests.log" 2>&1
+  local args=(-v -p no:cacheprovider -rfEs --tb=short --timeout "${TEST_TIMEOUT_S:-300}"
+              -m "(gpu or sm90) and not multi_gpu" ${TEST_K:+-k "$TEST_K"})
+  if [ -z "${TEST_WORKERS:-}" ]; then
+    run_part tests "${TESTS_S:-540}" python3 -m pytest "${args[@]}" ${TEST_PATHS:-tests/} \
+      > "$OUT/gpu_tests.log" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/gpu_tests.log"
+    return "$rc"
+  fi
+  # TEST_WORKERS=N: pytest-xdist (on the device image) spreads the tests over N processes
+  # sharing the GPU, which mostly parallelises Triton's compiles; the files in TEST_SERIAL
+  # (whole-model tests, up to ~64 GB of GPU memory each) run one at a time beside them
+  local serial=${TEST_SERIAL:-tests/test_step_gpu.py} ignore=() paths=() f
+  for f in $serial; do ignore+=(--ignore="$f"); done
+  for f in ${TEST_PATHS:-tests/}; do  # a serial file named here too runs only serially
+    case " $serial " in *" $f "*) ;; *) paths+=("$f") ;; esac
+  done
+  [ "${#paths[@]}" -gt 0 ] || { echo "device: TEST_PATHS holds only TEST_SERIAL files; unset TEST_WORKERS" >&2; return 2; }
+  run_part tests-serial "${TESTS_S:-540}" python3 -m pytest "${args[@]}" $serial \
+    > "$OUT/gpu_tests_serial.log" 2>&1 &
+  local serial_pid=$!
+  run_part tests "${TESTS_S:-540}" python3 -m pytest "${args[@]}" -n "$TEST_WORKERS" \
+    --dist load "${ignore[@]}" "${paths[@]}" > "$OUT/gpu_tests.log" 2>&1
   local rc=$?
+  wait "$serial_pid" || rc=1
   tail -n 25 "$OUT/gpu_tests.log"
+  tail -n 15 "$OUT/gpu_tests_serial.log"
   return "$rc"
 }
 

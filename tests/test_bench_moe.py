@@ -98,7 +98,8 @@ def test_columns_are_transformers_experts_implementations_and_its_blocks():
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     assert set(moe.HF_EXPERTS) == {"eager"} | set(ALL_EXPERTS_FUNCTIONS)
-    assert moe.IMPLS[-3:] == ("wsattn-triton", "wsattn-triton-pdl", "wsattn-gluon")
+    assert moe.IMPLS[-4:] == ("wsattn-triton", "wsattn-triton-pdl", "wsattn-triton-token",
+                              "wsattn-gluon")
     for name in moe.MODELS:
         c = moe.model_config(name)
         E, H, F = c.experts, c.hidden, c.moe_ffn
@@ -272,8 +273,8 @@ print("RESULT " + json.dumps({"rows": rows, "bad": bad, "timed_bad": timer.n - b
 
 
 def test_runner_checks_then_times_on_the_interpreter():
-    """transformers' blocks, torch._grouped_mm and the Triton path (interpreter) on a tiny
-    Qwen3-MoE shape: each output within fp32 tolerance of the float64 layer, then timed;
+    """transformers' blocks, torch._grouped_mm and the Triton path (interpreter; at one
+    token also the decode step's one-token path) on a tiny Qwen3-MoE shape: each output within fp32 tolerance of the float64 layer, then timed;
     columns that cannot run here are 'not available'; a wrong kernel fails and is not timed."""
     r = interpreter_child(MOE_CHILD, timeout=300)
     rows = {(row["B"], row["impl"]): row for row in r["rows"]}
@@ -294,7 +295,14 @@ def test_runner_checks_then_times_on_the_interpreter():
     assert hit1 == 2 and rows[(1, "wsattn-triton")]["copies"] == \
         math.ceil(100_000 / ((2 * 3 * 64 * 32 + 8 * 64) * 4)) == 2
     assert rows[(1, "torch-grouped-mm")]["note"] == "routing and grouping precomputed, not timed"
-    assert r["timed"] == 2 * 7 + 4
+    # the decode step's one-token path: checked and timed at B 1 only, the same experts
+    token = rows[(1, "wsattn-triton-token")]
+    assert token["status"] == "ok" and token["rel_err"] <= 2e-3 and token["median_ms"] == 1.0
+    assert token["experts_hit"] == hit1 and token["tokens_rerouted"] == 0
+    assert "bucket-1 path" in token["note"]
+    assert rows[(5, "wsattn-triton-token")]["status"] == "not available"
+    assert "B = 1" in rows[(5, "wsattn-triton-token")]["reason"]
+    assert r["timed"] == 2 * 7 + 4 + 1
     for row in r["dots"]:  # DeepSeek-V3 routing: transformers' Dots1MoE (shared experts
         # out), the grouped GEMMs and the Triton path against the float64 routed layer
         assert row["status"] == "ok" and row["rel_err"] <= 2e-3, row
@@ -351,3 +359,22 @@ def test_runner_on_the_gpu():
         assert 8 <= r["experts_hit"] <= 64 and r["target_met"] in ("met", "missed")
     for impl in ("hf-grouped_mm", "torch-grouped-mm"):
         assert by[impl]["status"] in ("ok", "not available"), by[impl]
+
+
+@pytest.mark.gpu
+def test_token_column_on_the_gpu():
+    """The Qwen3-30B-A3B layer at B 1 in bf16 through the decode step's one-token path,
+    checked against float64 and timed from a CUDA graph beside moe()'s five launches, both
+    routing to the same experts."""
+    from wsattn.bench.timing import cuda_timer
+
+    timer = cuda_timer(5, 20, "graph")
+    rows = moe.run_case(moe.MoeCase("qwen3-30b-a3b", 1), ["wsattn-triton-pdl",
+                                                          "wsattn-triton-token"],
+                        timer, STAMP, "cuda", 4.0)
+    by = {r["impl"]: r for r in rows}
+    for r in by.values():
+        assert r["status"] == "ok", r
+        assert r["timing"] == "graph" and r["rel_err"] <= r["tol"] and r["experts_hit"] == 8
+    assert by["wsattn-triton-token"]["tokens_rerouted"] == \
+        by["wsattn-triton-pdl"]["tokens_rerouted"]

@@ -27,6 +27,15 @@ Columns (``impl``):
   timed; routing and grouping are computed beforehand and not timed (the note says so);
 * ``wsattn-triton`` / ``wsattn-triton-pdl``: :func:`wsattn.kernels.moe.moe` (route,
   group, grouped gate/up, grouped down + combine: five launches) with PDL off / on;
+* ``wsattn-triton-token``: one token (B 1 only; "not available" above) as the decode
+  step's bucket 1 runs it (``KernelStep``'s ``moe_one_token`` and ``moe_topk_in_gate_up``
+  defaults): :func:`~wsattn.kernels.moe.route_logits` (the router logits only),
+  :func:`~wsattn.kernels.moe.one_token_grouping` (no launch; its tables made once,
+  before capture), the grouped gate/up selecting its slot's expert itself
+  (``moe_gate_up(..., route=)``), then down + combine: three launches, PDL on where the
+  GPU has it (sm_90+), as in the step. ``moe()`` itself groups with the kernel at every T
+  (a stateless call cannot make the one-token tables outside a capture), so the
+  ``wsattn-triton*`` columns at B 1 time five launches the step does not run;
 * ``wsattn-gluon``: :func:`wsattn.kernels.moe.moe` with ``impl="gluon"`` (the sm_90
   warp-specialized grouped kernel for gate/up and down; route, group and combine as
   above, PDL on where available); "not available" with the kernel's own reason while it
@@ -73,7 +82,7 @@ from .report import fmt, status_text, target_text
 BATCHES = (1, 8, 32, 64)
 HF_EXPERTS = ("eager", "batched_mm", "grouped_mm", "sonicmoe", "deepgemm")
 HF_IMPLS = tuple(f"hf-{e}" for e in HF_EXPERTS)
-WSATTN_IMPLS = ("wsattn-triton", "wsattn-triton-pdl", "wsattn-gluon")
+WSATTN_IMPLS = ("wsattn-triton", "wsattn-triton-pdl", "wsattn-triton-token", "wsattn-gluon")
 IMPLS = HF_IMPLS + ("torch-grouped-mm",) + WSATTN_IMPLS
 GLUON_MISSING = "the Gluon grouped kernel is refused here"  # the generic reason; rows carry its own
 
@@ -453,6 +462,26 @@ def _calls(case: MoeCase, impl: str, x, copies, plan):
             return y.index_select(0, inv).view(T, c.top_k, H).sum(dim=1).to(x.dtype)
 
         ids = plan["ids"]
+    elif impl == "wsattn-triton-token":
+        if T != 1:
+            raise NotAvailable(f"the decode step's one-token path takes B = 1, not {T}")
+        block = kmoe.default_block(1, c.top_k, c.experts)
+        tables = kmoe.one_token_tables(c.top_k, block, x.device)  # before any capture
+        routing = moe_routing(c, bias)
+        out = torch.empty_like(x)
+
+        def run(i):  # the output and the ids the gate/up launch selected
+            router_w, w_gate_up, w_down = copies[i][:3]
+            r = kmoe.route_logits(x, router_w, **routing)
+            g = kmoe.one_token_grouping(r.ids, c.experts, block, tables)
+            act = kmoe.moe_gate_up(x, w_gate_up, g, route=r)
+            return kmoe.moe_down_combine(act, w_down, g, r.weights, out), r.ids
+
+        ids = run(0)[1].clone()
+        note = "the decode step's bucket-1 path (top-k inside gate/up, no grouping launch)"
+
+        def call(i):
+            return run(i)[0]
     elif impl in ("wsattn-triton", "wsattn-triton-pdl") or impl.startswith("wsattn-triton["):
         pdl = impl.endswith("-pdl")
         settings = parse_settings(impl[len("wsattn-triton["):-1]) if "[" in impl else None

@@ -26,16 +26,18 @@ Columns (``impl``):
   the gather, both grouped GEMMs, SiLU·mul, the routing weights and the combine are
   timed; routing and grouping are computed beforehand and not timed (the note says so);
 * ``wsattn-triton`` / ``wsattn-triton-pdl``: :func:`wsattn.kernels.moe.moe` (route,
-  group, grouped gate/up, grouped down + combine: five launches) with PDL off / on;
+  group, grouped gate/up, grouped down + combine: six launches, the router logits and
+  the top-k being two, as are the down and the combine) with PDL off / on;
 * ``wsattn-triton-token``: one token (B 1 only; "not available" above) as the decode
   step's bucket 1 runs it (``KernelStep``'s ``moe_one_token`` and ``moe_topk_in_gate_up``
   defaults): :func:`~wsattn.kernels.moe.route_logits` (the router logits only),
   :func:`~wsattn.kernels.moe.one_token_grouping` (no launch; its tables made once,
   before capture), the grouped gate/up selecting its slot's expert itself
-  (``moe_gate_up(..., route=)``), then down + combine: three launches, PDL on where the
+  (``moe_gate_up(..., route=)``), then down and combine: four launches, PDL on where the
   GPU has it (sm_90+), as in the step. ``moe()`` itself groups with the kernel at every T
   (a stateless call cannot make the one-token tables outside a capture), so the
-  ``wsattn-triton*`` columns at B 1 time five launches the step does not run;
+  ``wsattn-triton*`` columns at B 1 time two launches (top-k, grouping) the step does
+  not run;
 * ``wsattn-gluon``: :func:`wsattn.kernels.moe.moe` with ``impl="gluon"`` (the sm_90
   warp-specialized grouped kernel for gate/up and down; route, group and combine as
   above, PDL on where available); "not available" with the kernel's own reason while it

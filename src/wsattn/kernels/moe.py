@@ -1249,9 +1249,10 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
     DeepSeek-V3 / dots.llm1 router's score_bias (e_score_correction_bias), groups and
     topk_groups (n_group, topk_group) and scale (routed_scaling_factor, applied to the
     routing weights, so to the routed experts' sum only).
-    Five launches, no host sync. impl="gluon" runs the grouped gate/up and down on the
-    sm_90 Gluon kernel (moe_gate_up's impl; settings then a moe_gluon.GluonMoeSettings,
-    its block the grouping's), refused before any launch where that kernel cannot run.
+    Six launches (route's two, group, gate_up, moe_down_combine's two), no host sync.
+    impl="gluon" runs the grouped gate/up and down on the sm_90 Gluon kernel
+    (moe_gate_up's impl; settings then a moe_gluon.GluonMoeSettings, its block the
+    grouping's), refused before any launch where that kernel cannot run.
 
     Example (TRITON_INTERPRET=1 on CPU, or CUDA tensors):
         >>> x = torch.randn(2, 64); rw = torch.randn(8, 64)

@@ -364,7 +364,7 @@ def test_runner_on_the_gpu():
 @pytest.mark.gpu
 def test_token_column_on_the_gpu():
     """The Qwen3-30B-A3B layer at B 1 in bf16 through the decode step's one-token path,
-    checked against float64 and timed from a CUDA graph beside moe()'s five launches, both
+    checked against float64 and timed from a CUDA graph beside moe()'s six launches, both
     routing to the same experts."""
     from wsattn.bench.timing import cuda_timer
 

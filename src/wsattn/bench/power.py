@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -124,7 +125,10 @@ def run(args) -> list[dict]:
              if c.causal in causal]
     # a sample of ~20 ms between syncs: the window is a stream of replays, not of launches
     timer = cuda_timer(rep_ms=20.0 * 20, samples=20)
-    log_path = args.log or tempfile.mkstemp(prefix="power_clocks_", suffix=".csv")[1]
+    log_path = args.log
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="power_clocks_", suffix=".csv")
+        os.close(fd)  # nvidia-smi writes it through the file opened below
     log_out = open(log_path, "w")
     logger = _start_log(log_out, args.log_ms)
     rows, windows = [], []

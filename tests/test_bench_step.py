@@ -260,29 +260,103 @@ def test_default_cases_are_the_targets_and_the_grid_on_request():
 def test_memory_guard_arithmetic():
     case = step.StepCase("llama-3.1-8b", 64, 32768)
     cfg = case.cfg
-    need = step.memory_needed(case, 8)
-    assert need == 4 * step.param_bytes(cfg) + 3 * step.kv_bytes(cfg, 64, 32778) + (4 << 30)
-    assert need > 141e9  # reported as not available on one H200, not attempted
+    own = step.kv_bytes(cfg, 64, 32778) + (4 << 30)  # one column's cache and activations
+    # a model checked on itself holds the engine's copy and the fp32 reference (twice
+    # the bytes) beside its weights in every column
+    assert step.column_memory(case, 8, "hf-eager") == 4 * step.param_bytes(cfg) + own
+    assert step.memory_needed(case, 8) == 4 * step.param_bytes(cfg) + own
+    assert step.memory_needed(case, 8) > 141e9  # reported as not available on one H200
     assert step.memory_needed(step.StepCase("llama-3.2-1b", 1, 4096), 40) < 20e9
-    # the MoE model is checked on a cut: its weights and the engine's new tensors only,
-    # which fit in 90 % of an H200's 139 GiB at the issue's cases
-    for B in (1, 8):
+    # the MoE model is checked on a cut: its weights, and the engine's new tensors in the
+    # engine's columns only
+    for B in (1, 8, 32, 64):
         moe = step.StepCase("qwen3-30b-a3b", B, 4096)
-        need = step.memory_needed(moe, 36)
-        assert need == step.param_bytes(moe.cfg) + step.folded_bytes(moe.cfg) + \
-            3 * step.kv_bytes(moe.cfg, B, 4134) + (4 << 30)
-        assert need < 0.9 * 139 * 2**30, need
-    # the caches the columns hold: one paged cache for wsattn columns alone, so the MoE
-    # model's B 32 / 64 steps fit where every column's three caches do not
-    assert step.cache_count(step.IMPLS) == 3
-    assert step.cache_count(["wsattn-graph-pdl", "wsattn-graph-pdl[gemv]@page16"]) == 1
-    assert step.cache_count(["hf-compile", "wsattn-graph"]) == 2
-    for B in (32, 64):
-        moe = step.StepCase("qwen3-30b-a3b", B, 4096)
-        kv = step.kv_bytes(moe.cfg, B, 4134)
-        alone = step.memory_needed(moe, 36, ["wsattn-graph-pdl"])
-        assert alone == step.param_bytes(moe.cfg) + step.folded_bytes(moe.cfg) + kv + (4 << 30)
-        assert alone < 0.9 * 139 * 2**30 < step.memory_needed(moe, 36), (B, alone)
+        own = step.kv_bytes(moe.cfg, B, 4134) + (4 << 30)
+        engine = step.column_memory(moe, 36, "wsattn-graph-pdl[gemv]@page16")
+        assert engine == step.param_bytes(moe.cfg) + step.folded_bytes(moe.cfg) + own
+        for hf in ("hf-eager", "hf-compile"):
+            assert step.column_memory(moe, 36, hf) == step.param_bytes(moe.cfg) + own
+        # columns run one at a time, so a case needs its largest column's bytes, not
+        # the sum of every column's caches: all four fit 90 % of an H200's 139 GiB at
+        # B 1-64 (three caches at once did not at B 32 and 64)
+        assert step.memory_needed(moe, 36) == engine < 0.9 * 139 * 2**30, (B, engine)
+    assert step.memory_needed(moe, 36, ["hf-eager"]) < engine
+
+
+def _fake_generate(ids, *, max_new_tokens, streamer=None, **kw):
+    """transformers' generate as the step bench sees it: the prompt, then each new token,
+    put to the streamer."""
+    if streamer is not None:
+        for _ in range(1 + max_new_tokens):
+            streamer.put(ids)
+    return ids
+
+
+def test_a_column_too_large_is_refused_alone(monkeypatch):
+    """The guard refuses each column by its own bytes, before building anything, and the
+    columns that fit still run; the row names what the refused one would hold."""
+    from wsattn.bench import step as st
+
+    class FakeEngine:
+        page_size = 64
+
+        def run(self, ids, tokens, timings=None):
+            if timings is not None:
+                timings.update(decode_s=1e-3 * (tokens - 1), decode_steps=tokens - 1)
+
+    class FakeModel:
+        def generate(self, ids, **kw):
+            return _fake_generate(ids, **kw)
+
+    case = st.StepCase("qwen3-30b-a3b", 64, 4096)
+    hf = st.column_memory(case, 2, "hf-eager")
+    monkeypatch.setattr(st, "device_memory", lambda device: (hf + (1 << 30)) / 0.9)
+    monkeypatch.setattr(st, "build_engine", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(st, "check_on_cut", lambda *a, **k: pytest.fail("checked"))
+    monkeypatch.setattr(st, "profile_summary", lambda *a, **k: {})
+    monkeypatch.setattr(st, "per_step", lambda *a, **k: None)
+    args = types.SimpleNamespace(new_tokens=2, check_steps=2, repeats=1)
+    rows = st.run_case(case, ["hf-eager", "wsattn-graph-pdl"], FakeModel(), {"gpu": "none"},
+                       "cpu", 4.0, args)
+    assert [r["status"] for r in rows] == ["ok", "not available"], rows
+    assert rows[0]["need_gib"] == pytest.approx(hf / 2**30) and rows[0]["peak_gib"] is None
+    assert "engine's folded tensors + its KV cache" in rows[1]["reason"], rows[1]
+    assert rows[1]["ms_per_token"] is None
+
+
+def test_the_compiled_step_is_released_after_its_column(monkeypatch):
+    """After the hf-compile column, the compiled call transformers keeps on the model and
+    torch.compile's graphs (with their CUDA graph pools) are dropped before the next
+    column, whatever the column's outcome; the eager column leaves them alone."""
+    import torch._dynamo
+
+    from wsattn.bench import step as st
+
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+
+    class FakeModel:
+        def __init__(self, fail):
+            self.fail = fail
+
+        def generate(self, ids, **kw):
+            if kw.get("cache_implementation") == "static":
+                self._compiled_call = object()
+                if self.fail:
+                    raise RuntimeError("out of memory")
+            return _fake_generate(ids, **kw)
+
+    monkeypatch.setattr(st, "profile_summary", lambda *a, **k: {})
+    monkeypatch.setattr(st, "per_step", lambda *a, **k: None)
+    args = types.SimpleNamespace(new_tokens=2, check_steps=2, repeats=1)
+    case = st.StepCase("llama-3.2-1b", 1, 8, "fp32")
+    for fail, status in ((False, "ok"), (True, "error")):
+        resets.clear()
+        model = FakeModel(fail)
+        rows = st.run_case(case, ["hf-eager", "hf-compile"], model, {"gpu": "none"}, "cpu",
+                           4.0, args)
+        assert [r["status"] for r in rows] == ["ok", status], rows
+        assert "_compiled_call" not in vars(model) and resets == [1]
 
 
 def test_gemv_cases_are_the_issue_shapes():

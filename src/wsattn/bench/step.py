@@ -198,7 +198,7 @@ ROW_FIELDS = ("op", "impl", "case", "model", "B", "ctx", "new_tokens", "dtype", 
               "target_met", "ratio_hf_compile", "pdl_speedup", "kernels_per_step",
               "kernels_per_layer", "copies_per_step", "kernel_us_per_step",
               "busy_us_per_step", "idle_us_per_step", "kernels_by_time", "gaps_by_pair",
-              "critical_by_launch", "profile_steps", "page_size")
+              "critical_by_launch", "profile_steps", "page_size", "need_gib", "peak_gib")
 
 
 def model_config(name: str):
@@ -322,28 +322,26 @@ def step_cases(models=None, batches=None, contexts=None) -> list[StepCase]:
             for c in (contexts or CONTEXTS)]
 
 
-def cache_count(impls) -> int:
-    """KV caches of ctx + new tokens the columns ``impls`` hold: transformers' dynamic one
-    (hf-eager), its static one (hf-compile, kept by the compiled step) and the engine's
-    paged one (any wsattn column; one engine lives at a time)."""
-    impls = list(impls)
-    return (("hf-eager" in impls) + ("hf-compile" in impls)
-            + any(is_wsattn(i) for i in impls))
+def column_memory(case: StepCase, new_tokens: int, impl: str) -> int:
+    """Bytes one column holds at once, roughly: transformers' weights, the column's own KV
+    cache of ctx + new tokens (transformers' dynamic one for hf-eager, its static one for
+    hf-compile, the engine's paged one for a wsattn column) and 4 GB of activations; a
+    wsattn column also holds the engine's tensors. A model checked on a cut (CHECK_LAYERS)
+    adds only the engine's new tensors (``folded_bytes``): the cut model and its fp32 copy
+    are freed before the full engine is built. Any other model counts the engine's copy
+    and the fp32 reference (twice the bytes) in every column, since the reference, once
+    made, lives until the case ends. Columns run one after another, each one's engine,
+    cache and compiled step freed before the next starts (``run_case``)."""
+    cfg = case.cfg
+    own = kv_bytes(cfg, case.B, case.ctx + new_tokens + 2) + (4 << 30)
+    if case.model in CHECK_LAYERS:
+        return param_bytes(cfg) + (folded_bytes(cfg) if is_wsattn(impl) else 0) + own
+    return 4 * param_bytes(cfg) + own
 
 
 def memory_needed(case: StepCase, new_tokens: int, impls=IMPLS) -> int:
-    """Bytes a case holds at once, roughly: transformers' weights, the engine's folded copy
-    and the fp32 reference (twice the bytes), the caches the columns ``impls`` hold
-    (``cache_count``: three for every column) of ctx + new tokens, 4 GB of activations. A
-    model checked on a cut (CHECK_LAYERS) holds its weights, the engine's new tensors
-    (``folded_bytes``) and the caches: the cut model and its fp32 copy are freed before
-    the full engine is built."""
-    cfg = case.cfg
-    caches = (cache_count(impls) * kv_bytes(cfg, case.B, case.ctx + new_tokens + 2)
-              + (4 << 30))
-    if case.model in CHECK_LAYERS:
-        return param_bytes(cfg) + folded_bytes(cfg) + caches
-    return 4 * param_bytes(cfg) + caches
+    """The most any of the columns ``impls`` holds at once (``column_memory``)."""
+    return max(column_memory(case, new_tokens, i) for i in impls)
 
 
 # --------------------------------------------------------------------------- the trace
@@ -823,6 +821,27 @@ def check_on_cut(case: StepCase, pdl, max_len: int, ids, steps: int, tol, device
     return rel, tol, detail, note
 
 
+def device_memory(device) -> float:
+    """Bytes of memory on ``device`` (a CUDA GPU's total; unbounded elsewhere)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return math.inf
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def release_compiled_step(model) -> None:
+    """Drop what transformers' compiled static-cache step keeps after ``generate``
+    returns: the compiled call it stores on the model, and torch.compile's graphs with
+    their CUDA graph memory pools (``torch._dynamo.reset`` clears the CUDA graph trees),
+    so the next column starts without them. Nothing is lost across cases: each (B,
+    context) compiles its own step anyway."""
+    import torch._dynamo
+
+    model.__dict__.pop("_compiled_call", None)
+    torch._dynamo.reset()
+
+
 def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> list[dict]:
     """Rows of every column for one case; a column's failure is its row, never the run's."""
     import torch
@@ -835,18 +854,23 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
     g = torch.Generator().manual_seed(case.B * 7919 + case.ctx)
     ids = torch.randint(0, case.cfg.vocab, (case.B, case.ctx), generator=g)
     common = dict(new_tokens=n, copy_tbps=copy_tbps)
-    need = memory_needed(case, max(n, checks), impls)
     on_cuda = torch.device(device).type == "cuda"
-    total = torch.cuda.get_device_properties(device).total_memory if on_cuda else math.inf
-    if need > 0.9 * total:
-        held = ("the weights and the engine's folded tensors" if case.model in CHECK_LAYERS
-                else "the weights, the engine's copy and the fp32 reference")
-        why = (f"needs ~{need / 2**30:.0f} GiB ({held} + {cache_count(impls)} KV caches for "
-               f"these columns), the GPU has {total / 2**30:.0f}")
-        return [make_row(stamp, case, i, "not available", reason=why, **common) for i in impls]
+    total = device_memory(device)
     rows, ref = [], None
     for impl in impls:
         engine = None
+        need = column_memory(case, max(n, checks), impl)
+        if need > 0.9 * total:
+            held = ("the weights, the engine's copy and the fp32 reference"
+                    if case.model not in CHECK_LAYERS else
+                    "the weights and the engine's folded tensors" if is_wsattn(impl)
+                    else "the weights")
+            rows.append(make_row(stamp, case, impl, "not available", **common,
+                                 reason=f"needs ~{need / 2**30:.0f} GiB ({held} + its KV "
+                                        f"cache), the GPU has {total / 2**30:.0f}"))
+            continue
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         try:
             note = rel = tol = None
             if impl.startswith("hf-"):
@@ -910,6 +934,9 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
                                  profile=prof, profile_steps=n, note=note, **common))
             if engine is not None:
                 rows[-1]["page_size"] = getattr(engine, "page_size", None)
+            rows[-1]["need_gib"] = need / 2**30
+            if on_cuda:  # what the column held at most, against the guard's estimate
+                rows[-1]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         except NotAvailable as e:
             rows.append(make_row(stamp, case, impl, "not available", reason=str(e)[:300], **common))
         except Exception as e:  # a broken column must not stop the run
@@ -920,6 +947,8 @@ def run_case(case: StepCase, impls, model, stamp, device, copy_tbps, args) -> li
             # 48-layer MoE shape the second one ran out of memory)
             engine = gen = timed = None
             common.pop("rel_err_hf", None), common.pop("rel_err_vs_hf", None)
+            if impl == "hf-compile":
+                release_compiled_step(model)
             gc.collect()
             if on_cuda:
                 torch.cuda.empty_cache()

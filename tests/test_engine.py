@@ -3,6 +3,7 @@ input, and the `wsattn generate` command line (CPU, fp32, tiny random models).""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -371,9 +372,17 @@ def test_sample_filters():
     (lambda e: e.run([[1, 2]], 4, top_k=0), "top_k"),
     (lambda e: e.run([[1, 2]], 4, top_p=1.5), "top_p"),
     (lambda e: e.run([[1, 2]], 4, eos_token_id=999), "eos_token_id"),
+    (lambda e: e.run([[1, 2]], 4, eos_token_id=[1.0]), "eos_token_id"),
+    (lambda e: e.run([5, 6, 7], 2), r"input_ids\[0\] must be one prompt, a 1-D sequence .* a single id"),
+    (lambda e: e.run([torch.tensor([[5, 6], [7, 8]])], 2), r"input_ids\[0\] .* shape \(2, 2\)"),
+    (lambda e: e.run([[1, 2]], 4, temperature=float("inf")), "finite"),
+    (lambda e: e.run([[1, 2]], 4, temperature=float("nan")), "finite"),
+    (lambda e: e.run([[1, 2]], 4, temperature=1.0, seed=2**64), r"seed .* \[-2\*\*63, 2\*\*64\)"),
+    (lambda e: e.run([[1, 2]], 4, temperature=1.0, seed=-2**63 - 1), "seed"),
 ], ids=["id-too-big", "id-negative", "empty-prompt", "empty-tensor", "float-ids",
         "negative-new", "batch", "max-positions", "pages", "temperature", "top-k", "top-p",
-        "eos"])
+        "eos", "eos-float", "flat-ids", "2d-row", "temperature-inf", "temperature-nan",
+        "seed-too-big", "seed-too-small"])
 def test_bad_input_raises_before_any_work(engine, monkeypatch, call, match):
     """Each bad request raises ValueError naming the argument before any step runs, and
     leaves the cache unwritten and every page free."""
@@ -387,6 +396,53 @@ def test_bad_input_raises_before_any_work(engine, monkeypatch, call, match):
         call(engine)
     assert engine.cache.live == [] and engine.cache.free_pages == 16
     assert torch.equal(engine.cache.k, before[0]) and torch.equal(engine.cache.v, before[1])
+
+
+def test_eos_ids_integer_like(engine):
+    """eos_token_id as numpy ints or 0-d / 1-D integer tensors reads as the same ids."""
+    import numpy as np
+
+    from wsattn.engine.generate import _eos
+
+    for value in (np.int64(5), torch.tensor(5), [np.int32(5), torch.tensor(7)],
+                  torch.tensor([5, 7]), np.array([5, 7]), np.array(5), (5, 7)):
+        assert _eos(value, 256) in ([5], [5, 7]), value
+    for value in (torch.tensor(5.0), torch.tensor([[5]]), True, "5", 5.0, []):
+        with pytest.raises(ValueError, match="eos_token_id"):
+            _eos(value, 256)
+
+
+def test_tiny_temperature_samples_the_argmax():
+    """A temperature small enough to overflow logits / temperature samples the argmax (ties
+    shared), not a NaN distribution."""
+    from wsattn.engine.generate import sample
+
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [1.0, 1.0, 0.0, -5.0]]).repeat(500, 1)
+    g = torch.Generator().manual_seed(0)
+    got = sample(logits, 1e-40, generator=g).view(500, 2)
+    assert torch.all(got[:, 0] == 1)
+    assert set(got[:, 1].tolist()) == {0, 1}
+
+
+def test_device_named_when_unusable():
+    from wsattn.engine.generate import Engine, _check_device
+
+    with pytest.raises(ValueError, match="device must be None, a torch.device .* got 'foo'"):
+        _check_device("foo")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            _check_device("cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        Engine(_hf_model("llama"), device="foo")
+    assert _check_device("cpu") == torch.device("cpu")
+
+
+def test_max_seq_len_must_be_an_int():
+    from wsattn.engine.generate import Engine
+
+    for bad in (100.9, True, "100"):
+        with pytest.raises(ValueError, match="max_seq_len must be None or an int"):
+            Engine(_hf_model("llama"), device="cpu", max_seq_len=bad)
 
 
 def test_pages_released_when_a_step_raises(engine, monkeypatch):
@@ -608,6 +664,40 @@ def test_cli_text_prompts_refusals(tmp_path, capsys):
     assert main(base + ["--prompt-len", "5"]) == 2
     assert "--prompt-len sizes random prompts" in capsys.readouterr().err
     assert main(base) == 0
+
+
+def test_cli_refuses_a_bad_device_or_json_path_before_the_work(tmp_path, capsys, monkeypatch):
+    """--device torch cannot parse, and a --json path that cannot be written: exit 2 with
+    the reason before any weight is read (not a traceback after the run)."""
+    from wsattn.cli import main
+    from wsattn.models import weights
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were loaded for a bad request")
+
+    monkeypatch.setattr(weights, "load", no_load)
+    _hf_model("llama").save_pretrained(tmp_path)
+    base = ["generate", "--model", str(tmp_path), "--prompt-len", "4", "--new-tokens", "2"]
+    assert main(base + ["--device", "foo"]) == 2
+    assert "--device: device must be" in capsys.readouterr().err
+    assert main(base + ["--device", "cpu", "--json", str(tmp_path / "no" / "x.json")]) == 2
+    assert "--json" in capsys.readouterr().err
+    assert main(base + ["--device", "cpu", "--json", str(tmp_path)]) == 2
+    assert "a folder" in capsys.readouterr().err
+
+
+def test_cli_stops_at_the_generation_configs_eos_ids(tmp_path):
+    """--prompt stops at the tokenizer's eos and at the ids generation_config.json lists
+    (an instruct checkpoint's end-of-turn ids), or config.json's without one."""
+    from wsattn.engine.cli import _stop_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert _stop_ids(str(tmp_path), 2) == [2, 9]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 8]}))
+    assert _stop_ids(str(tmp_path), 2) == [2, 7, 8]
+    assert _stop_ids(str(tmp_path), None) == [2, 7, 8]
+    (tmp_path / "generation_config.json").write_text(json.dumps({}))
+    assert _stop_ids(str(tmp_path), None) is None
 
 
 def test_cli_not_a_model_folder(tmp_path, capsys):

@@ -9,7 +9,8 @@ PATH is a local Hugging Face folder (config.json + *.safetensors; nothing is
 downloaded). Prompts are random token ids from a generator seeded with --seed (no
 tokenizer is needed), B of N tokens each; or, with --prompt (once per sequence), the
 texts encoded by the folder's own tokenizer, generation stopping at its end-of-sequence
-token, and each continuation printed decoded. Greedy unless --temperature > 0 (then
+ids (the tokenizer's and those of generation_config.json), and each continuation printed
+decoded. Greedy unless --temperature > 0 (then
 --top-k / --top-p filter, seeded by --seed). Prefill (the prompts and the first new
 token) and decode (each later token) are timed apart, with CUDA events on a GPU and
 perf_counter on the CPU, and printed as tokens/s and ms/token; --json writes them as one
@@ -75,7 +76,8 @@ def run(args) -> int:
     import torch
 
     from ..models.weights import read_config
-    from .generate import BUCKETS, Engine, _check_batch, _check_request, _resolve_impl
+    from .generate import (BUCKETS, Engine, _check_batch, _check_device, _check_request,
+                           _resolve_impl)
 
     path = args.model
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
@@ -94,9 +96,16 @@ def run(args) -> int:
                         ("new-tokens", args.new_tokens)):
         if value < 1:
             return _fail(f"--{name} must be >= 1, got {value}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        return _fail("--device cuda asked for, but torch sees no CUDA GPU")
+    try:
+        device = _check_device(args.device)
+    except ValueError as e:
+        return _fail(f"--device: {e}")
+    if args.json:  # before the work, not after it
+        where = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(where) \
+                or not os.access(where, os.W_OK):
+            return _fail(f"--json {args.json!r}: not a file that can be written here "
+                         f"({'a folder' if os.path.isdir(args.json) else where + ' is not a writable folder'})")
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     tokenizer, eos = None, None
     if texts is not None:  # before the model loads: a missing tokenizer fails at once
@@ -194,6 +203,24 @@ def _encode(path: str, texts):
         if not ids:
             raise ValueError(f"--prompt {i + 1} ({text!r}) encodes to no tokens")
         prompts.append(torch.tensor(ids, dtype=torch.int64))
-    eos = tokenizer.eos_token_id
-    eos = None if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return tokenizer, prompts, eos
+    return tokenizer, prompts, _stop_ids(path, tokenizer.eos_token_id)
+
+
+def _stop_ids(path: str, tokenizer_eos):
+    """The ids that end a --prompt sequence: the tokenizer's end-of-sequence token and the
+    eos_token_id of the folder's generation_config.json (what transformers' generate
+    stops at; instruct checkpoints list their end-of-turn ids there), or of config.json
+    where there is no generation config. None when neither names one."""
+    def ids(value):
+        if value is None:
+            return []
+        return [value] if isinstance(value, int) else list(value)
+
+    found = ids(tokenizer_eos)
+    for name in ("generation_config.json", "config.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                found += ids(json.load(f).get("eos_token_id"))
+            break
+    return list(dict.fromkeys(found)) or None

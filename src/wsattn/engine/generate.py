@@ -31,7 +31,10 @@ The step function (the :class:`Step` interface below) is where the forward runs:
 from __future__ import annotations
 
 import importlib
+import math
+import operator
 import time
+from collections.abc import Iterable
 from typing import Protocol, Sequence
 
 import torch
@@ -156,8 +159,8 @@ def _make_step(name, cfg, weights, cache, buckets=BUCKETS):
 
 def _check_sampling(temperature, top_k, top_p):
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not temperature >= 0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+            or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
@@ -183,7 +186,10 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
             if logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype in argmax.DTYPES:
                 return argmax.argmax(logits)
         return logits.argmax(dim=-1)
-    scores = logits.float() / temperature
+    scores = logits.float()
+    # the largest logit moved to 0 first: a tiny temperature then sends the others to -inf
+    # (the argmax, with ties shared) instead of every score to inf and softmax to NaN
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -221,7 +227,14 @@ def _prompts(input_ids, vocab: int) -> tuple[list[torch.Tensor], bool]:
         t = r if isinstance(r, torch.Tensor) else torch.as_tensor(r)
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise ValueError(f"input_ids[{i}] must hold integer token ids, got {t.dtype}")
-        t = t.reshape(-1).to("cpu", torch.int64)
+        if t.dim() != 1:
+            # a flat list of ids (one tokenised prompt) would otherwise be read as that
+            # many one-token prompts, and a 2-D row joined into one prompt
+            raise ValueError(
+                f"input_ids[{i}] must be one prompt, a 1-D sequence of token ids, got "
+                f"{'a single id' if t.dim() == 0 else f'shape {tuple(t.shape)}'} (one prompt "
+                "as a flat list: pass [ids], or a 1-D tensor)")
+        t = t.to("cpu", torch.int64)
         if t.numel() == 0:
             raise ValueError(f"input_ids[{i}] is an empty prompt")
         lo, hi = int(t.min()), int(t.max())
@@ -265,14 +278,16 @@ class Engine:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
             raise ValueError(f"num_pages must be None or a positive int, got {num_pages!r}")
-        device = torch.device(device if device is not None else
-                              ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = _check_device(device)
+        if max_seq_len is not None and (isinstance(max_seq_len, bool)
+                                        or not isinstance(max_seq_len, int)):
+            raise ValueError(f"max_seq_len must be None or an int, got {max_seq_len!r}")
         cfg, weights = load(model_or_path, dtype=dtype, device=device)
         self.cfg, self.weights = cfg, flashnorm.fold(weights)
         self.device, self.dtype = device, self.weights.dtype
         self.step_name, self.page_size, self.buckets = step, page_size, buckets
         self.prefill_chunk = prefill_chunk
-        self.max_seq_len = cfg.max_positions if max_seq_len is None else int(max_seq_len)
+        self.max_seq_len = cfg.max_positions if max_seq_len is None else max_seq_len
         if not 1 <= self.max_seq_len <= cfg.max_positions:
             raise ValueError(f"max_seq_len must be in [1, {cfg.max_positions}] (the model's "
                              f"max positions), got {max_seq_len!r}")
@@ -321,7 +336,6 @@ class Engine:
             need = sum(-(-c // self.page_size) for c in caps)
             if self.cache is None or self.cache.num_pages < need:
                 self._new_pool(need)
-        ids = self.cache.admit(caps)
         gen = None
         if temperature > 0:
             gen = torch.Generator(device=self.device)
@@ -329,6 +343,7 @@ class Engine:
                 gen.seed()  # a fresh random seed for this generator only, not torch's global one
             else:
                 gen.manual_seed(seed)
+        ids = self.cache.admit(caps)  # from here on the pages go back whatever happens
         try:
             new, logits = self._loop(ids, prompts, max_new_tokens, temperature, top_k, top_p,
                                      eos, gen, return_logits, _Clock(self.device, timings))
@@ -512,8 +527,10 @@ def _check_request(cfg, input_ids, temperature, top_k, top_p, eos_token_id, retu
     eos = _eos(eos_token_id, cfg.vocab)
     if not isinstance(return_logits, bool):
         raise ValueError(f"return_logits must be a bool, got {return_logits!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be None or an int, got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not -2**63 <= seed < 2**64):
+        raise ValueError(f"seed must be None or an int in [-2**63, 2**64) (what "
+                         f"torch.Generator.manual_seed takes), got {seed!r}")
     return prompts, as_tensor, eos
 
 
@@ -536,11 +553,28 @@ def _check_batch(prompts, max_new_tokens, max_batch, max_seq_len, max_positions)
 def _eos(eos_token_id, vocab):
     if eos_token_id is None:
         return None
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if not ids or any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < vocab
-                      for e in ids):
-        raise ValueError(f"eos_token_id must be None, or an id (or list of ids) in "
-                         f"[0, {vocab}), got {eos_token_id!r}")
+    bad = ValueError(f"eos_token_id must be None, or an id (or list of ids) in [0, {vocab}), "
+                     f"got {eos_token_id!r}")
+
+    def as_id(e):  # ints and integer-like values (numpy ints, 0-d integer tensors)
+        if isinstance(e, (bool, float)) or (isinstance(e, torch.Tensor) and (
+                e.dim() or e.dtype.is_floating_point or e.dtype == torch.bool)):
+            raise bad
+        try:
+            return operator.index(e)
+        except TypeError:
+            raise bad from None
+
+    if isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, Iterable):
+        items = [eos_token_id]
+    else:
+        try:
+            items = list(eos_token_id)
+        except TypeError:  # a 0-d array or tensor
+            items = [eos_token_id]
+    ids = [as_id(e) for e in items]
+    if not ids or any(not 0 <= e < vocab for e in ids):
+        raise bad
     return ids
 
 
@@ -555,6 +589,25 @@ def _result(prompts, new, as_tensor, logits):
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what "auto" runs the kernels for on CUDA
+
+
+def _check_device(device) -> torch.device:
+    """``device`` as a torch.device (None: CUDA if available, else the CPU); a ValueError
+    naming it when torch cannot parse it or it names a GPU this machine lacks."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be None, a torch.device or a device string such as "
+                         f"'cuda', 'cuda:1' or 'cpu', got {device!r} ({e})") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError(f"device {device!r}: no CUDA GPU is available on this machine")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {device!r}: this machine has {count} CUDA GPU(s)")
+    return dev
 
 
 def _resolve_impl(impl, device, dtype=None):
@@ -615,8 +668,7 @@ def generate(model_or_path, input_ids, max_new_tokens: int, *, temperature: floa
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     _check_sampling(temperature, top_k, top_p)
-    step = _resolve_impl(impl, device if device is not None else
-                         ("cuda" if torch.cuda.is_available() else "cpu"), dtype)
+    step = _resolve_impl(impl, _check_device(device), dtype)
     from ..models.weights import read_config
     cfg = read_config(model_or_path)
     prompts, _, _ = _check_request(cfg, input_ids, temperature, top_k, top_p, eos_token_id,

@@ -246,6 +246,37 @@ def test_load_object_single_and_sharded_folder_agree(name, saved):
             assert got[key].dtype == torch.float32 and got[key].is_contiguous()
 
 
+def test_folder_with_both_layouts_reads_what_transformers_reads(saved, tmp_path):
+    """A folder holding model.safetensors beside an index (shards of another model) reads
+    the single file, as transformers does; config.json's transformers_weights, when set,
+    names the file instead, and must lie inside the folder."""
+    import copy
+    import shutil
+
+    name = "qwen2"
+    folder = saved(name, max_shard_size="40KB")  # model b, sharded
+    a = copy.deepcopy(tiny_model(name))  # (a cached model: not negated in place)
+    with torch.no_grad():
+        for p in a.parameters():
+            p.neg_()  # model a: the same config, other weights
+    a.save_pretrained(tmp_path / "a", safe_serialization=True)
+    shutil.copy(tmp_path / "a" / "model.safetensors", folder / "model.safetensors")
+    want = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    _, w = load(str(folder))
+    assert torch.equal(w.embed, want["model.embed_tokens.weight"])
+    assert torch.equal(w.embed, a.state_dict()["model.embed_tokens.weight"])
+    cfg_file = folder / "config.json"
+    d = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps({**d, "transformers_weights": "model.safetensors.index.json"}))
+    _, w = load(str(folder))
+    assert torch.equal(w.embed, tiny_model(name).state_dict()["model.embed_tokens.weight"])
+    for named, match in (("../x.safetensors", "inside"), ("model.bin", "not a safetensors"),
+                         ("other.safetensors", "not in")):
+        cfg_file.write_text(json.dumps({**d, "transformers_weights": named}))
+        with pytest.raises(ValueError, match=match):
+            load(str(folder))
+
+
 def test_load_converts_dtype(saved):
     cfg, w = load(saved("qwen2"), dtype=torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for _, t in w.tensors())

@@ -229,6 +229,46 @@ def test_config_refuses_unsupported_feature(case):
         ModelConfig.from_hf(d)
 
 
+def test_qwen2_moe_sliding_layers_as_transformers_decides():
+    """Without layer_types (older published configs), Qwen2-MoE slides its even layers
+    below max_window_layers when use_sliding_window is set (not Qwen2's layers from
+    max_window_layers on): refused exactly where transformers' config has a sliding
+    layer."""
+    for use, window_layers in ((True, 28), (True, 1), (True, 0), (False, 28)):
+        hf = transformers.Qwen2MoeConfig(**{**json.loads(CONFIGS["qwen2_moe"]().to_json_string()),
+                                            "layer_types": None, "use_sliding_window": use,
+                                            "sliding_window": 4,
+                                            "max_window_layers": window_layers})
+        slides = any(t != "full_attention" for t in hf.layer_types)
+        d = _dict("qwen2_moe", layer_types=None, use_sliding_window=use, sliding_window=4,
+                  max_window_layers=window_layers)
+        if slides:
+            with pytest.raises(UnsupportedModelError, match=r"sliding-window .*layers \[0"):
+                ModelConfig.from_hf(d)
+        else:
+            ModelConfig.from_hf(d)
+        assert slides == (use and window_layers > 0), (use, window_layers)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "dots1", "qwen2_moe", "olmoe", "qwen3_moe-norm"])
+def test_kv_heads_left_out_or_null_as_transformers_reads_them(name):
+    """A config.json without num_key_value_heads takes the config class's default (Mixtral
+    8, dots1 32, ...); one with it null takes one KV head a query head."""
+    cls = type(CONFIGS[name]())
+    full = _dict(name)
+    if name != "olmoe":  # enough query heads for every default; OLMoE's q_norm ties them
+        full.update(num_attention_heads=32, head_dim=64)  # to hidden, its default is None
+    heads = full["num_attention_heads"]
+    left_out = {k: v for k, v in full.items() if k != "num_key_value_heads"}
+    want = cls(**left_out).num_key_value_heads
+    assert ModelConfig.from_hf(left_out).kv_heads == want, name
+    assert name != "mixtral" or want == 8
+    if name in ("dots1", "olmoe"):  # the classes here that take a null and resolve it
+        null = {**full, "num_key_value_heads": None}
+        assert cls(**null).num_key_value_heads == heads
+        assert ModelConfig.from_hf(null).kv_heads == heads
+
+
 def test_config_bad_top_k():
     with pytest.raises(ValueError, match=r"top_k \(num_experts_per_tok\) must lie in \[1, num_experts=8\], got 9"):
         ModelConfig.from_hf(_dict("qwen3_moe-norm", num_experts_per_tok=9))

@@ -75,14 +75,14 @@ _DEFAULTS = {
     "qwen3": dict(head_dim=128, num_key_value_heads=32, max_position_embeddings=32768),
     "qwen3_moe": dict(head_dim=None, num_key_value_heads=4, max_position_embeddings=32768,
                       norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
-    "mixtral": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=4096 * 32,
+    "mixtral": dict(head_dim=None, num_key_value_heads=8, max_position_embeddings=4096 * 32,
                     rope_theta=1000000.0),
     "olmoe": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=4096,
                   norm_topk_prob=False),
     "qwen2_moe": dict(head_dim=None, num_key_value_heads=16, max_position_embeddings=32768,
                       norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
                       qkv_bias=True),
-    "dots1": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=2048,
+    "dots1": dict(head_dim=None, num_key_value_heads=32, max_position_embeddings=2048,
                   norm_topk_prob=False, n_group=1, topk_group=1, first_k_dense_replace=0,
                   routed_scaling_factor=1.0, sliding_window=4096, max_window_layers=62),
 }
@@ -335,7 +335,12 @@ class ModelConfig:
         missing = [k for k in _REQUIRED if d.get(k) is None]
         if missing:
             raise ValueError(f"config lacks {missing}")
+        # a key left out takes the config class's default; num_key_value_heads given as
+        # null means one KV head a query head, as every config class's __post_init__ has it
+        kv_null = "num_key_value_heads" in d and d["num_key_value_heads"] is None
         d = {**_DEFAULTS[model_type], **{k: v for k, v in d.items() if v is not None}}
+        if kv_null:
+            d["num_key_value_heads"] = None
 
         act = d.get("hidden_act", "silu")
         if act != "silu":
@@ -349,7 +354,7 @@ class ModelConfig:
                 "q/k/v bias is")
         if model_type in MOE_FAMILIES and model_type not in ("qwen2_moe", "dots1"):
             _refuse_moe_sliding_window(model_type, d)
-        else:  # Qwen2-MoE decides per layer as Qwen2 does, dots1 as its config class
+        else:  # Qwen2-MoE and dots1 decide per layer, each as its config class does
             _refuse_sliding_window(d)
         if d.get("clip_qkv") is not None:
             raise UnsupportedModelError(f"clip_qkv={d['clip_qkv']} (clamping q, k, v) is not supported")
@@ -482,16 +487,24 @@ def _refuse_moe_sliding_window(model_type, d):
 
 def _refuse_sliding_window(d):
     """Refuse a sliding window only where a layer uses it, as transformers decides: from
-    ``layer_types`` when given, else layers >= ``max_window_layers`` when
-    ``use_sliding_window`` is set (Qwen2/3 ship ``sliding_window`` with it off; dots1 has
-    no such switch: its window applies from ``max_window_layers`` on whenever set)."""
+    ``layer_types`` when given, else by each config class's own rule. Qwen2/3: layers >=
+    ``max_window_layers`` when ``use_sliding_window`` is set and there is a
+    ``sliding_window`` (they ship one with the switch off); dots1 has no switch: its
+    window applies from ``max_window_layers`` on whenever set; Qwen2-MoE: the even layers
+    below ``max_window_layers`` when ``use_sliding_window`` is set."""
     layer_types = d.get("layer_types")
     if layer_types is None:
-        switch = True if d.get("model_type") == "dots1" else d.get("use_sliding_window", False)
-        on = switch and d.get("sliding_window") is not None
         first = d.get("max_window_layers", 28)
-        layer_types = ["sliding_attention" if on and i >= first else "full_attention"
-                       for i in range(d["num_hidden_layers"])]
+        if d.get("model_type") == "qwen2_moe":
+            on = bool(d.get("use_sliding_window", False))
+            layer_types = ["sliding_attention" if on and i % 2 == 0 and i < first
+                           else "full_attention" for i in range(d["num_hidden_layers"])]
+        else:
+            switch = True if d.get("model_type") == "dots1" else d.get("use_sliding_window",
+                                                                       False)
+            on = switch and d.get("sliding_window") is not None
+            layer_types = ["sliding_attention" if on and i >= first else "full_attention"
+                           for i in range(d["num_hidden_layers"])]
     sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
     if sliding:
         kinds = sorted({layer_types[i] for i in sliding})

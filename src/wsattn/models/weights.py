@@ -347,23 +347,49 @@ def _folder_config(path: str) -> ModelConfig:
         return ModelConfig.from_hf(json.load(f))
 
 
+def _weights_file(path: str) -> str:
+    """The file transformers loads a folder's weights from: config.json's
+    ``transformers_weights`` when set (a file inside the folder), else
+    ``model.safetensors``, else ``model.safetensors.index.json`` (in that order, so a
+    folder holding both reads the single file, as transformers does)."""
+    with open(os.path.join(path, "config.json")) as f:
+        named = json.load(f).get("transformers_weights")
+    if named is not None:
+        file = os.path.join(path, named)
+        base = os.path.abspath(path)
+        if not isinstance(named, str) or os.path.commonpath(
+                [base, os.path.abspath(file)]) != base:
+            raise ValueError(f"config.json's transformers_weights must name a file inside "
+                             f"{path!r}, got {named!r}")
+        if not named.endswith((".safetensors", ".safetensors.index.json")):
+            raise ValueError(f"config.json's transformers_weights {named!r} is not a "
+                             "safetensors file or index (only safetensors are read)")
+        if not os.path.isfile(file):
+            raise ValueError(f"config.json's transformers_weights names {named!r}, which is "
+                             f"not in {path!r}")
+        return file
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise ValueError(f"{path!r} holds neither model.safetensors nor "
+                     "model.safetensors.index.json")
+
+
 def _open_folder(path: str):
     cfg = _folder_config(path)
-    single = os.path.join(path, "model.safetensors")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
+    file = _weights_file(path)
+    if file.endswith(".index.json"):
+        index = file
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        paths = sorted({os.path.join(path, shard) for shard in weight_map.values()})
+        paths = sorted({os.path.join(os.path.dirname(index), shard)
+                        for shard in weight_map.values()})
         absent = [p for p in paths if not os.path.isfile(p)]
         if absent:
             raise ValueError(f"{index} names shards that are not there: {absent}")
         listed = list(weight_map)
-    elif os.path.isfile(single):
-        paths, listed = [single], []
     else:
-        raise ValueError(f"{path!r} holds neither model.safetensors nor "
-                         "model.safetensors.index.json")
+        paths, listed = [file], []
     try:
         import safetensors  # noqa: F401
     except ImportError as e:

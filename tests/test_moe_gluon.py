@@ -131,7 +131,7 @@ def _grouping(T=4, E=4, k=2, block=16, device="cpu"):
     i32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
     counts = torch.bincount(ids.flatten().long(), minlength=E).to(torch.int32).to(device)
     return M.Grouping(i32(rows), i32(offs), i32(eob), i32([offs[-1] // block]), counts,
-                      block, k, E), ids
+                      block, k, E, T), ids
 
 
 def test_refused_while_not_verified_on_gpu(monkeypatch):

@@ -561,6 +561,16 @@ CHILD = REFERENCE + textwrap.dedent(r'''
         res["out"] = rel_err(y, ref)
         res["dtype"] = str(y.dtype)
 
+    elif case == "alias":
+        x = torch.randn(3, 16)
+        rw, wgu, wd = weights(4, 16, 8, torch.float32)
+        res_ = torch.randn(3, 16)
+        want = M.moe(x, rw, wgu, wd, top_k=2, renormalize=True, residual=res_.clone())
+        got = res_.clone()
+        back = M.moe(x, rw, wgu, wd, top_k=2, renormalize=True, residual=got, out=got)
+        res["equal"] = bool(torch.equal(got, want))
+        res["same_tensor"] = back.data_ptr() == got.data_ptr()
+
     elif case == "pdl":
         x = torch.randn(2, 32)
         rw = torch.randn(4, 32)
@@ -849,6 +859,8 @@ def _args(T=2, E=4, k=2, H=16, F=8, dt=torch.float32):
     (dict(renormalize=1), TypeError, "renormalize must be a bool"),
     (dict(scoring="softplus"), ValueError, "scoring must be one of"),
     (dict(norm_eps=0.0), ValueError, "norm_eps must be > 0"),
+    (dict(norm_eps=1e-50), ValueError, "norm_eps .*fp32's normal range"),
+    (dict(norm_eps=float("inf")), ValueError, "norm_eps .*fp32's normal range"),
     (dict(pdl="yes"), TypeError, "pdl must be None or a bool"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_route_refuses_bad_input_by_name(change, error, match):
@@ -895,6 +907,7 @@ _BIAS = torch.zeros(4)
     (dict(scale=float("inf")), ValueError, "scale .*positive finite"),
     (dict(scale=True), ValueError, "scale .*positive finite"),
     (dict(scale="2"), ValueError, "scale .*positive finite"),
+    (dict(scale=1e39), ValueError, "scale .*fp32's normal range"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_deepseek_routing_refuses_bad_input_by_name(change, error, match, monkeypatch):
     """route, route_logits and moe refuse a bad score_bias / groups / topk_groups / scale
@@ -952,7 +965,7 @@ def _fake_grouping(E=4, k=2, T=2, block=1):
     z = torch.zeros
     return m.Grouping(z(nb * block, dtype=torch.int32), z(E + 1, dtype=torch.int32),
                       z(nb, dtype=torch.int32), z(1, dtype=torch.int32),
-                      z(E, dtype=torch.int32), block, k, E)
+                      z(E, dtype=torch.int32), block, k, E, T)
 
 
 @pytest.mark.parametrize("what, change, error, match", [
@@ -970,7 +983,15 @@ def _fake_grouping(E=4, k=2, T=2, block=1):
     ("down", dict(residual=torch.randn(2, 15)), ValueError, r"residual must be a \[T, H\]"),
     ("down", dict(out=torch.randn(2, 16).half()), TypeError, "out dtype"),
     ("down", dict(act=torch.randn(5, 8)), ValueError, "act must be"),
-])
+    # the grouping was made for T=2: fewer or more tokens would read or write past a buffer
+    ("gate_up", dict(x=torch.randn(1, 16)), ValueError, "x has T=1 tokens; the grouping was made for 2"),
+    ("gate_up", dict(x=torch.randn(3, 16)), ValueError, "x has T=3 tokens"),
+    ("down", dict(topk_weights=torch.rand(1, 2)), ValueError, "topk_weights has T=1 tokens; the grouping"),
+    ("down", dict(topk_weights=torch.rand(4, 2)), ValueError, "topk_weights has T=4 tokens"),
+    ("down", dict(topk_weights=torch.rand(2, 2, device="meta")), ValueError, "topk_weights must be on act's device"),
+    ("down", dict(out=torch.empty(1, 16).expand(2, 16)), ValueError, "out's rows overlap"),
+    ("down", dict(partial_overlap=True), ValueError, "out must be residual itself or not overlap it"),
+], ids=lambda v: v if isinstance(v, str) else None)
 def test_grouped_launchers_refuse_bad_input_by_name(what, change, error, match):
     m = _m()
     a = _args()
@@ -980,6 +1001,9 @@ def test_grouped_launchers_refuse_bad_input_by_name(what, change, error, match):
     a.update(kw)
     if "block_settings" in change:
         change = dict(settings=m.MoeSettings(block=change["block_settings"], BLOCK_N=16, BLOCK_K=16))
+    if "partial_overlap" in change:
+        buf = torch.randn(3, 16)
+        change = dict(residual=buf[0:2], out=buf[1:3])
     a.update(change)
     with pytest.raises(error, match=match):
         if what == "gate_up":
@@ -989,10 +1013,55 @@ def test_grouped_launchers_refuse_bad_input_by_name(what, change, error, match):
                                a["out"], residual=a["residual"])
 
 
+def test_an_exact_alias_of_the_residual_is_the_one_overlap_taken():
+    """out may be residual itself (the residual stream updated in place): the same bits
+    as a separate out (interpreter)."""
+    r = _child("alias")
+    assert r == {"equal": True, "same_tensor": True}, r
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(w_gate_up=torch.randn(4, 16, 16).half()), TypeError, "w_gate_up dtype"),
+    (dict(w_gate_up=torch.randn(3, 16, 16)), ValueError, "w_gate_up has 3 experts"),
+    (dict(w_gate_up=torch.randn(4, 15, 16)), ValueError, "even 2F"),
+    (dict(w_gate_up=torch.randn(4, 16, 15)), ValueError, r"w_gate_up must be \[E=4, 2F, H=16\]"),
+    (dict(w_down=torch.randn(4, 32, 8)), ValueError, r"w_down must be \[E=4, H=16, F=8\]"),
+    (dict(w_down=torch.randn(4, 8, 8)), ValueError, r"w_down must be \[E=4, H=16, F=8\]"),
+    (dict(w_down=torch.randn(4, 16, 4)), ValueError, r"w_down must be \[E=4, H=16, F=8\]"),
+    (dict(w_down=torch.randn(5, 16, 8)), ValueError, "w_down has 5 experts"),
+    (dict(residual=torch.randn(1, 16)), ValueError, r"residual must be a \[T, H\]"),
+    (dict(out=torch.empty(2, 16).half()), TypeError, "out dtype"),
+    (dict(settings="fast"), TypeError, "settings must be None or a MoeSettings"),
+    (dict(pdl=1), TypeError, "pdl must be None or a bool"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_moe_refuses_everything_before_its_first_launch(change, error, match, monkeypatch):
+    """moe() checks the expert weights (against x's H and w_gate_up's F), residual, out
+    and settings before route's first kernel, not after the kernels before each
+    launcher have run (every launch here fails the test)."""
+    m = _m()
+    for name in ("_router_logits_kernel", "_route_kernel", "_group_kernel", "_grouped_kernel",
+                 "_combine_kernel"):
+        monkeypatch.setattr(m, name, _NoLaunch())
+    a = _args()
+    kw = dict(residual=None, out=None, settings=None, pdl=None)
+    kw.update({k: v for k, v in change.items() if k in kw})
+    a.update({k: v for k, v in change.items() if k not in kw})
+    with pytest.raises(error, match=match):
+        m.moe(a["x"], a["router_w"], a["w_gate_up"], a["w_down"], top_k=2, renormalize=True,
+              **kw)
+
+
 def test_settings_refuse_bad_values():
     m = _m()
     with pytest.raises(ValueError, match="block must be one of"):
         m.MoeSettings(block=8, BLOCK_N=32, BLOCK_K=32)
+    for block in (True, 16.0):
+        with pytest.raises(ValueError, match="block must be one of"):
+            m.MoeSettings(block=block, BLOCK_N=32, BLOCK_K=32)
+        with pytest.raises(ValueError, match="block must be one of"):
+            m.group(torch.zeros(2, 2, dtype=torch.int32), 4, block)
+        with pytest.raises(ValueError, match="block must be one of"):
+            m.one_token_tables(2, block, "cpu")
     with pytest.raises(ValueError, match="power of two"):
         m.MoeSettings(block=1, BLOCK_N=24, BLOCK_K=32)
     with pytest.raises(ValueError, match="BLOCK_N and BLOCK_K >= 16"):

@@ -508,6 +508,9 @@ ROW_BYTES = 256  # bytes of a weight row a dot tile covers (as gemv.py)
 FMA_TILE_ELEMS = 4096  # weight elements of an FMA tile (16-bit; half for fp32)
 STAGE_BUDGET = 96 * 1024
 MAX_STAGES = 6
+# fp32's normal range: norm_eps and scale reach the kernels as fp32 arguments
+FP32_TINY = float(torch.finfo(torch.float32).tiny)
+FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -526,7 +529,7 @@ class MoeSettings:
     num_stages: int = 2
 
     def __post_init__(self):
-        if self.block not in FMA_BLOCKS + DOT_BLOCKS:
+        if not _is_int(self.block) or self.block not in FMA_BLOCKS + DOT_BLOCKS:
             raise ValueError(f"MoeSettings.block must be one of {FMA_BLOCKS + DOT_BLOCKS}, "
                              f"got {self.block!r}")
         for name in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"):
@@ -589,6 +592,15 @@ def default_settings(target: Target, *, T: int, top_k: int, num_experts: int,
                        num_stages=stages)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_block(block):
+    if not _is_int(block) or block not in FMA_BLOCKS + DOT_BLOCKS:
+        raise ValueError(f"block must be one of {FMA_BLOCKS + DOT_BLOCKS}, got {block!r}")
+
+
 def blocks_max(T: int, top_k: int, num_experts: int, block: int) -> int:
     """Upper bound on the grouping's blocks: sum over the A <= min(E, T*k) touched
     experts of cdiv(count, block) <= (T*k + A*(block-1)) / block."""
@@ -608,6 +620,9 @@ class Grouping(NamedTuple):
     num_active_blocks: int32 [1], expert_offsets[E] / block.
     expert_counts: int32 [E], pairs per expert.
     block, top_k, num_experts: the Python ints it was built with.
+    tokens: T, the tokens whose pairs it groups (the launchers check x, topk_weights,
+        residual and out against it: a row past T would be read or written out of
+        bounds).
 
     one_token_grouping's groupings (one token, no kernel) keep one block a slot in slot
     order instead of expert order and have no expert_offsets / expert_counts (None); the
@@ -621,6 +636,7 @@ class Grouping(NamedTuple):
     block: int
     top_k: int
     num_experts: int
+    tokens: int
 
 
 # --------------------------------------------------------------------------- launchers
@@ -664,8 +680,10 @@ def _check_norm_eps(norm_eps):
         return
     if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
         raise TypeError(f"norm_eps must be None or a float, got {norm_eps!r}")
-    if not norm_eps > 0:
-        raise ValueError(f"norm_eps must be > 0, got {norm_eps}")
+    if not FP32_TINY <= norm_eps <= FP32_MAX:
+        # the kernels take it as an fp32 argument: below this it flushes to 0, above it is inf
+        raise ValueError(f"norm_eps must be > 0 and in fp32's normal range "
+                         f"[{FP32_TINY:.4e}, {FP32_MAX:.4e}], got {norm_eps}")
 
 
 def _check_grouping(grouping, device):
@@ -784,15 +802,15 @@ def _check_ds_routing(E, top_k, scoring, score_bias, groups, topk_groups, scale,
         raise ValueError(f"top_k={top_k} exceeds the experts of the kept groups: "
                          f"topk_groups * (E // groups) = {topk_groups * (E // groups)}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-            or not 0 < scale < float("inf"):
-        raise ValueError(f"scale (routed_scaling_factor) must be a positive finite float, "
-                         f"got {scale!r}")
+            or not FP32_TINY <= scale <= FP32_MAX:
+        # an fp32 kernel argument: past fp32's range it would be inf (or 0)
+        raise ValueError(f"scale (routed_scaling_factor) must be a positive finite float in "
+                         f"fp32's normal range [{FP32_TINY:.4e}, {FP32_MAX:.4e}], got {scale!r}")
 
 
-def _router_logits(x, router_w, top_k, renormalize, norm_eps, scoring, pdl, score_bias=None,
-                   groups=1, topk_groups=1, scale=1.0):
-    """route()'s checks (ValueError / TypeError naming the argument), then the router-logits
-    launch: (x, router_w as launched, logits fp32 [T, E], pdl resolved)."""
+def _check_router(x, router_w, top_k, renormalize, norm_eps, scoring, score_bias, groups,
+                  topk_groups, scale):
+    """route()'s checks (ValueError / TypeError naming the argument): (T, H, E)."""
     T, H = _check_x(x)
     if not isinstance(router_w, torch.Tensor) or router_w.dim() != 2:
         raise ValueError("router_w must be a [E, H] torch.Tensor")
@@ -815,6 +833,15 @@ def _router_logits(x, router_w, top_k, renormalize, norm_eps, scoring, pdl, scor
         raise ValueError(f"scoring must be one of {_SCORINGS}, got {scoring!r}")
     _check_ds_routing(E, top_k, scoring, score_bias, groups, topk_groups, scale, x.device)
     _check_norm_eps(norm_eps)
+    return T, H, E
+
+
+def _router_logits(x, router_w, top_k, renormalize, norm_eps, scoring, pdl, score_bias=None,
+                   groups=1, topk_groups=1, scale=1.0):
+    """route()'s checks (_check_router), then the router-logits launch: (x, router_w as
+    launched, logits fp32 [T, E], pdl resolved)."""
+    T, H, E = _check_router(x, router_w, top_k, renormalize, norm_eps, scoring, score_bias,
+                            groups, topk_groups, scale)
     target, pdl = _resolve_pdl(pdl, x.device)
     if target.backend == "interpreter" and x.dtype == torch.bfloat16:
         x, router_w = x.float(), router_w.float()  # numpy has no bf16 arithmetic
@@ -924,8 +951,7 @@ def group(topk_ids, num_experts, block, *, pdl=None):
         raise ValueError(f"num_experts must be an int in 1..{MAX_E}, got {num_experts!r}")
     if not 1 <= k <= num_experts:
         raise ValueError(f"topk_ids has top_k={k} columns; needs 1..num_experts={num_experts}")
-    if block not in FMA_BLOCKS + DOT_BLOCKS:
-        raise ValueError(f"block must be one of {FMA_BLOCKS + DOT_BLOCKS}, got {block!r}")
+    _check_block(block)
     _, pdl = _resolve_pdl(pdl, topk_ids.device)
     dev, E = topk_ids.device, num_experts
     nb = blocks_max(T, k, E, block)
@@ -939,7 +965,7 @@ def group(topk_ids, num_experts, block, *, pdl=None):
     grid, const = _group_launch(T, k, E, block)
     _group_kernel[grid](topk_ids, pairs, offs, counts, eob, nact, T * k, E, rows, nb,
                         PDL=pdl, num_warps=GROUP_NUM_WARPS, **const, **launch)
-    return Grouping(pairs, offs, eob, nact, counts, block, k, E)
+    return Grouping(pairs, offs, eob, nact, counts, block, k, E, T)
 
 
 def one_token_tables(top_k, block, device):
@@ -949,8 +975,7 @@ def one_token_tables(top_k, block, device):
     graph capture) and passed to every step's one_token_grouping."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    if block not in FMA_BLOCKS + DOT_BLOCKS:
-        raise ValueError(f"block must be one of {FMA_BLOCKS + DOT_BLOCKS}, got {block!r}")
+    _check_block(block)
     pairs = torch.full((top_k, block), -1, dtype=torch.int32)
     pairs[:, 0] = torch.arange(top_k, dtype=torch.int32)
     return pairs.view(-1).to(device), torch.tensor([top_k], dtype=torch.int32, device=device)
@@ -981,11 +1006,12 @@ def one_token_grouping(topk_ids, num_experts, block, tables):
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
             or not k <= num_experts <= MAX_E:
         raise ValueError(f"num_experts must be an int in top_k={k}..{MAX_E}, got {num_experts!r}")
+    _check_block(block)
     pairs, nact = tables
     if pairs.shape != (k * block,) or nact.shape != (1,) or pairs.device != topk_ids.device:
         raise ValueError(f"tables must be one_token_tables(top_k={k}, block={block}) on "
                          f"{topk_ids.device}")
-    return Grouping(pairs, None, topk_ids.view(-1), nact, None, block, k, num_experts)
+    return Grouping(pairs, None, topk_ids.view(-1), nact, None, block, k, num_experts, 1)
 
 
 def _check_experts(name, w, x, E, rows, cols):
@@ -1073,6 +1099,9 @@ def moe_gate_up(x, w_gate_up, grouping, *, norm_eps=None, pdl=None, settings=Non
     """
     T, H = _check_x(x)
     _check_grouping(grouping, x.device)
+    if T != grouping.tokens:
+        raise ValueError(f"x has T={T} tokens; the grouping was made for "
+                         f"{grouping.tokens} (its pairs would read rows past x)")
     E = grouping.num_experts
     _check_experts("w_gate_up", w_gate_up, x, E, "2F", f"H={H}")
     if w_gate_up.shape[2] != H or w_gate_up.shape[1] % 2:
@@ -1132,6 +1161,14 @@ def _check_route(route, grouping, x, impl):
         raise ValueError(f"route has logits {tuple(route.logits.shape)} and top_k="
                          f"{route.top_k}; the grouping has E={grouping.num_experts}, top_k="
                          f"{grouping.top_k}")
+    k = route.top_k
+    for name, t, shape in (("logits", route.logits, (1, grouping.num_experts)),
+                           ("weights", route.weights, (1, k))):
+        if t.dtype != torch.float32 or t.device != x.device or tuple(t.shape) != shape \
+                or not t.is_contiguous():
+            raise ValueError(f"route.{name} must be contiguous float32 {list(shape)} on x's "
+                             f"device {x.device} (route_logits' buffer), got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
     if grouping.expert_offsets is not None or route.ids.device != x.device \
             or grouping.expert_of_block.data_ptr() != route.ids.data_ptr():
         raise ValueError("route= needs grouping = one_token_grouping(route.ids, ...): the "
@@ -1149,9 +1186,11 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         act: moe_gate_up's [rows_max, F] result, by grouped row.
         w_down: [E, H, F], act's dtype, last dim contiguous (nn.Linear per expert).
         grouping: the Grouping act was computed with.
-        topk_weights: float32 [T, top_k] (route's), contiguous.
-        out: None (allocate) or [T, H] in act's dtype, last dim contiguous; may be
-            residual itself (in-place update of the residual stream).
+        topk_weights: float32 [T, top_k] (route's), contiguous, on act's device; T the
+            grouping's tokens.
+        out: None (allocate) or [T, H] in act's dtype, last dim contiguous, rows apart;
+            may be residual itself (in-place update of the residual stream), and must
+            not overlap it otherwise.
         residual: None or [T, H] in act's dtype, last dim contiguous.
         pdl, settings, impl: as in moe_gate_up (impl picks the down projection; the
             combine is the same Triton kernel either way).
@@ -1175,23 +1214,19 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         raise ValueError(f"topk_weights must be [T, top_k={grouping.top_k}]")
     if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous():
         raise TypeError("topk_weights must be contiguous float32 (route's output)")
+    if topk_weights.device != act.device:
+        raise ValueError(f"topk_weights must be on act's device {act.device}, got "
+                         f"{topk_weights.device}")
     T = topk_weights.shape[0]
-    if not 1 <= T <= MAX_T:
-        raise ValueError(f"topk_weights has T={T} tokens; the MoE decode kernels take 1..{MAX_T}")
+    if T != grouping.tokens:
+        raise ValueError(f"topk_weights has T={T} tokens; the grouping was made for "
+                         f"{grouping.tokens} (the down projection writes a row a pair)")
     E = grouping.num_experts
     _check_experts("w_down", w_down, act, E, "H", f"F={F}")
     if w_down.shape[2] != F:
         raise ValueError(f"w_down must be [E, H, F={F}], got {tuple(w_down.shape)}")
     H = w_down.shape[1]
-    for name, t in (("residual", residual), ("out", out)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (T, H):
-            raise ValueError(f"{name} must be a [T, H] = [{T}, {H}] tensor")
-        if t.dtype != act.dtype:
-            raise TypeError(f"{name} dtype must match act ({act.dtype}), got {t.dtype}")
-        if t.device != act.device or t.stride(1) != 1:
-            raise ValueError(f"{name} must be on {act.device} with a contiguous last dimension")
+    _check_out_residual(out, residual, T, H, act.dtype, act.device, "act")
     _check_impl(impl)
     if impl == "gluon":
         _refuse_gluon(act, pdl)
@@ -1220,6 +1255,42 @@ def moe_down_combine(act, w_down, grouping, topk_weights, out=None, *, residual=
         USE_DOT=s.use_dot, GATE_UP=False, NORM=False, PDL=pdl, STAGES=s.num_stages,
         num_warps=s.num_warps, num_stages=s.num_stages, **launch)
     return _combine(y, out, residual, grouping, T, H, pdl)
+
+
+def _check_out_residual(out, residual, T, H, dtype, device, like):
+    """out and residual: None or [T, H] of dtype on device, last dimension contiguous; out
+    with no two rows on the same memory, and either residual itself or apart from it (the
+    combine reads residual[t] and writes out[t] element for element, so a partial overlap
+    would read rows already written)."""
+    for name, t in (("residual", residual), ("out", out)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (T, H):
+            raise ValueError(f"{name} must be a [T, H] = [{T}, {H}] tensor")
+        if t.dtype != dtype:
+            raise TypeError(f"{name} dtype must match {like} ({dtype}), got {t.dtype}")
+        if t.device != device or t.stride(1) != 1:
+            raise ValueError(f"{name} must be on {device} with a contiguous last dimension")
+    if out is None:
+        return
+    if T > 1 and abs(out.stride(0)) < H:
+        raise ValueError(f"out's rows overlap (row stride {out.stride(0)} < H={H})")
+    if residual is not None and not _same_view(out, residual) and _overlap(out, residual):
+        raise ValueError("out must be residual itself or not overlap it")
+
+
+def _same_view(a, b):
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+
+
+def _overlap(a, b):
+    """Whether the memory spans of two tensors on one device intersect."""
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))) \
+            * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _combine(y, out, residual, grouping, T, H, pdl):
@@ -1262,6 +1333,28 @@ def moe(x, router_w, w_gate_up, w_down, *, top_k, renormalize, norm_eps=None,
     _check_impl(impl)
     if impl == "gluon" and isinstance(x, torch.Tensor):
         _refuse_gluon(x, pdl)  # before any kernel runs, route and group included
+    # every argument before route's first launch: the launchers below check theirs only
+    # after the kernels before them have run
+    T, H, E = _check_router(x, router_w, top_k, renormalize, norm_eps, scoring, score_bias,
+                            groups, topk_groups, scale)
+    _check_experts("w_gate_up", w_gate_up, x, E, "2F", f"H={H}")
+    if w_gate_up.shape[2] != H or w_gate_up.shape[1] % 2 or not w_gate_up.shape[1]:
+        raise ValueError(f"w_gate_up must be [E={E}, 2F, H={H}] with an even 2F > 0, got "
+                         f"{tuple(w_gate_up.shape)}")
+    F = w_gate_up.shape[1] // 2
+    _check_experts("w_down", w_down, x, E, f"H={H}", f"F={F}")
+    if tuple(w_down.shape[1:]) != (H, F):
+        raise ValueError(f"w_down must be [E={E}, H={H}, F={F}] (x's H, w_gate_up's F), got "
+                         f"{tuple(w_down.shape)}")
+    _check_out_residual(out, residual, T, H, x.dtype, x.device, "x")
+    if settings is not None:
+        if impl == "gluon":
+            _gluon()._check_call(x, w_gate_up, settings, True)
+        elif not isinstance(settings, MoeSettings):
+            raise TypeError(f"settings must be None or a MoeSettings, got "
+                            f"{type(settings).__name__}")
+    if pdl is not None and not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be None or a bool, got {pdl!r}")
     wts, ids = route(x, router_w, top_k=top_k, renormalize=renormalize, norm_eps=norm_eps,
                      scoring=scoring, score_bias=score_bias, groups=groups,
                      topk_groups=topk_groups, scale=scale, pdl=pdl)

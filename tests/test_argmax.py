@@ -65,7 +65,10 @@ def test_interpreter_equals_torch_argmax():
     (dict(logits=torch.zeros(2, 0)), ValueError, "no entries"),
     (dict(logits=torch.zeros(3, 2).t()), ValueError, "contiguous last dimension"),
     (dict(logits=torch.zeros(2, 3)), ValueError, "runs on CUDA tensors"),
-], ids=["1d", "list", "float64", "empty-vocab", "strided", "cpu"])
+    # int32 (c + 1) * CHUNK of the last chunk must not wrap (a meta tensor: no 4 GB row)
+    (dict(logits=torch.empty(1, 2 ** 31 - 100, dtype=torch.float16, device="meta")),
+     ValueError, r"int32 indices take at most 2\*\*31 - 1 - 4096"),
+], ids=["1d", "list", "float64", "empty-vocab", "strided", "cpu", "vocab-near-2**31"])
 def test_bad_input_refused_by_name(monkeypatch, args, error, match):
     from wsattn.kernels.argmax import argmax
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

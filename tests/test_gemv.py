@@ -186,6 +186,11 @@ def _g():
     (dict(silu_mul=1), TypeError, "silu_mul must be a bool"),
     (dict(norm_eps=True), TypeError, "norm_eps"),
     (dict(norm_eps=0.0), ValueError, "norm_eps must be > 0"),
+    (dict(norm_eps=1e-50), ValueError, "norm_eps .*fp32's normal range"),
+    (dict(norm_eps=1e39), ValueError, "norm_eps .*fp32's normal range"),
+    (dict(out=torch.empty(1, 16).expand(2, 16)), ValueError, "out's elements overlap"),
+    (dict(residual=torch.randn(1, 16).expand(2, 16), out="residual"), ValueError,
+     "out's elements overlap"),
     (dict(residual=torch.randn(2, 15)), ValueError, r"residual must be \[M, N\] = \[2, 16\]"),
     (dict(residual=torch.randn(2, 16), silu_mul=True), ValueError, r"residual must be \[M, F\]"),
     (dict(out=torch.randn(2, 16).half()), TypeError, "out dtype"),
@@ -201,6 +206,8 @@ def test_bad_input_refused_by_name(case, error, match):
     args.update(case)
     if args.get("settings") == "fma":
         args["settings"] = g.GemvSettings(16, 32, 1, False, 4, 1)
+    if args.get("out") == "residual":  # in place, over a residual whose rows overlap
+        args["out"] = args["residual"]
     x, w = args.pop("x"), args.pop("w")
     with pytest.raises(error, match=match):
         g.gemv(x, w, **args)

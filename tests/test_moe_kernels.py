@@ -989,7 +989,7 @@ def _fake_grouping(E=4, k=2, T=2, block=1):
     ("down", dict(topk_weights=torch.rand(1, 2)), ValueError, "topk_weights has T=1 tokens; the grouping"),
     ("down", dict(topk_weights=torch.rand(4, 2)), ValueError, "topk_weights has T=4 tokens"),
     ("down", dict(topk_weights=torch.rand(2, 2, device="meta")), ValueError, "topk_weights must be on act's device"),
-    ("down", dict(out=torch.empty(1, 16).expand(2, 16)), ValueError, "out's rows overlap"),
+    ("down", dict(out=torch.empty(1, 16).expand(2, 16)), ValueError, "out's elements overlap"),
     ("down", dict(partial_overlap=True), ValueError, "out must be residual itself or not overlap it"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_grouped_launchers_refuse_bad_input_by_name(what, change, error, match):

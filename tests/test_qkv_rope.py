@@ -464,9 +464,68 @@ def test_fma_settings_refused_by_name(monkeypatch):
                 block_table=torch.zeros(9, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="use_dot=False takes at most 8 rows"):
         qkv_rope_append(**many, settings=s)
-    bad = QkvRopeSettings(BLOCK_K=16, split_k=1, num_warps=4, num_stages=1, use_dot=0)
-    with pytest.raises(ValueError, match="settings.use_dot must be a bool"):
-        qkv_rope_append(**a, settings=bad)
+    with pytest.raises(ValueError, match="QkvRopeSettings.use_dot must be a bool"):
+        QkvRopeSettings(BLOCK_K=16, split_k=1, num_warps=4, num_stages=1, use_dot=0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(BLOCK_K=48), "BLOCK_K must be a power of two"),
+    (dict(BLOCK_K=0), "BLOCK_K must be a positive int"),
+    (dict(BLOCK_K=8), "BLOCK_K must be >= 16"),
+    (dict(BLOCK_K=True), "BLOCK_K must be a positive int"),
+    (dict(split_k=2.0), "split_k must be a positive int"),
+    (dict(split_k=100), "split_k must be <= 16"),
+    (dict(num_warps=3), "num_warps must be a power of two"),
+    (dict(num_stages=0), "num_stages must be a positive int"),
+])
+def test_settings_refuse_bad_fields(kw, match):
+    with pytest.raises(ValueError, match=match):
+        QkvRopeSettings(**{**dict(BLOCK_K=16, split_k=1, num_warps=4, num_stages=1), **kw})
+
+
+def test_overlapping_outputs_and_caches_refused(monkeypatch):
+    """q_out with overlapping rows or over an input, caches that overlap each other or
+    themselves, K = 0, an eps that fp32 flushes to zero, a non-bool pdl: refused by name
+    before any launch."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a = _good()
+    M, K = a["x"].shape
+    HKV, D = a["k_cache"].shape[2], a["k_cache"].shape[3]
+    HQ = a["wqkv"].shape[0] // D - 2 * HKV
+    expanded = torch.empty(1, HQ, D, dtype=a["x"].dtype).expand(M, HQ, D)
+    cases = [
+        (dict(q_out=expanded), "q_out's elements overlap"),
+        (dict(v_cache=a["k_cache"]), "k_cache and v_cache must not overlap"),
+        (dict(k_cache=a["k_cache"][:, :, :1].expand(a["k_cache"].shape)), "k_cache's elements overlap"),
+        (dict(norm_eps=1e-50), "norm_eps .*fp32's normal range"),
+        (dict(pdl=1), "pdl must be None, True or False"),
+    ]
+    cases.append((dict(q_out=a["wqkv"].view(-1)[:M * HQ * D].view(M, HQ, D)),
+                  "q_out must not overlap wqkv"))
+    for change, match in cases:
+        with pytest.raises(ValueError, match=match):
+            qkv_rope_append(**{**a, **change})
+    with pytest.raises(ValueError, match="hidden size 0 must be a positive multiple of 16"):
+        qkv_rope_append(**{**a, "x": torch.empty(M, 0, dtype=a["x"].dtype),
+                           "wqkv": torch.empty(a["wqkv"].shape[0], 0, dtype=a["x"].dtype)})
+
+
+def test_workspace_refuses_bad_shapes():
+    from wsattn.kernels.qkv_rope import qkv_rope_workspace
+
+    s = QkvRopeSettings(BLOCK_K=16, split_k=2, num_warps=4, num_stages=1)
+    for kw, match in ((dict(q_heads=0), "q_heads must be a positive int"),
+                      (dict(q_heads=2.5), "q_heads must be a positive int"),
+                      (dict(q_heads=3, kv_heads=2), "multiple of kv_heads"),
+                      (dict(head_dim=100), "head_dim must be one of"),
+                      (dict(head_dim=True), "head_dim must be one of")):
+        args = {**dict(rows=4, q_heads=4, kv_heads=2, head_dim=64), **kw}
+        with pytest.raises(ValueError, match=match):
+            qkv_rope_workspace("cpu", settings=s, **args)
+    with pytest.raises(ValueError, match="hidden must be a positive multiple of 16"):
+        qkv_rope_workspace("cpu", 4, 4, 2, 64, hidden=0, dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        qkv_rope_workspace("cpu", 4, 4, 2, 64, hidden=64, dtype=torch.int32)
 
 
 def test_good_input_passes_validation():

@@ -73,7 +73,7 @@ def _gluon_supports(call: Call) -> str | None:
 
 
 def _triton_supports(call: Call) -> str | None:
-    if call.device.type != "cuda" and not interpreting():
+    if call.device.type != "cuda" and not (interpreting() and call.device.type == "cpu"):
         return (f"the Triton kernels run on CUDA tensors, got tensors on {call.device}; set "
                 "TRITON_INTERPRET=1 to run them through the interpreter on the CPU, or use "
                 "impl='reference'")

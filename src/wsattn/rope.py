@@ -33,10 +33,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None,
         >>> inv.shape, inv.dtype
         (torch.Size([64]), torch.float32)
     """
-    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 \
+            or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
-    if not isinstance(theta, (int, float)) or not theta > 0:
-        raise ValueError(f"theta must be a positive number, got {theta!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) \
+            or not 0 < theta <= torch.finfo(torch.float32).max:
+        # (computed in fp32 as transformers computes it: past fp32's range theta is inf)
+        raise ValueError(f"theta must be a positive number within fp32's range, got {theta!r}")
     rope_type = "default"
     if scaling is not None:
         if not isinstance(scaling, dict):

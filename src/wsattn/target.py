@@ -56,11 +56,11 @@ def target_of(device: torch.device) -> Target:
             sms = torch.cuda.get_device_properties(index).multi_processor_count
             target = _CUDA_TARGETS[index] = Target("cuda", major * 10 + minor, sms)
         return target
-    if interpreting():
+    if interpreting() and device.type == "cpu":
         return Target("interpreter", 0, 4)
     raise UnsupportedTargetError(
-        f"Triton kernels need CUDA tensors, got tensors on {device}; set TRITON_INTERPRET=1 "
-        "to run them through the Triton interpreter on the CPU, or pass impl='reference'"
+        f"Triton kernels need CUDA tensors (or CPU tensors under TRITON_INTERPRET=1, the "
+        f"Triton interpreter), got tensors on {device}; or pass impl='reference'"
     )
 
 

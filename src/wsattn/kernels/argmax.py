@@ -92,13 +92,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     B, V = logits.shape
     if V == 0:
         raise ValueError("logits has no entries to take the argmax of (V = 0)")
-    if V >= 2 ** 31 - 1:
-        raise ValueError(f"logits has V = {V} entries; the kernel's int32 indices take fewer "
-                         f"than 2**31 - 1")
+    if V > 2 ** 31 - 1 - CHUNK:
+        # the chunk kernel's int32 (c + 1) * CHUNK must not wrap for the last chunk
+        raise ValueError(f"logits has V = {V} entries; the kernel's int32 indices take at "
+                         f"most 2**31 - 1 - {CHUNK}")
     if logits.stride(1) != 1:
         raise ValueError(f"logits needs a contiguous last dimension, got strides "
                          f"{tuple(logits.stride())}")
-    if logits.device.type != "cuda" and not interpreting():
+    if logits.device.type != "cuda" and not (interpreting() and logits.device.type == "cpu"):
         raise ValueError(f"argmax runs on CUDA tensors (or the Triton interpreter), got "
                          f"logits on {logits.device}")
     out = empty((B,), torch.int64, logits.device)

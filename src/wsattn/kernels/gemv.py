@@ -45,7 +45,8 @@ from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from ._precision import F32_DOT
+from ._overlap import overlaps, same_view, self_overlaps
+from ._precision import F32_DOT, check_eps
 
 
 @triton.jit
@@ -554,15 +555,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _interpreter_patched = False
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1 = a0 + (a.shape[0] - 1) * a.stride(0) * a.element_size() + a.shape[1] * a.element_size()
-    b1 = b0 + (b.shape[0] - 1) * b.stride(0) * b.element_size() + b.shape[1] * b.element_size()
-    return a0 < b1 and b0 < a1
-
-
 def _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings):
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise TypeError("x and w must be torch.Tensors")
@@ -595,8 +587,7 @@ def _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings):
     if norm_eps is not None:
         if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
             raise TypeError(f"norm_eps must be None or a float, got {norm_eps!r}")
-        if not norm_eps > 0:
-            raise ValueError(f"norm_eps must be > 0, got {norm_eps}")
+        check_eps("norm_eps", norm_eps)
     for name, t in (("residual", residual), ("out", out)):
         if t is None:
             continue
@@ -612,11 +603,13 @@ def _check(x, w, norm_eps, residual, silu_mul, out, pdl, settings):
         if M and nout and t.stride(1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension, got strides {t.stride()}")
     if out is not None and M and nout:
+        if self_overlaps(out):
+            raise ValueError(f"out's elements overlap (strides {out.stride()}): two "
+                             "programs would write one address")
         for name, t in (("x", x), ("w", w)):
-            if _overlaps(out, t):
+            if overlaps(out, t):
                 raise ValueError(f"out must not overlap {name}: other programs still read it")
-        if residual is not None and _overlaps(out, residual) and (
-                out.data_ptr() != residual.data_ptr() or out.stride() != residual.stride()):
+        if residual is not None and overlaps(out, residual) and not same_view(out, residual):
             raise ValueError("out may be residual itself (in-place) but must not partly "
                              "overlap it")
     if pdl is not None and not isinstance(pdl, bool):

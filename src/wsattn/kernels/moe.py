@@ -69,7 +69,9 @@ import triton.language as tl
 from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
+from ._overlap import overlaps, same_view, self_overlaps
 from ._intmath import cdiv, next_pow2
+from ._precision import FP32_MAX, FP32_TINY, check_eps
 from .gemv import accumulate
 
 
@@ -508,9 +510,6 @@ ROW_BYTES = 256  # bytes of a weight row a dot tile covers (as gemv.py)
 FMA_TILE_ELEMS = 4096  # weight elements of an FMA tile (16-bit; half for fp32)
 STAGE_BUDGET = 96 * 1024
 MAX_STAGES = 6
-# fp32's normal range: norm_eps and scale reach the kernels as fp32 arguments
-FP32_TINY = float(torch.finfo(torch.float32).tiny)
-FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -676,14 +675,8 @@ def _check_x(x):
 
 
 def _check_norm_eps(norm_eps):
-    if norm_eps is None:
-        return
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)):
-        raise TypeError(f"norm_eps must be None or a float, got {norm_eps!r}")
-    if not FP32_TINY <= norm_eps <= FP32_MAX:
-        # the kernels take it as an fp32 argument: below this it flushes to 0, above it is inf
-        raise ValueError(f"norm_eps must be > 0 and in fp32's normal range "
-                         f"[{FP32_TINY:.4e}, {FP32_MAX:.4e}], got {norm_eps}")
+    if norm_eps is not None:
+        check_eps("norm_eps", norm_eps)
 
 
 def _check_grouping(grouping, device):
@@ -1273,24 +1266,11 @@ def _check_out_residual(out, residual, T, H, dtype, device, like):
             raise ValueError(f"{name} must be on {device} with a contiguous last dimension")
     if out is None:
         return
-    if T > 1 and abs(out.stride(0)) < H:
-        raise ValueError(f"out's rows overlap (row stride {out.stride(0)} < H={H})")
-    if residual is not None and not _same_view(out, residual) and _overlap(out, residual):
+    if self_overlaps(out):
+        raise ValueError(f"out's elements overlap (strides {out.stride()}): two programs "
+                         "would write one address")
+    if residual is not None and not same_view(out, residual) and overlaps(out, residual):
         raise ValueError("out must be residual itself or not overlap it")
-
-
-def _same_view(a, b):
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
-
-
-def _overlap(a, b):
-    """Whether the memory spans of two tensors on one device intersect."""
-    def span(t):
-        lo = t.data_ptr()
-        return lo, lo + (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))) \
-            * t.element_size()
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
 
 
 def _combine(y, out, residual, grouping, T, H, pdl):

@@ -65,7 +65,8 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from ._precision import F32_DOT
+from ._overlap import overlaps, self_overlaps
+from ._precision import F32_DOT, check_eps
 from . import gemv as _gemv
 from .gemv import GemvSettings, accumulate, gemv, store_partials, stream_w, sum_partials
 
@@ -317,6 +318,24 @@ class QkvRopeSettings:
     num_warps: int
     num_stages: int
     use_dot: bool = True
+
+    def __post_init__(self):
+        for name in ("BLOCK_K", "split_k", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"QkvRopeSettings.{name} must be a positive int, got {value!r}")
+        for name in ("BLOCK_K", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"QkvRopeSettings.{name} must be a power of two, got {value}")
+        if self.BLOCK_K < 16:
+            raise ValueError(f"QkvRopeSettings.BLOCK_K must be >= 16 (tl.dot's minimum, and "
+                             f"x's K is a multiple of 16), got {self.BLOCK_K}")
+        if self.split_k > MAX_SPLIT_K:
+            raise ValueError(f"QkvRopeSettings.split_k must be <= {MAX_SPLIT_K}, got "
+                             f"{self.split_k}")
+        if not isinstance(self.use_dot, bool):
+            raise ValueError(f"QkvRopeSettings.use_dot must be a bool, got {self.use_dot!r}")
 
 
 @dataclass(frozen=True)
@@ -669,8 +688,20 @@ def qkv_rope_workspace(device, rows: int, q_heads: int, kv_heads: int, head_dim:
     are zeroed. Allocate it before a CUDA graph capture and pass it to every launch the
     graph captures."""
     device = torch.device(device)
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"rows must be a positive int, got {rows!r}")
+    for name, value in (("rows", rows), ("q_heads", q_heads), ("kv_heads", kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+    if head_dim not in HEAD_DIMS or isinstance(head_dim, bool):
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim!r}")
+    if settings is None and (isinstance(hidden, bool) or not isinstance(hidden, int)
+                             or hidden < 16 or hidden % 16):
+        raise ValueError(f"hidden must be a positive multiple of 16 (x's K) when settings is "
+                         f"None, got {hidden!r}")
+    if settings is None and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES} (x's) when settings is None, got "
+                         f"{dtype!r}")
     if settings is None:
         if hidden is None or dtype is None:
             raise ValueError("qkv_rope_workspace: give settings, or hidden and dtype for the "
@@ -755,8 +786,8 @@ def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError("x must have a contiguous last dimension")
-    if K % 16:
-        raise ValueError(f"x: hidden size {K} must be a multiple of 16")
+    if K == 0 or K % 16:
+        raise ValueError(f"x: hidden size {K} must be a positive multiple of 16")
     _tensor("k_cache", k_cache, 4, (dt,), dev)
     _tensor("v_cache", v_cache, 4, (dt,), dev)
     if v_cache.shape != k_cache.shape:
@@ -765,6 +796,12 @@ def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.stride(3) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
+        if self_overlaps(c):
+            raise ValueError(f"{name}'s elements overlap (strides {c.stride()}): two rows "
+                             "would be appended to one address")
+    if overlaps(k_cache, v_cache):
+        raise ValueError("k_cache and v_cache must not overlap: each row's key and value are "
+                         "written to both")
     HKV, D = k_cache.shape[2], k_cache.shape[3]
     if D not in HEAD_DIMS:
         raise ValueError(f"k_cache: head dim {D} is not supported (one of {HEAD_DIMS})")
@@ -804,14 +841,13 @@ def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
             if g.shape[0] != n or g.stride(0) != 1:
                 raise ValueError(f"{name} must be a contiguous [{n}] ({what}), got "
                                  f"{tuple(g.shape)}")
-        if not isinstance(qk_eps, (int, float)) or isinstance(qk_eps, bool) or not qk_eps >= 0:
-            raise ValueError(f"qk_eps must be a non-negative float with q_norm/k_norm, got "
-                             f"{qk_eps!r}")
+        if qk_eps is None:
+            raise ValueError("qk_eps (the QK-norm's epsilon) is needed with q_norm/k_norm")
+        check_eps("qk_eps", qk_eps, ValueError)
     elif qk_eps is not None:
         raise ValueError("qk_eps given without q_norm/k_norm")
-    if norm_eps is not None and (not isinstance(norm_eps, (int, float))
-                                 or isinstance(norm_eps, bool) or not norm_eps >= 0):
-        raise ValueError(f"norm_eps must be None or a non-negative float, got {norm_eps!r}")
+    if norm_eps is not None:
+        check_eps("norm_eps", norm_eps, ValueError)
     _tensor("inv_freq", inv_freq, 1, (torch.float32,), dev)
     if inv_freq.shape[0] != D // 2 or inv_freq.stride(0) != 1:
         raise ValueError(f"inv_freq must be a contiguous fp32 [{D // 2}] (head dim / 2), got "
@@ -840,7 +876,14 @@ def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
         if tuple(q_out.shape) != (M, HQ, D) or q_out.stride(2) != 1:
             raise ValueError(f"q_out must be [{M}, {HQ}, {D}] with a contiguous last dimension, "
                              f"got {tuple(q_out.shape)}")
-    if pdl not in (None, True, False):
+        if self_overlaps(q_out):
+            raise ValueError(f"q_out's elements overlap (strides {q_out.stride()}): two "
+                             "programs would write one address")
+        for name, t in (("x", x), ("wqkv", wqkv), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if overlaps(q_out, t):
+                raise ValueError(f"q_out must not overlap {name}: other programs still read "
+                                 "or write it")
+    if pdl is not None and not isinstance(pdl, bool):
         raise ValueError(f"pdl must be None, True or False, got {pdl!r}")
     if dev.type == "cpu":  # index values cost no synchronisation here: check them
         if M and (positions.min() < 0 or positions.max() >= capacity):
@@ -951,11 +994,13 @@ def qkv_rope_append(x, wqkv, *, bqkv=None, q_norm=None, k_norm=None, norm_eps=No
                                   else None)
     if not isinstance(settings, QkvRopeSettings):
         raise ValueError(f"settings must be a {_SETTINGS_NAMES}, got {type(settings).__name__}")
+    elif target.backend == "interpreter" and x.dtype == torch.bfloat16:
+        raise ValueError("x: the fused QKV + RoPE kernel does not run bfloat16 in the Triton "
+                         "interpreter (its tl.dot multiplies bf16 as raw bits); use fp16 / "
+                         "fp32 there, or a GPU")
     elif K % settings.BLOCK_K or settings.split_k < 1:
         raise ValueError(f"settings: BLOCK_K {settings.BLOCK_K} must divide K = {K} and "
                          f"split_k {settings.split_k} be >= 1")
-    elif not isinstance(settings.use_dot, bool):
-        raise ValueError(f"settings.use_dot must be a bool, got {settings.use_dot!r}")
     elif not settings.use_dot and M > FMA_MAX_ROWS:
         raise ValueError(f"settings.use_dot=False takes at most {FMA_MAX_ROWS} rows (one "
                          f"row block), got x with {M}")

@@ -77,6 +77,53 @@ def test_varlen_bad_cu_seqlens():
             impl="triton")
 
 
+def test_merge_parts_must_agree_before_stacking():
+    """A list of parts is checked part by part (torch.stack would promote mixed dtypes,
+    and fail on shapes or devices without naming the part)."""
+    o, l = torch.randn(3, 64), torch.zeros(3)
+    _raises(ValueError, r"lses\[1\] must have lses\[0\]'s dtype", wsattn.merge_states,
+            [o, o], [l, l.long()], impl="reference")
+    _raises(ValueError, r"outputs\[1\] must have outputs\[0\]'s dtype", wsattn.merge_states,
+            [o, o.half()], [l, l], impl="reference")
+    _raises(ValueError, r"outputs\[1\] must have outputs\[0\]'s shape", wsattn.merge_states,
+            [o, o[:2]], [l, l], impl="reference")
+    _raises(ValueError, r"lses\[1\] must have lses\[0\]'s device", wsattn.merge_states,
+            [o, o], [l, l.to("meta")], impl="reference")
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_sm_scale_within_fp32_after_log2e(impl):
+    """The kernels take sm_scale * log2(e) as an fp32 argument: a scale that overflows it
+    (or flushes it to zero) is refused, on every path."""
+    q, k, v = _qkv()
+    for bad in (1e39, 3e38, 1e-40):
+        _raises(ValueError, r"sm_scale .*fp32's normal range", wsattn.attention, q, k, v,
+                sm_scale=bad, impl=impl)
+    kc = torch.randn(1, 8, 2, 64, dtype=torch.float16)
+    _raises(ValueError, r"sm_scale .*fp32's normal range", wsattn.decode, q[:, 0], kc, kc,
+            torch.full((1,), 4, dtype=torch.int32), sm_scale=1e39, impl=impl)
+
+
+def test_triton_refuses_tensors_off_cpu_and_cuda(monkeypatch):
+    """Under the interpreter only CPU tensors run on it: a meta tensor is named, not run."""
+    from wsattn.target import UnsupportedTargetError, target_of
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(UnsupportedTargetError, match="got tensors on meta"):
+        target_of(torch.device("meta"))
+    q, k, v = (t.to("meta") for t in _qkv())
+    _raises(ValueError, r"Triton kernels run on CUDA tensors, got tensors on meta",
+            wsattn.attention, q, k, v, impl="triton")
+
+
+def test_rope_theta_refused_outside_fp32():
+    from wsattn.rope import rope_inv_freq
+
+    for bad in (True, float("inf"), 1e39, 0.0, -1.0):
+        _raises(ValueError, "theta must be a positive number within fp32's range",
+                rope_inv_freq, 64, bad)
+
+
 def test_merge_bad_input():
     o = torch.randn(2, 3, 64)
     _raises(TypeError, r"lses must be float32", wsattn.merge_states, o, torch.zeros(2, 3, dtype=torch.float64))

@@ -452,6 +452,22 @@ def _bad_cases():
     case("append-short", ValueError, r"k_new / v_new append the chunk .* sequence 1 has "
          r"seqlens_k 4 < q_len 5", seqlens_k=lambda x: i32(10, 4), causal=False,
          k_new=lambda x: new(x), v_new=lambda x: new(x))
+    # the append writes both caches: aliased caches, or two sequences' new rows mapped to
+    # one cache row, would overwrite keys (shared prefix pages that are only read are fine)
+    case("append-caches-aliased", ValueError, r"k_cache and v_cache must not overlap when "
+         r"k_new / v_new append", v_cache=lambda x: x["k_cache"],
+         k_new=lambda x: new(x), v_new=lambda x: new(x))
+    case("append-rows-shared", ValueError, r"two sequences' appended rows land on the same "
+         r"cache row", block_table=lambda x: x["block_table"][:1].expand(2, -1).contiguous(),
+         seqlens_k=lambda x: i32(10, 10), validate=True,
+         k_new=lambda x: new(x), v_new=lambda x: new(x))
+    case("append-k_new-in-the-cache", ValueError, r"k_new must not overlap k_cache",
+         k_new=lambda x: x["k_cache"].view(-1, 2, 64)[:8], v_new=lambda x: new(x))
+    case("sm_scale-flushes-to-zero", ValueError, r"sm_scale must be a positive finite number "
+         r"with sm_scale \* log2\(e\) in fp32's normal range", sm_scale=1e-40)
+    case("sm_scale-overflows", ValueError, r"in fp32's normal range", sm_scale=1e39)
+    case("q-heads-zero", ValueError, r"query heads \(q: 0\) must be a positive multiple",
+         q=lambda x: x["q"][:, :0], k_new=lambda x: new(x), v_new=lambda x: new(x))
     return cases
 
 
@@ -875,3 +891,18 @@ def test_ladder_baseline_is_the_same_attention_over_contiguous_keys(monkeypatch)
     contig = run.baseline(inp)
     assert rel_err(paged_out, ref_out) <= tol(torch.float16)
     assert rel_err(contig, ref_out) <= tol(torch.float16)
+
+
+def test_appended_rows_shared_only_when_two_new_rows_meet():
+    """Sequences may share prefix pages they only read; only the rows the append writes
+    (each sequence's last q_len positions) must map to distinct (page, slot)s."""
+    from wsattn.api import _appended_rows_shared
+
+    i32 = lambda *rows: torch.tensor(rows, dtype=torch.int32)  # noqa: E731
+    lens, page = i32(12, 12), 4
+    shared_prefix = i32([0, 1, 2], [0, 1, 3])
+    assert not bool(_appended_rows_shared(shared_prefix, lens, i32(3, 3), page))
+    assert not bool(_appended_rows_shared(shared_prefix, lens, i32(5, 3), page))
+    assert bool(_appended_rows_shared(shared_prefix, lens, i32(6, 6), page))  # page 1, slots 2-3
+    assert bool(_appended_rows_shared(i32([0, 1, 2], [0, 1, 2]), lens, i32(1, 1), page))
+    assert not bool(_appended_rows_shared(i32([0, 1, 2]), i32(12), i32(12), page))

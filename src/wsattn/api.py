@@ -117,7 +117,7 @@ def _check_kernel_inputs(dtype, impl, head_dim, op):
 
 
 def _check_heads(hq, hkv, q_name="q", k_name="k"):
-    if hkv == 0 or hq % hkv:
+    if hkv == 0 or hq == 0 or hq % hkv:
         raise ValueError(f"the number of query heads ({q_name}: {hq}) must be a positive "
                          f"multiple of the number of KV heads ({k_name}: {hkv})")
 
@@ -156,7 +156,17 @@ def _scale(sm_scale, d):
                         f"{type(sm_scale).__name__} {sm_scale!r}")
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+    if not _FP32_TINY <= sm_scale * _LOG2E <= _FP32_MAX:
+        # the kernels take sm_scale * log2(e) as an fp32 argument
+        raise ValueError(f"sm_scale must be a positive finite number with sm_scale * log2(e) "
+                         f"in fp32's normal range (sm_scale in [{_FP32_TINY / _LOG2E:.4e}, "
+                         f"{_FP32_MAX / _LOG2E:.4e}]), got {sm_scale!r}")
     return float(sm_scale)
+
+
+_LOG2E = 1.4426950408889634
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+_FP32_TINY = float(torch.finfo(torch.float32).tiny)
 
 
 def _resolve(impl, call: Call) -> str:
@@ -547,7 +557,9 @@ def check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, num_pages
     lq_t = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(seqlens_k.device)
     short = (seqlens_k < lq_t) & (causal or appending)
     pages_bad = _pages_bad(block_table, seqlens_k, page, num_pages)
-    flags = torch.stack([lens_bad.any(), short.any(), pages_bad.any()]).tolist()
+    shared = _appended_rows_shared(block_table, seqlens_k, lq_t, page) if appending else \
+        torch.zeros((), dtype=torch.bool, device=seqlens_k.device)
+    flags = torch.stack([lens_bad.any(), short.any(), pages_bad.any(), shared]).tolist()
     if flags[0]:
         b = int(lens_bad.nonzero()[0, 0])
         raise ValueError(f"seqlens_k[{b}]={int(seqlens_k[b])} must lie in [0, {capacity}] (the "
@@ -562,9 +574,32 @@ def check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, num_pages
                          f"{b} has seqlens_k {int(seqlens_k[b])} < q_len {lq[b]}")
     if flags[2]:
         _raise_bad_page(block_table, pages_bad, num_pages)
+    if flags[3]:
+        raise ValueError("k_new / v_new: two sequences' appended rows land on the same cache "
+                         "row (block_table maps their new positions to one page slot); one "
+                         "would overwrite the other's keys")
 
 
-def _check_new_kv(k_new, v_new, k_cache, Tq) -> bool:
+def _appended_rows_shared(block_table, seqlens_k, q_lens, page):
+    """Whether two appended rows (sequence b's positions seqlens_k[b] - q_len[b] ..
+    seqlens_k[b] - 1) map to one (page, slot) of the cache: a 0-d bool tensor, computed
+    on the device (read with the other flags). Shared prefix pages that are only read are
+    fine; only the rows the append writes must be distinct."""
+    dev = block_table.device
+    q_lens = q_lens.to(dev, torch.int64)
+    ends = seqlens_k.to(dev, torch.int64)
+    seq = torch.repeat_interleave(torch.arange(block_table.shape[0], device=dev), q_lens)
+    if seq.numel() < 2:
+        return torch.zeros((), dtype=torch.bool, device=dev)
+    first = torch.cumsum(q_lens, 0) - q_lens
+    pos = ends[seq] - q_lens[seq] + (torch.arange(seq.numel(), device=dev) - first[seq])
+    pos = pos.clamp(0, block_table.shape[1] * page - 1)  # (out-of-range rows: lens_bad)
+    pages = block_table.to(torch.int64)[seq, pos // page]
+    rows = torch.sort(pages * page + pos % page).values
+    return (rows[1:] == rows[:-1]).any()
+
+
+def _check_new_kv(k_new, v_new, k_cache, v_cache, Tq) -> bool:
     """k_new / v_new of a paged call: both None, or both [Tq, Hkv, D] like the cache's
     rows, its dtype and device, last dim contiguous. Returns whether the call appends."""
     if k_new is None and v_new is None:
@@ -581,6 +616,21 @@ def _check_new_kv(k_new, v_new, k_cache, Tq) -> bool:
         _last_dim_contiguous(n, t)
     _same(("k_cache", "k_new", "v_new"), (k_cache, k_new, v_new), "dtype")
     _same(("k_cache", "k_new", "v_new"), (k_cache, k_new, v_new), "device")
+    from .kernels._overlap import overlaps, self_overlaps
+    # the append writes both caches: aliased caches would take the values over the keys,
+    # and k_new / v_new inside a cache would be read while being written
+    for n, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if self_overlaps(c):
+            raise ValueError(f"{n}'s elements overlap (strides {c.stride()}): k_new / v_new "
+                             "append to it")
+    if overlaps(k_cache, v_cache):
+        raise ValueError("k_cache and v_cache must not overlap when k_new / v_new append "
+                         "to them")
+    for n, t in (("k_new", k_new), ("v_new", v_new)):
+        for cn, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if overlaps(t, c):
+                raise ValueError(f"{n} must not overlap {cn}: the append writes the cache "
+                                 "while reading it")
     return True
 
 
@@ -629,7 +679,7 @@ def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_s
     if block_table.shape[0] != B:
         raise ValueError(f"block_table must be [batch={B}, max_pages], got "
                          f"{tuple(block_table.shape)}")
-    appending = _check_new_kv(k_new, v_new, k_cache, Tq)
+    appending = _check_new_kv(k_new, v_new, k_cache, v_cache, Tq)
     if _values_checked(validate, cu_seqlens_q, seqlens_k, block_table):
         check_attention_paged_values(cu_seqlens_q, seqlens_k, block_table, k_cache.shape[0],
                                      k_cache.shape[1], Tq, causal, max_seqlen_q, appending)
@@ -760,9 +810,12 @@ def attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,
                                              scale)
         return _finish(out, lse, q.dtype, return_lse)
     from . import ops
-    from .kernels import paged_append, paged_gather, prefill_gluon, prefill_paged
+    from .kernels import paged_append, paged_gather, prefill_gluon, prefill_paged, prefill_triton
+    from .target import target_of
     ops._interpreter_ready(q.device)  # the interpreter work-arounds, as for the other ops
     if k_new is not None:  # into the caller's cache itself, before any kernel reads it
+        if q.device.type == "cuda":  # what the attention launch would refuse, refused first
+            prefill_triton.tile_family(target_of(q.device), q.shape[2], "paged prefill")
         paged_append.append_kv(k_new, v_new, k_cache, v_cache, cu_q, lens_k, table)
     max_q = None if max_seqlen_q is None else min(int(max_seqlen_q), q.shape[0])
     qk, kc, vc = _run_kernels(impl, q.device, q, k_cache, v_cache)
@@ -823,6 +876,12 @@ def merge_states(outputs, lses, *, lse_layout: str = "outputs", impl: str = "aut
                 raise ValueError(f"{name} must hold at least one part, got an empty sequence")
             for i, t in enumerate(x):
                 _tensor(f"{name}[{i}]", t)
+                # torch.stack would promote mixed dtypes (and fail on shapes or devices
+                # without naming the part)
+                for what in ("dtype", "shape", "device"):
+                    if getattr(t, what) != getattr(x[0], what):
+                        raise ValueError(f"{name}[{i}] must have {name}[0]'s {what} "
+                                         f"({getattr(x[0], what)}), got {getattr(t, what)}")
     if isinstance(outputs, (list, tuple)):
         outputs = torch.stack(list(outputs))
     if isinstance(lses, (list, tuple)):

@@ -448,6 +448,15 @@ def battery_bad_input(rank, W):
         sp.invariant_decode(x(1, 4, 16), kp, vp, blens, table, 8, **ref)
     _run_check(res, "bad-invariant-group-size", lambda: expect_error(
         wrong_group, sp.ShardError, "group of size", "another number of ranks"))
+
+    # invariant-decode shards of W blocks decoded as W - 1: the last rank's block (keys in
+    # a slot past n_blocks) would be dropped by the merge; refused on every rank instead
+    def keys_past_n_blocks():
+        k = x(1, 8 * W, 2, 16)
+        kp, vp, table, blens = shard_kv_cache_blocks(k, k, [8 * W], W, rank, W, 8, 4)
+        sp.invariant_decode(x(1, 4, 16), kp, vp, blens, table, W - 1, **ref)
+    _run_check(res, "bad-invariant-keys-past-n-blocks", lambda: expect_error(
+        keys_past_n_blocks, sp.ShardError, f"rank {W - 1}", "past the"))
     res.update(_bad_input_one_rank(rank, W))
     return res
 
@@ -500,6 +509,12 @@ def _bad_input_one_rank(rank, W, device="cpu"):
     case("decode-sm-scale-negative", dec(sm_scale=-1.0), dec(), "sm_scale")
     case("decode-exchange-unknown", dec(exchange="bogus"), dec(), "exchange must be one of")
     case("decode-impl-unknown", dec(impl="fast"), dec(), "impl must be one of")
+    case("decode-timeout-not-a-number", dec(timeout_s="30"), dec(),
+         "timeout_s must be None or a positive finite number")
+    case("decode-sm-scale-unlike-peers", dec(sm_scale=2.0), dec(),
+         "sm_scale must be the same on every rank")
+    case("decode-return-lse-not-bool", dec(return_lse="False"), dec(),
+         "return_lse must be a bool")
 
     # ---- invariant decode (W-independent shards: one block per rank's slot)
     def inv(bt_dtype=torch.int32, n_blocks=None, **extra):
@@ -513,6 +528,8 @@ def _bad_input_one_rank(rank, W, device="cpu"):
     case("invariant-n-blocks-float", inv(n_blocks=float(W)), inv(),
          "n_blocks must be a positive int")
     case("invariant-sm-scale-nan", inv(sm_scale=float("nan")), inv(), "sm_scale")
+    case("invariant-return-lse-not-bool", inv(return_lse="False"), inv(),
+         "return_lse must be a bool")
 
     # ---- fixed-length prefill, both paths
     S = 4
@@ -536,6 +553,10 @@ def _bad_input_one_rank(rank, W, device="cpu"):
          pre(q=x(1, S, Hq, D, dtype=torch.float64), k=x(1, S, Hkv, D, dtype=torch.float64)),
          pre(), "dtype must be the same on every rank")
     case("prefill-zigzag-not-bool", pre(zigzag="yes"), pre(), "zigzag must be a bool")
+    case("prefill-sm-scale-unlike-peers", pre(sm_scale=2.0), pre(),
+         "sm_scale must be the same on every rank")
+    case("prefill-global-seqlen-float", pre(global_seqlen=float(S * W)), pre(),
+         "global_seqlen must be None or a positive int")
     case("prefill-overlap-transport-unknown", pre(overlapped=True, transport="nvlink"),
          pre(overlapped=True), "transport must be one of")
     if interpreting():  # the kernels take head dims 64/128/256 only: the API's own refusal
@@ -559,6 +580,8 @@ def _bad_input_one_rank(rank, W, device="cpu"):
     case("varlen-q-last-dim-stride", var(q=x(4, Hq, 2 * D)[..., ::2]), var(),
          "q must have a contiguous last dimension")
     case("varlen-causal-not-bool", var(causal="no"), var(), "causal must be a bool")
+    case("varlen-sm-scale-unlike-peers", var(sm_scale=2.0), var(),
+         "sm_scale must be the same on every rank")
     past_end = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
     case("varlen-cu-seqlens-past-the-end", var(cu_k=past_end), var(),
          "cu_seqlens_k[-1] must equal the number of packed tokens")

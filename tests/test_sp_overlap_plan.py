@@ -45,3 +45,27 @@ def test_local_call_plus_one_call_per_peer_covers_the_mask_exactly_once(W, zigza
     if causal:
         want = torch.tril(want)
     assert torch.equal(_coverage(W, zigzag, causal, S), want)
+
+
+def test_sharding_helpers_refuse_what_they_would_misread():
+    """rank outside [0, W), cu_seqlens that do not cover x, lengths past the cache: each a
+    ValueError naming it, not a silently wrong shard."""
+    import pytest
+    import torch
+
+    from wsattn.sp.sharding import shard, shard_kv_cache, shard_kv_cache_blocks, shard_varlen
+
+    x = torch.arange(8)
+    for W, r in ((2, 2), (2, -1), (0, 0), (2, True)):
+        with pytest.raises(ValueError, match="rank|world_size"):
+            shard(x, W, r, dim=0)
+    for cu in ([0, 4, 8, 10][:3], [2, 6, 10], [0, 8, 4], [0, 4, 16], [0.0, 10.0]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            shard_varlen(torch.arange(10), cu, 2, 0)
+    k = torch.randn(2, 64, 1, 16)
+    with pytest.raises(ValueError, match=r"seqlens must hold one length in \[0, L=64\]"):
+        shard_kv_cache(k, k, [66, 64], 2, 0, page_size=16)
+    with pytest.raises(ValueError, match="seqlens must hold one length"):
+        shard_kv_cache(k, k, [3], 2, 0, page_size=16)
+    with pytest.raises(ValueError, match="rank"):
+        shard_kv_cache_blocks(k, k, [8, 8], 2, 3, 2, 16)

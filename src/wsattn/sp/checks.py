@@ -18,7 +18,10 @@ entry points) when the forward is captured in a CUDA graph.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
+import struct
 import time
 import zlib
 
@@ -90,7 +93,12 @@ def agree(op: str, group, rank: int, world_size: int, fields: dict[str, int],
     """Exchange fields and local errors; raise ShardError on every rank when any rank
     reported an error or when a field named in `same` differs across ranks.
 
-    Returns each rank's fields (rank order) for checks that need them all."""
+    Returns each rank's fields (rank order) for checks that need them all. A timeout_s
+    this rank cannot use is reported like any local error (the exchange then waits the
+    default), so every rank raises it instead of one rank raising alone."""
+    bad_timeout = timeout_error(timeout_s)
+    if bad_timeout is not None:
+        error, timeout_s = error or bad_timeout, None
     rows = gather_meta(op, group, world_size, fields, error, timeout_s)
     ops = {r[0] for r in rows}
     if len(ops) != 1 or len({r[1] for r in rows}) != 1:
@@ -124,6 +132,27 @@ def local_error(fn) -> str | None:
     except Exception as e:  # noqa: BLE001 - reported on every rank by agree()
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def timeout_error(timeout_s) -> str | None:
+    """Why timeout_s cannot bound a wait (None, or a positive finite number of seconds)."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) \
+            or not 0 < timeout_s < math.inf:
+        return f"timeout_s must be None or a positive finite number of seconds, got {timeout_s!r}"
+    return None
+
+
+def scale_field(sm_scale) -> int:
+    """sm_scale as an agreement field: its float64 bits (-1 for None, the default scale,
+    which the agreed head dim fixes; -2 for what is not a number, which the local checks
+    refuse)."""
+    if sm_scale is None:
+        return -1
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        return -2
+    return struct.unpack("<q", struct.pack("<d", float(sm_scale)))[0]
 
 
 def flag(name: str, value) -> None:

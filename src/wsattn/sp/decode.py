@@ -272,7 +272,8 @@ def validate_decode(op, q, k_cache, v_cache, seqlens, block_table, group, rank, 
               "head dim": q.shape[2] if ok else -1,
               "kv heads": k_cache.shape[2] if ok else -1,
               "dtype": checks.DTYPE_CODE.get(q.dtype, 0) if ok else -1,
-              "paged": int(block_table is not None), "world size": W}
+              "paged": int(block_table is not None), "world size": W,
+              "sm_scale": checks.scale_field(sm_scale)}
     fields.update(extra or {})
     checks.agree(op, group, rank, W, fields, err, same=tuple(fields), timeout_s=timeout_s)
 
@@ -306,9 +307,14 @@ def decode(q, k_cache, v_cache, seqlens, block_table=None, sm_scale: float | Non
     group = resolve_group(group)
     rank, W = rank_and_size(group)
     request = _safe_request(exchange, impl)  # None when invalid: refused by the check
+
+    def more():
+        _exchange_request(exchange, impl)
+        checks.flag("return_lse", return_lse)
+
     validate_decode("decode", q, k_cache, v_cache, seqlens, block_table, group, rank, W, check,
                     timeout_s, sm_scale=sm_scale, impl=impl, num_splits=num_splits,
-                    more=lambda: _exchange_request(exchange, impl),
+                    more=more,
                     extra={"exchange": checks.code(request, EXCHANGES)})
     out, lse, _ = partial_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, impl,
                                  num_splits, check)

@@ -83,6 +83,14 @@ def invariant_decode(q, k_cache, v_cache, block_lens, block_table, n_blocks: int
                              f"but {n_blocks} blocks over a group of size {W} need "
                              f"ceil({n_blocks}/{W}) = {nb_loc}: the shards were built for "
                              "another number of ranks")
+        checks.flag("return_lse", return_lse)
+        if check:  # (a host read, as the agreement's): keys in slots past n_blocks would
+            # be dropped by the merge below, which keeps the n_blocks real blocks only
+            pad = [i for i in range(nb_loc) if i * W + rank >= n_blocks]
+            if pad and bool((block_lens[:, pad] != 0).any()):
+                raise ValueError(f"block_lens holds keys in slot(s) {pad}, past the "
+                                 f"{n_blocks} blocks (global block i * {W} + {rank} >= "
+                                 f"n_blocks): the shards were built for more blocks")
         # one decode row per (sequence, slot): what the kernel call below takes
         rows.update(nb_loc=nb_loc, lens=block_lens.reshape(-1),
                     table=block_table.reshape(-1, block_table.shape[-1]),

@@ -211,6 +211,8 @@ def prefill_overlapped(q, k, v, causal: bool = True, sm_scale: float | None = No
     group = resolve_group(group)
     rank, W = rank_and_size(group)
     if W == 1:
+        if not isinstance(transport, str) or transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         return prefill(q, k, v, causal, sm_scale, group=group, zigzag=zigzag, impl=impl,
                        check=check, timeout_s=timeout_s, global_seqlen=global_seqlen)
     resolved = []

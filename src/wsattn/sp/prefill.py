@@ -51,6 +51,11 @@ def validate_fixed(op, q, k, v, causal, zigzag, group, rank, W, check, timeout_s
             checks.check_device(n, t, group)
         checks.flag("causal", causal)
         checks.flag("zigzag", zigzag)
+        checks.flag("check", check)
+        if global_seqlen is not None and (isinstance(global_seqlen, bool) or not isinstance(
+                global_seqlen, int) or global_seqlen < 1):
+            raise ValueError(f"global_seqlen must be None or a positive int, got "
+                             f"{global_seqlen!r}")
         if k.shape != v.shape:
             raise ValueError(f"k and v shards must have the same shape, got {tuple(k.shape)} "
                              f"and {tuple(v.shape)}")
@@ -95,7 +100,8 @@ def validate_fixed(op, q, k, v, causal, zigzag, group, rank, W, check, timeout_s
               "query heads": shape(q, 2), "kv heads": shape(k, 2), "head dim": shape(q, 3),
               "dtype": checks.DTYPE_CODE.get(q.dtype, 0) if err is None else -1,
               "causal": int(causal) if err is None else -1,
-              "zigzag": int(zigzag) if err is None else -1, "world size": W}
+              "zigzag": int(zigzag) if err is None else -1, "world size": W,
+              "sm_scale": checks.scale_field(sm_scale)}
     fields.update(extra or {})
     checks.agree(op, group, rank, W, fields, err, same=tuple(fields), timeout_s=timeout_s)
 
@@ -236,7 +242,8 @@ def _validate_varlen(q, k, v, cu_q, cu_k, causal, zigzag, group, rank, W, check,
               "query heads": q.shape[1] if ok else -1, "kv heads": k.shape[1] if ok else -1,
               "head dim": q.shape[2] if ok else -1,
               "dtype": checks.DTYPE_CODE.get(q.dtype, 0) if ok else -1,
-              "causal": int(causal) if ok else -1, "zigzag": int(zigzag) if ok else -1}
+              "causal": int(causal) if ok else -1, "zigzag": int(zigzag) if ok else -1,
+              "sm_scale": checks.scale_field(sm_scale)}
     checks.agree("prefill_varlen", group, rank, W, fields, err, same=tuple(fields),
                  timeout_s=timeout_s)
     return lq, lk

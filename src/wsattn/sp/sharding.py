@@ -19,10 +19,33 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "local_chunks", "check_shardable", "shard", "unshard", "shard_positions",
+    "local_chunks", "check_shardable", "check_rank", "shard", "unshard", "shard_positions",
     "reorder_gathered", "shard_varlen", "unshard_varlen", "varlen_global_index",
     "shard_kv_cache", "shard_kv_cache_blocks",
 ]
+
+
+def check_rank(world_size, rank) -> None:
+    """ValueError unless world_size >= 1 and 0 <= rank < world_size (ints)."""
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must lie in [0, world_size={world_size}) with world_size >= 1, "
+                         f"got rank {rank}")
+
+
+def _host_ints(name, values) -> list[int]:
+    """A list or 1-D tensor of ints as Python ints (the sharding helpers run on the host)."""
+    if torch.is_tensor(values):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor or a list of ints, got "
+                             f"{values.dtype} {tuple(values.shape)}")
+        return [int(v) for v in values.tolist()]
+    out = list(values)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in out):
+        raise ValueError(f"{name} must hold ints, got {out!r}")
+    return out
 
 
 def local_chunks(world_size: int, rank: int, zigzag: bool) -> tuple[int, ...]:
@@ -54,6 +77,7 @@ def shard(x: torch.Tensor, world_size: int, rank: int, dim: int = 1,
         >>> shard(x, 2, 0, dim=0), shard(x, 2, 1, dim=0)
         (tensor([0, 1, 6, 7]), tensor([2, 3, 4, 5]))
     """
+    check_rank(world_size, rank)
     S = x.shape[dim]
     check_shardable(S, world_size, zigzag)
     c = S // num_chunks(world_size, zigzag)
@@ -106,7 +130,11 @@ def shard_varlen(x: torch.Tensor, cu_seqlens, world_size: int, rank: int,
     Returns (x_local [T/W, ...] packing each sequence's shard in order,
     cu_seqlens_local int32 [B+1] on x's device). Every sequence length must split evenly.
     """
-    cu = [int(v) for v in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+    check_rank(world_size, rank)
+    cu = _host_ints("cu_seqlens", cu_seqlens)
+    if not cu or cu[0] != 0 or cu[-1] != x.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at x's "
+                         f"{x.shape[0]} tokens, got {cu}")
     parts, local = [], [0]
     for i, (a, b) in enumerate(zip(cu, cu[1:])):
         check_shardable(b - a, world_size, zigzag, name=f"sequence {i}")
@@ -174,6 +202,18 @@ def _page_pool(pieces, page_size, Hkv, D, dtype, device, generator=None):
     return pool, tables
 
 
+def _check_lens(seqlens, k, v) -> list[int]:
+    """seqlens as ints, one a sequence of k / v [B, L, Hkv, D], each in [0, L]."""
+    if k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"k and v must be [B, L, Hkv, D] of one shape, got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    lens = _host_ints("seqlens", seqlens)
+    if len(lens) != k.shape[0] or any(not 0 <= n <= k.shape[1] for n in lens):
+        raise ValueError(f"seqlens must hold one length in [0, L={k.shape[1]}] a sequence "
+                         f"(B={k.shape[0]}), got {lens}")
+    return lens
+
+
 def shard_kv_cache(k, v, seqlens, world_size: int, rank: int, page_size: int = 16,
                    seed: int = 0):
     """Rank's paged shard of contiguous caches k, v [B, L, Hkv, D] holding seqlens[b]
@@ -182,7 +222,8 @@ def shard_kv_cache(k, v, seqlens, world_size: int, rank: int, page_size: int = 1
 
     Returns (k_pages, v_pages [num_pages, page_size, Hkv, D], block_table int32
     [B, max_pages], local_seqlens int32 [B]) on k's device."""
-    lens = [int(n) for n in (seqlens.tolist() if torch.is_tensor(seqlens) else seqlens)]
+    check_rank(world_size, rank)
+    lens = _check_lens(seqlens, k, v)
     B, _, Hkv, D = k.shape
     spans = [(n * rank // world_size, n * (rank + 1) // world_size) for n in lens]
     g = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -205,9 +246,10 @@ def shard_kv_cache_blocks(k, v, seqlens, world_size: int, rank: int, n_blocks: i
 
     Returns (k_pages, v_pages, block_table int32 [B, ceil(n_blocks/W), T/page_size],
     block_lens int32 [B, ceil(n_blocks/W)] tokens of each sequence in each slot)."""
+    check_rank(world_size, rank)
     if block_tokens % page_size:
         raise ValueError(f"block_tokens ({block_tokens}) must be a multiple of page_size ({page_size})")
-    lens = [int(n) for n in (seqlens.tolist() if torch.is_tensor(seqlens) else seqlens)]
+    lens = _check_lens(seqlens, k, v)
     if max(lens, default=0) > n_blocks * block_tokens:
         raise ValueError(f"a sequence of {max(lens)} keys does not fit {n_blocks} blocks of "
                          f"{block_tokens}")

@@ -182,3 +182,16 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_triton_grid_limit_refused_before_any_launch(monkeypatch):
+    """The Triton prefill's grid puts heads on y and sequences on z (at most 65535 each in
+    CUDA): more sequences are refused by name in the check, not by the launch."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = _qkv(B=65536, Sq=1, Sk=1, Hq=1, Hkv=1)
+    _raises(ValueError, r"sequences \(65536\) must each be <= 65535", wsattn.api.check_attention,
+            q, k, v, impl="triton")
+    cu = torch.arange(65537, dtype=torch.int32)
+    _raises(ValueError, r"sequences \(65536\)", wsattn.api.check_attention_varlen,
+            q[:, 0], k[:, 0], v[:, 0], cu, cu, impl="triton")
+    wsattn.api.check_attention(q[:65535], k[:65535], v[:65535], impl="triton")

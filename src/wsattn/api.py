@@ -169,6 +169,19 @@ _FP32_MAX = float(torch.finfo(torch.float32).max)
 _FP32_TINY = float(torch.finfo(torch.float32).tiny)
 
 
+GRID_YZ_MAX = 65535  # CUDA's limit on a grid's y and z extents
+
+
+def _check_grid(impl, batch, heads) -> str:
+    """impl, once the Triton prefill's grid (tiles, heads, batch) fits CUDA's limits; a
+    ValueError before any launch (a paged call's append included) otherwise."""
+    if impl == "triton" and max(batch, heads) > GRID_YZ_MAX:
+        raise ValueError(f"impl='triton' launches one program row per (head, sequence): "
+                         f"heads ({heads}) and sequences ({batch}) must each be <= "
+                         f"{GRID_YZ_MAX}; split the batch")
+    return impl
+
+
 def _resolve(impl, call: Call) -> str:
     if impl not in ("auto", "reference"):  # what the caller asked for first, then where
         _check_kernel_inputs(call.dtype, impl, call.head_dim, call.op)
@@ -223,7 +236,7 @@ def _attention_call(q, k, v, causal, sm_scale, impl):
                          f"got q seqlen {Sq} > k seqlen {k.shape[1]}")
     scale = _scale(sm_scale, D)
     call = Call("prefill", q.device, q.dtype, D, causal, Sq, k.shape[1])
-    return scale, _resolve(impl, call)
+    return scale, _check_grid(_resolve(impl, call), B, Hq)
 
 
 def check_attention(q, k, v, causal=False, sm_scale=None, *, impl="auto") -> None:
@@ -320,7 +333,7 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     call = Call("prefill_varlen", q.device, q.dtype, D, causal,
                 Tq if max_seqlen_q is None else min(int(max_seqlen_q), Tq),
                 k.shape[0] if max_seqlen_k is None else min(int(max_seqlen_k), k.shape[0]))
-    return scale, _resolve(impl, call)
+    return scale, _check_grid(_resolve(impl, call), cu_seqlens_q.numel() - 1, Hq)
 
 
 def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
@@ -704,9 +717,10 @@ def _paged_call(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table, max_s
         gather = dispatch.paged_gather(
             call, 2 * rows * k_cache.shape[2] * D * k_cache.element_size(), impl)
     if gather:  # then the varlen kernels run the call: their backend, their rule
-        return scale, _resolve(impl, Call("prefill_varlen", q.device, q.dtype, D, causal,
-                                          seqlen_q=max_q, seqlen_k=cap)), True
-    return scale, _resolve(impl, call), False
+        varlen = Call("prefill_varlen", q.device, q.dtype, D, causal, seqlen_q=max_q,
+                      seqlen_k=cap)
+        return scale, _check_grid(_resolve(impl, varlen), B, Hq), True
+    return scale, _check_grid(_resolve(impl, call), 1, Hq), False
 
 
 def check_attention_paged(q, k_cache, v_cache, cu_seqlens_q, seqlens_k, block_table,

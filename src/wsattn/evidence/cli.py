@@ -194,6 +194,19 @@ def _sanitizer_tools(text) -> tuple:
     return tools
 
 
+def _at_least(low: int):
+    """An argparse type: an int >= low, or a usage error naming the bound."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value}")
+        return value
+    return parse
+
+
 def add_parser(subparsers):
     """Register ``ladder`` and ``targets``; returns the ladder parser."""
     p = subparsers.add_parser(
@@ -219,18 +232,21 @@ def add_parser(subparsers):
                         "several files are merged into the one --json names, each kernel's "
                         "row from the last file that holds it (runs of one config only)")
     p.add_argument("--max-gate", type=int, default=7, choices=range(8), help="stop after this gate")
-    p.add_argument("--numerics-shapes", type=int, default=32, help="random shapes per dtype (GPU)")
-    p.add_argument("--interpreter-shapes", type=int, default=3,
+    p.add_argument("--numerics-shapes", type=_at_least(1), default=32,
+                   help="random shapes per dtype (GPU)")
+    p.add_argument("--interpreter-shapes", type=_at_least(1), default=3,
                    help="random small shapes for the interpreter numerics (no GPU)")
     p.add_argument("--no-interpreter", action="store_true", help="skip the interpreter numerics")
-    p.add_argument("--stress-launches", type=int, default=2000)
+    p.add_argument("--stress-launches", type=_at_least(2), default=2000,
+                   help="launches of gate 5, each input run twice (>= 2)")
     p.add_argument("--stress-timeout", type=float, default=600.0, help="watchdog seconds")
     p.add_argument("--sanitizer", metavar="TOOLS", default=None,
                    help="compute-sanitizer tools for gate 6, comma-separated (default: memcheck,"
                         "racecheck,synccheck,initcheck; 'none' leaves the gate not run)")
     p.add_argument("--sanitizer-timeout", type=float, default=300.0,
                    help="watchdog seconds per sanitizer tool and kernel")
-    p.add_argument("--profile-repeats", type=int, default=7)
+    p.add_argument("--profile-repeats", type=_at_least(3), default=7,
+                   help="timed repeats a side for gate 7's verdict (>= 3: a spread)")
     p.add_argument("--strict-ws", action="store_true",
                    help="fail gate 2 when warp specialization is requested but does not form")
     p.add_argument("--seed", type=int, default=0)

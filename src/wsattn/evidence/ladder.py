@@ -222,6 +222,9 @@ def _climb(spec, target, config, cache, gates, extra):
     # gate 4: numerics
     from .numerics import run_numerics
     r = run_numerics(spec, "cuda", config.numerics_shapes, small=False, seed=config.seed)
+    if r["ok"] and not r.get("checked"):
+        gates.append(_gate(4, NOT_RUN, "not run: no shape was checked", **r))
+        return
     gates.append(_gate(4, PASS if r["ok"] else FAIL, _numerics_line(r), **r))
     if not r["ok"] or config.max_gate < 5:
         return
@@ -229,6 +232,9 @@ def _climb(spec, target, config, cache, gates, extra):
     from .stress import run_stress
     r = run_stress(spec, "cuda", launches=config.stress_launches, timeout=config.stress_timeout,
                    seed=config.seed)
+    if r.get("kind") == "not_run":
+        gates.append(_gate(5, NOT_RUN, f"not run: {r['error']}", **r))
+        return
     line = (f"{r['launches']} launches over {r['distinct_shapes']} shapes, each input twice: "
             "no hang, bit-identical" if r["ok"] else r["error"])
     gates.append(_gate(5, PASS if r["ok"] else FAIL, line, **r))
@@ -250,7 +256,13 @@ def _climb(spec, target, config, cache, gates, extra):
     if ws is not None:
         r["ws_dispatch"] = ws
     status = NOT_RUN if r.get("not_run") else PASS if r["ok"] else FAIL
-    gates.append(_gate(6, status, sanitizer.summary(r), **r))
+    line = sanitizer.summary(r)
+    missing = [t for t in sanitizer.TOOLS if t not in config.sanitizer_tools]
+    if status == PASS and missing:
+        # clean under the tools that ran, but the gate is all four: not reached
+        status = NOT_RUN
+        line = f"not reached: {', '.join(missing)} not run ({line})"
+    gates.append(_gate(6, status, line, **r))
     if status != PASS or config.max_gate < 7:
         return
     # gate 7: profile
@@ -292,6 +304,12 @@ def _numerics_line(r) -> str:
             f"{w['err']:.2e} (tol {w['tol']:.0e}) at {w['shape']}")
 
 
+def _numerics_key(spec):
+    """The interpreter-numerics cache key: a spec's origin and name (two files may each
+    define a kernel of one name; one must not take the other's result)."""
+    return ("interpreter-numerics", str(spec.origin), spec.name)
+
+
 def _maybe_interpreter(spec, cc, config, cache, extra):
     """Numerics through the interpreter, once per kernel, where no device can run them."""
     if not config.interpreter_numerics or config.max_gate < 4 or spec.run is None:
@@ -303,13 +321,18 @@ def _maybe_interpreter(spec, cc, config, cache, extra):
         extra.append(_gate(4, NOT_RUN, "interpreter numerics: not run (the kernel cannot run "
                                        "in the Triton interpreter)"))
         return
-    if spec.name not in cache:
+    key = _numerics_key(spec)
+    if key not in cache:
         from .stress import run_interpreter_numerics
-        cache[spec.name] = run_interpreter_numerics(spec, config.interpreter_shapes,
-                                                    config.interpreter_timeout, config.seed)
-    r = cache[spec.name]
+        cache[key] = run_interpreter_numerics(spec, config.interpreter_shapes,
+                                              config.interpreter_timeout, config.seed)
+    r = cache[key]
     if hasattr(r, "result"):  # started in the background by prefetch_interpreter
-        r = cache[spec.name] = r.result()
+        r = cache[key] = r.result()
+    if r.get("ok") and not r.get("checked"):
+        extra.append(_gate(4, NOT_RUN, "interpreter numerics: not run (no shape was checked)",
+                           interpreter=True, **r))
+        return
     line = "interpreter (CPU, small sizes, not this target): " + (
         _numerics_line(r) if "checked" in r and (r["ok"] or "error" in r) else r.get("error", "failed"))
     extra.append(_gate(4, PASS if r["ok"] else FAIL, line, interpreter=True, **r))
@@ -375,11 +398,11 @@ def prefetch_interpreter(specs, config: Config, cache: dict):
     from .launch import device_cc
     from .stress import run_interpreter_numerics
     todo = [s for s in specs if s.run is not None and s.run.interpreter and not s.unavailable
-            and s.compile_spec is not None and s.name not in cache]
+            and s.compile_spec is not None and _numerics_key(s) not in cache]
     if not config.interpreter_numerics or config.max_gate < 4 or not todo or device_cc() is not None:
         return None
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="interpreter-numerics")
     for s in todo:
-        cache[s.name] = pool.submit(run_interpreter_numerics, s, config.interpreter_shapes,
+        cache[_numerics_key(s)] = pool.submit(run_interpreter_numerics, s, config.interpreter_shapes,
                                     config.interpreter_timeout, config.seed)
     return pool

@@ -27,6 +27,17 @@ def _pairs(out, ref):
     return list(zip(outs, refs))
 
 
+def copy_inputs(x):
+    """A deep copy of a runner's inputs (tensors cloned; containers rebuilt)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: copy_inputs(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(copy_inputs(v) for v in x)
+    return x
+
+
 def compare(out, ref) -> tuple[float, str]:
     """Worst relative error over the outputs (inf on NaN or a mismatched inf pattern)."""
     worst, why = 0.0, ""
@@ -63,8 +74,10 @@ def run_numerics(spec, device: str, n_shapes: int, small: bool, seed: int = 0,
                 label = f"{run.describe(shape)} {dtype}"
                 try:
                     inputs = run.build(shape, dtype, device, gen)
+                    # the reference first, on a copy: a kernel that writes its inputs (a
+                    # cache it appends to) must not change what it is compared with
+                    ref = run.reference(copy_inputs(inputs))
                     out = run.run(inputs)
-                    ref = run.reference(inputs)
                     err, where = compare(out, ref)
                 except Exception as e:
                     return {"ok": False, "checked": checked, "shape": label,

@@ -59,6 +59,9 @@ def _time_ms(fn, target_ms=20.0, graph=True):
     return measure(), how
 
 
+MIN_REPEATS = 3
+
+
 def compare(kernel_ms: list, base_ms: list) -> dict:
     """Medians, spreads and the verdict for two lists of repeat timings."""
     km, bm = statistics.median(kernel_ms), statistics.median(base_ms)
@@ -75,13 +78,17 @@ def compare(kernel_ms: list, base_ms: list) -> dict:
 
 
 def run_profile(spec, repeats: int = 7, seed: int = 0) -> dict:
-    """Gate 6 on CUDA; never raises."""
+    """Gate 7 on CUDA; never raises."""
     import random
 
     import torch
 
-    from .numerics import TOL, compare as numerics_compare
+    from .numerics import TOL, compare as numerics_compare, copy_inputs
     run = spec.run
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < MIN_REPEATS:
+        return {"ok": False, "not_run": True,
+                "error": f"a timing verdict needs >= {MIN_REPEATS} repeats (one gives no "
+                         f"spread to compare the gap with), got {repeats!r}"}
     if run.baseline is None:
         return {"ok": False, "not_run": True, "error": "the spec names no baseline to time against"}
     rng = random.Random(seed)
@@ -92,7 +99,8 @@ def run_profile(spec, repeats: int = 7, seed: int = 0) -> dict:
         for shape in shapes:
             label = f"{run.describe(shape)} {dtype}"
             inputs = run.build(shape, dtype, "cuda", torch.Generator().manual_seed(seed))
-            err, _ = numerics_compare(run.run(inputs), run.reference(inputs))
+            ref = run.reference(copy_inputs(inputs))  # before the kernel writes any input
+            err, _ = numerics_compare(run.run(inputs), ref)
             if not err <= TOL.get(dtype, 2e-2):
                 return {"ok": False, "error": f"{label}: wrong before timing (relative error {err:.3e})"}
             timed = run.timed or run.run

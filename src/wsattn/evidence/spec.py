@@ -131,7 +131,7 @@ def load_ref(ref: str) -> list:
         return [unavailable(ref, str(e), origin)]
     for s in specs:
         s.origin = s.origin or origin
-    return specs
+    return _unique(specs, ref, origin)
 
 
 def _static_compile_spec(fn, signature, constexprs, options):
@@ -194,6 +194,18 @@ def load_file(path: str) -> list:
         return [unavailable(path, str(e), origin)]
     for s in specs:
         s.origin = s.origin or {**origin, "name": s.name}
+    return _unique(specs, path, origin)
+
+
+def _unique(specs: list, where: str, origin: dict) -> list:
+    """specs, or one unavailable spec naming a kernel name given twice (a child process
+    finds a spec again by its name: the second would run the first's kernel)."""
+    seen = set()
+    for s in specs:
+        if s.name in seen:
+            return [unavailable(where, f"{where} defines kernel {s.name!r} twice; names must "
+                                       "be unique within a spec file", origin)]
+        seen.add(s.name)
     return specs
 
 

@@ -123,3 +123,15 @@ def test_cli_refuses_counts_that_would_credit_nothing():
         with pytest.raises(SystemExit) as e:
             main(["ladder", flag, value])
         assert e.value.code == 2, flag
+
+
+def test_an_lse_is_held_to_the_lse_rule():
+    """Every softmax denominator 2 % off (LSE + 0.02 at |LSE| ~ 10) passes a norm-wide
+    relative error at fp16 (2e-3 < 4e-3) but not the tests' LSE rule (2e-3 > 1e-3)."""
+    out = torch.randn(4, 8, dtype=torch.float64)
+    lse = 10 + torch.rand(4, dtype=torch.float64)
+    got = (out.clone(), lse + 0.02)
+    assert numerics.compare(got, (out, lse))[0] <= numerics.TOL["fp16"]
+    ok, why, _ = numerics.within(got, (out, lse), "fp16", lse_outputs=(1,))
+    assert not ok and "LSE error" in why, why
+    assert numerics.within((out, lse), (out, lse), "fp16", lse_outputs=(1,))[0]

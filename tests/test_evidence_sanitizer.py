@@ -346,6 +346,21 @@ def test_dispatch_bytes_and_codes_from_the_kernel():
     assert "error" in sanitizer.dispatch_bytes(WS_PTX.replace("+229716]", "+229712]"), 229728, 12, 4)
 
 
+def test_the_waiver_needs_the_handoff_ordered_by_a_whole_cta_barrier_1():
+    """The waiver stands on every dispatch store reaching a whole-CTA barrier.sync 1 before
+    any other barrier, and every worker read coming right after one: without that order
+    the hazard may be a real race, so no dispatch bytes (no waiver)."""
+    def error(ptx):
+        return sanitizer.dispatch_bytes(ptx, 229728, 12, 4).get("error", "")
+    assert "not followed by a whole-CTA barrier.sync 1" in error(
+        WS_PTX.replace("barrier.sync \t1;", "barrier.sync \t2;"))
+    first_gone = WS_PTX.replace("barrier.sync \t1;\n\tld.shared.b8", "\tld.shared.b8", 1)
+    assert "not right after a whole-CTA barrier.sync 1" in error(first_gone)
+    assert "thread count" in error(WS_PTX + "\tbar.sync \t1, 128;\n")
+    assert "thread count" in error(WS_PTX + "\tbarrier.arrive \t1, 384;\n")
+    assert "error" not in WS
+
+
 def test_dispatch_hazard_with_a_supporting_probe_is_waived_and_said_so():
     r = _race(RACECHECK_RAW)
     assert r["ok"] and r["waived"] == 1 and "error" not in r
@@ -799,3 +814,13 @@ def test_prefill_gluon_causal_sanitizer_builds_are_specialized_as_launched():
     d128 = [w for w in others if w["lo"] == 0x1C138]
     out = sanitizer.waive(dict(r), [primary, generic] + d128, _h200_probe())
     assert not out["ok"] and "outside the dispatch bytes" in out["not_waived"]
+
+
+def test_no_waiver_when_any_build_the_shapes_ran_has_unknown_bytes():
+    """One build's dispatch bytes known, another's not (it did not compile here): its
+    hazards could land on the known build's addresses, so nothing is waived."""
+    r = sanitizer.parse("racecheck", RACECHECK_RAW, sanitizer.ERROR_EXITCODE)
+    r["child_ok"] = True
+    sanitizer.waive(r, [WS, {"error": "head_dim=64 build: RuntimeError: boom"}],
+                    lambda: SUPPORTING)
+    assert not r["ok"] and "has no known dispatch bytes (head_dim=64 build" in r["not_waived"]

@@ -219,7 +219,7 @@ def _prefill_entry(name, module, causal=False, varlen=False, impl="triton", only
         from ..kernels import prefill_gluon
         kwargs["settings"] = prefill_gluon.one_consumer_settings(128, causal)
         build = lambda head_dim: prefill_gluon.ONE_CONSUMER[head_dim]  # noqa: E731
-    run = RunSpec(draw_shape=_draw_prefill(causal, varlen, 128), build=_build_prefill,
+    run = RunSpec(lse_outputs=(1,), draw_shape=_draw_prefill(causal, varlen, 128), build=_build_prefill,
                   run=_prefill_runner(causal, impl, build),
                   reference=_prefill_reference(causal),
                   dtypes=("bf16", "fp16"), interpreter=impl == "triton",
@@ -384,7 +384,7 @@ def _paged_entry(kind="in_place"):
     # dims and the default one at D128); gluon_one_consumer: its one-consumer build
     gluon = kind in ("gluon", "gluon_one_consumer")
     one = kind == "gluon_one_consumer"
-    run = RunSpec(draw_shape=_draw_paged, build=_build_paged,
+    run = RunSpec(lse_outputs=(1,), draw_shape=_draw_paged, build=_build_paged,
                   run=functools.partial(_paged_gluon_run, one_consumer=one) if gluon else
                   functools.partial(_paged_run, gather=kind == "gather"),
                   reference=_paged_reference, dtypes=("bf16", "fp16"), interpreter=not gluon,
@@ -432,7 +432,7 @@ def _paged_append_entry():
     # the append kernel (paged_append.py, what the compile gates build), then the Triton
     # paged kernel reading the cache it wrote; the baseline is the same attention over
     # contiguous keys, so gate 7 says what appending inside the call costs
-    run = RunSpec(draw_shape=_draw_paged, build=_build_paged_append, run=_paged_append_run,
+    run = RunSpec(lse_outputs=(1,), draw_shape=_draw_paged, build=_build_paged_append, run=_paged_append_run,
                   reference=_paged_append_reference, dtypes=("bf16", "fp16"),
                   baseline=_paged_contiguous,
                   baseline_name="wsattn varlen prefill over the same keys, contiguous",
@@ -517,7 +517,7 @@ def _decode_entry(name, paged, page=_DECODE_PAGE):
     """Decode on a contiguous cache or on pages of ``page`` tokens (16: pages shorter than
     every tile; 64: the engine's, one page a tile at D128 and two at D64)."""
     extra = {"page": page} if paged else {}
-    run = RunSpec(draw_shape=_draw_decode(paged, 128, page), build=_build_decode,
+    run = RunSpec(lse_outputs=(1,), draw_shape=_draw_decode(paged, 128, page), build=_build_decode,
                   run=_decode_run,
                   reference=_decode_reference, dtypes=("bf16", "fp16"), baseline=_sdpa_decode,
                   baseline_name="torch SDPA" + (" (contiguous cache)" if paged else ""),
@@ -574,7 +574,7 @@ def _merge_eager(inp):
 
 
 def _merge_entry():
-    run = RunSpec(draw_shape=_draw_merge, build=_build_merge, run=_merge_run, reference=_merge_reference,
+    run = RunSpec(lse_outputs=(1,), draw_shape=_draw_merge, build=_build_merge, run=_merge_run, reference=_merge_reference,
                   dtypes=("bf16", "fp16", "fp32"), interpreter_dtypes=("fp16", "fp32"),
                   baseline=_merge_eager, baseline_name="torch eager (fp32)",
                   profile_shapes=({"P": 8, "N": 32768, "D": 128},),

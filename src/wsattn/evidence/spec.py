@@ -48,6 +48,9 @@ class RunSpec:
         sanitizer gate's run of ``shape`` launches (a warp-specialized kernel's dispatch
         bytes differ per build, and the racecheck waiver covers only builds it knows);
         None: the compiled build and one per other head dim ``D`` of the shapes.
+    lse_outputs: the indices of run's outputs that are log-sum-exps, held to the tests'
+        LSE rule (max |lse - ref| / max(1, |ref|) against LSE_TOL) instead of the
+        norm-wide relative error.
     """
     draw_shape: Callable
     build: Callable
@@ -63,6 +66,7 @@ class RunSpec:
     describe: Callable = lambda shape: "-".join(f"{k}{v}" for k, v in shape.items())
     timed: Callable | None = None          # what the profile gate times (run if None)
     sanitizer_builds: Callable | None = None  # shape -> compile_spec overrides it launches
+    lse_outputs: tuple = ()                # indices of outputs that are LSEs (gate 4's LSE rule)
 
 
 @dataclass

@@ -277,6 +277,30 @@ def test_folder_with_both_layouts_reads_what_transformers_reads(saved, tmp_path)
             load(str(folder))
 
 
+def test_tied_config_with_a_different_stored_head_keeps_the_head(saved):
+    """config.json ties the embeddings but the checkpoint stores another lm_head.weight:
+    transformers keeps the stored head (and warns), and so does the loader."""
+    name = next(n for n in sorted(CONFIGS) if not CONFIGS[n]().tie_word_embeddings)
+    folder = saved(name)
+    cfg_file = folder / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()),
+                                    "tie_word_embeddings": True}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    cfg, w = load(str(folder))
+    assert not cfg.tie_embeddings and w.lm_head is not w.embed
+    assert torch.equal(w.lm_head, hf.lm_head.weight)
+    assert torch.equal(w.lm_head, tiny_model(name).lm_head.weight)
+
+
+def test_rope_scaling_read_over_rope_parameters():
+    """transformers takes rope_scaling over rope_parameters: a linear scaling there is
+    refused by name, not run as the default rope."""
+    d = json.loads(CONFIGS[sorted(CONFIGS)[0]]().to_json_string())
+    d["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(UnsupportedModelError, match="rope type 'linear' is not supported"):
+        ModelConfig.from_hf(d)
+
+
 def test_load_converts_dtype(saved):
     cfg, w = load(saved("qwen2"), dtype=torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for _, t in w.tensors())

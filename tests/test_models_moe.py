@@ -6,6 +6,7 @@ reference forward against transformers generate (32 greedy tokens, per-step logi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -343,6 +344,30 @@ def test_routing_identical_to_transformers(name):
             assert torch.allclose(weights.sum(-1), torch.full((37,), cfg.routed_scale))
         else:
             assert (weights.sum(-1) < 1).all()
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe-norm", "olmoe", "mixtral"])
+def test_routing_weights_rounded_as_transformers_in_bf16(name):
+    """In bf16 the chosen weights are bit-equal to the router module's: rounded to the
+    logits' dtype where transformers rounds them (Qwen2-MoE, Qwen3-MoE, OLMoE), not for
+    Mixtral."""
+    model = copy.deepcopy(tiny_model(name)).to(torch.bfloat16)
+    cfg, w = load(model)
+    i = cfg.moe_layers[0]
+    x = _x(37, cfg.hidden, i).to(torch.bfloat16)
+    with torch.no_grad():
+        _, hf_weights, hf_experts = model.model.layers[i].mlp.gate(x)
+    weights, experts = route(cfg, x, w.layers[i].router, w.layers[i].router_bias)
+    assert torch.equal(experts, hf_experts)
+    assert torch.equal(weights, hf_weights.float()), (weights - hf_weights.float()).abs().max()
+
+
+def test_left_out_rms_norm_eps_is_the_class_default():
+    """Mixtral and OLMoE default to 1e-5 (the others to 1e-6), as their config classes."""
+    for name in ("mixtral", "olmoe", "qwen3_moe-norm", "qwen2_moe", "dots1"):
+        d = {k: v for k, v in _dict(name).items() if k != "rms_norm_eps"}
+        want = type(CONFIGS[name]())(**d).rms_norm_eps
+        assert ModelConfig.from_hf(d).rms_eps == want, name
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-norm", "mixtral"])

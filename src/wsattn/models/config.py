@@ -76,8 +76,10 @@ _DEFAULTS = {
     "qwen3_moe": dict(head_dim=None, num_key_value_heads=4, max_position_embeddings=32768,
                       norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
     "mixtral": dict(head_dim=None, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                    rms_norm_eps=1e-5,
                     rope_theta=1000000.0),
     "olmoe": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=4096,
+                  rms_norm_eps=1e-5,
                   norm_topk_prob=False),
     "qwen2_moe": dict(head_dim=None, num_key_value_heads=16, max_position_embeddings=32768,
                       norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
@@ -516,8 +518,11 @@ def _refuse_sliding_window(d):
 
 def _rope(d) -> RopeConfig:
     params = d.get("rope_parameters")
-    if params is None:  # config.json written before transformers 5
-        params = {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta", 10000.0)}
+    if d.get("rope_scaling"):  # transformers reads rope_scaling over rope_parameters
+        params = {**d["rope_scaling"], "rope_theta": (params or {}).get(
+            "rope_theta", d.get("rope_theta", 10000.0))}
+    elif params is None:  # config.json written before transformers 5
+        params = {"rope_theta": d.get("rope_theta", 10000.0)}
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         raise UnsupportedModelError("per-layer-type rope parameters are not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))

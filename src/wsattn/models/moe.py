@@ -62,9 +62,9 @@ from .weights import LayerWeights
 __all__ = ["route", "select", "choice_keys", "sigmoid_weights", "moe_block",
            "check_moe_layer"]
 
-# transformers' Qwen3MoeTopKRouter and OlmoeTopKRouter cast the chosen weights to the
-# logits' dtype; MixtralTopKRouter returns them in float32
-_ROUNDS_WEIGHTS = ("qwen3_moe", "olmoe")
+# transformers' Qwen3MoeTopKRouter, OlmoeTopKRouter and Qwen2MoeTopKRouter cast the chosen
+# weights to the logits' dtype; MixtralTopKRouter returns them in float32
+_ROUNDS_WEIGHTS = ("qwen3_moe", "olmoe", "qwen2_moe")
 
 
 def select(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None = None

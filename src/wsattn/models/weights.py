@@ -74,6 +74,7 @@ model's parameters (nothing in wsattn writes into them).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -267,6 +268,11 @@ def load(model_or_path, dtype: torch.dtype | None = None, device="cpu") -> tuple
         cfg = read_config(model_or_path)
         source = _StateDict(model_or_path.state_dict())
     meta = source.meta()
+    if cfg.tie_embeddings and "lm_head.weight" in meta and not _same_tensor(
+            source, "lm_head.weight", "model.embed_tokens.weight"):
+        # transformers does not tie a head the checkpoint stores with other values than the
+        # embedding (it warns and keeps the stored head): neither does this loader
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
     layout = _expert_layout(cfg, meta)
     _validate(cfg, meta, layout)
     if dtype is None:
@@ -428,6 +434,11 @@ def _validate(cfg: ModelConfig, meta: dict, expert_layout: str = "fused"):
                              f"(hidden={cfg.hidden}, heads={cfg.heads}, kv_heads={cfg.kv_heads}, "
                              f"head_dim={cfg.head_dim}, ffn={cfg.ffn}, vocab={cfg.vocab}{moe}), "
                              f"got {list(meta[n][0])}")
+
+
+def _same_tensor(source, a: str, b: str) -> bool:
+    ta, tb = source.get(a), source.get(b)
+    return ta.shape == tb.shape and ta.dtype == tb.dtype and bool(torch.equal(ta, tb))
 
 
 def _assemble(cfg: ModelConfig, source, dtype, device, expert_layout="fused") -> Weights:

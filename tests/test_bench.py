@@ -14,6 +14,8 @@ import sys
 import types
 
 import pytest
+
+import wsattn
 import torch
 
 import wsattn.cli
@@ -225,6 +227,20 @@ def test_ratios_to_cudnn_triton_ceilings_and_contiguous():
     assert dtriton["ratio_contiguous"] is None and cudnn["ratio_cudnn"] is None
 
 
+def test_a_paged_row_is_set_against_the_triton_row_of_its_own_case():
+    """ratio_triton of a paged row pairs with the Triton default on the same page size (the
+    same case and loop), not with the contiguous case's."""
+    dec = DecodeCase(1, 4096, 32, 8, 128, None)
+    paged = DecodeCase(1, 4096, 32, 8, 128, 64)
+    rows = [_ok(dec, "triton", 0.50), _ok(paged, "triton", 0.60),
+            _ok(paged, "triton[64,4,7,0]", 0.58)]
+    report.add_ratios(rows)
+    contiguous, paged_default, spec = rows
+    assert spec["ratio_triton"] == pytest.approx(0.60 / 0.58)
+    assert paged_default["ratio_triton"] is None  # not against itself, nor another case
+    assert paged_default["ratio_contiguous"] == pytest.approx(0.50 / 0.60)
+
+
 def test_ratios_pair_the_samples_of_one_round():
     """Rows timed in one interleaved loop carry their samples and host times; a ratio is
     then the median over the rounds of the two samples of a round (here 1.0), not the
@@ -374,6 +390,20 @@ def test_unavailable_and_raising_runners_do_not_stop_the_run():
     assert rows[0]["reason"] == "no kernel for this GPU"
     assert rows[1]["reason"] == "RuntimeError: illegal memory access"
     assert timer.calls == 1
+
+
+def test_a_wsattn_call_that_passes_the_checks_and_fails_is_an_error(monkeypatch):
+    """'not available' is what the API's checks refuse; a ValueError from the call itself
+    (a bug, like this unpacking error) is an error row, which sets the exit status."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    case = PrefillCase(1, 17, 2, 2, 64, False, "fp32")
+
+    def broken(*a, **k):
+        raise ValueError("too many values to unpack (expected 2)")
+    monkeypatch.setattr(wsattn, "attention", broken)
+    (row,) = suite.run_cases([case], [WsattnRunner("reference", ops=("prefill",))],
+                             CountingTimer(), _stamp(), "cpu")
+    assert row["status"] == "error" and "too many values" in row["reason"], row
 
 
 def test_wsattn_impl_refusing_the_call_is_not_available(monkeypatch):

@@ -405,3 +405,19 @@ def test_runner_on_the_gpu():
         assert by[("gluon-paged", page)]["status"] in ("ok", "not available")
     for page in (16, 64):  # the peer wheel may be absent, but a wrong answer is not allowed
         assert by[("flashinfer-paged", page)]["status"] in ("ok", "not available")
+
+
+def test_the_flashinfer_peer_is_not_set_against_wsattns_contiguous_column():
+    """ratio_contiguous and the 0.95 target belong to wsattn's paged columns: the flashinfer
+    peer has no contiguous column of its own, so it gets neither."""
+    from wsattn.bench import chunked
+
+    shape = dict(prefix=4096, D=128, B=1, chunk=512, Hq=8, Hkv=8, dtype="bf16", causal=True)
+
+    def row(impl, ms, page):
+        return {"op": "chunked", "impl": impl, "status": "ok", "page_size": page,
+                "median_ms": ms, **shape}
+    rows = chunked.add_ratios([row("triton-contiguous", 1.0, None),
+                               row("triton-paged", 1.02, 64), row("flashinfer-paged", 1.02, 64)])
+    assert rows[1]["ratio_contiguous"] == pytest.approx(1 / 1.02)
+    assert rows[2].get("ratio_contiguous") is None and rows[2].get("target_met") is None

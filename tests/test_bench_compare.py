@@ -192,3 +192,27 @@ def test_device_clock_log_runs_beside_the_parts_and_stops(tmp_path):
     with tarfile.open(out / "results.tar.gz") as tar:  # the 8 bench files, packed mid-run
         names = tar.getnames()
     assert len(names) == 8 and not any("clocks" in n for n in names), names
+
+
+def test_layouts_step_rows_and_devices_are_kept_apart():
+    """The varlen bench's packed and equal-length rows share a case id: compared apart.
+    Step rows compare ms_per_token. Rows from another GPU or another timing method are
+    not comparable, whatever their values."""
+    from wsattn.bench.compare import compare
+
+    def row(case, ms, layout=None, gpu="H200", timing="graph", op="prefill"):
+        r = {"case": case, "impl": "wsattn", "status": "ok", "op": op, "gpu": gpu,
+             "timing": timing, "commit": "a"}
+        r["ms_per_token" if op == "step" else "median_ms"] = ms
+        if layout:
+            r["layout"] = layout
+        return r
+    base = [[row("v", 1.0, "varlen"), row("v", 2.0, "equal")]]
+    new = [[row("v", 1.2, "varlen"), row("v", 0.95, "equal")]]
+    got = {r["case"]: r for r in compare(base, new)["rows"]}
+    assert got["v [varlen]"]["verdict"] == "slower" and got["v [equal]"]["verdict"] == "faster"
+    step = compare([[row("s", 2.6, op="step")]], [[row("s", 2.5, op="step")]])["rows"]
+    assert [r["verdict"] for r in step] == ["faster"], step
+    for other in (dict(gpu="H100"), dict(timing="eager")):
+        (r,) = compare([[row("c", 1.0)]], [[row("c", 0.8, **other)]])["rows"]
+        assert r["verdict"].startswith("not comparable"), r

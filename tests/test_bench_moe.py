@@ -339,6 +339,25 @@ def test_touched_experts_come_from_each_columns_own_routing(monkeypatch):
     assert row["experts_hit"] == 2 and row["touched_bytes"] == case.touched_bytes(2)
 
 
+def test_an_import_error_in_a_wsattn_column_is_an_error(monkeypatch):
+    """ImportError / OSError mean a missing package behind one of transformers' experts
+    implementations ('not available'); raised by a wsattn column they are a bug: 'error'."""
+    monkeypatch.setitem(moe.MODELS, "tiny-qwen3-moe", {
+        **moe.MODELS["qwen3-30b-a3b"], "hidden_size": 64, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 64,
+        "vocab_size": 16, "intermediate_size": 64, "max_window_layers": 1})
+    case = moe.MoeCase("tiny-qwen3-moe", 6, "fp32", fresh_bytes=1)
+
+    def calls(case_, impl, x_, copies, plan):
+        raise ImportError("cannot import name 'route' (a broken module)")
+
+    monkeypatch.setattr(moe, "_calls", calls)
+    rows = moe.run_case(case, ["wsattn-triton", "hf-grouped_mm"], lambda fn: _timing(0.01),
+                        STAMP, "cpu", 4.0)
+    assert [r["status"] for r in rows] == ["error", "not available"], rows
+
+
 # --------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu

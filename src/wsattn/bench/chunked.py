@@ -263,13 +263,16 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     """ratio_contiguous (the contiguous column's time / this row's, same shape, paired by
     round where both were timed in one loop: ``paired_ratio``; the column of the row's
     backend: gluon-contiguous for the gluon columns, wsattn-contiguous for wsattn,
-    triton-contiguous for the others) and the target's met / missed on the timed paged
-    rows, in place."""
+    triton-contiguous for wsattn's Triton columns; none for the flashinfer peer, which has no
+    contiguous column of its own) and the target's met / missed on the timed paged rows,
+    in place."""
     base = {(r["impl"], _shape_key(r)): r for r in rows if r.get("op") == "chunked"
             and r["impl"].split("[")[0].endswith("-contiguous") and r["status"] == "ok"}
     for r in rows:
         if r.get("op") != "chunked" or r["page_size"] is None or r["status"] != "ok":
             continue
+        if r["impl"].startswith("flashinfer"):
+            continue  # a peer: no contiguous column of its own to set it against
         backend = "wsattn" if r["impl"] in ("wsattn", "wsattn-append") else \
             "gluon" if r["impl"].startswith("gluon-") else "triton"
         # a gluon-paged[SPEC] column against gluon-contiguous[SPEC] (the same build)

@@ -31,7 +31,7 @@ import math
 import statistics
 import sys
 
-TIME_METRICS = ("median_ms", "q20_ms", "q80_ms")
+TIME_METRICS = ("median_ms", "q20_ms", "q80_ms", "ms_per_token")
 
 
 def load_rows(path) -> list[dict]:
@@ -44,30 +44,36 @@ def load_rows(path) -> list[dict]:
     return rows
 
 
-def _values(files: list[list[dict]], metric: str) -> tuple[dict, dict, set]:
+def _values(files: list[list[dict]], metric: str) -> tuple[dict, dict, set, dict]:
     """(values per (case, impl): one per file where the row passed; failures per key: the
-    statuses of rows that did not; the commits the rows name)."""
-    values, failed, commits = {}, {}, set()
+    statuses of rows that did not; the commits the rows name; per key, the (GPU, timing)
+    each value came from). A row's case is its case id and, where it has one, its layout
+    (the varlen bench's packed and equal-length rows share an id)."""
+    values, failed, commits, env = {}, {}, set(), {}
     for rows in files:
         for r in rows:
             if r.get("op") == "ceiling" or "case" not in r or "impl" not in r:
                 continue
-            key = (r["case"], r["impl"])
+            case = r["case"] + (f" [{r['layout']}]" if r.get("layout") else "")
+            key = (case, r["impl"])
             commits.add(str(r.get("commit", "unknown")))
-            v = r.get(metric)
+            # the step bench's time is ms per token (it has no median_ms)
+            field = "ms_per_token" if metric == "median_ms" and r.get("op") == "step" else metric
+            v = r.get(field)
             if r.get("status", "ok") != "ok" or not isinstance(v, (int, float)):
                 failed.setdefault(key, []).append(str(r.get("status", f"no {metric}")))
                 continue
             values.setdefault(key, []).append(float(v))
-    return values, failed, commits
+            env.setdefault(key, set()).add((str(r.get("gpu")), str(r.get("timing", ""))))
+    return values, failed, commits, env
 
 
 def compare(base: list[list[dict]], new: list[list[dict]], metric: str = "median_ms") -> dict:
     """{"metric", "base_commits", "new_commits", "rows"}: one row per (case, impl) in either
     side, in the order first seen, with both sides' values, their medians, new / base of the
     medians and the verdict (see the module docstring)."""
-    b_vals, b_fail, b_commits = _values(base, metric)
-    n_vals, n_fail, n_commits = _values(new, metric)
+    b_vals, b_fail, b_commits, b_env = _values(base, metric)
+    n_vals, n_fail, n_commits, n_env = _values(new, metric)
     lower_better = metric in TIME_METRICS
     keys = list(dict.fromkeys([*b_vals, *b_fail, *n_vals, *n_fail]))
     rows = []
@@ -79,8 +85,13 @@ def compare(base: list[list[dict]], new: list[list[dict]], metric: str = "median
                "base_median": statistics.median(b) if b else None,
                "new_median": statistics.median(n) if n else None, "ratio": None,
                "chance": None}
+        envs = b_env.get((case, impl), set()) | n_env.get((case, impl), set())
         if not b or not n:
             row["verdict"] = "only in new" if n else "only in base" if b else "failed"
+        elif len(envs) > 1:  # another GPU or another timing method: not a like-for-like pair
+            row["ratio"] = row["new_median"] / row["base_median"]
+            row["verdict"] = "not comparable: " + ", ".join(
+                f"{g} ({t or 'timing not recorded'})" for g, t in sorted(envs))
         else:
             row["ratio"] = row["new_median"] / row["base_median"]
             row["chance"] = chance_if_no_change(len(b), len(n))

@@ -114,8 +114,11 @@ def add_ratios(rows: list[dict], ceilings: dict | None = None) -> list[dict]:
                 return None
             return throughput_ratio(r, peer, metric)
 
+        # cuDNN has no paged form: a paged row is set against it on the contiguous cache
+        # of the same keys (ratio_contiguous likewise); the Triton default has one, so a
+        # paged row pairs with the Triton row of its own case, page size and loop
         r["ratio_cudnn"] = ratio(impl="sdpa-cudnn", page_size=None)
-        r["ratio_triton"] = ratio(impl="triton", page_size=None)
+        r["ratio_triton"] = ratio(impl="triton")
         if r["op"] == "prefill":
             r["ratio_fa4"] = ratio(impl="fa4")
             if "matmul" in ceilings:

@@ -193,11 +193,21 @@ class WsattnRunner(Runner):
             def first():
                 return call(validate=True)
 
+        def refusal():
+            # the API's own checks, which launch nothing: what they refuse is "not available";
+            # an error from the call itself (a bug, a kernel failure) stays an error
+            if case.op == "prefill":
+                wsattn.api.check_attention(inp.q, inp.k, inp.v, case.causal, impl=impl)
+            else:
+                wsattn.api.check_decode(inp.q, inp.k_cache, inp.v_cache, inp.seqlens,
+                                        inp.block_table, impl=impl, validate=True)
+
         def checked_first():
             try:
-                out = first()
-            except ValueError as e:
+                refusal()
+            except (ValueError, TypeError) as e:
                 raise NotAvailable(str(e)) from e
+            out = first()
             if case.op == "decode" and impl == "triton":  # the target is known to work now
                 prepared.note = settings_note(case, inp)
             return out

@@ -105,3 +105,12 @@ def test_power_cap_counted_apart_from_other_reasons():
     (res,) = clocks.summarize_run([row], log)
     assert res["samples_with_reasons"] == 2 and res["samples_power_capped"] == 1
     assert "capped" in clocks.format_summary([res])
+
+
+def test_a_sample_the_log_does_not_cover_gets_no_clock():
+    """A sample between two entries takes the nearer (a sample shorter than the logging
+    interval); one hours past the log's end gets none, not the last reading."""
+    log = [{"t": float(t), "sm_mhz": 1980} for t in range(0, 10)]
+    assert clocks._window(log, 4.4, 4.45) == [log[4]]
+    assert clocks._window(log, 7200.0, 7200.5) == []
+    assert len(clocks._window(log, 2.0, 5.0)) == 4

@@ -75,12 +75,17 @@ def open_log(path: str):
 
 
 def _window(log: list[dict], start: float, end: float) -> list[dict]:
-    """The log entries inside [start, end], or the one nearest its middle when none is."""
+    """The log entries inside [start, end], or, when none is, the one nearest its middle
+    if it lies within the log's own spacing of the window (a sample shorter than the
+    logging interval); nothing when the log does not cover the sample at all."""
     inside = [e for e in log if start <= e["t"] <= end]
     if inside or not log:
         return inside
     mid = (start + end) / 2
-    return [min(log, key=lambda e: abs(e["t"] - mid))]
+    near = min(log, key=lambda e: abs(e["t"] - mid))
+    gaps = [b["t"] - a["t"] for a, b in zip(log, log[1:]) if b["t"] > a["t"]]
+    reach = statistics.median(gaps) if gaps else 0.0
+    return [near] if abs(near["t"] - mid) <= reach + (end - start) / 2 else []
 
 
 def _mean(values):

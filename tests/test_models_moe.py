@@ -19,7 +19,7 @@ import safetensors.torch as safetensors_torch
 import transformers  # the `test` extra pins it
 
 from wsattn.models import KVCache, ModelConfig, UnsupportedModelError, decode_step, fold, load, prefill
-from wsattn.models.moe import moe_block, route
+from wsattn.models.moe import moe_block, route, select
 from wsattn.models.reference import inv_rms, rms_norm
 from wsattn.testing import rel_err
 
@@ -647,3 +647,16 @@ def test_engine_reference_step_runs_moe(name):
         hf = model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
                             max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
         assert tokens.tolist() == hf[0].tolist()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe-norm", "dots1"])
+def test_stable_select_breaks_exact_ties_to_the_lower_expert(name):
+    """select(stable=True), what the kernel step's prefill routes with, gives exact ties
+    to the lower expert (and group) as the decode kernels do (a zero router: every score
+    equal), so a prompt and its decode steps route alike."""
+    cfg = ModelConfig.from_hf(_dict(name))
+    logits = torch.zeros(3, cfg.experts)
+    bias = torch.zeros(cfg.experts) if cfg.router_bias else None
+    weights, experts = select(cfg, logits, bias, stable=True)
+    assert experts.tolist() == [list(range(cfg.top_k))] * 3, experts
+    assert torch.equal(weights, select(cfg, logits, bias)[0])

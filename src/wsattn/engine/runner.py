@@ -61,9 +61,9 @@ weights back to it (Mixtral keeps them fp32), so in bf16 a near-tie can route
 differently from transformers and the weights differ by up to one bf16 rounding; in fp32
 the two agree (the CPU tests are fp32). The decode kernels select on the fp32 logits,
 whose order the probabilities share up to their rounding; exact ties go to the lower
-expert index here (torch.topk's order is unspecified). Prefill routes the same way (fp32 logits, then
-:func:`wsattn.models.moe.select`), so a prompt's tokens and later decode steps follow one
-convention.
+expert index here (torch.topk's order is unspecified). Prefill routes the same way (fp32
+logits, then :func:`wsattn.models.moe.select` with ``stable=True``, the kernels' tie
+rule), so a prompt's tokens and later decode steps follow one convention.
 
 OLMoE's QK-norm spans the whole q/k projection (``cfg.qk_norm_whole``): a program of the
 fused QKV kernel sees only its heads, so there ``qkv_rope_append(qk_norm_whole=True)`` runs
@@ -771,7 +771,9 @@ class KernelStep:
         scale = _inv_rms(x, self.eps)  # [T, 1] fp32, the FlashNorm scale
         logits = (x.float() @ layer.router.float().T) * scale  # fp32, as the route kernel
         # [T, k] fp32 (no rounding: fp32 logits), int64
-        wts, ids = moe_math.select(cfg, logits, layer.router_bias)
+        # the decode kernels' tie rule (the lower expert first), so a prompt's tokens and
+        # the decode steps after them route exact ties alike
+        wts, ids = moe_math.select(cfg, logits, layer.router_bias, stable=True)
         pair_w = wts.reshape(-1)
         order = torch.argsort(ids.reshape(-1), stable=True)  # pairs t*k+j grouped by expert
         tok = torch.div(order, k, rounding_mode="floor")

@@ -67,18 +67,21 @@ __all__ = ["route", "select", "choice_keys", "sigmoid_weights", "moe_block",
 _ROUNDS_WEIGHTS = ("qwen3_moe", "olmoe", "qwen2_moe")
 
 
-def select(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def select(cfg: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None = None,
+           stable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing from router logits [T, E] (any float dtype): ``(weights [T, top_k] float32,
     experts [T, top_k] int64)``, slot 0 the most probable expert (module docstring).
-    bias: the layer's ``router_bias`` [E] (float32) where ``cfg.router_bias``, else None."""
+    bias: the layer's ``router_bias`` [E] (float32) where ``cfg.router_bias``, else None.
+    stable: exact ties to the lower expert index (and the lower group), the decode
+    kernels' rule, by a stable descending sort; else ``torch.topk`` as transformers
+    (whose order among equal values is unspecified)."""
     if (bias is not None) != cfg.router_bias:
         raise ValueError(f"bias must be {'the [E] router_bias' if cfg.router_bias else 'None'} "
                          f"for this config (router_bias={cfg.router_bias})")
     if cfg.scoring == "sigmoid":
-        return _select_sigmoid(cfg, logits.float(), bias)
+        return _select_sigmoid(cfg, logits.float(), bias, stable)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, cfg.top_k, dim=-1)
+    weights, experts = _top_k(probs, cfg.top_k, stable)
     if cfg.norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if cfg.family in _ROUNDS_WEIGHTS:
@@ -119,10 +122,17 @@ def sigmoid_weights(scores: torch.Tensor, experts: torch.Tensor, renormalize: bo
     return weights * scale
 
 
-def _select_sigmoid(cfg, logits, bias):
+def _top_k(values, k, stable):
+    if not stable:
+        return torch.topk(values, k, dim=-1)
+    order = torch.sort(values, dim=-1, descending=True, stable=True)[1][:, :k]
+    return values.gather(1, order), order
+
+
+def _select_sigmoid(cfg, logits, bias, stable=False):
     scores = torch.sigmoid(logits)
-    keys = choice_keys(scores, bias, cfg.router_groups, cfg.router_topk_groups)
-    experts = torch.topk(keys, cfg.top_k, dim=-1)[1]
+    keys = choice_keys(scores, bias, cfg.router_groups, cfg.router_topk_groups, stable)
+    experts = _top_k(keys, cfg.top_k, stable)[1]
     return sigmoid_weights(scores, experts, cfg.norm_topk, cfg.routed_scale), experts
 
 

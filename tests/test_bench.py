@@ -686,3 +686,14 @@ def test_exit_status_names_our_broken_columns(capsys):
     assert exit_status(rows, lambda i: i.startswith("wsattn"), "gemv") == 1
     assert capsys.readouterr().err == "wsattn gemv failed on b: rel err\n"
     assert exit_status(rows[:1] + rows[2:], lambda i: i.startswith("wsattn")) == 0
+
+
+def test_decode_plot_lines_are_one_batch_each():
+    """--step-shapes gives several batches at one length: each batch its own panel, not
+    one line joining them as if one case."""
+    from wsattn.bench import plot
+
+    rows = [dict(_ok(DecodeCase(B, 4096, 32, 8, 128, None), "triton", 0.5), layout="contiguous")
+            for B in (1, 8)]
+    titles = [t for _, t in plot._panels(rows)]
+    assert len(titles) == 2 and any("B=1 " in t for t in titles), titles

@@ -421,3 +421,14 @@ def test_the_flashinfer_peer_is_not_set_against_wsattns_contiguous_column():
                                row("triton-paged", 1.02, 64), row("flashinfer-paged", 1.02, 64)])
     assert rows[1]["ratio_contiguous"] == pytest.approx(1 / 1.02)
     assert rows[2].get("ratio_contiguous") is None and rows[2].get("target_met") is None
+
+
+def test_a_gluon_columns_failure_sets_the_exit_status():
+    from wsattn.bench import chunked
+    from wsattn.bench.report import exit_status
+
+    rows = [{"op": "chunked", "impl": "gluon-paged", "status": "error", "case": "c", "reason": "r"},
+            {"op": "chunked", "impl": "flashinfer-paged", "status": "error", "case": "c",
+             "reason": "r"}]
+    assert exit_status(rows[:1], chunked.is_wsattn) == 1
+    assert exit_status(rows[1:], chunked.is_wsattn) == 0  # a peer's failure is its row

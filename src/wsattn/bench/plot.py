@@ -47,7 +47,10 @@ def _panels(rows):
             title = f"prefill D={r['D']} {'causal' if r['causal'] else 'non-causal'} {r['dtype']}"
             x, y = r["Sq"], r["tflops"]
         else:
-            title = f"decode Hq{r['Hq']}/Hkv{r['Hkv']} D={r['D']} {r['layout']} {r['dtype']}"
+            # B in the title: --step-shapes gives several batches at one length, which one
+            # line would join as if one case
+            title = (f"decode B={r['B']} Hq{r['Hq']}/Hkv{r['Hkv']} D={r['D']} {r['layout']} "
+                     f"{r['dtype']}")
             x, y = r["L"], r["tbps"]
         panels.setdefault((r["op"], title), {}).setdefault(r["impl"], []).append((x, y))
     return dict(sorted(panels.items(), key=lambda kv: (kv[0][0] != "prefill", kv[0][1])))

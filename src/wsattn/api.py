@@ -629,16 +629,11 @@ def _check_new_kv(k_new, v_new, k_cache, v_cache, Tq) -> bool:
         _last_dim_contiguous(n, t)
     _same(("k_cache", "k_new", "v_new"), (k_cache, k_new, v_new), "dtype")
     _same(("k_cache", "k_new", "v_new"), (k_cache, k_new, v_new), "device")
-    from .kernels._overlap import overlaps, self_overlaps
+    from .kernels._overlap import check_caches, overlaps
     # the append writes both caches: aliased caches would take the values over the keys,
     # and k_new / v_new inside a cache would be read while being written
-    for n, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if self_overlaps(c):
-            raise ValueError(f"{n}'s elements overlap (strides {c.stride()}): k_new / v_new "
-                             "append to it")
-    if overlaps(k_cache, v_cache):
-        raise ValueError("k_cache and v_cache must not overlap when k_new / v_new append "
-                         "to them")
+    check_caches(k_cache, v_cache, "k_new / v_new append to it",
+                 " when k_new / v_new append to them")
     for n, t in (("k_new", k_new), ("v_new", v_new)):
         for cn, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if overlaps(t, c):

@@ -19,20 +19,9 @@ def _bits(t):
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _copy(x):
-    """A run's outputs copied, so a runner that returns a buffer it was given (and writes
-    again on the second run) is compared with what the first run wrote, not with itself."""
-    import torch
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_copy(t) for t in x)
-    return x
-
-
 def _stress(spec, args, status):
     import torch
-    from .numerics import within
+    from .numerics import copy_inputs, within
     run = spec.run
     rng = random.Random(args.get("seed", 0))
     gen = torch.Generator().manual_seed(args.get("seed", 0))
@@ -54,7 +43,9 @@ def _stress(spec, args, status):
             built[(i, dtype)] = run.build(shape, dtype, device, gen)
         inputs = built[(i, dtype)]
         ran.add(i)
-        first = _copy(run.run(inputs))
+        # copied: a runner that returns a buffer it was given (and writes it again on the
+        # second run) is compared with what the first run wrote, not with itself
+        first = copy_inputs(run.run(inputs))
         second = run.run(inputs)
         if device == "cuda":
             torch.cuda.synchronize()

@@ -38,6 +38,23 @@ def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype)
 
 
+def check_distinct(name: str, t: torch.Tensor,
+                   why: str = "two programs would write one address") -> None:
+    """ValueError naming ``name`` when t's own elements overlap (see self_overlaps)."""
+    if self_overlaps(t):
+        raise ValueError(f"{name}'s elements overlap (strides {t.stride()}): {why}")
+
+
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, each_why: str,
+                 pair_why: str) -> None:
+    """ValueError unless a key and a value cache about to be written are each free of
+    overlapping elements (``each_why``) and apart from each other (``pair_why``)."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_distinct(name, c, each_why)
+    if overlaps(k_cache, v_cache):
+        raise ValueError(f"k_cache and v_cache must not overlap{pair_why}")
+
+
 def self_overlaps(t: torch.Tensor) -> bool:
     """Whether two of t's elements may share an address: a dimension of size > 1 with
     stride 0, or strides that do not nest (each, in increasing order, at least the reach of

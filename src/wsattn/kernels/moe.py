@@ -69,7 +69,7 @@ import triton.language as tl
 from ..target import Target, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
-from ._overlap import overlaps, same_view, self_overlaps
+from ._overlap import check_distinct, overlaps, same_view
 from ._intmath import cdiv, next_pow2
 from ._precision import FP32_MAX, FP32_TINY, check_eps
 from .gemv import accumulate
@@ -528,9 +528,7 @@ class MoeSettings:
     num_stages: int = 2
 
     def __post_init__(self):
-        if not _is_int(self.block) or self.block not in FMA_BLOCKS + DOT_BLOCKS:
-            raise ValueError(f"MoeSettings.block must be one of {FMA_BLOCKS + DOT_BLOCKS}, "
-                             f"got {self.block!r}")
+        _check_block(self.block, "MoeSettings.block")
         for name in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -591,13 +589,10 @@ def default_settings(target: Target, *, T: int, top_k: int, num_experts: int,
                        num_stages=stages)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_block(block):
-    if not _is_int(block) or block not in FMA_BLOCKS + DOT_BLOCKS:
-        raise ValueError(f"block must be one of {FMA_BLOCKS + DOT_BLOCKS}, got {block!r}")
+def _check_block(block, name="block"):
+    if isinstance(block, bool) or not isinstance(block, int) \
+            or block not in FMA_BLOCKS + DOT_BLOCKS:
+        raise ValueError(f"{name} must be one of {FMA_BLOCKS + DOT_BLOCKS}, got {block!r}")
 
 
 def blocks_max(T: int, top_k: int, num_experts: int, block: int) -> int:
@@ -1266,9 +1261,7 @@ def _check_out_residual(out, residual, T, H, dtype, device, like):
             raise ValueError(f"{name} must be on {device} with a contiguous last dimension")
     if out is None:
         return
-    if self_overlaps(out):
-        raise ValueError(f"out's elements overlap (strides {out.stride()}): two programs "
-                         "would write one address")
+    check_distinct("out", out)
     if residual is not None and not same_view(out, residual) and overlaps(out, residual):
         raise ValueError("out must be residual itself or not overlap it")
 

@@ -65,7 +65,7 @@ from ..target import Target, UnsupportedTargetError, target_of
 from ..testing import DTYPES, dtype_name
 from ._alloc import empty
 from ._intmath import cdiv, next_pow2
-from ._overlap import overlaps, self_overlaps
+from ._overlap import check_caches, check_distinct, overlaps
 from ._precision import F32_DOT, check_eps
 from . import gemv as _gemv
 from .gemv import GemvSettings, accumulate, gemv, store_partials, stream_w, sum_partials
@@ -796,12 +796,8 @@ def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.stride(3) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension")
-        if self_overlaps(c):
-            raise ValueError(f"{name}'s elements overlap (strides {c.stride()}): two rows "
-                             "would be appended to one address")
-    if overlaps(k_cache, v_cache):
-        raise ValueError("k_cache and v_cache must not overlap: each row's key and value are "
-                         "written to both")
+    check_caches(k_cache, v_cache, "two rows would be appended to one address",
+                 ": each row's key and value are written to both")
     HKV, D = k_cache.shape[2], k_cache.shape[3]
     if D not in HEAD_DIMS:
         raise ValueError(f"k_cache: head dim {D} is not supported (one of {HEAD_DIMS})")
@@ -876,9 +872,7 @@ def _check(x, wqkv, bqkv, q_norm, k_norm, norm_eps, qk_eps, inv_freq, positions,
         if tuple(q_out.shape) != (M, HQ, D) or q_out.stride(2) != 1:
             raise ValueError(f"q_out must be [{M}, {HQ}, {D}] with a contiguous last dimension, "
                              f"got {tuple(q_out.shape)}")
-        if self_overlaps(q_out):
-            raise ValueError(f"q_out's elements overlap (strides {q_out.stride()}): two "
-                             "programs would write one address")
+        check_distinct("q_out", q_out)
         for name, t in (("x", x), ("wqkv", wqkv), ("k_cache", k_cache), ("v_cache", v_cache)):
             if overlaps(q_out, t):
                 raise ValueError(f"q_out must not overlap {name}: other programs still read "
